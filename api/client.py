@@ -1,0 +1,220 @@
+"""The producer client a web backend uses: submit jobs, follow their events, wait for results, cancel.
+
+Delivery: a reader subscribes to the job's pub/sub channel *first*, then reads the replay log from the
+next seq it needs, and drops duplicates by seq. So a reader that attaches late, or reconnects, gets every
+event exactly once and in order. Silence or a gap in seq triggers another read of the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .config import ClientConfig
+from .connection import JOB_FUNCTION, arq_pool
+from .errors import BadRequest, DuplicateJob, JobFailed, WaitTimeout
+from .keys import CANCEL_TTL_S, Keys, log_entry_id
+from .schema import (
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    FinishReason,
+    GenerateRequest,
+    Timings,
+    Usage,
+    decode_event,
+    is_terminal,
+)
+
+__all__ = ["Client", "Result"]
+
+_RESYNC_S = 1.0  # silence after which a reader re-reads the log (covers lost pub/sub messages)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A finished job: its text, why it ended, token counts and timings."""
+
+    id: str
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Client:
+    """Async client for one mlxq deployment. Use as ``async with Client(url) as client:``."""
+
+    def __init__(self, redis_url: str | None = None, *, prefix: str | None = None) -> None:
+        env = ClientConfig.from_env()
+        self.keys = Keys(prefix or env.prefix)
+        self._redis = arq_pool(redis_url or env.redis_url)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._redis.aclose()
+
+    # --- producing ---------------------------------------------------------------------------------
+    async def submit(self, request: GenerateRequest | None = None, /, **fields: Any) -> str:
+        """Validate and enqueue a job on its model's queue; returns its id (the arq job id)."""
+        req = request if request is not None else _build(fields)
+        job = await self._redis.enqueue_job(
+            JOB_FUNCTION, req.model_dump(mode="json"), _job_id=req.id, _queue_name=self.keys.queue(req.model)
+        )
+        if job is None:
+            raise DuplicateJob(f"a job with id {req.id!r} already exists")
+        return req.id
+
+    async def cancel(self, rid: str) -> None:
+        """Ask for the job to stop: it ends with ``done(cancelled)`` wherever it is (queued, prefill, decode)."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(self.keys.cancel(rid), b"1", ex=CANCEL_TTL_S)
+        pipe.publish(self.keys.cancel_channel(), rid)
+        await pipe.execute()
+
+    # --- consuming ---------------------------------------------------------------------------------
+    async def events(self, rid: str, *, timeout: float | None = None) -> AsyncIterator[Event]:
+        """Every event of job ``rid`` exactly once, in seq order, ending with its terminal event.
+
+        ``timeout`` bounds the whole wait (:class:`WaitTimeout`). Reconnects on Redis connection errors.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        next_seq = 0
+        while True:
+            try:
+                async for ev in self._follow(rid, next_seq, deadline):
+                    next_seq = ev.seq + 1
+                    yield ev
+                    if is_terminal(ev):
+                        return
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                _check_deadline(deadline, rid)
+                await asyncio.sleep(0.2)
+
+    async def _follow(self, rid: str, next_seq: int, deadline: float | None) -> AsyncIterator[Event]:
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self.keys.events(rid))
+            while True:
+                for ev in await self._replay(rid, next_seq):
+                    next_seq = ev.seq + 1
+                    yield ev
+                async for ev in self._live(pubsub, next_seq, deadline, rid):
+                    next_seq = ev.seq + 1
+                    yield ev
+        finally:
+            await pubsub.aclose()
+
+    async def _live(self, pubsub: Any, next_seq: int, deadline: float | None, rid: str) -> AsyncIterator[Event]:
+        """Events from the channel while they arrive in order; returns on silence or a gap."""
+        quiet_since = time.monotonic()
+        while True:
+            _check_deadline(deadline, rid)
+            wait = _RESYNC_S if deadline is None else max(0.0, min(_RESYNC_S, deadline - time.monotonic()))
+            msg = await pubsub.get_message(timeout=wait)
+            if msg is None:  # also returned for an ignored subscribe confirmation
+                if time.monotonic() - quiet_since >= _RESYNC_S:
+                    return
+                continue
+            quiet_since = time.monotonic()
+            ev = decode_event(msg["data"])
+            if ev.seq < next_seq:
+                continue
+            if ev.seq > next_seq:
+                return
+            next_seq += 1
+            yield ev
+
+    async def _replay(self, rid: str, from_seq: int) -> list[Event]:
+        entries = await self._redis.xrange(self.keys.log(rid), min=log_entry_id(from_seq))
+        return [decode_event(fields[b"e"]) for _, fields in entries]
+
+    async def stream_text(self, rid: str, *, timeout: float | None = None) -> AsyncIterator[str]:
+        """Text deltas of job ``rid``; raises :class:`JobFailed` on an error event.
+
+        After a ``reset`` (the job re-ran elsewhere) the text already yielded is skipped when the new run
+        repeats it (greedy decoding does); if the new run diverges, :class:`JobFailed` is raised.
+        """
+        sent = ""  # text yielded so far
+        run = ""  # text of the current run
+        async for ev in self.events(rid, timeout=timeout):
+            if ev.type == "reset":
+                run = ""
+            elif ev.type == "token":
+                run += ev.text
+                if len(run) > len(sent):
+                    if not run.startswith(sent):
+                        raise JobFailed(_diverged(rid, ev.seq))
+                    delta, sent = run[len(sent) :], run
+                    yield delta
+            elif isinstance(ev, ErrorEvent):
+                raise JobFailed(ev)
+
+    async def result(self, rid: str, *, timeout: float | None = None) -> Result:
+        """Wait for job ``rid`` to end; its :class:`Result`, or :class:`JobFailed`."""
+        text: list[str] = []
+        ids: list[int] = []
+        async for ev in self.events(rid, timeout=timeout):
+            if ev.type == "reset":
+                text, ids = [], []
+            elif ev.type == "token":
+                text.append(ev.text)
+                ids.extend(ev.token_ids)
+            elif isinstance(ev, ErrorEvent):
+                raise JobFailed(ev)
+            elif isinstance(ev, DoneEvent):
+                return Result(rid, "".join(text), ev.finish_reason, ev.usage, ev.timings, ids)
+        raise AssertionError("unreachable: events() ends with a terminal event")
+
+    async def generate(self, *, timeout: float | None = None, **fields: Any) -> Result:
+        """Submit and wait: ``await client.generate(model=..., prompt=..., max_tokens=...)``."""
+        return await self.result(await self.submit(**fields), timeout=timeout)
+
+    async def stream(self, *, timeout: float | None = None, **fields: Any) -> AsyncIterator[str]:
+        """Submit and yield text deltas; cancels the job if the consumer stops reading before its end."""
+        rid = await self.submit(**fields)
+        finished = False
+        try:
+            async for delta in self.stream_text(rid, timeout=timeout):
+                yield delta
+            finished = True
+        finally:
+            if not finished:
+                await asyncio.shield(self.cancel(rid))
+
+
+def _build(fields: dict[str, Any]) -> GenerateRequest:
+    try:
+        return GenerateRequest(**fields)
+    except ValidationError as exc:
+        raise BadRequest(str(exc)) from None
+    except TypeError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def _check_deadline(deadline: float | None, rid: str) -> None:
+    if deadline is not None and time.monotonic() >= deadline:
+        raise WaitTimeout(f"no terminal event for job {rid} in time")
+
+
+def _diverged(rid: str, seq: int) -> ErrorEvent:
+    from .schema import ErrorCode
+
+    return ErrorEvent(
+        id=rid, seq=seq, code=ErrorCode.INTERNAL,
+        message="the job restarted and its new text differs from what was already streamed", retryable=True,
+    )

@@ -1,0 +1,58 @@
+"""Every Redis name mlxq uses, under one configurable prefix.
+
+Per-job keys share the ``{rid}`` hash tag, so one job's keys live in one Redis Cluster slot.
+The event channel name is public API: ``SUBSCRIBE <prefix>:{<rid>}:events`` sees a job's events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Keys"]
+
+# TTLs, in seconds.
+LIVE_TTL_S = 600  # replay log while a job runs (refreshed on every write)
+DONE_TTL_S = 300  # replay log after its terminal event
+CANCEL_TTL_S = 3600
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Names of queues, channels and keys for one deployment (``prefix`` separates deployments)."""
+
+    prefix: str = "mlxq"
+
+    def queue(self, model: str) -> str:
+        """The arq queue (a sorted set) that workers serving ``model`` poll."""
+        return f"{self.prefix}:queue:{model}"
+
+    def events(self, rid: str) -> str:
+        """Pub/sub channel carrying a job's events live, as JSON."""
+        return f"{self.prefix}:{{{rid}}}:events"
+
+    def log(self, rid: str) -> str:
+        """Stream holding every event of a job (entry id ``<seq>-1``), for late or reconnecting readers."""
+        return f"{self.prefix}:{{{rid}}}:log"
+
+    def cancel(self, rid: str) -> str:
+        """Exists while a cancel of the job is requested."""
+        return f"{self.prefix}:{{{rid}}}:cancel"
+
+    def lease(self, rid: str) -> str:
+        """Holds the id of the worker running the job, with a short TTL."""
+        return f"{self.prefix}:{{{rid}}}:lease"
+
+    def cancel_channel(self) -> str:
+        """Pub/sub wake-up workers listen on for cancels (payload: request id)."""
+        return f"{self.prefix}:cancel"
+
+
+def log_entry_id(seq: int) -> str:
+    """Stream entry id of event ``seq``: explicit ids make replay-from-seq a plain XRANGE."""
+    return f"{seq}-1"
+
+
+def seq_of_entry_id(entry_id: bytes | str) -> int:
+    """Inverse of :func:`log_entry_id`."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-", 1)[0])

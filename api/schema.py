@@ -1,0 +1,193 @@
+"""The wire schema: one generation request and the events a job emits, shared by producer and worker.
+
+Everything that crosses Redis is one of these pydantic models serialized as JSON (never pickle).
+Events form one discriminated union on ``type``; each carries the request id and a per-request
+sequence number ``seq`` (0, 1, 2, ...) so subscribers can merge live pub/sub with the replay log.
+"""
+
+from __future__ import annotations
+
+import uuid
+from enum import Enum
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+__all__ = [
+    "EVENTS",
+    "ChatMessage",
+    "DoneEvent",
+    "ErrorCode",
+    "ErrorEvent",
+    "Event",
+    "FinishReason",
+    "GenerateRequest",
+    "ResetEvent",
+    "StartEvent",
+    "Timings",
+    "TokenEvent",
+    "Usage",
+    "decode_event",
+    "new_request_id",
+]
+
+# Hard schema bounds: what no deployment accepts. Worker config applies tighter, model-aware limits.
+MAX_PROMPT_CHARS = 1_000_000
+MAX_MESSAGES = 1_000
+MAX_TOKENS_CEILING = 1_000_000
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_METADATA_ITEMS = 32
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
+
+
+def new_request_id() -> str:
+    """A fresh request id (uuid4 hex); it is also the arq job id. Never reuse one."""
+    return uuid.uuid4().hex
+
+
+class FinishReason(str, Enum):
+    """Why a sequence ended without an error."""
+
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"  # a client cancelled it
+
+
+class ErrorCode(str, Enum):
+    """Machine-readable error codes carried by :class:`ErrorEvent`."""
+
+    BAD_REQUEST = "bad_request"  # the job can never succeed as sent
+    TIMEOUT = "timeout"  # the job ran past its deadline
+    ENGINE_ERROR = "engine_error"  # the engine failed while this job was in flight
+    WORKER_LOST = "worker_lost"  # the worker running it died and no tries remain
+    INTERNAL = "internal"  # a bug: the message says what
+
+
+class ChatMessage(BaseModel):
+    """One chat turn, rendered with the model's own chat template."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class GenerateRequest(BaseModel):
+    """A generation job as enqueued: exactly one of ``prompt`` or ``messages``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(default_factory=new_request_id, pattern=REQUEST_ID_PATTERN)
+    model: str = Field(min_length=1, max_length=512)
+    prompt: str | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS_CEILING)
+    temperature: float = Field(default=0.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=0, le=1_000_000)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, allow_inf_nan=False)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS
+    )
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=dict, max_length=MAX_METADATA_ITEMS
+    )
+
+    @model_validator(mode="after")
+    def _one_prompt_kind(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class Usage(BaseModel):
+    """Token counts of one finished job."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(BaseModel):
+    """Where a job's time went, in milliseconds (``tokens_per_s`` is completion tokens over decode time)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    queue_ms: float  # enqueue -> the engine admitted it
+    ttft_ms: float | None  # enqueue -> first token published (None if no token was made)
+    total_ms: float  # enqueue -> terminal event
+    tokens_per_s: float | None
+
+
+class _EventBase(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+    seq: int = Field(ge=0)
+
+
+class StartEvent(_EventBase):
+    """The engine admitted the job; ``prompt_tokens`` is the tokenized prompt length."""
+
+    type: Literal["start"] = "start"
+    model: str
+    worker: str
+    prompt_tokens: int
+    attempt: int = 1
+
+
+class TokenEvent(_EventBase):
+    """New text: ``text`` is the delta, ``token_ids`` the tokens behind it, ``index`` the first one's index."""
+
+    type: Literal["token"] = "token"
+    text: str
+    token_ids: list[int]
+    index: int
+
+
+class ResetEvent(_EventBase):
+    """The job is being run again from the start: drop the text received so far."""
+
+    type: Literal["reset"] = "reset"
+    reason: str
+    attempt: int
+
+
+class DoneEvent(_EventBase):
+    """Terminal: the job finished. Exactly one terminal event (done or error) ends every job."""
+
+    type: Literal["done"] = "done"
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+
+
+class ErrorEvent(_EventBase):
+    """Terminal: the job failed. ``retryable`` says whether submitting it again may succeed."""
+
+    type: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+    retryable: bool = False
+
+
+Event = Annotated[
+    Union[StartEvent, TokenEvent, ResetEvent, DoneEvent, ErrorEvent],  # noqa: UP007 (needs a runtime Union)
+    Field(discriminator="type"),
+]
+EVENTS: TypeAdapter[Event] = TypeAdapter(Event)
+TERMINAL_TYPES = frozenset({"done", "error"})
+
+
+def decode_event(data: bytes | str) -> Event:
+    """Parse one JSON event as published on a job channel or stored in its replay log."""
+    return EVENTS.validate_json(data)
+
+
+def is_terminal(event: Event) -> bool:
+    """Whether ``event`` ends its job."""
+    return event.type in TERMINAL_TYPES

@@ -1,0 +1,128 @@
+"""One model's engine: the scheduler driven step after step on the model's MLX thread.
+
+Each tick on the MLX thread: drain the inbox (new requests, aborts) and emit aborted requests' terminal
+outputs at once; then run one scheduler step and emit its outputs. ``add``/``abort`` are thread-safe
+and only enqueue commands, so asyncio-side cancellation can never reach into a running MLX call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .batch import BatchBackend
+from .mlx_thread import MLXThread
+from .request import EngineRequest, FinishReason, RequestOutput
+from .scheduler import Scheduler
+
+__all__ = ["Engine", "EngineStats"]
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[list[RequestOutput]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    rid: str
+    reason: FinishReason
+    code: str | None
+    message: str
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters a benchmark or a metrics endpoint can read."""
+
+    steps: int = 0
+    failures: int = 0
+
+
+class Engine:
+    """Drives a :class:`Scheduler` on an :class:`MLXThread`; outputs go to ``sink`` (called on that thread)."""
+
+    def __init__(
+        self,
+        thread: MLXThread,
+        scheduler: Scheduler,
+        sink: Sink,
+        make_backend: Callable[[], BatchBackend] | None = None,
+    ) -> None:
+        self.thread = thread
+        self.scheduler = scheduler
+        self.stats = EngineStats()
+        self._sink = sink
+        self._make_backend = make_backend
+        self._inbox: deque[EngineRequest | _Abort] = deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+        self._closed = False
+
+    def add(self, req: EngineRequest) -> None:
+        """Queue a request (thread-safe)."""
+        self._post(req)
+
+    def abort(
+        self, rid: str, reason: FinishReason = FinishReason.CANCELLED, code: str | None = None, message: str = ""
+    ) -> None:
+        """Remove a request between steps (thread-safe); unknown ids are ignored."""
+        self._post(_Abort(rid, reason, code, message))
+
+    async def aclose(self) -> None:
+        """Stop ticking and join the MLX thread; returns only once no MLX call is running."""
+        with self._lock:
+            self._closed = True
+        await self.thread.aclose()
+
+    def _post(self, cmd: EngineRequest | _Abort) -> None:
+        self._inbox.append(cmd)
+        with self._lock:
+            if self._scheduled or self._closed:
+                return
+            self._scheduled = True
+        self.thread.submit(self._tick)
+
+    # --- on the MLX thread -------------------------------------------------------------------------
+    def _tick(self) -> None:
+        try:
+            self._emit(self._drain_inbox())
+            if self.scheduler.has_work:
+                self.stats.steps += 1
+                self._emit(self.scheduler.step())
+        except Exception as exc:  # an engine step failed: fail what was in flight, keep serving
+            self._on_failure(exc)
+        finally:
+            self._reschedule()
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        while self._inbox:
+            cmd = self._inbox.popleft()
+            if isinstance(cmd, EngineRequest):
+                self.scheduler.add(cmd)
+            else:
+                out = self.scheduler.abort(cmd.rid, cmd.reason, cmd.code, cmd.message)
+                if out is not None:
+                    outs.append(out)
+        return outs
+
+    def _emit(self, outs: list[RequestOutput]) -> None:
+        if outs:
+            self._sink(outs)
+
+    def _on_failure(self, exc: Exception) -> None:
+        self.stats.failures += 1
+        log.exception("engine step failed; failing %d requests", len(self.scheduler.request_ids()))
+        self._sink(self.scheduler.fail_all("engine_error", f"engine step failed: {exc!r}"))
+        if self._make_backend is not None:
+            self.scheduler.backend = self._make_backend()
+
+    def _reschedule(self) -> None:
+        with self._lock:
+            again = not self._closed and (self.scheduler.has_work or bool(self._inbox))
+            self._scheduled = again
+        if again:
+            self.thread.submit(self._tick)

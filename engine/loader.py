@@ -1,0 +1,77 @@
+"""Load a model with mlx-lm on its MLX thread and assemble its engine."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mlx_lm
+
+from .batch import MLXBatch
+from .engine import Engine, Sink
+from .mlx_thread import MLXThread
+from .sampling import make_request_logits_processors, make_request_sampler
+from .scheduler import Scheduler
+
+__all__ = ["EngineOptions", "LoadedModel", "load_model", "start_engine"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """Batch shape of one engine."""
+
+    capacity: int = 32  # sequences decoding at once
+    prefill_batch_size: int = 8  # prompts prefilled together
+    prefill_step_size: int = 512  # prompt tokens per prefill chunk (a step boundary between chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model and tokenizer as mlx-lm loaded them, plus what validation needs."""
+
+    path: str
+    model: Any
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    context_length: int | None
+    eos_token_ids: frozenset[int]
+
+
+def load_model(path: str) -> LoadedModel:
+    """``mlx_lm.load`` (a local path, or a hub id on a machine that may download). Run on the MLX thread."""
+    t0 = time.perf_counter()
+    model, tokenizer, config = mlx_lm.load(path, return_config=True)  # type: ignore[misc]
+    ctx = config.get("max_position_embeddings") or config.get("max_seq_len")
+    loaded = LoadedModel(path, model, tokenizer, int(ctx) if ctx else None, frozenset(tokenizer.eos_token_ids))
+    log.info("loaded model %s in %.2fs (context %s)", path, time.perf_counter() - t0, loaded.context_length)
+    return loaded
+
+
+async def start_engine(path: str, sink: Sink, options: EngineOptions | None = None) -> tuple[Engine, LoadedModel]:
+    """Start an MLX thread, load the model on it, and build the engine around a fresh batch."""
+    opts = options or EngineOptions()
+    thread = MLXThread(name="mlx-" + path.rstrip("/").rsplit("/", 1)[-1])
+    loaded = await thread.call(load_model, path)
+
+    def make_backend() -> MLXBatch:
+        return MLXBatch(
+            loaded.model,
+            loaded.eos_token_ids,
+            capacity=opts.capacity,
+            prefill_batch_size=opts.prefill_batch_size,
+            prefill_step_size=opts.prefill_step_size,
+            stream=thread.stream,
+        )
+
+    backend = await thread.call(make_backend)
+    scheduler = Scheduler(
+        backend,
+        capacity=opts.capacity,
+        new_detokenizer=lambda: loaded.tokenizer.detokenizer,
+        make_sampler=make_request_sampler,
+        make_processors=make_request_logits_processors,
+    )
+    return Engine(thread, scheduler, sink, make_backend=make_backend), loaded

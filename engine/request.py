@@ -1,0 +1,77 @@
+"""Engine-side records: a request as the scheduler sees it, and what one step reports about it.
+
+These know nothing of the wire schema or Redis; ``worker/translate.py`` maps between the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+__all__ = ["EngineRequest", "FinishReason", "RequestOutput", "SamplingParams", "Status"]
+
+
+class Status(str, Enum):
+    """Where a request is in the engine. It ends in exactly one of the terminal states."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class FinishReason(str, Enum):
+    """How a request ended. ``ERROR`` comes with an error code and message."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One sequence to generate. ``arrival`` and ``deadline`` are ``time.monotonic()`` values."""
+
+    rid: str
+    prompt_tokens: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival: float = 0.0
+    deadline: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one engine step reports about one request.
+
+    ``text`` is the new text (held back while it could be the start of a stop string); ``token_ids``
+    the tokens generated this step. ``finish`` is set exactly once, on the request's last output.
+    """
+
+    rid: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    started: bool = False  # first output after admission: prompt_tokens is set
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # tokens generated so far, this step's included
+    finish: FinishReason | None = None
+    error_code: str | None = None  # with FinishReason.ERROR: "bad_request", "timeout", "engine_error"
+    error_message: str | None = None

@@ -1,0 +1,326 @@
+"""Tiny random-weight language models in the real mlx-lm on-disk format.
+
+Why this exists: tests and perf anchors need a *real* model directory that
+``mlx_lm.load(path)`` accepts (config.json + model.safetensors + a Hugging
+Face tokenizer with a chat template), but there is no network model hub and
+nothing may download weights. This module generates such models locally from
+a fixed seed (rebuilds are byte-identical) and caches them on disk. The
+weights are random: output is gibberish, but greedy decoding is varied and
+deterministic, and the shapes and code paths are the real ones.
+
+Bump ``FORMAT_VERSION`` whenever anything that changes the generated files
+(specs, corpus, tokenizer settings, init) changes, so stale caches are ignored.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+    from transformers import PreTrainedTokenizerFast
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "EOS_TOKEN",
+    "FORMAT_VERSION",
+    "SIZES",
+    "SPECIAL_TOKENS",
+    "ModelSpec",
+    "build_model",
+    "build_tokenizer",
+    "ensure_model",
+    "model_config",
+    "model_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2
+CACHE_ENV_VAR = "MLXQ_MODEL_CACHE"
+DEFAULT_CACHE_ROOT = Path("~/.cache/mlxq/models")
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+EOS_TOKEN = IM_END
+PAD_TOKEN = ENDOFTEXT
+
+# Qwen-style ChatML (no default system prompt).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Init scales, chosen empirically: with mlx's defaults (embedding std
+# 1/sqrt(d), matrix bound 1/sqrt(fan_in)) greedy decoding of a random model
+# collapses into one repeated token; these keep it varied.
+_EMBED_STD = 1.0
+_MATRIX_GAIN = 3.0
+
+_REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Shape of a generated model; ``vocab_size`` is the BPE target size."""
+
+    name: str
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    ascii_only: bool = False  # BPE base alphabet: the 128 ASCII bytes, else all 256
+    # Untied: with tied random embeddings greedy decoding echoes the last token.
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+SIZES: dict[str, ModelSpec] = {
+    "tiny": ModelSpec(
+        name="tiny",
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=512,
+    ),
+    "small": ModelSpec(
+        name="small",
+        model_type="llama",
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1536,
+        vocab_size=1024,
+        max_position_embeddings=2048,
+        ascii_only=True,
+    ),
+}
+
+
+def model_dir(size: str = "tiny", root: Path | None = None) -> Path:
+    """Where the model of ``size`` lives (or would live); does not create it."""
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; expected one of {sorted(SIZES)}")
+    return _cache_root(root) / f"{size}-v{FORMAT_VERSION}"
+
+
+def ensure_model(size: str = "tiny", root: Path | None = None) -> Path:
+    """Return the model directory for ``size``, building it first if missing.
+
+    Safe against concurrent builders: each builds into a private temp dir
+    beside the target and renames it into place; a loser of the rename race
+    discards its copy and uses the winner's.
+    """
+    final = model_dir(size, root)
+    if _is_complete(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        start = time.perf_counter()
+        build_model(SIZES[size], tmp)
+        logger.info("built %s model in %.2fs", size, time.perf_counter() - start)
+        _publish(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def build_model(spec: ModelSpec, out: Path) -> None:
+    """Write config, tokenizer and random weights for ``spec`` into ``out``."""
+    tokenizer = build_tokenizer(spec)
+    tokenizer.save_pretrained(str(out))
+    config = model_config(spec, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    special_ids = [tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS]
+    model = _init_model(config, spec.seed, special_ids=special_ids)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+
+
+def model_config(spec: ModelSpec, vocab_size: int, eos_token_id: int) -> dict[str, Any]:
+    """The config.json contents (a Hugging Face style config mlx_lm accepts)."""
+    return {
+        "architectures": [_ARCHITECTURES[spec.model_type]],
+        "model_type": spec.model_type,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "hidden_act": "silu",
+        "vocab_size": vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "attention_bias": False,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": "float32",
+        "mlxq": {"format_version": FORMAT_VERSION, "size": spec.name, "seed": spec.seed},
+    }
+
+
+def build_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:
+    """Train a deterministic byte-level BPE tokenizer on the built-in corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=_byte_alphabet(spec.ascii_only),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(spec.seed), trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START],
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def corpus(seed: int = 0, n_lines: int = 4000) -> list[str]:
+    """A deterministic English-ish training corpus (real + pseudo words)."""
+    rng = random.Random(seed)
+    words = _COMMON_WORDS.split() + [_pseudo_word(rng) for _ in range(600)]
+    weights = [1.0 / (rank + 1) for rank in range(len(words))]  # Zipf-like
+    lines = []
+    for _ in range(n_lines):
+        sentence = " ".join(rng.choices(words, weights, k=rng.randint(3, 14)))
+        tail = f" {rng.randint(0, 9999)}" if rng.random() < 0.15 else ""
+        lines.append(sentence.capitalize() + rng.choice(".,;:!?") + tail)
+    return lines
+
+
+def _pseudo_word(rng: random.Random) -> str:
+    onsets, vowels = _ONSETS.split(), _VOWELS.split()
+    return "".join(rng.choice(onsets) + rng.choice(vowels) for _ in range(rng.randint(1, 3)))
+
+
+def _byte_alphabet(ascii_only: bool) -> list[str]:
+    from tokenizers import pre_tokenizers
+
+    if not ascii_only:
+        return list(pre_tokenizers.ByteLevel.alphabet())
+    # Map bytes 0..127 through the byte-level pre-tokenizer to get their symbols.
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    ((mapped, _),) = byte_level.pre_tokenize_str(bytes(range(128)).decode("ascii"))
+    return list(mapped)
+
+
+def _init_model(config: dict[str, Any], seed: int, special_ids: list[Any]) -> nn.Module:
+    """Instantiate the real mlx_lm model class with seeded random weights.
+
+    Norm weights are ones; embeddings and matrices are drawn from keys derived
+    from ``seed`` (the global mx.random state does not affect the values).
+    The lm_head rows of special tokens are zeroed so greedy decoding never
+    emits EOS and always runs to ``max_tokens``.
+    """
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model: nn.Module = arch.Model(arch.ModelArgs.from_dict(config))
+    flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    keys = mx.random.split(mx.random.key(seed), len(flat))
+    params = [(name, _init_param(name, p, keys[i])) for i, (name, p) in enumerate(flat)]
+    model.update(tree_unflatten(params))
+    if not config["tie_word_embeddings"]:
+        head = model.lm_head.weight
+        head[mx.array(special_ids)] = 0.0
+        model.lm_head.weight = head
+    mx.eval(model.parameters())
+    return model
+
+
+def _init_param(name: str, param: mx.array, key: mx.array) -> mx.array:
+    if param.ndim == 1:  # RMSNorm weights (the models have no biases)
+        return mx.ones(param.shape, dtype=mx.float32)
+    if name.endswith("embed_tokens.weight"):
+        return mx.random.normal(param.shape, scale=_EMBED_STD, key=key)
+    bound = _MATRIX_GAIN / math.sqrt(param.shape[-1])
+    return mx.random.uniform(-bound, bound, param.shape, key=key)
+
+
+def _cache_root(root: Path | None) -> Path:
+    if root is not None:
+        return Path(root)
+    env = os.environ.get(CACHE_ENV_VAR)
+    return Path(env).expanduser() if env else DEFAULT_CACHE_ROOT.expanduser()
+
+
+def _is_complete(path: Path) -> bool:
+    return all((path / name).is_file() for name in _REQUIRED_FILES)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Atomically move ``tmp`` to ``final``; accept a concurrent winner."""
+    tmp.chmod(0o755)  # mkdtemp makes it owner-only
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not _is_complete(final):
+            raise
+        logger.info("another process built %s first; using it", final)
+
+
+# Word lists for the built-in corpus (whitespace separated).
+_COMMON_WORDS = """
+    the of and to a in is it you that he was for on are with as I his they be at one
+    have this from or had by word but what some we can out other were all there when up
+    use your how said an each she which do their time if will way about many then them
+    write would like so these her long make thing see him two has look more day could
+    go come did number sound no most people my over know water than call first who may
+    down side been now find any new work part take get place made live where after back
+    little only round man year came show every good me give our under name very through
+    just form sentence great think say help low line differ turn cause much mean before
+    move right boy old too same tell does set three want air well also play small end
+    put home read hand port large spell add even land here must big high such follow
+    act why ask men change went light kind off need house picture try us again animal
+    point mother world near build self earth father model queue server token
+"""
+_ONSETS = "b c d f g h k l m n p r s t v w z ch sh th st tr pl gr br"
+_VOWELS = "a e i o u ai ea ou ee oo"

@@ -1,0 +1,348 @@
+"""The wire schema: request validation, event JSON round trips, the ``type`` discriminator."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+from pydantic import ValidationError
+
+from api.schema import (
+    EVENTS,
+    MAX_METADATA_ITEMS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOKENS_CEILING,
+    ChatMessage,
+    DoneEvent,
+    ErrorCode,
+    ErrorEvent,
+    FinishReason,
+    GenerateRequest,
+    ResetEvent,
+    StartEvent,
+    Timings,
+    TokenEvent,
+    Usage,
+    decode_event,
+    is_terminal,
+    new_request_id,
+)
+
+
+def req(**fields: object) -> GenerateRequest:
+    base: dict[str, object] = {"model": "m", "prompt": "hello"}
+    base.update(fields)
+    return GenerateRequest(**base)  # type: ignore[arg-type]
+
+
+def error_types(exc: pytest.ExceptionInfo[ValidationError]) -> set[str]:
+    return {e["type"] for e in exc.value.errors()}
+
+
+# --- GenerateRequest -----------------------------------------------------------------------------------
+
+
+def test_prompt_request_defaults() -> None:
+    r = req()
+    assert r.prompt == "hello"
+    assert r.messages is None
+    assert r.max_tokens == 256
+    assert r.temperature == 0.0
+    assert r.stop == []
+    assert r.metadata == {}
+    assert re.fullmatch(r"[0-9a-f]{32}", r.id)
+
+
+def test_default_ids_are_unique() -> None:
+    assert len({req().id for _ in range(50)}) == 50
+    assert new_request_id() != new_request_id()
+
+
+def test_messages_request_is_accepted() -> None:
+    r = GenerateRequest(model="m", messages=[ChatMessage(role="user", content="hi")])
+    assert r.prompt is None
+    assert r.messages is not None and r.messages[0].content == "hi"
+
+
+def test_messages_from_plain_dicts() -> None:
+    r = GenerateRequest.model_validate(
+        {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
+    )
+    assert r.messages is not None
+    assert [m.role for m in r.messages] == ["system", "user"]
+
+
+def test_both_prompt_and_messages_rejected() -> None:
+    with pytest.raises(ValidationError, match="exactly one"):
+        GenerateRequest(model="m", prompt="p", messages=[ChatMessage(role="user", content="u")])
+
+
+def test_neither_prompt_nor_messages_rejected() -> None:
+    with pytest.raises(ValidationError, match="exactly one"):
+        GenerateRequest(model="m")
+
+
+def test_empty_prompt_rejected() -> None:
+    with pytest.raises(ValidationError) as exc:
+        req(prompt="")
+    assert "string_too_short" in error_types(exc)
+
+
+def test_empty_messages_rejected() -> None:
+    with pytest.raises(ValidationError):
+        GenerateRequest(model="m", messages=[])
+
+
+def test_bad_message_role_rejected() -> None:
+    with pytest.raises(ValidationError):
+        GenerateRequest.model_validate({"model": "m", "messages": [{"role": "robot", "content": "x"}]})
+
+
+def test_empty_model_rejected() -> None:
+    with pytest.raises(ValidationError):
+        req(model="")
+
+
+@pytest.mark.parametrize("value", [0, -1, MAX_TOKENS_CEILING + 1])
+def test_max_tokens_out_of_range_rejected(value: int) -> None:
+    with pytest.raises(ValidationError):
+        req(max_tokens=value)
+
+
+@pytest.mark.parametrize("value", [1, MAX_TOKENS_CEILING])
+def test_max_tokens_bounds_accepted(value: int) -> None:
+    assert req(max_tokens=value).max_tokens == value
+
+
+@pytest.mark.parametrize("value", [-0.01, 100.01, math.nan, math.inf])
+def test_temperature_out_of_range_rejected(value: float) -> None:
+    with pytest.raises(ValidationError):
+        req(temperature=value)
+
+
+@pytest.mark.parametrize("value", [0.0, 0.7, 100.0])
+def test_temperature_in_range_accepted(value: float) -> None:
+    assert req(temperature=value).temperature == value
+
+
+@pytest.mark.parametrize("value", [0.0, -0.5, 1.01, math.nan])
+def test_top_p_out_of_range_rejected(value: float) -> None:
+    with pytest.raises(ValidationError):
+        req(top_p=value)
+
+
+@pytest.mark.parametrize("value", [0.01, 1.0])
+def test_top_p_in_range_accepted(value: float) -> None:
+    assert req(top_p=value).top_p == value
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("top_k", -1),
+        ("min_p", 1.5),
+        ("min_p", -0.1),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 101.0),
+        ("seed", -1),
+        ("seed", 2**63),
+    ],
+)
+def test_other_sampling_bounds_rejected(field: str, value: float) -> None:
+    with pytest.raises(ValidationError):
+        req(**{field: value})
+
+
+def test_stop_list_bounds() -> None:
+    assert len(req(stop=["x"] * MAX_STOP_STRINGS).stop) == MAX_STOP_STRINGS
+    with pytest.raises(ValidationError):
+        req(stop=["x"] * (MAX_STOP_STRINGS + 1))
+
+
+def test_stop_string_length_bounds() -> None:
+    assert req(stop=["s" * MAX_STOP_CHARS]).stop == ["s" * MAX_STOP_CHARS]
+    with pytest.raises(ValidationError):
+        req(stop=["s" * (MAX_STOP_CHARS + 1)])
+    with pytest.raises(ValidationError):
+        req(stop=[""])
+
+
+def test_metadata_bounds() -> None:
+    ok = {f"k{i}": "v" for i in range(MAX_METADATA_ITEMS)}
+    assert req(metadata=ok).metadata == ok
+    with pytest.raises(ValidationError):
+        req(metadata={f"k{i}": "v" for i in range(MAX_METADATA_ITEMS + 1)})
+    with pytest.raises(ValidationError):
+        req(metadata={"k" * 65: "v"})
+    with pytest.raises(ValidationError):
+        req(metadata={"k": "v" * 1025})
+    assert req(metadata={"k" * 64: "v" * 1024}).metadata == {"k" * 64: "v" * 1024}
+
+
+def test_metadata_values_must_be_strings() -> None:
+    with pytest.raises(ValidationError):
+        req(metadata={"k": {"nested": "x"}})
+
+
+def test_unknown_field_rejected() -> None:
+    with pytest.raises(ValidationError) as exc:
+        req(max_new_tokens=5)
+    assert "extra_forbidden" in error_types(exc)
+
+
+def test_unknown_field_in_message_rejected() -> None:
+    with pytest.raises(ValidationError):
+        GenerateRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]})
+
+
+@pytest.mark.parametrize("rid", ["a", "abc-123_X.y:z", "x" * 64, new_request_id()])
+def test_valid_ids_accepted(rid: str) -> None:
+    assert req(id=rid).id == rid
+
+
+@pytest.mark.parametrize("rid", ["", "x" * 65, "has space", "a/b", "{tag}", "é", "a\n"])
+def test_invalid_ids_rejected(rid: str) -> None:
+    with pytest.raises(ValidationError):
+        req(id=rid)
+
+
+def test_request_is_frozen() -> None:
+    r = req()
+    with pytest.raises(ValidationError):
+        r.max_tokens = 5  # type: ignore[misc]
+
+
+def test_request_json_round_trip() -> None:
+    r = req(
+        id="job-1",
+        stop=["\n\n", "END"],
+        metadata={"user": "u1"},
+        temperature=0.5,
+        top_p=0.9,
+        seed=7,
+        repetition_penalty=1.1,
+    )
+    wire = json.dumps(r.model_dump(mode="json"))
+    back = GenerateRequest(**json.loads(wire))
+    assert back == r
+    assert GenerateRequest.model_validate_json(r.model_dump_json()) == r
+
+
+# --- events --------------------------------------------------------------------------------------------
+
+TIMINGS = Timings(queue_ms=1.5, ttft_ms=10.0, total_ms=100.25, tokens_per_s=42.0)
+ALL_EVENTS = [
+    StartEvent(id="r1", seq=0, model="m", worker="w1", prompt_tokens=12, attempt=2),
+    TokenEvent(id="r1", seq=1, text="héllo ✓", token_ids=[1, 2, 3], index=0),
+    ResetEvent(id="r1", seq=2, reason="worker lost", attempt=2),
+    DoneEvent(
+        id="r1",
+        seq=3,
+        finish_reason=FinishReason.LENGTH,
+        usage=Usage(prompt_tokens=12, completion_tokens=3),
+        timings=TIMINGS,
+    ),
+    ErrorEvent(id="r1", seq=4, code=ErrorCode.TIMEOUT, message="too slow", retryable=True),
+]
+
+
+@pytest.mark.parametrize("event", ALL_EVENTS, ids=lambda e: e.type)
+def test_event_json_round_trip(event: object) -> None:
+    data = event.model_dump_json()  # type: ignore[attr-defined]
+    for wire in (data, data.encode()):
+        back = decode_event(wire)
+        assert type(back) is type(event)
+        assert back == event
+    assert EVENTS.validate_python(json.loads(data)) == event
+    assert json.loads(EVENTS.dump_json(event)) == json.loads(data)
+
+
+@pytest.mark.parametrize(
+    "event,type_",
+    [
+        (ALL_EVENTS[0], "start"),
+        (ALL_EVENTS[1], "token"),
+        (ALL_EVENTS[2], "reset"),
+        (ALL_EVENTS[3], "done"),
+        (ALL_EVENTS[4], "error"),
+    ],
+)
+def test_event_type_tag_is_serialized(event: object, type_: str) -> None:
+    assert json.loads(event.model_dump_json())["type"] == type_  # type: ignore[attr-defined]
+
+
+def test_discriminator_selects_model_from_type() -> None:
+    payload = {"type": "token", "id": "r", "seq": 5, "text": "x", "token_ids": [9], "index": 4}
+    ev = decode_event(json.dumps(payload))
+    assert isinstance(ev, TokenEvent)
+    assert (ev.seq, ev.text, ev.token_ids, ev.index) == (5, "x", [9], 4)
+
+
+def test_done_event_enums_decoded_from_strings() -> None:
+    ev = decode_event(
+        json.dumps(
+            {
+                "type": "done",
+                "id": "r",
+                "seq": 1,
+                "finish_reason": "cancelled",
+                "usage": {"prompt_tokens": 1, "completion_tokens": 0},
+                "timings": {"queue_ms": 0, "ttft_ms": None, "total_ms": 1, "tokens_per_s": None},
+            }
+        )
+    )
+    assert isinstance(ev, DoneEvent)
+    assert ev.finish_reason is FinishReason.CANCELLED
+    assert ev.timings.ttft_ms is None
+
+
+def test_error_event_defaults_not_retryable() -> None:
+    payload = {"type": "error", "id": "r", "seq": 0, "code": "bad_request", "message": "m"}
+    ev = decode_event(json.dumps(payload))
+    assert isinstance(ev, ErrorEvent)
+    assert ev.code is ErrorCode.BAD_REQUEST
+    assert ev.retryable is False
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"type": "bogus", "id": "r", "seq": 0},
+        {"id": "r", "seq": 0, "text": "x", "token_ids": [], "index": 0},  # no type
+        {"type": "token", "id": "r", "seq": -1, "text": "x", "token_ids": [], "index": 0},  # negative seq
+        {"type": "token", "id": "r", "seq": 0, "text": "x", "token_ids": [], "index": 0, "extra": 1},
+        {"type": "token", "id": "r", "seq": 0, "text": "x", "index": 0},  # missing token_ids
+        {"type": "error", "id": "r", "seq": 0, "code": "no_such_code", "message": "m"},
+        {
+            "type": "done",
+            "id": "r",
+            "seq": 0,
+            "finish_reason": "error",
+            "usage": {"prompt_tokens": 1, "completion_tokens": 0},
+            "timings": {"queue_ms": 0, "ttft_ms": None, "total_ms": 1, "tokens_per_s": None},
+        },
+    ],
+)
+def test_invalid_events_rejected(payload: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        decode_event(json.dumps(payload))
+
+
+def test_type_must_match_fields() -> None:
+    # A start payload tagged as token is validated as a token (and fails), not silently coerced.
+    with pytest.raises(ValidationError):
+        decode_event(
+            json.dumps({"type": "token", "id": "r", "seq": 0, "model": "m", "worker": "w", "prompt_tokens": 1})
+        )
+
+
+def test_malformed_json_rejected() -> None:
+    with pytest.raises(ValidationError):
+        decode_event(b"{not json")
+
+
+def test_is_terminal() -> None:
+    assert [is_terminal(e) for e in ALL_EVENTS] == [False, False, False, True, True]

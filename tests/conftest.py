@@ -1,0 +1,67 @@
+"""Shared fixtures: a real Redis server started for the session, a generated tiny model, an in-process
+arq worker serving it. Nothing here touches another Redis server or downloads anything."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.support import RunningWorker, start_worker
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[Any]:
+    from worker.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: Any) -> str:
+    """The session server, emptied before each test."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return str(redis_server.url)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.tinymodel import ensure_model
+
+    return ensure_model("tiny", root=tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture
+def worker_config(redis_url: str, tiny_model: Path) -> Any:
+    from worker.config import WorkerConfig
+
+    return WorkerConfig(
+        model=str(tiny_model), model_name="tiny", redis_url=redis_url, capacity=8,
+        poll_delay_s=0.005, cancel_poll_s=0.1, drain_timeout_s=5.0,
+    )
+
+
+@pytest.fixture
+async def worker(worker_config: Any) -> AsyncIterator[RunningWorker]:
+    running = await start_worker(worker_config)
+    try:
+        yield running
+    finally:
+        await running.close()
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[Any]:
+    from api.client import Client
+
+    async with Client(redis_url) as c:
+        yield c

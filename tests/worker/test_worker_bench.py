@@ -1,0 +1,164 @@
+"""``mlxq bench``: the quick run end to end (embedded Redis, tiny model, worker subprocesses) and its outputs.
+
+No wall-clock thresholds: the numbers depend on the machine; only their presence and consistency are held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from worker import bench
+from worker.cli import _parser
+
+
+def _args(out: Path, **over: Any) -> argparse.Namespace:
+    ns = argparse.Namespace(command="bench", out=str(out), quick=True, sizes=None, concurrency=None,
+                            max_tokens=None)
+    for k, v in over.items():
+        setattr(ns, k, v)
+    return ns
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+    """One quick bench (tiny model, N in {1, 4}) shared by the tests below; no re-exec, whatever BLAS runs."""
+    out = tmp_path_factory.mktemp("bench")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = bench.run_bench(_args(out), reexec=False)
+    return out, code, buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def results(quick_run: tuple[Path, int, str]) -> dict[str, Any]:
+    out, _, _ = quick_run
+    data: dict[str, Any] = json.loads((out / "results.json").read_text())
+    return data
+
+
+def test_quick_run_writes_the_three_files_and_prints_the_table(quick_run: tuple[Path, int, str]) -> None:
+    out, code, stdout = quick_run
+    assert code == 0
+    assert (out / "results.json").stat().st_size > 0
+    assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "results.md").read_text()
+    for section in ("## Throughput and TTFT", "## TTFT at N=1", "## Cancel", "## Redis round trips",
+                    "## Enqueue rate", "## Targets"):
+        assert section in md
+    assert "| size | N | raw tok/s | queue tok/s | serial tok/s |" in stdout
+    assert md.strip() in stdout
+
+
+def test_results_record_the_machine_and_the_quick_config(results: dict[str, Any]) -> None:
+    m = results["machine"]
+    assert m["blas"] and m["mlx"] and m["mlx_lm"] and m["date"] and m["cpus"] >= 1
+    cfg = results["config"]
+    assert cfg["quick"] is True
+    assert cfg["sizes"] == ["tiny"]
+    assert cfg["concurrency"] == [1, 4]
+    assert results["seconds"] > 0
+
+
+def test_every_path_and_n_has_throughput_and_consistent_ratios(results: dict[str, Any]) -> None:
+    (size,) = results["sizes"]
+    assert size["size"] == "tiny"
+    assert [r["n"] for r in size["rows"]] == [1, 4]
+    for row in size["rows"]:
+        for path in ("raw", "queue", "serial"):
+            p = row[path]
+            assert p["tok_s"] > 0 and p["tokens"] > 0 and p["seconds"] > 0
+            assert p["tok_s"] == pytest.approx(p["tokens"] / p["seconds"])
+            assert p["tok_s"] == max(p["runs_tok_s"])
+            assert p["ttft_samples"] >= row["n"] and 0 < p["ttft_p50_ms"] <= p["ttft_p99_ms"]
+        # Greedy, no EOS from the random model: every request runs to max_tokens on every path.
+        assert row["raw"]["tokens"] == row["queue"]["tokens"] == row["n"] * results["config"]["max_tokens"]
+        assert row["queue_over_raw"] == pytest.approx(row["queue"]["tok_s"] / row["raw"]["tok_s"])
+        assert row["queue_over_serial"] == pytest.approx(row["queue"]["tok_s"] / row["serial"]["tok_s"])
+        assert row["added_ttft_p50_ms"] == pytest.approx(row["queue"]["ttft_p50_ms"] - row["raw"]["ttft_p50_ms"])
+        assert row["added_ttft_p99_ms"] == pytest.approx(row["queue"]["ttft_p99_ms"] - row["raw"]["ttft_p99_ms"])
+
+
+def test_ttft_probe_cancel_round_trips_and_enqueue_are_measured(results: dict[str, Any]) -> None:
+    (size,) = results["sizes"]
+    probe = size["ttft_n1"]
+    assert probe["samples"] == results["config"]["ttft_probes"]
+    assert probe["added_p50_ms"] == pytest.approx(probe["queue_p50_ms"] - probe["raw_p50_ms"])
+    cancel = size["cancel"]
+    assert cancel["jobs"] == 4 and cancel["cancelled"] >= 1
+    assert 0 < cancel["p50_ms"] <= cancel["p99_ms"] <= cancel["max_ms"]
+    assert cancel["budget_ms"] == pytest.approx(cancel["step_ms_mean"] + 50)
+    trips = size["round_trips"]
+    for worker in ("queue", "serial"):
+        stats = trips[f"{worker}_worker"]
+        assert stats["engine_steps"] > 0 and stats["redis_writes"] > 0 and stats["dropped"] == 0
+        assert trips[f"{worker}_writes_per_step"] == pytest.approx(stats["redis_writes"] / stats["engine_steps"])
+        assert trips[f"{worker}_writes_per_step"] <= 1.0
+    assert trips["commandstats"]["publish"] > 0 and trips["commandstats"]["xadd"] > 0
+    enq = results["enqueue"]
+    assert enq["jobs"] == 200 and enq["sequential_jobs_s"] > 0 and enq["gathered_jobs_s"] > 0
+
+
+def test_targets_are_judged_from_the_reported_numbers(results: dict[str, Any]) -> None:
+    targets = {t["name"]: t for t in results["targets"]}
+    (size,) = results["sizes"]
+    rt = targets["round trips per step tiny"]
+    assert rt["value"] == size["round_trips"]["queue_writes_per_step"] and rt["passed"] is (rt["value"] <= 1)
+    q = targets["queue/raw tiny N=4"]
+    assert q["value"] == size["rows"][1]["queue_over_raw"] and q["passed"] is (q["value"] >= 0.8)
+    enq = targets["enqueue jobs/s (sequential awaits)"]
+    assert enq["value"] == results["enqueue"]["sequential_jobs_s"]
+    assert all(isinstance(t["passed"], bool) for t in results["targets"])
+
+
+# --- fast: configuration, the re-exec, the stats line ----------------------------------------------
+def test_config_defaults_quick_and_overrides(tmp_path: Path) -> None:
+    full = bench.BenchConfig.from_args(_args(tmp_path, quick=False))
+    assert (full.sizes, full.concurrency, full.max_tokens, full.capacity) == (("tiny", "small"), (1, 8, 32), 64, 32)
+    over = bench.BenchConfig.from_args(_args(tmp_path, sizes="small", concurrency="16,2,2", max_tokens=5))
+    assert (over.sizes, over.concurrency, over.max_tokens, over.quick) == (("small",), (2, 16), 5, True)
+
+
+def test_bad_concurrency_is_exit_code_2(tmp_path: Path) -> None:
+    assert bench.run_bench(_args(tmp_path, concurrency="0"), reexec=False) == 2
+
+
+def test_reexec_runs_the_same_command_with_openblas_preloaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lib = tmp_path / "libblas.so.3"
+    lib.write_bytes(b"")
+    calls: list[tuple[str, list[str], dict[str, str]]] = []
+    monkeypatch.setattr(bench, "OPENBLAS", lib)
+    monkeypatch.setattr(bench.sys, "platform", "linux")
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: calls.append((path, list(argv), dict(env))))
+    monkeypatch.delenv("MLXQ_BENCH_REEXEC", raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "/other.so")
+    bench._maybe_reexec(_args(tmp_path / "o", quick=False, concurrency="1,8", max_tokens=7))
+    ((_, argv, env),) = calls
+    assert argv[1:3] == ["-m", "worker.cli"]
+    parsed = _parser().parse_args(argv[3:])
+    assert (parsed.command, parsed.out, parsed.quick, parsed.concurrency, parsed.max_tokens) == (
+        "bench", str(tmp_path / "o"), False, "1,8", 7)
+    assert env["LD_PRELOAD"].split() == [str(lib), "/other.so"] and env["MLXQ_BENCH_REEXEC"] == "1"
+    calls.clear()
+    monkeypatch.setenv("LD_PRELOAD", str(lib))  # already preloaded: no second exec
+    bench._maybe_reexec(_args(tmp_path))
+    assert calls == []
+
+
+def test_parse_stats_takes_the_last_stats_line(tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    assert bench.parse_stats(log) is None
+    log.write_text("x stats: engine_steps=1 redis_writes=1 events=2 dropped=0\n"
+                   "12:00 INFO worker.service: stats: engine_steps=10 redis_writes=8 events=30 dropped=1\n")
+    stats = bench.parse_stats(log)
+    assert stats == bench.WorkerStats(10, 8, 30, 1)
+    assert stats.writes_per_step == pytest.approx(0.8)

@@ -1,0 +1,94 @@
+"""Operators' and users' entry points, as real processes: `arq worker.Settings` and the `mlxq` CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.client import Client, Result
+from api.schema import FinishReason
+from tests.support import config_with, start_worker
+from worker.process import WorkerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def arq_worker(redis_url: str, tiny_model: Path, tmp_path: Path) -> Iterator[WorkerProcess]:
+    env = {"MLXQ_MODEL": str(tiny_model), "MLXQ_REDIS_URL": redis_url, "MLXQ_BATCH_CAPACITY": "4"}
+    proc = WorkerProcess(env, tmp_path / "worker.log").start()
+    try:
+        proc.wait_ready(timeout=120)
+        yield proc
+    finally:
+        code = proc.stop()
+        assert code == 0, proc.tail()
+        assert "Traceback" not in proc.log_path.read_text(), proc.tail()
+
+
+def mlxq(redis_url: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "MLXQ_REDIS_URL": redis_url, "TRANSFORMERS_VERBOSITY": "error"}
+    return subprocess.run([sys.executable, "-m", "worker.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_submit_streams_exactly_the_generated_text_to_stdout(arq_worker: WorkerProcess, redis_url: str,
+                                                             tiny_model: Path) -> None:
+    model = str(tiny_model)  # no alias: clients name the model by the worker's MLXQ_MODEL
+    proc = mlxq(redis_url, "submit", "--model", model, "--max-tokens", "12", "Hello world")
+    assert proc.returncode == 0, proc.stderr
+    assert "length: 12 tokens" in proc.stderr
+
+    async def same_job_via_client() -> str:
+        async with Client(redis_url) as client:
+            return (await client.generate(model=model, prompt="Hello world", max_tokens=12, timeout=60)).text
+
+    assert proc.stdout == asyncio.run(same_job_via_client())
+
+
+def test_submit_chat_no_wait_prints_the_job_id(arq_worker: WorkerProcess, redis_url: str,
+                                                tiny_model: Path) -> None:
+    proc = mlxq(redis_url, "submit", "--model", str(tiny_model), "--chat", "--no-wait",
+                "--max-tokens", "7", "hello")
+    assert proc.returncode == 0, proc.stderr
+    rid = proc.stdout.strip()
+    assert len(rid) == 32
+
+    async def outcome() -> Result:
+        async with Client(redis_url) as client:
+            return await client.result(rid, timeout=60)
+
+    result = asyncio.run(outcome())
+    assert result.usage.completion_tokens == 7
+    assert result.usage.prompt_tokens > 3  # the chat template wrapped the single word
+
+
+def test_cancel_command_cancels_a_queued_job(redis_url: str, worker_config: Any) -> None:
+    proc = mlxq(redis_url, "submit", "--model", "ghost", "--no-wait", "hello")
+    rid = proc.stdout.strip()
+    assert mlxq(redis_url, "cancel", rid).returncode == 0
+
+    async def serve_then_wait() -> FinishReason:
+        running = await start_worker(config_with(worker_config, model_name="ghost"))
+        try:
+            async with Client(redis_url) as client:
+                return (await client.result(rid, timeout=60)).finish_reason
+        finally:
+            await running.close()
+
+    assert asyncio.run(serve_then_wait()) is FinishReason.CANCELLED
+
+
+def test_submit_error_event_exits_non_zero(arq_worker: WorkerProcess, redis_url: str) -> None:
+    proc = mlxq(redis_url, "submit", "--model", "no-such-model", "--timeout", "3", "hi")
+    assert proc.returncode == 1  # nothing serves that queue: the wait times out
+    assert "no terminal event" in proc.stderr
+    bad = mlxq(redis_url, "submit", "--model", "m", "--max-tokens", "0", "hi")
+    assert bad.returncode == 2 and "bad request" in bad.stderr

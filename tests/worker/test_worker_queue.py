@@ -1,0 +1,347 @@
+"""The whole path against real parts: a real Redis server, a real arq Worker, a real tiny MLX model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+import redis.asyncio as aredis
+from mlx_lm.generate import generate_step
+
+from api.client import Client
+from api.connection import JOB_FUNCTION, arq_pool
+from api.errors import BadRequest, JobFailed
+from api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, GenerateRequest, decode_event
+from engine.prompt import encode_prompt
+from tests.support import RunningWorker, config_with, start_worker
+
+PROMPTS = [
+    "a",
+    "Hello world",
+    "the quick brown fox jumps over the lazy dog " * 6,
+    "Once upon a time",
+    "1 2 3 4 5 6 7 8 9 10 11 12",
+    "Zebra",
+    "In the beginning the queue was empty, and then jobs arrived one by one " * 3,
+    "x y",
+    "What is the capital of France?",
+    "mlxq",
+]
+MAX_TOKENS = [24, 8, 40, 16, 32, 12, 20, 48, 5, 30]
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_model: Path) -> Any:
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_model))
+
+
+def reference(lm: Any, prompt_tokens: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of mlx-lm's own single-request generator (the oracle)."""
+    model, tokenizer = lm
+    out: list[int] = []
+    for tok, _ in generate_step(mx.array(prompt_tokens), model, max_tokens=max_tokens):
+        token = int(tok)
+        if token in tokenizer.eos_token_ids:
+            break
+        out.append(token)
+    return out
+
+
+def reference_text(lm: Any, tokens: list[int]) -> str:
+    """Text as mlx-lm's streaming detokenizer renders it (what mlx_lm.generate prints)."""
+    detok = lm[1].detokenizer
+    for t in tokens:
+        detok.add_token(t)
+    detok.finalize()
+    return str(detok.text)
+
+
+async def collect(client: Client, rid: str, timeout: float = 60) -> list[Event]:
+    return [ev async for ev in client.events(rid, timeout=timeout)]
+
+
+def terminal(events: list[Event]) -> Event:
+    ends = [e for e in events if e.type in ("done", "error")]
+    assert len(ends) == 1, f"expected exactly one terminal event, got {ends}"
+    assert events[-1] is ends[0]
+    return ends[0]
+
+
+def text_of(events: list[Event]) -> str:
+    return "".join(e.text for e in events if e.type == "token")
+
+
+def ids_of(events: list[Event]) -> list[int]:
+    return [i for e in events if e.type == "token" for i in e.token_ids]
+
+
+async def test_concurrent_greedy_jobs_match_mlx_lm_alone(worker: RunningWorker, client: Client,
+                                                         reference_model: Any) -> None:
+    tokenizer = reference_model[1]
+    rids = await asyncio.gather(*(
+        client.submit(model="tiny", prompt=p, max_tokens=m) for p, m in zip(PROMPTS, MAX_TOKENS)
+    ))
+    results = await asyncio.gather(*(collect(client, rid) for rid in rids))
+    for prompt, max_tokens, events in zip(PROMPTS, MAX_TOKENS, results):
+        expected = reference(reference_model, encode_prompt(tokenizer, prompt, None), max_tokens)
+        end = terminal(events)
+        assert isinstance(end, DoneEvent)
+        assert ids_of(events) == expected, prompt
+        assert text_of(events) == reference_text(reference_model, expected)
+        assert [e.seq for e in events] == list(range(len(events)))
+        assert events[0].type == "start"
+        assert end.usage.completion_tokens == len(expected)
+        assert end.finish_reason is (FinishReason.LENGTH if len(expected) == max_tokens else FinishReason.STOP)
+
+
+async def test_chat_messages_use_the_chat_template(worker: RunningWorker, client: Client,
+                                                   reference_model: Any) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    result = await client.generate(model="tiny", messages=messages, max_tokens=12, timeout=60)
+    tokens = reference_model[1].apply_chat_template(messages, add_generation_prompt=True)
+    assert result.token_ids == reference(reference_model, list(tokens), 12)
+    assert result.usage.prompt_tokens == len(tokens)
+
+
+async def test_stop_string_cuts_text_before_it(worker: RunningWorker, client: Client) -> None:
+    full = await client.generate(model="tiny", prompt="Hello world", max_tokens=40, timeout=60)
+    assert len(full.text) > 10
+    stop = full.text[6:9]
+    cut = full.text.index(stop)
+    result = await client.generate(model="tiny", prompt="Hello world", max_tokens=40, stop=[stop], timeout=60)
+    assert result.finish_reason is FinishReason.STOP
+    assert result.text == full.text[:cut]
+
+
+async def test_seeded_sampling_is_reproducible_within_a_batch(worker: RunningWorker, client: Client) -> None:
+    params = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.9, "top_p": 0.95}
+    a, b, c = await asyncio.gather(
+        client.generate(seed=7, **params, timeout=60),
+        client.generate(seed=7, **params, timeout=60),
+        client.generate(seed=8, **params, timeout=60),
+    )
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+async def test_late_subscriber_gets_full_replay_once(worker: RunningWorker, client: Client) -> None:
+    rid = await client.submit(model="tiny", prompt="Hello world", max_tokens=20)
+    live = await collect(client, rid)
+    late = await collect(client, rid)
+    assert late == live
+    assert [e.seq for e in late] == list(range(len(late)))
+    terminal(late)
+
+
+async def test_user_subscriber_sees_events_on_the_documented_channel(worker: RunningWorker, client: Client,
+                                                                      redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    req = GenerateRequest(model="tiny", prompt="Hello", max_tokens=6)
+    await pubsub.subscribe(f"mlxq:{{{req.id}}}:events")
+    await client.submit(req)
+    seen: list[Event] = []
+    deadline = time.monotonic() + 30
+    while (not seen or seen[-1].type not in ("done", "error")) and time.monotonic() < deadline:
+        msg = await pubsub.get_message(timeout=1)  # None also for the (ignored) subscribe confirmation
+        if msg is not None:
+            seen.append(decode_event(msg["data"]))
+    assert seen == await collect(client, req.id)
+    await pubsub.aclose()
+    await r.aclose()
+
+
+# --- cancel ---------------------------------------------------------------------------------------
+async def test_cancel_while_queued_never_enters_the_engine(worker_config: Any, client: Client) -> None:
+    rid = await client.submit(model="tiny", prompt="Hello world", max_tokens=20)
+    await client.cancel(rid)
+    running = await start_worker(worker_config)
+    try:
+        events = await collect(client, rid)
+        assert [e.type for e in events] == ["done"]
+        assert isinstance(events[0], DoneEvent) and events[0].finish_reason is FinishReason.CANCELLED
+        assert running.service.engine.stats.steps == 0
+    finally:
+        await running.close()
+
+
+def slow_steps(running: RunningWorker, delay: float) -> None:
+    """Make every engine step take at least ``delay`` (still real MLX work), to land cancels mid-phase."""
+    backend = running.service.engine.scheduler.backend
+    step: Callable[[], Any] = backend.step
+
+    def slow() -> Any:
+        time.sleep(delay)
+        return step()
+
+    backend.step = slow
+
+
+async def test_cancel_mid_prefill(worker_config: Any, client: Client) -> None:
+    running = await start_worker(config_with(worker_config, prefill_step_size=8))
+    slow_steps(running, 0.02)
+    try:
+        rid = await client.submit(model="tiny", prompt="the quick brown fox " * 25, max_tokens=8)
+        events: list[Event] = []
+        async for ev in client.events(rid, timeout=60):
+            events.append(ev)
+            if ev.type == "start":
+                assert ev.prompt_tokens > 100  # ≥ 12 prefill chunks of 8 tokens at ≥ 20 ms each
+                await client.cancel(rid)
+        end = terminal(events)
+        assert isinstance(end, DoneEvent) and end.finish_reason is FinishReason.CANCELLED
+        assert ids_of(events) == []  # ended before its first token: inside prefill
+    finally:
+        await running.close()
+
+
+async def test_cancel_mid_decode_leaves_the_batch_intact(worker: RunningWorker, client: Client,
+                                                         reference_model: Any) -> None:
+    slow_steps(worker, 0.005)
+    tokenizer = reference_model[1]
+    others = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=30) for p in PROMPTS[:4]))
+    victim = await client.submit(model="tiny", prompt="Hello world", max_tokens=200)
+    events: list[Event] = []
+    async for ev in client.events(victim, timeout=60):
+        events.append(ev)
+        if ev.type == "token" and ev.index >= 5 and len([e for e in events if e.type == "token"]) == 6:
+            await client.cancel(victim)
+    end = terminal(events)
+    assert isinstance(end, DoneEvent) and end.finish_reason is FinishReason.CANCELLED
+    assert 6 <= end.usage.completion_tokens < 200
+    for prompt, rid in zip(PROMPTS[:4], others):
+        evs = await collect(client, rid)
+        assert ids_of(evs) == reference(reference_model, encode_prompt(tokenizer, prompt, None), 30)
+
+
+async def test_cancel_after_the_end_changes_nothing(worker: RunningWorker, client: Client) -> None:
+    rid = await client.submit(model="tiny", prompt="Hello", max_tokens=5)
+    before = await collect(client, rid)
+    await client.cancel(rid)
+    await asyncio.sleep(0.3)
+    assert await collect(client, rid) == before
+
+
+# --- bad input -------------------------------------------------------------------------------------
+async def enqueue_raw(redis_url: str, payload: Any, job_id: str, model: str = "tiny") -> None:
+    pool = arq_pool(redis_url)
+    await pool.enqueue_job(JOB_FUNCTION, payload, _job_id=job_id, _queue_name=f"mlxq:queue:{model}")
+    await pool.aclose()
+
+
+@pytest.mark.parametrize(
+    ("payload", "needle"),
+    [
+        ("not a dict", "invalid request"),
+        ({"model": "tiny"}, "exactly one of 'prompt' or 'messages'"),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+        ({"model": "tiny", "prompt": "hi", "bogus": 1}, "bogus"),
+        ({"model": "other", "prompt": "hi"}, "unknown model 'other'"),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": 100000}, "exceeds this worker's limit"),
+        ({"model": "tiny", "prompt": "word " * 600}, "limit is 512"),
+        ({"model": "tiny", "prompt": "word " * 400, "max_tokens": 200}, "exceeds the context"),
+        ({"model": "tiny", "messages": []}, "messages"),
+    ],
+)
+async def test_bad_payload_ends_with_bad_request_and_worker_keeps_serving(
+    worker: RunningWorker, client: Client, redis_url: str, payload: Any, needle: str
+) -> None:
+    rid = GenerateRequest(model="tiny", prompt="x").id
+    if isinstance(payload, dict):
+        payload = {"id": rid, **payload}
+    await enqueue_raw(redis_url, payload, rid)
+    events = await collect(client, rid)
+    end = terminal(events)
+    assert isinstance(end, ErrorEvent) and end.code is ErrorCode.BAD_REQUEST
+    assert needle in end.message
+    assert not end.retryable
+    ok = await client.generate(model="tiny", prompt="still alive", max_tokens=4, timeout=60)
+    assert ok.usage.completion_tokens == 4
+
+
+async def test_client_refuses_invalid_requests_before_enqueueing(client: Client, redis_url: str) -> None:
+    for fields in ({"model": "tiny", "prompt": ""}, {"model": "tiny", "prompt": "x", "max_tokens": 0},
+                   {"model": "tiny"}, {"model": "tiny", "prompt": "x", "temperature": -1}):
+        with pytest.raises(BadRequest):
+            await client.submit(**fields)
+    r = aredis.Redis.from_url(redis_url)
+    assert await r.dbsize() == 0
+    await r.aclose()
+
+
+async def test_job_past_its_deadline_ends_with_timeout(worker_config: Any, client: Client) -> None:
+    running = await start_worker(config_with(worker_config, job_timeout_s=0.3))
+    slow_steps(running, 0.02)
+    try:
+        rid = await client.submit(model="tiny", prompt="Hello", max_tokens=400)
+        with pytest.raises(JobFailed) as info:
+            await client.result(rid, timeout=60)
+        assert info.value.code is ErrorCode.TIMEOUT
+    finally:
+        await running.close()
+
+
+async def test_engine_step_failure_fails_in_flight_jobs_and_keeps_serving(worker: RunningWorker,
+                                                                          client: Client) -> None:
+    backend = worker.service.engine.scheduler.backend
+    real_step = backend.step
+    calls = {"n": 0}
+
+    def failing_step() -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("[metal::malloc] simulated out of memory")
+        return real_step()
+
+    backend.step = failing_step
+    rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=50) for p in PROMPTS[:3]))
+    for rid in rids:
+        end = terminal(await collect(client, rid))
+        assert isinstance(end, ErrorEvent) and end.code is ErrorCode.ENGINE_ERROR
+        assert "simulated out of memory" in end.message and end.retryable
+    ok = await client.generate(model="tiny", prompt="after the failure", max_tokens=6, timeout=60)
+    assert ok.usage.completion_tokens == 6
+
+
+# --- Redis hygiene and cost ------------------------------------------------------------------------
+async def test_every_key_has_a_ttl_after_jobs_end(worker: RunningWorker, client: Client, redis_url: str) -> None:
+    rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=8) for p in PROMPTS[:5]))
+    await client.cancel(rids[0])
+    for rid in rids:
+        await collect(client, rid)
+    await asyncio.sleep(0.3)  # arq records results after the terminal event is published
+    r = aredis.Redis.from_url(redis_url)
+    persistent = [k async for k in r.scan_iter() if await r.ttl(k) == -1]
+    await r.aclose()
+    assert persistent == []
+
+
+async def test_one_redis_round_trip_per_engine_step_at_most(worker: RunningWorker, client: Client) -> None:
+    service = worker.service
+    writes0, steps0 = service.publisher.stats.writes, service.engine.stats.steps
+    rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=32) for p in PROMPTS[:8]))
+    for rid in rids:
+        await collect(client, rid)
+    writes = service.publisher.stats.writes - writes0
+    steps = service.engine.stats.steps - steps0
+    assert steps >= 32
+    assert writes <= steps
+
+
+async def test_payload_on_the_wire_is_json(worker: RunningWorker, client: Client, redis_url: str) -> None:
+    req = GenerateRequest(model="tiny", prompt="no pickle", max_tokens=2)
+    await client.submit(req)
+    r = aredis.Redis.from_url(redis_url)
+    raw = await r.get(f"arq:job:{req.id}")
+    await r.aclose()
+    assert raw is not None
+    assert json.loads(raw)["a"][0]["prompt"] == "no pickle"
+    await client.result(req.id, timeout=60)

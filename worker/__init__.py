@@ -1,0 +1,16 @@
+"""mlxq's worker: joins the engine to Redis and arq. ``arq worker.Settings`` runs one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Settings"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `mlxq submit` on a producer host (no MLX) can import worker.cli.
+    if name == "Settings":
+        from .settings import Settings
+
+        return Settings
+    raise AttributeError(name)

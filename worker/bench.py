@@ -1,0 +1,853 @@
+"""``mlxq bench``: how much of mlx-lm's raw batching throughput survives the queue, measured in one run.
+
+Why: a queue is worth running only if Redis, arq and a process hop cost little next to the model. So one
+run measures, on the same generated model, prompts and ``max_tokens``:
+
+- **raw**: mlx-lm's ``BatchGenerator`` driven in this process on its own MLX thread (no Redis, no arq):
+  the ceiling;
+- **queue**: ``api.client.Client`` -> Redis -> ``arq worker.Settings`` (continuous batching, in a child
+  process) -> pub/sub -> the client;
+- **serial**: the same worker with a batch of one and one arq job at a time: what batching buys;
+
+plus time to first token (TTFT), cancel -> terminal-event latency, Redis round trips per engine step and
+the enqueue rate of one producer. Results go to ``results.json``, ``results.md`` and ``chart.png``.
+
+BLAS: mlx-cpu's bundled reference BLAS is so slow that batching gains nothing on Linux. When Debian's
+OpenBLAS is installed, the command re-executes itself with it in ``LD_PRELOAD``, so the in-process raw path
+and the worker subprocesses (which inherit the environment) both use it. Every result says which BLAS ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import importlib.metadata
+import json
+import os
+import platform
+import random
+import re
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from api.client import Client
+from api.connection import redis_client
+from api.schema import DoneEvent, ErrorEvent
+
+from .config import WorkerConfig
+from .process import WorkerProcess
+from .redis_server import RedisServer
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from engine.loader import LoadedModel
+    from engine.mlx_thread import MLXThread
+
+__all__ = ["OPENBLAS", "BenchConfig", "run_bench"]
+
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+_REEXEC_MARK = "MLXQ_BENCH_REEXEC"  # set in the re-executed process: never re-exec twice
+_ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "Hello world number {i} the quick brown fox"  # as in /work/shared/PERF-ANCHORS.md
+_PROBE_TOKENS = 2  # max_tokens of the N=1 TTFT probe requests
+_PROBE_OFFSET = 1000  # prompt numbers of probe requests
+_TIMEOUT_S = 900.0  # one job's wait bound (serial N=32 on the small model queues for ~40 s)
+_STATS_RE = re.compile(r"stats: engine_steps=(\d+) redis_writes=(\d+) events=(\d+) dropped=(\d+)")
+_NOBODY = "mlxq-bench-nobody"  # model name of the enqueue phase: no worker serves its queue
+_ARQ_JOB_KEY = "arq:job:"  # arq.constants.job_key_prefix
+
+
+# --- configuration ---------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """What one bench run measures; ``quick`` is a smoke run of a few seconds."""
+
+    sizes: tuple[str, ...] = ("tiny", "small")
+    concurrency: tuple[int, ...] = (1, 8, 32)
+    max_tokens: int = 64
+    repeats: int = 2  # measured runs per N on raw and queue; the best tok/s is kept
+    serial_repeats: int = 1  # serial runs are N jobs back to back: already an average
+    warmup_tokens: int = 8
+    ttft_probes: int = 20  # sequential N=1 requests per path for the TTFT targets
+    cancel_max_tokens: int = 400  # fits the tiny model's 512-token context with the prompt
+    cancel_wait: tuple[int, int] = (2, 40)  # token events to wait before a cancel, drawn uniformly
+    enqueue_jobs: int = 2000
+    enqueue_batch: int = 64
+    quick: bool = False
+
+    @property
+    def capacity(self) -> int:
+        """Batch capacity of the queue worker (and jobs of the cancel phase)."""
+        return max(self.concurrency)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BenchConfig:
+        """Defaults (or the quick ones), overridden by ``--sizes``, ``--concurrency``, ``--max-tokens``."""
+        base = cls.quick_config() if args.quick else cls()
+        sizes = tuple(s.strip() for s in args.sizes.split(",") if s.strip()) if args.sizes else base.sizes
+        ns = (tuple(int(n) for n in args.concurrency.split(",") if n.strip()) if args.concurrency
+              else base.concurrency)
+        if not sizes or not ns or min(ns) < 1:
+            raise ValueError("--sizes and --concurrency need at least one value; N must be >= 1")
+        return dataclasses.replace(base, sizes=sizes, concurrency=tuple(sorted(set(ns))),
+                                   max_tokens=args.max_tokens or base.max_tokens)
+
+    @classmethod
+    def quick_config(cls) -> BenchConfig:
+        return cls(sizes=("tiny",), concurrency=(1, 4), max_tokens=16, repeats=1, warmup_tokens=4,
+                   ttft_probes=5, cancel_max_tokens=128, cancel_wait=(2, 8), enqueue_jobs=200, quick=True)
+
+
+# --- records ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One measured run of N requests on one path."""
+
+    tokens: int
+    seconds: float
+    ttft_ms: list[float]
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PathResult:
+    """One path at one N: the best run's throughput; TTFT pooled over every measured run."""
+
+    tok_s: float
+    runs_tok_s: list[float]
+    tokens: int
+    seconds: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    ttft_samples: int
+
+    @classmethod
+    def of(cls, runs: Sequence[Run]) -> PathResult:
+        best = max(runs, key=lambda r: r.tok_s)
+        ttft = [t for r in runs for t in r.ttft_ms]
+        return cls(best.tok_s, [r.tok_s for r in runs], best.tokens, best.seconds,
+                   _pct(ttft, 50), _pct(ttft, 99), len(ttft))
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One model size at one N, the three paths side by side."""
+
+    size: str
+    n: int
+    raw: PathResult
+    queue: PathResult
+    serial: PathResult
+    queue_over_raw: float
+    queue_over_serial: float
+    added_ttft_p50_ms: float  # queue - raw
+    added_ttft_p99_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class TtftProbe:
+    """TTFT of sequential single requests (``_PROBE_TOKENS`` each): the N=1 TTFT targets."""
+
+    samples: int
+    raw_p50_ms: float
+    raw_p99_ms: float
+    queue_p50_ms: float
+    queue_p99_ms: float
+    added_p50_ms: float
+    added_p99_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class CancelResult:
+    """Cancel -> terminal event, measured by the client, with the decode step time seen meanwhile."""
+
+    jobs: int
+    cancelled: int  # jobs that ended ``done(cancelled)``; the others finished first and are not timed
+    p50_ms: float | None
+    p99_ms: float | None
+    max_ms: float | None
+    step_ms_mean: float | None
+    budget_ms: float | None  # one decode step + 50 ms
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """The worker's ``stats:`` line (logged at shutdown): event-publishing round trips per engine step."""
+
+    engine_steps: int
+    redis_writes: int
+    events: int
+    dropped: int
+
+    @property
+    def writes_per_step(self) -> float:
+        return self.redis_writes / self.engine_steps if self.engine_steps else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RoundTrips:
+    """Round trips of one model size: both workers' counters, and Redis commandstats of the queue runs."""
+
+    queue_worker: WorkerStats
+    queue_writes_per_step: float
+    serial_worker: WorkerStats
+    serial_writes_per_step: float
+    commandstats: dict[str, int]  # calls during the queue path's throughput runs (every client included)
+
+
+@dataclass(frozen=True, slots=True)
+class SizeResult:
+    """Everything measured on one model size."""
+
+    size: str
+    model: str
+    rows: list[Row]
+    ttft_n1: TtftProbe
+    cancel: CancelResult
+    round_trips: RoundTrips
+    worker_blas: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueResult:
+    """Jobs/s of one producer into a queue no worker serves."""
+
+    jobs: int
+    sequential_jobs_s: float
+    gathered_jobs_s: float
+    gather_batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One target of issue #3 and whether this run met it."""
+
+    name: str
+    value: float
+    limit: str
+    passed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BenchResult:
+    """The whole run (``results.json``)."""
+
+    machine: dict[str, Any]
+    config: BenchConfig
+    sizes: list[SizeResult]
+    enqueue: EnqueueResult
+    targets: list[Target]
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Driven:
+    """What one worker phase measured through the client."""
+
+    paths: dict[int, PathResult]
+    probe_ttft_ms: list[float]
+    cancel: CancelResult | None
+    commandstats: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class _WorkerRun:
+    driven: _Driven
+    stats: WorkerStats
+    blas: str
+
+
+@dataclass(slots=True)
+class _Trace:
+    """One queued job as the client saw it."""
+
+    submitted: float
+    first_token: float | None = None
+    ended: float | None = None
+    tokens: int = 0
+
+
+@dataclass(slots=True)
+class _CancelTrace:
+    """One job of the cancel phase."""
+
+    wait_tokens: int
+    token_times: list[float] = field(default_factory=list)  # before the cancel
+    cancelled_at: float | None = None
+    ended_at: float | None = None
+    finish: str = ""
+
+
+# --- entry point -----------------------------------------------------------------------------------
+def run_bench(args: argparse.Namespace, *, reexec: bool = True) -> int:
+    """``mlxq bench``: measure, write results.json, results.md and chart.png to ``args.out``, print them.
+
+    With ``reexec`` (the CLI), first re-executes itself with OpenBLAS preloaded when that helps.
+    """
+    if reexec:
+        _maybe_reexec(args)
+    try:
+        cfg = BenchConfig.from_args(args)
+    except ValueError as exc:
+        _say(f"mlxq bench: {exc}")
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        result = _run(cfg, out)
+    except RuntimeError as exc:
+        _say(f"mlxq bench: failed: {exc}")
+        return 1
+    print(write_outputs(result, out), flush=True)
+    return 0
+
+
+def _run(cfg: BenchConfig, out: Path) -> BenchResult:
+    t0 = time.perf_counter()
+    machine = _machine()
+    _say(f"BLAS: {machine['blas']}; mlx {machine['mlx']}, mlx-lm {machine['mlx_lm']}, "
+         f"{machine['cpus']} cores")
+    with RedisServer() as server:
+        machine["redis"] = _redis_version(server.url)
+        sizes = [_bench_size(size, cfg, server.url, out) for size in cfg.sizes]
+        _say("enqueue: one producer, no worker")
+        enqueue = asyncio.run(_enqueue_phase(server.url, cfg))
+    return BenchResult(machine, cfg, sizes, enqueue, _targets(sizes, enqueue), time.perf_counter() - t0)
+
+
+def _bench_size(size: str, cfg: BenchConfig, url: str, out: Path) -> SizeResult:
+    from engine.tinymodel import ensure_model
+
+    t0 = time.perf_counter()
+    model = ensure_model(size)
+    _say(f"[{size}] model {model}")
+    raw, raw_probe = _raw_phase(str(model), cfg, size)
+    queue = _worker_phase("queue", size, str(model), url, cfg, out)
+    serial = _worker_phase("serial", size, str(model), url, cfg, out)
+    rows = [_row(size, n, raw[n], queue.driven.paths[n], serial.driven.paths[n]) for n in cfg.concurrency]
+    assert queue.driven.cancel is not None
+    trips = RoundTrips(queue.stats, queue.stats.writes_per_step, serial.stats, serial.stats.writes_per_step,
+                       queue.driven.commandstats)
+    return SizeResult(size, str(model), rows, _probe(raw_probe, queue.driven.probe_ttft_ms),
+                      queue.driven.cancel, trips, queue.blas, time.perf_counter() - t0)
+
+
+def _row(size: str, n: int, raw: PathResult, queue: PathResult, serial: PathResult) -> Row:
+    return Row(size, n, raw, queue, serial, _ratio(queue.tok_s, raw.tok_s), _ratio(queue.tok_s, serial.tok_s),
+               queue.ttft_p50_ms - raw.ttft_p50_ms, queue.ttft_p99_ms - raw.ttft_p99_ms)
+
+
+def _probe(raw: list[float], queue: list[float]) -> TtftProbe:
+    r50, r99, q50, q99 = _pct(raw, 50), _pct(raw, 99), _pct(queue, 50), _pct(queue, 99)
+    return TtftProbe(min(len(raw), len(queue)), r50, r99, q50, q99, q50 - r50, q99 - r99)
+
+
+# --- BLAS ------------------------------------------------------------------------------------------
+def _maybe_reexec(args: argparse.Namespace) -> None:
+    """Re-execute ``python -m worker.cli bench ...`` with OpenBLAS in LD_PRELOAD (Linux, if installed)."""
+    if not sys.platform.startswith("linux") or os.environ.get(_REEXEC_MARK):
+        return
+    if not OPENBLAS.exists():
+        _say(f"BLAS: {OPENBLAS} is missing, so mlx-cpu's slow bundled BLAS runs and batching gains little "
+             "(install it: apt-get install libopenblas0-pthread)")
+        return
+    preload = os.environ.get("LD_PRELOAD", "")
+    if str(OPENBLAS) in preload:
+        return
+    env = {**os.environ, _REEXEC_MARK: "1", "LD_PRELOAD": " ".join(p for p in (str(OPENBLAS), preload) if p)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
+    _say(f"BLAS: re-executing with LD_PRELOAD={OPENBLAS}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "worker.cli", *_argv_of(args)], env)
+
+
+def _argv_of(args: argparse.Namespace) -> list[str]:
+    argv = ["bench", "--out", str(args.out)]
+    if args.quick:
+        argv.append("--quick")
+    for flag, value in (("--sizes", args.sizes), ("--concurrency", args.concurrency),
+                        ("--max-tokens", args.max_tokens)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def blas_of(pid: int | str = "self") -> str:
+    """Which BLAS serves mlx in a process: a preloaded one it has mapped, else mlx-cpu's bundled one.
+
+    Only LD_PRELOAD entries count (child processes inherit ours): numpy maps an OpenBLAS of its own that
+    mlx never calls.
+    """
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return "unknown (no /proc)"
+    mapped = {line.split()[-1] for line in maps.splitlines() if "/" in line}
+    for lib in re.split(r"[\s:]+", os.environ.get("LD_PRELOAD", "")):
+        if "blas" in lib.lower() and (lib in mapped or os.path.realpath(lib) in mapped):
+            return f"{'openblas' if 'openblas' in lib.lower() else 'preloaded'} ({lib})"
+    return "bundled (mlx-cpu reference BLAS)"
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "blas": blas_of(), "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "mlx": importlib.metadata.version("mlx"), "mlx_lm": importlib.metadata.version("mlx-lm"),
+        "arq": importlib.metadata.version("arq"), "cpus": os.cpu_count(),
+        "platform": platform.platform(), "python": platform.python_version(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _redis_version(url: str) -> str:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        info: dict[str, Any] = client.info("server")  # type: ignore[assignment]
+        return str(info.get("redis_version", "?"))
+    finally:
+        client.close()
+
+
+# --- raw: BatchGenerator in this process -----------------------------------------------------------
+def _raw_phase(model: str, cfg: BenchConfig, size: str) -> tuple[dict[int, PathResult], list[float]]:
+    """Every N on the raw path, then the N=1 TTFT probe; all MLX work on one MLX thread."""
+    from engine.loader import load_model
+    from engine.mlx_thread import MLXThread
+
+    thread = MLXThread(name="mlx-bench")
+    try:
+        loaded = thread.submit(load_model, model).result()
+        run = _raw_runner(thread, loaded, cfg.capacity)
+        paths: dict[int, PathResult] = {}
+        for n in cfg.concurrency:
+            run(_prompts(n), cfg.warmup_tokens)
+            paths[n] = PathResult.of([run(_prompts(n), cfg.max_tokens) for _ in range(cfg.repeats)])
+            _say(f"[{size}] raw    N={n:<3} {paths[n].tok_s:8.1f} tok/s  (runs {_fmt_runs(paths[n])})")
+        probe = [t for k in range(cfg.ttft_probes)
+                 for t in run(_prompts(1, _PROBE_OFFSET + k), _PROBE_TOKENS).ttft_ms]
+        return paths, probe
+    finally:
+        thread.shutdown()
+
+
+def _raw_runner(thread: MLXThread, loaded: LoadedModel, capacity: int) -> Callable[[list[str], int], Run]:
+    from engine.prompt import encode_prompt
+
+    def run(prompts: list[str], max_tokens: int) -> Run:
+        tokens = [encode_prompt(loaded.tokenizer, p, None) for p in prompts]
+        return thread.submit(_raw_run, loaded, tokens, max_tokens, capacity, thread.stream).result()
+
+    return run
+
+
+def _raw_run(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, capacity: int,
+             stream: mx.Stream) -> Run:
+    """Insert every prompt at once, step until all finish (on the MLX thread)."""
+    from mlx_lm.generate import BatchGenerator
+
+    defaults = WorkerConfig()  # the worker's prefill settings, so both paths batch alike
+    gen = BatchGenerator(loaded.model, stop_tokens=[[t] for t in sorted(loaded.eos_token_ids)],
+                         completion_batch_size=capacity,
+                         prefill_batch_size=min(defaults.prefill_batch_size, capacity),
+                         prefill_step_size=defaults.prefill_step_size, stream=stream)
+    try:
+        t0 = time.perf_counter()
+        uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+        first: dict[int, float] = {}
+        live, tokens = set(uids), 0
+        while live:
+            _, generated = gen.next()
+            now = time.perf_counter()
+            for r in generated:
+                first.setdefault(r.uid, now)
+                tokens += r.finish_reason != "stop"  # an EOS token is not part of the completion
+                if r.finish_reason is not None:
+                    live.discard(r.uid)
+        seconds = time.perf_counter() - t0
+    finally:
+        gen.close()
+    return Run(tokens, seconds, [(first[u] - t0) * 1000 for u in uids])
+
+
+# --- queue and serial: the worker in a child process -----------------------------------------------
+def _worker_phase(kind: str, size: str, model: str, url: str, cfg: BenchConfig, out: Path) -> _WorkerRun:
+    """Start ``arq worker.Settings`` (batched for "queue", one job at a time for "serial") and measure it."""
+    batched = kind == "queue"
+    prefix = f"mlxq-bench-{kind}-{uuid.uuid4().hex[:6]}"
+    env = {"MLXQ_MODEL": model, "MLXQ_MODEL_NAME": size, "MLXQ_REDIS_URL": url, "MLXQ_PREFIX": prefix,
+           "MLXQ_BATCH_CAPACITY": str(cfg.capacity if batched else 1),
+           "MLXQ_MAX_JOBS": "0" if batched else "1"}
+    log_path = out / "logs" / f"worker-{size}-{kind}.log"
+    log_path.unlink(missing_ok=True)
+    worker = WorkerProcess(env, log_path).start()
+    try:
+        worker.wait_ready()
+        assert worker.proc is not None
+        blas = blas_of(worker.proc.pid)
+        _say(f"[{size}] {kind}: worker ready (capacity {env['MLXQ_BATCH_CAPACITY']}, {blas})")
+        driven = asyncio.run(_drive_worker(url, prefix, size, cfg, batched))
+    finally:
+        code = worker.stop()
+    stats = parse_stats(log_path)
+    if stats is None:
+        raise RuntimeError(f"no stats line in {log_path} (worker exit {code}); log:\n{worker.tail()}")
+    return _WorkerRun(driven, stats, blas)
+
+
+def parse_stats(log_path: Path) -> WorkerStats | None:
+    """The last ``stats:`` line of a worker log, or None."""
+    matches = _STATS_RE.findall(log_path.read_text(errors="replace")) if log_path.exists() else []
+    return WorkerStats(*(int(v) for v in matches[-1])) if matches else None
+
+
+async def _drive_worker(url: str, prefix: str, model: str, cfg: BenchConfig, batched: bool) -> _Driven:
+    kind = "queue" if batched else "serial"
+    async with Client(url, prefix=prefix) as client:
+        await client.generate(model=model, prompt="warm up", max_tokens=cfg.warmup_tokens, timeout=_TIMEOUT_S)
+        before = await _commandstats(url)
+        paths: dict[int, PathResult] = {}
+        for n in cfg.concurrency:
+            if batched:  # the serial worker's batch shape never changes: its first job warmed it
+                await _queue_run(client, model, _prompts(n), cfg.warmup_tokens)
+            runs = [await _queue_run(client, model, _prompts(n), cfg.max_tokens)
+                    for _ in range(cfg.repeats if batched else cfg.serial_repeats)]
+            paths[n] = PathResult.of(runs)
+            _say(f"[{model}] {kind:6} N={n:<3} {paths[n].tok_s:8.1f} tok/s  (runs {_fmt_runs(paths[n])})")
+        stats = _delta(before, await _commandstats(url))
+        if not batched:
+            return _Driven(paths, [], None, stats)
+        probe: list[float] = []
+        for k in range(cfg.ttft_probes):
+            probe += (await _queue_run(client, model, _prompts(1, _PROBE_OFFSET + k), _PROBE_TOKENS)).ttft_ms
+        cancel = await _cancel_phase(client, model, cfg)
+    return _Driven(paths, probe, cancel, stats)
+
+
+async def _queue_run(client: Client, model: str, prompts: list[str], max_tokens: int) -> Run:
+    """Submit every prompt at once and follow each job; first submit -> last terminal event."""
+    t0 = time.perf_counter()
+    traces = await asyncio.gather(*(_submit_and_follow(client, model, p, max_tokens) for p in prompts))
+    end = max(t.ended or t0 for t in traces)
+    ttft = [((t.first_token or end) - t.submitted) * 1000 for t in traces]
+    return Run(sum(t.tokens for t in traces), end - t0, ttft)
+
+
+async def _submit_and_follow(client: Client, model: str, prompt: str, max_tokens: int) -> _Trace:
+    trace = _Trace(time.perf_counter())
+    rid = await client.submit(model=model, prompt=prompt, max_tokens=max_tokens)
+    async for ev in client.events(rid, timeout=_TIMEOUT_S):
+        if ev.type == "token" and trace.first_token is None:
+            trace.first_token = time.perf_counter()
+        elif isinstance(ev, DoneEvent):
+            trace.ended, trace.tokens = time.perf_counter(), ev.usage.completion_tokens
+        elif isinstance(ev, ErrorEvent):
+            raise RuntimeError(f"job {rid} failed: {ev.code.value}: {ev.message}")
+    return trace
+
+
+async def _commandstats(url: str) -> dict[str, int]:
+    """Calls per Redis command so far (``INFO commandstats``)."""
+    redis = redis_client(url)
+    try:
+        info = await redis.info("commandstats")
+    finally:
+        await redis.aclose()
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items() if isinstance(v, dict)}
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    keep = ("publish", "xadd", "expire", "xrange", "subscribe")
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in keep}
+    delta["total"] = sum(after.values()) - sum(before.values())
+    return delta
+
+
+# --- cancel latency --------------------------------------------------------------------------------
+async def _cancel_phase(client: Client, model: str, cfg: BenchConfig) -> CancelResult:
+    """``capacity`` long jobs at once; each is cancelled after a random number of its token events."""
+    rng = random.Random(0)
+    waits = [rng.randint(*cfg.cancel_wait) for _ in range(cfg.capacity)]
+    traces = await asyncio.gather(*(
+        _cancel_one(client, model, PROMPT.format(i=i), w, cfg.cancel_max_tokens) for i, w in enumerate(waits)
+    ))
+    done = [t for t in traces if t.finish == "cancelled" and t.cancelled_at is not None and t.ended_at]
+    lat = [((t.ended_at or 0.0) - (t.cancelled_at or 0.0)) * 1000 for t in done]
+    steps = [(t.token_times[-1] - t.token_times[0]) * 1000 / (len(t.token_times) - 1)
+             for t in traces if len(t.token_times) > 1]
+    step = sum(steps) / len(steps) if steps else None
+    result = CancelResult(len(traces), len(done), _pct_or_none(lat, 50), _pct_or_none(lat, 99),
+                          max(lat) if lat else None, step, step + 50.0 if step is not None else None)
+    _say(f"[{model}] cancel: {result.cancelled}/{result.jobs} cancelled, p50 {_fmt(result.p50_ms)} ms, "
+         f"p99 {_fmt(result.p99_ms)} ms, decode step {_fmt(result.step_ms_mean)} ms")
+    return result
+
+
+async def _cancel_one(
+    client: Client, model: str, prompt: str, wait_tokens: int, max_tokens: int
+) -> _CancelTrace:
+    trace = _CancelTrace(wait_tokens)
+    rid = await client.submit(model=model, prompt=prompt, max_tokens=max_tokens)
+    async for ev in client.events(rid, timeout=_TIMEOUT_S):
+        now = time.perf_counter()
+        if ev.type == "token" and trace.cancelled_at is None:
+            trace.token_times.append(now)
+            if len(trace.token_times) >= wait_tokens:
+                trace.cancelled_at = time.perf_counter()
+                await client.cancel(rid)
+        elif isinstance(ev, DoneEvent):
+            trace.ended_at, trace.finish = now, ev.finish_reason.value
+        elif isinstance(ev, ErrorEvent):
+            raise RuntimeError(f"job {rid} failed: {ev.code.value}: {ev.message}")
+    return trace
+
+
+# --- enqueue rate ----------------------------------------------------------------------------------
+async def _enqueue_phase(url: str, cfg: BenchConfig) -> EnqueueResult:
+    """``enqueue_jobs`` submits one after another, then as many in gathered batches; then clean up."""
+    async with Client(url, prefix=f"mlxq-bench-enq-{uuid.uuid4().hex[:6]}") as client:
+        ids = [await client.submit(model=_NOBODY, prompt="warm up", max_tokens=1)]  # opens the pool
+        t0 = time.perf_counter()
+        for i in range(cfg.enqueue_jobs):
+            ids.append(await client.submit(model=_NOBODY, prompt=f"job {i}", max_tokens=1))
+        sequential = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for start in range(0, cfg.enqueue_jobs, cfg.enqueue_batch):
+            batch = range(start, min(start + cfg.enqueue_batch, cfg.enqueue_jobs))
+            ids += await asyncio.gather(*(client.submit(model=_NOBODY, prompt=f"job {i}", max_tokens=1)
+                                          for i in batch))
+        gathered = time.perf_counter() - t0
+        await _delete_jobs(url, client.keys.queue(_NOBODY), ids)
+    result = EnqueueResult(cfg.enqueue_jobs, cfg.enqueue_jobs / sequential, cfg.enqueue_jobs / gathered,
+                           cfg.enqueue_batch)
+    _say(f"enqueue: {result.sequential_jobs_s:.0f} jobs/s sequential, "
+         f"{result.gathered_jobs_s:.0f} jobs/s gathered")
+    return result
+
+
+async def _delete_jobs(url: str, queue: str, ids: list[str]) -> None:
+    redis = redis_client(url)
+    try:
+        await redis.unlink(queue)
+        for start in range(0, len(ids), 500):
+            await redis.unlink(*(_ARQ_JOB_KEY + rid for rid in ids[start : start + 500]))
+    finally:
+        await redis.aclose()
+
+
+# --- targets ---------------------------------------------------------------------------------------
+def _targets(sizes: list[SizeResult], enqueue: EnqueueResult) -> list[Target]:
+    """The targets of issue #3 that this run measured."""
+    out: list[Target] = []
+    for s in sizes:
+        floor = 0.95 if s.size == "small" else 0.80
+        out += [_at_least(f"queue/raw {s.size} N={r.n}", r.queue_over_raw, floor) for r in s.rows if r.n > 1]
+        out += [_at_least(f"queue/serial {s.size} N=32", r.queue_over_serial, 6.0)
+                for r in s.rows if r.n == 32 and s.size == "small"]
+        out.append(_at_most(f"queue-added TTFT p50 {s.size} N=1", s.ttft_n1.added_p50_ms, 10.0, " ms"))
+        out.append(_at_most(f"queue-added TTFT p99 {s.size} N=1", s.ttft_n1.added_p99_ms, 50.0, " ms"))
+        c = s.cancel
+        if c.p99_ms is not None and c.budget_ms is not None:
+            out.append(_at_most(f"cancel p99 {s.size} (step {c.step_ms_mean:.1f} ms + 50)", c.p99_ms,
+                                c.budget_ms, " ms"))
+        out.append(_at_most(f"round trips per step {s.size}", s.round_trips.queue_writes_per_step, 1.0, ""))
+    out.append(_at_least("enqueue jobs/s (sequential awaits)", enqueue.sequential_jobs_s, 2000.0))
+    return out
+
+
+def _at_least(name: str, value: float, limit: float) -> Target:
+    return Target(name, value, f">= {limit:g}", value >= limit)
+
+
+def _at_most(name: str, value: float, limit: float, unit: str) -> Target:
+    return Target(name, value, f"<= {limit:.1f}{unit}", value <= limit)
+
+
+# --- output ----------------------------------------------------------------------------------------
+def write_outputs(result: BenchResult, out: Path) -> str:
+    """Write results.json, results.md and chart.png into ``out``; returns the markdown."""
+    (out / "results.json").write_text(json.dumps(dataclasses.asdict(result), indent=2) + "\n")
+    md = render_markdown(result)
+    (out / "results.md").write_text(md)
+    _chart(result, out / "chart.png")
+    return md
+
+
+def render_markdown(result: BenchResult) -> str:
+    """``results.md``: a header, the main table, then one section per measurement and the targets."""
+    return "\n".join([*_md_header(result), *_md_table(result), *_md_ttft(result), *_md_cancel(result),
+                      *_md_round_trips(result), *_md_enqueue(result), *_md_targets(result)])
+
+
+def _md_header(result: BenchResult) -> list[str]:
+    m, c = result.machine, result.config
+    return [
+        "# mlxq bench", "",
+        f"{m['date']} · {m['cpus']} cores · BLAS: **{m['blas']}** · mlx {m['mlx']} · "
+        f"mlx-lm {m['mlx_lm']} · arq {m['arq']} · redis {m.get('redis', '?')} · python {m['python']} · "
+        f"run time {result.seconds:.0f} s",
+        "",
+        f"Generated random-weight models; greedy; max_tokens {c.max_tokens}; prompts \"{PROMPT}\". "
+        f"Throughput: best of {c.repeats} run(s) for raw and queue, {c.serial_repeats} for serial, after a "
+        "warm-up; aggregate tok/s = completion tokens / (first submit → last terminal event). "
+        "TTFT pooled over those runs (raw: insert → first token; queue: submit → first token event).",
+        "",
+    ]
+
+
+def _md_table(result: BenchResult) -> list[str]:
+    lines = ["## Throughput and TTFT", "",
+             "| size | N | raw tok/s | queue tok/s | serial tok/s | queue/raw | queue/serial "
+             "| TTFT p50 ms raw / queue / added | TTFT p99 ms raw / queue / added |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in result.sizes:
+        for r in s.rows:
+            lines.append(
+                f"| {s.size} | {r.n} | {r.raw.tok_s:.1f} | {r.queue.tok_s:.1f} | {r.serial.tok_s:.1f} "
+                f"| {r.queue_over_raw:.2f} | {r.queue_over_serial:.2f} "
+                f"| {r.raw.ttft_p50_ms:.1f} / {r.queue.ttft_p50_ms:.1f} / {r.added_ttft_p50_ms:+.1f} "
+                f"| {r.raw.ttft_p99_ms:.1f} / {r.queue.ttft_p99_ms:.1f} / {r.added_ttft_p99_ms:+.1f} |")
+    return [*lines, ""]
+
+
+def _md_ttft(result: BenchResult) -> list[str]:
+    lines = ["## TTFT at N=1", "",
+             f"{result.config.ttft_probes} sequential single requests per path "
+             f"(max_tokens {_PROBE_TOKENS}).", "",
+             "| size | raw p50 | raw p99 | queue p50 | queue p99 | added p50 | added p99 |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for s in result.sizes:
+        p = s.ttft_n1
+        lines.append(f"| {s.size} | {p.raw_p50_ms:.1f} | {p.raw_p99_ms:.1f} | {p.queue_p50_ms:.1f} "
+                     f"| {p.queue_p99_ms:.1f} | {p.added_p50_ms:+.1f} | {p.added_p99_ms:+.1f} |")
+    return [*lines, ""]
+
+
+def _md_cancel(result: BenchResult) -> list[str]:
+    c0 = result.config
+    lines = ["## Cancel → terminal event", "",
+             f"{c0.capacity} jobs at once on the queue worker (max_tokens {c0.cancel_max_tokens}); each is "
+             f"cancelled after {c0.cancel_wait[0]}..{c0.cancel_wait[1]} of its token events; timed by the "
+             "client. Decode step = mean gap between a job's token events before its cancel.", "",
+             "| size | jobs | cancelled | p50 ms | p99 ms | max ms | decode step ms "
+             "| budget ms (step + 50) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in result.sizes:
+        c = s.cancel
+        lines.append(f"| {s.size} | {c.jobs} | {c.cancelled} | {_fmt(c.p50_ms)} | {_fmt(c.p99_ms)} "
+                     f"| {_fmt(c.max_ms)} | {_fmt(c.step_ms_mean)} | {_fmt(c.budget_ms)} |")
+    return [*lines, ""]
+
+
+def _md_round_trips(result: BenchResult) -> list[str]:
+    lines = ["## Redis round trips per engine step", "",
+             "From each worker's `stats:` line (its whole life: warm-up, runs, probes, cancels): "
+             "event-publishing pipelines / engine steps. `publish`/`xadd`: Redis `INFO commandstats` deltas "
+             "over the queue path's throughput runs.", "",
+             "| size | worker | engine steps | redis writes | events | dropped | writes/step "
+             "| publish | xadd |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in result.sizes:
+        t = s.round_trips
+        for kind, w in (("queue", t.queue_worker), ("serial", t.serial_worker)):
+            cmd = "- | -"
+            if kind == "queue":
+                cmd = f"{t.commandstats.get('publish', 0)} | {t.commandstats.get('xadd', 0)}"
+            lines.append(f"| {s.size} | {kind} | {w.engine_steps} | {w.redis_writes} | {w.events} "
+                         f"| {w.dropped} | {w.writes_per_step:.3f} | {cmd} |")
+    return [*lines, ""]
+
+
+def _md_enqueue(result: BenchResult) -> list[str]:
+    e = result.enqueue
+    return ["## Enqueue rate", "",
+            f"One producer, {e.jobs} `client.submit` calls into a queue no worker serves "
+            "(its keys deleted after).", "",
+            "| producer | jobs/s |", "|---|---:|",
+            f"| sequential awaits | {e.sequential_jobs_s:.0f} |",
+            f"| asyncio.gather, batches of {e.gather_batch} | {e.gathered_jobs_s:.0f} |", ""]
+
+
+def _md_targets(result: BenchResult) -> list[str]:
+    lines = ["## Targets", "", "| target | value | limit | result |", "|---|---:|---:|---|"]
+    lines += [f"| {t.name} | {_num(t.value)} | {t.limit} | {'PASS' if t.passed else '**MISS**'} |"
+              for t in result.targets]
+    return [*lines, ""]
+
+
+def _chart(result: BenchResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(result.sizes), figsize=(5.5 * len(result.sizes), 4.2), squeeze=False)
+    for ax, s in zip(axes[0], result.sizes, strict=True):
+        ns = [r.n for r in s.rows]
+        for label, pick in (("raw BatchGenerator", lambda r: r.raw), ("queue", lambda r: r.queue),
+                            ("serial", lambda r: r.serial)):
+            ax.plot(ns, [pick(r).tok_s for r in s.rows], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set(title=f"{s.size} model", xlabel="concurrent requests N", ylabel="aggregate tok/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    m = result.machine
+    fig.suptitle(f"mlxq bench · BLAS: {m['blas'].split(' ')[0]} · {m['cpus']} cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- small helpers ---------------------------------------------------------------------------------
+def _prompts(n: int, offset: int = 0) -> list[str]:
+    return [PROMPT.format(i=offset + i) for i in range(n)]
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    """Percentile with linear interpolation (numpy's default); 0.0 for no values."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _pct_or_none(values: Sequence[float], q: float) -> float | None:
+    return _pct(values, q) if values else None
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _num(v: float) -> str:
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _fmt_runs(p: PathResult) -> str:
+    return ", ".join(f"{v:.1f}" for v in p.runs_tok_s)
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,136 @@
+"""The ``mlxq`` command: submit, cancel and follow jobs; run the demo and the benchmark.
+
+``submit`` writes exactly the generated text to stdout (so it pipes) and status to stderr. Producer
+commands import no MLX; ``demo`` and ``bench`` load the worker side lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from api.client import Client
+from api.errors import BadRequest, JobFailed, MlxqError
+from api.schema import ChatMessage, DoneEvent, ErrorEvent, GenerateRequest
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlxq", description="MLX language models behind a Redis job queue.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("submit", help="submit a job and stream its text to stdout")
+    s.add_argument("prompt", help="raw prompt (tokenized like mlx_lm.generate), or a user message with --chat")
+    s.add_argument("--model", required=True, help="model name, as the worker's MLXQ_MODEL or MLXQ_MODEL_NAME")
+    s.add_argument("--max-tokens", type=int, default=256)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--chat", action="store_true", help="send PROMPT as one user message (chat template)")
+    s.add_argument("--no-wait", action="store_true", help="print the job id and exit")
+    s.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
+
+    c = sub.add_parser("cancel", help="cancel a job")
+    c.add_argument("job_id")
+
+    e = sub.add_parser("events", help="print a job's events as JSON lines (replayed, then live)")
+    e.add_argument("job_id")
+    e.add_argument("--timeout", type=float, default=None)
+
+    d = sub.add_parser("demo", help="embedded Redis + tiny model + worker + concurrent jobs, no setup")
+    d.add_argument("--jobs", type=int, default=8, help="concurrent jobs in the batch phase")
+    d.add_argument("--max-tokens", type=int, default=64)
+    d.add_argument("--size", choices=["tiny", "small"], default="tiny", help="generated model size")
+
+    b = sub.add_parser("bench", help="raw mlx-lm vs the queue vs serial, side by side in one run")
+    b.add_argument("--out", default="bench-out", help="directory for results.json, results.md, chart.png")
+    b.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
+    b.add_argument("--sizes", default=None, help="comma-separated model sizes (default: tiny,small)")
+    b.add_argument("--concurrency", default=None, help="comma-separated N values (default: 1,8,32)")
+    b.add_argument("--max-tokens", type=int, default=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mlxq`` console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return run_demo(jobs=args.jobs, max_tokens=args.max_tokens, size=args.size)
+        if args.command == "bench":
+            from .bench import run_bench
+
+            return run_bench(args)
+        return asyncio.run(_producer_command(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _producer_command(args: argparse.Namespace) -> int:
+    async with Client() as client:
+        if args.command == "cancel":
+            await client.cancel(args.job_id)
+            print(f"cancel requested for {args.job_id}", file=sys.stderr)
+            return 0
+        if args.command == "events":
+            async for ev in client.events(args.job_id, timeout=args.timeout):
+                print(ev.model_dump_json(), flush=True)
+            return 0
+        return await _submit(client, args)
+
+
+async def _submit(client: Client, args: argparse.Namespace) -> int:
+    try:
+        req = GenerateRequest(
+            model=args.model,
+            prompt=None if args.chat else args.prompt,
+            messages=[ChatMessage(role="user", content=args.prompt)] if args.chat else None,
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            seed=args.seed, stop=args.stop,
+        )
+    except ValueError as exc:
+        print(f"mlxq: bad request: {exc}", file=sys.stderr)
+        return 2
+    try:
+        rid = await client.submit(req)
+    except BadRequest as exc:
+        print(f"mlxq: bad request: {exc}", file=sys.stderr)
+        return 2
+    if args.no_wait:
+        print(rid)
+        return 0
+    print(f"job {rid} queued on {client.keys.queue(req.model)}", file=sys.stderr)
+    return await _stream(client, rid, args.timeout)
+
+
+async def _stream(client: Client, rid: str, timeout: float | None) -> int:
+    out = sys.stdout
+    try:
+        async for ev in client.events(rid, timeout=timeout):
+            if ev.type == "token":
+                out.write(ev.text)
+                out.flush()
+            elif ev.type == "reset":
+                print(f"\n[job restarted (attempt {ev.attempt}): {ev.reason}]", file=sys.stderr)
+            elif isinstance(ev, DoneEvent):
+                t = ev.timings
+                tps = f"{t.tokens_per_s:.1f} tok/s" if t.tokens_per_s else "-"
+                ttft = f"{t.ttft_ms:.0f} ms" if t.ttft_ms is not None else "-"
+                print(f"\n[{ev.finish_reason.value}: {ev.usage.completion_tokens} tokens, ttft {ttft}, "
+                      f"{tps}, total {t.total_ms:.0f} ms]", file=sys.stderr)
+            elif isinstance(ev, ErrorEvent):
+                raise JobFailed(ev)
+    except MlxqError as exc:
+        print(f"\nmlxq: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

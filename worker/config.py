@@ -1,0 +1,81 @@
+"""Worker configuration, read once from the environment (prefix ``MLXQ_``) and passed down as one object."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from api.config import DEFAULT_REDIS_URL
+from api.keys import Keys
+
+__all__ = ["WorkerConfig"]
+
+
+def _worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Everything a worker process needs to know; see README for each variable."""
+
+    model: str = ""  # MLXQ_MODEL: local path, or a hub id on a Mac
+    model_name: str = ""  # MLXQ_MODEL_NAME: alias clients use instead of MLXQ_MODEL
+    redis_url: str = DEFAULT_REDIS_URL  # MLXQ_REDIS_URL
+    prefix: str = "mlxq"  # MLXQ_PREFIX
+    capacity: int = 32  # MLXQ_BATCH_CAPACITY: sequences decoding at once
+    prefill_batch_size: int = 8  # MLXQ_PREFILL_BATCH
+    prefill_step_size: int = 512  # MLXQ_PREFILL_STEP
+    max_jobs: int = 0  # MLXQ_MAX_JOBS: arq jobs held at once (0: capacity + a few waiting)
+    poll_delay_s: float = 0.005  # MLXQ_POLL_DELAY: arq's queue poll period
+    job_timeout_s: float = 600.0  # MLXQ_JOB_TIMEOUT: a job's deadline inside the engine
+    max_tokens_limit: int = 8192  # MLXQ_MAX_TOKENS: largest max_tokens accepted
+    max_prompt_tokens: int = 32768  # MLXQ_MAX_PROMPT_TOKENS
+    max_tries: int = 3  # MLXQ_MAX_TRIES: runs of one job (after worker loss or shutdown)
+    cancel_poll_s: float = 0.25  # MLXQ_CANCEL_POLL: backstop poll of cancel keys (pub/sub is the fast path)
+    drain_timeout_s: float = 30.0  # MLXQ_DRAIN_TIMEOUT: on SIGTERM, how long running jobs may finish
+    worker_id: str = field(default_factory=_worker_id)
+
+    @property
+    def name(self) -> str:
+        """The model name clients use; it names the queue."""
+        return self.model_name or self.model
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix)
+
+    @property
+    def queue_name(self) -> str:
+        return self.keys.queue(self.name)
+
+    @property
+    def arq_max_jobs(self) -> int:
+        # A few jobs beyond the batch wait inside the engine, so a freed slot refills without a poll.
+        return self.max_jobs or self.capacity + max(2, self.capacity // 4)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerConfig:
+        """Read ``MLXQ_*`` variables; unset ones keep their defaults."""
+        env = os.environ if env is None else env
+        d = cls()
+        return cls(
+            model=env.get("MLXQ_MODEL", d.model),
+            model_name=env.get("MLXQ_MODEL_NAME", d.model_name),
+            redis_url=env.get("MLXQ_REDIS_URL", d.redis_url),
+            prefix=env.get("MLXQ_PREFIX", d.prefix),
+            capacity=int(env.get("MLXQ_BATCH_CAPACITY", d.capacity)),
+            prefill_batch_size=int(env.get("MLXQ_PREFILL_BATCH", d.prefill_batch_size)),
+            prefill_step_size=int(env.get("MLXQ_PREFILL_STEP", d.prefill_step_size)),
+            max_jobs=int(env.get("MLXQ_MAX_JOBS", d.max_jobs)),
+            poll_delay_s=float(env.get("MLXQ_POLL_DELAY", d.poll_delay_s)),
+            job_timeout_s=float(env.get("MLXQ_JOB_TIMEOUT", d.job_timeout_s)),
+            max_tokens_limit=int(env.get("MLXQ_MAX_TOKENS", d.max_tokens_limit)),
+            max_prompt_tokens=int(env.get("MLXQ_MAX_PROMPT_TOKENS", d.max_prompt_tokens)),
+            max_tries=int(env.get("MLXQ_MAX_TRIES", d.max_tries)),
+            cancel_poll_s=float(env.get("MLXQ_CANCEL_POLL", d.cancel_poll_s)),
+            drain_timeout_s=float(env.get("MLXQ_DRAIN_TIMEOUT", d.drain_timeout_s)),
+        )

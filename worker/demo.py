@@ -1,0 +1,150 @@
+"""``mlxq demo``: the whole path on a fresh machine, with no Redis server and no model download.
+
+Starts a private Redis (unless ``MLXQ_REDIS_URL`` is set), generates a tiny random-weight model, runs
+``arq worker.Settings`` in a child process, then streams one job alone and N concurrent jobs through the
+queue, and cancels one mid-decode. Weights are random, so the text is gibberish; the timings are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from api.client import Client
+from api.schema import DoneEvent, ErrorEvent
+
+from .process import WorkerProcess
+from .redis_server import RedisServer
+
+__all__ = ["run_demo"]
+
+PROMPTS = [
+    "Hello world number {i} the quick brown fox",
+    "Once upon a time, in a land far away, job {i}",
+    "{i}",
+    "The queue folds every job into one batch: job {i} says",
+]
+
+
+@dataclass(slots=True)
+class _Track:
+    """One demo job as the terminal shows it."""
+
+    rid: str
+    text: str = ""
+    status: str = "queued"
+    tokens: int = 0
+    ttft_ms: float | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+def _printable(text: str) -> str:
+    # Random weights emit control bytes; keep the terminal sane.
+    return "".join(ch if ch.isprintable() else "·" for ch in text)
+
+
+def run_demo(jobs: int = 8, max_tokens: int = 64, size: str = "tiny") -> int:
+    """Run the demo; returns the exit status."""
+    from engine.tinymodel import ensure_model
+
+    url = os.environ.get("MLXQ_REDIS_URL")
+    server = None if url else RedisServer().start()
+    url = url or (server.url if server else "")
+    workdir = Path(tempfile.mkdtemp(prefix="mlxq-demo-"))
+    prefix = f"mlxq-demo-{uuid.uuid4().hex[:6]}"
+    try:
+        _say(f"redis: {url} ({'embedded redis-server' if server else 'MLXQ_REDIS_URL'})")
+        t0 = time.perf_counter()
+        model = ensure_model(size)
+        _say(f"model: {size} random-weight model at {model} ({time.perf_counter() - t0:.1f}s)")
+        env = {"MLXQ_MODEL": str(model), "MLXQ_MODEL_NAME": size, "MLXQ_REDIS_URL": url,
+               "MLXQ_PREFIX": prefix, "MLXQ_BATCH_CAPACITY": str(max(jobs, 1))}
+        worker = WorkerProcess(env, workdir / "worker.log").start()
+        try:
+            t0 = time.perf_counter()
+            worker.wait_ready()
+            _say(f"worker: `arq worker.Settings` ready in {time.perf_counter() - t0:.1f}s (log: {worker.log_path})")
+            return asyncio.run(_demo_jobs(url, prefix, size, jobs, max_tokens))
+        finally:
+            code = worker.stop()
+            _say(f"worker stopped (exit {code})")
+    finally:
+        if server is not None:
+            server.close()
+
+
+async def _demo_jobs(url: str, prefix: str, model: str, jobs: int, max_tokens: int) -> int:
+    async with Client(url, prefix=prefix) as client:
+        await client.generate(model=model, prompt="warm up", max_tokens=4, timeout=120)
+        _say("\n== 1 job alone, streamed ==")
+        one = await _run_batch(client, model, 1, max_tokens, live=True)
+        _say(f"\n== {jobs} concurrent jobs in one continuous batch ==")
+        many = await _run_batch(client, model, jobs, max_tokens, live=False)
+        _say("\n== cancel one of 2 jobs mid-decode ==")
+        await _cancel_demo(client, model, max_tokens)
+        _say(f"\nsummary: 1 job {one:.1f} tok/s; {jobs} concurrent jobs {many:.1f} tok/s aggregate "
+             f"({many / one if one else 0:.1f}x)")
+    return 0
+
+
+async def _run_batch(client: Client, model: str, n: int, max_tokens: int, live: bool) -> float:
+    """Submit n jobs at once, follow them all; returns aggregate completion tok/s."""
+    t0 = time.perf_counter()
+    rids = await asyncio.gather(*(
+        client.submit(model=model, prompt=PROMPTS[i % len(PROMPTS)].format(i=i), max_tokens=max_tokens)
+        for i in range(n)
+    ))
+    tracks = [_Track(rid) for rid in rids]
+    await asyncio.gather(*(_follow(client, t, live) for t in tracks))
+    elapsed = time.perf_counter() - t0
+    if not live:
+        for i, t in enumerate(tracks):
+            print(f"job {i}: {_printable(t.text)[:60]!s:60} [{t.status}, {t.tokens} tok, ttft {t.ttft_ms:.0f} ms]")
+    total = sum(t.tokens for t in tracks)
+    _say(f"{n} job(s): {total} tokens in {elapsed * 1000:.0f} ms -> {total / elapsed:.1f} tok/s")
+    return total / elapsed
+
+
+async def _follow(client: Client, track: _Track, live: bool) -> None:
+    async for ev in client.events(track.rid, timeout=300):
+        if ev.type == "token":
+            if track.ttft_ms is None:
+                track.ttft_ms = (time.perf_counter() - track.submitted) * 1000
+            track.text += ev.text
+            if live:
+                sys.stdout.write(_printable(ev.text))
+                sys.stdout.flush()
+        elif isinstance(ev, DoneEvent):
+            track.status, track.tokens = ev.finish_reason.value, ev.usage.completion_tokens
+        elif isinstance(ev, ErrorEvent):
+            track.status = f"error {ev.code.value}: {ev.message}"
+    if live:
+        print()
+        _say(f"[{track.status}, {track.tokens} tok, ttft {track.ttft_ms or 0:.0f} ms]")
+
+
+async def _cancel_demo(client: Client, model: str, max_tokens: int) -> None:
+    long_tokens = max(max_tokens * 4, 256)
+    keep = await client.submit(model=model, prompt="this job runs to the end", max_tokens=max_tokens)
+    victim = await client.submit(model=model, prompt="this job gets cancelled", max_tokens=long_tokens)
+    async for ev in client.events(victim, timeout=120):
+        if ev.type == "token" and ev.index >= 8:
+            t0 = time.perf_counter()
+            await client.cancel(victim)
+            break
+    result = await client.result(victim, timeout=120)
+    waited = (time.perf_counter() - t0) * 1000
+    kept = await client.result(keep, timeout=120)
+    _say(f"cancelled job: {result.finish_reason.value} after {result.usage.completion_tokens}/{long_tokens} "
+         f"tokens, terminal event {waited:.0f} ms after the cancel")
+    _say(f"other job: {kept.finish_reason.value}, {kept.usage.completion_tokens} tokens")
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,77 @@
+"""arq worker settings, configured from the environment: run ``arq worker.Settings``.
+
+One arq queue per model (``<prefix>:queue:<name>``), JSON job payloads, a short poll delay, ``max_jobs``
+above the batch capacity, and a health-check key per worker. The model loads at start-up on its MLX thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from arq.worker import func
+
+from api.connection import JOB_FUNCTION, dumps_job, loads_job, redis_settings
+
+from .config import WorkerConfig
+from .service import ModelService
+
+__all__ = ["Settings", "worker_settings"]
+
+_JOB_TIMEOUT_MARGIN_S = 30.0  # arq's own timeout stays behind the engine's deadline
+
+
+def worker_settings(config: WorkerConfig) -> dict[str, Any]:
+    """Keyword arguments for ``arq.Worker`` serving ``config.model``."""
+
+    async def startup(ctx: dict[str, Any]) -> None:
+        _configure_logging()
+        ctx["mlxq"] = await ModelService.start(config)
+
+    async def shutdown(ctx: dict[str, Any]) -> None:
+        service: ModelService | None = ctx.get("mlxq")
+        if service is not None:
+            await service.aclose()
+
+    async def generate(ctx: dict[str, Any], payload: Any) -> str:
+        service: ModelService = ctx["mlxq"]
+        return await service.run_job(payload, ctx["job_id"], ctx["job_try"], ctx["enqueue_time"].timestamp())
+
+    timeout = config.job_timeout_s + _JOB_TIMEOUT_MARGIN_S
+    return {
+        "functions": [func(generate, name=JOB_FUNCTION, timeout=timeout, max_tries=config.max_tries)],
+        "queue_name": config.queue_name,
+        "redis_settings": redis_settings(config.redis_url),
+        "on_startup": startup,
+        "on_shutdown": shutdown,
+        "max_jobs": config.arq_max_jobs,
+        "poll_delay": config.poll_delay_s,
+        "job_timeout": timeout,
+        "max_tries": config.max_tries,
+        "keep_result": 60,
+        "job_serializer": dumps_job,
+        "job_deserializer": loads_job,
+        "health_check_key": f"{config.queue_name}:health:{config.worker_id}",
+        "health_check_interval": 10,
+        # SIGTERM: stop taking jobs, let running ones finish for this long, then cancel (arq re-queues them).
+        "job_completion_wait": config.drain_timeout_s,
+    }
+
+
+def _configure_logging() -> None:
+    # arq's CLI configures only the "arq" logger; give ours the same treatment unless the host app did.
+    for name in ("worker", "engine", "api"):
+        logger = logging.getLogger(name)
+        if not logger.handlers and not logging.getLogger().handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+
+
+class Settings:
+    """``arq worker.Settings``: the worker for ``MLXQ_MODEL`` (attributes filled from the environment)."""
+
+
+for _name, _value in worker_settings(WorkerConfig.from_env()).items():
+    setattr(Settings, _name, _value)
