@@ -156,13 +156,15 @@ class Client:
                 run = ""
             elif ev.type == "token":
                 run += ev.text
+                if not (run.startswith(sent) or sent.startswith(run)):
+                    raise JobFailed(_diverged(rid, ev.seq))
                 if len(run) > len(sent):
-                    if not run.startswith(sent):
-                        raise JobFailed(_diverged(rid, ev.seq))
                     delta, sent = run[len(sent) :], run
                     yield delta
             elif isinstance(ev, ErrorEvent):
                 raise JobFailed(ev)
+            elif ev.type == "done" and len(run) < len(sent):  # the new run ended short of what was sent
+                raise JobFailed(_diverged(rid, ev.seq))
 
     async def result(self, rid: str, *, timeout: float | None = None) -> Result:
         """Wait for job ``rid`` to end; its :class:`Result`, or :class:`JobFailed`."""

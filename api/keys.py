@@ -42,6 +42,14 @@ class Keys:
         """Holds the id of the worker running the job, with a short TTL."""
         return f"{self.prefix}:{{{rid}}}:lease"
 
+    def reap_guard(self, rid: str) -> str:
+        """Held (SET NX, short TTL) by the one reaper handling a lost job."""
+        return f"{self.prefix}:{{{rid}}}:reap"
+
+    def running(self) -> str:
+        """Hash of jobs inside some worker's engine: request id -> arq queue name (the reaper scans it)."""
+        return f"{self.prefix}:running"
+
     def cancel_channel(self) -> str:
         """Pub/sub wake-up workers listen on for cancels (payload: request id)."""
         return f"{self.prefix}:cancel"

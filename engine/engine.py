@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .batch import BatchBackend
 from .mlx_thread import MLXThread
 from .request import EngineRequest, FinishReason, RequestOutput
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepFailed
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -54,6 +54,8 @@ class Engine:
         self.thread = thread
         self.scheduler = scheduler
         self.stats = EngineStats()
+        self.on_dead: Callable[[], None] = lambda: None  # called (on the MLX thread) if it cannot recover
+        self.dead = False
         self._sink = sink
         self._make_backend = make_backend
         self._inbox: deque[EngineRequest | _Abort] = deque()
@@ -116,9 +118,20 @@ class Engine:
     def _on_failure(self, exc: Exception) -> None:
         self.stats.failures += 1
         log.exception("engine step failed; failing %d requests", len(self.scheduler.request_ids()))
+        if isinstance(exc, StepFailed):
+            self._emit(exc.outputs)
+            exc = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
         self._sink(self.scheduler.fail_all("engine_error", f"engine step failed: {exc!r}"))
-        if self._make_backend is not None:
+        if self._make_backend is None:
+            return
+        try:
             self.scheduler.backend = self._make_backend()
+        except Exception:
+            log.exception("could not rebuild the batch; the engine is dead")
+            self.dead = True
+            with self._lock:
+                self._closed = True
+            self.on_dead()
 
     def _reschedule(self) -> None:
         with self._lock:

@@ -17,9 +17,17 @@ from .batch import BatchBackend, BatchToken
 from .request import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from .stops import StopMatcher
 
-__all__ = ["Detokenizer", "Scheduler"]
+__all__ = ["Detokenizer", "Scheduler", "StepFailed"]
 
 log = logging.getLogger(__name__)
+
+
+class StepFailed(Exception):
+    """The batch failed mid-step; ``outputs`` are what the step had already decided (emit them first)."""
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        super().__init__(f"step failed after {len(outputs)} outputs")
+        self.outputs = outputs
 
 
 class Detokenizer(Protocol):
@@ -127,7 +135,11 @@ class Scheduler:
         self._expire(outs)
         self._admit(outs)
         if self._running:
-            for tok in self.backend.step():
+            try:
+                tokens = self.backend.step()
+            except Exception as exc:
+                raise StepFailed(list(outs.by_rid.values())) from exc
+            for tok in tokens:
                 self._on_token(tok, outs)
         return list(outs.by_rid.values())
 
@@ -155,6 +167,9 @@ class Scheduler:
             except ValueError as exc:
                 outs.by_rid[req.rid] = _terminal(req.rid, FinishReason.ERROR, "bad_request", str(exc), 0)
                 continue
+            except Exception as exc:
+                self._waiting.appendleft(req)  # still owned here, so fail_all() reaches it
+                raise StepFailed(list(outs.by_rid.values())) from exc
             self._running[uid] = _Sequence(req, uid, self._new_detokenizer(), StopMatcher(req.params.stop))
             self._uid_of[req.rid] = uid
             out = outs.get(req.rid)

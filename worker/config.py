@@ -37,12 +37,21 @@ class WorkerConfig:
     max_tries: int = 3  # MLXQ_MAX_TRIES: runs of one job (after worker loss or shutdown)
     cancel_poll_s: float = 0.25  # MLXQ_CANCEL_POLL: backstop poll of cancel keys (pub/sub is the fast path)
     drain_timeout_s: float = 30.0  # MLXQ_DRAIN_TIMEOUT: on SIGTERM, how long running jobs may finish
+    lease_ttl_s: float = 10.0  # MLXQ_LEASE_TTL: a running job's lease; the reaper re-runs jobs without one
+    reap_interval_s: float = 2.0  # MLXQ_REAP_INTERVAL: how often each worker looks for lost jobs
+    live_ttl_s: int = 600  # MLXQ_LIVE_TTL: replay log TTL while a job runs (refreshed on every write)
+    done_ttl_s: int = 300  # MLXQ_DONE_TTL: replay log TTL after the terminal event
+    keep_result_s: int = 60  # MLXQ_KEEP_RESULT: arq's result key TTL
     worker_id: str = field(default_factory=_worker_id)
 
     @property
     def name(self) -> str:
         """The model name clients use; it names the queue."""
         return self.model_name or self.model
+
+    @property
+    def lease_refresh_s(self) -> float:
+        return self.lease_ttl_s / 3
 
     @property
     def keys(self) -> Keys:
@@ -78,4 +87,9 @@ class WorkerConfig:
             max_tries=int(env.get("MLXQ_MAX_TRIES", d.max_tries)),
             cancel_poll_s=float(env.get("MLXQ_CANCEL_POLL", d.cancel_poll_s)),
             drain_timeout_s=float(env.get("MLXQ_DRAIN_TIMEOUT", d.drain_timeout_s)),
+            lease_ttl_s=float(env.get("MLXQ_LEASE_TTL", d.lease_ttl_s)),
+            reap_interval_s=float(env.get("MLXQ_REAP_INTERVAL", d.reap_interval_s)),
+            live_ttl_s=int(env.get("MLXQ_LIVE_TTL", d.live_ttl_s)),
+            done_ttl_s=int(env.get("MLXQ_DONE_TTL", d.done_ttl_s)),
+            keep_result_s=int(env.get("MLXQ_KEEP_RESULT", d.keep_result_s)),
         )

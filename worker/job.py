@@ -17,6 +17,7 @@ class Job:
     model: str
     enqueue_time: float  # epoch seconds (arq's enqueue time)
     attempt: int = 1
+    token: str = ""  # this run's lease value (worker id + try): writes need it
     seq: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -1,32 +1,35 @@
 """Publishes job events to Redis: live on each job's pub/sub channel and into its replay log.
 
 Engine outputs arrive from the MLX thread (via ``loop.call_soon_threadsafe``) and queue up while a write
-is in flight; each write sends every queued event of every job in one pipeline, so Redis sees at most one
-round trip per engine step whatever the batch size, and the next step never waits for Redis.
+is in flight; each write sends every queued event of every job in one pipeline (one fenced EMIT script call
+per job), so Redis sees at most one round trip per engine step whatever the batch size, and the next step
+never waits for Redis. A job whose lease is gone is fenced: its events are refused and it is handed to
+``on_fenced``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
-from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys, log_entry_id
+from api.keys import Keys, log_entry_id
 from api.schema import Event, is_terminal
 from engine.request import RequestOutput
 
 from .job import Job
+from .scripts import EMIT, Script, is_noscript
 from .translate import output_events
 
-__all__ = ["Publisher"]
+__all__ = ["Publisher", "emit"]
 
 log = logging.getLogger(__name__)
-_WRITE_ATTEMPTS = 8
 
 
 @dataclass(slots=True)
@@ -35,21 +38,46 @@ class PublisherStats:
 
     writes: int = 0  # pipelines sent (Redis round trips)
     events: int = 0
-    dropped: int = 0  # events lost after Redis stayed unreachable
+    fenced: int = 0  # jobs whose events were refused (lease lost)
+
+
+@dataclass(frozen=True, slots=True)
+class LogTTL:
+    """Replay-log TTLs, seconds."""
+
+    live: int = 600
+    done: int = 300
+
+
+def emit(script: Script, pipe: Any, keys: Keys, rid: str, token: str, events: Sequence[Event],
+         mode: str, ttl: LogTTL) -> None:
+    """Queue one fenced EMIT call for ``events`` of job ``rid`` on ``pipe``."""
+    args: list[Any] = [token, keys.events(rid), ttl.done if mode == "end" else ttl.live, mode, rid]
+    for ev in events:
+        args += [log_entry_id(ev.seq), ev.model_dump_json()]
+    script.call(pipe, [keys.lease(rid), keys.log(rid), keys.cancel(rid), keys.running()], args)
 
 
 class Publisher:
     """Turns engine outputs into events and writes them, one pipeline per batch of outputs."""
 
-    def __init__(self, redis: Redis, keys: Keys, worker_id: str, jobs: dict[str, Job]) -> None:
+    def __init__(self, redis: Redis, keys: Keys, worker_id: str, jobs: dict[str, Job],
+                 ttl: LogTTL | None = None, give_up_s: float = 10.0) -> None:
         self.redis = redis
         self.keys = keys
         self.worker_id = worker_id
         self.jobs = jobs
+        self.ttl = ttl or LogTTL()
         self.stats = PublisherStats()
+        self.on_fenced: Callable[[Job], None] = lambda job: None
+        self._give_up_s = give_up_s  # past the lease TTL, other workers own these jobs anyway
+        self._script: Script | None = None
         self._pending: list[RequestOutput] = []
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()  # one write at a time keeps every job's events in seq order
+
+    async def start(self) -> None:
+        self._script = await Script.load(self.redis, EMIT)
 
     def feed(self, outs: Sequence[RequestOutput]) -> None:
         """Queue engine outputs (call on the event loop thread)."""
@@ -68,44 +96,64 @@ class Publisher:
         items: list[tuple[Job, Event]] = []
         for out in outs:
             job = self.jobs.get(out.rid)
-            if job is None:  # detached (re-queued on shutdown) or already ended
+            if job is None:  # detached (re-queued, fenced) or already ended
                 continue
             items.extend((job, ev) for ev in output_events(out, job, self.worker_id))
         return items
 
-    async def write(self, items: list[tuple[Job, Event]]) -> None:
-        """Write events in one pipeline, then release the jobs they end."""
+    async def write(self, items: list[tuple[Job, Event]], mode: str | None = None) -> None:
+        """Write events (grouped per job, in order), then release the jobs they end.
+
+        ``mode`` overrides the per-job mode ("release" when handing a job back to the queue).
+        """
         if not items:
             return
+        groups: dict[str, tuple[Job, list[Event]]] = {}
+        for job, ev in items:
+            groups.setdefault(job.rid, (job, []))[1].append(ev)
         async with self._lock:
-            await self._send(items)
-        for job, ev in items:
-            if is_terminal(ev):
-                self.jobs.pop(job.rid, None)
-                if not job.finished.done():
-                    job.finished.set_result(ev.type)
+            written = await self._send(list(groups.values()), mode)
+        for (job, events), ok in zip(groups.values(), written):
+            if not ok:
+                self._fence(job)
+            elif any(is_terminal(ev) for ev in events) or mode == "release":
+                self._settle(job, events[-1].type)
 
-    async def _send(self, items: list[tuple[Job, Event]]) -> None:
-        for attempt in range(_WRITE_ATTEMPTS):
+    def _settle(self, job: Job, outcome: str) -> None:
+        self.jobs.pop(job.rid, None)
+        if not job.finished.done():
+            job.finished.set_result(outcome)
+
+    def _fence(self, job: Job) -> None:
+        self.stats.fenced += 1
+        log.warning("job %s: lease lost, its events are fenced off", job.rid)
+        self.on_fenced(job)
+
+    async def _send(self, groups: list[tuple[Job, list[Event]]], mode: str | None) -> list[bool]:
+        assert self._script is not None, "Publisher.start() was not awaited"
+        deadline = time.monotonic() + self._give_up_s
+        attempt = 0
+        while True:
             try:
-                await self._pipeline(items).execute(raise_on_error=False)
+                results = await self._pipeline(groups, mode).execute(raise_on_error=False)
+                if any(is_noscript(r) for r in results):
+                    await self._script.reload(self.redis)  # Redis restarted: resend (duplicates are skipped)
+                    continue
                 self.stats.writes += 1
-                self.stats.events += len(items)
-                return
+                self.stats.events += sum(len(evs) for _, evs in groups)
+                return [r == 1 for r in results]
             except (RedisError, OSError) as exc:
-                log.warning("event write failed (attempt %d): %r", attempt + 1, exc)
-                await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
-        self.stats.dropped += len(items)
-        log.error("dropped %d events: Redis unreachable", len(items))
+                attempt += 1
+                if time.monotonic() > deadline:
+                    log.error("Redis unreachable for %.0fs: fencing %d jobs", self._give_up_s, len(groups))
+                    return [False] * len(groups)
+                log.warning("event write failed (attempt %d): %r", attempt, exc)
+                await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
 
-    def _pipeline(self, items: list[tuple[Job, Event]]) -> Pipeline:
+    def _pipeline(self, groups: list[tuple[Job, list[Event]]], mode: str | None) -> Any:
+        assert self._script is not None
         pipe = self.redis.pipeline(transaction=False)
-        for job, ev in items:
-            data = ev.model_dump_json()
-            log_key = self.keys.log(job.rid)
-            pipe.publish(self.keys.events(job.rid), data)
-            pipe.xadd(log_key, {"e": data}, id=log_entry_id(ev.seq))
-            pipe.expire(log_key, DONE_TTL_S if is_terminal(ev) else LIVE_TTL_S)
-            if is_terminal(ev):
-                pipe.delete(self.keys.cancel(job.rid))
+        for job, events in groups:
+            job_mode = mode or ("end" if any(is_terminal(ev) for ev in events) else "")
+            emit(self._script, pipe, self.keys, job.rid, job.token, events, job_mode, self.ttl)
         return pipe

@@ -1,22 +1,27 @@
 """One model served from Redis: arq jobs go into the engine, events come out, cancels are honoured.
 
-Each arq job is a thin coroutine (:meth:`ModelService.run_job`): validate, hand the request to the
-engine, await its terminal event. The coroutine never touches MLX, so cancelling it (arq timeout,
-shutdown) only posts an abort that the engine applies between steps on its own thread.
+Each arq job is a thin coroutine (:meth:`ModelService.run_job`): take the job's lease, validate, hand the
+request to the engine, await its terminal event. The coroutine never touches MLX, so cancelling it (arq
+timeout, shutdown) only posts an abort that the engine applies between steps on its own thread.
+
+A job ends with exactly one terminal event, or is handed back to the queue with a ``reset`` event:
+on shutdown (while tries remain), when its lease is lost (fenced), or by the reaper after a worker died.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
+from arq.worker import Retry
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
 from api.connection import redis_client
-from api.keys import seq_of_entry_id
 from api.schema import DoneEvent, ErrorCode, Event, FinishReason, GenerateRequest, ResetEvent, Usage, decode_event
 from engine.engine import Engine
 from engine.loader import EngineOptions, LoadedModel, start_engine
@@ -26,16 +31,30 @@ from engine.request import RequestOutput
 from .cancels import CancelWatcher
 from .config import WorkerConfig
 from .job import Job
-from .publisher import Publisher
+from .leases import LeaseKeeper
+from .publisher import LogTTL, Publisher
+from .reaper import Reaper
 from .translate import error_event, timings, to_engine_request
 
 __all__ = ["BadRequest", "ModelService"]
 
 log = logging.getLogger(__name__)
+ENGINE_DEAD_EXIT = 70  # EX_SOFTWARE: the supervisor restarts the worker
 
 
 class BadRequest(Exception):
     """The job can never succeed as sent; becomes an ``error(bad_request)`` event."""
+
+
+class LeaseLost(Exception):
+    """This worker can no longer vouch for the job; another run will take it over."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Begin:
+    acquired: bool
+    last: Event | None
+    cancelled: bool
 
 
 class ModelService:
@@ -46,14 +65,18 @@ class ModelService:
         self.keys = config.keys
         self.redis = redis
         self.jobs: dict[str, Job] = {}
-        self.publisher = Publisher(redis, self.keys, config.worker_id, self.jobs)
+        ttl = LogTTL(live=config.live_ttl_s, done=config.done_ttl_s)
+        self.publisher = Publisher(redis, self.keys, config.worker_id, self.jobs, ttl, give_up_s=config.lease_ttl_s)
+        self.publisher.on_fenced = self._on_lease_lost
+        self.leases = LeaseKeeper(redis, self.keys, self.jobs, config.lease_ttl_s, self._on_lease_lost)
+        self.reaper = Reaper(redis, self.keys, config.max_tries, config.reap_interval_s, ttl)
         self.engine: Engine | None = None
         self.model: LoadedModel | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
     async def start(cls, config: WorkerConfig) -> ModelService:
-        """Connect to Redis, load the model on its MLX thread, start publishing and watching cancels."""
+        """Connect to Redis, load the model on its MLX thread, start the background loops."""
         if not config.model:
             raise RuntimeError("MLXQ_MODEL is not set: give a local model path (or a hub id on a Mac)")
         service = cls(config, redis_client(config.redis_url))
@@ -64,9 +87,16 @@ class ModelService:
 
         opts = EngineOptions(config.capacity, config.prefill_batch_size, config.prefill_step_size)
         service.engine, service.model = await start_engine(config.model, sink, opts)
+
+        def on_dead() -> None:  # runs on the MLX thread
+            loop.call_soon_threadsafe(service._on_engine_dead)
+
+        service.engine.on_dead = on_dead
+        await asyncio.gather(service.publisher.start(), service.leases.start(), service.reaper.start())
         watcher = CancelWatcher(redis=service.redis, keys=service.keys, held=service.jobs.keys,
                                 on_cancel=service.engine.abort, poll_s=config.cancel_poll_s)
-        service._tasks = [asyncio.create_task(service.publisher.run()), asyncio.create_task(watcher.run())]
+        loops = (service.publisher.run(), watcher.run(), service.leases.run(), service.reaper.run())
+        service._tasks = [asyncio.create_task(c) for c in loops]
         log.info("worker %s serving %s on queue %s (capacity %d)",
                  config.worker_id, config.name, config.queue_name, config.capacity)
         return service
@@ -87,28 +117,51 @@ class ModelService:
         """Counters as one ``key=value`` line (benchmarks parse it from the log)."""
         steps = self.engine.stats.steps if self.engine is not None else 0
         p = self.publisher.stats
-        return f"engine_steps={steps} redis_writes={p.writes} events={p.events} dropped={p.dropped}"
+        return (f"engine_steps={steps} redis_writes={p.writes} events={p.events} fenced={p.fenced} "
+                f"reaped={self.reaper.reaped}")
 
     # --- one job -----------------------------------------------------------------------------------
     async def run_job(self, payload: Any, job_id: str, job_try: int = 1, enqueue_time: float | None = None) -> str:
-        """Run one arq job to its terminal event; returns the terminal event's type."""
-        job = Job(job_id, self.config.name, enqueue_time or time.time(), attempt=job_try)
-        last, cancelled = await self._history(job_id)
-        if last is not None and last.type in ("done", "error"):
-            return last.type  # an earlier run already finished it
-        if last is not None:
-            job.seq = last.seq + 1
-            await self.publisher.write([(job, ResetEvent(id=job_id, seq=job.next_seq(),
-                                                         reason="job restarted", attempt=job_try))])
-        if cancelled:
-            return await self._end(job, self._cancelled_event(job))
+        """Run one arq job to its terminal event (or hand it back); returns how it ended."""
+        job = Job(job_id, self.config.name, enqueue_time or time.time(), attempt=job_try,
+                  token=f"{self.config.worker_id}:{job_try}")
+        begin = await self._begin(job)
+        if not begin.acquired:
+            raise Retry(defer=self.config.lease_ttl_s)  # another live run holds the lease
+        if begin.last is not None and begin.last.type in ("done", "error"):
+            await self._release(job)
+            return begin.last.type  # an earlier run finished it
+        if begin.last is not None:
+            job.seq = begin.last.seq + 1
+            if begin.last.type != "reset":
+                await self._emit(job, ResetEvent(id=job_id, seq=job.next_seq(), reason="job restarted",
+                                                 attempt=job_try))
+        if begin.cancelled:
+            return await self._emit(job, self._cancelled_event(job))
         try:
             req = self._validate(payload, job_id)
             tokens = self._tokenize(req)
         except BadRequest as exc:
             log.info("job %s rejected: %s", job_id, exc)
-            return await self._end(job, error_event(job, ErrorCode.BAD_REQUEST, str(exc)))
+            return await self._emit(job, error_event(job, ErrorCode.BAD_REQUEST, str(exc)))
         return await self._run(job, req, tokens)
+
+    async def _begin(self, job: Job) -> _Begin:
+        """Take the lease, register as running, and read the job's history, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.lease(job.rid), job.token, nx=True, px=int(self.config.lease_ttl_s * 1000))
+        pipe.hset(self.keys.running(), job.rid, self.config.queue_name)
+        pipe.xrevrange(self.keys.log(job.rid), count=1)
+        pipe.exists(self.keys.cancel(job.rid))
+        acquired, _, entries, cancelled = await pipe.execute()
+        last = decode_event(entries[0][1][b"e"]) if entries else None
+        return _Begin(bool(acquired), last, bool(cancelled))
+
+    async def _release(self, job: Job) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self.keys.lease(job.rid))
+        pipe.hdel(self.keys.running(), job.rid)
+        await pipe.execute()
 
     async def _run(self, job: Job, req: GenerateRequest, tokens: list[int]) -> str:
         assert self.engine is not None
@@ -117,38 +170,46 @@ class ModelService:
         self.engine.add(to_engine_request(req, tokens, deadline))
         try:
             return await job.finished
+        except LeaseLost:
+            raise Retry(defer=self.config.lease_ttl_s) from None
         except asyncio.CancelledError:
-            # Shutdown or an arq timeout: detach (no terminal event) so a re-run can resume with `reset`,
-            # unless no try remains, in which case the job must end here.
-            self.engine.abort(job.rid)
-            if job.attempt >= self.config.max_tries:
-                await asyncio.shield(self._fail_lost(job))
-            else:
-                self.jobs.pop(job.rid, None)
+            await asyncio.shield(self._interrupted(job))
             raise
 
-    async def _fail_lost(self, job: Job) -> None:
-        msg = f"the job was interrupted on its last try ({job.attempt}/{self.config.max_tries})"
-        await self.publisher.write([(job, error_event(job, ErrorCode.WORKER_LOST, msg))])
+    async def _interrupted(self, job: Job) -> None:
+        """Shutdown or an arq timeout cancelled the job's coroutine: hand it back, or end it on its last try."""
+        assert self.engine is not None
+        self.engine.abort(job.rid)
+        if job.rid not in self.jobs:
+            return  # it ended (or was fenced) meanwhile
+        if job.attempt >= self.config.max_tries:
+            msg = f"the job was interrupted on its last try ({job.attempt}/{self.config.max_tries})"
+            await self._emit(job, error_event(job, ErrorCode.WORKER_LOST, msg))
+            return
+        reset = ResetEvent(id=job.rid, seq=job.next_seq(), reason="worker shutting down; job re-queued",
+                           attempt=job.attempt + 1)
+        await self.publisher.write([(job, reset)], mode="release")
+        log.info("job %s: interrupted; handed back to the queue", job.rid)
 
-    async def _end(self, job: Job, event: Event) -> str:
+    def _on_lease_lost(self, job: Job) -> None:
+        if self.engine is not None:
+            self.engine.abort(job.rid)
+        self.jobs.pop(job.rid, None)
+        if not job.finished.done():
+            job.finished.set_exception(LeaseLost(job.rid))
+
+    def _on_engine_dead(self) -> None:
+        # Every in-flight job already got error(engine_error); exit so the supervisor starts a fresh process.
+        log.critical("engine could not be rebuilt; exiting with %d", ENGINE_DEAD_EXIT)
+        asyncio.get_running_loop().call_later(0.5, os._exit, ENGINE_DEAD_EXIT)
+
+    async def _emit(self, job: Job, event: Event) -> str:
         await self.publisher.write([(job, event)])
         return event.type
 
     def _cancelled_event(self, job: Job) -> DoneEvent:
         return DoneEvent(id=job.rid, seq=job.next_seq(), finish_reason=FinishReason.CANCELLED,
                          usage=Usage(prompt_tokens=0, completion_tokens=0), timings=timings(job))
-
-    async def _history(self, rid: str) -> tuple[Event | None, bool]:
-        """The job's last published event (set if this is a re-run) and whether a cancel is pending."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xrevrange(self.keys.log(rid), count=1)
-        pipe.exists(self.keys.cancel(rid))
-        entries, cancelled = await pipe.execute()
-        last = decode_event(entries[0][1][b"e"]) if entries else None
-        if last is not None and last.seq != seq_of_entry_id(entries[0][0]):
-            log.warning("job %s: log entry id and seq disagree", rid)
-        return last, bool(cancelled)
 
     # --- validation --------------------------------------------------------------------------------
     def _validate(self, payload: Any, job_id: str) -> GenerateRequest:
@@ -172,12 +233,12 @@ class ModelService:
             tokens = encode_prompt(self.model.tokenizer, req.prompt, messages)
         except Exception as exc:  # a template or tokenizer error is the request's fault
             raise BadRequest(f"could not tokenize the prompt: {exc}") from None
-        limit = min(self.config.max_prompt_tokens, self.model.context_length or self.config.max_prompt_tokens)
+        ctx = self.model.context_length
+        limit = min(self.config.max_prompt_tokens, ctx or self.config.max_prompt_tokens)
         if not tokens:
             raise BadRequest("the prompt is empty after tokenization")
         if len(tokens) > limit:
             raise BadRequest(f"prompt has {len(tokens)} tokens; the limit is {limit}")
-        ctx = self.model.context_length
         if ctx is not None and len(tokens) + req.max_tokens > ctx:
             raise BadRequest(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the context ({ctx})"

@@ -48,7 +48,7 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
         "poll_delay": config.poll_delay_s,
         "job_timeout": timeout,
         "max_tries": config.max_tries,
-        "keep_result": 60,
+        "keep_result": config.keep_result_s,
         "job_serializer": dumps_job,
         "job_deserializer": loads_job,
         "health_check_key": f"{config.queue_name}:health:{config.worker_id}",

@@ -384,12 +384,6 @@ async def test_stream_text_after_reset_with_diverging_text_fails(fake_client: Cl
     assert exc.value.retryable is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="source bug: Client.stream_text() checks a re-run against the text already sent only once the "
-    "re-run's text is longer; a re-run that diverges and ends before that (here 'Help' after 'Hello "
-    "world' was sent) completes normally instead of raising JobFailed as documented",
-)
 async def test_stream_text_detects_divergence_of_a_shorter_rerun(fake_client: Client, fake_worker: FakeWorker) -> None:
     events = [*rerun_job()[:5], token(5, "Help", [1, 2, 9], 0), done(6, completion=3)]
     events[2] = token(2, "lo world", [3, 4, 5], 2)  # first run streamed "Hello world"

@@ -1,0 +1,116 @@
+"""Finds jobs whose worker died and gets them going again.
+
+Every worker sweeps ``<prefix>:running`` every few seconds. A job there without a lease lost its worker:
+while tries remain, the reaper emits ``reset`` and deletes arq's in-progress key so any worker re-runs it
+at once; otherwise it emits ``error(worker_lost)`` and removes the arq job. One reaper per job at a time
+(``SET {rid}:reap NX``), and its writes go through only while nobody holds the lease (fenced EMIT).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from arq.constants import in_progress_key_prefix, job_key_prefix, retry_key_prefix
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from api.keys import Keys
+from api.schema import ErrorCode, ErrorEvent, Event, ResetEvent, decode_event, is_terminal
+
+from .publisher import LogTTL, emit
+from .scripts import EMIT, Script
+
+__all__ = ["Reaper"]
+
+log = logging.getLogger(__name__)
+
+
+class Reaper:
+    """Sweeps for lost jobs every ``interval_s``."""
+
+    def __init__(self, redis: Redis, keys: Keys, max_tries: int, interval_s: float, ttl: LogTTL) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.max_tries = max_tries
+        self.interval_s = interval_s
+        self.ttl = ttl
+        self.reaped = 0
+        self._script: Script | None = None
+
+    async def start(self) -> None:
+        self._script = await Script.load(self.redis, EMIT)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.sweep()
+            except (RedisError, OSError) as exc:
+                log.warning("reaper sweep failed: %r", exc)
+
+    async def sweep(self) -> list[str]:
+        """Handle every running job that has no lease; returns their ids."""
+        raw: dict[bytes, bytes] = await self.redis.hgetall(self.keys.running())  # type: ignore[misc]
+        running = {k.decode(): v.decode() for k, v in raw.items()}
+        if not running:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in running:
+            pipe.exists(self.keys.lease(rid))
+        held = await pipe.execute()
+        lost = [rid for rid, h in zip(running, held) if not h]
+        for rid in lost:
+            await self._reap(rid, running[rid])
+        return lost
+
+    async def _reap(self, rid: str, queue: str) -> None:
+        guard = self.keys.reap_guard(rid)
+        if not await self.redis.set(guard, b"1", nx=True, ex=30):
+            return  # another worker's reaper has it
+        try:
+            await self._reap_guarded(rid, queue)
+        finally:
+            await self.redis.delete(guard)
+
+    async def _reap_guarded(self, rid: str, queue: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xrevrange(self.keys.log(rid), count=1)
+        pipe.get(retry_key_prefix + rid)
+        pipe.exists(job_key_prefix + rid)
+        entries, tries_raw, job_exists = await pipe.execute()
+        last = decode_event(entries[0][1][b"e"]) if entries else None
+        if last is not None and is_terminal(last):
+            await self.redis.hdel(self.keys.running(), rid)  # type: ignore[misc]  # ended; only the bookkeeping was left
+            return
+        seq = last.seq + 1 if last is not None else 0
+        tries = int(tries_raw or 0)
+        if tries < self.max_tries and job_exists:
+            await self._requeue(rid, ResetEvent(id=rid, seq=seq, reason="worker lost; job re-queued",
+                                                attempt=tries + 1))
+        else:
+            msg = f"the worker running this job was lost (try {tries} of {self.max_tries})"
+            await self._give_up(rid, queue, ErrorEvent(id=rid, seq=seq, code=ErrorCode.WORKER_LOST,
+                                                       message=msg, retryable=True))
+
+    async def _requeue(self, rid: str, event: Event) -> None:
+        if await self._emit(rid, event, "release"):
+            await self.redis.delete(in_progress_key_prefix + rid)
+            self.reaped += 1
+            log.info("job %s: worker lost; re-queued (%s)", rid, event.type)
+
+    async def _give_up(self, rid: str, queue: str, event: Event) -> None:
+        if await self._emit(rid, event, "end"):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zrem(queue, rid)
+            pipe.delete(job_key_prefix + rid, in_progress_key_prefix + rid, retry_key_prefix + rid)
+            await pipe.execute()
+            self.reaped += 1
+            log.info("job %s: worker lost on its last try; failed", rid)
+
+    async def _emit(self, rid: str, event: Event, mode: str) -> bool:
+        assert self._script is not None
+        pipe = self.redis.pipeline(transaction=False)
+        emit(self._script, pipe, self.keys, rid, "", [event], mode, self.ttl)
+        (ok,) = await pipe.execute()
+        return bool(ok == 1)
