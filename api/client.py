@@ -13,13 +13,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from arq.constants import job_key_prefix
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .config import ClientConfig
 from .connection import JOB_FUNCTION, arq_pool
-from .errors import BadRequest, DuplicateJob, JobFailed, WaitTimeout
+from .errors import BadRequest, DuplicateJob, JobFailed, JobNotFound, WaitTimeout
 from .keys import CANCEL_TTL_S, Keys, log_entry_id
 from .schema import (
     DoneEvent,
@@ -109,8 +110,14 @@ class Client:
         pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(self.keys.events(rid))
+            first = True
             while True:
-                for ev in await self._replay(rid, next_seq):
+                replayed = await self._replay(rid, next_seq)
+                if not replayed and not first and await self._vanished(rid):
+                    raise JobNotFound(f"job {rid} is unknown, or its events expired (they are kept "
+                                      "a few minutes after its end)")
+                first = False
+                for ev in replayed:
                     next_seq = ev.seq + 1
                     yield ev
                 async for ev in self._live(pubsub, next_seq, deadline, rid):
@@ -138,6 +145,10 @@ class Client:
                 return
             next_seq += 1
             yield ev
+
+    async def _vanished(self, rid: str) -> bool:
+        """Neither queued/running (arq's job key) nor logged: nothing will ever come."""
+        return not await self._redis.exists(job_key_prefix + rid, self.keys.log(rid))
 
     async def _replay(self, rid: str, from_seq: int) -> list[Event]:
         entries = await self._redis.xrange(self.keys.log(rid), min=log_entry_id(from_seq))

@@ -4,6 +4,7 @@
      ├── BadRequest      the client refused a request before enqueueing it
      ├── DuplicateJob    a job with this id already exists (ids are never reused)
      ├── JobFailed       the job ended with an ``error`` event (carries code, message, retryable)
+     ├── JobNotFound     no such job, or its events expired
      └── WaitTimeout     no terminal event arrived within the caller's timeout
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from .schema import ErrorCode, ErrorEvent
 
-__all__ = ["BadRequest", "DuplicateJob", "JobFailed", "MlxqError", "WaitTimeout"]
+__all__ = ["BadRequest", "DuplicateJob", "JobFailed", "JobNotFound", "MlxqError", "WaitTimeout"]
 
 
 class MlxqError(Exception):
@@ -40,6 +41,10 @@ class JobFailed(MlxqError):
     @property
     def retryable(self) -> bool:
         return self.event.retryable
+
+
+class JobNotFound(MlxqError):
+    """No job with this id is queued, running or logged (never submitted, or its events expired)."""
 
 
 class WaitTimeout(MlxqError):

@@ -9,8 +9,13 @@ run measures, on the same generated model, prompts and ``max_tokens``:
   process) -> pub/sub -> the client;
 - **serial**: the same worker with a batch of one and one arq job at a time: what batching buys;
 
-plus time to first token (TTFT), cancel -> terminal-event latency, Redis round trips per engine step and
-the enqueue rate of one producer. Results go to ``results.json``, ``results.md`` and ``chart.png``.
+plus time to first token (TTFT), cancel -> terminal-event latency, Redis round trips per engine step, CPU
+per process and the enqueue rate of one producer. Results go to ``results.json``, ``results.md`` and
+``chart.png``.
+
+Machines running this are often shared, so raw and queue runs alternate at each N (the idle worker is
+SIGSTOPped during raw runs so its polling does not tax the ceiling), and throughput is the best of the
+repeats: background load only ever slows a run down.
 
 BLAS: mlx-cpu's bundled reference BLAS is so slow that batching gains nothing on Linux. When Debian's
 OpenBLAS is installed, the command re-executes itself with it in ``LD_PRELOAD``, so the in-process raw path
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -28,10 +34,11 @@ import os
 import platform
 import random
 import re
+import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,9 +56,11 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
     from engine.loader import LoadedModel
-    from engine.mlx_thread import MLXThread
 
-__all__ = ["OPENBLAS", "BenchConfig", "run_bench"]
+__all__ = [
+    "OPENBLAS", "BenchConfig", "BenchResult", "RawPath", "WorkerStats", "blas_of", "parse_stats",
+    "render_markdown", "run_bench", "write_outputs",
+]
 
 OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
 _REEXEC_MARK = "MLXQ_BENCH_REEXEC"  # set in the re-executed process: never re-exec twice
@@ -60,7 +69,8 @@ PROMPT = "Hello world number {i} the quick brown fox"  # as in /work/shared/PERF
 _PROBE_TOKENS = 2  # max_tokens of the N=1 TTFT probe requests
 _PROBE_OFFSET = 1000  # prompt numbers of probe requests
 _TIMEOUT_S = 900.0  # one job's wait bound (serial N=32 on the small model queues for ~40 s)
-_STATS_RE = re.compile(r"stats: engine_steps=(\d+) redis_writes=(\d+) events=(\d+) dropped=(\d+)")
+_STATS_LINE_RE = re.compile(r"stats: (engine_steps=\d+.*)$", re.MULTILINE)
+_KEY_VALUE_RE = re.compile(r"(\w+)=(\d+)")
 _NOBODY = "mlxq-bench-nobody"  # model name of the enqueue phase: no worker serves its queue
 _ARQ_JOB_KEY = "arq:job:"  # arq.constants.job_key_prefix
 
@@ -73,7 +83,7 @@ class BenchConfig:
     sizes: tuple[str, ...] = ("tiny", "small")
     concurrency: tuple[int, ...] = (1, 8, 32)
     max_tokens: int = 64
-    repeats: int = 2  # measured runs per N on raw and queue; the best tok/s is kept
+    repeats: int = 3  # measured runs per N on raw and queue; the best tok/s is kept
     serial_repeats: int = 1  # serial runs are N jobs back to back: already an average
     warmup_tokens: int = 8
     ttft_probes: int = 20  # sequential N=1 requests per path for the TTFT targets
@@ -188,7 +198,7 @@ class WorkerStats:
     engine_steps: int
     redis_writes: int
     events: int
-    dropped: int
+    other: dict[str, int] = field(default_factory=dict)  # the line's other counters, as logged
 
     @property
     def writes_per_step(self) -> float:
@@ -207,6 +217,19 @@ class RoundTrips:
 
 
 @dataclass(frozen=True, slots=True)
+class CpuUse:
+    """CPU seconds each process used during one path's throughput runs (N cores give N s per wall second).
+
+    ``bench`` is this process: the model itself on the raw path, the client on the queue and serial paths.
+    """
+
+    wall_s: float
+    bench_s: float
+    worker_s: float
+    redis_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class SizeResult:
     """Everything measured on one model size."""
 
@@ -216,6 +239,7 @@ class SizeResult:
     ttft_n1: TtftProbe
     cancel: CancelResult
     round_trips: RoundTrips
+    cpu: dict[str, CpuUse]  # by path: raw, queue, serial
     worker_blas: str
     seconds: float
 
@@ -253,13 +277,43 @@ class BenchResult:
 
 
 @dataclass(frozen=True, slots=True)
-class _Driven:
-    """What one worker phase measured through the client."""
+class _Site:
+    """Where the bench runs: the embedded Redis and the output directory."""
+
+    url: str
+    redis_pid: int
+    out: Path
+
+
+@dataclass(frozen=True, slots=True)
+class _Measured:
+    """One path's throughput runs, for every N."""
 
     paths: dict[int, PathResult]
-    probe_ttft_ms: list[float]
+    cpu: CpuUse
+    probe_ttft_ms: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Driven:
+    """What one worker phase measured: its path through the client (and, when batched, the raw path)."""
+
+    measured: _Measured
     cancel: CancelResult | None
     commandstats: dict[str, int]
+    raw: _Measured | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _DriveContext:
+    """One running worker and what measuring it needs."""
+
+    url: str
+    prefix: str
+    model: str
+    cfg: BenchConfig
+    worker: WorkerProcess
+    meter: _CpuMeter
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,30 +372,38 @@ def _run(cfg: BenchConfig, out: Path) -> BenchResult:
     t0 = time.perf_counter()
     machine = _machine()
     _say(f"BLAS: {machine['blas']}; mlx {machine['mlx']}, mlx-lm {machine['mlx_lm']}, "
-         f"{machine['cpus']} cores")
+         f"{machine['cpus']} cores, load average {machine['loadavg_start']}")
     with RedisServer() as server:
+        assert server.proc is not None
+        site = _Site(server.url, server.proc.pid, out)
         machine["redis"] = _redis_version(server.url)
-        sizes = [_bench_size(size, cfg, server.url, out) for size in cfg.sizes]
+        sizes = [_bench_size(size, cfg, site) for size in cfg.sizes]
         _say("enqueue: one producer, no worker")
         enqueue = asyncio.run(_enqueue_phase(server.url, cfg))
+    machine["loadavg_end"] = _loadavg()
     return BenchResult(machine, cfg, sizes, enqueue, _targets(sizes, enqueue), time.perf_counter() - t0)
 
 
-def _bench_size(size: str, cfg: BenchConfig, url: str, out: Path) -> SizeResult:
+def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
     from engine.tinymodel import ensure_model
 
     t0 = time.perf_counter()
-    model = ensure_model(size)
+    model = str(ensure_model(size))
     _say(f"[{size}] model {model}")
-    raw, raw_probe = _raw_phase(str(model), cfg, size)
-    queue = _worker_phase("queue", size, str(model), url, cfg, out)
-    serial = _worker_phase("serial", size, str(model), url, cfg, out)
-    rows = [_row(size, n, raw[n], queue.driven.paths[n], serial.driven.paths[n]) for n in cfg.concurrency]
-    assert queue.driven.cancel is not None
+    raw = RawPath(model, cfg.capacity, site.redis_pid)
+    try:
+        queue = _worker_phase("queue", size, model, cfg, site, raw)
+    finally:
+        raw.close()
+    serial = _worker_phase("serial", size, model, cfg, site, None)
+    q, sr, rw = queue.driven.measured, serial.driven.measured, queue.driven.raw
+    assert rw is not None and queue.driven.cancel is not None
+    rows = [_row(size, n, rw.paths[n], q.paths[n], sr.paths[n]) for n in cfg.concurrency]
     trips = RoundTrips(queue.stats, queue.stats.writes_per_step, serial.stats, serial.stats.writes_per_step,
                        queue.driven.commandstats)
-    return SizeResult(size, str(model), rows, _probe(raw_probe, queue.driven.probe_ttft_ms),
-                      queue.driven.cancel, trips, queue.blas, time.perf_counter() - t0)
+    return SizeResult(size, model, rows, _probe(rw.probe_ttft_ms, q.probe_ttft_ms), queue.driven.cancel,
+                      trips, {"raw": rw.cpu, "queue": q.cpu, "serial": sr.cpu}, queue.blas,
+                      time.perf_counter() - t0)
 
 
 def _row(size: str, n: int, raw: PathResult, queue: PathResult, serial: PathResult) -> Row:
@@ -409,7 +471,12 @@ def _machine() -> dict[str, Any]:
         "arq": importlib.metadata.version("arq"), "cpus": os.cpu_count(),
         "platform": platform.platform(), "python": platform.python_version(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "loadavg_start": _loadavg(),  # other processes on the machine skew every number
     }
+
+
+def _loadavg() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else []
 
 
 def _redis_version(url: str) -> str:
@@ -424,35 +491,28 @@ def _redis_version(url: str) -> str:
 
 
 # --- raw: BatchGenerator in this process -----------------------------------------------------------
-def _raw_phase(model: str, cfg: BenchConfig, size: str) -> tuple[dict[int, PathResult], list[float]]:
-    """Every N on the raw path, then the N=1 TTFT probe; all MLX work on one MLX thread."""
-    from engine.loader import load_model
-    from engine.mlx_thread import MLXThread
+class RawPath:
+    """The raw path: mlx-lm's ``BatchGenerator`` on this process's own MLX thread, the model loaded once."""
 
-    thread = MLXThread(name="mlx-bench")
-    try:
-        loaded = thread.submit(load_model, model).result()
-        run = _raw_runner(thread, loaded, cfg.capacity)
-        paths: dict[int, PathResult] = {}
-        for n in cfg.concurrency:
-            run(_prompts(n), cfg.warmup_tokens)
-            paths[n] = PathResult.of([run(_prompts(n), cfg.max_tokens) for _ in range(cfg.repeats)])
-            _say(f"[{size}] raw    N={n:<3} {paths[n].tok_s:8.1f} tok/s  (runs {_fmt_runs(paths[n])})")
-        probe = [t for k in range(cfg.ttft_probes)
-                 for t in run(_prompts(1, _PROBE_OFFSET + k), _PROBE_TOKENS).ttft_ms]
-        return paths, probe
-    finally:
-        thread.shutdown()
+    def __init__(self, model: str, capacity: int, redis_pid: int | None = None) -> None:
+        from engine.loader import load_model
+        from engine.mlx_thread import MLXThread
 
+        self.thread = MLXThread(name="mlx-bench")
+        self.loaded: LoadedModel = self.thread.submit(load_model, model).result()
+        self.capacity = capacity
+        self.meter = _CpuMeter(None, redis_pid)
 
-def _raw_runner(thread: MLXThread, loaded: LoadedModel, capacity: int) -> Callable[[list[str], int], Run]:
-    from engine.prompt import encode_prompt
+    async def run(self, prompts: list[str], max_tokens: int) -> Run:
+        """Prompts tokenized as the worker does, then one :func:`_raw_run` on the MLX thread."""
+        from engine.prompt import encode_prompt
 
-    def run(prompts: list[str], max_tokens: int) -> Run:
-        tokens = [encode_prompt(loaded.tokenizer, p, None) for p in prompts]
-        return thread.submit(_raw_run, loaded, tokens, max_tokens, capacity, thread.stream).result()
+        tokens = [encode_prompt(self.loaded.tokenizer, p, None) for p in prompts]
+        fut = self.thread.submit(_raw_run, self.loaded, tokens, max_tokens, self.capacity, self.thread.stream)
+        return await asyncio.wrap_future(fut)
 
-    return run
+    def close(self) -> None:
+        self.thread.shutdown()
 
 
 def _raw_run(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, capacity: int,
@@ -485,14 +545,16 @@ def _raw_run(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, cap
 
 
 # --- queue and serial: the worker in a child process -----------------------------------------------
-def _worker_phase(kind: str, size: str, model: str, url: str, cfg: BenchConfig, out: Path) -> _WorkerRun:
-    """Start ``arq worker.Settings`` (batched for "queue", one job at a time for "serial") and measure it."""
-    batched = kind == "queue"
+def _worker_phase(
+    kind: str, size: str, model: str, cfg: BenchConfig, site: _Site, raw: RawPath | None
+) -> _WorkerRun:
+    """Start ``arq worker.Settings`` and measure it: batched ("queue", interleaved with ``raw``) or "serial"."""
+    batched = raw is not None
     prefix = f"mlxq-bench-{kind}-{uuid.uuid4().hex[:6]}"
-    env = {"MLXQ_MODEL": model, "MLXQ_MODEL_NAME": size, "MLXQ_REDIS_URL": url, "MLXQ_PREFIX": prefix,
+    env = {"MLXQ_MODEL": model, "MLXQ_MODEL_NAME": size, "MLXQ_REDIS_URL": site.url, "MLXQ_PREFIX": prefix,
            "MLXQ_BATCH_CAPACITY": str(cfg.capacity if batched else 1),
            "MLXQ_MAX_JOBS": "0" if batched else "1"}
-    log_path = out / "logs" / f"worker-{size}-{kind}.log"
+    log_path = site.out / "logs" / f"worker-{size}-{kind}.log"
     log_path.unlink(missing_ok=True)
     worker = WorkerProcess(env, log_path).start()
     try:
@@ -500,8 +562,10 @@ def _worker_phase(kind: str, size: str, model: str, url: str, cfg: BenchConfig, 
         assert worker.proc is not None
         blas = blas_of(worker.proc.pid)
         _say(f"[{size}] {kind}: worker ready (capacity {env['MLXQ_BATCH_CAPACITY']}, {blas})")
-        driven = asyncio.run(_drive_worker(url, prefix, size, cfg, batched))
+        ctx = _DriveContext(site.url, prefix, size, cfg, worker, _CpuMeter(worker.proc.pid, site.redis_pid))
+        driven = asyncio.run(_drive_batched(ctx, raw) if raw is not None else _drive_serial(ctx))
     finally:
+        worker.signal(signal.SIGCONT)
         code = worker.stop()
     stats = parse_stats(log_path)
     if stats is None:
@@ -510,32 +574,86 @@ def _worker_phase(kind: str, size: str, model: str, url: str, cfg: BenchConfig, 
 
 
 def parse_stats(log_path: Path) -> WorkerStats | None:
-    """The last ``stats:`` line of a worker log, or None."""
-    matches = _STATS_RE.findall(log_path.read_text(errors="replace")) if log_path.exists() else []
-    return WorkerStats(*(int(v) for v in matches[-1])) if matches else None
+    """The last ``stats: engine_steps=N redis_writes=N events=N ...`` line of a worker log, or None."""
+    lines = _STATS_LINE_RE.findall(log_path.read_text(errors="replace")) if log_path.exists() else []
+    if not lines:
+        return None
+    counters = {k: int(v) for k, v in _KEY_VALUE_RE.findall(lines[-1])}
+    known = {k: counters.pop(k, 0) for k in ("engine_steps", "redis_writes", "events")}
+    return WorkerStats(**known, other=counters)
 
 
-async def _drive_worker(url: str, prefix: str, model: str, cfg: BenchConfig, batched: bool) -> _Driven:
-    kind = "queue" if batched else "serial"
-    async with Client(url, prefix=prefix) as client:
+@contextlib.contextmanager
+def _frozen(worker: WorkerProcess) -> Iterator[None]:
+    """SIGSTOP the idle worker around a raw run: its polling (~5% of a core) must not tax the ceiling."""
+    worker.signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        worker.signal(signal.SIGCONT)
+
+
+async def _drive_batched(ctx: _DriveContext, raw: RawPath) -> _Driven:
+    """Raw and queue run by run in turn (background load hits both alike), then probes and cancels."""
+    cfg, model = ctx.cfg, ctx.model
+    async with Client(ctx.url, prefix=ctx.prefix) as client:
         await client.generate(model=model, prompt="warm up", max_tokens=cfg.warmup_tokens, timeout=_TIMEOUT_S)
-        before = await _commandstats(url)
+        before = await _commandstats(ctx.url)
+        pairs = {n: await _measure_pair(ctx, client, raw, n) for n in cfg.concurrency}
+        commands = _delta(before, await _commandstats(ctx.url))
+        raw_probe, queue_probe = await _probe_pair(ctx, client, raw)
+        cancel = await _cancel_phase(client, model, cfg)
+    queue = _Measured({n: q for n, (_, q) in pairs.items()}, ctx.meter.stop(), queue_probe)
+    raw_measured = _Measured({n: r for n, (r, _) in pairs.items()}, raw.meter.stop(), raw_probe)
+    return _Driven(queue, cancel, commands, raw_measured)
+
+
+async def _measure_pair(ctx: _DriveContext, client: Client, raw: RawPath, n: int) -> tuple[PathResult, PathResult]:
+    """Warm both paths at N, then alternate measured raw and queue runs."""
+    prompts, cfg = _prompts(n), ctx.cfg
+    with _frozen(ctx.worker):
+        await raw.run(prompts, cfg.warmup_tokens)
+    await _queue_run(client, ctx.model, prompts, cfg.warmup_tokens)
+    raw_runs: list[Run] = []
+    queue_runs: list[Run] = []
+    for _ in range(cfg.repeats):
+        with _frozen(ctx.worker), raw.meter.running():
+            raw_runs.append(await raw.run(prompts, cfg.max_tokens))
+        with ctx.meter.running():
+            queue_runs.append(await _queue_run(client, ctx.model, prompts, cfg.max_tokens))
+    r, q = PathResult.of(raw_runs), PathResult.of(queue_runs)
+    _say(f"[{ctx.model}] N={n:<3} raw {r.tok_s:8.1f} tok/s (runs {_fmt_runs(r)}); "
+         f"queue {q.tok_s:8.1f} tok/s (runs {_fmt_runs(q)})")
+    return r, q
+
+
+async def _probe_pair(ctx: _DriveContext, client: Client, raw: RawPath) -> tuple[list[float], list[float]]:
+    """TTFT of single requests, raw and queue in turn."""
+    raw_ttft: list[float] = []
+    queue_ttft: list[float] = []
+    for k in range(ctx.cfg.ttft_probes):
+        prompts = _prompts(1, _PROBE_OFFSET + k)
+        with _frozen(ctx.worker):
+            raw_ttft += (await raw.run(prompts, _PROBE_TOKENS)).ttft_ms
+        queue_ttft += (await _queue_run(client, ctx.model, prompts, _PROBE_TOKENS)).ttft_ms
+    return raw_ttft, queue_ttft
+
+
+async def _drive_serial(ctx: _DriveContext) -> _Driven:
+    """The one-job-at-a-time worker: its batch shape never changes, so one full-length job warms it."""
+    cfg = ctx.cfg
+    async with Client(ctx.url, prefix=ctx.prefix) as client:
+        await client.generate(model=ctx.model, prompt="warm up", max_tokens=cfg.max_tokens, timeout=_TIMEOUT_S)
+        before = await _commandstats(ctx.url)
         paths: dict[int, PathResult] = {}
         for n in cfg.concurrency:
-            if batched:  # the serial worker's batch shape never changes: its first job warmed it
-                await _queue_run(client, model, _prompts(n), cfg.warmup_tokens)
-            runs = [await _queue_run(client, model, _prompts(n), cfg.max_tokens)
-                    for _ in range(cfg.repeats if batched else cfg.serial_repeats)]
+            with ctx.meter.running():
+                runs = [await _queue_run(client, ctx.model, _prompts(n), cfg.max_tokens)
+                        for _ in range(cfg.serial_repeats)]
             paths[n] = PathResult.of(runs)
-            _say(f"[{model}] {kind:6} N={n:<3} {paths[n].tok_s:8.1f} tok/s  (runs {_fmt_runs(paths[n])})")
-        stats = _delta(before, await _commandstats(url))
-        if not batched:
-            return _Driven(paths, [], None, stats)
-        probe: list[float] = []
-        for k in range(cfg.ttft_probes):
-            probe += (await _queue_run(client, model, _prompts(1, _PROBE_OFFSET + k), _PROBE_TOKENS)).ttft_ms
-        cancel = await _cancel_phase(client, model, cfg)
-    return _Driven(paths, probe, cancel, stats)
+            _say(f"[{ctx.model}] N={n:<3} serial {paths[n].tok_s:8.1f} tok/s (runs {_fmt_runs(paths[n])})")
+        commands = _delta(before, await _commandstats(ctx.url))
+    return _Driven(_Measured(paths, ctx.meter.stop()), None, commands)
 
 
 async def _queue_run(client: Client, model: str, prompts: list[str], max_tokens: int) -> Run:
@@ -571,10 +689,56 @@ async def _commandstats(url: str) -> dict[str, int]:
 
 
 def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    keep = ("publish", "xadd", "expire", "xrange", "subscribe")
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in keep}
-    delta["total"] = sum(after.values()) - sum(before.values())
-    return delta
+    """Calls per command between two snapshots (nonzero only, most first), plus ``total``."""
+    delta = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0) > 0}
+    ordered = dict(sorted(delta.items(), key=lambda kv: -kv[1]))
+    return {"total": sum(delta.values()), **ordered}
+
+
+class _CpuMeter:
+    """CPU seconds of this process, the worker and Redis, summed over the windows between resume and pause."""
+
+    def __init__(self, worker_pid: int | None, redis_pid: int | None) -> None:
+        self._pids: dict[str, int | str | None] = {"bench": "self", "worker": worker_pid, "redis": redis_pid}
+        self._spent = dict.fromkeys(self._pids, 0.0)
+        self._wall = 0.0
+        self._mark: tuple[float, dict[str, float]] | None = None
+
+    def resume(self) -> None:
+        self._mark = (time.perf_counter(), {k: _cpu_seconds(p) for k, p in self._pids.items()})
+
+    def pause(self) -> None:
+        if self._mark is None:
+            return
+        t0, start = self._mark
+        self._wall += time.perf_counter() - t0
+        for k, p in self._pids.items():
+            self._spent[k] += _cpu_seconds(p) - start[k]
+        self._mark = None
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        self.resume()
+        try:
+            yield
+        finally:
+            self.pause()
+
+    def stop(self) -> CpuUse:
+        self.pause()
+        s = self._spent
+        return CpuUse(self._wall, s["bench"], s["worker"], s["redis"])
+
+
+def _cpu_seconds(pid: int | str | None) -> float:
+    """utime + stime of a process (all its threads), from /proc; 0.0 where that is unavailable."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # --- cancel latency --------------------------------------------------------------------------------
@@ -690,7 +854,8 @@ def write_outputs(result: BenchResult, out: Path) -> str:
 def render_markdown(result: BenchResult) -> str:
     """``results.md``: a header, the main table, then one section per measurement and the targets."""
     return "\n".join([*_md_header(result), *_md_table(result), *_md_ttft(result), *_md_cancel(result),
-                      *_md_round_trips(result), *_md_enqueue(result), *_md_targets(result)])
+                      *_md_round_trips(result), *_md_cpu(result), *_md_enqueue(result),
+                      *_md_targets(result)])
 
 
 def _md_header(result: BenchResult) -> list[str]:
@@ -699,12 +864,18 @@ def _md_header(result: BenchResult) -> list[str]:
         "# mlxq bench", "",
         f"{m['date']} · {m['cpus']} cores · BLAS: **{m['blas']}** · mlx {m['mlx']} · "
         f"mlx-lm {m['mlx_lm']} · arq {m['arq']} · redis {m.get('redis', '?')} · python {m['python']} · "
-        f"run time {result.seconds:.0f} s",
+        f"run time {result.seconds:.0f} s · load average at start {m['loadavg_start']}, "
+        f"at end {m.get('loadavg_end', '?')} (other processes skew every number)",
         "",
+        *([f"**Warning: mlx-cpu's bundled BLAS ran; batching gains little with it** (install OpenBLAS: "
+           f"`apt-get install libopenblas0-pthread`, then `mlxq bench` preloads {OPENBLAS}).", ""]
+          if m["blas"].startswith("bundled") else []),
         f"Generated random-weight models; greedy; max_tokens {c.max_tokens}; prompts \"{PROMPT}\". "
-        f"Throughput: best of {c.repeats} run(s) for raw and queue, {c.serial_repeats} for serial, after a "
-        "warm-up; aggregate tok/s = completion tokens / (first submit → last terminal event). "
-        "TTFT pooled over those runs (raw: insert → first token; queue: submit → first token event).",
+        f"Throughput: best of {c.repeats} run(s) for raw and queue, which alternate run by run at each N "
+        "(the idle queue worker SIGSTOPped during raw runs), and of "
+        f"{c.serial_repeats} for serial, each after a warm-up. Aggregate tok/s = completion tokens / "
+        "(first submit → last terminal event; raw: insert → last token). TTFT pooled over those runs "
+        "(raw: insert → first token; queue: submit → first token event).",
         "",
     ]
 
@@ -726,7 +897,7 @@ def _md_table(result: BenchResult) -> list[str]:
 
 def _md_ttft(result: BenchResult) -> list[str]:
     lines = ["## TTFT at N=1", "",
-             f"{result.config.ttft_probes} sequential single requests per path "
+             f"{result.config.ttft_probes} sequential single requests per path, raw and queue in turn "
              f"(max_tokens {_PROBE_TOKENS}).", "",
              "| size | raw p50 | raw p99 | queue p50 | queue p99 | added p50 | added p99 |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -756,19 +927,37 @@ def _md_cancel(result: BenchResult) -> list[str]:
 def _md_round_trips(result: BenchResult) -> list[str]:
     lines = ["## Redis round trips per engine step", "",
              "From each worker's `stats:` line (its whole life: warm-up, runs, probes, cancels): "
-             "event-publishing pipelines / engine steps. `publish`/`xadd`: Redis `INFO commandstats` deltas "
-             "over the queue path's throughput runs.", "",
-             "| size | worker | engine steps | redis writes | events | dropped | writes/step "
-             "| publish | xadd |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "event-publishing pipelines / engine steps. Commands: Redis `INFO commandstats` deltas over the "
+             "queue path's throughput runs (every client: worker, arq, producer).", "",
+             "| size | worker | engine steps | redis writes | events | other counters | writes/step "
+             "| publish | xadd | all commands | top commands |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for s in result.sizes:
         t = s.round_trips
         for kind, w in (("queue", t.queue_worker), ("serial", t.serial_worker)):
-            cmd = "- | -"
+            cmd = "- | - | - | -"
             if kind == "queue":
-                cmd = f"{t.commandstats.get('publish', 0)} | {t.commandstats.get('xadd', 0)}"
+                c = t.commandstats
+                top = ", ".join(f"{k} {v}" for k, v in list(c.items())[1:6])
+                cmd = f"{c.get('publish', 0)} | {c.get('xadd', 0)} | {c.get('total', 0)} | {top}"
+            other = " ".join(f"{k}={v}" for k, v in w.other.items()) or "-"
             lines.append(f"| {s.size} | {kind} | {w.engine_steps} | {w.redis_writes} | {w.events} "
-                         f"| {w.dropped} | {w.writes_per_step:.3f} | {cmd} |")
+                         f"| {other} | {w.writes_per_step:.3f} | {cmd} |")
+    return [*lines, ""]
+
+
+def _md_cpu(result: BenchResult) -> list[str]:
+    cpus = result.machine["cpus"] or 1
+    lines = ["## CPU during the throughput runs", "",
+             f"CPU seconds per process over the measured runs (warm-ups excluded); {cpus} cores give "
+             f"{cpus} s per wall second. bench = this process (the model on the raw path, the client otherwise).",
+             "", "| size | path | wall s | bench s | worker s | redis s | cores busy |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for s in result.sizes:
+        for path, c in s.cpu.items():
+            busy = (c.bench_s + c.worker_s + c.redis_s) / c.wall_s if c.wall_s else 0.0
+            lines.append(f"| {s.size} | {path} | {c.wall_s:.2f} | {c.bench_s:.2f} | {c.worker_s:.2f} "
+                         f"| {c.redis_s:.2f} | {busy:.2f} |")
     return [*lines, ""]
 
 

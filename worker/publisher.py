@@ -111,6 +111,10 @@ class Publisher:
         groups: dict[str, tuple[Job, list[Event]]] = {}
         for job, ev in items:
             groups.setdefault(job.rid, (job, []))[1].append(ev)
+        for job, events in groups.values():
+            if mode == "release" or any(is_terminal(ev) for ev in events):
+                # The write drops the lease: the lease keeper must not take that for a lost lease.
+                self.jobs.pop(job.rid, None)
         async with self._lock:
             written = await self._send(list(groups.values()), mode)
         for (job, events), ok in zip(groups.values(), written):

@@ -47,6 +47,7 @@ class RedisServer:
     def __init__(self, *, tcp: bool = False, appendonly: bool = False, directory: str | None = None) -> None:
         self.dir = Path(directory or tempfile.mkdtemp(prefix="mlxq-redis-"))
         self._own_dir = directory is None
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.socket_path = self.dir / "redis.sock"
         self.port = _free_port() if tcp else 0
         self.appendonly = appendonly

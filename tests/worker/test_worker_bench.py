@@ -98,10 +98,16 @@ def test_ttft_probe_cancel_round_trips_and_enqueue_are_measured(results: dict[st
     trips = size["round_trips"]
     for worker in ("queue", "serial"):
         stats = trips[f"{worker}_worker"]
-        assert stats["engine_steps"] > 0 and stats["redis_writes"] > 0 and stats["dropped"] == 0
+        assert stats["engine_steps"] > 0 and stats["redis_writes"] > 0 and stats["events"] > 0
+        assert stats["other"].get("dropped", 0) == 0
         assert trips[f"{worker}_writes_per_step"] == pytest.approx(stats["redis_writes"] / stats["engine_steps"])
         assert trips[f"{worker}_writes_per_step"] <= 1.0
     assert trips["commandstats"]["publish"] > 0 and trips["commandstats"]["xadd"] > 0
+    assert trips["commandstats"]["total"] >= trips["commandstats"]["publish"]
+    for path in ("raw", "queue", "serial"):
+        cpu = size["cpu"][path]
+        assert cpu["wall_s"] > 0 and cpu["bench_s"] >= 0 and cpu["redis_s"] >= 0
+        assert (cpu["worker_s"] > 0) is (path != "raw")
     enq = results["enqueue"]
     assert enq["jobs"] == 200 and enq["sequential_jobs_s"] > 0 and enq["gathered_jobs_s"] > 0
 
@@ -158,7 +164,7 @@ def test_parse_stats_takes_the_last_stats_line(tmp_path: Path) -> None:
     log = tmp_path / "w.log"
     assert bench.parse_stats(log) is None
     log.write_text("x stats: engine_steps=1 redis_writes=1 events=2 dropped=0\n"
-                   "12:00 INFO worker.service: stats: engine_steps=10 redis_writes=8 events=30 dropped=1\n")
+                   "12:00 INFO worker.service: stats: engine_steps=10 redis_writes=8 events=30 fenced=0 reaped=1\n")
     stats = bench.parse_stats(log)
-    assert stats == bench.WorkerStats(10, 8, 30, 1)
+    assert stats == bench.WorkerStats(10, 8, 30, {"fenced": 0, "reaped": 1})
     assert stats.writes_per_step == pytest.approx(0.8)

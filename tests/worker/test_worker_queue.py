@@ -345,3 +345,10 @@ async def test_payload_on_the_wire_is_json(worker: RunningWorker, client: Client
     assert raw is not None
     assert json.loads(raw)["a"][0]["prompt"] == "no pickle"
     await client.result(req.id, timeout=60)
+
+
+async def test_following_an_unknown_job_raises_job_not_found(client: Client) -> None:
+    from api.errors import JobNotFound
+
+    with pytest.raises(JobNotFound):
+        await collect(client, "no-such-job", timeout=30)

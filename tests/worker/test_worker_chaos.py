@@ -1,0 +1,249 @@
+"""Load, chaos and soak: a cancel storm, random kills and Redis restarts, and 2,000 jobs of hygiene.
+
+Traffic goes to loopback only; every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import psutil
+import pytest
+import redis.asyncio as aredis
+from mlx_lm.generate import generate_step
+
+from api.client import Client
+from api.schema import DoneEvent, ErrorEvent, Event, FinishReason
+from engine.prompt import encode_prompt
+from tests.support import RunningWorker, config_with, start_worker
+from worker.process import WorkerProcess
+from worker.redis_server import RedisServer
+
+PROMPTS = [f"prompt {i}: " + "the quick brown fox " * (i % 4) for i in range(10)]
+
+
+class Overlap:
+    """Wraps the batch's methods to count threads inside MLX at once, and which threads enter."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.inside = 0
+        self.max_inside = 0
+        self.threads: set[int] = set()
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with self.lock:
+                self.inside += 1
+                self.max_inside = max(self.max_inside, self.inside)
+                self.threads.add(threading.get_ident())
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self.lock:
+                    self.inside -= 1
+
+        return wrapped
+
+
+def reference_ids(lm: Any, prompt: str, max_tokens: int) -> list[int]:
+    model, tokenizer = lm
+    out: list[int] = []
+    for tok, _ in generate_step(mx.array(encode_prompt(tokenizer, prompt, None)), model, max_tokens=max_tokens):
+        if int(tok) in tokenizer.eos_token_ids:
+            break
+        out.append(int(tok))
+    return out
+
+
+def check_terminal(rid: str, events: list[Event]) -> Event:
+    ends = [i for i, e in enumerate(events) if e.type in ("done", "error")]
+    assert ends == [len(events) - 1], f"{rid}: terminal events at {ends}: {[e.type for e in events]}"
+    assert [e.seq for e in events] == list(range(len(events))), rid
+    return events[-1]
+
+
+async def test_cancel_storm(worker_config: Any, client: Client, tiny_model: Path) -> None:
+    import mlx_lm
+
+    lm = mlx_lm.load(str(tiny_model))
+    expected = {p: reference_ids(lm, p, 24) for p in PROMPTS}
+    running: RunningWorker = await start_worker(config_with(worker_config, capacity=16))
+    overlap = Overlap()
+    backend = running.service.engine.scheduler.backend
+    for name in ("insert", "remove", "step"):
+        setattr(backend, name, overlap.wrap(getattr(backend, name)))
+    rng = random.Random(1234)
+    try:
+        jobs = [(PROMPTS[i % len(PROMPTS)], i % 2 == 1) for i in range(200)]
+        rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=24) for p, _ in jobs))
+
+        async def run(rid: str, cancel: bool) -> list[Event]:
+            if cancel:
+                await asyncio.sleep(rng.uniform(0, 1.0))
+                await client.cancel(rid)
+            return [e async for e in client.events(rid, timeout=120)]
+
+        results = await asyncio.gather(*(run(rid, c) for rid, (_, c) in zip(rids, jobs)))
+    finally:
+        await running.close()
+    cancelled = 0
+    for rid, (prompt, cancel), events in zip(rids, jobs, results):
+        end = check_terminal(rid, events)
+        assert isinstance(end, DoneEvent)
+        if end.finish_reason is FinishReason.CANCELLED:
+            assert cancel, f"{rid} was cancelled without being asked"
+            cancelled += 1
+        else:
+            assert [t for e in events if e.type == "token" for t in e.token_ids] == expected[prompt]
+    assert cancelled >= 50  # the storm really hit jobs in flight or queued
+    assert overlap.max_inside == 1
+    assert len(overlap.threads) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+async def test_chaos_kills_terms_and_redis_restarts(tiny_model: Path, tmp_path: Path) -> None:
+    rng = random.Random(7)
+    server = RedisServer(appendonly=True, directory=str(tmp_path / "redis")).start()
+    env = {"MLXQ_MODEL": str(tiny_model), "MLXQ_MODEL_NAME": "tiny", "MLXQ_REDIS_URL": server.url,
+           "MLXQ_BATCH_CAPACITY": "16", "MLXQ_LEASE_TTL": "2", "MLXQ_REAP_INTERVAL": "0.5",
+           "MLXQ_DRAIN_TIMEOUT": "0.5", "MLXQ_MAX_TRIES": "6"}
+    workers = [WorkerProcess(env, tmp_path / f"w{i}.log").start() for i in range(3)]
+    counts = {"kill": 0, "term": 0, "redis_restart": 0}
+    try:
+        for w in workers:
+            await asyncio.to_thread(w.wait_ready, 120)
+        async with Client(server.url) as client:
+            specs = [(PROMPTS[i % len(PROMPTS)], rng.randint(20, 200)) for i in range(240)]
+            rids = [await client.submit(model="tiny", prompt=p, max_tokens=m) for p, m in specs]
+            stamped: dict[str, list[tuple[float, Event]]] = {rid: [] for rid in rids}
+
+            async def follow(rid: str) -> None:
+                async for ev in client.events(rid, timeout=240):
+                    stamped[rid].append((time.monotonic(), ev))
+
+            followers = asyncio.gather(*(follow(rid) for rid in rids))
+            await _chaos(rng, workers, server, counts, followers, duration=40.0)
+            try:
+                await asyncio.wait_for(asyncio.shield(followers), 90)
+            except asyncio.TimeoutError:
+                stuck = [rid for rid in rids if not stamped[rid] or stamped[rid][-1][1].type not in ("done", "error")]
+                pytest.fail(f"{len(stuck)} jobs stuck: {await _diagnose(server.url, stuck[:5], stamped)}")
+        stalls, resets, lost = _check_chaos(stamped, specs)
+        print(f"chaos: {len(rids)} jobs, {counts['kill']} SIGKILL, {counts['term']} SIGTERM, "
+              f"{counts['redis_restart']} Redis restarts; {resets} resets, {lost} worker_lost; "
+              f"max gap between a job's events {max(stalls):.2f}s")
+        assert counts["kill"] >= 2 and counts["redis_restart"] >= 1
+    finally:
+        for w in workers:
+            w.kill()
+        server.close()
+
+
+async def _diagnose(url: str, rids: list[str], stamped: dict[str, list[tuple[float, Event]]]) -> list[str]:
+    r = aredis.Redis.from_url(url)
+    out = []
+    for rid in rids:
+        pipe = r.pipeline(transaction=False)
+        pipe.hget("mlxq:running", rid)
+        pipe.get(f"mlxq:{{{rid}}}:lease")
+        pipe.zscore("mlxq:queue:tiny", rid)
+        pipe.exists(f"arq:in-progress:{rid}")
+        pipe.get(f"arq:retry:{rid}")
+        pipe.exists(f"arq:job:{rid}")
+        pipe.exists(f"arq:result:{rid}")
+        running, lease, score, inprog, tries, job, result = await pipe.execute()
+        last = [e.type for _, e in stamped[rid]][-3:]
+        out.append(f"{rid}: last={last} running={running} lease={lease} queued={score is not None} "
+                   f"in_progress={inprog} tries={tries} job={job} result={result}")
+    await r.aclose()
+    return out
+
+
+async def _chaos(rng: random.Random, workers: list[WorkerProcess], server: RedisServer,
+                 counts: dict[str, int], followers: asyncio.Future[Any], duration: float) -> None:
+    """Every ~2.5 s: SIGKILL or SIGTERM a worker (and start it again), or restart Redis."""
+    end = time.monotonic() + duration
+    actions = ["kill", "kill", "term", "redis_restart"]
+    i = 0
+    while time.monotonic() < end and not followers.done():
+        await asyncio.sleep(rng.uniform(1.5, 3.5))
+        action = actions[i % len(actions)]
+        i += 1
+        if action == "redis_restart":
+            await asyncio.to_thread(server.restart)
+        else:
+            w = rng.choice(workers)
+            w.signal(signal.SIGKILL if action == "kill" else signal.SIGTERM)
+            assert w.proc is not None
+            await asyncio.to_thread(w.proc.wait, 60)
+            w.start()
+        counts[action] += 1
+
+
+def _check_chaos(stamped: dict[str, list[tuple[float, Event]]], specs: list[tuple[str, int]]
+                 ) -> tuple[list[float], int, int]:
+    stalls, resets, lost = [], 0, 0
+    for (rid, items), (_, max_tokens) in zip(stamped.items(), specs):
+        events = [e for _, e in items]
+        end = check_terminal(rid, events)
+        times = [t for t, _ in items]
+        stalls.append(max((b - a for a, b in itertools.pairwise(times)), default=0.0))
+        resets += sum(e.type == "reset" for e in events)
+        if isinstance(end, ErrorEvent):
+            assert end.code.value == "worker_lost", end
+            lost += 1
+            continue
+        assert isinstance(end, DoneEvent) and end.usage.completion_tokens == max_tokens
+        runs = [""]
+        for e in events:
+            if e.type == "reset":
+                runs.append("")
+            elif e.type == "token":
+                runs[-1] += e.text
+        assert all(runs[-1].startswith(r) for r in runs[:-1]), f"{rid}: a re-run diverged"
+    return stalls, resets, lost
+
+
+@pytest.mark.slow
+async def test_soak_2000_jobs_leaves_redis_at_baseline_and_rss_flat(tiny_model: Path, tmp_path: Path,
+                                                                    redis_url: str) -> None:
+    env = {"MLXQ_MODEL": str(tiny_model), "MLXQ_MODEL_NAME": "tiny", "MLXQ_REDIS_URL": redis_url,
+           "MLXQ_BATCH_CAPACITY": "32", "MLXQ_DONE_TTL": "3", "MLXQ_KEEP_RESULT": "3"}
+    worker = WorkerProcess(env, tmp_path / "soak.log").start()
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        await asyncio.to_thread(worker.wait_ready, 120)
+        baseline = await r.dbsize()  # the worker's health-check key
+        assert worker.proc is not None
+        proc = psutil.Process(worker.proc.pid)
+        async with Client(redis_url) as client:
+            rss_warm = 0
+            for wave in range(10):
+                rids = await asyncio.gather(*(
+                    client.submit(model="tiny", prompt=PROMPTS[i % 10], max_tokens=4) for i in range(200)
+                ))
+                results = await asyncio.gather(*(client.result(rid, timeout=120) for rid in rids))
+                assert all(res.usage.completion_tokens == 4 for res in results)
+                if wave == 1:
+                    rss_warm = proc.memory_info().rss
+            rss_end = proc.memory_info().rss
+        await asyncio.sleep(4)  # replay logs and arq results expire (3 s TTLs here)
+        remaining = await r.dbsize()
+        print(f"soak: 2000 jobs; RSS after warm-up {rss_warm / 2**20:.1f} MiB, at end {rss_end / 2**20:.1f} "
+              f"MiB ({(rss_end / rss_warm - 1) * 100:+.1f}%); keys {baseline} -> {remaining}")
+        assert remaining == baseline, [k async for k in r.scan_iter()]
+        assert rss_end <= rss_warm * 1.05
+    finally:
+        await r.aclose()
+        worker.kill()
