@@ -54,9 +54,11 @@ class Result:
 class Client:
     """Async client for one mlxq deployment. Use as ``async with Client(url) as client:``."""
 
-    def __init__(self, redis_url: str | None = None, *, prefix: str | None = None) -> None:
+    def __init__(self, redis_url: str | None = None, *, prefix: str | None = None,
+                 max_payload_bytes: int = 1 << 20) -> None:
         env = ClientConfig.from_env()
         self.keys = Keys(prefix or env.prefix)
+        self.max_payload_bytes = max_payload_bytes  # as the workers' MLXQ_MAX_PAYLOAD_BYTES
         self._redis = arq_pool(redis_url or env.redis_url)
 
     async def __aenter__(self) -> Client:
@@ -70,11 +72,18 @@ class Client:
         await self._redis.aclose()
 
     # --- producing ---------------------------------------------------------------------------------
-    async def submit(self, request: GenerateRequest | None = None, /, **fields: Any) -> str:
-        """Validate and enqueue a job on its model's queue; returns its id (the arq job id)."""
-        req = request if request is not None else _build(fields)
+    async def submit(self, request: GenerateRequest | dict[str, Any] | None = None, /, **fields: Any) -> str:
+        """Validate and enqueue a job on its model's queue; returns its id (the arq job id).
+
+        Pass a :class:`GenerateRequest`, a dict of its fields, or the fields as keywords.
+        """
+        req = _request(request, fields)
+        payload = req.model_dump(mode="json")
+        size = len(req.model_dump_json())
+        if size > self.max_payload_bytes:
+            raise BadRequest(f"the request has {size} bytes of JSON; the limit is {self.max_payload_bytes}")
         job = await self._redis.enqueue_job(
-            JOB_FUNCTION, req.model_dump(mode="json"), _job_id=req.id, _queue_name=self.keys.queue(req.model)
+            JOB_FUNCTION, payload, _job_id=req.id, _queue_name=self.keys.queue(req.model)
         )
         if job is None:
             raise DuplicateJob(f"a job with id {req.id!r} already exists")
@@ -210,12 +219,16 @@ class Client:
                 await asyncio.shield(self.cancel(rid))
 
 
-def _build(fields: dict[str, Any]) -> GenerateRequest:
+def _request(request: Any, fields: dict[str, Any]) -> GenerateRequest:
+    if isinstance(request, GenerateRequest) and not fields:
+        return request
+    if request is not None and fields:
+        raise BadRequest("pass a request or keyword fields, not both")
+    if request is not None and not isinstance(request, dict):
+        raise BadRequest(f"a request is a GenerateRequest or a dict, not {type(request).__name__}")
     try:
-        return GenerateRequest(**fields)
+        return GenerateRequest.model_validate(request if request is not None else fields)
     except ValidationError as exc:
-        raise BadRequest(str(exc)) from None
-    except TypeError as exc:
         raise BadRequest(str(exc)) from None
 
 

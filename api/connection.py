@@ -6,6 +6,7 @@ arq pickles job payloads by default; both sides here use JSON, so nothing execut
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from arq.connections import ArqRedis, RedisSettings
@@ -15,9 +16,10 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["JOB_FUNCTION", "arq_pool", "dumps_job", "loads_job", "redis_client", "redis_settings"]
+__all__ = ["JOB_FUNCTION", "UNDECODABLE", "arq_pool", "dumps_job", "loads_job", "redis_client", "redis_settings"]
 
 JOB_FUNCTION = "generate"  # the arq function name workers register
+UNDECODABLE = "__mlxq_undecodable__"  # payload key marking a job arq could not decode
 _RETRY_ON = [RedisConnectionError, RedisTimeoutError, OSError]
 
 
@@ -26,10 +28,36 @@ def dumps_job(data: dict[str, Any]) -> bytes:
     return json.dumps(data, separators=(",", ":"), default=str).encode()
 
 
-def loads_job(data: bytes) -> dict[str, Any]:
-    """arq ``job_deserializer``."""
-    result: dict[str, Any] = json.loads(data)
+def loads_job(data: bytes, max_bytes: int | None = None) -> dict[str, Any]:
+    """arq ``job_deserializer``: JSON. It never raises.
+
+    arq fails a job it cannot decode before the job function runs, so nobody would ever publish its
+    terminal event (and some malformed envelopes crash arq's poll loop). Such a job instead becomes a call
+    of the job function with an ``{UNDECODABLE: reason}`` payload, which the worker ends with
+    ``error(bad_request)``.
+    """
+    try:
+        if max_bytes is not None and len(data) > max_bytes:
+            raise ValueError(f"the job payload has {len(data)} bytes; the limit is {max_bytes}")
+        envelope = json.loads(data)
+        _check_envelope(envelope)
+    except (ValueError, TypeError, RecursionError) as exc:
+        reason = str(exc) if len(str(exc)) <= 300 else str(exc)[:300] + "..."
+        return {"f": JOB_FUNCTION, "a": [{UNDECODABLE: reason}], "k": {}, "t": None, "et": int(time.time() * 1000)}
+    result: dict[str, Any] = envelope
     return result
+
+
+def _check_envelope(d: Any) -> None:
+    if not isinstance(d, dict):
+        raise ValueError("the job is not a JSON object")
+    checks = {"f": (str,), "a": (list,), "k": (dict,), "t": (int, type(None)), "et": (int,)}
+    for key, types in checks.items():
+        value = d.get(key)
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise ValueError(f"malformed job envelope: {key!r} is {type(value).__name__}")
+    if d["f"] != JOB_FUNCTION:
+        raise ValueError(f"unknown job function {d['f'][:64]!r}")
 
 
 def _retry() -> Retry:

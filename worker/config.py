@@ -34,6 +34,9 @@ class WorkerConfig:
     job_timeout_s: float = 600.0  # MLXQ_JOB_TIMEOUT: a job's deadline inside the engine
     max_tokens_limit: int = 8192  # MLXQ_MAX_TOKENS: largest max_tokens accepted
     max_prompt_tokens: int = 32768  # MLXQ_MAX_PROMPT_TOKENS
+    max_payload_bytes: int = 1 << 20  # MLXQ_MAX_PAYLOAD_BYTES: a job's JSON, checked before decoding it
+    max_stop_strings: int = 16  # MLXQ_MAX_STOP_STRINGS
+    max_stop_chars: int = 256  # MLXQ_MAX_STOP_CHARS: length of one stop string
     max_tries: int = 3  # MLXQ_MAX_TRIES: runs of one job (after worker loss or shutdown)
     cancel_poll_s: float = 0.25  # MLXQ_CANCEL_POLL: backstop poll of cancel keys (pub/sub is the fast path)
     drain_timeout_s: float = 30.0  # MLXQ_DRAIN_TIMEOUT: on SIGTERM, how long running jobs may finish
@@ -84,6 +87,9 @@ class WorkerConfig:
             job_timeout_s=float(env.get("MLXQ_JOB_TIMEOUT", d.job_timeout_s)),
             max_tokens_limit=int(env.get("MLXQ_MAX_TOKENS", d.max_tokens_limit)),
             max_prompt_tokens=int(env.get("MLXQ_MAX_PROMPT_TOKENS", d.max_prompt_tokens)),
+            max_payload_bytes=int(env.get("MLXQ_MAX_PAYLOAD_BYTES", d.max_payload_bytes)),
+            max_stop_strings=int(env.get("MLXQ_MAX_STOP_STRINGS", d.max_stop_strings)),
+            max_stop_chars=int(env.get("MLXQ_MAX_STOP_CHARS", d.max_stop_chars)),
             max_tries=int(env.get("MLXQ_MAX_TRIES", d.max_tries)),
             cancel_poll_s=float(env.get("MLXQ_CANCEL_POLL", d.cancel_poll_s)),
             drain_timeout_s=float(env.get("MLXQ_DRAIN_TIMEOUT", d.drain_timeout_s)),

@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from api.keys import Keys, log_entry_id
 from api.schema import Event, is_terminal
-from engine.request import RequestOutput
+from engine.request import RequestOutput, coalesce
 
 from .job import Job
 from .scripts import EMIT, Script, is_noscript
@@ -90,7 +90,7 @@ class Publisher:
             await self._wake.wait()
             self._wake.clear()
             batch, self._pending = self._pending, []
-            await self.write(self._events_of(batch))
+            await self.write(self._events_of(coalesce(batch)))
 
     def _events_of(self, outs: list[RequestOutput]) -> list[tuple[Job, Event]]:
         items: list[tuple[Job, Event]] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from arq.constants import in_progress_key_prefix, job_key_prefix, retry_key_prefix
 from redis.asyncio import Redis
@@ -86,16 +87,19 @@ class Reaper:
         seq = last.seq + 1 if last is not None else 0
         tries = int(tries_raw or 0)
         if tries < self.max_tries and job_exists:
-            await self._requeue(rid, ResetEvent(id=rid, seq=seq, reason="worker lost; job re-queued",
+            await self._requeue(rid, queue, ResetEvent(id=rid, seq=seq, reason="worker lost; job re-queued",
                                                 attempt=tries + 1))
         else:
             msg = f"the worker running this job was lost (try {tries} of {self.max_tries})"
             await self._give_up(rid, queue, ErrorEvent(id=rid, seq=seq, code=ErrorCode.WORKER_LOST,
                                                        message=msg, retryable=True))
 
-    async def _requeue(self, rid: str, event: Event) -> None:
+    async def _requeue(self, rid: str, queue: str, event: Event) -> None:
         if await self._emit(rid, event, "release"):
-            await self.redis.delete(in_progress_key_prefix + rid)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.delete(in_progress_key_prefix + rid)
+            pipe.zadd(queue, {rid: int(time.time() * 1000)})
+            await pipe.execute()
             self.reaped += 1
             log.info("job %s: worker lost; re-queued (%s)", rid, event.type)
 

@@ -21,7 +21,7 @@ from arq.worker import Retry
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from api.connection import redis_client
+from api.connection import UNDECODABLE, redis_client
 from api.schema import DoneEvent, ErrorCode, Event, FinishReason, GenerateRequest, ResetEvent, Usage, decode_event
 from engine.engine import Engine
 from engine.loader import EngineOptions, LoadedModel, start_engine
@@ -39,7 +39,8 @@ from .translate import error_event, timings, to_engine_request
 __all__ = ["BadRequest", "ModelService"]
 
 log = logging.getLogger(__name__)
-ENGINE_DEAD_EXIT = 70  # EX_SOFTWARE: the supervisor restarts the worker
+ENGINE_DEAD_EXIT = 70
+_INLINE_TOKENIZE_CHARS = 16_384  # EX_SOFTWARE: the supervisor restarts the worker
 
 
 class BadRequest(Exception):
@@ -140,7 +141,7 @@ class ModelService:
             return await self._emit(job, self._cancelled_event(job))
         try:
             req = self._validate(payload, job_id)
-            tokens = self._tokenize(req)
+            tokens = await self._tokenize_off_loop(req)
         except BadRequest as exc:
             log.info("job %s rejected: %s", job_id, exc)
             return await self._emit(job, error_event(job, ErrorCode.BAD_REQUEST, str(exc)))
@@ -151,9 +152,14 @@ class ModelService:
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.lease(job.rid), job.token, nx=True, px=int(self.config.lease_ttl_s * 1000))
         pipe.hset(self.keys.running(), job.rid, self.config.queue_name)
+        # Out of arq's queue while it runs: otherwise every arq poll (every few ms) re-examines every running
+        # job with WATCH/EXISTS/ZSCORE. Whoever hands the job back puts it back (see _requeue, the reaper).
+        pipe.zrem(self.config.queue_name, job.rid)
         pipe.xrevrange(self.keys.log(job.rid), count=1)
         pipe.exists(self.keys.cancel(job.rid))
-        acquired, _, entries, cancelled = await pipe.execute()
+        acquired, _, _, entries, cancelled = await pipe.execute()
+        if not acquired:
+            await self._requeue(job.rid, delay_s=self.config.lease_ttl_s)
         last = decode_event(entries[0][1][b"e"]) if entries else None
         return _Begin(bool(acquired), last, bool(cancelled))
 
@@ -189,7 +195,12 @@ class ModelService:
         reset = ResetEvent(id=job.rid, seq=job.next_seq(), reason="worker shutting down; job re-queued",
                            attempt=job.attempt + 1)
         await self.publisher.write([(job, reset)], mode="release")
+        await self._requeue(job.rid)
         log.info("job %s: interrupted; handed back to the queue", job.rid)
+
+    async def _requeue(self, rid: str, delay_s: float = 0.0) -> None:
+        """Put a job back in arq's queue (runnable after ``delay_s``)."""
+        await self.redis.zadd(self.config.queue_name, {rid: int((time.time() + delay_s) * 1000)})
 
     def _on_lease_lost(self, job: Job) -> None:
         if self.engine is not None:
@@ -213,11 +224,15 @@ class ModelService:
 
     # --- validation --------------------------------------------------------------------------------
     def _validate(self, payload: Any, job_id: str) -> GenerateRequest:
+        if isinstance(payload, dict) and UNDECODABLE in payload:
+            raise BadRequest(f"undecodable job: {payload[UNDECODABLE]}")
         try:
             req = GenerateRequest.model_validate(payload)
         except ValidationError as exc:
             raise BadRequest(_summarize(exc)) from None
         cfg = self.config
+        if len(req.stop) > cfg.max_stop_strings or any(len(s) > cfg.max_stop_chars for s in req.stop):
+            raise BadRequest(f"at most {cfg.max_stop_strings} stop strings of at most {cfg.max_stop_chars} chars")
         if req.id != job_id:
             raise BadRequest(f"request id {req.id!r} does not match job id {job_id!r}")
         if req.model not in (cfg.model, cfg.model_name):
@@ -225,6 +240,15 @@ class ModelService:
         if req.max_tokens > cfg.max_tokens_limit:
             raise BadRequest(f"max_tokens {req.max_tokens} exceeds this worker's limit {cfg.max_tokens_limit}")
         return req
+
+    async def _tokenize_off_loop(self, req: GenerateRequest) -> list[int]:
+        # A long prompt takes a while to tokenize: keep the event loop (events, leases) responsive.
+        chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
+        if chars > self.config.max_payload_bytes:
+            raise BadRequest(f"the prompt has {chars} characters; the limit is {self.config.max_payload_bytes}")
+        if chars < _INLINE_TOKENIZE_CHARS:
+            return self._tokenize(req)
+        return await asyncio.to_thread(self._tokenize, req)
 
     def _tokenize(self, req: GenerateRequest) -> list[int]:
         assert self.model is not None
@@ -249,7 +273,11 @@ class ModelService:
 def _summarize(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
-        where = ".".join(str(p) for p in err["loc"]) or "payload"
-        parts.append(f"{where}: {err['msg']}")
+        where = ".".join(_clip(str(p), 64) for p in err["loc"]) or "payload"
+        parts.append(f"{where}: {_clip(err['msg'], 300)}")
     more = f" (+{exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
     return "invalid request: " + "; ".join(parts) + more
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[:n] + "..."

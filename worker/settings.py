@@ -6,12 +6,13 @@ above the batch capacity, and a health-check key per worker. The model loads at 
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
 from arq.worker import func
 
-from api.connection import JOB_FUNCTION, dumps_job, loads_job, redis_settings
+from api.connection import JOB_FUNCTION, UNDECODABLE, dumps_job, loads_job, redis_settings
 
 from .config import WorkerConfig
 from .service import ModelService
@@ -33,7 +34,9 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
         if service is not None:
             await service.aclose()
 
-    async def generate(ctx: dict[str, Any], payload: Any) -> str:
+    async def generate(ctx: dict[str, Any], *args: Any, **kwargs: Any) -> str:
+        # Any arity arrives here (a malformed job must still end with an event): exactly one payload is valid.
+        payload = args[0] if len(args) == 1 and not kwargs else {UNDECODABLE: "the job must carry one payload"}
         service: ModelService = ctx["mlxq"]
         return await service.run_job(payload, ctx["job_id"], ctx["job_try"], ctx["enqueue_time"].timestamp())
 
@@ -50,7 +53,7 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
         "max_tries": config.max_tries,
         "keep_result": config.keep_result_s,
         "job_serializer": dumps_job,
-        "job_deserializer": loads_job,
+        "job_deserializer": functools.partial(loads_job, max_bytes=config.max_payload_bytes),
         "health_check_key": f"{config.queue_name}:health:{config.worker_id}",
         "health_check_interval": 10,
         # SIGTERM: stop taking jobs, let running ones finish for this long, then cancel (arq re-queues them).

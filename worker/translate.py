@@ -24,6 +24,7 @@ from .job import Job
 __all__ = ["output_events", "to_engine_request"]
 
 _ERROR_CODES = {c.value: c for c in ErrorCode}
+_MAX_MESSAGE = 2000
 _RETRYABLE = {ErrorCode.ENGINE_ERROR, ErrorCode.WORKER_LOST, ErrorCode.TIMEOUT}
 
 
@@ -81,6 +82,8 @@ def terminal_event(out: RequestOutput, job: Job) -> Event:
 
 
 def error_event(job: Job, code: ErrorCode, message: str) -> ErrorEvent:
+    if len(message) > _MAX_MESSAGE:
+        message = message[:_MAX_MESSAGE] + "..."
     return ErrorEvent(id=job.rid, seq=job.next_seq(), code=code, message=message, retryable=code in _RETRYABLE)
 
 

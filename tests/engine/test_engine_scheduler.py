@@ -658,3 +658,20 @@ def test_request_whose_insert_crashes_gets_terminal_output(backend: FakeBackend)
     outs = last_outputs(run_step_like_engine(s))
     assert set(outs) == {"ok", "crash", "after"}
     assert all(o.finish is FinishReason.ERROR for o in outs.values())
+
+
+def test_coalesce_merges_steps_per_request_in_order() -> None:
+    from engine.request import coalesce
+
+    outs = [
+        RequestOutput("a", [1], "x", started=True, prompt_tokens=3, completion_tokens=1),
+        RequestOutput("b", [7], "q", started=True, prompt_tokens=2, completion_tokens=1),
+        RequestOutput("a", [2, 3], "yz", completion_tokens=3),
+        RequestOutput("a", [], "", completion_tokens=3, finish=FinishReason.LENGTH),
+    ]
+    merged = coalesce(outs)
+    assert [m.rid for m in merged] == ["a", "b"]
+    a = merged[0]
+    assert (a.token_ids, a.text, a.started, a.prompt_tokens, a.completion_tokens, a.finish) == (
+        [1, 2, 3], "xyz", True, 3, 3, FinishReason.LENGTH)
+    assert outs[0].token_ids == [1]  # inputs untouched
