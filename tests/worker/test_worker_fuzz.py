@@ -31,7 +31,6 @@ from pydantic import ValidationError
 from api.client import Client
 from api.connection import JOB_FUNCTION, arq_pool, dumps_job, loads_job
 from api.errors import BadRequest as ClientBadRequest
-from api.errors import WaitTimeout
 from api.schema import (
     MAX_MESSAGES,
     MAX_PROMPT_CHARS,
