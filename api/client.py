@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from arq.constants import job_key_prefix
+from arq.constants import job_key_prefix, result_key_prefix
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .config import ClientConfig
-from .connection import JOB_FUNCTION, arq_pool
+from .connection import ENQUEUE, JOB_FUNCTION, JOB_TTL_MS, arq_pool, dumps_job
 from .errors import BadRequest, DuplicateJob, JobFailed, JobNotFound, WaitTimeout
 from .keys import CANCEL_TTL_S, Keys, log_entry_id
 from .schema import (
@@ -60,6 +60,7 @@ class Client:
         self.keys = Keys(prefix or env.prefix)
         self.max_payload_bytes = max_payload_bytes  # as the workers' MLXQ_MAX_PAYLOAD_BYTES
         self._redis = arq_pool(redis_url or env.redis_url)
+        self._enqueue = self._redis.register_script(ENQUEUE)
 
     async def __aenter__(self) -> Client:
         return self
@@ -82,10 +83,11 @@ class Client:
         size = len(req.model_dump_json())
         if size > self.max_payload_bytes:
             raise BadRequest(f"the request has {size} bytes of JSON; the limit is {self.max_payload_bytes}")
-        job = await self._redis.enqueue_job(
-            JOB_FUNCTION, payload, _job_id=req.id, _queue_name=self.keys.queue(req.model)
-        )
-        if job is None:
+        now_ms = int(time.time() * 1000)
+        job = dumps_job({"t": None, "f": JOB_FUNCTION, "a": [payload], "k": {}, "et": now_ms})
+        keys = [job_key_prefix + req.id, result_key_prefix + req.id, self.keys.queue(req.model)]
+        args: list[str | bytes | int] = [req.id, job, JOB_TTL_MS, self.keys.wake_channel(req.model), now_ms]
+        if not await self._enqueue(keys=keys, args=args):
             raise DuplicateJob(f"a job with id {req.id!r} already exists")
         return req.id
 

@@ -16,10 +16,26 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["JOB_FUNCTION", "UNDECODABLE", "arq_pool", "dumps_job", "loads_job", "redis_client", "redis_settings"]
+__all__ = [
+    "ENQUEUE", "JOB_FUNCTION", "JOB_TTL_MS", "UNDECODABLE",
+    "arq_pool", "dumps_job", "loads_job", "redis_client", "redis_settings",
+]
 
 JOB_FUNCTION = "generate"  # the arq function name workers register
 UNDECODABLE = "__mlxq_undecodable__"  # payload key marking a job arq could not decode
+JOB_TTL_MS = 86_400_000  # a job not started within a day expires (arq's default)
+
+# One round trip (arq's enqueue_job takes two): refuse a reused id, store the job as arq does, queue it,
+# and wake the model's workers. KEYS: arq job key, arq result key, queue.
+# ARGV: id, job, ttl ms, wake channel, score (enqueue time in ms, as arq scores it).
+ENQUEUE = """
+if redis.call('EXISTS', KEYS[1], KEYS[2]) > 0 then return 0 end
+redis.call('PSETEX', KEYS[1], ARGV[3], ARGV[2])
+redis.call('ZADD', KEYS[3], ARGV[5], ARGV[1])
+redis.call('PUBLISH', ARGV[4], '1')
+return 1
+"""
+
 _RETRY_ON = [RedisConnectionError, RedisTimeoutError, OSError]
 
 

@@ -50,6 +50,10 @@ class Keys:
         """Hash of jobs inside some worker's engine: request id -> arq queue name (the reaper scans it)."""
         return f"{self.prefix}:running"
 
+    def wake_channel(self, model: str) -> str:
+        """Pub/sub wake-up for the workers of ``model``: a job was enqueued."""
+        return f"{self.prefix}:wake:{model}"
+
     def cancel_channel(self) -> str:
         """Pub/sub wake-up workers listen on for cancels (payload: request id)."""
         return f"{self.prefix}:cancel"

@@ -46,7 +46,7 @@ def worker_config(redis_url: str, tiny_model: Path) -> Any:
 
     return WorkerConfig(
         model=str(tiny_model), model_name="tiny", redis_url=redis_url, capacity=8,
-        poll_delay_s=0.005, cancel_poll_s=0.1, drain_timeout_s=5.0,
+        poll_delay_s=0.25, cancel_poll_s=0.1, drain_timeout_s=5.0,
     )
 
 

@@ -30,7 +30,7 @@ class WorkerConfig:
     prefill_batch_size: int = 8  # MLXQ_PREFILL_BATCH
     prefill_step_size: int = 512  # MLXQ_PREFILL_STEP
     max_jobs: int = 0  # MLXQ_MAX_JOBS: arq jobs held at once (0: capacity + a few waiting)
-    poll_delay_s: float = 0.005  # MLXQ_POLL_DELAY: arq's queue poll period
+    poll_delay_s: float = 0.25  # MLXQ_POLL_DELAY: arq's queue poll period when no wake-up comes
     job_timeout_s: float = 600.0  # MLXQ_JOB_TIMEOUT: a job's deadline inside the engine
     max_tokens_limit: int = 8192  # MLXQ_MAX_TOKENS: largest max_tokens accepted
     max_prompt_tokens: int = 32768  # MLXQ_MAX_PROMPT_TOKENS

@@ -28,6 +28,7 @@ from engine.loader import EngineOptions, LoadedModel, start_engine
 from engine.prompt import encode_prompt
 from engine.request import RequestOutput
 
+from . import waker
 from .cancels import CancelWatcher
 from .config import WorkerConfig
 from .job import Job
@@ -96,7 +97,8 @@ class ModelService:
         await asyncio.gather(service.publisher.start(), service.leases.start(), service.reaper.start())
         watcher = CancelWatcher(redis=service.redis, keys=service.keys, held=service.jobs.keys,
                                 on_cancel=service.engine.abort, poll_s=config.cancel_poll_s)
-        loops = (service.publisher.run(), watcher.run(), service.leases.run(), service.reaper.run())
+        loops = (service.publisher.run(), watcher.run(), service.leases.run(), service.reaper.run(),
+                 waker.listen(service.redis, service.keys.wake_channel(config.name)))
         service._tasks = [asyncio.create_task(c) for c in loops]
         log.info("worker %s serving %s on queue %s (capacity %d)",
                  config.worker_id, config.name, config.queue_name, config.capacity)
@@ -124,6 +126,12 @@ class ModelService:
     # --- one job -----------------------------------------------------------------------------------
     async def run_job(self, payload: Any, job_id: str, job_try: int = 1, enqueue_time: float | None = None) -> str:
         """Run one arq job to its terminal event (or hand it back); returns how it ended."""
+        try:
+            return await self._run_job(payload, job_id, job_try, enqueue_time)
+        finally:
+            waker.wake()  # a slot is free: let arq take the next queued job now, not at its next poll
+
+    async def _run_job(self, payload: Any, job_id: str, job_try: int, enqueue_time: float | None) -> str:
         job = Job(job_id, self.config.name, enqueue_time or time.time(), attempt=job_try,
                   token=f"{self.config.worker_id}:{job_try}")
         begin = await self._begin(job)

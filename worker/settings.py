@@ -14,6 +14,7 @@ from arq.worker import func
 
 from api.connection import JOB_FUNCTION, UNDECODABLE, dumps_job, loads_job, redis_settings
 
+from . import waker
 from .config import WorkerConfig
 from .service import ModelService
 
@@ -70,6 +71,9 @@ def _configure_logging() -> None:
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
+
+
+waker.install()
 
 
 class Settings:

@@ -295,9 +295,15 @@ class RecordingPool:
 
     calls: list[tuple[str, Any, str, str]] = field(default_factory=list)
 
-    async def enqueue_job(self, function: str, payload: Any, *, _job_id: str, _queue_name: str) -> object:
-        self.calls.append((function, payload, _job_id, _queue_name))
-        return object()
+    def register_script(self, source: str) -> Any:
+        """The client enqueues through one Lua script: record what it would store."""
+
+        async def enqueue(keys: list[str], args: list[Any]) -> int:
+            job_id, job = args[0], json.loads(args[1])
+            self.calls.append((job["f"], job["a"][0], job_id, keys[2]))
+            return 1
+
+        return enqueue
 
     async def aclose(self) -> None:
         pass
@@ -439,7 +445,7 @@ async def collect(client: Client, rid: str, timeout: float = 60) -> list[Event]:
 
 def e2e_config(url: str, tiny_model: Path) -> WorkerConfig:
     return WorkerConfig(model=str(tiny_model), model_name=MODEL, redis_url=url, capacity=8,
-                        poll_delay_s=0.005, cancel_poll_s=0.1, drain_timeout_s=5.0)
+                        poll_delay_s=0.25, cancel_poll_s=0.1, drain_timeout_s=5.0)
 
 
 async def run_batch(config: WorkerConfig, validator: Validator, batch: list[Any]) -> None:

@@ -291,24 +291,35 @@ async def test_job_past_its_deadline_ends_with_timeout(worker_config: Any, clien
 
 async def test_engine_step_failure_fails_in_flight_jobs_and_keeps_serving(worker: RunningWorker,
                                                                           client: Client) -> None:
-    backend = worker.service.engine.scheduler.backend
+    scheduler = worker.service.engine.scheduler
+    backend = scheduler.backend
     real_step = backend.step
-    calls = {"n": 0}
+    armed = {"fail": False}
 
     def failing_step() -> Any:
-        calls["n"] += 1
-        if calls["n"] == 3:
+        if armed["fail"]:
+            armed["fail"] = False
             raise RuntimeError("[metal::malloc] simulated out of memory")
         return real_step()
 
     backend.step = failing_step
-    rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=50) for p in PROMPTS[:3]))
+    slow_steps(worker, 0.01)
+    rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=400) for p in ("a", "b c", "d")))
+    await wait_for(lambda: scheduler.num_running == 3)
+    armed["fail"] = True
     for rid in rids:
         end = terminal(await collect(client, rid))
         assert isinstance(end, ErrorEvent) and end.code is ErrorCode.ENGINE_ERROR
         assert "simulated out of memory" in end.message and end.retryable
     ok = await client.generate(model="tiny", prompt="after the failure", max_tokens=6, timeout=60)
     assert ok.usage.completion_tokens == 6
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached"
+        await asyncio.sleep(0.002)
 
 
 # --- Redis hygiene and cost ------------------------------------------------------------------------
