@@ -86,6 +86,8 @@ def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
     merged: dict[str, RequestOutput] = {}
     for out in outputs:
         acc = merged.get(out.rid)
+        if acc is not None and acc.finish is not None:
+            continue  # nothing follows a request's end
         if acc is None:
             merged[out.rid] = RequestOutput(
                 out.rid, list(out.token_ids), out.text, out.started, out.prompt_tokens,

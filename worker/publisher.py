@@ -1,10 +1,9 @@
 """Publishes job events to Redis: live on each job's pub/sub channel and into its replay log.
 
 Engine outputs arrive from the MLX thread (via ``loop.call_soon_threadsafe``) and queue up while a write
-is in flight; each write sends every queued event of every job in one pipeline (one fenced EMIT script call
-per job), so Redis sees at most one round trip per engine step whatever the batch size, and the next step
-never waits for Redis. A job whose lease is gone is fenced: its events are refused and it is handed to
-``on_fenced``.
+is in flight; each write sends every queued event of every job in one fenced EMIT script call, so Redis
+sees at most one round trip per engine step whatever the batch size, and the next step never waits for
+Redis. A job whose lease is gone is fenced: its events are refused and it is handed to ``on_fenced``.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from .job import Job
 from .scripts import EMIT, Script, is_noscript
 from .translate import output_events
 
-__all__ = ["Publisher", "emit"]
+__all__ = ["Batch", "LogTTL", "Publisher", "emit"]
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +48,26 @@ class LogTTL:
     done: int = 300
 
 
-def emit(script: Script, pipe: Any, keys: Keys, rid: str, token: str, events: Sequence[Event],
-         mode: str, ttl: LogTTL) -> None:
-    """Queue one fenced EMIT call for ``events`` of job ``rid`` on ``pipe``."""
-    args: list[Any] = [token, keys.events(rid), ttl.done if mode == "end" else ttl.live, mode, rid]
-    for ev in events:
-        args += [log_entry_id(ev.seq), ev.model_dump_json()]
-    script.call(pipe, [keys.lease(rid), keys.log(rid), keys.cancel(rid), keys.running()], args)
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Events of one job for an EMIT call; ``mode`` as the script defines it."""
+
+    rid: str
+    token: str
+    events: Sequence[Event]
+    mode: str
+
+
+def emit(script: Script, pipe: Any, keys: Keys, batches: Sequence[Batch], ttl: LogTTL) -> None:
+    """Queue one fenced EMIT call writing every batch on ``pipe``."""
+    ks: list[str] = [keys.running()]
+    args: list[Any] = [len(batches), ttl.live, ttl.done]
+    for b in batches:
+        ks += [keys.lease(b.rid), keys.log(b.rid), keys.cancel(b.rid)]
+        args += [b.token, keys.events(b.rid), b.mode, b.rid, len(b.events)]
+        for ev in b.events:
+            args += [log_entry_id(ev.seq), ev.model_dump_json()]
+    script.call(pipe, ks, args)
 
 
 class Publisher:
@@ -139,13 +151,15 @@ class Publisher:
         attempt = 0
         while True:
             try:
-                results = await self._pipeline(groups, mode).execute(raise_on_error=False)
-                if any(is_noscript(r) for r in results):
+                (result,) = await self._pipeline(groups, mode).execute(raise_on_error=False)
+                if is_noscript(result):
                     await self._script.reload(self.redis)  # Redis restarted: resend (duplicates are skipped)
                     continue
+                if isinstance(result, Exception):
+                    raise result
                 self.stats.writes += 1
                 self.stats.events += sum(len(evs) for _, evs in groups)
-                return [r == 1 for r in results]
+                return [r == 1 for r in result]
             except (RedisError, OSError) as exc:
                 attempt += 1
                 if time.monotonic() > deadline:
@@ -157,7 +171,7 @@ class Publisher:
     def _pipeline(self, groups: list[tuple[Job, list[Event]]], mode: str | None) -> Any:
         assert self._script is not None
         pipe = self.redis.pipeline(transaction=False)
-        for job, events in groups:
-            job_mode = mode or ("end" if any(is_terminal(ev) for ev in events) else "")
-            emit(self._script, pipe, self.keys, job.rid, job.token, events, job_mode, self.ttl)
+        batches = [Batch(job.rid, job.token, events, mode or ("end" if any(is_terminal(e) for e in events) else ""))
+                   for job, events in groups]
+        emit(self._script, pipe, self.keys, batches, self.ttl)
         return pipe

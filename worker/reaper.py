@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 from api.keys import Keys
 from api.schema import ErrorCode, ErrorEvent, Event, ResetEvent, decode_event, is_terminal
 
-from .publisher import LogTTL, emit
+from .publisher import Batch, LogTTL, emit
 from .scripts import EMIT, Script
 
 __all__ = ["Reaper"]
@@ -115,6 +115,6 @@ class Reaper:
     async def _emit(self, rid: str, event: Event, mode: str) -> bool:
         assert self._script is not None
         pipe = self.redis.pipeline(transaction=False)
-        emit(self._script, pipe, self.keys, rid, "", [event], mode, self.ttl)
-        (ok,) = await pipe.execute()
+        emit(self._script, pipe, self.keys, [Batch(rid, "", [event], mode)], self.ttl)
+        ((ok,),) = await pipe.execute()
         return bool(ok == 1)

@@ -16,32 +16,46 @@ from redis.exceptions import NoScriptError
 
 __all__ = ["EMIT", "REFRESH", "Script"]
 
-# KEYS: lease, log, cancel, running. ARGV: token, channel, log ttl, mode, rid, then (entry id, json)*.
-# mode "": more to come; "end": terminal (drop lease, cancel key, running entry); "release": the job goes
-# back to the queue (drop lease and running entry). Returns 1 if written, 0 if fenced. An entry id already
-# in the log (a duplicate) is skipped, not published. (`running` is one global key: not Redis Cluster-ready.)
+# Writes the events of several jobs in one call (one round trip per engine step, one command to pack).
+# KEYS: running, then per job: lease, log, cancel. ARGV: job count, live TTL, done TTL, then per job: token,
+# channel, mode, rid, event count, then (entry id, json) per event. Mode "": more to come; "end": terminal
+# (drop lease, cancel key, running entry); "release": back to the queue (drop lease and running entry).
+# Returns one 1 (written) or 0 (fenced: the lease is not this token's) per job. An entry id already in the
+# log (a duplicate) is skipped, not published. (`running` is one global key: not Redis Cluster-ready.)
 EMIT = """
-local holder = redis.call('GET', KEYS[1])
-if ARGV[1] == '' then
-  if holder then return 0 end
-elseif holder ~= ARGV[1] then
-  return 0
-end
-for i = 6, #ARGV, 2 do
-  local ok = redis.pcall('XADD', KEYS[2], ARGV[i], 'e', ARGV[i + 1])
-  if type(ok) ~= 'table' or not ok.err then
-    redis.call('PUBLISH', ARGV[2], ARGV[i + 1])
+local out = {}
+local a = 4
+for j = 1, tonumber(ARGV[1]) do
+  local k = 2 + (j - 1) * 3
+  local lease, log, cancel = KEYS[k], KEYS[k + 1], KEYS[k + 2]
+  local token, channel, mode, rid, n = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], tonumber(ARGV[a + 4])
+  a = a + 5
+  local holder = redis.call('GET', lease)
+  if (token == '' and not holder) or (token ~= '' and holder == token) then
+    for i = 1, n do
+      local r = redis.pcall('XADD', log, ARGV[a], 'e', ARGV[a + 1])
+      if type(r) ~= 'table' or not r.err then
+        redis.call('PUBLISH', channel, ARGV[a + 1])
+      end
+      a = a + 2
+    end
+    if mode == 'end' then
+      redis.call('EXPIRE', log, ARGV[3])
+      redis.call('DEL', cancel)
+    else
+      redis.call('EXPIRE', log, ARGV[2])
+    end
+    if mode ~= '' then
+      redis.call('HDEL', KEYS[1], rid)
+      if token ~= '' then redis.call('DEL', lease) end
+    end
+    out[j] = 1
+  else
+    a = a + 2 * n
+    out[j] = 0
   end
 end
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-if ARGV[4] == 'end' then
-  redis.call('DEL', KEYS[3])
-end
-if ARGV[4] ~= '' then
-  redis.call('HDEL', KEYS[4], ARGV[5])
-  if ARGV[1] ~= '' then redis.call('DEL', KEYS[1]) end
-end
-return 1
+return out
 """
 
 # KEYS: lease. ARGV: token, ttl ms. Extends the lease if still ours: 1, else 0.

@@ -26,6 +26,7 @@ from api.schema import DoneEvent, ErrorCode, Event, FinishReason, GenerateReques
 from engine.engine import Engine
 from engine.loader import EngineOptions, LoadedModel, start_engine
 from engine.prompt import encode_prompt
+from engine.request import FinishReason as EngineFinish
 from engine.request import RequestOutput
 
 from . import waker
@@ -96,7 +97,7 @@ class ModelService:
         service.engine.on_dead = on_dead
         await asyncio.gather(service.publisher.start(), service.leases.start(), service.reaper.start())
         watcher = CancelWatcher(redis=service.redis, keys=service.keys, held=service.jobs.keys,
-                                on_cancel=service.engine.abort, poll_s=config.cancel_poll_s)
+                                on_cancel=service._cancel, poll_s=config.cancel_poll_s)
         loops = (service.publisher.run(), watcher.run(), service.leases.run(), service.reaper.run(),
                  waker.listen(service.redis, service.keys.wake_channel(config.name)))
         service._tasks = [asyncio.create_task(c) for c in loops]
@@ -126,10 +127,7 @@ class ModelService:
     # --- one job -----------------------------------------------------------------------------------
     async def run_job(self, payload: Any, job_id: str, job_try: int = 1, enqueue_time: float | None = None) -> str:
         """Run one arq job to its terminal event (or hand it back); returns how it ended."""
-        try:
-            return await self._run_job(payload, job_id, job_try, enqueue_time)
-        finally:
-            waker.wake()  # a slot is free: let arq take the next queued job now, not at its next poll
+        return await self._run_job(payload, job_id, job_try, enqueue_time)
 
     async def _run_job(self, payload: Any, job_id: str, job_try: int, enqueue_time: float | None) -> str:
         job = Job(job_id, self.config.name, enqueue_time or time.time(), attempt=job_try,
@@ -209,6 +207,14 @@ class ModelService:
     async def _requeue(self, rid: str, delay_s: float = 0.0) -> None:
         """Put a job back in arq's queue (runnable after ``delay_s``)."""
         await self.redis.zadd(self.config.queue_name, {rid: int((time.time() + delay_s) * 1000)})
+
+    def _cancel(self, rid: str) -> None:
+        """A client cancelled: end the job now, without waiting for the step in flight, and drop its
+        sequence from the batch between steps (the engine's own terminal output is then ignored)."""
+        if rid not in self.jobs or self.engine is None:
+            return
+        self.engine.abort(rid)
+        self.publisher.feed([RequestOutput(rid, finish=EngineFinish.CANCELLED)])
 
     def _on_lease_lost(self, job: Job) -> None:
         if self.engine is not None:

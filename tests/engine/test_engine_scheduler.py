@@ -675,3 +675,16 @@ def test_coalesce_merges_steps_per_request_in_order() -> None:
     assert (a.token_ids, a.text, a.started, a.prompt_tokens, a.completion_tokens, a.finish) == (
         [1, 2, 3], "xyz", True, 3, 3, FinishReason.LENGTH)
     assert outs[0].token_ids == [1]  # inputs untouched
+
+
+def test_coalesce_drops_outputs_after_a_requests_end() -> None:
+    from engine.request import coalesce
+
+    outs = [
+        RequestOutput("a", [1], "x", completion_tokens=1),
+        RequestOutput("a", finish=FinishReason.CANCELLED),
+        RequestOutput("a", [2], "y", completion_tokens=2),  # the step in flight when the cancel landed
+        RequestOutput("a", finish=FinishReason.CANCELLED),  # the engine's own terminal output
+    ]
+    (a,) = coalesce(outs)
+    assert (a.token_ids, a.text, a.finish) == ([1], "x", FinishReason.CANCELLED)
