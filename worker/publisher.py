@@ -18,15 +18,15 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from api.keys import Keys, log_entry_id
+from api.keys import Keys
 from api.schema import Event, is_terminal
 from engine.request import RequestOutput, coalesce
 
 from .job import Job
-from .scripts import EMIT, Script, is_noscript
+from .scripts import EMIT, Script
 from .translate import output_events
 
-__all__ = ["Batch", "LogTTL", "Publisher", "emit"]
+__all__ = ["Batch", "LogTTL", "Publisher", "emit_args"]
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +58,15 @@ class Batch:
     mode: str
 
 
-def emit(script: Script, pipe: Any, keys: Keys, batches: Sequence[Batch], ttl: LogTTL) -> None:
-    """Queue one fenced EMIT call writing every batch on ``pipe``."""
+def emit_args(keys: Keys, batches: Sequence[Batch], ttl: LogTTL) -> tuple[list[str], list[Any]]:
+    """Keys and arguments of one fenced EMIT call writing every batch."""
     ks: list[str] = [keys.running()]
     args: list[Any] = [len(batches), ttl.live, ttl.done]
     for b in batches:
         ks += [keys.lease(b.rid), keys.log(b.rid), keys.cancel(b.rid)]
-        args += [b.token, keys.events(b.rid), b.mode, b.rid, len(b.events)]
-        for ev in b.events:
-            args += [log_entry_id(ev.seq), ev.model_dump_json()]
-    script.call(pipe, ks, args)
+        blob = "\n".join(ev.model_dump_json() for ev in b.events)
+        args += [b.token, keys.events(b.rid), b.mode, b.rid, b.events[0].seq if b.events else 0, blob]
+    return ks, args
 
 
 class Publisher:
@@ -151,12 +150,7 @@ class Publisher:
         attempt = 0
         while True:
             try:
-                (result,) = await self._pipeline(groups, mode).execute(raise_on_error=False)
-                if is_noscript(result):
-                    await self._script.reload(self.redis)  # Redis restarted: resend (duplicates are skipped)
-                    continue
-                if isinstance(result, Exception):
-                    raise result
+                result = await self._script.run(self.redis, *self._emit_args(groups, mode))
                 self.stats.writes += 1
                 self.stats.events += sum(len(evs) for _, evs in groups)
                 return [r == 1 for r in result]
@@ -168,10 +162,7 @@ class Publisher:
                 log.warning("event write failed (attempt %d): %r", attempt, exc)
                 await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
 
-    def _pipeline(self, groups: list[tuple[Job, list[Event]]], mode: str | None) -> Any:
-        assert self._script is not None
-        pipe = self.redis.pipeline(transaction=False)
+    def _emit_args(self, groups: list[tuple[Job, list[Event]]], mode: str | None) -> tuple[list[str], list[Any]]:
         batches = [Batch(job.rid, job.token, events, mode or ("end" if any(is_terminal(e) for e in events) else ""))
                    for job, events in groups]
-        emit(self._script, pipe, self.keys, batches, self.ttl)
-        return pipe
+        return emit_args(self.keys, batches, self.ttl)

@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 from api.keys import Keys
 from api.schema import ErrorCode, ErrorEvent, Event, ResetEvent, decode_event, is_terminal
 
-from .publisher import Batch, LogTTL, emit
+from .publisher import Batch, LogTTL, emit_args
 from .scripts import EMIT, Script
 
 __all__ = ["Reaper"]
@@ -114,7 +114,5 @@ class Reaper:
 
     async def _emit(self, rid: str, event: Event, mode: str) -> bool:
         assert self._script is not None
-        pipe = self.redis.pipeline(transaction=False)
-        emit(self._script, pipe, self.keys, [Batch(rid, "", [event], mode)], self.ttl)
-        ((ok,),) = await pipe.execute()
+        (ok,) = await self._script.run(self.redis, *emit_args(self.keys, [Batch(rid, "", [event], mode)], self.ttl))
         return bool(ok == 1)

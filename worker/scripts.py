@@ -16,28 +16,31 @@ from redis.exceptions import NoScriptError
 
 __all__ = ["EMIT", "REFRESH", "Script"]
 
-# Writes the events of several jobs in one call (one round trip per engine step, one command to pack).
+# Writes the events of several jobs in one call (one round trip per engine step, few arguments to pack).
 # KEYS: running, then per job: lease, log, cancel. ARGV: job count, live TTL, done TTL, then per job: token,
-# channel, mode, rid, event count, then (entry id, json) per event. Mode "": more to come; "end": terminal
-# (drop lease, cancel key, running entry); "release": back to the queue (drop lease and running entry).
+# channel, mode, rid, first seq, events (JSON texts joined by newlines: JSON never contains a raw one).
+# Event i gets log entry id "<first seq + i>-1". Mode "": more to come; "end": terminal (drop lease,
+# cancel key, running entry); "release": back to the queue (drop lease and running entry).
 # Returns one 1 (written) or 0 (fenced: the lease is not this token's) per job. An entry id already in the
 # log (a duplicate) is skipped, not published. (`running` is one global key: not Redis Cluster-ready.)
-EMIT = """
+EMIT = r"""
 local out = {}
 local a = 4
 for j = 1, tonumber(ARGV[1]) do
   local k = 2 + (j - 1) * 3
   local lease, log, cancel = KEYS[k], KEYS[k + 1], KEYS[k + 2]
-  local token, channel, mode, rid, n = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], tonumber(ARGV[a + 4])
-  a = a + 5
+  local token, channel, mode, rid = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  local seq = tonumber(ARGV[a + 4])
+  local blob = ARGV[a + 5]
+  a = a + 6
   local holder = redis.call('GET', lease)
   if (token == '' and not holder) or (token ~= '' and holder == token) then
-    for i = 1, n do
-      local r = redis.pcall('XADD', log, ARGV[a], 'e', ARGV[a + 1])
+    for event in string.gmatch(blob, '[^\n]+') do
+      local r = redis.pcall('XADD', log, seq .. '-1', 'e', event)
       if type(r) ~= 'table' or not r.err then
-        redis.call('PUBLISH', channel, ARGV[a + 1])
+        redis.call('PUBLISH', channel, event)
       end
-      a = a + 2
+      seq = seq + 1
     end
     if mode == 'end' then
       redis.call('EXPIRE', log, ARGV[3])
@@ -51,7 +54,6 @@ for j = 1, tonumber(ARGV[1]) do
     end
     out[j] = 1
   else
-    a = a + 2 * n
     out[j] = 0
   end
 end
@@ -83,7 +85,16 @@ class Script:
         await redis.script_load(self.source)
 
     def call(self, pipe: Any, keys: list[str], args: list[Any]) -> None:
+        """Queue the script on a pipeline."""
         pipe.evalsha(self.sha, len(keys), *keys, *args)
+
+    async def run(self, redis: Redis, keys: list[str], args: list[Any]) -> Any:
+        """Run the script now, reloading it once if Redis lost its script cache (a restart)."""
+        try:
+            return await redis.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
+        except NoScriptError:
+            await self.reload(redis)
+            return await redis.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
 
 
 def is_noscript(result: object) -> bool:

@@ -58,9 +58,10 @@ def output_events(out: RequestOutput, job: Job, worker: str) -> list[Event]:
         )
     if has_tokens:
         index = out.completion_tokens - len(out.token_ids)
-        events.append(
-            TokenEvent(id=job.rid, seq=job.next_seq(), text=out.text, token_ids=out.token_ids, index=index)
-        )
+        # Hot path (every token): built without re-validating fields the engine already guarantees.
+        events.append(TokenEvent.model_construct(
+            id=job.rid, seq=job.next_seq(), type="token", text=out.text, token_ids=out.token_ids, index=index,
+        ))
     job.completion_tokens = max(job.completion_tokens, out.completion_tokens)
     if out.finish is not None:
         events.append(terminal_event(out, job))
