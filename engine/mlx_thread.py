@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -65,8 +66,19 @@ class MLXThread:
         return await wait_shielded(asyncio.wrap_future(self.submit(fn, *args)))
 
     def shutdown(self) -> None:
-        """Finish queued calls and join the thread (blocking)."""
+        """Finish queued calls, release the stream on its own thread, and join the thread (blocking)."""
+        if self._stream is not None:
+            with contextlib.suppress(RuntimeError):  # already shut down
+                self._executor.submit(self._teardown)
         self._executor.shutdown(wait=True)
+
+    def _teardown(self) -> None:
+        # Finish pending work and destroy this thread's streams while the thread is alive: MLX streams left
+        # to static destruction at process exit can abort the process.
+        if self._stream is not None:
+            mx.synchronize(self._stream)
+            self._stream = None
+        mx.clear_streams()
 
     async def aclose(self) -> None:
         """:meth:`shutdown` without blocking the event loop; cancel-safe like :meth:`call`."""

@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 
 from api.keys import Keys
 from api.schema import Event, is_terminal
-from engine.request import RequestOutput, coalesce
+from engine.request import FinishReason, RequestOutput, coalesce
 
 from .job import Job
 from .scripts import EMIT, Script
@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 class PublisherStats:
     """Counters for benchmarks and metrics."""
 
-    writes: int = 0  # pipelines sent (Redis round trips)
+    writes: int = 0  # EMIT calls (Redis round trips) carrying engine step outputs
+    other_writes: int = 0  # EMIT calls for single jobs: cancels, resets, rejections
     events: int = 0
     fenced: int = 0  # jobs whose events were refused (lease lost)
 
@@ -84,6 +85,7 @@ class Publisher:
         self._give_up_s = give_up_s  # past the lease TTL, other workers own these jobs anyway
         self._script: Script | None = None
         self._pending: list[RequestOutput] = []
+        self._cancels = 0  # of _pending, synthetic cancel ends
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()  # one write at a time keeps every job's events in seq order
 
@@ -95,13 +97,20 @@ class Publisher:
         self._pending.extend(outs)
         self._wake.set()
 
+    def feed_cancel(self, rid: str) -> None:
+        """Queue a job's cancelled end, in order with its engine outputs."""
+        self._pending.append(RequestOutput(rid, finish=FinishReason.CANCELLED))
+        self._cancels += 1
+        self._wake.set()
+
     async def run(self) -> None:
         """Write queued outputs until cancelled."""
         while True:
             await self._wake.wait()
             self._wake.clear()
             batch, self._pending = self._pending, []
-            await self.write(self._events_of(coalesce(batch)))
+            only_cancels, self._cancels = len(batch) == self._cancels, 0
+            await self.write(self._events_of(coalesce(batch)), step=not only_cancels)
 
     def _events_of(self, outs: list[RequestOutput]) -> list[tuple[Job, Event]]:
         items: list[tuple[Job, Event]] = []
@@ -112,7 +121,7 @@ class Publisher:
             items.extend((job, ev) for ev in output_events(out, job, self.worker_id))
         return items
 
-    async def write(self, items: list[tuple[Job, Event]], mode: str | None = None) -> None:
+    async def write(self, items: list[tuple[Job, Event]], mode: str | None = None, step: bool = False) -> None:
         """Write events (grouped per job, in order), then release the jobs they end.
 
         ``mode`` overrides the per-job mode ("release" when handing a job back to the queue).
@@ -128,6 +137,10 @@ class Publisher:
                 self.jobs.pop(job.rid, None)
         async with self._lock:
             written = await self._send(list(groups.values()), mode)
+        if step:
+            self.stats.writes += 1
+        else:
+            self.stats.other_writes += 1
         for (job, events), ok in zip(groups.values(), written):
             if not ok:
                 self._fence(job)
@@ -151,7 +164,6 @@ class Publisher:
         while True:
             try:
                 result = await self._script.run(self.redis, *self._emit_args(groups, mode))
-                self.stats.writes += 1
                 self.stats.events += sum(len(evs) for _, evs in groups)
                 return [r == 1 for r in result]
             except (RedisError, OSError) as exc:

@@ -26,7 +26,6 @@ from api.schema import DoneEvent, ErrorCode, Event, FinishReason, GenerateReques
 from engine.engine import Engine
 from engine.loader import EngineOptions, LoadedModel, start_engine
 from engine.prompt import encode_prompt
-from engine.request import FinishReason as EngineFinish
 from engine.request import RequestOutput
 
 from . import waker
@@ -121,8 +120,8 @@ class ModelService:
         """Counters as one ``key=value`` line (benchmarks parse it from the log)."""
         steps = self.engine.stats.steps if self.engine is not None else 0
         p = self.publisher.stats
-        return (f"engine_steps={steps} redis_writes={p.writes} events={p.events} fenced={p.fenced} "
-                f"reaped={self.reaper.reaped}")
+        return (f"engine_steps={steps} redis_writes={p.writes} other_writes={p.other_writes} events={p.events} "
+                f"fenced={p.fenced} reaped={self.reaper.reaped}")
 
     # --- one job -----------------------------------------------------------------------------------
     async def run_job(self, payload: Any, job_id: str, job_try: int = 1, enqueue_time: float | None = None) -> str:
@@ -214,7 +213,7 @@ class ModelService:
         if rid not in self.jobs or self.engine is None:
             return
         self.engine.abort(rid)
-        self.publisher.feed([RequestOutput(rid, finish=EngineFinish.CANCELLED)])
+        self.publisher.feed_cancel(rid)
 
     def _on_lease_lost(self, job: Job) -> None:
         if self.engine is not None:
