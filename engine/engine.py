@@ -64,7 +64,11 @@ class Engine:
         self._closed = False
 
     def add(self, req: EngineRequest) -> None:
-        """Queue a request (thread-safe)."""
+        """Queue a request (thread-safe); a dead engine fails it at once."""
+        if self.dead:
+            self._sink([RequestOutput(req.rid, finish=FinishReason.ERROR, error_code="engine_error",
+                                      error_message="the engine is dead; the worker is restarting")])
+            return
         self._post(req)
 
     def abort(

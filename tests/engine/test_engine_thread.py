@@ -238,3 +238,29 @@ async def test_mlx_arrays_made_on_the_mlx_thread_stay_there() -> None:
         await asyncio.to_thread(lambda: lazy.tolist())
     assert await thread.call(lambda: lazy.tolist()) == [0, 2, 4, 6]
     await thread.aclose()
+
+
+async def test_engine_that_cannot_rebuild_its_batch_declares_itself_dead() -> None:
+    engine, backend, counter, outputs = make_engine(delay=0.01)
+    deaths: list[bool] = []
+
+    def cannot_rebuild() -> Any:
+        raise RuntimeError("[metal] device lost")
+
+    engine._make_backend = cannot_rebuild
+    engine.on_dead = lambda: deaths.append(True)
+    engine.add(request("a"))
+    while "a" not in outputs.by_rid:
+        await asyncio.sleep(0.005)
+    backend.fail_next = True
+    await outputs.wait_finished(["a"])
+    assert outputs.by_rid["a"][-1].error_code == "engine_error"
+    for _ in range(1000):  # the rebuild is tried on the MLX thread right after the jobs were failed
+        if engine.dead:
+            break
+        await asyncio.sleep(0.005)
+    assert deaths == [True] and engine.dead
+    engine.add(request("b"))  # nothing will ever step again: refused at once
+    await outputs.wait_finished(["b"])
+    assert outputs.by_rid["b"][-1].finish is FinishReason.ERROR
+    await engine.aclose()

@@ -124,7 +124,7 @@ async def test_chaos_kills_terms_and_redis_restarts(tiny_model: Path, tmp_path: 
         for w in workers:
             await asyncio.to_thread(w.wait_ready, 120)
         async with Client(server.url) as client:
-            specs = [(PROMPTS[i % len(PROMPTS)], rng.randint(20, 200)) for i in range(240)]
+            specs = [(PROMPTS[i % len(PROMPTS)], rng.randint(50, 400)) for i in range(240)]
             rids = [await client.submit(model="tiny", prompt=p, max_tokens=m) for p, m in specs]
             stamped: dict[str, list[tuple[float, Event]]] = {rid: [] for rid in rids}
 
