@@ -33,6 +33,7 @@ from .schema import (
     decode_event,
     is_terminal,
 )
+from .subscriber import Subscriber, Subscription
 
 __all__ = ["Client", "Result"]
 
@@ -61,6 +62,7 @@ class Client:
         self.max_payload_bytes = max_payload_bytes  # as the workers' MLXQ_MAX_PAYLOAD_BYTES
         self._redis = arq_pool(redis_url or env.redis_url)
         self._enqueue = self._redis.register_script(ENQUEUE)
+        self._subscriber: Subscriber | None = None  # created on first use
 
     async def __aenter__(self) -> Client:
         return self
@@ -69,7 +71,9 @@ class Client:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
+        """Close the shared subscription and the connection pool."""
+        if self._subscriber is not None:
+            await self._subscriber.aclose()
         await self._redis.aclose()
 
     # --- producing ---------------------------------------------------------------------------------
@@ -118,9 +122,8 @@ class Client:
                 await asyncio.sleep(0.2)
 
     async def _follow(self, rid: str, next_seq: int, deadline: float | None) -> AsyncIterator[Event]:
-        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        sub = await self._hub().open(self.keys.events(rid))
         try:
-            await pubsub.subscribe(self.keys.events(rid))
             first = True
             while True:
                 replayed = await self._replay(rid, next_seq)
@@ -131,25 +134,28 @@ class Client:
                 for ev in replayed:
                     next_seq = ev.seq + 1
                     yield ev
-                async for ev in self._live(pubsub, next_seq, deadline, rid):
+                async for ev in self._live(sub, next_seq, deadline, rid):
                     next_seq = ev.seq + 1
                     yield ev
         finally:
-            await pubsub.aclose()
+            await sub.close()
 
-    async def _live(self, pubsub: Any, next_seq: int, deadline: float | None, rid: str) -> AsyncIterator[Event]:
+    def _hub(self) -> Subscriber:
+        if self._subscriber is None:
+            self._subscriber = Subscriber(self._redis)
+        return self._subscriber
+
+    async def _live(self, sub: Subscription, next_seq: int, deadline: float | None, rid: str
+                    ) -> AsyncIterator[Event]:
         """Events from the channel while they arrive in order; returns on silence or a gap."""
-        quiet_since = time.monotonic()
         while True:
             _check_deadline(deadline, rid)
             wait = _RESYNC_S if deadline is None else max(0.0, min(_RESYNC_S, deadline - time.monotonic()))
-            msg = await pubsub.get_message(timeout=wait)
-            if msg is None:  # also returned for an ignored subscribe confirmation
-                if time.monotonic() - quiet_since >= _RESYNC_S:
-                    return
-                continue
-            quiet_since = time.monotonic()
-            ev = decode_event(msg["data"])
+            data = await sub.get(wait)
+            if data is None:
+                _check_deadline(deadline, rid)
+                return  # silence: re-read the log (a message may have been lost)
+            ev = decode_event(data)
             if ev.seq < next_seq:
                 continue
             if ev.seq > next_seq:

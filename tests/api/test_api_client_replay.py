@@ -108,6 +108,7 @@ async def fake_client(fake_redis: Any) -> AsyncIterator[Client]:
     await c._redis.aclose()  # never connected; swap in the fake
     c._redis = fake_redis
     yield c
+    await c.aclose()
 
 
 @pytest.fixture

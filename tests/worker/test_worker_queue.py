@@ -363,3 +363,20 @@ async def test_following_an_unknown_job_raises_job_not_found(client: Client) -> 
 
     with pytest.raises(JobNotFound):
         await collect(client, "no-such-job", timeout=30)
+
+
+async def test_one_client_follows_many_jobs_over_one_pubsub_connection(worker: RunningWorker, client: Client,
+                                                                       redis_url: str) -> None:
+    slow_steps(worker, 0.01)
+    rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=40) for p in PROMPTS))
+    streams = [asyncio.ensure_future(collect(client, rid)) for rid in rids]
+    r = aredis.Redis.from_url(redis_url)
+    await wait_for(lambda: len(worker.service.jobs) == len(rids))
+    numsub = await r.pubsub_numsub(*(f"mlxq:{{{rid}}}:events" for rid in rids))
+    subscribers = [c for c in await r.client_list() if int(c["sub"]) > 0]
+    results = await asyncio.gather(*streams)
+    await r.aclose()
+    assert all(n == 1 for _, n in numsub)  # every job's channel is followed...
+    # ...over one shared connection (plus the worker's two: cancel wake-ups and queue wake-ups)
+    assert len(subscribers) == 3, subscribers
+    assert all(isinstance(terminal(evs), DoneEvent) for evs in results)

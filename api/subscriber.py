@@ -1,0 +1,130 @@
+"""One pub/sub connection shared by every event stream a client follows.
+
+A web backend may follow thousands of jobs at once; a connection per job would cost Redis a client each
+and the backend a reader task each. Here one reader task reads the shared connection and routes each
+message to the queues of the streams following its channel. If the connection breaks, every stream is
+told (its ``get`` raises), so it can replay what it missed from the job's log and subscribe again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+__all__ = ["Subscriber", "Subscription"]
+
+log = logging.getLogger(__name__)
+_BROKEN = object()  # queued to every subscription when the shared connection fails
+
+
+class Subscription:
+    """Messages of one channel for one reader; close it when done."""
+
+    def __init__(self, hub: Subscriber, channel: str) -> None:
+        self.channel = channel
+        self._hub = hub
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def get(self, timeout: float) -> bytes | None:
+        """The next message, or None after ``timeout`` seconds; raises if the connection broke."""
+        try:
+            data = await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        if data is _BROKEN:
+            raise RedisConnectionError("the shared pub/sub connection was lost")
+        return bytes(data)
+
+    async def close(self) -> None:
+        await self._hub.release(self)
+
+
+class Subscriber:
+    """Routes messages from one pub/sub connection to per-channel subscriptions."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self._pubsub: Any = None
+        self._reader: asyncio.Task[None] | None = None
+        self._subs: dict[str, set[Subscription]] = {}
+        self._lock = asyncio.Lock()
+
+    async def open(self, channel: str) -> Subscription:
+        """Subscribe to ``channel`` (the SUBSCRIBE is sent before this returns)."""
+        sub = Subscription(self, channel)
+        # Serialized: concurrent first commands on a fresh PubSub would each take a pool connection.
+        async with self._lock:
+            first = channel not in self._subs
+            self._subs.setdefault(channel, set()).add(sub)
+            if self._pubsub is None:
+                self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                if first:
+                    await self._pubsub.subscribe(channel)
+            except BaseException:
+                self._subs[channel].discard(sub)
+                if not self._subs[channel]:
+                    del self._subs[channel]
+                raise
+            if self._reader is None or self._reader.done():
+                self._reader = asyncio.create_task(self._read(self._pubsub))
+        return sub
+
+    async def release(self, sub: Subscription) -> None:
+        async with self._lock:
+            subs = self._subs.get(sub.channel)
+            if subs is None or sub not in subs:
+                return
+            subs.discard(sub)
+            if subs:
+                return
+            del self._subs[sub.channel]
+            if not self._subs:
+                await self._close()  # idle: hold no connection and no reader task
+            elif self._pubsub is not None:
+                with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
+                    await self._pubsub.unsubscribe(sub.channel)
+
+    async def _read(self, pubsub: Any) -> None:
+        while pubsub is self._pubsub:
+            try:
+                msg = await pubsub.get_message(timeout=1.0)
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.warning("shared pub/sub connection lost: %r", exc)
+                await self._break(pubsub)
+                return
+            if msg is not None and msg.get("type") == "message":
+                channel = msg["channel"].decode() if isinstance(msg["channel"], bytes) else msg["channel"]
+                for sub in self._subs.get(channel, ()):
+                    sub.queue.put_nowait(msg["data"])
+
+    async def _break(self, pubsub: Any) -> None:
+        # Every stream replays from its log and subscribes again on a fresh connection.
+        self._pubsub = None
+        subs = [s for group in self._subs.values() for s in group]
+        self._subs.clear()
+        for sub in subs:
+            sub.queue.put_nowait(_BROKEN)
+        with contextlib.suppress(Exception):
+            await pubsub.aclose()
+
+    async def aclose(self) -> None:
+        """Stop reading and close the connection."""
+        async with self._lock:
+            await self._close()
+
+    async def _close(self) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        reader, self._reader = self._reader, None
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        if pubsub is not None:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
