@@ -33,10 +33,13 @@ class Subscription:
 
     async def get(self, timeout: float) -> bytes | None:
         """The next message, or None after ``timeout`` seconds; raises if the connection broke."""
-        try:
-            data = await asyncio.wait_for(self.queue.get(), timeout)
-        except asyncio.TimeoutError:
-            return None
+        if self.queue.empty():
+            try:
+                data = await asyncio.wait_for(self.queue.get(), timeout)
+            except asyncio.TimeoutError:
+                return None
+        else:
+            data = self.queue.get_nowait()  # the common case under load: no timer, no task
         if data is _BROKEN:
             raise RedisConnectionError("the shared pub/sub connection was lost")
         return bytes(data)
