@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from arq.constants import in_progress_key_prefix
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -59,10 +60,10 @@ class Batch:
     mode: str
 
 
-def emit_args(keys: Keys, batches: Sequence[Batch], ttl: LogTTL) -> tuple[list[str], list[Any]]:
-    """Keys and arguments of one fenced EMIT call writing every batch."""
+def emit_args(keys: Keys, batches: Sequence[Batch], ttl: LogTTL, queue: str) -> tuple[list[str], list[Any]]:
+    """Keys and arguments of one fenced EMIT call writing every batch (``queue``: where "release" puts jobs)."""
     ks: list[str] = [keys.running()]
-    args: list[Any] = [len(batches), ttl.live, ttl.done]
+    args: list[Any] = [len(batches), ttl.live, ttl.done, queue, int(time.time() * 1000), in_progress_key_prefix]
     for b in batches:
         ks += [keys.lease(b.rid), keys.log(b.rid), keys.cancel(b.rid)]
         blob = "\n".join(ev.model_dump_json() for ev in b.events)
@@ -74,8 +75,9 @@ class Publisher:
     """Turns engine outputs into events and writes them, one pipeline per batch of outputs."""
 
     def __init__(self, redis: Redis, keys: Keys, worker_id: str, jobs: dict[str, Job],
-                 ttl: LogTTL | None = None, give_up_s: float = 10.0) -> None:
+                 ttl: LogTTL | None = None, give_up_s: float = 10.0, queue: str = "") -> None:
         self.redis = redis
+        self.queue = queue  # this worker's arq queue: where released jobs go back
         self.keys = keys
         self.worker_id = worker_id
         self.jobs = jobs
@@ -177,4 +179,4 @@ class Publisher:
     def _emit_args(self, groups: list[tuple[Job, list[Event]]], mode: str | None) -> tuple[list[str], list[Any]]:
         batches = [Batch(job.rid, job.token, events, mode or ("end" if any(is_terminal(e) for e in events) else ""))
                    for job, events in groups]
-        return emit_args(self.keys, batches, self.ttl)
+        return emit_args(self.keys, batches, self.ttl, self.queue)

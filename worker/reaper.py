@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from arq.constants import in_progress_key_prefix, job_key_prefix, retry_key_prefix
 from redis.asyncio import Redis
@@ -95,16 +94,12 @@ class Reaper:
                                                        message=msg, retryable=True))
 
     async def _requeue(self, rid: str, queue: str, event: Event) -> None:
-        if await self._emit(rid, event, "release"):
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.delete(in_progress_key_prefix + rid)
-            pipe.zadd(queue, {rid: int(time.time() * 1000)})
-            await pipe.execute()
+        if await self._emit(rid, queue, event, "release"):  # also re-queues it, atomically
             self.reaped += 1
             log.info("job %s: worker lost; re-queued (%s)", rid, event.type)
 
     async def _give_up(self, rid: str, queue: str, event: Event) -> None:
-        if await self._emit(rid, event, "end"):
+        if await self._emit(rid, queue, event, "end"):
             pipe = self.redis.pipeline(transaction=False)
             pipe.zrem(queue, rid)
             pipe.delete(job_key_prefix + rid, in_progress_key_prefix + rid, retry_key_prefix + rid)
@@ -112,7 +107,8 @@ class Reaper:
             self.reaped += 1
             log.info("job %s: worker lost on its last try; failed", rid)
 
-    async def _emit(self, rid: str, event: Event, mode: str) -> bool:
+    async def _emit(self, rid: str, queue: str, event: Event, mode: str) -> bool:
         assert self._script is not None
-        (ok,) = await self._script.run(self.redis, *emit_args(self.keys, [Batch(rid, "", [event], mode)], self.ttl))
+        args = emit_args(self.keys, [Batch(rid, "", [event], mode)], self.ttl, queue)
+        (ok,) = await self._script.run(self.redis, *args)
         return bool(ok == 1)

@@ -17,15 +17,18 @@ from redis.exceptions import NoScriptError
 __all__ = ["EMIT", "REFRESH", "Script"]
 
 # Writes the events of several jobs in one call (one round trip per engine step, few arguments to pack).
-# KEYS: running, then per job: lease, log, cancel. ARGV: job count, live TTL, done TTL, then per job: token,
-# channel, mode, rid, first seq, events (JSON texts joined by newlines: JSON never contains a raw one).
-# Event i gets log entry id "<first seq + i>-1". Mode "": more to come; "end": terminal (drop lease,
-# cancel key, running entry); "release": back to the queue (drop lease and running entry).
+# KEYS: running, then per job: lease, log, cancel. ARGV: job count, live TTL, done TTL, arq queue, now (ms),
+# arq's in-progress key prefix, then per job: token, channel, mode, rid, first seq, events (JSON texts
+# joined by newlines: JSON never contains a raw one). Event i gets log entry id "<first seq + i>-1".
+# Mode "": more to come; "end": terminal (drop lease, cancel key, running entry); "release": hand the job
+# back -- drop lease and running entry, clear arq's in-progress mark and re-queue it, all in this one atomic
+# call, so no crash can leave a job neither running nor queued.
 # Returns one 1 (written) or 0 (fenced: the lease is not this token's) per job. An entry id already in the
-# log (a duplicate) is skipped, not published. (`running` is one global key: not Redis Cluster-ready.)
+# log (a duplicate) is skipped, not published. (`running` and the queue are global keys passed unhashed:
+# not Redis Cluster-ready.)
 EMIT = r"""
 local out = {}
-local a = 4
+local a = 7
 for j = 1, tonumber(ARGV[1]) do
   local k = 2 + (j - 1) * 3
   local lease, log, cancel = KEYS[k], KEYS[k + 1], KEYS[k + 2]
@@ -51,6 +54,10 @@ for j = 1, tonumber(ARGV[1]) do
     if mode ~= '' then
       redis.call('HDEL', KEYS[1], rid)
       if token ~= '' then redis.call('DEL', lease) end
+    end
+    if mode == 'release' then
+      redis.call('DEL', ARGV[6] .. rid)
+      redis.call('ZADD', ARGV[4], ARGV[5], rid)
     end
     out[j] = 1
   else

@@ -68,7 +68,8 @@ class ModelService:
         self.redis = redis
         self.jobs: dict[str, Job] = {}
         ttl = LogTTL(live=config.live_ttl_s, done=config.done_ttl_s)
-        self.publisher = Publisher(redis, self.keys, config.worker_id, self.jobs, ttl, give_up_s=config.lease_ttl_s)
+        self.publisher = Publisher(redis, self.keys, config.worker_id, self.jobs, ttl,
+                                   give_up_s=config.lease_ttl_s, queue=config.queue_name)
         self.publisher.on_fenced = self._on_lease_lost
         self.leases = LeaseKeeper(redis, self.keys, self.jobs, config.lease_ttl_s, self._on_lease_lost)
         self.reaper = Reaper(redis, self.keys, config.max_tries, config.reap_interval_s, ttl)
@@ -199,8 +200,7 @@ class ModelService:
             return
         reset = ResetEvent(id=job.rid, seq=job.next_seq(), reason="worker shutting down; job re-queued",
                            attempt=job.attempt + 1)
-        await self.publisher.write([(job, reset)], mode="release")
-        await self._requeue(job.rid)
+        await self.publisher.write([(job, reset)], mode="release")  # also re-queues it, atomically
         log.info("job %s: interrupted; handed back to the queue", job.rid)
 
     async def _requeue(self, rid: str, delay_s: float = 0.0) -> None:
