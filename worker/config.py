@@ -53,6 +53,11 @@ class WorkerConfig:
         return self.model_name or self.model
 
     @property
+    def arq_job_timeout_s(self) -> float:
+        """arq's own job timeout: behind the engine's deadline, so the engine's fires first."""
+        return self.job_timeout_s + 30.0
+
+    @property
     def lease_refresh_s(self) -> float:
         return self.lease_ttl_s / 3
 

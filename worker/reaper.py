@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import dataclass
 
 from arq.constants import in_progress_key_prefix, job_key_prefix, retry_key_prefix
 from redis.asyncio import Redis
@@ -21,20 +23,31 @@ from api.schema import ErrorCode, ErrorEvent, Event, ResetEvent, decode_event, i
 from .publisher import Batch, LogTTL, emit_args
 from .scripts import EMIT, Script
 
-__all__ = ["Reaper"]
+__all__ = ["Reaper", "StaleClaims"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StaleClaims:
+    """Where to look for stale arq claims: this worker's queue, arq's claim TTL and the lease TTL (ms)."""
+
+    queue: str
+    claim_ms: int
+    lease_ms: int
 
 
 class Reaper:
     """Sweeps for lost jobs every ``interval_s``."""
 
-    def __init__(self, redis: Redis, keys: Keys, max_tries: int, interval_s: float, ttl: LogTTL) -> None:
+    def __init__(self, redis: Redis, keys: Keys, max_tries: int, interval_s: float, ttl: LogTTL,
+                 claims: StaleClaims | None = None) -> None:
         self.redis = redis
         self.keys = keys
         self.max_tries = max_tries
         self.interval_s = interval_s
         self.ttl = ttl
+        self.claims = claims
         self.reaped = 0
         self._script: Script | None = None
 
@@ -46,8 +59,34 @@ class Reaper:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.sweep()
+                if self.claims is not None:
+                    await self.release_stale_claims(self.claims)
             except (RedisError, OSError) as exc:
                 log.warning("reaper sweep failed: %r", exc)
+
+    async def release_stale_claims(self, claims: StaleClaims) -> list[str]:
+        """Free queued jobs that a worker claimed (arq's in-progress mark) but died before leasing.
+
+        Between arq's claim and the job's lease there are a few milliseconds in which a SIGKILL would leave
+        the job claimed for arq's whole in-progress TTL (job timeout + 40 s). A queued job whose claim is
+        older than a lease TTL and that holds no lease is such a job: drop the claim so any worker runs it.
+        """
+        now_ms = int(time.time() * 1000)
+        rids = [r.decode() for r in await self.redis.zrangebyscore(
+            claims.queue, "-inf", now_ms - claims.lease_ms, start=0, num=200)]
+        if not rids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in rids:
+            pipe.pttl(in_progress_key_prefix + rid)
+            pipe.exists(self.keys.lease(rid))
+        answers = await pipe.execute()
+        stale = [rid for rid, pttl, leased in zip(rids, answers[::2], answers[1::2])
+                 if pttl > 0 and not leased and claims.claim_ms - pttl > claims.lease_ms]
+        for rid in stale:
+            await self.redis.delete(in_progress_key_prefix + rid)
+            log.info("job %s: claimed by a worker that died before starting it; released", rid)
+        return stale
 
     async def sweep(self) -> list[str]:
         """Handle every running job that has no lease; returns their ids."""

@@ -34,7 +34,7 @@ from .config import WorkerConfig
 from .job import Job
 from .leases import LeaseKeeper
 from .publisher import LogTTL, Publisher
-from .reaper import Reaper
+from .reaper import Reaper, StaleClaims
 from .translate import error_event, timings, to_engine_request
 
 __all__ = ["BadRequest", "ModelService"]
@@ -72,7 +72,9 @@ class ModelService:
                                    give_up_s=config.lease_ttl_s, queue=config.queue_name)
         self.publisher.on_fenced = self._on_lease_lost
         self.leases = LeaseKeeper(redis, self.keys, self.jobs, config.lease_ttl_s, self._on_lease_lost)
-        self.reaper = Reaper(redis, self.keys, config.max_tries, config.reap_interval_s, ttl)
+        claims = StaleClaims(config.queue_name, int((config.arq_job_timeout_s + 10) * 1000),
+                             int(config.lease_ttl_s * 1000))  # arq claims for its job timeout + 10 s
+        self.reaper = Reaper(redis, self.keys, config.max_tries, config.reap_interval_s, ttl, claims)
         self.engine: Engine | None = None
         self.model: LoadedModel | None = None
         self._tasks: list[asyncio.Task[None]] = []

@@ -21,8 +21,6 @@ from .service import ModelService
 
 __all__ = ["Settings", "worker_settings"]
 
-_JOB_TIMEOUT_MARGIN_S = 30.0  # arq's own timeout stays behind the engine's deadline
-
 
 def worker_settings(config: WorkerConfig) -> dict[str, Any]:
     """Keyword arguments for ``arq.Worker`` serving ``config.model``."""
@@ -48,7 +46,7 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         loop.call_soon(loop.call_soon, waker.wake)
 
-    timeout = config.job_timeout_s + _JOB_TIMEOUT_MARGIN_S
+    timeout = config.arq_job_timeout_s
     return {
         "functions": [func(generate, name=JOB_FUNCTION, timeout=timeout, max_tries=config.max_tries)],
         "queue_name": config.queue_name,

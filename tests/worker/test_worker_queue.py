@@ -380,3 +380,22 @@ async def test_one_client_follows_many_jobs_over_one_pubsub_connection(worker: R
     # ...over one shared connection (plus the worker's two: cancel wake-ups and queue wake-ups)
     assert len(subscribers) == 3, subscribers
     assert all(isinstance(terminal(evs), DoneEvent) for evs in results)
+
+
+async def test_claim_left_by_a_worker_killed_before_it_leased_the_job_is_released(
+    worker_config: Any, client: Client, redis_url: str
+) -> None:
+    cfg = config_with(worker_config, lease_ttl_s=1.0, reap_interval_s=0.2)
+    rid = await client.submit(model="tiny", prompt="hi", max_tokens=3)
+    # What a worker SIGKILLed between arq's claim and its lease leaves: the claim (aged past a lease TTL),
+    # on a job enqueued a while ago. arq alone would wait out the claim's TTL (job timeout + 40 s).
+    r = aredis.Redis.from_url(redis_url)
+    await r.set(f"arq:in-progress:{rid}", b"1", px=int((cfg.arq_job_timeout_s + 10) * 1000) - 2000)
+    await r.zadd("mlxq:queue:tiny", {rid: int(time.time() * 1000) - 5000})
+    running = await start_worker(cfg)
+    try:
+        result = await client.result(rid, timeout=30)
+        assert result.usage.completion_tokens == 3
+    finally:
+        await running.close()
+        await r.aclose()
