@@ -129,9 +129,6 @@ class ModelService:
     # --- one job -----------------------------------------------------------------------------------
     async def run_job(self, payload: Any, job_id: str, job_try: int = 1, enqueue_time: float | None = None) -> str:
         """Run one arq job to its terminal event (or hand it back); returns how it ended."""
-        return await self._run_job(payload, job_id, job_try, enqueue_time)
-
-    async def _run_job(self, payload: Any, job_id: str, job_try: int, enqueue_time: float | None) -> str:
         job = Job(job_id, self.config.name, enqueue_time or time.time(), attempt=job_try,
                   token=f"{self.config.worker_id}:{job_try}")
         begin = await self._begin(job)
@@ -161,7 +158,7 @@ class ModelService:
         pipe.set(self.keys.lease(job.rid), job.token, nx=True, px=int(self.config.lease_ttl_s * 1000))
         pipe.hset(self.keys.running(), job.rid, self.config.queue_name)
         # Out of arq's queue while it runs: otherwise every arq poll (every few ms) re-examines every running
-        # job with WATCH/EXISTS/ZSCORE. Whoever hands the job back puts it back (see _requeue, the reaper).
+        # job with WATCH/EXISTS/ZSCORE. Whoever hands the job back re-queues it (EMIT "release", _requeue).
         pipe.zrem(self.config.queue_name, job.rid)
         pipe.xrevrange(self.keys.log(job.rid), count=1)
         pipe.exists(self.keys.cancel(job.rid))
