@@ -83,12 +83,10 @@ class Client:
         Pass a :class:`GenerateRequest`, a dict of its fields, or the fields as keywords.
         """
         req = _request(request, fields)
-        payload = req.model_dump(mode="json")
-        size = len(req.model_dump_json())
-        if size > self.max_payload_bytes:
-            raise BadRequest(f"the request has {size} bytes of JSON; the limit is {self.max_payload_bytes}")
         now_ms = int(time.time() * 1000)
-        job = dumps_job({"t": None, "f": JOB_FUNCTION, "a": [payload], "k": {}, "et": now_ms})
+        job = dumps_job({"t": None, "f": JOB_FUNCTION, "a": [req.model_dump(mode="json")], "k": {}, "et": now_ms})
+        if len(job) > self.max_payload_bytes:  # the limit workers apply before decoding a job
+            raise BadRequest(f"the job has {len(job)} bytes of JSON; the limit is {self.max_payload_bytes}")
         keys = [job_key_prefix + req.id, result_key_prefix + req.id, self.keys.queue(req.model)]
         args: list[str | bytes | int] = [req.id, job, JOB_TTL_MS, self.keys.wake_channel(req.model), now_ms]
         if not await self._enqueue(keys=keys, args=args):
