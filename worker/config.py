@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from api.config import DEFAULT_REDIS_URL
-from api.keys import Keys
+from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
 
 __all__ = ["WorkerConfig"]
 
@@ -42,8 +42,8 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0  # MLXQ_DRAIN_TIMEOUT: on SIGTERM, how long running jobs may finish
     lease_ttl_s: float = 10.0  # MLXQ_LEASE_TTL: a running job's lease; the reaper re-runs jobs without one
     reap_interval_s: float = 2.0  # MLXQ_REAP_INTERVAL: how often each worker looks for lost jobs
-    live_ttl_s: int = 600  # MLXQ_LIVE_TTL: replay log TTL while a job runs (refreshed on every write)
-    done_ttl_s: int = 300  # MLXQ_DONE_TTL: replay log TTL after the terminal event
+    live_ttl_s: int = LIVE_TTL_S  # MLXQ_LIVE_TTL: replay log TTL while a job runs (refreshed on every write)
+    done_ttl_s: int = DONE_TTL_S  # MLXQ_DONE_TTL: replay log TTL after the terminal event
     keep_result_s: int = 60  # MLXQ_KEEP_RESULT: arq's result key TTL
     worker_id: str = field(default_factory=_worker_id)
 
@@ -56,10 +56,6 @@ class WorkerConfig:
     def arq_job_timeout_s(self) -> float:
         """arq's own job timeout: behind the engine's deadline, so the engine's fires first."""
         return self.job_timeout_s + 30.0
-
-    @property
-    def lease_refresh_s(self) -> float:
-        return self.lease_ttl_s / 3
 
     @property
     def keys(self) -> Keys:

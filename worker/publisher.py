@@ -19,7 +19,7 @@ from arq.constants import in_progress_key_prefix
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from api.keys import Keys
+from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
 from api.schema import Event, is_terminal
 from engine.request import FinishReason, RequestOutput, coalesce
 
@@ -46,8 +46,8 @@ class PublisherStats:
 class LogTTL:
     """Replay-log TTLs, seconds."""
 
-    live: int = 600
-    done: int = 300
+    live: int = LIVE_TTL_S
+    done: int = DONE_TTL_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,7 @@ def emit_args(keys: Keys, batches: Sequence[Batch], ttl: LogTTL, queue: str) -> 
 
 
 class Publisher:
-    """Turns engine outputs into events and writes them, one pipeline per batch of outputs."""
+    """Turns engine outputs into events and writes them, one EMIT call per batch of outputs."""
 
     def __init__(self, redis: Redis, keys: Keys, worker_id: str, jobs: dict[str, Job],
                  ttl: LogTTL | None = None, give_up_s: float = 10.0, queue: str = "") -> None:
@@ -133,20 +133,21 @@ class Publisher:
         groups: dict[str, tuple[Job, list[Event]]] = {}
         for job, ev in items:
             groups.setdefault(job.rid, (job, []))[1].append(ev)
-        for job, events in groups.values():
-            if mode == "release" or any(is_terminal(ev) for ev in events):
-                # The write drops the lease: the lease keeper must not take that for a lost lease.
-                self.jobs.pop(job.rid, None)
+        batches = [Batch(job.rid, job.token, events, mode or ("end" if any(map(is_terminal, events)) else ""))
+                   for job, events in groups.values()]
+        for b in batches:
+            if b.mode:  # the write drops the lease: the lease keeper must not take that for a lost lease
+                self.jobs.pop(b.rid, None)
         async with self._lock:
-            written = await self._send(list(groups.values()), mode)
+            written = await self._send(batches)
         if step:
             self.stats.writes += 1
         else:
             self.stats.other_writes += 1
-        for (job, events), ok in zip(groups.values(), written):
+        for (job, events), b, ok in zip(groups.values(), batches, written):
             if not ok:
                 self._fence(job)
-            elif any(is_terminal(ev) for ev in events) or mode == "release":
+            elif b.mode:
                 self._settle(job, events[-1].type)
 
     def _settle(self, job: Job, outcome: str) -> None:
@@ -159,24 +160,19 @@ class Publisher:
         log.warning("job %s: lease lost, its events are fenced off", job.rid)
         self.on_fenced(job)
 
-    async def _send(self, groups: list[tuple[Job, list[Event]]], mode: str | None) -> list[bool]:
+    async def _send(self, batches: list[Batch]) -> list[bool]:
         assert self._script is not None, "Publisher.start() was not awaited"
         deadline = time.monotonic() + self._give_up_s
         attempt = 0
         while True:
             try:
-                result = await self._script.run(self.redis, *self._emit_args(groups, mode))
-                self.stats.events += sum(len(evs) for _, evs in groups)
+                result = await self._script.run(self.redis, *emit_args(self.keys, batches, self.ttl, self.queue))
+                self.stats.events += sum(len(b.events) for b in batches)
                 return [r == 1 for r in result]
             except (RedisError, OSError) as exc:
                 attempt += 1
                 if time.monotonic() > deadline:
-                    log.error("Redis unreachable for %.0fs: fencing %d jobs", self._give_up_s, len(groups))
-                    return [False] * len(groups)
+                    log.error("Redis unreachable for %.0fs: fencing %d jobs", self._give_up_s, len(batches))
+                    return [False] * len(batches)
                 log.warning("event write failed (attempt %d): %r", attempt, exc)
                 await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
-
-    def _emit_args(self, groups: list[tuple[Job, list[Event]]], mode: str | None) -> tuple[list[str], list[Any]]:
-        batches = [Batch(job.rid, job.token, events, mode or ("end" if any(is_terminal(e) for e in events) else ""))
-                   for job, events in groups]
-        return emit_args(self.keys, batches, self.ttl, self.queue)

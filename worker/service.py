@@ -40,8 +40,8 @@ from .translate import error_event, timings, to_engine_request
 __all__ = ["BadRequest", "ModelService"]
 
 log = logging.getLogger(__name__)
-ENGINE_DEAD_EXIT = 70
-_INLINE_TOKENIZE_CHARS = 16_384  # EX_SOFTWARE: the supervisor restarts the worker
+ENGINE_DEAD_EXIT = 70  # EX_SOFTWARE: the supervisor restarts the worker
+_INLINE_TOKENIZE_CHARS = 16_384  # longer prompts are tokenized off the event loop
 
 
 class BadRequest(Exception):
