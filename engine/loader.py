@@ -27,6 +27,7 @@ class EngineOptions:
     capacity: int = 32  # sequences decoding at once
     prefill_batch_size: int = 8  # prompts prefilled together
     prefill_step_size: int = 512  # prompt tokens per prefill chunk (a step boundary between chunks)
+    stream_interval_s: float = 0.0  # hold a request's tokens up to this long between outputs (see pacer.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,4 +75,5 @@ async def start_engine(path: str, sink: Sink, options: EngineOptions | None = No
         make_sampler=make_request_sampler,
         make_processors=make_request_logits_processors,
     )
-    return Engine(thread, scheduler, sink, make_backend=make_backend), loaded
+    engine = Engine(thread, scheduler, sink, make_backend=make_backend, stream_interval_s=opts.stream_interval_s)
+    return engine, loaded

@@ -29,6 +29,8 @@ class WorkerConfig:
     capacity: int = 32  # MLXQ_BATCH_CAPACITY: sequences decoding at once
     prefill_batch_size: int = 8  # MLXQ_PREFILL_BATCH
     prefill_step_size: int = 512  # MLXQ_PREFILL_STEP
+    admit_wait_ms: float = 10.0  # MLXQ_ADMIT_WAIT_MS: longest an idle engine waits for jobs claimed together
+    stream_interval_ms: float = 10.0  # MLXQ_STREAM_INTERVAL_MS: longest a token waits to be sent (0: every step)
     max_jobs: int = 0  # MLXQ_MAX_JOBS: arq jobs held at once (0: capacity + a few waiting)
     poll_delay_s: float = 0.25  # MLXQ_POLL_DELAY: arq's queue poll period when no wake-up comes
     job_timeout_s: float = 600.0  # MLXQ_JOB_TIMEOUT: a job's deadline inside the engine
@@ -83,6 +85,8 @@ class WorkerConfig:
             capacity=int(env.get("MLXQ_BATCH_CAPACITY", d.capacity)),
             prefill_batch_size=int(env.get("MLXQ_PREFILL_BATCH", d.prefill_batch_size)),
             prefill_step_size=int(env.get("MLXQ_PREFILL_STEP", d.prefill_step_size)),
+            admit_wait_ms=float(env.get("MLXQ_ADMIT_WAIT_MS", d.admit_wait_ms)),
+            stream_interval_ms=float(env.get("MLXQ_STREAM_INTERVAL_MS", d.stream_interval_ms)),
             max_jobs=int(env.get("MLXQ_MAX_JOBS", d.max_jobs)),
             poll_delay_s=float(env.get("MLXQ_POLL_DELAY", d.poll_delay_s)),
             job_timeout_s=float(env.get("MLXQ_JOB_TIMEOUT", d.job_timeout_s)),

@@ -8,13 +8,14 @@ share the ``{rid}`` hash tag.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-__all__ = ["EMIT", "REFRESH", "Script"]
+__all__ = ["CLAIM", "EMIT", "REFRESH", "Script"]
 
 # Writes the events of several jobs in one call (one round trip per engine step, few arguments to pack).
 # KEYS: running, then per job: lease, log, cancel. ARGV: job count, live TTL, done TTL, arq queue, now (ms),
@@ -67,6 +68,26 @@ end
 return out
 """
 
+# arq's claim of queued jobs, for many at once: a job is taken if it is in the queue, due, and not in
+# progress; taking it sets its in-progress key as arq does. KEYS: the arq queue, then each job's in-progress
+# key. ARGV: now (ms), in-progress TTL (ms), most to take, then the job ids. Returns id, score, id, score...
+# of the taken ones.
+CLAIM = """
+local out = {}
+local most = tonumber(ARGV[3]) * 2
+for i = 2, #KEYS do
+  if #out >= most then break end
+  local id = ARGV[i + 2]
+  local score = redis.call('ZSCORE', KEYS[1], id)
+  if score and tonumber(score) <= tonumber(ARGV[1]) and redis.call('EXISTS', KEYS[i]) == 0 then
+    redis.call('PSETEX', KEYS[i], ARGV[2], '1')
+    out[#out + 1] = id
+    out[#out + 1] = score
+  end
+end
+return out
+"""
+
 # KEYS: lease. ARGV: token, ttl ms. Extends the lease if still ours: 1, else 0.
 REFRESH = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -82,6 +103,11 @@ class Script:
 
     source: str
     sha: str
+
+    @classmethod
+    def of(cls, source: str) -> Script:
+        """Without a round trip: :meth:`run` loads it on first use."""
+        return cls(source, hashlib.sha1(source.encode()).hexdigest())
 
     @classmethod
     async def load(cls, redis: Redis, source: str) -> Script:

@@ -90,7 +90,8 @@ class ModelService:
         def sink(outs: list[RequestOutput]) -> None:  # runs on the MLX thread
             loop.call_soon_threadsafe(service.publisher.feed, outs)
 
-        opts = EngineOptions(config.capacity, config.prefill_batch_size, config.prefill_step_size)
+        opts = EngineOptions(config.capacity, config.prefill_batch_size, config.prefill_step_size,
+                             stream_interval_s=config.stream_interval_ms / 1000)
         service.engine, service.model = await start_engine(config.model, sink, opts)
 
         def on_dead() -> None:  # runs on the MLX thread
@@ -125,6 +126,11 @@ class ModelService:
         p = self.publisher.stats
         return (f"engine_steps={steps} redis_writes={p.writes} other_writes={p.other_writes} events={p.events} "
                 f"fenced={p.fenced} reaped={self.reaper.reaped}")
+
+    def on_claimed(self, n: int) -> None:
+        """arq just claimed ``n`` jobs in one call: let an idle engine wait for all of them."""
+        if self.engine is not None:
+            self.engine.expect(n, self.config.admit_wait_ms / 1000)
 
     # --- one job -----------------------------------------------------------------------------------
     async def run_job(self, payload: Any, job_id: str, job_try: int = 1, enqueue_time: float | None = None) -> str:

@@ -15,7 +15,7 @@ from arq.worker import func
 
 from api.connection import JOB_FUNCTION, UNDECODABLE, dumps_job, loads_job, redis_settings
 
-from . import waker
+from . import claims, waker
 from .config import WorkerConfig
 from .service import ModelService
 
@@ -27,7 +27,8 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
 
     async def startup(ctx: dict[str, Any]) -> None:
         _configure_logging()
-        ctx["mlxq"] = await ModelService.start(config)
+        service = ctx["mlxq"] = await ModelService.start(config)
+        ctx[claims.ON_CLAIMED] = service.on_claimed
 
     async def shutdown(ctx: dict[str, Any]) -> None:
         service: ModelService | None = ctx.get("mlxq")
@@ -80,6 +81,7 @@ def _configure_logging() -> None:
 
 
 waker.install()
+claims.install()
 
 
 class Settings:

@@ -49,10 +49,13 @@ class SlowBackend:
         self.left: dict[int, int] = {}  # tokens each sequence may still make (BatchGenerator's max_tokens)
         self._next = 0
         self.fail_next = False
+        self.steps = 0
+        self.inserted_at_step: list[int] = []  # steps run before each insert
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Any, logits_processors: list[Any]) -> int:
         with self.counter:
             self._next += 1
+            self.inserted_at_step.append(self.steps)
             self.uids.append(self._next)
             self.left[self._next] = max_tokens
             return self._next
@@ -64,6 +67,7 @@ class SlowBackend:
 
     def step(self) -> list[BatchToken]:
         with self.counter:
+            self.steps += 1
             time.sleep(self.delay)
             if self.fail_next:
                 self.fail_next = False
@@ -125,12 +129,14 @@ class Outputs:
         await asyncio.wait_for(all_done(), timeout)
 
 
-def make_engine(delay: float = 0.05) -> tuple[Engine, SlowBackend, EntryCounter, Outputs]:
+def make_engine(delay: float = 0.05, stream_interval_s: float = 0.0
+                ) -> tuple[Engine, SlowBackend, EntryCounter, Outputs]:
     counter = EntryCounter()
     backend = SlowBackend(counter, delay)
     outputs = Outputs(asyncio.get_running_loop())
     scheduler = Scheduler(backend, capacity=4, new_detokenizer=Detok)
-    return Engine(MLXThread("test-mlx"), scheduler, outputs.sink), backend, counter, outputs
+    engine = Engine(MLXThread("test-mlx"), scheduler, outputs.sink, stream_interval_s=stream_interval_s)
+    return engine, backend, counter, outputs
 
 
 def request(rid: str, max_tokens: int = 1000) -> EngineRequest:
@@ -264,3 +270,47 @@ async def test_engine_that_cannot_rebuild_its_batch_declares_itself_dead() -> No
     await outputs.wait_finished(["b"])
     assert outputs.by_rid["b"][-1].finish is FinishReason.ERROR
     await engine.aclose()
+
+
+async def test_paced_engine_sends_first_token_then_the_rest_with_the_end() -> None:
+    engine, backend, _, outputs = make_engine(delay=0.001, stream_interval_s=60.0)
+    try:
+        for rid in ("a", "b"):
+            engine.add(request(rid, max_tokens=20))
+        await outputs.wait_finished(["a", "b"])
+        for rid in ("a", "b"):
+            first, last = outputs.by_rid[rid]  # 20 steps, two outputs
+            assert (first.started, len(first.token_ids), first.finish) == (True, 1, None)
+            assert (len(last.token_ids), last.completion_tokens, last.finish) == (19, 20, FinishReason.LENGTH)
+            assert first.text + last.text == "x" * 20
+        assert backend.steps >= 20
+    finally:
+        await engine.aclose()
+
+
+async def test_idle_engine_waits_for_announced_requests_and_admits_them_together() -> None:
+    engine, backend, _, outputs = make_engine(delay=0.001)
+    try:
+        engine.expect(3, within_s=30.0)
+        engine.add(request("a", max_tokens=5))
+        await asyncio.sleep(0.05)  # the engine must not step meanwhile: two more are announced
+        assert backend.steps == 0
+        engine.add(request("b", max_tokens=5))
+        engine.add(request("c", max_tokens=5))
+        await outputs.wait_finished(["a", "b", "c"])
+        assert backend.inserted_at_step == [0, 0, 0]
+    finally:
+        await engine.aclose()
+
+
+async def test_announced_requests_that_never_come_do_not_stall_the_engine() -> None:
+    engine, backend, _, outputs = make_engine(delay=0.001)
+    try:
+        engine.expect(5, within_s=0.05)  # four of them are rejected before reaching the engine
+        engine.add(request("a", max_tokens=3))
+        await outputs.wait_finished(["a"])
+        engine.add(request("b", max_tokens=3))  # the stale announcement is gone: no wait at all
+        await outputs.wait_finished(["b"])
+        assert backend.inserted_at_step == [0, 3]
+    finally:
+        await engine.aclose()

@@ -228,19 +228,20 @@ async def test_soak_2000_jobs_leaves_redis_at_baseline_and_rss_flat(tiny_model: 
         assert worker.proc is not None
         proc = psutil.Process(worker.proc.pid)
         async with Client(redis_url) as client:
-            rss_warm = 0
-            for wave in range(10):
+            rss: list[int] = []
+            for _ in range(10):
                 rids = await asyncio.gather(*(
                     client.submit(model="tiny", prompt=PROMPTS[i % 10], max_tokens=4) for i in range(200)
                 ))
                 results = await asyncio.gather(*(client.result(rid, timeout=120) for rid in rids))
                 assert all(res.usage.completion_tokens == 4 for res in results)
-                if wave == 1:
-                    rss_warm = proc.memory_info().rss
-            rss_end = proc.memory_info().rss
+                rss.append(proc.memory_info().rss)
+            # One sample swings by several % with the batch shapes MLX's buffer cache last saw: compare the
+            # peaks of waves 2-5 and 6-10; a leak grows them, the cache's churn does not.
+            rss_warm, rss_end = max(rss[1:5]), max(rss[5:])
         await asyncio.sleep(4)  # replay logs and arq results expire (3 s TTLs here)
         remaining = await r.dbsize()
-        print(f"soak: 2000 jobs; RSS after warm-up {rss_warm / 2**20:.1f} MiB, at end {rss_end / 2**20:.1f} "
+        print(f"soak: 2000 jobs; peak RSS waves 2-5 {rss_warm / 2**20:.1f} MiB, 6-10 {rss_end / 2**20:.1f} "
               f"MiB ({(rss_end / rss_warm - 1) * 100:+.1f}%); keys {baseline} -> {remaining}")
         assert remaining == baseline, [k async for k in r.scan_iter()]
         assert rss_end <= rss_warm * 1.05

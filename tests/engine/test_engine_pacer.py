@@ -1,0 +1,87 @@
+"""The Pacer: step outputs held up to an interval and merged per request; first tokens and ends never held."""
+
+from __future__ import annotations
+
+from engine.pacer import Pacer
+from engine.request import FinishReason, RequestOutput
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def token(rid: str, token_id: int, generated: int, text: str | None = None) -> RequestOutput:
+    """One step's output carrying one token, the request's ``generated``-th."""
+    return RequestOutput(rid, [token_id], text if text is not None else str(token_id), completion_tokens=generated)
+
+
+def test_zero_interval_passes_every_step_through() -> None:
+    pacer = Pacer(0.0, Clock())
+    assert [o.token_ids for o in pacer.push([token("a", 1, 1)])] == [[1]]
+    assert [o.token_ids for o in pacer.push([token("a", 2, 2)])] == [[2]]
+    assert not pacer.holding
+
+
+def test_first_token_goes_out_at_once_later_ones_wait_for_the_interval() -> None:
+    clock = Clock()
+    pacer = Pacer(0.010, clock)
+    started = RequestOutput("a", started=True, prompt_tokens=5)  # admission: no token yet
+    assert pacer.push([started]) == []  # held: it goes out with the first token
+    (first,) = pacer.push([token("a", 7, 1)])
+    assert (first.started, first.prompt_tokens, first.token_ids) == (True, 5, [7])
+    clock.now += 0.003
+    assert pacer.push([token("a", 8, 2)]) == []
+    clock.now += 0.003
+    assert pacer.push([token("a", 9, 3)]) == []
+    clock.now += 0.005  # 11 ms after the last send
+    (merged,) = pacer.push([token("a", 10, 4)])
+    assert (merged.token_ids, merged.text, merged.completion_tokens) == ([8, 9, 10], "8910", 4)
+    assert not pacer.holding
+
+
+def test_finish_flushes_what_the_request_held_merged_in_order() -> None:
+    clock = Clock()
+    pacer = Pacer(1.0, clock)
+    pacer.push([token("a", 1, 1), token("b", 1, 1)])  # both first tokens: out at once
+    assert pacer.push([token("a", 2, 2), token("b", 2, 2)]) == []
+    end = RequestOutput("a", [3], "3", completion_tokens=3, finish=FinishReason.LENGTH)
+    (done,) = pacer.push([end])
+    assert (done.rid, done.token_ids, done.text, done.finish) == ("a", [2, 3], "23", FinishReason.LENGTH)
+    assert pacer.holding  # b's second token still waits
+    (b,) = pacer.push([], flush=True)
+    assert (b.rid, b.token_ids) == ("b", [2])
+
+
+def test_an_error_end_without_tokens_is_not_held() -> None:
+    pacer = Pacer(1.0, Clock())
+    pacer.push([token("a", 1, 1)])
+    pacer.push([token("a", 2, 2)])
+    err = RequestOutput("a", finish=FinishReason.ERROR, error_code="timeout", error_message="late",
+                        completion_tokens=2)
+    (out,) = pacer.push([err])
+    assert (out.token_ids, out.finish, out.error_code) == ([2], FinishReason.ERROR, "timeout")
+
+
+def test_interval_is_shared_so_all_requests_go_out_together() -> None:
+    clock = Clock()
+    pacer = Pacer(0.010, clock)
+    pacer.push([token(r, 0, 1) for r in "abc"])
+    for n in range(2, 6):
+        clock.now += 0.004
+        due = pacer.push([token(r, n, n) for r in "abc"])
+        assert due == [] or sorted(o.rid for o in due) == ["a", "b", "c"]
+    # 16 ms in: one send of all three has happened, holding only what came since
+    assert pacer.holding
+
+
+def test_nothing_after_a_requests_end_is_sent() -> None:
+    pacer = Pacer(1.0, Clock())
+    pacer.push([token("a", 1, 1)])
+    pacer.push([token("a", 2, 2)])
+    late = [RequestOutput("a", finish=FinishReason.CANCELLED, completion_tokens=2), token("a", 3, 3)]
+    (out,) = pacer.push(late)
+    assert (out.token_ids, out.finish) == ([2], FinishReason.CANCELLED)

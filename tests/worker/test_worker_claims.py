@@ -1,0 +1,111 @@
+"""Claiming arq jobs in one call (worker/claims.py): arq's per-job check-and-set, for many jobs at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import redis.asyncio as aredis
+from arq.constants import in_progress_key_prefix
+from arq.worker import Worker, func
+
+from api.client import Client
+from api.connection import JOB_FUNCTION, arq_pool, dumps_job, loads_job, redis_settings
+from tests.support import start_worker
+from worker import claims, waker
+from worker.scripts import CLAIM, Script
+
+QUEUE = "claims-test:queue"
+
+
+async def test_claim_takes_due_free_jobs_up_to_the_free_slots(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        now = int(time.time() * 1000)
+        await r.zadd(QUEUE, {"a": now - 30, "b": now - 20, "c": now + 60_000, "d": now - 10, "e": now - 5})
+        await r.set(in_progress_key_prefix + "b", b"1")  # another worker runs b
+        ids = ["a", "b", "c", "d", "e"]
+        keys = [QUEUE, *(in_progress_key_prefix + j for j in ids)]
+        claimed = await Script.of(CLAIM).run(r, keys, [now, 5000, 2, *ids])
+        assert claimed[::2] == [b"a", b"d"]  # b is taken, c not due, e past the two free slots
+        assert [int(s) for s in claimed[1::2]] == [now - 30, now - 10]
+        for job in ("a", "d"):
+            assert 0 < await r.pttl(in_progress_key_prefix + job) <= 5000
+        assert not await r.exists(in_progress_key_prefix + "e")
+        again = await Script.of(CLAIM).run(r, keys, [now, 5000, 10, *ids])
+        assert again[::2] == [b"e"]  # a and d are in progress now
+    finally:
+        await r.aclose()
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+async def test_competing_workers_run_every_job_once_within_max_jobs(redis_url: str, workers: int) -> None:
+    runs: dict[str, int] = {}
+    state = {"now": 0, "peak": 0}
+
+    async def job(ctx: dict[str, Any], payload: Any) -> None:
+        runs[ctx["job_id"]] = runs.get(ctx["job_id"], 0) + 1
+        state["now"] += 1
+        state["peak"] = max(state["peak"], state["now"])
+        await asyncio.sleep(0.01)
+        state["now"] -= 1
+
+    claims.install()  # as worker/settings.py does
+    assert Worker.start_jobs is claims.start_jobs
+    max_jobs = 4
+    settings = redis_settings(redis_url)
+    arq_workers = [
+        Worker(functions=[func(job, name=JOB_FUNCTION)], queue_name=QUEUE, redis_settings=settings, max_jobs=max_jobs,
+               poll_delay=0.05, handle_signals=False, job_serializer=dumps_job, job_deserializer=loads_job,
+               keep_result=1)
+        for _ in range(workers)
+    ]
+    tasks = [asyncio.create_task(w.async_run()) for w in arq_workers]
+    producer = arq_pool(redis_url)
+    try:
+        ids = [f"job-{i}" for i in range(40)]
+        for job_id in ids:
+            await producer.enqueue_job(JOB_FUNCTION, {"n": job_id}, _job_id=job_id, _queue_name=QUEUE)
+        for _ in range(1000):
+            if len(runs) == len(ids) and state["now"] == 0:
+                break
+            waker.wake()
+            await asyncio.sleep(0.01)
+        assert runs == {job_id: 1 for job_id in ids}
+        assert state["peak"] <= max_jobs * workers
+        assert sum(w.jobs_complete for w in arq_workers) == len(ids)
+    finally:
+        for w in arq_workers:
+            await w.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await producer.aclose()
+
+
+async def test_jobs_claimed_together_reach_an_idle_engine_in_one_step(worker_config: Any, client: Client) -> None:
+    running = await start_worker(worker_config)
+    try:
+        service = running.service
+        running.worker.allow_pick_jobs = False  # let all jobs queue up, then one poll claims them all
+        rids = [await client.submit(model="tiny", prompt=f"prompt {i}", max_tokens=4) for i in range(6)]
+        backend = service.engine.scheduler.backend
+        steps_at_insert: list[int] = []
+        insert = backend.insert
+
+        def recording_insert(*args: Any) -> int:
+            steps_at_insert.append(service.engine.stats.steps)
+            return int(insert(*args))
+
+        backend.insert = recording_insert
+        assert claims.ON_CLAIMED in running.worker.ctx
+        running.worker.allow_pick_jobs = True
+        waker.wake()
+        for rid in rids:
+            assert (await client.result(rid, timeout=30)).usage.completion_tokens == 4
+        assert len(steps_at_insert) == 6
+        assert len(set(steps_at_insert)) == 1  # all six prefilled in the engine's first step
+    finally:
+        await running.close()
