@@ -473,7 +473,15 @@ def _machine() -> dict[str, Any]:
         "platform": platform.platform(), "python": platform.python_version(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "loadavg_start": _loadavg(),  # other processes on the machine skew every number
+        "worker_env": _worker_env(),
     }
+
+
+def _worker_env() -> dict[str, str]:
+    """The worker settings in effect (MLXQ_* from this environment, which the workers inherit, or defaults)."""
+    cfg = WorkerConfig.from_env()
+    return {"MLXQ_STREAM_INTERVAL_MS": f"{cfg.stream_interval_ms:g}", "MLXQ_ADMIT_WAIT_MS": f"{cfg.admit_wait_ms:g}",
+            "MLXQ_PREFILL_BATCH": str(cfg.prefill_batch_size)}
 
 
 def _loadavg() -> list[float]:
@@ -873,6 +881,8 @@ def _md_header(result: BenchResult) -> list[str]:
         f"mlx-lm {m['mlx_lm']} · arq {m['arq']} · redis {m.get('redis', '?')} · python {m['python']} · "
         f"run time {result.seconds:.0f} s · load average at start {m['loadavg_start']}, "
         f"at end {m.get('loadavg_end', '?')} (other processes skew every number)",
+        "",
+        "Worker settings: " + ", ".join(f"`{k}={v}`" for k, v in m.get("worker_env", {}).items()) + ".",
         "",
         *([f"**Warning: mlx-cpu's bundled BLAS ran; batching gains little with it** (install OpenBLAS: "
            f"`apt-get install libopenblas0-pthread`, then `mlxq bench` preloads {OPENBLAS}).", ""]
