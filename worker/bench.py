@@ -160,10 +160,11 @@ class Row:
     raw: PathResult
     queue: PathResult
     serial: PathResult
-    queue_over_raw: float
+    queue_over_raw: float  # best queue run / best raw run
     queue_over_serial: float
     added_ttft_p50_ms: float  # queue - raw
     added_ttft_p99_ms: float
+    queue_over_raw_paired: float = 0.0  # median over run pairs (raw run i, then queue run i) of their ratio
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,8 +410,11 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
 
 
 def _row(size: str, n: int, raw: PathResult, queue: PathResult, serial: PathResult) -> Row:
+    # Best-of compares each path's luckiest run; the paired median compares runs made seconds apart, so
+    # the machine's slow swings (other tenants: ±10 % here) hit both sides of each ratio alike.
+    paired = _pct([_ratio(q, r) for r, q in zip(raw.runs_tok_s, queue.runs_tok_s)], 50)
     return Row(size, n, raw, queue, serial, _ratio(queue.tok_s, raw.tok_s), _ratio(queue.tok_s, serial.tok_s),
-               queue.ttft_p50_ms - raw.ttft_p50_ms, queue.ttft_p99_ms - raw.ttft_p99_ms)
+               queue.ttft_p50_ms - raw.ttft_p50_ms, queue.ttft_p99_ms - raw.ttft_p99_ms, paired)
 
 
 def _probe(raw: list[float], queue: list[float]) -> TtftProbe:
@@ -769,7 +773,7 @@ async def _cancel_phase(client: Client, model: str, cfg: BenchConfig) -> CancelR
     lat = [((t.ended_at or 0.0) - (t.cancelled_at or 0.0)) * 1000 for t in done]
     # Tokens arrive several per event when steps are faster than the stream interval: time per token.
     steps = [(t.token_times[-1] - t.token_times[0]) * 1000 / sum(t.token_counts[1:])
-             for t in traces if len(t.token_times) > 1 and sum(t.token_counts[1:])]
+             for t in traces if len(t.token_times) > 1 and sum(t.token_counts[1:]) > 0]
     step = sum(steps) / len(steps) if steps else None
     result = CancelResult(len(traces), len(done), _pct_or_none(lat, 50), _pct_or_none(lat, 99),
                           max(lat) if lat else None, step, step + 50.0 if step is not None else None)
@@ -837,7 +841,10 @@ def _targets(sizes: list[SizeResult], enqueue: EnqueueResult) -> list[Target]:
     out: list[Target] = []
     for s in sizes:
         floor = 0.95 if s.size == "small" else 0.80
-        out += [_at_least(f"queue/raw {s.size} N={r.n}", r.queue_over_raw, floor) for r in s.rows if r.n > 1]
+        for r in s.rows:
+            if r.n > 1:
+                out.append(_at_least(f"queue/raw {s.size} N={r.n} (best runs)", r.queue_over_raw, floor))
+                out.append(_at_least(f"queue/raw {s.size} N={r.n} (median of pairs)", r.queue_over_raw_paired, floor))
         out += [_at_least(f"queue/serial {s.size} N=32", r.queue_over_serial, 6.0)
                 for r in s.rows if r.n == 32 and s.size == "small"]
         out.append(_at_most(f"queue-added TTFT p50 {s.size} N=1", s.ttft_n1.added_p50_ms, 10.0, " ms"))
@@ -895,21 +902,23 @@ def _md_header(result: BenchResult) -> list[str]:
         "(the idle queue worker SIGSTOPped during raw runs), and of "
         f"{c.serial_repeats} for serial, each after a warm-up. Aggregate tok/s = completion tokens / "
         "(first submit → last terminal event; raw: insert → last token). TTFT pooled over those runs "
-        "(raw: insert → first token; queue: submit → first token event).",
+        "(raw: insert → first token; queue: submit → first token event). queue/raw = best queue run / best "
+        "raw run; queue/raw paired = the median, over the run pairs, of each queue run / the raw run just "
+        "before it (robust to the machine's slow swings).",
         "",
     ]
 
 
 def _md_table(result: BenchResult) -> list[str]:
     lines = ["## Throughput and TTFT", "",
-             "| size | N | raw tok/s | queue tok/s | serial tok/s | queue/raw | queue/serial "
+             "| size | N | raw tok/s | queue tok/s | serial tok/s | queue/raw | queue/raw paired | queue/serial "
              "| TTFT p50 ms raw / queue / added | TTFT p99 ms raw / queue / added |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in result.sizes:
         for r in s.rows:
             lines.append(
                 f"| {s.size} | {r.n} | {r.raw.tok_s:.1f} | {r.queue.tok_s:.1f} | {r.serial.tok_s:.1f} "
-                f"| {r.queue_over_raw:.2f} | {r.queue_over_serial:.2f} "
+                f"| {r.queue_over_raw:.2f} | {r.queue_over_raw_paired:.2f} | {r.queue_over_serial:.2f} "
                 f"| {r.raw.ttft_p50_ms:.1f} / {r.queue.ttft_p50_ms:.1f} / {r.added_ttft_p50_ms:+.1f} "
                 f"| {r.raw.ttft_p99_ms:.1f} / {r.queue.ttft_p99_ms:.1f} / {r.added_ttft_p99_ms:+.1f} |")
     return [*lines, ""]
