@@ -73,7 +73,7 @@ _STATS_LINE_RE = re.compile(r"stats: (engine_steps=\d+.*)$", re.MULTILINE)
 _KEY_VALUE_RE = re.compile(r"(\w+)=(\d+)")
 _NOBODY = "mlxq-bench-nobody"  # model name of the enqueue phase: no worker serves its queue
 _ARQ_JOB_KEY = "arq:job:"
-_BLAS_SETTLE_S = 0.3  # arq.constants.job_key_prefix
+_SETTLE_S = 0.3  # arq.constants.job_key_prefix
 
 
 # --- configuration ---------------------------------------------------------------------------------
@@ -601,16 +601,17 @@ def parse_stats(log_path: Path) -> WorkerStats | None:
 def _frozen(worker: WorkerProcess) -> Iterator[None]:
     """SIGSTOP the idle worker around a raw run: its polling (~5% of a core) must not tax the ceiling.
 
-    After the run, wait for this process's BLAS threads to go idle: OpenBLAS threads spin for a while after
-    their last call (2^28 cycles by default, ~0.1 s), and would tax the queue run that comes next; the
-    stopped worker's threads cannot tax the raw run.
+    After the run, let both settle before the queue run that comes next: this process's OpenBLAS threads
+    spin for a while after their last call (2^28 cycles by default, ~0.1 s), and the resumed worker runs
+    the timers that fell due while it was stopped (polls, lease refresh). The stopped worker cannot tax
+    the raw run.
     """
     worker.signal(signal.SIGSTOP)
     try:
         yield
     finally:
-        time.sleep(_BLAS_SETTLE_S)
         worker.signal(signal.SIGCONT)
+        time.sleep(_SETTLE_S)
 
 
 async def _drive_batched(ctx: _DriveContext, raw: RawPath) -> _Driven:
