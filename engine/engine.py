@@ -6,8 +6,8 @@ are thread-safe and only enqueue commands, so asyncio-side cancellation can neve
 call.
 
 Requests claimed together (:meth:`Engine.expect`) reach an idle engine a fraction of a millisecond apart;
-its first step waits for the rest of them, so their prompts prefill as one batch instead of the first alone
-(a whole prefill step, tens of ms on a small model) and then the others.
+its first step waits for the rest of them (or for a full prefill batch), so their prompts prefill as one
+batch instead of the first alone (a whole prefill step, tens of ms on a small model) and then the others.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class Engine:
         sink: Sink,
         make_backend: Callable[[], BatchBackend] | None = None,
         stream_interval_s: float = 0.0,
+        prefill_batch: int = 8,
     ) -> None:
         self.thread = thread
         self.scheduler = scheduler
@@ -72,6 +73,7 @@ class Engine:
         self._scheduled = False
         self._closed = False
         self._expected = 0  # requests announced by expect() and not added yet
+        self._prefill_batch = prefill_batch  # no point waiting for more than one prefill takes
         self._expect_until = 0.0
         self._arrived = threading.Event()
 
@@ -131,8 +133,10 @@ class Engine:
         while True:
             with self._lock:
                 left = self._expect_until - time.monotonic()
-                if self._expected <= 0 or left <= 0 or self._closed:
-                    self._expected = 0
+                full = len(self._inbox) >= self._prefill_batch  # the inbox holds requests (and maybe aborts)
+                if self._expected <= 0 or left <= 0 or self._closed or full:
+                    if not full:
+                        self._expected = 0
                     return
                 self._arrived.clear()  # under the lock: add() decrements under it before setting
             self._arrived.wait(left)

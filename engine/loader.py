@@ -75,5 +75,6 @@ async def start_engine(path: str, sink: Sink, options: EngineOptions | None = No
         make_sampler=make_request_sampler,
         make_processors=make_request_logits_processors,
     )
-    engine = Engine(thread, scheduler, sink, make_backend=make_backend, stream_interval_s=opts.stream_interval_s)
+    engine = Engine(thread, scheduler, sink, make_backend=make_backend, stream_interval_s=opts.stream_interval_s,
+                    prefill_batch=opts.prefill_batch_size)
     return engine, loaded

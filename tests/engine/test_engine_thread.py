@@ -314,3 +314,17 @@ async def test_announced_requests_that_never_come_do_not_stall_the_engine() -> N
         assert backend.inserted_at_step == [0, 3]
     finally:
         await engine.aclose()
+
+
+async def test_idle_engine_waits_for_no_more_than_one_prefill_batch() -> None:
+    engine, backend, _, outputs = make_engine(delay=0.001)
+    engine.scheduler.capacity = 8
+    try:
+        engine.expect(20, within_s=60.0)  # 12 of them are still on their way when the first 8 are in
+        rids = [f"r{i}" for i in range(8)]  # the default prefill batch
+        for rid in rids:
+            engine.add(request(rid, max_tokens=3))
+        await outputs.wait_finished(rids)
+        assert backend.inserted_at_step == [0] * 8
+    finally:
+        await engine.aclose()
