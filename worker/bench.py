@@ -601,12 +601,13 @@ def parse_stats(log_path: Path) -> WorkerStats | None:
 def _frozen(worker: WorkerProcess) -> Iterator[None]:
     """SIGSTOP the idle worker around a raw run: its polling (~5% of a core) must not tax the ceiling.
 
-    After the run, let both settle before the queue run that comes next: this process's OpenBLAS threads
-    spin for a while after their last call (2^28 cycles by default, ~0.1 s), and the resumed worker runs
-    the timers that fell due while it was stopped (polls, lease refresh). The stopped worker cannot tax
-    the raw run.
+    Every run starts after the same idle pause, raw or queue: this machine runs a short burst measurably
+    faster after a pause than right after another burst (tiny N=8 raw: ~5,500 tok/s after 0.3 s idle,
+    ~4,000 back to back), OpenBLAS threads spin for a while after their last call (2^28 cycles, ~0.1 s),
+    and the resumed worker first runs the timers that fell due while it was stopped.
     """
     worker.signal(signal.SIGSTOP)
+    time.sleep(_SETTLE_S)
     try:
         yield
     finally:
