@@ -13,7 +13,7 @@ from arq.worker import Worker, func
 
 from api.client import Client
 from api.connection import JOB_FUNCTION, arq_pool, dumps_job, loads_job, redis_settings
-from tests.support import start_worker
+from tests.support import config_with, start_worker
 from worker import claims, waker
 from worker.scripts import CLAIM, Script
 
@@ -86,7 +86,9 @@ async def test_competing_workers_run_every_job_once_within_max_jobs(redis_url: s
 
 
 async def test_jobs_claimed_together_reach_an_idle_engine_in_one_step(worker_config: Any, client: Client) -> None:
-    running = await start_worker(worker_config)
+    # A long admission bound: a loaded CI machine may take more than the default 10 ms to add six jobs;
+    # the engine stops waiting as soon as they are all in.
+    running = await start_worker(config_with(worker_config, admit_wait_ms=30_000.0))
     try:
         service = running.service
         running.worker.allow_pick_jobs = False  # let all jobs queue up, then one poll claims them all
