@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from typing import Any
 
 from redis.asyncio import Redis
@@ -29,23 +30,41 @@ class Subscription:
     def __init__(self, hub: Subscriber, channel: str) -> None:
         self.channel = channel
         self._hub = hub
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._items: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, data: Any) -> None:
+        """Deliver a message (on the event loop)."""
+        self._items.append(data)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def get(self, timeout: float) -> bytes | None:
         """The next message, or None after ``timeout`` seconds; raises if the connection broke."""
-        if self.queue.empty():
+        if not self._items:
+            # A bare future and one timer: this runs once per event, and wait_for would add a task.
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout, _expire, waiter)
             try:
-                data = await asyncio.wait_for(self.queue.get(), timeout)
-            except asyncio.TimeoutError:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if not self._items:
                 return None
-        else:
-            data = self.queue.get_nowait()  # the common case under load: no timer, no task
+        data = self._items.popleft()
         if data is _BROKEN:
             raise RedisConnectionError("the shared pub/sub connection was lost")
         return bytes(data)
 
     async def close(self) -> None:
         await self._hub.release(self)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class Subscriber:
@@ -105,7 +124,7 @@ class Subscriber:
             if msg is not None and msg.get("type") == "message":
                 channel = msg["channel"].decode() if isinstance(msg["channel"], bytes) else msg["channel"]
                 for sub in self._subs.get(channel, ()):
-                    sub.queue.put_nowait(msg["data"])
+                    sub.put(msg["data"])
 
     async def _break(self, pubsub: Any) -> None:
         # Every stream replays from its log and subscribes again on a fresh connection.
@@ -113,7 +132,7 @@ class Subscriber:
         subs = [s for group in self._subs.values() for s in group]
         self._subs.clear()
         for sub in subs:
-            sub.queue.put_nowait(_BROKEN)
+            sub.put(_BROKEN)
         with contextlib.suppress(Exception):
             await pubsub.aclose()
 

@@ -62,13 +62,17 @@ class Batch:
 
 def emit_args(keys: Keys, batches: Sequence[Batch], ttl: LogTTL, queue: str) -> tuple[list[str], list[Any]]:
     """Keys and arguments of one fenced EMIT call writing every batch (``queue``: where "release" puts jobs)."""
-    ks: list[str] = [keys.running()]
-    args: list[Any] = [len(batches), ttl.live, ttl.done, queue, int(time.time() * 1000), in_progress_key_prefix]
-    for b in batches:
-        ks += [keys.lease(b.rid), keys.log(b.rid), keys.cancel(b.rid)]
-        blob = "\n".join(ev.model_dump_json() for ev in b.events)
-        args += [b.token, keys.events(b.rid), b.mode, b.rid, b.events[0].seq if b.events else 0, blob]
-    return ks, args
+    args: list[Any] = [len(batches), ttl.live, ttl.done, queue, int(time.time() * 1000), in_progress_key_prefix,
+                       keys.prefix]
+    args += [_record(b) for b in batches]
+    return [keys.running()], args
+
+
+def _record(b: Batch) -> bytes:
+    """One job's part of an EMIT call: ``<rid bytes> <token bytes> <mode> <first seq>``, rid, token, events."""
+    rid, token = b.rid.encode(), b.token.encode()
+    head = b"%d %d %s %d\n" % (len(rid), len(token), b.mode.encode(), b.events[0].seq if b.events else 0)
+    return b"".join((head, rid, token, b"\n", "\n".join(ev.model_dump_json() for ev in b.events).encode()))
 
 
 class Publisher:
