@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,29 +107,55 @@ class Client:
 
         ``timeout`` bounds the whole wait (:class:`WaitTimeout`). Reconnects on Redis connection errors.
         """
+        async for ev in self._events(rid, timeout, None):
+            yield ev
+
+    async def submit_and_follow(self, request: GenerateRequest | dict[str, Any] | None = None, /, *,
+                                timeout: float | None = None, **fields: Any) -> AsyncIterator[Event]:
+        """Submit a job and yield its events, as :meth:`events` does; every event's ``id`` is the job id.
+
+        The channel is subscribed before the job is enqueued, so no event can precede the subscription and
+        the replay-log read that :meth:`events` starts with is skipped: one round trip less per job.
+        """
+        req = _request(request, fields)  # a bad request raises before anything is subscribed
+        sub = await self._hub().open(self.keys.events(req.id))
+        try:
+            await self.submit(req)
+        except BaseException:
+            await sub.close()
+            raise
+        async for ev in self._events(req.id, timeout, sub):
+            yield ev
+
+    async def _events(self, rid: str, timeout: float | None, sub: Subscription | None) -> AsyncIterator[Event]:
         deadline = None if timeout is None else time.monotonic() + timeout
         next_seq = 0
         while True:
             try:
-                async for ev in self._follow(rid, next_seq, deadline):
-                    next_seq = ev.seq + 1
-                    yield ev
-                    if is_terminal(ev):
-                        return
+                async with aclosing(self._follow(rid, next_seq, deadline, sub)) as follow:  # unsubscribe now
+                    async for ev in follow:
+                        next_seq = ev.seq + 1
+                        yield ev
+                        if is_terminal(ev):
+                            return
             except (RedisConnectionError, RedisTimeoutError, OSError):
                 _check_deadline(deadline, rid)
+                sub = None  # closed by _follow: resubscribe, then replay
                 await asyncio.sleep(0.2)
 
-    async def _follow(self, rid: str, next_seq: int, deadline: float | None) -> AsyncIterator[Event]:
-        sub = await self._hub().open(self.keys.events(rid))
+    async def _follow(self, rid: str, next_seq: int, deadline: float | None, sub: Subscription | None
+                      ) -> AsyncGenerator[Event, None]:
+        fresh = sub is not None  # subscribed before the job was enqueued: nothing to replay yet
+        if sub is None:
+            sub = await self._hub().open(self.keys.events(rid))
         try:
             first = True
             while True:
-                replayed = await self._replay(rid, next_seq)
+                replayed = [] if fresh else await self._replay(rid, next_seq)
                 if not replayed and not first and await self._vanished(rid):
                     raise JobNotFound(f"job {rid} is unknown, or its events expired (they are kept "
                                       "a few minutes after its end)")
-                first = False
+                first = fresh = False
                 for ev in replayed:
                     next_seq = ev.seq + 1
                     yield ev
@@ -175,54 +202,67 @@ class Client:
         After a ``reset`` (the job re-ran elsewhere) the text already yielded is skipped when the new run
         repeats it (greedy decoding does); if the new run diverges, :class:`JobFailed` is raised.
         """
-        sent = ""  # text yielded so far
-        run = ""  # text of the current run
-        async for ev in self.events(rid, timeout=timeout):
-            if ev.type == "reset":
-                run = ""
-            elif ev.type == "token":
-                run += ev.text
-                if not (run.startswith(sent) or sent.startswith(run)):
-                    raise JobFailed(_diverged(rid, ev.seq))
-                if len(run) > len(sent):
-                    delta, sent = run[len(sent) :], run
-                    yield delta
-            elif isinstance(ev, ErrorEvent):
-                raise JobFailed(ev)
-            elif ev.type == "done" and len(run) < len(sent):  # the new run ended short of what was sent
-                raise JobFailed(_diverged(rid, ev.seq))
+        async for delta in _text(rid, self.events(rid, timeout=timeout)):
+            yield delta
 
     async def result(self, rid: str, *, timeout: float | None = None) -> Result:
         """Wait for job ``rid`` to end; its :class:`Result`, or :class:`JobFailed`."""
-        text: list[str] = []
-        ids: list[int] = []
-        async for ev in self.events(rid, timeout=timeout):
-            if ev.type == "reset":
-                text, ids = [], []
-            elif ev.type == "token":
-                text.append(ev.text)
-                ids.extend(ev.token_ids)
-            elif isinstance(ev, ErrorEvent):
-                raise JobFailed(ev)
-            elif isinstance(ev, DoneEvent):
-                return Result(rid, "".join(text), ev.finish_reason, ev.usage, ev.timings, ids)
-        raise AssertionError("unreachable: events() ends with a terminal event")
+        return await _result(rid, self.events(rid, timeout=timeout))
 
     async def generate(self, *, timeout: float | None = None, **fields: Any) -> Result:
         """Submit and wait: ``await client.generate(model=..., prompt=..., max_tokens=...)``."""
-        return await self.result(await self.submit(**fields), timeout=timeout)
+        req = _request(None, fields)
+        return await _result(req.id, self.submit_and_follow(req, timeout=timeout))
 
     async def stream(self, *, timeout: float | None = None, **fields: Any) -> AsyncIterator[str]:
         """Submit and yield text deltas; cancels the job if the consumer stops reading before its end."""
-        rid = await self.submit(**fields)
+        req = _request(None, fields)
         finished = False
         try:
-            async for delta in self.stream_text(rid, timeout=timeout):
+            async for delta in _text(req.id, self.submit_and_follow(req, timeout=timeout)):
                 yield delta
             finished = True
+        except DuplicateJob:
+            finished = True  # the id is another job's: not ours to cancel
+            raise
         finally:
             if not finished:
-                await asyncio.shield(self.cancel(rid))
+                await asyncio.shield(self.cancel(req.id))
+
+
+async def _text(rid: str, events: AsyncIterator[Event]) -> AsyncIterator[str]:
+    sent = ""  # text yielded so far
+    run = ""  # text of the current run
+    async for ev in events:
+        if ev.type == "reset":
+            run = ""
+        elif ev.type == "token":
+            run += ev.text
+            if not (run.startswith(sent) or sent.startswith(run)):
+                raise JobFailed(_diverged(rid, ev.seq))
+            if len(run) > len(sent):
+                delta, sent = run[len(sent) :], run
+                yield delta
+        elif isinstance(ev, ErrorEvent):
+            raise JobFailed(ev)
+        elif ev.type == "done" and len(run) < len(sent):  # the new run ended short of what was sent
+            raise JobFailed(_diverged(rid, ev.seq))
+
+
+async def _result(rid: str, events: AsyncIterator[Event]) -> Result:
+    text: list[str] = []
+    ids: list[int] = []
+    async for ev in events:
+        if ev.type == "reset":
+            text, ids = [], []
+        elif ev.type == "token":
+            text.append(ev.text)
+            ids.extend(ev.token_ids)
+        elif isinstance(ev, ErrorEvent):
+            raise JobFailed(ev)
+        elif isinstance(ev, DoneEvent):
+            return Result(rid, "".join(text), ev.finish_reason, ev.usage, ev.timings, ids)
+    raise AssertionError("unreachable: events() ends with a terminal event")
 
 
 def _request(request: Any, fields: dict[str, Any]) -> GenerateRequest:

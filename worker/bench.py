@@ -689,14 +689,13 @@ async def _queue_run(client: Client, model: str, prompts: list[str], max_tokens:
 
 async def _submit_and_follow(client: Client, model: str, prompt: str, max_tokens: int) -> _Trace:
     trace = _Trace(time.perf_counter())
-    rid = await client.submit(model=model, prompt=prompt, max_tokens=max_tokens)
-    async for ev in client.events(rid, timeout=_TIMEOUT_S):
+    async for ev in client.submit_and_follow(model=model, prompt=prompt, max_tokens=max_tokens, timeout=_TIMEOUT_S):
         if ev.type == "token" and trace.first_token is None:
             trace.first_token = time.perf_counter()
         elif isinstance(ev, DoneEvent):
             trace.ended, trace.tokens = time.perf_counter(), ev.usage.completion_tokens
         elif isinstance(ev, ErrorEvent):
-            raise RuntimeError(f"job {rid} failed: {ev.code.value}: {ev.message}")
+            raise RuntimeError(f"job {ev.id} failed: {ev.code.value}: {ev.message}")
     return trace
 
 
@@ -800,7 +799,7 @@ async def _cancel_one(
         elif isinstance(ev, DoneEvent):
             trace.ended_at, trace.finish = now, ev.finish_reason.value
         elif isinstance(ev, ErrorEvent):
-            raise RuntimeError(f"job {rid} failed: {ev.code.value}: {ev.message}")
+            raise RuntimeError(f"job {ev.id} failed: {ev.code.value}: {ev.message}")
     return trace
 
 

@@ -427,3 +427,60 @@ async def test_cancel_sets_key_with_ttl_and_publishes_id(fake_client: Client, fa
         assert msg["data"] == RID.encode()
     finally:
         await listener.aclose()
+
+
+# --- submit_and_follow() --------------------------------------------------------------------------------
+
+
+def fake_submits(fake_client: Client, fake_worker: FakeWorker, live: list[bool]) -> list[str]:
+    """Make ``submit`` record the id and have the fake worker run the job: ``simple_job`` events, the i-th
+    published live only if ``live[i]`` (every one goes to the log)."""
+    submitted: list[str] = []
+
+    async def submit(request: Any) -> str:
+        submitted.append(request.id)
+
+        async def run() -> None:
+            for ev, on_air in zip(simple_job(), live):
+                await fake_worker.emit(ev, live=on_air)
+
+        asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(run()))
+        return str(request.id)
+
+    fake_client.submit = submit  # type: ignore[method-assign]
+    return submitted
+
+
+async def test_submit_and_follow_reads_no_log_when_every_event_comes_live(
+    fake_client: Client, fake_worker: FakeWorker, xrange_calls: list[str]
+) -> None:
+    submitted = fake_submits(fake_client, fake_worker, [True] * 6)
+
+    got = [ev async for ev in fake_client.submit_and_follow(id=RID, model="m", prompt="p", timeout=5)]
+
+    assert submitted == [RID]
+    assert got == simple_job()
+    assert xrange_calls == []  # subscribed before the submit: nothing to replay
+    assert fake_client._hub()._subs == {}  # unsubscribed at the end
+
+
+async def test_submit_and_follow_recovers_a_lost_first_event_from_the_log(
+    fake_client: Client, fake_worker: FakeWorker, xrange_calls: list[str]
+) -> None:
+    fake_submits(fake_client, fake_worker, [False] + [True] * 5)  # start's live copy is lost
+
+    got = [ev async for ev in fake_client.submit_and_follow(id=RID, model="m", prompt="p", timeout=5)]
+
+    assert got == simple_job()
+    assert xrange_calls == [log_entry_id(0)]  # the gap (token 1 before start 0) triggered one replay
+
+
+async def test_submit_and_follow_unsubscribes_when_the_submit_fails(fake_client: Client) -> None:
+    async def refuse(request: Any) -> str:
+        raise client_mod.DuplicateJob(request.id)
+
+    fake_client.submit = refuse  # type: ignore[method-assign]
+    with pytest.raises(client_mod.DuplicateJob):
+        async for _ in fake_client.submit_and_follow(id=RID, model="m", prompt="p", timeout=5):
+            pass
+    assert fake_client._hub()._subs == {}
