@@ -30,7 +30,7 @@ class WorkerConfig:
     prefill_batch_size: int = 8  # MLXQ_PREFILL_BATCH
     prefill_step_size: int = 512  # MLXQ_PREFILL_STEP
     admit_wait_ms: float = 10.0  # MLXQ_ADMIT_WAIT_MS: longest an idle engine waits for jobs claimed together
-    stream_interval_ms: float = 10.0  # MLXQ_STREAM_INTERVAL_MS: longest a token waits to be sent (0: every step)
+    stream_interval_ms: float = 20.0  # MLXQ_STREAM_INTERVAL_MS: longest a token waits to be sent (0: every step)
     max_jobs: int = 0  # MLXQ_MAX_JOBS: arq jobs held at once (0: capacity + a few waiting)
     poll_delay_s: float = 0.25  # MLXQ_POLL_DELAY: arq's queue poll period when no wake-up comes
     job_timeout_s: float = 600.0  # MLXQ_JOB_TIMEOUT: a job's deadline inside the engine
