@@ -35,6 +35,7 @@ from .job import Job
 from .leases import LeaseKeeper
 from .publisher import LogTTL, Publisher
 from .reaper import Reaper, StaleClaims
+from .scripts import BEGIN, Script
 from .translate import error_event, timings, to_engine_request
 
 __all__ = ["BadRequest", "ModelService"]
@@ -75,6 +76,7 @@ class ModelService:
         claims = StaleClaims(config.queue_name, int((config.arq_job_timeout_s + 10) * 1000),
                              int(config.lease_ttl_s * 1000))  # arq claims for its job timeout + 10 s
         self.reaper = Reaper(redis, self.keys, config.max_tries, config.reap_interval_s, ttl, claims)
+        self._begin_script = Script.of(BEGIN)
         self.engine: Engine | None = None
         self.model: LoadedModel | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -159,20 +161,15 @@ class ModelService:
         return await self._run(job, req, tokens)
 
     async def _begin(self, job: Job) -> _Begin:
-        """Take the lease, register as running, and read the job's history, in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.lease(job.rid), job.token, nx=True, px=int(self.config.lease_ttl_s * 1000))
-        pipe.hset(self.keys.running(), job.rid, self.config.queue_name)
-        # Out of arq's queue while it runs: otherwise every arq poll (every few ms) re-examines every running
-        # job with WATCH/EXISTS/ZSCORE. Whoever hands the job back re-queues it (EMIT "release", _requeue).
-        pipe.zrem(self.config.queue_name, job.rid)
-        pipe.xrevrange(self.keys.log(job.rid), count=1)
-        pipe.exists(self.keys.cancel(job.rid))
-        acquired, _, _, entries, cancelled = await pipe.execute()
-        if not acquired:
-            await self._requeue(job.rid, delay_s=self.config.lease_ttl_s)
-        last = decode_event(entries[0][1][b"e"]) if entries else None
-        return _Begin(bool(acquired), last, bool(cancelled))
+        """Take the lease, register as running, and read the job's history, in one call (the BEGIN script)."""
+        cfg, keys = self.config, self.keys
+        deferred_ms = int((time.time() + cfg.lease_ttl_s) * 1000)  # arq's Retry(defer) then adds its own delay
+        taken, last, cancelled = await self._begin_script.run(
+            self.redis,
+            [keys.lease(job.rid), keys.running(), cfg.queue_name, keys.log(job.rid), keys.cancel(job.rid)],
+            [job.token, int(cfg.lease_ttl_s * 1000), job.rid, cfg.queue_name, deferred_ms],
+        )
+        return _Begin(bool(taken), decode_event(last) if last else None, bool(cancelled))
 
     async def _release(self, job: Job) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -207,10 +204,6 @@ class ModelService:
                            attempt=job.attempt + 1)
         await self.publisher.write([(job, reset)], mode="release")  # also re-queues it, atomically
         log.info("job %s: interrupted; handed back to the queue", job.rid)
-
-    async def _requeue(self, rid: str, delay_s: float = 0.0) -> None:
-        """Put a job back in arq's queue (runnable after ``delay_s``)."""
-        await self.redis.zadd(self.config.queue_name, {rid: int((time.time() + delay_s) * 1000)})
 
     def _cancel(self, rid: str) -> None:
         """A client cancelled: end the job now, without waiting for the step in flight, and drop its

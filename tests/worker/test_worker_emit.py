@@ -1,4 +1,4 @@
-"""The fenced EMIT script (worker/scripts.py) on a real Redis: what one call writes, publishes and refuses."""
+"""The EMIT and BEGIN scripts (worker/scripts.py) on a real Redis: what one call writes, publishes and refuses."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from arq.constants import in_progress_key_prefix
 from api.keys import Keys
 from api.schema import DoneEvent, Event, FinishReason, StartEvent, Timings, TokenEvent, Usage, decode_event
 from worker.publisher import Batch, LogTTL, emit_args
-from worker.scripts import EMIT, Script
+from worker.scripts import BEGIN, EMIT, Script
 
 KEYS = Keys("emit-test")
 QUEUE = "emit-test:queue"
@@ -116,5 +116,44 @@ async def test_the_reaper_token_writes_only_while_nobody_holds_the_lease(redis_u
         assert written == [[0], [1]]
         assert await r.get(KEYS.lease("held")) == b"w1:1"
         assert len(await _log(r, "free")) == 1
+    finally:
+        await r.aclose()
+
+
+# --- BEGIN: a run's start ---------------------------------------------------------------------------------
+
+
+def _begin_keys(rid: str) -> list[str]:
+    return [KEYS.lease(rid), KEYS.running(), QUEUE, KEYS.log(rid), KEYS.cancel(rid)]
+
+
+async def test_begin_takes_the_lease_lists_the_job_running_and_reads_its_history(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        await r.zadd(QUEUE, {ODD_RID: 1})
+        await r.set(KEYS.cancel(ODD_RID), "1")
+        history = _events(ODD_RID, 0, 2)
+        for ev in history:
+            await r.xadd(KEYS.log(ODD_RID), {"e": ev.model_dump_json()}, id=f"{ev.seq}-1")
+        taken, last, cancelled = await Script.of(BEGIN).run(r, _begin_keys(ODD_RID), ["w1:2", 5000, ODD_RID, QUEUE, 99])
+        assert (taken, cancelled) == (1, 1)
+        assert decode_event(last) == history[-1]
+        assert await r.get(KEYS.lease(ODD_RID)) == b"w1:2"
+        assert 0 < await r.pttl(KEYS.lease(ODD_RID)) <= 5000
+        assert await r.hget(KEYS.running(), ODD_RID) == QUEUE.encode()
+        assert await r.zscore(QUEUE, ODD_RID) is None  # out of arq's queue while it runs
+    finally:
+        await r.aclose()
+
+
+async def test_begin_on_a_leased_job_defers_it_in_the_queue_and_touches_nothing_else(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        await r.set(KEYS.lease("a"), "w1:1")  # a live run holds it
+        taken, last, cancelled = await Script.of(BEGIN).run(r, _begin_keys("a"), ["w2:2", 5000, "a", QUEUE, 12345])
+        assert (taken, last, cancelled) == (0, None, 0)
+        assert await r.get(KEYS.lease("a")) == b"w1:1"
+        assert await r.zscore(QUEUE, "a") == 12345
+        assert not await r.hexists(KEYS.running(), "a")
     finally:
         await r.aclose()

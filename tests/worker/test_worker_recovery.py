@@ -131,7 +131,9 @@ async def test_sigkill_mid_decode_jobs_reset_and_finish_on_another_worker(spawn:
 
 
 async def test_sigterm_drains_short_jobs_and_requeues_long_ones(spawn: Any, client: Client) -> None:
-    first = spawn("a", MLXQ_DRAIN_TIMEOUT="1.5")
+    # The drain must outlast the short jobs' remaining ~10 steps on a slow, shared machine (~0.15 s each
+    # at worst here), and end well before the long jobs' ~200 steps.
+    first = spawn("a", MLXQ_DRAIN_TIMEOUT="5")
     short, short_tasks = await submit_and_follow(client, 2, max_tokens=12)
     long, long_tasks = await submit_and_follow(client, 3, max_tokens=200)
     await wait_until(lambda: all(f.tokens() >= 2 for f in long), 60, "long jobs decoding")
