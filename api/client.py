@@ -107,8 +107,9 @@ class Client:
 
         ``timeout`` bounds the whole wait (:class:`WaitTimeout`). Reconnects on Redis connection errors.
         """
-        async for ev in self._events(rid, timeout, None):
-            yield ev
+        async with aclosing(self._events(rid, timeout, None)) as events:  # a reader that stops unsubscribes now
+            async for ev in events:
+                yield ev
 
     async def submit_and_follow(self, request: GenerateRequest | dict[str, Any] | None = None, /, *,
                                 timeout: float | None = None, **fields: Any) -> AsyncIterator[Event]:
@@ -124,15 +125,17 @@ class Client:
         except BaseException:
             await sub.close()
             raise
-        async for ev in self._events(req.id, timeout, sub):
-            yield ev
+        async with aclosing(self._events(req.id, timeout, sub)) as events:
+            async for ev in events:
+                yield ev
 
-    async def _events(self, rid: str, timeout: float | None, sub: Subscription | None) -> AsyncIterator[Event]:
+    async def _events(self, rid: str, timeout: float | None, sub: Subscription | None
+                      ) -> AsyncGenerator[Event, None]:
         deadline = None if timeout is None else time.monotonic() + timeout
         next_seq = 0
         while True:
             try:
-                async with aclosing(self._follow(rid, next_seq, deadline, sub)) as follow:  # unsubscribe now
+                async with aclosing(self._follow(rid, next_seq, deadline, sub)) as follow:
                     async for ev in follow:
                         next_seq = ev.seq + 1
                         yield ev

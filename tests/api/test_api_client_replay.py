@@ -484,3 +484,13 @@ async def test_submit_and_follow_unsubscribes_when_the_submit_fails(fake_client:
         async for _ in fake_client.submit_and_follow(id=RID, model="m", prompt="p", timeout=5):
             pass
     assert fake_client._hub()._subs == {}
+
+
+async def test_a_reader_that_stops_early_unsubscribes_when_it_closes_the_iterator(
+    fake_client: Client, fake_worker: FakeWorker
+) -> None:
+    await fake_worker.emit_all(simple_job()[:2])
+    events = fake_client.events(RID, timeout=5)
+    assert (await events.__anext__()).type == "start"
+    await events.aclose()
+    assert fake_client._hub()._subs == {}  # at once, not when the generators are garbage-collected

@@ -328,3 +328,33 @@ async def test_idle_engine_waits_for_no_more_than_one_prefill_batch() -> None:
         assert backend.inserted_at_step == [0] * 8
     finally:
         await engine.aclose()
+
+
+async def test_idle_engine_keeps_waiting_while_a_burst_keeps_arriving() -> None:
+    engine, backend, _, outputs = make_engine(delay=0.001)
+    try:
+        engine.expect(2, within_s=5.0)  # a lull of a fifth of that (1 s) ends the wait
+        engine.add(request("a", max_tokens=3))
+        engine.add(request("b", max_tokens=3))
+        for rid in ("c", "d"):  # claimed later, but still part of the burst
+            await asyncio.sleep(0.05)
+            engine.expect(1, within_s=5.0)
+            engine.add(request(rid, max_tokens=3))
+        await outputs.wait_finished(["a", "b", "c", "d"])
+        assert backend.inserted_at_step == [0, 0, 0, 0]
+    finally:
+        await engine.aclose()
+
+
+async def test_a_lull_after_the_announced_requests_starts_the_engine() -> None:
+    engine, backend, _, outputs = make_engine(delay=0.001)
+    try:
+        engine.expect(1, within_s=0.05)  # lull: 10 ms
+        engine.add(request("a", max_tokens=50))
+        while backend.steps == 0:  # a lone request does not wait for the whole window
+            await asyncio.sleep(0.005)
+        engine.add(request("b", max_tokens=3))
+        await outputs.wait_finished(["a", "b"])
+        assert backend.inserted_at_step[0] == 0 and backend.inserted_at_step[1] > 0
+    finally:
+        await engine.aclose()
