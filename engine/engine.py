@@ -9,7 +9,7 @@ Requests claimed together (:meth:`Engine.expect`) reach an idle engine a fractio
 its first step waits for the rest of them, then for as long as more keep arriving less than a fifth of the
 admission window apart (a burst still being enqueued and claimed), until a full prefill batch is in or the
 window closes. So a burst's prompts prefill as one batch instead of the first few alone (a whole prefill
-step, ~100 ms on a small model here) and then the others; a lone request waits one short gap.
+step, ~100 ms on a small model here) and then the others; a lone request does not linger.
 """
 
 from __future__ import annotations
@@ -146,8 +146,13 @@ class Engine:
                     if not full:
                         self._expected = 0
                     return
-                # Announced ones still coming: wait for them. All in: linger while a burst keeps arriving.
-                wait = left if self._expected > 0 else min(left, self._last_arrival + self._gap_s - now)
+                # Announced ones still coming: wait for them. All in, and more than one: a burst is being
+                # enqueued, so linger while it keeps arriving. A lone request never lingers.
+                if self._expected > 0:
+                    wait = left
+                else:
+                    burst = len(self._inbox) > 1
+                    wait = min(left, self._last_arrival + self._gap_s - now) if burst else 0.0
                 if wait <= 0:
                     return
                 self._arrived.clear()  # under the lock: add() decrements under it before setting

@@ -346,15 +346,27 @@ async def test_idle_engine_keeps_waiting_while_a_burst_keeps_arriving() -> None:
         await engine.aclose()
 
 
-async def test_a_lull_after_the_announced_requests_starts_the_engine() -> None:
+async def test_a_lone_announced_request_does_not_linger() -> None:
     engine, backend, _, outputs = make_engine(delay=0.001)
     try:
-        engine.expect(1, within_s=0.05)  # lull: 10 ms
+        engine.expect(1, within_s=600.0)  # a linger would last a fifth of that: the test would time out
+        engine.add(request("a", max_tokens=3))
+        await outputs.wait_finished(["a"])
+        assert backend.inserted_at_step == [0]
+    finally:
+        await engine.aclose()
+
+
+async def test_a_lull_after_a_burst_starts_the_engine() -> None:
+    engine, backend, _, outputs = make_engine(delay=0.001)
+    try:
+        engine.expect(2, within_s=0.05)  # lull: 10 ms
         engine.add(request("a", max_tokens=50))
-        while backend.steps == 0:  # a lone request does not wait for the whole window
+        engine.add(request("b", max_tokens=50))
+        while backend.steps == 0:  # the burst stopped coming: the engine does not wait out the window
             await asyncio.sleep(0.005)
-        engine.add(request("b", max_tokens=3))
-        await outputs.wait_finished(["a", "b"])
-        assert backend.inserted_at_step[0] == 0 and backend.inserted_at_step[1] > 0
+        engine.add(request("c", max_tokens=3))
+        await outputs.wait_finished(["a", "b", "c"])
+        assert backend.inserted_at_step[:2] == [0, 0] and backend.inserted_at_step[2] > 0
     finally:
         await engine.aclose()
