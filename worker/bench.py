@@ -44,6 +44,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from arq.constants import job_key_prefix
+
 from api.client import Client
 from api.connection import redis_client
 from api.schema import DoneEvent, ErrorEvent
@@ -72,8 +74,7 @@ _TIMEOUT_S = 900.0  # one job's wait bound (serial N=32 on the small model queue
 _STATS_LINE_RE = re.compile(r"stats: (engine_steps=\d+.*)$", re.MULTILINE)
 _KEY_VALUE_RE = re.compile(r"(\w+)=(\d+)")
 _NOBODY = "mlxq-bench-nobody"  # model name of the enqueue phase: no worker serves its queue
-_ARQ_JOB_KEY = "arq:job:"
-_SETTLE_S = 0.3  # arq.constants.job_key_prefix
+_SETTLE_S = 0.3  # idle pause before every measured run (see _frozen)
 
 
 # --- configuration ---------------------------------------------------------------------------------
@@ -831,7 +832,7 @@ async def _delete_jobs(url: str, queue: str, ids: list[str]) -> None:
     try:
         await redis.unlink(queue)
         for start in range(0, len(ids), 500):
-            await redis.unlink(*(_ARQ_JOB_KEY + rid for rid in ids[start : start + 500]))
+            await redis.unlink(*(job_key_prefix + rid for rid in ids[start : start + 500]))
     finally:
         await redis.aclose()
 

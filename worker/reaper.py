@@ -83,8 +83,9 @@ class Reaper:
         answers = await pipe.execute()
         stale = [rid for rid, pttl, leased in zip(rids, answers[::2], answers[1::2])
                  if pttl > 0 and not leased and claims.claim_ms - pttl > claims.lease_ms]
+        if stale:
+            await self.redis.delete(*(in_progress_key_prefix + rid for rid in stale))
         for rid in stale:
-            await self.redis.delete(in_progress_key_prefix + rid)
             log.info("job %s: claimed by a worker that died before starting it; released", rid)
         return stale
 

@@ -76,15 +76,15 @@ return out
 # A run's start, in one call: take the job's lease, and if taken, list the job as running and take it out of
 # arq's queue (otherwise every arq poll re-examines every running job); read the job's last logged event and
 # whether a cancel is pending. If another run holds the lease, the job goes back to the queue, due later.
-# KEYS: lease, running, arq queue, log, cancel. ARGV: token, lease TTL (ms), rid, queue name, deferred score.
+# KEYS: lease, running, arq queue, log, cancel. ARGV: token, lease TTL (ms), rid, deferred score.
 # Returns {1 if the lease was taken else 0, the last event's JSON or false, 1 if cancelled else 0}.
 BEGIN = """
 local taken = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
 if taken then
-  redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+  redis.call('HSET', KEYS[2], ARGV[3], KEYS[3])
   redis.call('ZREM', KEYS[3], ARGV[3])
 else
-  redis.call('ZADD', KEYS[3], ARGV[5], ARGV[3])
+  redis.call('ZADD', KEYS[3], ARGV[4], ARGV[3])
 end
 local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)[1]
 return {taken and 1 or 0, last and last[2][2] or false, redis.call('EXISTS', KEYS[5])}

@@ -167,7 +167,7 @@ class ModelService:
         taken, last, cancelled = await self._begin_script.run(
             self.redis,
             [keys.lease(job.rid), keys.running(), cfg.queue_name, keys.log(job.rid), keys.cancel(job.rid)],
-            [job.token, int(cfg.lease_ttl_s * 1000), job.rid, cfg.queue_name, deferred_ms],
+            [job.token, int(cfg.lease_ttl_s * 1000), job.rid, deferred_ms],
         )
         return _Begin(bool(taken), decode_event(last) if last else None, bool(cancelled))
 

@@ -135,7 +135,7 @@ async def test_begin_takes_the_lease_lists_the_job_running_and_reads_its_history
         history = _events(ODD_RID, 0, 2)
         for ev in history:
             await r.xadd(KEYS.log(ODD_RID), {"e": ev.model_dump_json()}, id=f"{ev.seq}-1")
-        taken, last, cancelled = await Script.of(BEGIN).run(r, _begin_keys(ODD_RID), ["w1:2", 5000, ODD_RID, QUEUE, 99])
+        taken, last, cancelled = await Script.of(BEGIN).run(r, _begin_keys(ODD_RID), ["w1:2", 5000, ODD_RID, 99])
         assert (taken, cancelled) == (1, 1)
         assert decode_event(last) == history[-1]
         assert await r.get(KEYS.lease(ODD_RID)) == b"w1:2"
@@ -150,7 +150,7 @@ async def test_begin_on_a_leased_job_defers_it_in_the_queue_and_touches_nothing_
     r = aredis.Redis.from_url(redis_url)
     try:
         await r.set(KEYS.lease("a"), "w1:1")  # a live run holds it
-        taken, last, cancelled = await Script.of(BEGIN).run(r, _begin_keys("a"), ["w2:2", 5000, "a", QUEUE, 12345])
+        taken, last, cancelled = await Script.of(BEGIN).run(r, _begin_keys("a"), ["w2:2", 5000, "a", 12345])
         assert (taken, last, cancelled) == (0, None, 0)
         assert await r.get(KEYS.lease("a")) == b"w1:1"
         assert await r.zscore(QUEUE, "a") == 12345
