@@ -13,18 +13,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .request import RequestOutput, coalesce
+from .request import RequestOutput, merge_into
 
 __all__ = ["Pacer"]
 
 
 class Pacer:
-    """Holds step outputs until they are due; use from one thread (the engine's)."""
+    """Holds step outputs until they are due; use from one thread (the engine's).
+
+    It holds one merged output per request, so a push costs the same however long outputs have been held.
+    """
 
     def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval_s = interval_s
         self._clock = clock
-        self._held: dict[str, list[RequestOutput]] = {}
+        self._held: dict[str, RequestOutput] = {}
+        self._urgent: dict[str, None] = {}  # held requests to send now (an ordered set)
         self._last = clock()
 
     @property
@@ -32,20 +36,25 @@ class Pacer:
         return bool(self._held)
 
     def push(self, outs: list[RequestOutput], flush: bool = False) -> list[RequestOutput]:
-        """Take one step's outputs; return what is due now, merged per request (``flush``: everything)."""
+        """Take one step's outputs (the pacer owns them now); return what is due, merged per request
+        (``flush``: everything)."""
+        held = self._held
         for out in outs:
-            self._held.setdefault(out.rid, []).append(out)
+            acc = held.get(out.rid)
+            if acc is None:
+                held[out.rid] = out
+            else:
+                merge_into(acc, out)
+            if out.finish is not None or (out.token_ids and out.completion_tokens == len(out.token_ids)):
+                self._urgent[out.rid] = None  # its end, or its first token (completion_tokens counts it)
         now = self._clock()
         if flush or now - self._last >= self.interval_s:
             self._last = now
-            due, self._held = self._held, {}
+            due = list(held.values())
+            held.clear()
+        elif self._urgent:
+            due = [held.pop(rid) for rid in self._urgent]
         else:
-            due = {rid: held for rid, held in self._held.items() if any(map(_urgent, held))}
-            for rid in due:
-                del self._held[rid]
-        return coalesce([out for held in due.values() for out in held])
-
-
-def _urgent(out: RequestOutput) -> bool:
-    # completion_tokens counts this output's tokens too: equal means they are the request's first.
-    return out.finish is not None or (bool(out.token_ids) and out.completion_tokens == len(out.token_ids))
+            return []
+        self._urgent.clear()
+        return due

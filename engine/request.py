@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-__all__ = ["EngineRequest", "FinishReason", "RequestOutput", "SamplingParams", "Status", "coalesce"]
+__all__ = ["EngineRequest", "FinishReason", "RequestOutput", "SamplingParams", "Status", "coalesce", "merge_into"]
 
 
 class Status(str, Enum):
@@ -81,24 +81,28 @@ def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
     """Merge several steps' outputs into one per request (in first-seen order), as if from one step.
 
     When the consumer falls behind the engine (tiny models step in about a millisecond), this turns many
-    small token events into a few larger ones instead of queueing work per token.
+    small token events into a few larger ones instead of queueing work per token. The inputs are not changed.
     """
     merged: dict[str, RequestOutput] = {}
     for out in outputs:
         acc = merged.get(out.rid)
-        if acc is not None and acc.finish is not None:
-            continue  # nothing follows a request's end
         if acc is None:
             merged[out.rid] = RequestOutput(
                 out.rid, list(out.token_ids), out.text, out.started, out.prompt_tokens,
                 out.completion_tokens, out.finish, out.error_code, out.error_message,
             )
-            continue
-        acc.token_ids.extend(out.token_ids)
-        acc.text += out.text
-        acc.started = acc.started or out.started
-        acc.prompt_tokens = acc.prompt_tokens or out.prompt_tokens
-        acc.completion_tokens = max(acc.completion_tokens, out.completion_tokens)
-        if acc.finish is None:
-            acc.finish, acc.error_code, acc.error_message = out.finish, out.error_code, out.error_message
+        else:
+            merge_into(acc, out)
     return list(merged.values())
+
+
+def merge_into(acc: RequestOutput, out: RequestOutput) -> None:
+    """Fold a later output of the same request into ``acc`` (nothing follows a request's end)."""
+    if acc.finish is not None:
+        return
+    acc.token_ids.extend(out.token_ids)
+    acc.text += out.text
+    acc.started = acc.started or out.started
+    acc.prompt_tokens = acc.prompt_tokens or out.prompt_tokens
+    acc.completion_tokens = max(acc.completion_tokens, out.completion_tokens)
+    acc.finish, acc.error_code, acc.error_message = out.finish, out.error_code, out.error_message

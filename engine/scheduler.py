@@ -44,7 +44,7 @@ class _Sequence:
     req: EngineRequest
     uid: int
     detok: Detokenizer
-    stops: StopMatcher
+    stops: StopMatcher | None  # None without stop strings
     generated: int = 0
 
 
@@ -170,7 +170,8 @@ class Scheduler:
             except Exception as exc:
                 self._waiting.appendleft(req)  # still owned here, so fail_all() reaches it
                 raise StepFailed(list(outs.by_rid.values())) from exc
-            self._running[uid] = _Sequence(req, uid, self._new_detokenizer(), StopMatcher(req.params.stop))
+            self._running[uid] = _Sequence(req, uid, self._new_detokenizer(),
+                                            StopMatcher(req.params.stop) if any(req.params.stop) else None)
             self._uid_of[req.rid] = uid
             out = outs.get(req.rid)
             out.started, out.prompt_tokens = True, len(req.prompt_tokens)
@@ -187,11 +188,15 @@ class Scheduler:
         out.token_ids.append(tok.token)
         out.completion_tokens = seq.generated
         seq.detok.add_token(tok.token)
-        result = seq.stops.feed(seq.detok.last_segment)
-        out.text += result.text
-        if result.stopped:
-            self._finish(seq, out, FinishReason.STOP, removed=False, flush=False)
-        elif tok.finish == "length":
+        if seq.stops is None:  # no stop strings: the common case, kept cheap (it runs per token)
+            out.text += seq.detok.last_segment
+        else:
+            result = seq.stops.feed(seq.detok.last_segment)
+            out.text += result.text
+            if result.stopped:
+                self._finish(seq, out, FinishReason.STOP, removed=False, flush=False)
+                return
+        if tok.finish == "length":
             self._finish(seq, out, FinishReason.LENGTH, removed=True)
 
     def _finish(
@@ -199,12 +204,15 @@ class Scheduler:
     ) -> None:
         if flush:
             seq.detok.finalize()
-            result = seq.stops.feed(seq.detok.last_segment)
-            out.text += result.text
-            if result.stopped:
-                reason = FinishReason.STOP
+            if seq.stops is None:
+                out.text += seq.detok.last_segment
             else:
-                out.text += seq.stops.flush()
+                result = seq.stops.feed(seq.detok.last_segment)
+                out.text += result.text
+                if result.stopped:
+                    reason = FinishReason.STOP
+                else:
+                    out.text += seq.stops.flush()
         if not removed:
             self.backend.remove([seq.uid])
         self._pop_running(seq.req.rid)
