@@ -87,6 +87,7 @@ class BenchConfig:
     max_tokens: int = 64
     repeats: int = 5  # measured runs per N on raw and queue; the best tok/s is kept (the machine is noisy)
     serial_repeats: int = 1  # serial runs are N jobs back to back: already an average
+    blas_repeats: int = 3  # raw runs per OpenBLAS thread count when choosing it
     warmup_tokens: int = 8
     ttft_probes: int = 20  # sequential N=1 requests per path for the TTFT targets
     cancel_max_tokens: int = 400  # fits the tiny model's 512-token context with the prompt
@@ -114,7 +115,7 @@ class BenchConfig:
 
     @classmethod
     def quick_config(cls) -> BenchConfig:
-        return cls(sizes=("tiny",), concurrency=(1, 4), max_tokens=16, repeats=1, warmup_tokens=4,
+        return cls(sizes=("tiny",), concurrency=(1, 4), max_tokens=16, repeats=1, blas_repeats=1, warmup_tokens=4,
                    ttft_probes=5, cancel_max_tokens=128, cancel_wait=(2, 8), enqueue_jobs=200, quick=True)
 
 
@@ -233,6 +234,18 @@ class CpuUse:
 
 
 @dataclass(frozen=True, slots=True)
+class BlasThreads:
+    """OpenBLAS threads for one model size: the count whose raw runs were faster, used by every path.
+
+    The ceiling must be raw's best configuration. A small model's gemms are too small to split: the second
+    thread then only spins (a whole core) between calls, and raw runs faster with one.
+    """
+
+    chosen: int
+    raw_tok_s: dict[int, list[float]]  # threads -> raw runs at the largest N, alternating
+
+
+@dataclass(frozen=True, slots=True)
 class SizeResult:
     """Everything measured on one model size."""
 
@@ -245,6 +258,7 @@ class SizeResult:
     cpu: dict[str, CpuUse]  # by path: raw, queue, serial
     worker_blas: str
     seconds: float
+    blas_threads: BlasThreads | None = None  # None: no OpenBLAS to tune
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,10 +410,12 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
     _say(f"[{size}] model {model}")
     raw = RawPath(model, cfg.capacity, site.redis_pid)
     try:
-        queue = _worker_phase("queue", size, model, cfg, site, raw)
+        threads = asyncio.run(_calibrate_blas(raw, cfg)) if _openblas() is not None else None
+        env = {"OPENBLAS_NUM_THREADS": str(threads.chosen)} if threads is not None else {}
+        queue = _worker_phase("queue", size, model, cfg, site, raw, env)
     finally:
         raw.close()
-    serial = _worker_phase("serial", size, model, cfg, site, None)
+    serial = _worker_phase("serial", size, model, cfg, site, None, env)
     q, sr, rw = queue.driven.measured, serial.driven.measured, queue.driven.raw
     assert rw is not None and queue.driven.cancel is not None
     rows = [_row(size, n, rw.paths[n], q.paths[n], sr.paths[n]) for n in cfg.concurrency]
@@ -407,7 +423,7 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
                        queue.driven.commandstats)
     return SizeResult(size, model, rows, _probe(rw.probe_ttft_ms, q.probe_ttft_ms), queue.driven.cancel,
                       trips, {"raw": rw.cpu, "queue": q.cpu, "serial": sr.cpu}, queue.blas,
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, threads)
 
 
 def _row(size: str, n: int, raw: PathResult, queue: PathResult, serial: PathResult) -> Row:
@@ -505,6 +521,40 @@ def _redis_version(url: str) -> str:
         client.close()
 
 
+def _openblas() -> Any:
+    """The preloaded OpenBLAS (ctypes), or None when mlx runs another BLAS."""
+    if not blas_of().startswith("openblas"):
+        return None
+    import ctypes
+
+    lib = ctypes.CDLL(str(OPENBLAS))
+    return lib if hasattr(lib, "openblas_set_num_threads") else None
+
+
+def pick_threads(raw_tok_s: dict[int, list[float]]) -> int:
+    """The thread count with the best median raw throughput (fewer threads on a tie)."""
+    return max(sorted(raw_tok_s), key=lambda n: (_pct(raw_tok_s[n], 50), -n))
+
+
+async def _calibrate_blas(raw: RawPath, cfg: BenchConfig) -> BlasThreads:
+    """Raw runs at the largest N with 1 and with all cores' OpenBLAS threads, alternating; keep the faster."""
+    counts = sorted({1, os.cpu_count() or 1})
+    prompts = _prompts(cfg.capacity)
+    runs: dict[int, list[float]] = {n: [] for n in counts}
+    for n in counts:  # warm each setting once
+        raw.set_blas_threads(n)
+        await raw.run(prompts, cfg.warmup_tokens)
+    for _ in range(cfg.blas_repeats):
+        for n in counts:
+            raw.set_blas_threads(n)
+            time.sleep(_SETTLE_S)
+            runs[n].append((await raw.run(prompts, cfg.max_tokens)).tok_s)
+    chosen = pick_threads(runs)
+    raw.set_blas_threads(chosen)
+    _say("BLAS threads: " + ", ".join(f"{n}: {_fmt_list(v)} tok/s" for n, v in runs.items()) + f" -> {chosen}")
+    return BlasThreads(chosen, runs)
+
+
 # --- raw: BatchGenerator in this process -----------------------------------------------------------
 class RawPath:
     """The raw path: mlx-lm's ``BatchGenerator`` on this process's own MLX thread, the model loaded once."""
@@ -525,6 +575,12 @@ class RawPath:
         tokens = [encode_prompt(self.loaded.tokenizer, p, None) for p in prompts]
         fut = self.thread.submit(_raw_run, self.loaded, tokens, max_tokens, self.capacity, self.thread.stream)
         return await asyncio.wrap_future(fut)
+
+    def set_blas_threads(self, n: int) -> None:
+        """OpenBLAS threads for this process's later raw runs (set on the MLX thread, which calls BLAS)."""
+        blas = _openblas()
+        if blas is not None:
+            self.thread.submit(blas.openblas_set_num_threads, n).result()
 
     def close(self) -> None:
         self.thread.shutdown()
@@ -561,14 +617,15 @@ def _raw_run(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, cap
 
 # --- queue and serial: the worker in a child process -----------------------------------------------
 def _worker_phase(
-    kind: str, size: str, model: str, cfg: BenchConfig, site: _Site, raw: RawPath | None
+    kind: str, size: str, model: str, cfg: BenchConfig, site: _Site, raw: RawPath | None,
+    extra_env: dict[str, str],
 ) -> _WorkerRun:
     """Start ``arq worker.Settings`` and measure it: batched ("queue", interleaved with ``raw``) or "serial"."""
     batched = raw is not None
     prefix = f"mlxq-bench-{kind}-{uuid.uuid4().hex[:6]}"
     env = {"MLXQ_MODEL": model, "MLXQ_MODEL_NAME": size, "MLXQ_REDIS_URL": site.url, "MLXQ_PREFIX": prefix,
            "MLXQ_BATCH_CAPACITY": str(cfg.capacity if batched else 1),
-           "MLXQ_MAX_JOBS": "0" if batched else "1"}
+           "MLXQ_MAX_JOBS": "0" if batched else "1", **extra_env}
     log_path = site.out / "logs" / f"worker-{size}-{kind}.log"
     log_path.unlink(missing_ok=True)
     worker = WorkerProcess(env, log_path).start()
@@ -576,7 +633,8 @@ def _worker_phase(
         worker.wait_ready()
         assert worker.proc is not None
         blas = blas_of(worker.proc.pid)
-        _say(f"[{size}] {kind}: worker ready (capacity {env['MLXQ_BATCH_CAPACITY']}, {blas})")
+        threads = f", {extra_env['OPENBLAS_NUM_THREADS']} BLAS thread(s)" if extra_env else ""
+        _say(f"[{size}] {kind}: worker ready (capacity {env['MLXQ_BATCH_CAPACITY']}, {blas}{threads})")
         ctx = _DriveContext(site.url, prefix, size, cfg, worker, _CpuMeter(worker.proc.pid, site.redis_pid))
         driven = asyncio.run(_drive_batched(ctx, raw) if raw is not None else _drive_serial(ctx))
     finally:
@@ -880,8 +938,8 @@ def write_outputs(result: BenchResult, out: Path) -> str:
 
 def render_markdown(result: BenchResult) -> str:
     """``results.md``: a header, the main table, then one section per measurement and the targets."""
-    return "\n".join([*_md_header(result), *_md_table(result), *_md_ttft(result), *_md_cancel(result),
-                      *_md_round_trips(result), *_md_cpu(result), *_md_enqueue(result),
+    return "\n".join([*_md_header(result), *_md_table(result), *_md_blas(result), *_md_ttft(result),
+                      *_md_cancel(result), *_md_round_trips(result), *_md_cpu(result), *_md_enqueue(result),
                       *_md_targets(result)])
 
 
@@ -923,6 +981,22 @@ def _md_table(result: BenchResult) -> list[str]:
                 f"| {r.queue_over_raw:.2f} | {r.queue_over_raw_paired:.2f} | {r.queue_over_serial:.2f} "
                 f"| {r.raw.ttft_p50_ms:.1f} / {r.queue.ttft_p50_ms:.1f} / {r.added_ttft_p50_ms:+.1f} "
                 f"| {r.raw.ttft_p99_ms:.1f} / {r.queue.ttft_p99_ms:.1f} / {r.added_ttft_p99_ms:+.1f} |")
+    return [*lines, ""]
+
+
+def _md_blas(result: BenchResult) -> list[str]:
+    rows = [(s.size, s.blas_threads) for s in result.sizes if s.blas_threads is not None]
+    if not rows:
+        return []
+    n = result.config.capacity
+    lines = ["## OpenBLAS threads", "",
+             f"Chosen per size before its runs: raw at N={n} with each thread count, alternating; the faster "
+             "median is the ceiling's setting, and the queue and serial workers run with it too "
+             "(`OPENBLAS_NUM_THREADS`).", "",
+             "| size | threads | raw tok/s per thread count (runs) |", "|---|---:|---|"]
+    for size, t in rows:
+        runs = "; ".join(f"{k}: {_fmt_list(v)}" for k, v in sorted(t.raw_tok_s.items()))
+        lines.append(f"| {size} | {t.chosen} | {runs} |")
     return [*lines, ""]
 
 
@@ -1067,7 +1141,11 @@ def _num(v: float) -> str:
 
 
 def _fmt_runs(p: PathResult) -> str:
-    return ", ".join(f"{v:.1f}" for v in p.runs_tok_s)
+    return _fmt_list(p.runs_tok_s)
+
+
+def _fmt_list(values: Sequence[float]) -> str:
+    return ", ".join(f"{v:.1f}" for v in values)
 
 
 def _say(msg: str) -> None:

@@ -11,7 +11,8 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -171,3 +172,28 @@ def test_parse_stats_takes_the_last_stats_line(tmp_path: Path) -> None:
     stats = bench.parse_stats(log)
     assert stats == bench.WorkerStats(10, 8, 30, {"fenced": 0, "reaped": 1})
     assert stats.writes_per_step == pytest.approx(0.8)
+
+
+def test_blas_threads_are_chosen_only_where_openblas_runs(results: dict[str, Any]) -> None:
+    (size,) = results["sizes"]
+    if results["machine"]["blas"].startswith("openblas"):
+        threads = size["blas_threads"]
+        assert threads["chosen"] in {int(k) for k in threads["raw_tok_s"]}
+        assert all(v and min(v) > 0 for v in threads["raw_tok_s"].values())
+    else:
+        assert size["blas_threads"] is None  # nothing to tune: the workers keep their default
+
+
+def test_pick_threads_takes_the_best_median_and_fewer_threads_on_a_tie() -> None:
+    assert bench.pick_threads({1: [100.0, 90.0, 95.0], 2: [80.0, 120.0, 85.0]}) == 1  # 95 against 85
+    assert bench.pick_threads({1: [50.0, 60.0], 2: [70.0, 71.0]}) == 2
+    assert bench.pick_threads({1: [70.0], 2: [70.0]}) == 1
+
+
+def test_the_blas_section_lists_each_sizes_runs() -> None:
+    threads = bench.BlasThreads(1, {1: [11556.0, 12340.0], 2: [9151.0, 9885.0]})
+    result = SimpleNamespace(sizes=[SimpleNamespace(size="tiny", blas_threads=threads)],
+                             config=SimpleNamespace(capacity=32))
+    md = "\n".join(bench._md_blas(cast(bench.BenchResult, result)))
+    assert "## OpenBLAS threads" in md and "raw at N=32" in md
+    assert "| tiny | 1 | 1: 11556.0, 12340.0; 2: 9151.0, 9885.0 |" in md
