@@ -21,6 +21,7 @@ class Job:
     seq: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    started_at: float = field(default_factory=time.time)  # this run's start, epoch seconds
     admitted_at: float | None = None  # epoch seconds
     first_token_at: float | None = None
     finished: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())

@@ -15,10 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from arq.constants import in_progress_key_prefix
+from arq.constants import in_progress_key_prefix, job_key_prefix, result_key_prefix, retry_key_prefix
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from api.connection import JOB_FUNCTION, dumps_job
 from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
 from api.schema import Event, is_terminal
 from engine.request import FinishReason, RequestOutput, coalesce
@@ -27,7 +28,7 @@ from .job import Job
 from .scripts import EMIT, Script
 from .translate import output_events
 
-__all__ = ["Batch", "LogTTL", "Publisher", "emit_args"]
+__all__ = ["Batch", "LogTTL", "Publisher", "arq_result", "emit_args"]
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,11 @@ class PublisherStats:
 
 @dataclass(frozen=True, slots=True)
 class LogTTL:
-    """Replay-log TTLs, seconds."""
+    """Replay-log TTLs, and how long arq's result key of an ended job is kept (0: none is written); seconds."""
 
     live: int = LIVE_TTL_S
     done: int = DONE_TTL_S
+    result: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,21 +60,33 @@ class Batch:
     token: str
     events: Sequence[Event]
     mode: str
+    result: bytes = b""  # with mode "end": arq's result value for the job
 
 
 def emit_args(keys: Keys, batches: Sequence[Batch], ttl: LogTTL, queue: str) -> tuple[list[str], list[Any]]:
-    """Keys and arguments of one fenced EMIT call writing every batch (``queue``: where "release" puts jobs)."""
+    """Keys and arguments of one fenced EMIT call writing every batch (``queue``: the jobs' arq queue)."""
     args: list[Any] = [len(batches), ttl.live, ttl.done, queue, int(time.time() * 1000), in_progress_key_prefix,
-                       keys.prefix]
+                       keys.prefix, job_key_prefix, retry_key_prefix, result_key_prefix, max(1, ttl.result) * 1000]
     args += [_record(b) for b in batches]
     return [keys.running()], args
 
 
 def _record(b: Batch) -> bytes:
-    """One job's part of an EMIT call: ``<rid bytes> <token bytes> <mode> <first seq>``, rid, token, events."""
+    """One job's part of an EMIT call: ``<rid bytes> <token bytes> <mode> <first seq> <result bytes>``, then
+    rid, token and result, then the events."""
     rid, token = b.rid.encode(), b.token.encode()
-    head = b"%d %d %s %d\n" % (len(rid), len(token), b.mode.encode(), b.events[0].seq if b.events else 0)
-    return b"".join((head, rid, token, b"\n", "\n".join(ev.model_dump_json() for ev in b.events).encode()))
+    head = b"%d %d %s %d %d\n" % (len(rid), len(token), b.mode.encode(), b.events[0].seq if b.events else 0,
+                                  len(b.result))
+    events = "\n".join(ev.model_dump_json() for ev in b.events).encode()
+    return b"".join((head, rid, token, b.result, b"\n", events))
+
+
+def arq_result(job: Job, end: Event, queue: str) -> bytes:
+    """arq's result record for a job that ended with ``end`` (what ``arq.jobs.Job.result()`` reads), without
+    the job's arguments: arq would keep the whole prompt again for the result TTL."""
+    return dumps_job({"t": job.attempt, "f": JOB_FUNCTION, "a": [], "k": {}, "et": int(job.enqueue_time * 1000),
+                      "s": end.type == "done", "r": end.model_dump(mode="json"), "st": int(job.started_at * 1000),
+                      "ft": int(time.time() * 1000), "q": queue, "id": job.rid})
 
 
 class Publisher:
@@ -137,8 +151,7 @@ class Publisher:
         groups: dict[str, tuple[Job, list[Event]]] = {}
         for job, ev in items:
             groups.setdefault(job.rid, (job, []))[1].append(ev)
-        batches = [Batch(job.rid, job.token, events, mode or ("end" if any(map(is_terminal, events)) else ""))
-                   for job, events in groups.values()]
+        batches = [self._batch(job, events, mode) for job, events in groups.values()]
         for b in batches:
             if b.mode:  # the write drops the lease: the lease keeper must not take that for a lost lease
                 self.jobs.pop(b.rid, None)
@@ -153,6 +166,13 @@ class Publisher:
                 self._fence(job)
             elif b.mode:
                 self._settle(job, events[-1].type)
+
+    def _batch(self, job: Job, events: list[Event], mode: str | None) -> Batch:
+        end = next((ev for ev in events if is_terminal(ev)), None) if mode is None else None
+        if end is not None:
+            result = arq_result(job, end, self.queue) if self.ttl.result > 0 else b""
+            return Batch(job.rid, job.token, events, "end", result)
+        return Batch(job.rid, job.token, events, mode or "")
 
     def _settle(self, job: Job, outcome: str) -> None:
         self.jobs.pop(job.rid, None)

@@ -21,7 +21,7 @@ from api.keys import Keys
 from api.schema import ErrorCode, ErrorEvent, Event, ResetEvent, decode_event, is_terminal
 
 from .publisher import Batch, LogTTL, emit_args
-from .scripts import EMIT, Script
+from .scripts import EMIT, SWEEP, Script
 
 __all__ = ["Reaper", "StaleClaims"]
 
@@ -50,6 +50,7 @@ class Reaper:
         self.claims = claims
         self.reaped = 0
         self._script: Script | None = None
+        self._sweep = Script.of(SWEEP)
 
     async def start(self) -> None:
         self._script = await Script.load(self.redis, EMIT)
@@ -91,18 +92,11 @@ class Reaper:
 
     async def sweep(self) -> list[str]:
         """Handle every running job that has no lease; returns their ids."""
-        raw: dict[bytes, bytes] = await self.redis.hgetall(self.keys.running())  # type: ignore[misc]
-        running = {k.decode(): v.decode() for k, v in raw.items()}
-        if not running:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for rid in running:
-            pipe.exists(self.keys.lease(rid))
-        held = await pipe.execute()
-        lost = [rid for rid, h in zip(running, held) if not h]
-        for rid in lost:
-            await self._reap(rid, running[rid])
-        return lost
+        flat = await self._sweep.run(self.redis, [self.keys.running()], [self.keys.prefix])
+        lost = {rid.decode(): queue.decode() for rid, queue in zip(flat[::2], flat[1::2])}
+        for rid, queue in lost.items():
+            await self._reap(rid, queue)
+        return list(lost)
 
     async def _reap(self, rid: str, queue: str) -> None:
         guard = self.keys.reap_guard(rid)
@@ -139,11 +133,7 @@ class Reaper:
             log.info("job %s: worker lost; re-queued (%s)", rid, event.type)
 
     async def _give_up(self, rid: str, queue: str, event: Event) -> None:
-        if await self._emit(rid, queue, event, "end"):
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.zrem(queue, rid)
-            pipe.delete(job_key_prefix + rid, in_progress_key_prefix + rid, retry_key_prefix + rid)
-            await pipe.execute()
+        if await self._emit(rid, queue, event, "end"):  # also finishes the arq job
             self.reaped += 1
             log.info("job %s: worker lost on its last try; failed", rid)
 

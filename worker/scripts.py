@@ -15,36 +15,39 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-__all__ = ["BEGIN", "CLAIM", "EMIT", "REFRESH", "Script"]
+__all__ = ["CLAIM", "EMIT", "REFRESH", "START", "SWEEP", "Script"]
 
 # Writes the events of several jobs in one call: one round trip per engine step whatever the batch size.
 # KEYS: running. ARGV: job count, live TTL, done TTL, arq queue, now (ms), arq's in-progress key prefix, the
-# key prefix, then one record per job: a line "<rid bytes> <token bytes> <mode> <first seq>", the rid and
-# the token back to back, a newline, and its events (JSON texts) joined by newlines (JSON never contains a
-# raw one). Event i gets log entry id "<first seq + i>-1".
+# key prefix, arq's job, retry and result key prefixes, the result TTL (ms), then one record per job: a line
+# "<rid bytes> <token bytes> <mode> <first seq> <result bytes>", the rid, the token and the result back to
+# back, a newline, and its events (JSON texts) joined by newlines (JSON never contains a raw one). Event i
+# gets log entry id "<first seq + i>-1".
 # A job's lease, log, cancel key and channel are named here from the prefix and rid, as api.keys.Keys names
 # them, rather than passed: redis-py packs every argument in Python (~1.7 us each on a slow core), so three
 # keys and five arguments per job made a 32-job write cost ~0.5 ms of the event loop, which shares the GIL
 # with the engine. (Keys undeclared in KEYS, and global ones: not Redis Cluster-ready.)
-# Mode "": more to come; "end": terminal (drop lease, cancel key, running entry); "release": hand the job
-# back -- drop lease and running entry, clear arq's in-progress mark and re-queue it, all in this one atomic
-# call, so no crash can leave a job neither running nor queued.
+# Mode "": more to come; "end": terminal -- drop lease, cancel key and running entry, and finish the arq job
+# as arq's own finish_job would (its in-progress, job and retry keys, its queue entry; the result, if any,
+# kept for the result TTL), so a job's end costs no round trip of its own; "release": hand the job back --
+# drop lease and running entry, clear arq's in-progress mark and re-queue it, all in this one atomic call, so
+# no crash can leave a job neither running nor queued.
 # Returns one 1 (written) or 0 (fenced: the lease is not this token's) per job. An entry id already in the
 # log (a duplicate) is skipped, not published.
 EMIT = r"""
 local out = {}
 for j = 1, tonumber(ARGV[1]) do
-  local rec = ARGV[7 + j]
+  local rec = ARGV[11 + j]
   local h = string.find(rec, '\n', 1, true)
-  local lr, lt, mode, seq = string.match(string.sub(rec, 1, h - 1), '^(%d+) (%d+) (%a*) (%d+)$')
-  lr, lt, seq = tonumber(lr), tonumber(lt), tonumber(seq)
+  local lr, lt, mode, seq, lres = string.match(string.sub(rec, 1, h - 1), '^(%d+) (%d+) (%a*) (%d+) (%d+)$')
+  lr, lt, seq, lres = tonumber(lr), tonumber(lt), tonumber(seq), tonumber(lres)
   local rid, token = string.sub(rec, h + 1, h + lr), string.sub(rec, h + lr + 1, h + lr + lt)
   local base = ARGV[7] .. ':{' .. rid .. '}:'
   local lease, log = base .. 'lease', base .. 'log'
   local holder = redis.call('GET', lease)
   if (token == '' and not holder) or (token ~= '' and holder == token) then
     local channel = base .. 'events'
-    for event in string.gmatch(string.sub(rec, h + lr + lt + 2), '[^\n]+') do
+    for event in string.gmatch(string.sub(rec, h + lr + lt + lres + 2), '[^\n]+') do
       local r = redis.pcall('XADD', log, seq .. '-1', 'e', event)
       if type(r) ~= 'table' or not r.err then
         redis.call('PUBLISH', channel, event)
@@ -53,7 +56,11 @@ for j = 1, tonumber(ARGV[1]) do
     end
     if mode == 'end' then
       redis.call('EXPIRE', log, ARGV[3])
-      redis.call('DEL', base .. 'cancel')
+      redis.call('DEL', base .. 'cancel', ARGV[6] .. rid, ARGV[8] .. rid, ARGV[9] .. rid)
+      redis.call('ZREM', ARGV[4], rid)
+      if lres > 0 then
+        redis.call('SET', ARGV[10] .. rid, string.sub(rec, h + lr + lt + 1, h + lr + lt + lres), 'PX', ARGV[11])
+      end
     else
       redis.call('EXPIRE', log, ARGV[2])
     end
@@ -73,21 +80,29 @@ end
 return out
 """
 
-# A run's start, in one call: take the job's lease, and if taken, list the job as running and take it out of
-# arq's queue (otherwise every arq poll re-examines every running job); read the job's last logged event and
-# whether a cancel is pending. If another run holds the lease, the job goes back to the queue, due later.
-# KEYS: lease, running, arq queue, log, cancel. ARGV: token, lease TTL (ms), rid, deferred score.
-# Returns {1 if the lease was taken else 0, the last event's JSON or false, 1 if cancelled else 0}.
-BEGIN = """
-local taken = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
+# A run's start, in one call: what arq's run_job reads first (the job, its try count: INCR of its retry key),
+# then the job's lease, taken with token "<worker id>:<try>". If taken, list the job as running and take it
+# out of arq's queue (otherwise every arq poll re-examines every running job); if another run holds the
+# lease, put the job back in the queue, due later, and drop this claim. Also read the job's last logged
+# event and whether a cancel is pending.
+# KEYS: arq job, arq retry, arq in-progress, lease, running, arq queue, log, cancel. ARGV: worker id, lease
+# TTL (ms), rid, deferred score.
+# Returns {the job's bytes or false, try, 1 if the lease was taken else 0, the last event's JSON or false,
+# 1 if cancelled else 0}.
+START = """
+local job = redis.call('GET', KEYS[1])
+local try = redis.call('INCR', KEYS[2])
+redis.call('EXPIRE', KEYS[2], 88400)
+local taken = redis.call('SET', KEYS[4], ARGV[1] .. ':' .. try, 'NX', 'PX', ARGV[2])
 if taken then
-  redis.call('HSET', KEYS[2], ARGV[3], KEYS[3])
-  redis.call('ZREM', KEYS[3], ARGV[3])
+  redis.call('HSET', KEYS[5], ARGV[3], KEYS[6])
+  redis.call('ZREM', KEYS[6], ARGV[3])
 else
-  redis.call('ZADD', KEYS[3], ARGV[4], ARGV[3])
+  redis.call('ZADD', KEYS[6], ARGV[4], ARGV[3])
+  redis.call('DEL', KEYS[3])
 end
-local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)[1]
-return {taken and 1 or 0, last and last[2][2] or false, redis.call('EXISTS', KEYS[5])}
+local last = redis.call('XREVRANGE', KEYS[7], '+', '-', 'COUNT', 1)[1]
+return {job or false, try, taken and 1 or 0, last and last[2][2] or false, redis.call('EXISTS', KEYS[8])}
 """
 
 # arq's claim of queued jobs, for many at once: a job is taken if it is in the queue, due, and not in
@@ -105,6 +120,21 @@ for i = 2, #KEYS do
     redis.call('PSETEX', KEYS[i], ARGV[2], '1')
     out[#out + 1] = id
     out[#out + 1] = score
+  end
+end
+return out
+"""
+
+# The running jobs that hold no lease, read in one atomic call: a job ending meanwhile (its EMIT "end" drops
+# the lease and the running entry together) is never mistaken for a lost one, as it was when the entries
+# and their leases were read in two calls. KEYS: running. ARGV: the key prefix. Returns rid, queue, ...
+SWEEP = """
+local out = {}
+local running = redis.call('HGETALL', KEYS[1])
+for i = 1, #running, 2 do
+  if redis.call('EXISTS', ARGV[1] .. ':{' .. running[i] .. '}:lease') == 0 then
+    out[#out + 1] = running[i]
+    out[#out + 1] = running[i + 1]
   end
 end
 return out

@@ -1,8 +1,9 @@
 """One model served from Redis: arq jobs go into the engine, events come out, cancels are honoured.
 
-Each arq job is a thin coroutine (:meth:`ModelService.run_job`): take the job's lease, validate, hand the
-request to the engine, await its terminal event. The coroutine never touches MLX, so cancelling it (arq
-timeout, shutdown) only posts an abort that the engine applies between steps on its own thread.
+Each arq job is a thin coroutine (:meth:`ModelService.run`, run by ``runner.py``): read the job and take
+its lease in one call, validate, hand the request to the engine, await its terminal event. The coroutine
+never touches MLX, so cancelling it (arq timeout, shutdown) only posts an abort that the engine applies
+between steps on its own thread.
 
 A job ends with exactly one terminal event, or is handed back to the queue with a ``reset`` event:
 on shutdown (while tries remain), when its lease is lost (fenced), or by the reaper after a worker died.
@@ -14,10 +15,11 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from arq.worker import Retry
+from arq.constants import in_progress_key_prefix, job_key_prefix, retry_key_prefix
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
@@ -35,7 +37,7 @@ from .job import Job
 from .leases import LeaseKeeper
 from .publisher import LogTTL, Publisher
 from .reaper import Reaper, StaleClaims
-from .scripts import BEGIN, Script
+from .scripts import START, Script
 from .translate import error_event, timings, to_engine_request
 
 __all__ = ["BadRequest", "ModelService"]
@@ -54,7 +56,11 @@ class LeaseLost(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class _Begin:
+class _Start:
+    """What the START script found: the arq job, this try's number, the lease, the job's history."""
+
+    job: bytes | None  # None: the job key expired or was deleted
+    attempt: int
     acquired: bool
     last: Event | None
     cancelled: bool
@@ -68,7 +74,7 @@ class ModelService:
         self.keys = config.keys
         self.redis = redis
         self.jobs: dict[str, Job] = {}
-        ttl = LogTTL(live=config.live_ttl_s, done=config.done_ttl_s)
+        ttl = LogTTL(live=config.live_ttl_s, done=config.done_ttl_s, result=config.keep_result_s)
         self.publisher = Publisher(redis, self.keys, config.worker_id, self.jobs, ttl,
                                    give_up_s=config.lease_ttl_s, queue=config.queue_name)
         self.publisher.on_fenced = self._on_lease_lost
@@ -76,7 +82,7 @@ class ModelService:
         claims = StaleClaims(config.queue_name, int((config.arq_job_timeout_s + 10) * 1000),
                              int(config.lease_ttl_s * 1000))  # arq claims for its job timeout + 10 s
         self.reaper = Reaper(redis, self.keys, config.max_tries, config.reap_interval_s, ttl, claims)
-        self._begin_script = Script.of(BEGIN)
+        self._start_script = Script.of(START)
         self.engine: Engine | None = None
         self.model: LoadedModel | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -135,46 +141,70 @@ class ModelService:
             self.engine.expect(n, self.config.admit_wait_ms / 1000)
 
     # --- one job -----------------------------------------------------------------------------------
-    async def run_job(self, payload: Any, job_id: str, job_try: int = 1, enqueue_time: float | None = None) -> str:
-        """Run one arq job to its terminal event (or hand it back); returns how it ended."""
-        job = Job(job_id, self.config.name, enqueue_time or time.time(), attempt=job_try,
-                  token=f"{self.config.worker_id}:{job_try}")
-        begin = await self._begin(job)
-        if not begin.acquired:
-            raise Retry(defer=self.config.lease_ttl_s)  # another live run holds the lease
-        if begin.last is not None and begin.last.type in ("done", "error"):
-            await self._release(job)
-            return begin.last.type  # an earlier run finished it
-        if begin.last is not None:
-            job.seq = begin.last.seq + 1
-            if begin.last.type != "reset":
-                await self._emit(job, ResetEvent(id=job_id, seq=job.next_seq(), reason="job restarted",
-                                                 attempt=job_try))
-        if begin.cancelled:
-            return await self._emit(job, self._cancelled_event(job))
+    async def run(self, job_id: str, loads: Callable[[bytes], dict[str, Any]]) -> str:
+        """Run one arq job this worker claimed to its terminal event (or hand it back); returns how it ended.
+
+        ``loads`` is the worker's job deserializer. Never raises but for cancellation: a bug ends the job
+        with ``error(internal)``.
+        """
+        start = await self._start(job_id)
+        if not start.acquired:
+            return "deferred"  # another live run holds the lease; START put the job back in the queue, due later
+        envelope = loads(start.job) if start.job is not None else None
+        job = Job(job_id, self.config.name, (envelope or {}).get("et", time.time() * 1000) / 1000,
+                  attempt=start.attempt, token=f"{self.config.worker_id}:{start.attempt}")
         try:
-            req = self._validate(payload, job_id)
+            return await self._serve(job, start, envelope)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("job %s: failed", job_id)
+            self.jobs.pop(job_id, None)
+            return await self._emit(job, error_event(job, ErrorCode.INTERNAL, f"the worker failed: {exc!r}"))
+
+    async def _serve(self, job: Job, start: _Start, envelope: dict[str, Any] | None) -> str:
+        last = start.last
+        if last is not None and last.type in ("done", "error"):
+            await self._release(job)
+            return last.type  # an earlier run finished it
+        if last is not None:
+            job.seq = last.seq + 1
+            if last.type != "reset":
+                await self._emit(job, ResetEvent(id=job.rid, seq=job.next_seq(), reason="job restarted",
+                                                 attempt=job.attempt))
+        if start.cancelled:
+            return await self._emit(job, self._cancelled_event(job))
+        if job.attempt > self.config.max_tries:
+            msg = f"the job was tried {job.attempt - 1} times; the limit is {self.config.max_tries}"
+            return await self._emit(job, error_event(job, ErrorCode.WORKER_LOST, msg))
+        try:
+            req = self._validate(_payload(envelope), job.rid)
             tokens = await self._tokenize_off_loop(req)
         except BadRequest as exc:
-            log.info("job %s rejected: %s", job_id, exc)
+            log.info("job %s rejected: %s", job.rid, exc)
             return await self._emit(job, error_event(job, ErrorCode.BAD_REQUEST, str(exc)))
         return await self._run(job, req, tokens)
 
-    async def _begin(self, job: Job) -> _Begin:
-        """Take the lease, register as running, and read the job's history, in one call (the BEGIN script)."""
+    async def _start(self, rid: str) -> _Start:
+        """The START script: read the arq job and count this try, take the lease, register as running, read
+        the job's history, in one call."""
         cfg, keys = self.config, self.keys
-        deferred_ms = int((time.time() + cfg.lease_ttl_s) * 1000)  # arq's Retry(defer) then adds its own delay
-        taken, last, cancelled = await self._begin_script.run(
+        deferred_ms = int((time.time() + cfg.lease_ttl_s) * 1000)
+        job, attempt, taken, last, cancelled = await self._start_script.run(
             self.redis,
-            [keys.lease(job.rid), keys.running(), cfg.queue_name, keys.log(job.rid), keys.cancel(job.rid)],
-            [job.token, int(cfg.lease_ttl_s * 1000), job.rid, deferred_ms],
+            [job_key_prefix + rid, retry_key_prefix + rid, in_progress_key_prefix + rid, keys.lease(rid),
+             keys.running(), cfg.queue_name, keys.log(rid), keys.cancel(rid)],
+            [cfg.worker_id, int(cfg.lease_ttl_s * 1000), rid, deferred_ms],
         )
-        return _Begin(bool(taken), decode_event(last) if last else None, bool(cancelled))
+        return _Start(job or None, int(attempt), bool(taken), decode_event(last) if last else None, bool(cancelled))
 
     async def _release(self, job: Job) -> None:
+        """Drop the lease and finish the arq job of a job an earlier run already ended."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(self.keys.lease(job.rid))
+        pipe.delete(self.keys.lease(job.rid), in_progress_key_prefix + job.rid, job_key_prefix + job.rid,
+                    retry_key_prefix + job.rid)
         pipe.hdel(self.keys.running(), job.rid)
+        pipe.zrem(self.config.queue_name, job.rid)
         await pipe.execute()
 
     async def _run(self, job: Job, req: GenerateRequest, tokens: list[int]) -> str:
@@ -185,10 +215,20 @@ class ModelService:
         try:
             return await job.finished
         except LeaseLost:
-            raise Retry(defer=self.config.lease_ttl_s) from None
+            await self._requeue_fenced(job)
+            return "fenced"
         except asyncio.CancelledError:
             await asyncio.shield(self._interrupted(job))
             raise
+
+    async def _requeue_fenced(self, job: Job) -> None:
+        """The lease was lost mid-run (the reaper normally re-queued the job already): make sure the job is
+        queued, due after a lease TTL, and drop this run's claim, as arq does when a job asks to be retried."""
+        due_ms = int((time.time() + self.config.lease_ttl_s) * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(self.config.queue_name, {job.rid: due_ms}, nx=True)
+        pipe.delete(in_progress_key_prefix + job.rid)
+        await pipe.execute()
 
     async def _interrupted(self, job: Job) -> None:
         """Shutdown or an arq timeout cancelled the job's coroutine: hand it back, or end it on its last try."""
@@ -279,6 +319,16 @@ class ModelService:
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the context ({ctx})"
             )
         return tokens
+
+
+def _payload(envelope: dict[str, Any] | None) -> Any:
+    """The one argument of an arq job of ours (a malformed or vanished job becomes an undecodable payload)."""
+    if envelope is None:
+        return {UNDECODABLE: "the job is gone from Redis (expired or deleted) before it ran"}
+    args, kwargs = envelope.get("a"), envelope.get("k")
+    if isinstance(args, list) and len(args) == 1 and not kwargs:
+        return args[0]
+    return {UNDECODABLE: "the job must carry one payload"}
 
 
 def _summarize(exc: ValidationError) -> str:

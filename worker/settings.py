@@ -13,9 +13,9 @@ from typing import Any
 
 from arq.worker import func
 
-from api.connection import JOB_FUNCTION, UNDECODABLE, dumps_job, loads_job, redis_settings
+from api.connection import JOB_FUNCTION, dumps_job, loads_job, redis_settings
 
-from . import claims, waker
+from . import claims, runner, waker
 from .config import WorkerConfig
 from .service import ModelService
 
@@ -27,19 +27,17 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
 
     async def startup(ctx: dict[str, Any]) -> None:
         _configure_logging()
-        service = ctx["mlxq"] = await ModelService.start(config)
+        service = ctx[runner.SERVICE] = await ModelService.start(config)
         ctx[claims.ON_CLAIMED] = service.on_claimed
 
     async def shutdown(ctx: dict[str, Any]) -> None:
-        service: ModelService | None = ctx.get("mlxq")
+        service: ModelService | None = ctx.get(runner.SERVICE)
         if service is not None:
             await service.aclose()
 
     async def generate(ctx: dict[str, Any], *args: Any, **kwargs: Any) -> str:
-        # Any arity arrives here (a malformed job must still end with an event): exactly one payload is valid.
-        payload = args[0] if len(args) == 1 and not kwargs else {UNDECODABLE: "the job must carry one payload"}
-        service: ModelService = ctx["mlxq"]
-        return await service.run_job(payload, ctx["job_id"], ctx["job_try"], ctx["enqueue_time"].timestamp())
+        # arq needs a function to register; worker.runner runs mlxq's jobs without calling it.
+        raise RuntimeError("mlxq jobs run through worker.runner, which this process did not install")
 
     async def after_job_end(ctx: dict[str, Any]) -> None:
         # A slot is free: let arq take the next queued job now rather than at its next poll. Two hops, so
@@ -82,6 +80,7 @@ def _configure_logging() -> None:
 
 waker.install()
 claims.install()
+runner.install()
 
 
 class Settings:

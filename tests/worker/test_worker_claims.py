@@ -9,12 +9,13 @@ from typing import Any
 import pytest
 import redis.asyncio as aredis
 from arq.constants import in_progress_key_prefix
+from arq.jobs import Job as ArqJob
 from arq.worker import Worker, func
 
 from api.client import Client
 from api.connection import JOB_FUNCTION, arq_pool, dumps_job, loads_job, redis_settings
 from tests.support import config_with, start_worker
-from worker import claims, waker
+from worker import claims, runner, waker
 from worker.scripts import CLAIM, Script
 
 QUEUE = "claims-test:queue"
@@ -53,6 +54,7 @@ async def test_competing_workers_run_every_job_once_within_max_jobs(redis_url: s
         state["now"] -= 1
 
     claims.install()  # as worker/settings.py does
+    runner.install()  # a Worker without an mlxq service keeps arq's own run_job
     assert Worker.start_jobs is claims.start_jobs
     max_jobs = 4
     settings = redis_settings(redis_url)
@@ -76,6 +78,8 @@ async def test_competing_workers_run_every_job_once_within_max_jobs(redis_url: s
         assert runs == {job_id: 1 for job_id in ids}
         assert state["peak"] <= max_jobs * workers
         assert sum(w.jobs_complete for w in arq_workers) == len(ids)
+        info = await ArqJob(ids[0], producer, _queue_name=QUEUE, _deserializer=loads_job).result_info()
+        assert info is not None and info.success and list(info.args) == [{"n": ids[0]}]  # arq's own result record
     finally:
         for w in arq_workers:
             await w.close()

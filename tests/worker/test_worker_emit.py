@@ -1,4 +1,4 @@
-"""The EMIT and BEGIN scripts (worker/scripts.py) on a real Redis: what one call writes, publishes and refuses."""
+"""The EMIT and START scripts (worker/scripts.py) on a real Redis: what one call writes, publishes and refuses."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ import asyncio
 from typing import Any
 
 import redis.asyncio as aredis
-from arq.constants import in_progress_key_prefix
+from arq.constants import in_progress_key_prefix, job_key_prefix, result_key_prefix, retry_key_prefix
 
 from api.keys import Keys
 from api.schema import DoneEvent, Event, FinishReason, StartEvent, Timings, TokenEvent, Usage, decode_event
 from worker.publisher import Batch, LogTTL, emit_args
-from worker.scripts import BEGIN, EMIT, Script
+from worker.scripts import EMIT, START, SWEEP, Script
 
 KEYS = Keys("emit-test")
 QUEUE = "emit-test:queue"
-TTL = LogTTL(live=600, done=30)
+TTL = LogTTL(live=600, done=30, result=20)
 ODD_RID = "job 1\nwith newline, spaces and é"  # arq accepts any job id: records must not rely on separators
 
 
@@ -120,40 +120,80 @@ async def test_the_reaper_token_writes_only_while_nobody_holds_the_lease(redis_u
         await r.aclose()
 
 
-# --- BEGIN: a run's start ---------------------------------------------------------------------------------
+# --- START: a run's start ---------------------------------------------------------------------------------
 
 
-def _begin_keys(rid: str) -> list[str]:
-    return [KEYS.lease(rid), KEYS.running(), QUEUE, KEYS.log(rid), KEYS.cancel(rid)]
+def _start_keys(rid: str) -> list[str]:
+    return [job_key_prefix + rid, retry_key_prefix + rid, in_progress_key_prefix + rid, KEYS.lease(rid),
+            KEYS.running(), QUEUE, KEYS.log(rid), KEYS.cancel(rid)]
 
 
-async def test_begin_takes_the_lease_lists_the_job_running_and_reads_its_history(redis_url: str) -> None:
+async def test_start_reads_the_job_counts_the_try_takes_the_lease_and_reads_the_history(redis_url: str) -> None:
     r = aredis.Redis.from_url(redis_url)
     try:
+        await r.set(job_key_prefix + ODD_RID, b'{"job": 1}')
+        await r.set(retry_key_prefix + ODD_RID, 1)  # one earlier try
         await r.zadd(QUEUE, {ODD_RID: 1})
         await r.set(KEYS.cancel(ODD_RID), "1")
         history = _events(ODD_RID, 0, 2)
         for ev in history:
             await r.xadd(KEYS.log(ODD_RID), {"e": ev.model_dump_json()}, id=f"{ev.seq}-1")
-        taken, last, cancelled = await Script.of(BEGIN).run(r, _begin_keys(ODD_RID), ["w1:2", 5000, ODD_RID, 99])
-        assert (taken, cancelled) == (1, 1)
+        job, attempt, taken, last, cancelled = await Script.of(START).run(r, _start_keys(ODD_RID),
+                                                                          ["w1", 5000, ODD_RID, 99])
+        assert (job, attempt, taken, cancelled) == (b'{"job": 1}', 2, 1, 1)
         assert decode_event(last) == history[-1]
-        assert await r.get(KEYS.lease(ODD_RID)) == b"w1:2"
+        assert await r.get(KEYS.lease(ODD_RID)) == b"w1:2"  # token: worker id and try
         assert 0 < await r.pttl(KEYS.lease(ODD_RID)) <= 5000
+        assert 88000 < await r.ttl(retry_key_prefix + ODD_RID) <= 88400  # as arq's run_job
         assert await r.hget(KEYS.running(), ODD_RID) == QUEUE.encode()
         assert await r.zscore(QUEUE, ODD_RID) is None  # out of arq's queue while it runs
     finally:
         await r.aclose()
 
 
-async def test_begin_on_a_leased_job_defers_it_in_the_queue_and_touches_nothing_else(redis_url: str) -> None:
+async def test_start_on_a_leased_job_defers_it_and_drops_the_claim(redis_url: str) -> None:
     r = aredis.Redis.from_url(redis_url)
     try:
         await r.set(KEYS.lease("a"), "w1:1")  # a live run holds it
-        taken, last, cancelled = await Script.of(BEGIN).run(r, _begin_keys("a"), ["w2:2", 5000, "a", 12345])
-        assert (taken, last, cancelled) == (0, None, 0)
+        await r.set(in_progress_key_prefix + "a", "1")  # this worker's claim
+        job, attempt, taken, last, cancelled = await Script.of(START).run(r, _start_keys("a"),
+                                                                          ["w2", 5000, "a", 12345])
+        assert (job, attempt, taken, last, cancelled) == (None, 1, 0, None, 0)
         assert await r.get(KEYS.lease("a")) == b"w1:1"
         assert await r.zscore(QUEUE, "a") == 12345
+        assert not await r.exists(in_progress_key_prefix + "a")  # any worker may take it when it is due
         assert not await r.hexists(KEYS.running(), "a")
+    finally:
+        await r.aclose()
+
+
+async def test_end_finishes_the_arq_job_and_keeps_its_result(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        rid = ODD_RID + " end"
+        await r.set(KEYS.lease(rid), "w1:1")
+        arq_keys = [in_progress_key_prefix + rid, job_key_prefix + rid, retry_key_prefix + rid]
+        for key in arq_keys:
+            await r.set(key, "1")
+        await r.zadd(QUEUE, {rid: 1})
+        await r.hset(KEYS.running(), rid, QUEUE)
+        end = Batch(rid, "w1:1", _events(rid, 0, 2, end=True), "end", result=b'{"r": "done"}')
+        assert await _emit(r, [end]) == [1]
+        assert not await r.exists(*arq_keys, KEYS.lease(rid))
+        assert await r.zscore(QUEUE, rid) is None and not await r.hexists(KEYS.running(), rid)
+        assert await r.get(result_key_prefix + rid) == b'{"r": "done"}'
+        assert 0 < await r.pttl(result_key_prefix + rid) <= 20_000
+        assert len(await _log(r, rid)) == 3
+    finally:
+        await r.aclose()
+
+
+async def test_sweep_lists_only_running_jobs_without_a_lease(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        await r.hset(KEYS.running(), mapping={"leased": QUEUE, ODD_RID: QUEUE, "other": "q2"})
+        await r.set(KEYS.lease("leased"), "w1:1")
+        flat = await Script.of(SWEEP).run(r, [KEYS.running()], [KEYS.prefix])
+        assert dict(zip(flat[::2], flat[1::2])) == {ODD_RID.encode(): QUEUE.encode(), b"other": b"q2"}
     finally:
         await r.aclose()

@@ -322,14 +322,102 @@ async def wait_for(predicate: Callable[[], bool], timeout: float = 30) -> None:
         await asyncio.sleep(0.002)
 
 
+# --- the arq job around each run (worker/runner.py) ------------------------------------------------
+QUEUE = "mlxq:queue:tiny"
+
+
+async def arq_keys_left(r: aredis.Redis, rid: str) -> list[str]:
+    keys = [f"arq:job:{rid}", f"arq:in-progress:{rid}", f"arq:retry:{rid}", f"mlxq:{{{rid}}}:lease"]
+    left = [k for k in keys if await r.exists(k)]
+    return left + ([QUEUE] if await r.zscore(QUEUE, rid) is not None else [])
+
+
+async def test_arq_sees_a_finished_job_as_complete_with_its_terminal_event(worker: RunningWorker, client: Client,
+                                                                           redis_url: str) -> None:
+    from arq.jobs import Job as ArqJob
+    from arq.jobs import JobStatus
+
+    from api.connection import loads_job
+
+    result = await client.generate(model="tiny", prompt="Hello world", max_tokens=6, timeout=60)
+    pool = arq_pool(redis_url)
+    try:
+        job = ArqJob(result.id, pool, _queue_name=QUEUE, _deserializer=loads_job)
+        assert await job.status() is JobStatus.complete
+        info = await job.result_info()
+        assert info is not None and info.success and info.function == JOB_FUNCTION and info.job_try == 1
+        assert list(info.args) == []  # the prompt is not kept a second time
+        assert decode_event(json.dumps(info.result)) == DoneEvent.model_validate(info.result)
+        assert info.result["usage"]["completion_tokens"] == 6
+        assert await arq_keys_left(pool, result.id) == []
+    finally:
+        await pool.aclose()
+
+
+async def test_a_job_whose_payload_vanished_ends_with_an_error_and_no_arq_keys(worker: RunningWorker, client: Client,
+                                                                             redis_url: str) -> None:
+    rid = GenerateRequest(model="tiny", prompt="x").id
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        await r.zadd(QUEUE, {rid: int(time.time() * 1000)})  # queued, but its job key is gone (expired)
+        end = terminal(await collect(client, rid))
+        assert isinstance(end, ErrorEvent) and end.code is ErrorCode.BAD_REQUEST
+        assert "gone from Redis" in end.message
+        assert await arq_keys_left(r, rid) == []
+    finally:
+        await r.aclose()
+
+
+async def test_a_job_out_of_tries_ends_with_worker_lost(worker_config: Any, client: Client, redis_url: str) -> None:
+    running = await start_worker(config_with(worker_config, max_tries=2))
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        rid = GenerateRequest(model="tiny", prompt="x").id
+        await r.set(f"arq:retry:{rid}", 2)  # two runs already started and were lost
+        await enqueue_raw(redis_url, {"id": rid, "model": "tiny", "prompt": "Hello", "max_tokens": 4}, rid)
+        end = terminal(await collect(client, rid))
+        assert isinstance(end, ErrorEvent) and end.code is ErrorCode.WORKER_LOST and end.retryable
+        assert "tried 2 times" in end.message
+        assert running.service.engine.stats.steps == 0
+        assert await arq_keys_left(r, rid) == []
+    finally:
+        await r.aclose()
+        await running.close()
+
+
+async def test_a_run_that_loses_its_lease_stops_and_a_later_run_finishes_the_job(
+    worker_config: Any, client: Client, redis_url: str
+) -> None:
+    running = await start_worker(config_with(worker_config, lease_ttl_s=1.0, reap_interval_s=60))
+    slow_steps(running, 0.01)
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        rid = await client.submit(model="tiny", prompt="Hello world", max_tokens=60)
+        events: list[Event] = []
+        async for ev in client.events(rid, timeout=60):
+            events.append(ev)
+            if ev.type == "token" and not any(e.type == "reset" for e in events):
+                await r.set(f"mlxq:{{{rid}}}:lease", "another-worker:9", px=1500)  # taken over
+        resets = [i for i, e in enumerate(events) if e.type == "reset"]
+        assert len(resets) == 1, [e.type for e in events]  # the later run announced itself once
+        assert [e.seq for e in events] == list(range(len(events)))
+        end = terminal(events)
+        assert isinstance(end, DoneEvent) and end.usage.completion_tokens == 60
+        assert running.service.publisher.stats.fenced >= 1
+        assert running.worker.jobs_retried >= 1
+        assert await arq_keys_left(r, rid) == []
+    finally:
+        await r.aclose()
+        await running.close()
+
+
 # --- Redis hygiene and cost ------------------------------------------------------------------------
 async def test_every_key_has_a_ttl_after_jobs_end(worker: RunningWorker, client: Client, redis_url: str) -> None:
     rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=8) for p in PROMPTS[:5]))
     await client.cancel(rids[0])
     for rid in rids:
         await collect(client, rid)
-    await asyncio.sleep(0.3)  # arq records results after the terminal event is published
-    r = aredis.Redis.from_url(redis_url)
+    r = aredis.Redis.from_url(redis_url)  # the terminal event's own call finished the arq job
     persistent = [k async for k in r.scan_iter() if await r.ttl(k) == -1]
     await r.aclose()
     assert persistent == []
