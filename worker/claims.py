@@ -4,7 +4,8 @@ arq 0.28's ``Worker.start_jobs`` claims queued jobs one at a time: WATCH the job
 ZSCORE, then MULTI/PSETEX/EXEC, awaiting each. When 32 jobs arrive together the engine waits for 128
 sequential round trips (and the event loop's GIL time) before the last one can join the batch. The CLAIM
 script makes the same check-and-set per job, atomically, for all of them at once; what runs each job
-(``Worker.run_job``, its timeout, retries, result keys) stays arq's own.
+(``Worker.run_job``, its timeout, retries, result keys) stays arq's own. A worker serving a model goes
+further: its START script claims and starts the jobs in the same call, and ``runner.py`` runs them.
 
 :func:`install` replaces ``arq.worker.Worker.start_jobs`` (pinned arq 0.28) with :func:`start_jobs`.
 """
@@ -15,11 +16,11 @@ import arq.worker
 from arq.constants import in_progress_key_prefix
 from arq.utils import timestamp_ms
 
+from . import runner
 from .scripts import CLAIM, Script
 
-__all__ = ["ON_CLAIMED", "install", "start_jobs"]
+__all__ = ["install", "start_jobs"]
 
-ON_CLAIMED = "mlxq_on_claimed"  # arq ctx key: a callable told how many jobs one call claimed
 
 _CLAIM = Script.of(CLAIM)
 
@@ -27,17 +28,17 @@ _CLAIM = Script.of(CLAIM)
 async def start_jobs(self: arq.worker.Worker, job_ids: list[bytes]) -> None:
     """Drop-in for ``Worker.start_jobs``: claim as many of ``job_ids`` as slots are free in one call, start each.
 
-    Jobs another worker (or this one) already holds are skipped without taking a slot, as arq does.
+    Jobs another worker (or this one) already holds are skipped without taking a slot, as arq does. An mlxq
+    worker's claim also starts its jobs (``runner.py``).
     """
     free = self.max_jobs - self.job_counter
     if free <= 0 or not job_ids:
         return  # a job's end wakes the poll again (settings.after_job_end)
     ids = [j.decode() for j in job_ids]
+    if runner.SERVICE in self.ctx:
+        return await runner.start_jobs(self, ids, free)
     keys = [self.queue_name, *(in_progress_key_prefix + j for j in ids)]
     claimed = await _CLAIM.run(self.pool, keys, [timestamp_ms(), int(self.in_progress_timeout_s * 1000), free, *ids])
-    on_claimed = self.ctx.get(ON_CLAIMED)
-    if claimed and on_claimed is not None:
-        on_claimed(len(claimed) // 2)
     for job_id_b, score in zip(claimed[::2], claimed[1::2]):
         await self.sem.acquire()  # free slots were counted above: never waits
         self.job_counter += 1

@@ -1,15 +1,15 @@
-"""Runs an mlxq worker's jobs inside arq's Worker: arq's ``run_job``, fused with the job's start and end.
+"""Runs an mlxq worker's jobs inside arq's Worker, in place of arq's ``run_job``.
 
-arq 0.28's ``Worker.run_job`` costs every job two MULTI/EXEC transactions (read the job and count the
-try; then delete its keys and store its result), two INFO log lines and a task with a timer, on the event
-loop that shares the GIL with the engine: about a third of the loop's CPU per job on the tiny model. Here
-the START script reads the job, counts the try and takes the lease in one call, and the EMIT call that
-publishes the job's terminal event also finishes the arq job (``worker/scripts.py``). Everything else
-about the Worker stays arq's: its poll loop, claims (``claims.py``), ``max_jobs``, health checks, signals
-and the SIGTERM drain, which cancels these tasks after ``job_completion_wait``.
+arq 0.28 claims a job with four round trips, then its ``run_job`` costs two MULTI/EXEC transactions (read
+the job and count the try; delete its keys and store its result), two INFO log lines and a task with a
+timer, all on the event loop that shares the GIL with the engine: about a third of the loop's CPU per job
+on the tiny model. Here one START call claims every job a poll found, reads each, counts its try and takes
+its lease, and the EMIT call that publishes a job's terminal event also finishes its arq job
+(``worker/scripts.py``). Everything else about the Worker stays arq's: its poll loop, ``max_jobs``, health
+checks, signals and the SIGTERM drain, which cancels these tasks after ``job_completion_wait``.
 
-:func:`install` replaces ``arq.worker.Worker.run_job`` (pinned arq 0.28); a Worker without an mlxq
-service in its context (``SERVICE``) keeps arq's own.
+``claims.start_jobs`` (installed over arq's) hands a worker with an mlxq service in its context
+(``SERVICE``) to :func:`start_jobs`; any other Worker keeps arq's claim and ``run_job``.
 """
 
 from __future__ import annotations
@@ -22,47 +22,59 @@ from typing import TYPE_CHECKING, Any
 import arq.worker
 
 if TYPE_CHECKING:
-    from .service import ModelService
+    from .service import ModelService, Started
 
-__all__ = ["SERVICE", "install", "run_job"]
+__all__ = ["ON_CLAIMED", "SERVICE", "run_started", "start_jobs"]
 
 log = logging.getLogger(__name__)
 
 SERVICE = "mlxq"  # arq ctx key of the worker's ModelService
-_ARQ_RUN_JOB = arq.worker.Worker.run_job
+ON_CLAIMED = "mlxq_on_claimed"  # arq ctx key: a callable told how many jobs one call started
 
 
-async def run_job(self: arq.worker.Worker, job_id: str, score: int) -> None:
-    """Drop-in for ``Worker.run_job``: one claimed job, from START to its terminal event (or handed back)."""
-    service: ModelService | None = self.ctx.get(SERVICE)
-    if service is None:
-        return await _ARQ_RUN_JOB(self, job_id, score)
+async def start_jobs(worker: arq.worker.Worker, job_ids: list[str], free: int) -> None:
+    """Claim and start up to ``free`` of ``job_ids`` in one call; run each started job in a task of its own."""
+    service: ModelService = worker.ctx[SERVICE]
+    started = await service.claim(job_ids, free, int(worker.in_progress_timeout_s * 1000))
+    leased = [s for s in started if s.acquired]
+    on_claimed = worker.ctx.get(ON_CLAIMED)
+    if leased and on_claimed is not None:
+        on_claimed(len(leased))
+    for s in started:
+        if not s.acquired:
+            worker.jobs_retried += 1
+            log.info("job %s: another run holds its lease; deferred", s.rid)
+    for s in leased:
+        await worker.sem.acquire()  # free slots were counted by the caller: never waits
+        worker.job_counter += 1
+        task = worker.loop.create_task(run_started(worker, service, s))
+        task.add_done_callback(lambda _: worker._release_sem_dec_counter_on_complete())
+        worker.tasks[s.rid] = task
+
+
+async def run_started(worker: arq.worker.Worker, service: ModelService, start: Started) -> None:
+    """One started job, to its terminal event (or handed back), with arq's job timeout and counters."""
     t0 = time.monotonic()
     try:
         async with asyncio.timeout(service.config.arq_job_timeout_s):  # a backstop: the engine's deadline is first
-            outcome = await service.run(job_id, self.job_deserializer or _no_deserializer)
+            outcome = await service.run(start, worker.job_deserializer or _no_deserializer)
     except asyncio.CancelledError:  # shutdown: the service handed the job back, or failed it on its last try
-        self.jobs_retried += 1
-        log.info("job %s: cancelled after %.2fs (worker shutting down)", job_id, time.monotonic() - t0)
+        worker.jobs_retried += 1
+        log.info("job %s: cancelled after %.2fs (worker shutting down)", start.rid, time.monotonic() - t0)
         return  # as arq's run_job: the task ends quietly, so arq's poll loop never re-raises it
     except TimeoutError:
-        self.jobs_failed += 1
+        worker.jobs_failed += 1
         log.warning("job %s: ran past the arq job timeout (%.0fs); handed back or failed",
-                    job_id, service.config.arq_job_timeout_s)
+                    start.rid, service.config.arq_job_timeout_s)
     else:
-        if outcome in ("deferred", "fenced"):
-            self.jobs_retried += 1
+        if outcome == "fenced":
+            worker.jobs_retried += 1
         else:
-            self.jobs_complete += 1
-        log.debug("job %s: %s in %.3fs", job_id, outcome, time.monotonic() - t0)
-    if self.after_job_end is not None:
-        await self.after_job_end(self.ctx)
+            worker.jobs_complete += 1
+        log.debug("job %s: %s in %.3fs", start.rid, outcome, time.monotonic() - t0)
+    if worker.after_job_end is not None:
+        await worker.after_job_end(worker.ctx)
 
 
 def _no_deserializer(data: bytes) -> dict[str, Any]:
     raise RuntimeError("an mlxq worker needs its JSON job_deserializer (worker.settings)")
-
-
-def install() -> None:
-    """Use :func:`run_job` in every arq worker of this process (idempotent)."""
-    arq.worker.Worker.run_job = run_job  # type: ignore[method-assign]

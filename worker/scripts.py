@@ -80,29 +80,46 @@ end
 return out
 """
 
-# A run's start, in one call: what arq's run_job reads first (the job, its try count: INCR of its retry key),
-# then the job's lease, taken with token "<worker id>:<try>". If taken, list the job as running and take it
-# out of arq's queue (otherwise every arq poll re-examines every running job); if another run holds the
-# lease, put the job back in the queue, due later, and drop this claim. Also read the job's last logged
-# event and whether a cancel is pending.
-# KEYS: arq job, arq retry, arq in-progress, lease, running, arq queue, log, cancel. ARGV: worker id, lease
-# TTL (ms), rid, deferred score.
-# Returns {the job's bytes or false, try, 1 if the lease was taken else 0, the last event's JSON or false,
-# 1 if cancelled else 0}.
+# Claims and starts every job one arq poll found, in one call: for each (up to the free slots), arq's claim
+# (the job is queued, due and not in progress: set its in-progress key), then what arq's run_job reads first
+# (the job, and its try count: INCR of its retry key), then the job's lease, taken with token
+# "<worker id>:<try>". Leased: the job is listed as running and taken out of arq's queue (otherwise every
+# poll re-examines every running job). If another run holds the lease: the job goes back to the queue, due
+# later, and this claim is dropped. Also reads each job's last logged event and whether a cancel is pending.
+# Keys are named here from the prefixes, as EMIT does (packing arguments costs the event loop).
+# KEYS: arq queue, running. ARGV: now (ms), in-progress TTL (ms), most to start, worker id, lease TTL (ms),
+# deferred score, key prefix, arq's in-progress, job and retry key prefixes, then the job ids.
+# Returns one {id, score, job bytes or false, try, 1 if leased else 0, last event JSON or false, 1 if
+# cancelled else 0} per claimed job.
 START = """
-local job = redis.call('GET', KEYS[1])
-local try = redis.call('INCR', KEYS[2])
-redis.call('EXPIRE', KEYS[2], 88400)
-local taken = redis.call('SET', KEYS[4], ARGV[1] .. ':' .. try, 'NX', 'PX', ARGV[2])
-if taken then
-  redis.call('HSET', KEYS[5], ARGV[3], KEYS[6])
-  redis.call('ZREM', KEYS[6], ARGV[3])
-else
-  redis.call('ZADD', KEYS[6], ARGV[4], ARGV[3])
-  redis.call('DEL', KEYS[3])
+local out = {}
+local started, most = 0, tonumber(ARGV[3])
+for i = 11, #ARGV do
+  if started >= most then break end
+  local id = ARGV[i]
+  local score = redis.call('ZSCORE', KEYS[1], id)
+  local claim = ARGV[8] .. id
+  if score and tonumber(score) <= tonumber(ARGV[1]) and redis.call('EXISTS', claim) == 0 then
+    redis.call('PSETEX', claim, ARGV[2], '1')
+    local job = redis.call('GET', ARGV[9] .. id)
+    local try = redis.call('INCR', ARGV[10] .. id)
+    redis.call('EXPIRE', ARGV[10] .. id, 88400)
+    local base = ARGV[7] .. ':{' .. id .. '}:'
+    local leased = redis.call('SET', base .. 'lease', ARGV[4] .. ':' .. try, 'NX', 'PX', ARGV[5])
+    if leased then
+      started = started + 1
+      redis.call('HSET', KEYS[2], id, KEYS[1])
+      redis.call('ZREM', KEYS[1], id)
+    else
+      redis.call('ZADD', KEYS[1], ARGV[6], id)
+      redis.call('DEL', claim)
+    end
+    local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
+    out[#out + 1] = {id, score, job or false, try, leased and 1 or 0, last and last[2][2] or false,
+                     redis.call('EXISTS', base .. 'cancel')}
+  end
 end
-local last = redis.call('XREVRANGE', KEYS[7], '+', '-', 'COUNT', 1)[1]
-return {job or false, try, taken and 1 or 0, last and last[2][2] or false, redis.call('EXISTS', KEYS[8])}
+return out
 """
 
 # arq's claim of queued jobs, for many at once: a job is taken if it is in the queue, due, and not in

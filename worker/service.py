@@ -40,7 +40,7 @@ from .reaper import Reaper, StaleClaims
 from .scripts import START, Script
 from .translate import error_event, timings, to_engine_request
 
-__all__ = ["BadRequest", "ModelService"]
+__all__ = ["BadRequest", "ModelService", "Started"]
 
 log = logging.getLogger(__name__)
 ENGINE_DEAD_EXIT = 70  # EX_SOFTWARE: the supervisor restarts the worker
@@ -56,12 +56,14 @@ class LeaseLost(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class _Start:
-    """What the START script found: the arq job, this try's number, the lease, the job's history."""
+class Started:
+    """A job the START script claimed: its arq job, this try's number, the lease, the job's history."""
 
+    rid: str
+    score: int
     job: bytes | None  # None: the job key expired or was deleted
     attempt: int
-    acquired: bool
+    acquired: bool  # False: another run holds the lease; the job went back to the queue
     last: Event | None
     cancelled: bool
 
@@ -141,28 +143,38 @@ class ModelService:
             self.engine.expect(n, self.config.admit_wait_ms / 1000)
 
     # --- one job -----------------------------------------------------------------------------------
-    async def run(self, job_id: str, loads: Callable[[bytes], dict[str, Any]]) -> str:
-        """Run one arq job this worker claimed to its terminal event (or hand it back); returns how it ended.
+    async def claim(self, job_ids: list[str], most: int, claim_ttl_ms: int) -> list[Started]:
+        """Claim and start up to ``most`` of the queued ``job_ids`` in one call (the START script); a claim is
+        arq's in-progress mark, kept ``claim_ttl_ms``."""
+        cfg = self.config
+        now_ms = int(time.time() * 1000)
+        args: list[Any] = [now_ms, claim_ttl_ms, most, cfg.worker_id, int(cfg.lease_ttl_s * 1000),
+                           now_ms + int(cfg.lease_ttl_s * 1000), self.keys.prefix, in_progress_key_prefix,
+                           job_key_prefix, retry_key_prefix, *job_ids]
+        rows = await self._start_script.run(self.redis, [cfg.queue_name, self.keys.running()], args)
+        return [Started(rid.decode(), int(float(score)), job or None, int(attempt), bool(taken),
+                        decode_event(last) if last else None, bool(cancelled))
+                for rid, score, job, attempt, taken, last, cancelled in rows]
+
+    async def run(self, start: Started, loads: Callable[[bytes], dict[str, Any]]) -> str:
+        """Run one job this worker started to its terminal event (or hand it back); returns how it ended.
 
         ``loads`` is the worker's job deserializer. Never raises but for cancellation: a bug ends the job
         with ``error(internal)``.
         """
-        start = await self._start(job_id)
-        if not start.acquired:
-            return "deferred"  # another live run holds the lease; START put the job back in the queue, due later
         envelope = loads(start.job) if start.job is not None else None
-        job = Job(job_id, self.config.name, (envelope or {}).get("et", time.time() * 1000) / 1000,
+        job = Job(start.rid, self.config.name, (envelope or {}).get("et", time.time() * 1000) / 1000,
                   attempt=start.attempt, token=f"{self.config.worker_id}:{start.attempt}")
         try:
             return await self._serve(job, start, envelope)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("job %s: failed", job_id)
-            self.jobs.pop(job_id, None)
+            log.exception("job %s: failed", job.rid)
+            self.jobs.pop(job.rid, None)
             return await self._emit(job, error_event(job, ErrorCode.INTERNAL, f"the worker failed: {exc!r}"))
 
-    async def _serve(self, job: Job, start: _Start, envelope: dict[str, Any] | None) -> str:
+    async def _serve(self, job: Job, start: Started, envelope: dict[str, Any] | None) -> str:
         last = start.last
         if last is not None and last.type in ("done", "error"):
             await self._release(job)
@@ -184,19 +196,6 @@ class ModelService:
             log.info("job %s rejected: %s", job.rid, exc)
             return await self._emit(job, error_event(job, ErrorCode.BAD_REQUEST, str(exc)))
         return await self._run(job, req, tokens)
-
-    async def _start(self, rid: str) -> _Start:
-        """The START script: read the arq job and count this try, take the lease, register as running, read
-        the job's history, in one call."""
-        cfg, keys = self.config, self.keys
-        deferred_ms = int((time.time() + cfg.lease_ttl_s) * 1000)
-        job, attempt, taken, last, cancelled = await self._start_script.run(
-            self.redis,
-            [job_key_prefix + rid, retry_key_prefix + rid, in_progress_key_prefix + rid, keys.lease(rid),
-             keys.running(), cfg.queue_name, keys.log(rid), keys.cancel(rid)],
-            [cfg.worker_id, int(cfg.lease_ttl_s * 1000), rid, deferred_ms],
-        )
-        return _Start(job or None, int(attempt), bool(taken), decode_event(last) if last else None, bool(cancelled))
 
     async def _release(self, job: Job) -> None:
         """Drop the lease and finish the arq job of a job an earlier run already ended."""

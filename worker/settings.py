@@ -28,7 +28,7 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
     async def startup(ctx: dict[str, Any]) -> None:
         _configure_logging()
         service = ctx[runner.SERVICE] = await ModelService.start(config)
-        ctx[claims.ON_CLAIMED] = service.on_claimed
+        ctx[runner.ON_CLAIMED] = service.on_claimed
 
     async def shutdown(ctx: dict[str, Any]) -> None:
         service: ModelService | None = ctx.get(runner.SERVICE)
@@ -80,7 +80,6 @@ def _configure_logging() -> None:
 
 waker.install()
 claims.install()
-runner.install()
 
 
 class Settings:

@@ -6,6 +6,11 @@ job's start. Producers (``api.client.Client.submit``) publish a wake-up on ``<pr
 with each job, and the service wakes the poll when a job ends (a batch slot is free), so arq's poll can
 sleep for ``poll_delay`` as a fallback (lost wake-ups, deferred retries, producers that send none).
 
+A burst of enqueues arrives as a burst of wake-ups, and polling at the first one claims a job or two, then
+the rest in pieces, each piece a prefill step of its own. So once woken, the poll waits while wake-ups keep
+coming less than ``_BURST_GAP_S`` apart (at most ``_BURST_MAX_S``) and claims the burst in one call; a lone
+job waits ``_BURST_GAP_S`` more.
+
 arq 0.28 (pinned) reads its ``poll`` helper from ``arq.worker``'s globals in ``Worker.main``; :func:`install`
 replaces it with :func:`wakeable_poll`, which sleeps until the period ends or :func:`wake` is called.
 """
@@ -25,6 +30,8 @@ __all__ = ["install", "listen", "wake", "wakeable_poll"]
 
 log = logging.getLogger(__name__)
 _events: dict[asyncio.AbstractEventLoop, asyncio.Event] = {}
+_BURST_GAP_S = 0.0005
+_BURST_MAX_S = 0.005
 
 
 def _event() -> asyncio.Event:
@@ -53,6 +60,18 @@ async def wakeable_poll(step: float = 0.5) -> AsyncGenerator[float, None]:
         if not event.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), step)
+        if event.is_set():
+            await _burst_settled(event, loop.time() + _BURST_MAX_S)
+
+
+async def _burst_settled(event: asyncio.Event, until: float) -> None:
+    """Return once no wake-up came for ``_BURST_GAP_S``, or at ``until``."""
+    loop = asyncio.get_running_loop()
+    while True:
+        event.clear()
+        await asyncio.sleep(_BURST_GAP_S)
+        if not event.is_set() or loop.time() >= until:
+            return
 
 
 def install() -> None:

@@ -54,7 +54,6 @@ async def test_competing_workers_run_every_job_once_within_max_jobs(redis_url: s
         state["now"] -= 1
 
     claims.install()  # as worker/settings.py does
-    runner.install()  # a Worker without an mlxq service keeps arq's own run_job
     assert Worker.start_jobs is claims.start_jobs
     max_jobs = 4
     settings = redis_settings(redis_url)
@@ -106,7 +105,7 @@ async def test_jobs_claimed_together_reach_an_idle_engine_in_one_step(worker_con
             return int(insert(*args))
 
         backend.insert = recording_insert
-        assert claims.ON_CLAIMED in running.worker.ctx
+        assert runner.ON_CLAIMED in running.worker.ctx
         running.worker.allow_pick_jobs = True
         waker.wake()
         for rid in rids:
@@ -115,3 +114,36 @@ async def test_jobs_claimed_together_reach_an_idle_engine_in_one_step(worker_con
         assert len(set(steps_at_insert)) == 1  # all six prefilled in the engine's first step
     finally:
         await running.close()
+
+
+async def _wake_every(interval: float, times: int, sent: list[int]) -> None:
+    for i in range(times):
+        await asyncio.sleep(interval)
+        waker.wake()
+        sent.append(i)
+
+
+async def test_a_woken_poll_waits_for_the_burst_of_wake_ups_to_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(waker, "_BURST_GAP_S", 0.2)  # far above the wake-ups' spacing, even on a loaded machine
+    monkeypatch.setattr(waker, "_BURST_MAX_S", 30.0)
+    poll = waker.wakeable_poll(60.0)
+    await anext(poll)
+    sent: list[int] = []
+    burst = asyncio.create_task(_wake_every(0.01, 5, sent))
+    await anext(poll)  # woken by the first, it polls only once the burst has paused
+    assert sent == [0, 1, 2, 3, 4]
+    await burst
+    await poll.aclose()
+
+
+async def test_an_endless_stream_of_wake_ups_still_polls_within_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(waker, "_BURST_GAP_S", 0.2)
+    monkeypatch.setattr(waker, "_BURST_MAX_S", 0.3)
+    poll = waker.wakeable_poll(60.0)
+    await anext(poll)
+    sent: list[int] = []
+    stream = asyncio.create_task(_wake_every(0.01, 10_000, sent))
+    await anext(poll)
+    assert not stream.done()  # polled while wake-ups kept coming
+    stream.cancel()
+    await poll.aclose()

@@ -120,33 +120,48 @@ async def test_the_reaper_token_writes_only_while_nobody_holds_the_lease(redis_u
         await r.aclose()
 
 
-# --- START: a run's start ---------------------------------------------------------------------------------
+# --- START: claim and start jobs -------------------------------------------------------------------------
 
 
-def _start_keys(rid: str) -> list[str]:
-    return [job_key_prefix + rid, retry_key_prefix + rid, in_progress_key_prefix + rid, KEYS.lease(rid),
-            KEYS.running(), QUEUE, KEYS.log(rid), KEYS.cancel(rid)]
+async def _start(r: aredis.Redis, ids: list[str], most: int = 10, worker: str = "w1") -> list[Any]:
+    args = [1000, 60_000, most, worker, 5000, 12345, KEYS.prefix, in_progress_key_prefix, job_key_prefix,
+            retry_key_prefix, *ids]
+    return list(await Script.of(START).run(r, [QUEUE, KEYS.running()], args))
 
 
-async def test_start_reads_the_job_counts_the_try_takes_the_lease_and_reads_the_history(redis_url: str) -> None:
+async def test_start_claims_reads_counts_leases_and_reads_the_history_of_each_job(redis_url: str) -> None:
     r = aredis.Redis.from_url(redis_url)
     try:
+        await r.zadd(QUEUE, {ODD_RID: 1, "b": 2, "later": 5000, "held": 3})
         await r.set(job_key_prefix + ODD_RID, b'{"job": 1}')
         await r.set(retry_key_prefix + ODD_RID, 1)  # one earlier try
-        await r.zadd(QUEUE, {ODD_RID: 1})
+        await r.set(in_progress_key_prefix + "held", "1")  # another worker claimed it
         await r.set(KEYS.cancel(ODD_RID), "1")
         history = _events(ODD_RID, 0, 2)
         for ev in history:
             await r.xadd(KEYS.log(ODD_RID), {"e": ev.model_dump_json()}, id=f"{ev.seq}-1")
-        job, attempt, taken, last, cancelled = await Script.of(START).run(r, _start_keys(ODD_RID),
-                                                                          ["w1", 5000, ODD_RID, 99])
-        assert (job, attempt, taken, cancelled) == (b'{"job": 1}', 2, 1, 1)
+        (odd, b) = await _start(r, [ODD_RID, "b", "later", "held", "gone"])  # "later" is not due, "gone" unqueued
+        rid, score, job, attempt, taken, last, cancelled = odd
+        assert (rid, score, job, attempt, taken, cancelled) == (ODD_RID.encode(), b"1", b'{"job": 1}', 2, 1, 1)
         assert decode_event(last) == history[-1]
+        assert b == [b"b", b"2", None, 1, 1, None, 0]  # its job key is gone: the worker ends it with an error
         assert await r.get(KEYS.lease(ODD_RID)) == b"w1:2"  # token: worker id and try
         assert 0 < await r.pttl(KEYS.lease(ODD_RID)) <= 5000
+        assert 0 < await r.pttl(in_progress_key_prefix + ODD_RID) <= 60_000  # arq's claim
         assert 88000 < await r.ttl(retry_key_prefix + ODD_RID) <= 88400  # as arq's run_job
         assert await r.hget(KEYS.running(), ODD_RID) == QUEUE.encode()
         assert await r.zscore(QUEUE, ODD_RID) is None  # out of arq's queue while it runs
+        assert await r.zscore(QUEUE, "later") == 5000 and not await r.exists(in_progress_key_prefix + "later")
+    finally:
+        await r.aclose()
+
+
+async def test_start_takes_at_most_the_free_slots(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        await r.zadd(QUEUE, {"a": 1, "b": 1, "c": 1})
+        assert [row[0] for row in await _start(r, ["a", "b", "c"], most=2)] == [b"a", b"b"]
+        assert await r.zscore(QUEUE, "c") == 1 and not await r.exists(in_progress_key_prefix + "c")
     finally:
         await r.aclose()
 
@@ -154,11 +169,10 @@ async def test_start_reads_the_job_counts_the_try_takes_the_lease_and_reads_the_
 async def test_start_on_a_leased_job_defers_it_and_drops_the_claim(redis_url: str) -> None:
     r = aredis.Redis.from_url(redis_url)
     try:
+        await r.zadd(QUEUE, {"a": 1, "b": 1})
         await r.set(KEYS.lease("a"), "w1:1")  # a live run holds it
-        await r.set(in_progress_key_prefix + "a", "1")  # this worker's claim
-        job, attempt, taken, last, cancelled = await Script.of(START).run(r, _start_keys("a"),
-                                                                          ["w2", 5000, "a", 12345])
-        assert (job, attempt, taken, last, cancelled) == (None, 1, 0, None, 0)
+        rows = await _start(r, ["a", "b"], most=1, worker="w2")
+        assert [(row[0], row[4]) for row in rows] == [(b"a", 0), (b"b", 1)]  # a deferred job takes no slot
         assert await r.get(KEYS.lease("a")) == b"w1:1"
         assert await r.zscore(QUEUE, "a") == 12345
         assert not await r.exists(in_progress_key_prefix + "a")  # any worker may take it when it is due
