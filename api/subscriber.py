@@ -32,6 +32,10 @@ class Subscription:
         self._hub = hub
         self._items: deque[Any] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        # One lazily re-armed timer instead of one per event: a timer scheduled and cancelled per message
+        # stays in the loop's heap until its time comes, and every later timer pays for it.
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
 
     def put(self, data: Any) -> None:
         """Deliver a message (on the event loop)."""
@@ -42,14 +46,14 @@ class Subscription:
     async def get(self, timeout: float) -> bytes | None:
         """The next message, or None after ``timeout`` seconds; raises if the connection broke."""
         if not self._items:
-            # A bare future and one timer: this runs once per event, and wait_for would add a task.
             loop = asyncio.get_running_loop()
             self._waiter = waiter = loop.create_future()
-            timer = loop.call_later(timeout, _expire, waiter)
+            self._deadline = loop.time() + timeout
+            if self._timer is None or self._timer.when() > self._deadline:
+                self._arm(loop)
             try:
                 await waiter
             finally:
-                timer.cancel()
                 self._waiter = None
             if not self._items:
                 return None
@@ -58,13 +62,27 @@ class Subscription:
             raise RedisConnectionError("the shared pub/sub connection was lost")
         return bytes(data)
 
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(self._deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._deadline:
+            waiter.set_result(None)
+        else:
+            self._arm(loop)  # the reader waited again since: wait for its own deadline
+
     async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         await self._hub.release(self)
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 class Subscriber:
@@ -116,7 +134,7 @@ class Subscriber:
     async def _read(self, pubsub: Any) -> None:
         while pubsub is self._pubsub:
             try:
-                msg = await pubsub.get_message(timeout=1.0)
+                msg = await pubsub.get_message(timeout=None)  # blocks: no timer per message; close() cancels
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("shared pub/sub connection lost: %r", exc)
                 await self._break(pubsub)
