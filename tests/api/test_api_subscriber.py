@@ -1,9 +1,14 @@
-"""Subscription.get: each wait ends at its own deadline, with one timer re-armed lazily (not one per event)."""
+"""The shared pub/sub connection: batched subscribes, and waits that end at their own deadline with one timer."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import cast
+from typing import Any, cast
+
+import fakeredis
+import pytest
+from redis.asyncio.client import PubSub
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from api.subscriber import Subscriber, Subscription
 
@@ -34,3 +39,60 @@ async def test_one_timer_serves_many_waits() -> None:
         assert await sub.get(1.0) == b"%d" % i
         timers.append(sub._timer)
     assert len({id(t) for t in timers}) == 1  # armed once, not per message
+
+
+# --- the shared connection: a burst of opens subscribes in one command ------------------------------------
+
+
+async def test_a_burst_of_opens_subscribes_in_one_command_and_every_reader_gets_its_messages() -> None:
+    redis = fakeredis.FakeAsyncRedis()
+    hub = Subscriber(redis)
+    sent: list[tuple[str, ...]] = []
+    try:
+        subs = await asyncio.gather(*(_recording_open(hub, f"ch{i}", sent) for i in range(20)))
+        assert sent == [tuple(sorted(f"ch{i}" for i in range(20)))]
+        extra = await hub.open("ch3")  # a second reader of a subscribed channel sends nothing
+        assert len(sent) == 1
+        for i in range(20):
+            await redis.publish(f"ch{i}", b"m%d" % i)
+        assert [await s.get(5.0) for s in subs] == [b"m%d" % i for i in range(20)]
+        assert await extra.get(5.0) == b"m3"
+        for s in [*subs, extra]:
+            await s.close()
+    finally:
+        await hub.aclose()
+        await redis.aclose()
+
+
+async def test_a_failed_subscribe_fails_its_burst_and_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    redis = fakeredis.FakeAsyncRedis()
+    hub = Subscriber(redis)
+    try:
+        async def refuse(self: Any, *channels: str) -> None:
+            raise RedisConnectionError("refused")
+
+        with monkeypatch.context() as m:
+            m.setattr(PubSub, "subscribe", refuse)
+            results = await asyncio.gather(*(hub.open(f"ch{i}") for i in range(3)), return_exceptions=True)
+        assert all(isinstance(r, RedisConnectionError) for r in results)
+        assert hub._subs == {} and hub._unsent == set()
+        sub = await hub.open("ch0")  # the next burst subscribes again
+        await redis.publish("ch0", b"ok")
+        assert await sub.get(5.0) == b"ok"
+        await sub.close()
+    finally:
+        await hub.aclose()
+        await redis.aclose()
+
+
+async def _recording_open(hub: Subscriber, channel: str, sent: list[tuple[str, ...]]) -> Subscription:
+    if hub._pubsub is None:
+        hub._pubsub = hub.redis.pubsub(ignore_subscribe_messages=True)
+        subscribe = hub._pubsub.subscribe
+
+        async def recording(*channels: str) -> Any:
+            sent.append(channels)
+            return await subscribe(*channels)
+
+        hub._pubsub.subscribe = recording
+    return await hub.open(channel)
