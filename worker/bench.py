@@ -85,7 +85,7 @@ class BenchConfig:
     sizes: tuple[str, ...] = ("tiny", "small")
     concurrency: tuple[int, ...] = (1, 8, 32)
     max_tokens: int = 64
-    repeats: int = 5  # measured runs per N on raw and queue; the best tok/s is kept (the machine is noisy)
+    repeats: int = 7  # measured runs per N on raw and queue, in pairs (the machine is noisy: ±20 % run to run)
     serial_repeats: int = 1  # serial runs are N jobs back to back: already an average
     blas_repeats: int = 3  # raw runs per OpenBLAS thread count when choosing it
     warmup_tokens: int = 8
