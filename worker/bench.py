@@ -399,6 +399,7 @@ def _run(cfg: BenchConfig, out: Path) -> BenchResult:
         _say("enqueue: one producer, no worker")
         enqueue = asyncio.run(_enqueue_phase(server.url, cfg))
     machine["loadavg_end"] = _loadavg()
+    machine["probe_ms_end"] = _speed_probe_ms()
     return BenchResult(machine, cfg, sizes, enqueue, _targets(sizes, enqueue), time.perf_counter() - t0)
 
 
@@ -495,6 +496,7 @@ def _machine() -> dict[str, Any]:
         "platform": platform.platform(), "python": platform.python_version(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "loadavg_start": _loadavg(),  # other processes on the machine skew every number
+        "probe_ms_start": _speed_probe_ms(),
         "worker_env": _worker_env(),
     }
 
@@ -504,6 +506,22 @@ def _worker_env() -> dict[str, str]:
     cfg = WorkerConfig.from_env()
     return {"MLXQ_STREAM_INTERVAL_MS": f"{cfg.stream_interval_ms:g}", "MLXQ_ADMIT_WAIT_MS": f"{cfg.admit_wait_ms:g}",
             "MLXQ_PREFILL_BATCH": str(cfg.prefill_batch_size)}
+
+
+def _speed_probe_ms() -> float:
+    """Milliseconds a fixed pure-Python loop takes: how fast this machine runs right now.
+
+    On a shared VM other tenants slow the cores by 2-3x for minutes at a time without any steal time or
+    load showing here; comparing this at the start and end of a run says whether its numbers are comparable.
+    """
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        n = 0
+        for i in range(1_000_000):
+            n += i
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1000, 1)
 
 
 def _loadavg() -> list[float]:
@@ -950,7 +968,8 @@ def _md_header(result: BenchResult) -> list[str]:
         f"{m['date']} · {m['cpus']} cores · BLAS: **{m['blas']}** · mlx {m['mlx']} · "
         f"mlx-lm {m['mlx_lm']} · arq {m['arq']} · redis {m.get('redis', '?')} · python {m['python']} · "
         f"run time {result.seconds:.0f} s · load average at start {m['loadavg_start']}, "
-        f"at end {m.get('loadavg_end', '?')} (other processes skew every number)",
+        f"at end {m.get('loadavg_end', '?')}; a fixed Python loop took {m['probe_ms_start']} ms at the start, "
+        f"{m.get('probe_ms_end', '?')} ms at the end (other tenants skew every number)",
         "",
         "Worker settings: " + ", ".join(f"`{k}={v}`" for k, v in m.get("worker_env", {}).items()) + ".",
         "",

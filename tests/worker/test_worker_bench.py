@@ -61,6 +61,7 @@ def test_quick_run_writes_the_three_files_and_prints_the_table(quick_run: tuple[
 def test_results_record_the_machine_and_the_quick_config(results: dict[str, Any]) -> None:
     m = results["machine"]
     assert m["blas"] and m["mlx"] and m["mlx_lm"] and m["date"] and m["cpus"] >= 1
+    assert m["probe_ms_start"] > 0 and m["probe_ms_end"] > 0
     cfg = results["config"]
     assert cfg["quick"] is True
     assert cfg["sizes"] == ["tiny"]
@@ -197,3 +198,4 @@ def test_the_blas_section_lists_each_sizes_runs() -> None:
     md = "\n".join(bench._md_blas(cast(bench.BenchResult, result)))
     assert "## OpenBLAS threads" in md and "raw at N=32" in md
     assert "| tiny | 1 | 1: 11556.0, 12340.0; 2: 9151.0, 9885.0 |" in md
+
