@@ -235,7 +235,7 @@ class CpuUse:
 
 @dataclass(frozen=True, slots=True)
 class BlasThreads:
-    """OpenBLAS threads for one model size: the count whose raw runs were faster, used by every path.
+    """OpenBLAS threads for one model size: the count whose raw runs were clearly faster, used by every path.
 
     The ceiling must be raw's best configuration. A small model's gemms are too small to split: the second
     thread then only spins (a whole core) between calls, and raw runs faster with one.
@@ -549,9 +549,14 @@ def _openblas() -> Any:
     return lib if hasattr(lib, "openblas_set_num_threads") else None
 
 
-def pick_threads(raw_tok_s: dict[int, list[float]]) -> int:
-    """The thread count with the best median raw throughput (fewer threads on a tie)."""
-    return max(sorted(raw_tok_s), key=lambda n: (_pct(raw_tok_s[n], 50), -n))
+def pick_threads(raw_tok_s: dict[int, list[float]], margin: float = 0.05) -> int:
+    """The fewest threads whose median raw throughput is within ``margin`` of the best one.
+
+    More threads must clearly pay: each spins a core between calls that the worker, Redis and the client
+    need, and three runs on a noisy machine cannot tell a few percent apart.
+    """
+    best = max(_pct(v, 50) for v in raw_tok_s.values())
+    return min(n for n, v in raw_tok_s.items() if _pct(v, 50) >= best * (1 - margin))
 
 
 async def _calibrate_blas(raw: RawPath, cfg: BenchConfig) -> BlasThreads:
@@ -1009,9 +1014,9 @@ def _md_blas(result: BenchResult) -> list[str]:
         return []
     n = result.config.capacity
     lines = ["## OpenBLAS threads", "",
-             f"Chosen per size before its runs: raw at N={n} with each thread count, alternating; the faster "
-             "median is the ceiling's setting, and the queue and serial workers run with it too "
-             "(`OPENBLAS_NUM_THREADS`).", "",
+             f"Chosen per size before its runs: raw at N={n} with each thread count, alternating; the fewest "
+             "threads whose median is within 5 % of the best is the ceiling's setting, and the queue and serial "
+             "workers run with it too (`OPENBLAS_NUM_THREADS`).", "",
              "| size | threads | raw tok/s per thread count (runs) |", "|---|---:|---|"]
     for size, t in rows:
         runs = "; ".join(f"{k}: {_fmt_list(v)}" for k, v in sorted(t.raw_tok_s.items()))

@@ -185,10 +185,11 @@ def test_blas_threads_are_chosen_only_where_openblas_runs(results: dict[str, Any
         assert size["blas_threads"] is None  # nothing to tune: the workers keep their default
 
 
-def test_pick_threads_takes_the_best_median_and_fewer_threads_on_a_tie() -> None:
+def test_pick_threads_takes_more_threads_only_when_they_clearly_pay() -> None:
     assert bench.pick_threads({1: [100.0, 90.0, 95.0], 2: [80.0, 120.0, 85.0]}) == 1  # 95 against 85
     assert bench.pick_threads({1: [50.0, 60.0], 2: [70.0, 71.0]}) == 2
     assert bench.pick_threads({1: [70.0], 2: [70.0]}) == 1
+    assert bench.pick_threads({1: [100.0], 2: [104.0]}) == 1  # within 5 %: noise on this machine
 
 
 def test_the_blas_section_lists_each_sizes_runs() -> None:
