@@ -66,6 +66,9 @@ async def run_started(worker: arq.worker.Worker, service: ModelService, start: S
         worker.jobs_failed += 1
         log.warning("job %s: ran past the arq job timeout (%.0fs); handed back or failed",
                     start.rid, service.config.arq_job_timeout_s)
+    except Exception:  # a bug: never let it reach arq's poll loop, which re-raises a task's exception and stops
+        worker.jobs_failed += 1
+        log.exception("job %s: failed", start.rid)
     else:
         if outcome == "fenced":
             worker.jobs_retried += 1
@@ -73,7 +76,10 @@ async def run_started(worker: arq.worker.Worker, service: ModelService, start: S
             worker.jobs_complete += 1
         log.debug("job %s: %s in %.3fs", start.rid, outcome, time.monotonic() - t0)
     if worker.after_job_end is not None:
-        await worker.after_job_end(worker.ctx)
+        try:
+            await worker.after_job_end(worker.ctx)
+        except Exception:
+            log.exception("after_job_end failed")
 
 
 def _no_deserializer(data: bytes) -> dict[str, Any]:

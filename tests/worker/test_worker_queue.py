@@ -411,6 +411,29 @@ async def test_a_run_that_loses_its_lease_stops_and_a_later_run_finishes_the_job
         await running.close()
 
 
+async def test_a_bug_in_a_job_run_neither_stops_the_worker_nor_loses_the_job(worker_config: Any, client: Client) -> None:
+    running = await start_worker(config_with(worker_config, lease_ttl_s=1.0, reap_interval_s=0.2))
+    service = running.service
+    run = service.run
+    calls: list[str] = []
+
+    async def broken_once(start: Any, loads: Any) -> str:
+        if not calls:
+            calls.append(start.rid)
+            raise RuntimeError("a bug")
+        return await run(start, loads)
+
+    service.run = broken_once
+    try:
+        rid = await client.submit(model="tiny", prompt="Hello world", max_tokens=8)
+        events = await collect(client, rid)  # the lease lapses, the reaper re-queues it, the next run ends it
+        assert calls == [rid]
+        assert [e.type for e in events if e.type in ("reset", "done")] == ["reset", "done"]
+        assert running.worker.jobs_failed == 1 and not running.task.done()
+    finally:
+        await running.close()
+
+
 # --- Redis hygiene and cost ------------------------------------------------------------------------
 async def test_every_key_has_a_ttl_after_jobs_end(worker: RunningWorker, client: Client, redis_url: str) -> None:
     rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=8) for p in PROMPTS[:5]))
