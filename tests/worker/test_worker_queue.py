@@ -411,7 +411,8 @@ async def test_a_run_that_loses_its_lease_stops_and_a_later_run_finishes_the_job
         await running.close()
 
 
-async def test_a_bug_in_a_job_run_neither_stops_the_worker_nor_loses_the_job(worker_config: Any, client: Client) -> None:
+async def test_a_bug_in_a_job_run_neither_stops_the_worker_nor_loses_the_job(worker_config: Any,
+                                                                             client: Client) -> None:
     running = await start_worker(config_with(worker_config, lease_ttl_s=1.0, reap_interval_s=0.2))
     service = running.service
     run = service.run
@@ -431,6 +432,29 @@ async def test_a_bug_in_a_job_run_neither_stops_the_worker_nor_loses_the_job(wor
         assert [e.type for e in events if e.type in ("reset", "done")] == ["reset", "done"]
         assert running.worker.jobs_failed == 1 and not running.task.done()
     finally:
+        await running.close()
+
+
+async def test_a_job_an_earlier_run_ended_is_not_run_again(worker_config: Any, client: Client, redis_url: str) -> None:
+    running = await start_worker(worker_config)
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        rid = GenerateRequest(model="tiny", prompt="x").id
+        ended = DoneEvent(id=rid, seq=0, finish_reason=FinishReason.CANCELLED,
+                          usage={"prompt_tokens": 0, "completion_tokens": 0},
+                          timings={"queue_ms": 1, "ttft_ms": None, "total_ms": 1, "tokens_per_s": None})
+        await r.xadd(f"mlxq:{{{rid}}}:log", {"e": ended.model_dump_json()}, id="0-1")  # e.g. a reaper's end
+        await enqueue_raw(redis_url, {"id": rid, "model": "tiny", "prompt": "Hello", "max_tokens": 4}, rid)
+        for _ in range(500):
+            if not await arq_keys_left(r, rid):
+                break
+            await asyncio.sleep(0.01)
+        assert await arq_keys_left(r, rid) == []
+        assert [e.seq for e in await collect(client, rid)] == [0]  # nothing more was published
+        assert running.service.engine.stats.steps == 0
+        assert not await r.hexists("mlxq:running", rid)
+    finally:
+        await r.aclose()
         await running.close()
 
 
