@@ -5,8 +5,9 @@ the job and count the try; delete its keys and store its result), two INFO log l
 timer, all on the event loop that shares the GIL with the engine. Here one START call claims every job a
 poll found, reads each, counts its try and takes its lease, and the EMIT call that publishes a job's
 terminal event also finishes its arq job (``worker/scripts.py``): the loop's CPU per 1-token job on the
-tiny model went from 1.19 ms to 0.66 ms. Everything else about the Worker stays arq's: its poll loop, ``max_jobs``, health
-checks, signals and the SIGTERM drain, which cancels these tasks after ``job_completion_wait``.
+tiny model went from 1.19 ms to 0.66 ms. Everything else about the Worker stays arq's: its poll loop,
+``max_jobs``, health checks, signals and the SIGTERM drain, which cancels these tasks after
+``job_completion_wait``.
 
 ``claims.start_jobs`` (installed over arq's) hands a worker with an mlxq service in its context
 (``SERVICE``) to :func:`start_jobs`; any other Worker keeps arq's claim and ``run_job``.
