@@ -156,15 +156,12 @@ class Subscriber:
 
     async def release(self, sub: Subscription) -> None:
         async with self._lock:
-            subs = self._subs.get(sub.channel)
-            if subs is None or sub not in subs:
+            if sub not in self._subs.get(sub.channel, ()):
                 return
-            subs.discard(sub)
-            if subs:
-                return
-            del self._subs[sub.channel]
             sent = sub.channel not in self._unsent
-            self._unsent.discard(sub.channel)
+            self._forget(sub)
+            if sub.channel in self._subs:
+                return  # other readers still follow it
             if not self._subs:
                 await self._close()  # idle: hold no connection and no reader task
             elif sent and self._pubsub is not None:

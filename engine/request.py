@@ -100,14 +100,11 @@ def merge_into(acc: RequestOutput, out: RequestOutput) -> None:
     """Fold a later output of the same request into ``acc`` (nothing follows a request's end)."""
     if acc.finish is not None:
         return
-    if out.finish is None and not out.started:  # a plain decode step: the common case, per token
-        acc.token_ids.extend(out.token_ids)
-        acc.text += out.text
-        acc.completion_tokens = max(acc.completion_tokens, out.completion_tokens)
-        return
     acc.token_ids.extend(out.token_ids)
     acc.text += out.text
+    acc.completion_tokens = max(acc.completion_tokens, out.completion_tokens)
+    if out.finish is None and not out.started:  # a plain decode step: the common case, per token
+        return
     acc.started = acc.started or out.started
     acc.prompt_tokens = acc.prompt_tokens or out.prompt_tokens
-    acc.completion_tokens = max(acc.completion_tokens, out.completion_tokens)
     acc.finish, acc.error_code, acc.error_message = out.finish, out.error_code, out.error_message

@@ -188,15 +188,9 @@ class Scheduler:
         out.token_ids.append(tok.token)
         out.completion_tokens = seq.generated
         seq.detok.add_token(tok.token)
-        if seq.stops is None:  # no stop strings: the common case, kept cheap (it runs per token)
-            out.text += seq.detok.last_segment
-        else:
-            result = seq.stops.feed(seq.detok.last_segment)
-            out.text += result.text
-            if result.stopped:
-                self._finish(seq, out, FinishReason.STOP, removed=False, flush=False)
-                return
-        if tok.finish == "length":
+        if _take_text(seq, out):
+            self._finish(seq, out, FinishReason.STOP, removed=False, flush=False)
+        elif tok.finish == "length":
             self._finish(seq, out, FinishReason.LENGTH, removed=True)
 
     def _finish(
@@ -204,15 +198,10 @@ class Scheduler:
     ) -> None:
         if flush:
             seq.detok.finalize()
-            if seq.stops is None:
-                out.text += seq.detok.last_segment
-            else:
-                result = seq.stops.feed(seq.detok.last_segment)
-                out.text += result.text
-                if result.stopped:
-                    reason = FinishReason.STOP
-                else:
-                    out.text += seq.stops.flush()
+            if _take_text(seq, out):
+                reason = FinishReason.STOP
+            elif seq.stops is not None:
+                out.text += seq.stops.flush()
         if not removed:
             self.backend.remove([seq.uid])
         self._pop_running(seq.req.rid)
@@ -221,6 +210,17 @@ class Scheduler:
     def _pop_running(self, rid: str) -> _Sequence | None:
         uid = self._uid_of.pop(rid, None)
         return None if uid is None else self._running.pop(uid, None)
+
+
+def _take_text(seq: _Sequence, out: RequestOutput) -> bool:
+    """Add the detokenizer's new text to ``out`` (held back while it may start a stop string); whether a stop
+    string appeared. Runs per token: without stop strings it is one append."""
+    if seq.stops is None:
+        out.text += seq.detok.last_segment
+        return False
+    result = seq.stops.feed(seq.detok.last_segment)
+    out.text += result.text
+    return result.stopped
 
 
 def _terminal(rid: str, reason: FinishReason, code: str | None, message: str, generated: int) -> RequestOutput:

@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import os
@@ -75,6 +76,7 @@ _STATS_LINE_RE = re.compile(r"stats: (engine_steps=\d+.*)$", re.MULTILINE)
 _KEY_VALUE_RE = re.compile(r"(\w+)=(\d+)")
 _NOBODY = "mlxq-bench-nobody"  # model name of the enqueue phase: no worker serves its queue
 _SETTLE_S = 0.3  # idle pause before every measured run (see _frozen)
+_BLAS_MARGIN = 0.05  # more OpenBLAS threads only when their raw median is this much faster (see pick_threads)
 
 
 # --- configuration ---------------------------------------------------------------------------------
@@ -539,6 +541,7 @@ def _redis_version(url: str) -> str:
         client.close()
 
 
+@functools.cache
 def _openblas() -> Any:
     """The preloaded OpenBLAS (ctypes), or None when mlx runs another BLAS."""
     if not blas_of().startswith("openblas"):
@@ -549,7 +552,7 @@ def _openblas() -> Any:
     return lib if hasattr(lib, "openblas_set_num_threads") else None
 
 
-def pick_threads(raw_tok_s: dict[int, list[float]], margin: float = 0.05) -> int:
+def pick_threads(raw_tok_s: dict[int, list[float]], margin: float = _BLAS_MARGIN) -> int:
     """The fewest threads whose median raw throughput is within ``margin`` of the best one.
 
     More threads must clearly pay: each spins a core between calls that the worker, Redis and the client
@@ -560,7 +563,7 @@ def pick_threads(raw_tok_s: dict[int, list[float]], margin: float = 0.05) -> int
 
 
 async def _calibrate_blas(raw: RawPath, cfg: BenchConfig) -> BlasThreads:
-    """Raw runs at the largest N with 1 and with all cores' OpenBLAS threads, alternating; keep the faster."""
+    """Raw runs at the largest N with 1 and with all cores' OpenBLAS threads, alternating (see pick_threads)."""
     counts = sorted({1, os.cpu_count() or 1})
     prompts = _prompts(cfg.capacity)
     runs: dict[int, list[float]] = {n: [] for n in counts}
@@ -1015,8 +1018,8 @@ def _md_blas(result: BenchResult) -> list[str]:
     n = result.config.capacity
     lines = ["## OpenBLAS threads", "",
              f"Chosen per size before its runs: raw at N={n} with each thread count, alternating; the fewest "
-             "threads whose median is within 5 % of the best is the ceiling's setting, and the queue and serial "
-             "workers run with it too (`OPENBLAS_NUM_THREADS`).", "",
+             f"threads whose median is within {_BLAS_MARGIN:.0%} of the best is the ceiling's setting, and the "
+             "queue and serial workers run with it too (`OPENBLAS_NUM_THREADS`).", "",
              "| size | threads | raw tok/s per thread count (runs) |", "|---|---:|---|"]
     for size, t in rows:
         runs = "; ".join(f"{k}: {_fmt_list(v)}" for k, v in sorted(t.raw_tok_s.items()))

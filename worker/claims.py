@@ -40,12 +40,8 @@ async def start_jobs(self: arq.worker.Worker, job_ids: list[bytes]) -> None:
     keys = [self.queue_name, *(in_progress_key_prefix + j for j in ids)]
     claimed = await _CLAIM.run(self.pool, keys, [timestamp_ms(), int(self.in_progress_timeout_s * 1000), free, *ids])
     for job_id_b, score in zip(claimed[::2], claimed[1::2]):
-        await self.sem.acquire()  # free slots were counted above: never waits
-        self.job_counter += 1
         job_id = job_id_b.decode()
-        task = self.loop.create_task(self.run_job(job_id, int(score)))
-        task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
-        self.tasks[job_id] = task
+        await runner.spawn(self, job_id, self.run_job(job_id, int(score)))
 
 
 def install() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import arq.worker
@@ -25,7 +26,7 @@ import arq.worker
 if TYPE_CHECKING:
     from .service import ModelService, Started
 
-__all__ = ["ON_CLAIMED", "SERVICE", "run_started", "start_jobs"]
+__all__ = ["ON_CLAIMED", "SERVICE", "run_started", "spawn", "start_jobs"]
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +47,16 @@ async def start_jobs(worker: arq.worker.Worker, job_ids: list[str], free: int) -
             worker.jobs_retried += 1
             log.info("job %s: another run holds its lease; deferred", s.rid)
     for s in leased:
-        await worker.sem.acquire()  # free slots were counted by the caller: never waits
-        worker.job_counter += 1
-        task = worker.loop.create_task(run_started(worker, service, s))
-        task.add_done_callback(lambda _: worker._release_sem_dec_counter_on_complete())
-        worker.tasks[s.rid] = task
+        await spawn(worker, s.rid, run_started(worker, service, s))
+
+
+async def spawn(worker: arq.worker.Worker, job_id: str, run: Coroutine[Any, Any, None]) -> None:
+    """Run a claimed job in a slot of the worker's own, with arq's bookkeeping (``max_jobs``, ``tasks``)."""
+    await worker.sem.acquire()  # free slots were counted by the claim: never waits
+    worker.job_counter += 1
+    task = worker.loop.create_task(run)
+    task.add_done_callback(lambda _: worker._release_sem_dec_counter_on_complete())
+    worker.tasks[job_id] = task
 
 
 async def run_started(worker: arq.worker.Worker, service: ModelService, start: Started) -> None:

@@ -60,7 +60,6 @@ class Started:
     """A job the START script claimed: its arq job, this try's number, the lease, the job's history."""
 
     rid: str
-    score: int
     job: bytes | None  # None: the job key expired or was deleted
     attempt: int
     acquired: bool  # False: another run holds the lease; the job went back to the queue
@@ -152,9 +151,9 @@ class ModelService:
                            now_ms + int(cfg.lease_ttl_s * 1000), self.keys.prefix, in_progress_key_prefix,
                            job_key_prefix, retry_key_prefix, *job_ids]
         rows = await self._start_script.run(self.redis, [cfg.queue_name, self.keys.running()], args)
-        return [Started(rid.decode(), int(float(score)), job or None, int(attempt), bool(taken),
-                        decode_event(last) if last else None, bool(cancelled))
-                for rid, score, job, attempt, taken, last, cancelled in rows]
+        return [Started(rid.decode(), job or None, int(attempt), bool(taken), decode_event(last) if last else None,
+                        bool(cancelled))
+                for rid, _score, job, attempt, taken, last, cancelled in rows]
 
     async def run(self, start: Started, loads: Callable[[bytes], dict[str, Any]]) -> str:
         """Run one job this worker started to its terminal event (or hand it back); returns how it ended.
