@@ -20,7 +20,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .config import ClientConfig
-from .connection import ENQUEUE, JOB_FUNCTION, JOB_TTL_MS, arq_pool, dumps_job
+from .connection import JOB_FUNCTION, JOB_TTL_MS, arq_pool, dumps_job
+from .enqueuer import Enqueuer
 from .errors import BadRequest, DuplicateJob, JobFailed, JobNotFound, WaitTimeout
 from .keys import CANCEL_TTL_S, Keys, log_entry_id
 from .schema import (
@@ -62,7 +63,7 @@ class Client:
         self.keys = Keys(prefix or env.prefix)
         self.max_payload_bytes = max_payload_bytes  # as the workers' MLXQ_MAX_PAYLOAD_BYTES
         self._redis = arq_pool(redis_url or env.redis_url)
-        self._enqueue = self._redis.register_script(ENQUEUE)
+        self._enqueuer = Enqueuer(self._redis)
         self._subscriber: Subscriber | None = None  # created on first use
 
     async def __aenter__(self) -> Client:
@@ -75,6 +76,7 @@ class Client:
         """Close the shared subscription and the connection pool."""
         if self._subscriber is not None:
             await self._subscriber.aclose()
+        await self._enqueuer.aclose()
         await self._redis.aclose()
 
     # --- producing ---------------------------------------------------------------------------------
@@ -90,7 +92,7 @@ class Client:
             raise BadRequest(f"the job has {len(job)} bytes of JSON; the limit is {self.max_payload_bytes}")
         keys = [job_key_prefix + req.id, result_key_prefix + req.id, self.keys.queue(req.model)]
         args: list[str | bytes | int] = [req.id, job, JOB_TTL_MS, self.keys.wake_channel(req.model), now_ms]
-        if not await self._enqueue(keys=keys, args=args):
+        if not await self._enqueuer.enqueue(keys, args):
             raise DuplicateJob(f"a job with id {req.id!r} already exists")
         return req.id
 

@@ -124,17 +124,26 @@ class Engine:
 
     # --- on the MLX thread -------------------------------------------------------------------------
     def _tick(self) -> None:
-        try:
-            if not self.scheduler.num_running:
-                self._await_expected()
-            self._emit(self._drain_inbox())
-            if self.scheduler.has_work:
-                self.stats.steps += 1
-                self._emit(self.scheduler.step())
-        except Exception as exc:  # an engine step failed: fail what was in flight, keep serving
-            self._on_failure(exc)
-        finally:
-            self._reschedule()
+        # Steps run back to back while nothing else waits for the MLX thread: a hop through its executor
+        # per step cost ~5 % of the thread's time on the tiny model.
+        while True:
+            try:
+                if not self.scheduler.num_running:
+                    self._await_expected()
+                self._emit(self._drain_inbox())
+                if self.scheduler.has_work:
+                    self.stats.steps += 1
+                    self._emit(self.scheduler.step())
+            except Exception as exc:  # an engine step failed: fail what was in flight, keep serving
+                self._on_failure(exc)
+            with self._lock:
+                again = not self._closed and (self.scheduler.has_work or bool(self._inbox))
+                self._scheduled = again
+            if not again:
+                return
+            if self.thread.queued:
+                self.thread.submit(self._tick)
+                return
 
     def _await_expected(self) -> None:
         while True:
@@ -193,10 +202,3 @@ class Engine:
             with self._lock:
                 self._closed = True
             self.on_dead()
-
-    def _reschedule(self) -> None:
-        with self._lock:
-            again = not self._closed and (self.scheduler.has_work or bool(self._inbox))
-            self._scheduled = again
-        if again:
-            self.thread.submit(self._tick)

@@ -12,6 +12,7 @@ import mlx_lm
 from .batch import MLXBatch
 from .engine import Engine, Sink
 from .mlx_thread import MLXThread
+from .prompt import PromptEncoder
 from .sampling import make_request_logits_processors, make_request_sampler
 from .scheduler import Scheduler
 
@@ -39,6 +40,7 @@ class LoadedModel:
     tokenizer: Any  # mlx_lm TokenizerWrapper
     context_length: int | None
     eos_token_ids: frozenset[int]
+    prompts: PromptEncoder
 
 
 def load_model(path: str) -> LoadedModel:
@@ -46,7 +48,8 @@ def load_model(path: str) -> LoadedModel:
     t0 = time.perf_counter()
     model, tokenizer, config = mlx_lm.load(path, return_config=True)  # type: ignore[misc]
     ctx = config.get("max_position_embeddings") or config.get("max_seq_len")
-    loaded = LoadedModel(path, model, tokenizer, int(ctx) if ctx else None, frozenset(tokenizer.eos_token_ids))
+    loaded = LoadedModel(path, model, tokenizer, int(ctx) if ctx else None, frozenset(tokenizer.eos_token_ids),
+                         PromptEncoder(tokenizer))
     log.info("loaded model %s in %.2fs (context %s)", path, time.perf_counter() - t0, loaded.context_length)
     return loaded
 

@@ -33,6 +33,8 @@ class MLXThread:
         self._ready = threading.Event()
         self._stream: mx.Stream | None = None
         self._thread_id: int | None = None
+        self._queued = 0  # calls submitted and not started yet
+        self._queued_lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=name, initializer=self._init
         )
@@ -53,11 +55,25 @@ class MLXThread:
         """Whether the caller is this MLX thread."""
         return threading.get_ident() == self._thread_id
 
+    @property
+    def queued(self) -> int:
+        """Calls waiting for the thread: a long-running call can yield to them."""
+        return self._queued
+
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         """Run ``fn(*args)`` on the thread, inside this thread's stream."""
-        return self._executor.submit(self._run, fn, *args)
+        with self._queued_lock:
+            self._queued += 1
+        try:
+            return self._executor.submit(self._run, fn, *args)
+        except BaseException:
+            with self._queued_lock:
+                self._queued -= 1
+            raise
 
     def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._queued_lock:
+            self._queued -= 1
         with mx.stream(self.stream):
             return fn(*args)
 

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["encode_prompt"]
+import tokenizers
+
+__all__ = ["PromptEncoder", "encode_prompt"]
+
+log = logging.getLogger(__name__)
+
+# Texts the direct call must encode exactly as the tokenizer's own ``encode`` before it is trusted.
+_PROBES = ("Hello, world!", "  leading and trailing  ", "naïve café 東京 🙂", "line\nbreak\ttab", "a" * 300, "")
 
 
 def encode_prompt(tokenizer: Any, prompt: str | None, messages: Sequence[dict[str, str]] | None) -> list[int]:
@@ -14,6 +22,49 @@ def encode_prompt(tokenizer: Any, prompt: str | None, messages: Sequence[dict[st
         return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True))
     if prompt is None:
         raise ValueError("no prompt")
+    return list(tokenizer.encode(prompt, add_special_tokens=_add_special(tokenizer, prompt)))
+
+
+class PromptEncoder:
+    """:func:`encode_prompt` for one tokenizer, with raw prompts encoded by its Rust ``tokenizers.Tokenizer``
+    directly when that gives the same ids.
+
+    transformers encodes even one text through ``encode_batch``, which releases the GIL; taking it back
+    waits for whatever Python the engine thread is running (up to the 5 ms switch interval). With a busy
+    Python thread beside it that cost 1.6 ms per call here, against 0.02 ms for ``Tokenizer.encode``, which
+    keeps the GIL; a burst of 32 jobs waited for it 32 times on the worker's event loop. The direct call is
+    used only for a fast tokenizer with no truncation, padding or special-token splitting set (what the
+    wrapper would change), and only after it matched the wrapper on a few probe texts.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.direct = _rust_tokenizer(tokenizer)
+        if self.direct is not None and not self._agrees():
+            log.warning("the Rust tokenizer disagrees with the tokenizer's encode(); encoding through transformers")
+            self.direct = None
+
+    def encode(self, prompt: str | None, messages: Sequence[dict[str, str]] | None) -> list[int]:
+        if self.direct is None or messages is not None or prompt is None:
+            return encode_prompt(self.tokenizer, prompt, messages)
+        ids: list[int] = self.direct.encode(prompt, add_special_tokens=_add_special(self.tokenizer, prompt)).ids
+        return ids
+
+    def _agrees(self) -> bool:
+        bos = getattr(self.tokenizer, "bos_token", None) or ""
+        return all(self.encode(p, None) == encode_prompt(self.tokenizer, p, None) for p in (*_PROBES, bos + "x"))
+
+
+def _add_special(tokenizer: Any, prompt: str) -> bool:
     bos = getattr(tokenizer, "bos_token", None)
-    add_special = bos is None or not prompt.startswith(bos)
-    return list(tokenizer.encode(prompt, add_special_tokens=add_special))
+    return bos is None or not prompt.startswith(bos)
+
+
+def _rust_tokenizer(tokenizer: Any) -> tokenizers.Tokenizer | None:
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the transformers one
+    rust = getattr(hf, "_tokenizer", None)
+    if not isinstance(rust, tokenizers.Tokenizer) or getattr(hf, "split_special_tokens", False):
+        return None
+    if rust.truncation is not None or rust.padding is not None or rust.encode_special_tokens:
+        return None
+    return rust

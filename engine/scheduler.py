@@ -7,6 +7,7 @@ The engine calls it only from the model's MLX thread.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -83,6 +84,7 @@ class Scheduler:
         self._waiting: deque[EngineRequest] = deque()
         self._running: dict[int, _Sequence] = {}
         self._uid_of: dict[str, int] = {}
+        self._next_deadline = math.inf  # no request's deadline is earlier (it may be a gone request's)
 
     # --- state -------------------------------------------------------------------------------------
     @property
@@ -104,6 +106,8 @@ class Scheduler:
     def add(self, req: EngineRequest) -> None:
         """Queue a request; it joins the batch at the next step with a free slot."""
         self._waiting.append(req)
+        if req.deadline is not None:
+            self._next_deadline = min(self._next_deadline, req.deadline)
 
     def abort(
         self, rid: str, reason: FinishReason = FinishReason.CANCELLED, code: str | None = None, message: str = ""
@@ -145,6 +149,10 @@ class Scheduler:
 
     def _expire(self, outs: _StepOutputs) -> None:
         now = self._clock()
+        if now <= self._next_deadline:  # the common case: no scan of every request each step
+            return
+        live = [r.deadline for r in self.requests() if r.deadline is not None and now <= r.deadline]
+        self._next_deadline = min(live, default=math.inf)
         late = [r.rid for r in self.requests() if r.deadline is not None and now > r.deadline]
         for rid in late:
             out = self.abort(rid, FinishReason.ERROR, "timeout", "the job ran past its deadline")

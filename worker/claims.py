@@ -19,10 +19,11 @@ from arq.utils import timestamp_ms
 from . import runner
 from .scripts import CLAIM, Script
 
-__all__ = ["install", "start_jobs"]
+__all__ = ["BACKLOG", "install", "start_jobs"]
 
 
 _CLAIM = Script.of(CLAIM)
+BACKLOG = "mlxq_backlog"  # arq ctx key: the last poll left jobs queued that a free slot could take
 
 
 async def start_jobs(self: arq.worker.Worker, job_ids: list[bytes]) -> None:
@@ -32,8 +33,11 @@ async def start_jobs(self: arq.worker.Worker, job_ids: list[bytes]) -> None:
     worker's claim also starts its jobs (``runner.py``).
     """
     free = self.max_jobs - self.job_counter
+    # Jobs left queued for want of a slot: a job's end wakes the poll for them (settings.after_job_end). A
+    # read of queue_read_limit ids may have left more behind.
+    self.ctx[BACKLOG] = len(job_ids) > free or len(job_ids) >= self.queue_read_limit
     if free <= 0 or not job_ids:
-        return  # a job's end wakes the poll again (settings.after_job_end)
+        return
     ids = [j.decode() for j in job_ids]
     if runner.SERVICE in self.ctx:
         return await runner.start_jobs(self, ids, free)

@@ -21,12 +21,12 @@ from redis.exceptions import RedisError
 
 from api.connection import JOB_FUNCTION, dumps_job
 from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
-from api.schema import Event, is_terminal
+from api.schema import TERMINAL_TYPES, Event
 from engine.request import FinishReason, RequestOutput, coalesce
 
 from .job import Job
 from .scripts import EMIT, Script
-from .translate import output_events
+from .translate import TokenLine, Wire, output_events
 
 __all__ = ["Batch", "LogTTL", "Publisher", "arq_result", "emit_args"]
 
@@ -58,7 +58,7 @@ class Batch:
 
     rid: str
     token: str
-    events: Sequence[Event]
+    events: Sequence[Wire]
     mode: str
     result: bytes = b""  # with mode "end": arq's result value for the job
 
@@ -67,7 +67,7 @@ def emit_args(keys: Keys, batches: Sequence[Batch], ttl: LogTTL, queue: str) -> 
     """Keys and arguments of one fenced EMIT call writing every batch (``queue``: the jobs' arq queue)."""
     args: list[Any] = [len(batches), ttl.live, ttl.done, queue, int(time.time() * 1000), in_progress_key_prefix,
                        keys.prefix, job_key_prefix, retry_key_prefix, result_key_prefix, max(1, ttl.result) * 1000]
-    args += [_record(b) for b in batches]
+    args.append(b"".join(b"%d\n%s" % (len(r), r) for r in map(_record, batches)))
     return [keys.running()], args
 
 
@@ -132,8 +132,8 @@ class Publisher:
             only_cancels, self._cancels = len(batch) == self._cancels, 0
             await self.write(self._events_of(coalesce(batch)), step=not only_cancels)
 
-    def _events_of(self, outs: list[RequestOutput]) -> list[tuple[Job, Event]]:
-        items: list[tuple[Job, Event]] = []
+    def _events_of(self, outs: list[RequestOutput]) -> list[tuple[Job, Wire]]:
+        items: list[tuple[Job, Wire]] = []
         for out in outs:
             job = self.jobs.get(out.rid)
             if job is None:  # detached (re-queued, fenced) or already ended
@@ -141,14 +141,14 @@ class Publisher:
             items.extend((job, ev) for ev in output_events(out, job, self.worker_id))
         return items
 
-    async def write(self, items: list[tuple[Job, Event]], mode: str | None = None, step: bool = False) -> None:
+    async def write(self, items: Sequence[tuple[Job, Wire]], mode: str | None = None, step: bool = False) -> None:
         """Write events (grouped per job, in order), then release the jobs they end.
 
         ``mode`` overrides the per-job mode ("release" when handing a job back to the queue).
         """
         if not items:
             return
-        groups: dict[str, tuple[Job, list[Event]]] = {}
+        groups: dict[str, tuple[Job, list[Wire]]] = {}
         for job, ev in items:
             groups.setdefault(job.rid, (job, []))[1].append(ev)
         batches = [self._batch(job, events, mode) for job, events in groups.values()]
@@ -167,9 +167,9 @@ class Publisher:
             elif b.mode:
                 self._settle(job, events[-1].type)
 
-    def _batch(self, job: Job, events: list[Event], mode: str | None) -> Batch:
-        end = next((ev for ev in events if is_terminal(ev)), None) if mode is None else None
-        if end is not None:
+    def _batch(self, job: Job, events: list[Wire], mode: str | None) -> Batch:
+        end = events[-1]  # a job's terminal event is its last (engine.request.coalesce drops any after it)
+        if mode is None and not isinstance(end, TokenLine) and end.type in TERMINAL_TYPES:
             result = arq_result(job, end, self.queue) if self.ttl.result > 0 else b""
             return Batch(job.rid, job.token, events, "end", result)
         return Batch(job.rid, job.token, events, mode or "")

@@ -19,14 +19,14 @@ __all__ = ["CLAIM", "EMIT", "REFRESH", "START", "SWEEP", "Script"]
 
 # Writes the events of several jobs in one call: one round trip per engine step whatever the batch size.
 # KEYS: running. ARGV: job count, live TTL, done TTL, arq queue, now (ms), arq's in-progress key prefix, the
-# key prefix, arq's job, retry and result key prefixes, the result TTL (ms), then one record per job: a line
-# "<rid bytes> <token bytes> <mode> <first seq> <result bytes>", the rid, the token and the result back to
-# back, a newline, and its events (JSON texts) joined by newlines (JSON never contains a raw one). Event i
-# gets log entry id "<first seq + i>-1".
+# key prefix, arq's job, retry and result key prefixes, the result TTL (ms), then the records of every job in
+# one argument, each "<record bytes>\n<record>". A record is a line "<rid bytes> <token bytes> <mode> <first
+# seq> <result bytes>", the rid, the token and the result back to back, a newline, and its events (JSON
+# texts) joined by newlines (JSON never contains a raw one). Event i gets log entry id "<first seq + i>-1".
 # A job's lease, log, cancel key and channel are named here from the prefix and rid, as api.keys.Keys names
-# them, rather than passed: redis-py packs every argument in Python (~1.7 us each on a slow core), so three
-# keys and five arguments per job made a 32-job write cost ~0.5 ms of the event loop, which shares the GIL
-# with the engine. (Keys undeclared in KEYS, and global ones: not Redis Cluster-ready.)
+# them, and the records travel as one argument: redis-py packs every argument in Python (~1.7 us each on a
+# slow core), and packing was a quarter of the event loop's time in a 32-job write, which shares the GIL with
+# the engine. (Keys undeclared in KEYS, and global ones: not Redis Cluster-ready.)
 # Mode "": more to come; "end": terminal -- drop lease, cancel key and running entry, and finish the arq job
 # as arq's own finish_job would (its in-progress, job and retry keys, its queue entry; the result, if any,
 # kept for the result TTL), so a job's end costs no round trip of its own; "release": hand the job back --
@@ -36,8 +36,12 @@ __all__ = ["CLAIM", "EMIT", "REFRESH", "START", "SWEEP", "Script"]
 # log (a duplicate) is skipped, not published.
 EMIT = r"""
 local out = {}
+local blob, pos = ARGV[12], 1
 for j = 1, tonumber(ARGV[1]) do
-  local rec = ARGV[11 + j]
+  local nl = string.find(blob, '\n', pos, true)
+  local size = tonumber(string.sub(blob, pos, nl - 1))
+  local rec = string.sub(blob, nl + 1, nl + size)
+  pos = nl + size + 1
   local h = string.find(rec, '\n', 1, true)
   local lr, lt, mode, seq, lres = string.match(string.sub(rec, 1, h - 1), '^(%d+) (%d+) (%a*) (%d+) (%d+)$')
   lr, lt, seq, lres = tonumber(lr), tonumber(lt), tonumber(seq), tonumber(lres)

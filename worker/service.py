@@ -76,7 +76,10 @@ class ModelService:
         self.redis = redis
         self.jobs: dict[str, Job] = {}
         ttl = LogTTL(live=config.live_ttl_s, done=config.done_ttl_s, result=config.keep_result_s)
-        self.publisher = Publisher(redis, self.keys, config.worker_id, self.jobs, ttl,
+        # The publisher's writes are serial: a connection of its own skips the pool's per-command checkout,
+        # a health-check read that was a quarter of each EMIT call's CPU on the event loop.
+        self._events_redis = Redis(connection_pool=redis.connection_pool, single_connection_client=True)
+        self.publisher = Publisher(self._events_redis, self.keys, config.worker_id, self.jobs, ttl,
                                    give_up_s=config.lease_ttl_s, queue=config.queue_name)
         self.publisher.on_fenced = self._on_lease_lost
         self.leases = LeaseKeeper(redis, self.keys, self.jobs, config.lease_ttl_s, self._on_lease_lost)
@@ -126,6 +129,7 @@ class ModelService:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._events_redis.aclose()
         await self.redis.aclose()
         log.info("stats: %s", self.stats_line())
 
@@ -296,14 +300,19 @@ class ModelService:
         if chars > self.config.max_payload_bytes:
             raise BadRequest(f"the prompt has {chars} characters; the limit is {self.config.max_payload_bytes}")
         if chars < _INLINE_TOKENIZE_CHARS:
-            return self._tokenize(req)
-        return await asyncio.to_thread(self._tokenize, req)
+            return self._tokenize(req, inline=True)
+        return await asyncio.to_thread(self._tokenize, req, False)
 
-    def _tokenize(self, req: GenerateRequest) -> list[int]:
+    def _tokenize(self, req: GenerateRequest, inline: bool) -> list[int]:
+        """Inline: without releasing the GIL (see ``PromptEncoder``); else through transformers, which
+        releases it while a long prompt encodes."""
         assert self.model is not None
         messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
         try:
-            tokens = encode_prompt(self.model.tokenizer, req.prompt, messages)
+            if inline:
+                tokens = self.model.prompts.encode(req.prompt, messages)
+            else:
+                tokens = encode_prompt(self.model.tokenizer, req.prompt, messages)
         except Exception as exc:  # a template or tokenizer error is the request's fault
             raise BadRequest(f"could not tokenize the prompt: {exc}") from None
         ctx = self.model.context_length

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Literal
 
 from api.schema import (
     DoneEvent,
@@ -13,15 +15,15 @@ from api.schema import (
     GenerateRequest,
     StartEvent,
     Timings,
-    TokenEvent,
     Usage,
+    token_event_json,
 )
 from engine.request import EngineRequest, RequestOutput, SamplingParams
 from engine.request import FinishReason as EngineFinish
 
 from .job import Job
 
-__all__ = ["output_events", "to_engine_request"]
+__all__ = ["TokenLine", "Wire", "output_events", "to_engine_request"]
 
 _ERROR_CODES = {c.value: c for c in ErrorCode}
 _MAX_MESSAGE = 2000
@@ -43,11 +45,30 @@ def to_engine_request(req: GenerateRequest, tokens: list[int], deadline: float |
     return EngineRequest(req.id, tokens, params, arrival=time.monotonic(), deadline=deadline)
 
 
-def output_events(out: RequestOutput, job: Job, worker: str) -> list[Event]:
+@dataclass(slots=True)
+class TokenLine:
+    """A token event as its wire fields: what the worker publishes once per job per step it sends, so it
+    skips building a pydantic ``TokenEvent``; :meth:`model_dump_json` renders exactly that event's JSON."""
+
+    id: str
+    seq: int
+    text: str
+    token_ids: list[int]
+    index: int
+    type: Literal["token"] = "token"
+
+    def model_dump_json(self) -> str:
+        return token_event_json(self.id, self.seq, self.text, self.token_ids, self.index)
+
+
+Wire = Event | TokenLine  # what the publisher writes
+
+
+def output_events(out: RequestOutput, job: Job, worker: str) -> list[Wire]:
     """The events one engine output means for its job (start, token, terminal), numbered in order."""
     has_tokens = bool(out.token_ids or out.text)
     job.mark(out.started, has_tokens)
-    events: list[Event] = []
+    events: list[Wire] = []
     if out.started:
         job.prompt_tokens = out.prompt_tokens
         events.append(
@@ -58,8 +79,7 @@ def output_events(out: RequestOutput, job: Job, worker: str) -> list[Event]:
         )
     if has_tokens:
         index = out.completion_tokens - len(out.token_ids)
-        # Validated: pydantic-core builds it faster (2.5 us) than model_construct's Python loop (5.3 us).
-        events.append(TokenEvent(id=job.rid, seq=job.next_seq(), text=out.text, token_ids=out.token_ids, index=index))
+        events.append(TokenLine(job.rid, job.next_seq(), out.text, out.token_ids, index))
     job.completion_tokens = max(job.completion_tokens, out.completion_tokens)
     if out.finish is not None:
         events.append(terminal_event(out, job))

@@ -7,6 +7,8 @@ import math
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from api.schema import (
@@ -28,6 +30,7 @@ from api.schema import (
     Usage,
     decode_event,
     is_terminal,
+    token_event_json,
     new_request_id,
 )
 
@@ -346,3 +349,14 @@ def test_malformed_json_rejected() -> None:
 
 def test_is_terminal() -> None:
     assert [is_terminal(e) for e in ALL_EVENTS] == [False, False, False, True, True]
+
+
+@settings(max_examples=500, deadline=None)
+@given(rid=st.from_regex(r"[A-Za-z0-9_.:-]{1,64}", fullmatch=True), seq=st.integers(0, 2**40),
+       text=st.text(), token_ids=st.lists(st.integers(0, 2**31)), index=st.integers(0, 2**31))
+def test_token_event_json_is_pydantics_own_json(rid: str, seq: int, text: str, token_ids: list[int],
+                                                index: int) -> None:
+    fast = token_event_json(rid, seq, text, token_ids, index)
+    event = TokenEvent(id=rid, seq=seq, text=text, token_ids=token_ids, index=index)
+    assert fast == event.model_dump_json()
+    assert decode_event(fast) == event

@@ -218,6 +218,28 @@ async def test_abort_takes_effect_within_one_step() -> None:
     await engine.aclose()
 
 
+async def test_a_busy_engine_lets_other_calls_onto_its_thread_between_steps() -> None:
+    # Steps run back to back in one call on the MLX thread, but only while nothing else waits for it.
+    engine, backend, counter, outputs = make_engine(delay=0.01)
+    engine.add(request("a"))
+    while "a" not in outputs.by_rid:
+        await asyncio.sleep(0.005)
+
+    def other_work() -> int:
+        with counter:
+            return backend.steps
+
+    steps_then = backend.steps
+    ran_at = await engine.thread.call(other_work)
+    assert ran_at - steps_then <= 2  # it waited for the step in flight (and one more at most), not for "a"
+    assert outputs.finish("a") is None
+    assert engine.thread.queued == 0
+    assert counter.max_inside == 1
+    engine.abort("a")
+    await outputs.wait_finished(["a"])
+    await engine.aclose()
+
+
 async def test_step_failure_fails_in_flight_requests_then_serves_again() -> None:
     engine, backend, counter, outputs = make_engine(delay=0.01)
     engine.add(request("a"))

@@ -189,3 +189,38 @@ def test_concurrent_processes(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [model_dir("tiny", tmp_path).name]
     config = json.loads((model_dir("tiny", tmp_path) / "config.json").read_text())
     assert config["model_type"] == "qwen3"
+
+
+def test_prompt_encoder_calls_rust_directly_and_matches_transformers(tiny_model: Path) -> None:
+    from engine.loader import load_model
+    from engine.prompt import PromptEncoder, encode_prompt
+
+    tokenizer = load_model(str(tiny_model)).tokenizer
+    encoder = PromptEncoder(tokenizer)
+    assert encoder.direct is not None  # a fast tokenizer: the direct call is taken
+    for prompt in ["Once upon a time", " spaced  out ", "émoji 🙂 and 漢字", "x" * 1000, "<|endoftext|>hi"]:
+        assert encoder.encode(prompt, None) == encode_prompt(tokenizer, prompt, None)
+    messages = [{"role": "user", "content": "hi"}]
+    assert encoder.encode(None, messages) == encode_prompt(tokenizer, None, messages)
+
+
+def test_prompt_encoder_falls_back_when_the_rust_call_would_differ(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenizers import models
+
+    from engine import prompt
+    from engine.loader import load_model
+
+    tokenizer = load_model(str(tiny_model)).tokenizer
+    rust = tokenizer._tokenizer._tokenizer
+    rust.enable_truncation(max_length=4)  # transformers undoes this for each call; the direct call would not
+    try:
+        assert prompt.PromptEncoder(tokenizer).direct is None
+    finally:
+        rust.no_truncation()
+    other = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))  # encodes every text differently
+    monkeypatch.setattr(prompt, "_rust_tokenizer", lambda tok: other)
+    encoder = prompt.PromptEncoder(tokenizer)
+    assert encoder.direct is None  # the probes caught it
+    assert encoder.encode("abc", None) == prompt.encode_prompt(tokenizer, "abc", None)

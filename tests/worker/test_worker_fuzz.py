@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from api.client import Client
-from api.connection import JOB_FUNCTION, arq_pool, dumps_job, loads_job
+from api.connection import JOB_FUNCTION, arq_pool, dumps_job, loads_job, redis_client
 from api.errors import BadRequest as ClientBadRequest
 from api.schema import (
     MAX_MESSAGES,
@@ -210,7 +210,7 @@ class Validator:
         """The accepted request and its tokens, or the BadRequest message; asserts the contract."""
         try:
             req = self.service._validate(payload, job_id)
-            tokens = self.service._tokenize(req)
+            tokens = self.service._tokenize(req, inline=True)
         except BadRequest as exc:
             message = str(exc)
             assert message.strip(), "BadRequest without a message"
@@ -218,6 +218,10 @@ class Validator:
             ErrorEvent(id=job_id, seq=0, code=ErrorCode.BAD_REQUEST, message=message).model_dump_json()
             return message
         self.assert_within_limits(req, tokens, job_id)
+        try:  # the direct Rust call (inline) and transformers (long prompts, off the loop) agree
+            assert self.service._tokenize(req, inline=False) == tokens
+        except BadRequest as exc:
+            raise AssertionError(f"only the inline tokenizer accepted the prompt: {exc}") from exc
         return req, tokens
 
     def assert_within_limits(self, req: GenerateRequest, tokens: list[int], job_id: str) -> None:
@@ -247,7 +251,7 @@ def validator(tiny_model: Path) -> Validator:
     from engine.loader import load_model
 
     config = WorkerConfig(model=str(tiny_model), model_name=MODEL, redis_url="redis://127.0.0.1:1")
-    service = ModelService(config, None)  # type: ignore[arg-type]  # validation never touches Redis
+    service = ModelService(config, redis_client(config.redis_url))  # validation never connects
     service.model = load_model(str(tiny_model))
     vocab = max(service.model.tokenizer.get_vocab().values()) + 1
     return Validator(service, vocab)
@@ -295,15 +299,12 @@ class RecordingPool:
 
     calls: list[tuple[str, Any, str, str]] = field(default_factory=list)
 
-    def register_script(self, source: str) -> Any:
+    async def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> int:
         """The client enqueues through one Lua script: record what it would store."""
-
-        async def enqueue(keys: list[str], args: list[Any]) -> int:
-            job_id, job = args[0], json.loads(args[1])
-            self.calls.append((job["f"], job["a"][0], job_id, keys[2]))
-            return 1
-
-        return enqueue
+        keys, args = keys_and_args[:numkeys], keys_and_args[numkeys:]
+        job_id, job = args[0], json.loads(args[1])
+        self.calls.append((job["f"], job["a"][0], job_id, keys[2]))
+        return 1
 
     async def aclose(self) -> None:
         pass

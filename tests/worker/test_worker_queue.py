@@ -482,6 +482,35 @@ async def test_one_redis_round_trip_per_engine_step_at_most(worker: RunningWorke
     assert writes <= steps
 
 
+async def test_a_freed_slot_takes_a_queued_job_without_waiting_for_the_poll(worker_config: Any, client: Client,
+                                                                           redis_url: str) -> None:
+    # Two slots, five jobs, and an hour between polls: only job ends can start the three left queued.
+    running = await start_worker(config_with(worker_config, capacity=2, max_jobs=2, poll_delay_s=3600.0))
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        polls0 = await zrangebyscore_calls(r)
+        rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=4) for p in PROMPTS[:5]))
+        for rid in rids:
+            assert (await collect(client, rid, timeout=60))[-1].type == "done"
+        backlog_polls = await zrangebyscore_calls(r) - polls0
+        # With nothing left queued, a job's end no longer polls: a burst that fits costs one poll or two.
+        polls0 = await zrangebyscore_calls(r)
+        rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=4) for p in PROMPTS[:2]))
+        for rid in rids:
+            await collect(client, rid, timeout=60)
+        await asyncio.sleep(0.1)
+        assert await zrangebyscore_calls(r) - polls0 <= 2, "job ends polled the queue with nothing queued"
+        assert backlog_polls >= 3  # the queued jobs were taken by polls that job ends woke
+    finally:
+        await r.aclose()
+        await running.close()
+
+
+async def zrangebyscore_calls(r: aredis.Redis) -> int:
+    stats = await r.info("commandstats")
+    return int(stats.get("cmdstat_zrangebyscore", {}).get("calls", 0))
+
+
 async def test_payload_on_the_wire_is_json(worker: RunningWorker, client: Client, redis_url: str) -> None:
     req = GenerateRequest(model="tiny", prompt="no pickle", max_tokens=2)
     await client.submit(req)

@@ -1,0 +1,91 @@
+"""``api.enqueuer``: submits made together reach Redis in one round trip, each with its own outcome.
+
+On the session's real Redis server (``redis_url`` empties it before each test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis.asyncio as aredis
+
+from api.client import Client
+from api.connection import loads_job
+from api.errors import DuplicateJob
+
+MODEL = "m"
+
+
+async def queued(redis_url: str) -> dict[str, Any]:
+    """Job id -> the payload stored for it, for every job on the model's queue."""
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        ids = [i.decode() for i in await r.zrange(f"mlxq:queue:{MODEL}", 0, -1)]
+        return {i: loads_job(await r.get(f"arq:job:{i}"))["a"][0] for i in ids}
+    finally:
+        await r.aclose()
+
+
+async def test_a_burst_of_submits_is_one_round_trip(client: Client, redis_url: str) -> None:
+    await client.submit(model=MODEL, prompt="p", id="warm")  # Redis has the script from now on
+    before = client._enqueuer.round_trips
+    ids = await asyncio.gather(*(client.submit(model=MODEL, prompt=f"p{i}", id=f"j{i}") for i in range(20)))
+    assert ids == [f"j{i}" for i in range(20)]
+    assert client._enqueuer.round_trips - before == 1
+    jobs = await queued(redis_url)
+    assert {i: p["prompt"] for i, p in jobs.items()} == {"warm": "p"} | {f"j{i}": f"p{i}" for i in range(20)}
+
+
+async def test_sequential_submits_each_go_alone(client: Client, redis_url: str) -> None:
+    await client.submit(model=MODEL, prompt="p", id="s0")
+    before = client._enqueuer.round_trips
+    for i in (1, 2, 3):
+        await client.submit(model=MODEL, prompt="p", id=f"s{i}")
+    assert client._enqueuer.round_trips - before == 3
+    assert set(await queued(redis_url)) == {"s0", "s1", "s2", "s3"}
+
+
+async def test_a_duplicate_in_a_burst_fails_alone(client: Client, redis_url: str) -> None:
+    await client.submit(model=MODEL, prompt="first", id="taken")
+    outcomes = await asyncio.gather(
+        *(client.submit(model=MODEL, prompt="again" if i == 2 else "p", id="taken" if i == 2 else f"b{i}")
+          for i in range(5)),
+        return_exceptions=True,
+    )
+    assert isinstance(outcomes[2], DuplicateJob)
+    assert [o for i, o in enumerate(outcomes) if i != 2] == ["b0", "b1", "b3", "b4"]
+    jobs = await queued(redis_url)
+    assert jobs["taken"]["prompt"] == "first"  # the duplicate overwrote nothing
+    assert set(jobs) == {"taken", "b0", "b1", "b3", "b4"}
+
+
+@pytest.mark.parametrize("burst", [1, 6])
+async def test_submits_survive_redis_losing_its_scripts(client: Client, redis_url: str, burst: int) -> None:
+    await client.submit(model=MODEL, prompt="p", id="before")
+    r = aredis.Redis.from_url(redis_url)
+    await r.script_flush()  # as a Redis restart does
+    await r.aclose()
+    ids = await asyncio.gather(*(client.submit(model=MODEL, prompt="p", id=f"f{i}") for i in range(burst)))
+    assert set(await queued(redis_url)) == {"before", *ids}
+
+
+async def test_a_submit_cancelled_before_the_send_enqueues_nothing(client: Client, redis_url: str) -> None:
+    kept = asyncio.ensure_future(client.submit(model=MODEL, prompt="p", id="kept"))
+    dropped = asyncio.ensure_future(client.submit(model=MODEL, prompt="p", id="dropped"))
+    await asyncio.sleep(0)  # both have joined the pass's send, which has not run yet
+    dropped.cancel()
+    assert await kept == "kept"
+    with pytest.raises(asyncio.CancelledError):
+        await dropped
+    assert set(await queued(redis_url)) == {"kept"}
+
+
+async def test_a_failed_send_fails_every_submit_of_the_burst() -> None:
+    async with Client("redis://127.0.0.1:1") as client:  # nothing listens there
+        client._redis.connection_pool.connection_kwargs["socket_connect_timeout"] = 0.2
+        client._redis.connection_pool.connection_kwargs["retry"] = None
+        outcomes = await asyncio.gather(*(client.submit(model=MODEL, prompt="p") for _ in range(3)),
+                                        return_exceptions=True)
+    assert all(isinstance(o, OSError | aredis.ConnectionError) for o in outcomes), outcomes
