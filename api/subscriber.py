@@ -96,6 +96,8 @@ class Subscriber:
         self._unsent: set[str] = set()  # channels with readers but no SUBSCRIBE sent yet
         self._batch: asyncio.Future[None] | None = None  # the next send of unsent channels, once scheduled
         self._sender: asyncio.Task[None] | None = None
+        self._leaving: set[str] = set()  # channels whose last reader left, UNSUBSCRIBE not sent yet
+        self._unsubscriber: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
     async def open(self, channel: str) -> Subscription:
@@ -155,18 +157,29 @@ class Subscriber:
                 self._unsent.discard(sub.channel)
 
     async def release(self, sub: Subscription) -> None:
+        """Stop delivering to ``sub``. Channels released in the same burst are unsubscribed in one command
+        (one each took the lock and a send, ~6 % of a client's CPU following 32 jobs)."""
+        if sub not in self._subs.get(sub.channel, ()):
+            return
+        sent = sub.channel not in self._unsent
+        self._forget(sub)
+        if sub.channel in self._subs:
+            return  # other readers still follow it
+        if sent:
+            self._leaving.add(sub.channel)
+        if self._unsubscriber is None:
+            self._unsubscriber = asyncio.get_running_loop().create_task(self._send_unsubscribes())
+
+    async def _send_unsubscribes(self) -> None:
         async with self._lock:
-            if sub not in self._subs.get(sub.channel, ()):
-                return
-            sent = sub.channel not in self._unsent
-            self._forget(sub)
-            if sub.channel in self._subs:
-                return  # other readers still follow it
+            self._unsubscriber = None
+            channels = sorted(c for c in self._leaving if c not in self._subs)  # not the ones opened again
+            self._leaving.clear()
             if not self._subs:
                 await self._close()  # idle: hold no connection and no reader task
-            elif sent and self._pubsub is not None:
+            elif channels and self._pubsub is not None:
                 with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
-                    await self._pubsub.unsubscribe(sub.channel)
+                    await self._pubsub.unsubscribe(*channels)
 
     async def _read(self, pubsub: Any) -> None:
         while pubsub is self._pubsub:
@@ -187,6 +200,7 @@ class Subscriber:
         subs = [s for group in self._subs.values() for s in group]
         self._subs.clear()
         self._unsent.clear()
+        self._leaving.clear()
         for sub in subs:
             sub.put(_BROKEN)
         with contextlib.suppress(Exception):
@@ -203,7 +217,11 @@ class Subscriber:
             self._batch = None
         if self._sender is not None and not self._sender.done():
             self._sender.cancel()
+        if self._unsubscriber is not None and self._unsubscriber is not asyncio.current_task():
+            self._unsubscriber.cancel()
+        self._unsubscriber = None
         self._unsent.clear()
+        self._leaving.clear()
         pubsub, self._pubsub = self._pubsub, None
         reader, self._reader = self._reader, None
         if reader is not None and reader is not asyncio.current_task():

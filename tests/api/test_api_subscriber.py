@@ -85,6 +85,34 @@ async def test_a_failed_subscribe_fails_its_burst_and_leaves_nothing_behind(monk
         await redis.aclose()
 
 
+async def test_a_burst_of_releases_unsubscribes_in_one_command_and_keeps_reopened_channels() -> None:
+    redis = fakeredis.FakeAsyncRedis()
+    hub = Subscriber(redis)
+    sent: list[tuple[str, ...]] = []
+    try:
+        subs = await asyncio.gather(*(hub.open(f"ch{i}") for i in range(6)))
+        unsubscribe = hub._pubsub.unsubscribe
+
+        async def recording(*channels: str) -> Any:
+            sent.append(channels)
+            return await unsubscribe(*channels)
+
+        hub._pubsub.unsubscribe = recording
+        # ch0 is opened again in the same pass, before the burst's UNSUBSCRIBE goes out.
+        *_, again = await asyncio.gather(*(s.close() for s in subs[:5]), hub.open("ch0"))
+        await asyncio.sleep(0.01)
+        assert sent == [("ch1", "ch2", "ch3", "ch4")]
+        await redis.publish("ch0", b"still here")
+        assert await again.get(5.0) == b"still here"
+        await again.close()
+        await subs[5].close()
+        await asyncio.sleep(0.01)
+        assert hub._pubsub is None and hub._subs == {}  # the last reader left: the connection is closed
+    finally:
+        await hub.aclose()
+        await redis.aclose()
+
+
 async def _recording_open(hub: Subscriber, channel: str, sent: list[tuple[str, ...]]) -> Subscription:
     if hub._pubsub is None:
         hub._pubsub = hub.redis.pubsub(ignore_subscribe_messages=True)
