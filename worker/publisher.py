@@ -13,13 +13,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring  # type: ignore[attr-defined]  # the C string escaper
 from typing import Any
 
 from arq.constants import in_progress_key_prefix, job_key_prefix, result_key_prefix, retry_key_prefix
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from api.connection import JOB_FUNCTION, dumps_job
+from api.connection import JOB_FUNCTION
 from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
 from api.schema import TERMINAL_TYPES, Event
 from engine.request import FinishReason, RequestOutput, coalesce
@@ -83,10 +84,15 @@ def _record(b: Batch) -> bytes:
 
 def arq_result(job: Job, end: Event, queue: str) -> bytes:
     """arq's result record for a job that ended with ``end`` (what ``arq.jobs.Job.result()`` reads), without
-    the job's arguments: arq would keep the whole prompt again for the result TTL."""
-    return dumps_job({"t": job.attempt, "f": JOB_FUNCTION, "a": [], "k": {}, "et": int(job.enqueue_time * 1000),
-                      "s": end.type == "done", "r": end.model_dump(mode="json"), "st": int(job.started_at * 1000),
-                      "ft": int(time.time() * 1000), "q": queue, "id": job.rid})
+    the job's arguments: arq would keep the whole prompt again for the result TTL.
+
+    Written around the event's own JSON: a dict dumped with ``json`` cost three times as much (15 us a job).
+    """
+    ok = "true" if end.type == "done" else "false"
+    return (f'{{"t":{job.attempt},"f":{encode_basestring(JOB_FUNCTION)},"a":[],"k":{{}},'
+            f'"et":{int(job.enqueue_time * 1000)},"s":{ok},"r":{end.model_dump_json()},'
+            f'"st":{int(job.started_at * 1000)},"ft":{int(time.time() * 1000)},'
+            f'"q":{encode_basestring(queue)},"id":{encode_basestring(job.rid)}}}').encode()
 
 
 class Publisher:

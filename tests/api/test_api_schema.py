@@ -30,8 +30,8 @@ from api.schema import (
     Usage,
     decode_event,
     is_terminal,
-    token_event_json,
     new_request_id,
+    token_event_json,
 )
 
 

@@ -124,3 +124,26 @@ async def _recording_open(hub: Subscriber, channel: str, sent: list[tuple[str, .
 
         hub._pubsub.subscribe = recording
     return await hub.open(channel)
+
+
+async def test_a_killed_connection_breaks_every_stream_and_the_next_open_reconnects(redis_url: str) -> None:
+    import redis.asyncio as aredis
+
+    redis = aredis.Redis.from_url(redis_url)
+    hub = Subscriber(redis)
+    try:
+        subs = await asyncio.gather(*(hub.open(f"k{i}") for i in range(3)))
+        await redis.publish("k1", b"before")
+        assert await subs[1].get(5.0) == b"before"
+        await redis.client_kill_filter(_type="pubsub")  # as a Redis restart or a network cut would
+        for sub in subs:
+            with pytest.raises(RedisConnectionError):
+                while await sub.get(5.0) is not None:
+                    pass
+        again = await hub.open("k1")  # readers replay from the log and subscribe again
+        await redis.publish("k1", b"after")
+        assert await again.get(5.0) == b"after"
+        await again.close()
+    finally:
+        await hub.aclose()
+        await redis.aclose()

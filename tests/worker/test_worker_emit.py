@@ -211,3 +211,23 @@ async def test_sweep_lists_only_running_jobs_without_a_lease(redis_url: str) -> 
         assert dict(zip(flat[::2], flat[1::2])) == {ODD_RID.encode(): QUEUE.encode(), b"other": b"q2"}
     finally:
         await r.aclose()
+
+
+async def test_arq_result_is_the_record_arq_would_write_without_the_arguments() -> None:
+    import json
+
+    from api.connection import JOB_FUNCTION, loads_job
+    from api.schema import ErrorCode, ErrorEvent
+    from worker.job import Job
+    from worker.publisher import arq_result
+
+    job = Job("r-1", "tiny", 1_700_000_000.25, attempt=2, token="w1:2")
+    error = ErrorEvent(id="r-1", seq=3, code=ErrorCode.TIMEOUT, message='ran "long" — ✗\n')
+    for end in (_events("r-1", 0, 1, end=True)[-1], error):
+        record = arq_result(job, end, "mlxq:queue:tiny")
+        parsed = json.loads(record)
+        assert loads_job(record) == parsed  # the worker's own job deserializer reads it
+        assert parsed.pop("ft") >= parsed["st"]
+        assert parsed == {"t": 2, "f": JOB_FUNCTION, "a": [], "k": {}, "et": 1_700_000_000_250,
+                          "s": end.type == "done", "r": end.model_dump(mode="json"),
+                          "st": int(job.started_at * 1000), "q": "mlxq:queue:tiny", "id": "r-1"}
