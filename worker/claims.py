@@ -33,9 +33,10 @@ async def start_jobs(self: arq.worker.Worker, job_ids: list[bytes]) -> None:
     worker's claim also starts its jobs (``runner.py``).
     """
     free = self.max_jobs - self.job_counter
-    # Jobs left queued for want of a slot: a job's end wakes the poll for them (settings.after_job_end). A
-    # read of queue_read_limit ids may have left more behind.
-    self.ctx[BACKLOG] = len(job_ids) > free or len(job_ids) >= self.queue_read_limit
+    # Jobs left queued, or every slot taken (arq does not poll a full worker, so jobs enqueued meanwhile wait
+    # for a slot): a job's end wakes the poll for them (settings.after_job_end). A read of queue_read_limit
+    # ids may have left more behind.
+    self.ctx[BACKLOG] = len(job_ids) >= free or len(job_ids) >= self.queue_read_limit
     if free <= 0 or not job_ids:
         return
     ids = [j.decode() for j in job_ids]

@@ -493,6 +493,13 @@ async def test_a_freed_slot_takes_a_queued_job_without_waiting_for_the_poll(work
         for rid in rids:
             assert (await collect(client, rid, timeout=60))[-1].type == "done"
         backlog_polls = await zrangebyscore_calls(r) - polls0
+        # Jobs enqueued while every slot is busy (arq skips the poll of a full worker) start as slots free.
+        busy = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=300) for p in PROMPTS[:2]))
+        while not all(rid in running.service.jobs for rid in busy):
+            await asyncio.sleep(0.005)
+        later = [await client.submit(model="tiny", prompt=p, max_tokens=4) for p in PROMPTS[2:4]]
+        for rid in [*busy, *later]:
+            assert (await collect(client, rid, timeout=60))[-1].type == "done"
         # With nothing left queued, a job's end no longer polls: a burst that fits costs one poll or two.
         polls0 = await zrangebyscore_calls(r)
         rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=4) for p in PROMPTS[:2]))
