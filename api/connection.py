@@ -27,12 +27,13 @@ JOB_TTL_MS = 86_400_000  # a job not started within a day expires (arq's default
 
 # One round trip (arq's enqueue_job takes two): refuse a reused id, store the job as arq does, queue it,
 # and wake the model's workers. KEYS: arq job key, arq result key, queue.
-# ARGV: id, job, ttl ms, wake channel, score (enqueue time in ms, as arq scores it).
+# ARGV: id, job, ttl ms, wake channel ("" for none: a burst sent together wakes them once, from its last
+# job; that wake-up goes out even if that job's id is refused), score (enqueue time in ms, as arq scores it).
 ENQUEUE = """
+if ARGV[4] ~= '' then redis.call('PUBLISH', ARGV[4], '1') end
 if redis.call('EXISTS', KEYS[1], KEYS[2]) > 0 then return 0 end
 redis.call('PSETEX', KEYS[1], ARGV[3], ARGV[2])
 redis.call('ZADD', KEYS[3], ARGV[5], ARGV[1])
-redis.call('PUBLISH', ARGV[4], '1')
 return 1
 """
 

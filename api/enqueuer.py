@@ -3,8 +3,9 @@
 A web backend that fans a request out into 32 jobs submits them concurrently; one ENQUEUE call each took
 32 round trips on up to 32 pooled connections, and the jobs landed in Redis over ~5 ms, each with its own
 wake-up, so a worker saw the burst trickle in. Here the first submit of an event-loop pass schedules one
-pipeline that carries every submit made in the same pass: the burst lands at once, and a lone submit
-costs what it did.
+pipeline that carries every submit made in the same pass: the burst lands at once, with one wake-up per
+model instead of one per job (each cost every worker of the model a pub/sub read), and a lone submit costs
+what it did.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from redis.exceptions import NoScriptError
 from .connection import ENQUEUE
 
 __all__ = ["Enqueuer"]
+
+_WAKE = 3  # ENQUEUE's argument naming the wake channel
 
 
 @dataclass(slots=True)
@@ -93,6 +96,8 @@ class Enqueuer:
             except NoScriptError as exc:
                 return [exc]
         pipe = self.redis.pipeline(transaction=False)
-        for c in calls:
-            pipe.evalsha(self.sha, len(c.keys), *c.keys, *c.args)
+        last = {c.args[_WAKE]: i for i, c in enumerate(calls)}  # each wake channel's last call wakes it
+        for i, c in enumerate(calls):
+            args = c.args if last[c.args[_WAKE]] == i else [*c.args[:_WAKE], "", *c.args[_WAKE + 1:]]
+            pipe.evalsha(self.sha, len(c.keys), *c.keys, *args)
         return list(await pipe.execute(raise_on_error=False))

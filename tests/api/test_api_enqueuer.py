@@ -38,6 +38,29 @@ async def test_a_burst_of_submits_is_one_round_trip(client: Client, redis_url: s
     assert {i: p["prompt"] for i, p in jobs.items()} == {"warm": "p"} | {f"j{i}": f"p{i}" for i in range(20)}
 
 
+async def test_a_burst_wakes_the_models_workers_once_even_if_its_last_id_is_refused(client: Client,
+                                                                                   redis_url: str) -> None:
+    await client.submit(model=MODEL, prompt="p", id="dup")
+    r = aredis.Redis.from_url(redis_url)
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(client.keys.wake_channel(MODEL), client.keys.wake_channel("other"))
+    try:
+        ids = [f"w{i}" for i in range(5)] + ["dup"]
+        outcomes = await asyncio.gather(*(client.submit(model=MODEL, prompt="p", id=i) for i in ids),
+                                        client.submit(model="other", prompt="p", id="o1"), return_exceptions=True)
+        assert isinstance(outcomes[5], DuplicateJob)
+        wakes = []
+        deadline = asyncio.get_running_loop().time() + 0.5
+        while asyncio.get_running_loop().time() < deadline:  # (confirmations of the SUBSCRIBE read as None)
+            msg = await pubsub.get_message(timeout=0.05)
+            if msg is not None:
+                wakes.append(msg["channel"].decode())
+        assert sorted(wakes) == sorted([client.keys.wake_channel(MODEL), client.keys.wake_channel("other")])
+    finally:
+        await pubsub.aclose()
+        await r.aclose()
+
+
 async def test_sequential_submits_each_go_alone(client: Client, redis_url: str) -> None:
     await client.submit(model=MODEL, prompt="p", id="s0")
     before = client._enqueuer.round_trips
