@@ -104,10 +104,19 @@ async def test_a_burst_of_releases_unsubscribes_in_one_command_and_keeps_reopene
         assert sent == [("ch1", "ch2", "ch3", "ch4")]
         await redis.publish("ch0", b"still here")
         assert await again.get(5.0) == b"still here"
+        hub.idle_close_s = 0.05
         await again.close()
         await subs[5].close()
         await asyncio.sleep(0.01)
-        assert hub._pubsub is None and hub._subs == {}  # the last reader left: the connection is closed
+        assert hub._pubsub is not None  # idle, but kept a while for the next burst
+        reopened = await hub.open("ch5")
+        await asyncio.sleep(0.1)
+        assert hub._pubsub is not None  # a reader came back before the idle close
+        await redis.publish("ch5", b"back")
+        assert await reopened.get(5.0) == b"back"
+        await reopened.close()
+        await asyncio.sleep(0.1)
+        assert hub._pubsub is None and hub._subs == {}  # idle for idle_close_s: the connection is closed
     finally:
         await hub.aclose()
         await redis.aclose()
