@@ -138,6 +138,12 @@ class Publisher:
             only_cancels, self._cancels = len(batch) == self._cancels, 0
             await self.write(self._events_of(coalesce(batch)), step=not only_cancels)
 
+    async def finish(self, job: Job) -> None:
+        """End ``job``'s arq job and drop its lease without an event: an earlier run published its end."""
+        async with self._lock:
+            await self._send([Batch(job.rid, job.token, [], "end")])
+        self.stats.other_writes += 1
+
     def _events_of(self, outs: list[RequestOutput]) -> list[tuple[Job, Wire]]:
         items: list[tuple[Job, Wire]] = []
         for out in outs:

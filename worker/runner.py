@@ -26,12 +26,11 @@ import arq.worker
 if TYPE_CHECKING:
     from .service import ModelService, Started
 
-__all__ = ["ON_CLAIMED", "SERVICE", "run_started", "spawn", "start_jobs"]
+__all__ = ["SERVICE", "run_started", "spawn", "start_jobs"]
 
 log = logging.getLogger(__name__)
 
 SERVICE = "mlxq"  # arq ctx key of the worker's ModelService
-ON_CLAIMED = "mlxq_on_claimed"  # arq ctx key: a callable told how many jobs one call started
 
 
 async def start_jobs(worker: arq.worker.Worker, job_ids: list[str], free: int) -> None:
@@ -39,9 +38,8 @@ async def start_jobs(worker: arq.worker.Worker, job_ids: list[str], free: int) -
     service: ModelService = worker.ctx[SERVICE]
     started = await service.claim(job_ids, free, int(worker.in_progress_timeout_s * 1000))
     leased = [s for s in started if s.acquired]
-    on_claimed = worker.ctx.get(ON_CLAIMED)
-    if leased and on_claimed is not None:
-        on_claimed(len(leased))
+    if leased:
+        service.on_claimed(len(leased))
     for s in started:
         if not s.acquired:
             worker.jobs_retried += 1

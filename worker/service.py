@@ -208,12 +208,7 @@ class ModelService:
 
     async def _release(self, job: Job) -> None:
         """Drop the lease and finish the arq job of a job an earlier run already ended."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(self.keys.lease(job.rid), in_progress_key_prefix + job.rid, job_key_prefix + job.rid,
-                    retry_key_prefix + job.rid)
-        pipe.hdel(self.keys.running(), job.rid)
-        pipe.zrem(self.config.queue_name, job.rid)
-        await pipe.execute()
+        await self.publisher.finish(job)
 
     async def _run(self, job: Job, req: GenerateRequest, tokens: list[int]) -> str:
         assert self.engine is not None

@@ -27,8 +27,7 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
 
     async def startup(ctx: dict[str, Any]) -> None:
         _configure_logging()
-        service = ctx[runner.SERVICE] = await ModelService.start(config)
-        ctx[runner.ON_CLAIMED] = service.on_claimed
+        ctx[runner.SERVICE] = await ModelService.start(config)
 
     async def shutdown(ctx: dict[str, Any]) -> None:
         service: ModelService | None = ctx.get(runner.SERVICE)

@@ -15,7 +15,7 @@ from arq.worker import Worker, func
 from api.client import Client
 from api.connection import JOB_FUNCTION, arq_pool, dumps_job, loads_job, redis_settings
 from tests.support import config_with, start_worker
-from worker import claims, runner, waker
+from worker import claims, waker
 from worker.scripts import CLAIM, Script
 
 QUEUE = "claims-test:queue"
@@ -105,7 +105,6 @@ async def test_jobs_claimed_together_reach_an_idle_engine_in_one_step(worker_con
             return int(insert(*args))
 
         backend.insert = recording_insert
-        assert runner.ON_CLAIMED in running.worker.ctx
         running.worker.allow_pick_jobs = True
         waker.wake()
         for rid in rids:
