@@ -4,8 +4,8 @@ A web backend that fans a request out into 32 jobs submits them concurrently; on
 32 round trips on up to 32 pooled connections, and the jobs landed in Redis over ~5 ms, each with its own
 wake-up, so a worker saw the burst trickle in. Here the first submit of an event-loop pass schedules one
 pipeline that carries every submit made in the same pass: the burst lands at once, with one wake-up per
-model instead of one per job (each cost every worker of the model a pub/sub read), and a lone submit costs
-what it did.
+model instead of one per job (each cost every worker of the model a pub/sub read). The price: a lone submit
+waits one event-loop pass for company, and goes out from a task of its own.
 """
 
 from __future__ import annotations
