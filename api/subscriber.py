@@ -116,9 +116,7 @@ class Subscriber:
         for ~6 ms here, which delayed the burst's enqueues.
         """
         sub = Subscription(self, channel)
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        self._cancel_idle_close()
         if channel not in self._subs:
             self._unsent.add(channel)
         self._subs.setdefault(channel, set()).add(sub)
@@ -193,6 +191,11 @@ class Subscriber:
             if not self._subs and self._idle is None:
                 self._idle = asyncio.get_running_loop().call_later(self.idle_close_s, self._close_if_idle)
 
+    def _cancel_idle_close(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
     def _close_if_idle(self) -> None:
         self._idle = None
         self._closer = asyncio.get_running_loop().create_task(self._close_idle())
@@ -239,9 +242,7 @@ class Subscriber:
             await self._close()
 
     async def _close(self) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        self._cancel_idle_close()
         if self._batch is not None:  # openers still waiting for a send: there will be none
             self._batch.cancel()
             self._batch = None

@@ -151,9 +151,15 @@ class Scheduler:
         now = self._clock()
         if now <= self._next_deadline:  # the common case: no scan of every request each step
             return
-        live = [r.deadline for r in self.requests() if r.deadline is not None and now <= r.deadline]
-        self._next_deadline = min(live, default=math.inf)
-        late = [r.rid for r in self.requests() if r.deadline is not None and now > r.deadline]
+        late: list[str] = []
+        self._next_deadline = math.inf
+        for r in self.requests():
+            if r.deadline is None:
+                continue
+            if now > r.deadline:
+                late.append(r.rid)
+            else:
+                self._next_deadline = min(self._next_deadline, r.deadline)
         for rid in late:
             out = self.abort(rid, FinishReason.ERROR, "timeout", "the job ran past its deadline")
             if out is not None:

@@ -3,13 +3,14 @@
 arq polls its queue on a fixed period: a short period adds little latency but costs a Redis round trip
 (and GIL time next to the MLX thread) every few ms even when idle; a long one adds up to a period to every
 job's start. Producers (``api.client.Client.submit``) publish a wake-up on ``<prefix>:wake:<model>``
-with each job, and the service wakes the poll when a job ends (a batch slot is free), so arq's poll can
-sleep for ``poll_delay`` as a fallback (lost wake-ups, deferred retries, producers that send none).
+with each burst of jobs, and a job's end wakes the poll when jobs wait for its slot
+(``settings.after_job_end``), so arq's poll can sleep for ``poll_delay`` as a fallback (lost wake-ups,
+deferred retries, producers that send none).
 
-A burst of enqueues arrives as a burst of wake-ups, and polling at the first one claims a job or two, then
-the rest in pieces, each piece a prefill step of its own. So once woken, the poll waits while wake-ups keep
-coming less than ``_BURST_GAP_S`` apart (at most ``_BURST_MAX_S``) and claims the burst in one call; a lone
-job waits ``_BURST_GAP_S`` more.
+Enqueues from several producers arrive as a burst of wake-ups, and polling at the first one claims a job
+or two, then the rest in pieces, each piece a prefill step of its own. So once woken, the poll waits while
+wake-ups keep coming less than ``_BURST_GAP_S`` apart (at most ``_BURST_MAX_S``) and claims the burst in
+one call; a lone job waits ``_BURST_GAP_S`` more.
 
 arq 0.28 (pinned) reads its ``poll`` helper from ``arq.worker``'s globals in ``Worker.main``; :func:`install`
 replaces it with :func:`wakeable_poll`, which sleeps until the period ends or :func:`wake` is called.
