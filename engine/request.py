@@ -83,6 +83,8 @@ def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
     When the consumer falls behind the engine (tiny models step in about a millisecond), this turns many
     small token events into a few larger ones instead of queueing work per token. The inputs are not changed.
     """
+    if len({out.rid for out in outputs}) == len(outputs):
+        return list(outputs)  # the common case, one output per request (the engine's pacer merged them)
     merged: dict[str, RequestOutput] = {}
     for out in outputs:
         acc = merged.get(out.rid)

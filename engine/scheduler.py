@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .batch import BatchBackend, BatchToken
+from .batch import BatchBackend, GeneratedToken
 from .request import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from .stops import StopMatcher
 
@@ -190,12 +190,12 @@ class Scheduler:
             out = outs.get(req.rid)
             out.started, out.prompt_tokens = True, len(req.prompt_tokens)
 
-    def _on_token(self, tok: BatchToken, outs: _StepOutputs) -> None:
+    def _on_token(self, tok: GeneratedToken, outs: _StepOutputs) -> None:
         seq = self._running.get(tok.uid)
         if seq is None:  # removed since the step began
             return
         out = outs.get(seq.req.rid)
-        if tok.finish == "stop":  # EOS: not part of the text (as mlx_lm.generate)
+        if tok.finish_reason == "stop":  # EOS: not part of the text (as mlx_lm.generate)
             self._finish(seq, out, FinishReason.STOP, removed=True)
             return
         seq.generated += 1
@@ -204,7 +204,7 @@ class Scheduler:
         seq.detok.add_token(tok.token)
         if _take_text(seq, out):
             self._finish(seq, out, FinishReason.STOP, removed=False, flush=False)
-        elif tok.finish == "length":
+        elif tok.finish_reason == "length":
             self._finish(seq, out, FinishReason.LENGTH, removed=True)
 
     def _finish(

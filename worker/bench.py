@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import importlib.metadata
 import json
 import os
@@ -51,6 +50,7 @@ from api.client import Client
 from api.connection import redis_client
 from api.schema import DoneEvent, ErrorEvent
 
+from .blas import OPENBLAS, blas_of, coretype_for, cpu_flags, openblas, openblas_core
 from .config import WorkerConfig
 from .process import WorkerProcess
 from .redis_server import RedisServer
@@ -61,11 +61,10 @@ if TYPE_CHECKING:
     from engine.loader import LoadedModel
 
 __all__ = [
-    "OPENBLAS", "BenchConfig", "BenchResult", "RawPath", "WorkerStats", "blas_of", "parse_stats",
+    "BenchConfig", "BenchResult", "RawPath", "WorkerStats", "parse_stats",
     "render_markdown", "run_bench", "write_outputs",
 ]
 
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
 _REEXEC_MARK = "MLXQ_BENCH_REEXEC"  # set in the re-executed process: never re-exec twice
 _ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Hello world number {i} the quick brown fox"  # as in /work/shared/PERF-ANCHORS.md
@@ -88,6 +87,7 @@ class BenchConfig:
     concurrency: tuple[int, ...] = (1, 8, 32)
     max_tokens: int = 64
     repeats: int = 7  # measured runs per N on raw and queue, in pairs (the machine is noisy: ±20 % run to run)
+    tiny_repeats: int = 15  # the tiny model's runs take under a second: more pairs cost little, steady the medians
     serial_repeats: int = 1  # serial runs are N jobs back to back: already an average
     blas_repeats: int = 3  # raw runs per OpenBLAS thread count when choosing it
     warmup_tokens: int = 8
@@ -97,6 +97,10 @@ class BenchConfig:
     enqueue_jobs: int = 2000
     enqueue_batch: int = 64
     quick: bool = False
+
+    def repeats_for(self, size: str) -> int:
+        """Measured raw/queue pairs per N for a model size."""
+        return self.tiny_repeats if size == "tiny" else self.repeats
 
     @property
     def capacity(self) -> int:
@@ -117,7 +121,8 @@ class BenchConfig:
 
     @classmethod
     def quick_config(cls) -> BenchConfig:
-        return cls(sizes=("tiny",), concurrency=(1, 4), max_tokens=16, repeats=1, blas_repeats=1, warmup_tokens=4,
+        return cls(sizes=("tiny",), concurrency=(1, 4), max_tokens=16, repeats=1, tiny_repeats=1, blas_repeats=1,
+                   warmup_tokens=4,
                    ttft_probes=5, cancel_max_tokens=128, cancel_wait=(2, 8), enqueue_jobs=200, quick=True)
 
 
@@ -452,11 +457,20 @@ def _maybe_reexec(args: argparse.Namespace) -> None:
              "(install it: apt-get install libopenblas0-pthread)")
         return
     preload = os.environ.get("LD_PRELOAD", "")
-    if str(OPENBLAS) in preload:
+    core = None if os.environ.get("OPENBLAS_CORETYPE") else openblas_core(OPENBLAS)  # the operator's stands
+    coretype = coretype_for(core, cpu_flags())
+    if str(OPENBLAS) in preload and coretype is None:
         return
-    env = {**os.environ, _REEXEC_MARK: "1", "LD_PRELOAD": " ".join(p for p in (str(OPENBLAS), preload) if p)}
+    env = {**os.environ, _REEXEC_MARK: "1"}
+    if str(OPENBLAS) not in preload:
+        env["LD_PRELOAD"] = " ".join(p for p in (str(OPENBLAS), preload) if p)
+    if coretype is not None:  # the workers inherit it
+        env["OPENBLAS_CORETYPE"] = coretype
+        _say(f"BLAS: OpenBLAS does not know this CPU and chose its generic {core} kernels; "
+             f"setting OPENBLAS_CORETYPE={coretype}, which the CPU's flags allow (on an AVX-512 Xeon the generic "
+             "kernels ran gemm 4-5x slower)")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
-    _say(f"BLAS: re-executing with LD_PRELOAD={OPENBLAS}")
+    _say(f"BLAS: re-executing with LD_PRELOAD={env['LD_PRELOAD']}")
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "worker.cli", *_argv_of(args)], env)
@@ -471,23 +485,6 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
         if value is not None:
             argv += [flag, str(value)]
     return argv
-
-
-def blas_of(pid: int | str = "self") -> str:
-    """Which BLAS serves mlx in a process: a preloaded one it has mapped, else mlx-cpu's bundled one.
-
-    Only LD_PRELOAD entries count (child processes inherit ours): numpy maps an OpenBLAS of its own that
-    mlx never calls.
-    """
-    try:
-        maps = Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return "unknown (no /proc)"
-    mapped = {line.split()[-1] for line in maps.splitlines() if "/" in line}
-    for lib in re.split(r"[\s:]+", os.environ.get("LD_PRELOAD", "")):
-        if "blas" in lib.lower() and (lib in mapped or os.path.realpath(lib) in mapped):
-            return f"{'openblas' if 'openblas' in lib.lower() else 'preloaded'} ({lib})"
-    return "bundled (mlx-cpu reference BLAS)"
 
 
 def _machine() -> dict[str, Any]:
@@ -541,15 +538,9 @@ def _redis_version(url: str) -> str:
         client.close()
 
 
-@functools.cache
 def _openblas() -> Any:
     """The preloaded OpenBLAS (ctypes), or None when mlx runs another BLAS."""
-    if not blas_of().startswith("openblas"):
-        return None
-    import ctypes
-
-    lib = ctypes.CDLL(str(OPENBLAS))
-    return lib if hasattr(lib, "openblas_set_num_threads") else None
+    return openblas(OPENBLAS) if blas_of().startswith("openblas") else None
 
 
 def pick_threads(raw_tok_s: dict[int, list[float]], margin: float = _BLAS_MARGIN) -> int:
@@ -723,7 +714,7 @@ async def _measure_pair(ctx: _DriveContext, client: Client, raw: RawPath, n: int
     await _queue_run(client, ctx.model, prompts, cfg.warmup_tokens)
     raw_runs: list[Run] = []
     queue_runs: list[Run] = []
-    for _ in range(cfg.repeats):
+    for _ in range(cfg.repeats_for(ctx.model)):
         with _frozen(ctx.worker), raw.meter.running():
             raw_runs.append(await raw.run(prompts, cfg.max_tokens))
         with ctx.meter.running():
@@ -985,7 +976,8 @@ def _md_header(result: BenchResult) -> list[str]:
            f"`apt-get install libopenblas0-pthread`, then `mlxq bench` preloads {OPENBLAS}).", ""]
           if m["blas"].startswith("bundled") else []),
         f"Generated random-weight models; greedy; max_tokens {c.max_tokens}; prompts \"{PROMPT}\". "
-        f"Throughput: best of {c.repeats} run(s) for raw and queue, which alternate run by run at each N "
+        f"Throughput: best of {c.repeats} run(s) ({c.tiny_repeats} for the tiny model) for raw and queue, "
+        "which alternate run by run at each N "
         "(the idle queue worker SIGSTOPped during raw runs), and of "
         f"{c.serial_repeats} for serial, each after a warm-up. Aggregate tok/s = completion tokens / "
         "(first submit → last terminal event; raw: insert → last token). TTFT pooled over those runs "

@@ -70,6 +70,57 @@ async def test_sequential_submits_each_go_alone(client: Client, redis_url: str) 
     assert set(await queued(redis_url)) == {"s0", "s1", "s2", "s3"}
 
 
+async def test_submits_made_while_a_send_is_in_flight_go_out_together_next(client: Client, redis_url: str) -> None:
+    await client.submit(model=MODEL, prompt="p", id="warm")
+    enq = client._enqueuer
+    real, gate, sizes = enq._exchange, asyncio.Event(), []
+
+    async def held(commands: list[tuple[Any, ...]]) -> list[Any]:  # the first send waits in flight
+        sizes.append(len(commands))
+        if len(sizes) == 1:
+            await gate.wait()
+        return await real(commands)
+
+    enq._exchange = held  # type: ignore[method-assign]
+    first = asyncio.ensure_future(client.submit(model=MODEL, prompt="p", id="first"))
+    while not sizes:
+        await asyncio.sleep(0)
+    later = asyncio.gather(*(client.submit(model=MODEL, prompt="p", id=f"later{i}") for i in range(5)))
+    for _ in range(3):
+        await asyncio.sleep(0)  # every later submit is waiting for the sender
+    gate.set()
+    assert await first == "first" and await later == [f"later{i}" for i in range(5)]
+    assert sizes == [1, 5]  # one pipeline for the five, sent when the first came back
+    assert set(await queued(redis_url)) == {"warm", "first", *(f"later{i}" for i in range(5))}
+
+
+async def test_a_send_cancelled_before_its_reply_leaves_none_to_misread(client: Client, redis_url: str) -> None:
+    await client.submit(model=MODEL, prompt="p", id="warm")
+    enq = client._enqueuer
+    conn = enq._conn
+    assert conn is not None
+    real_read, entered, gate = conn.read_response, asyncio.Event(), asyncio.Event()
+
+    async def stuck(*args: Any, **kwargs: Any) -> Any:  # the reply sits unread on the connection
+        entered.set()
+        await gate.wait()
+        return await real_read(*args, **kwargs)
+
+    conn.read_response = stuck  # type: ignore[method-assign]
+    first = asyncio.ensure_future(client.submit(model=MODEL, prompt="p", id="dup"))
+    await entered.wait()
+    assert enq._sender is not None
+    enq._sender.cancel()  # as a closing event loop does
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    gate.set()  # a reused connection would now read the first reply
+    # Redis ran the first ENQUEUE; had its reply (1) been left for the next send, this would not fail
+    with pytest.raises(DuplicateJob):
+        await client.submit(model=MODEL, prompt="p", id="dup")
+    assert await client.submit(model=MODEL, prompt="p", id="next") == "next"
+    assert enq._conn is not conn
+
+
 async def test_a_duplicate_in_a_burst_fails_alone(client: Client, redis_url: str) -> None:
     await client.submit(model=MODEL, prompt="first", id="taken")
     outcomes = await asyncio.gather(

@@ -64,6 +64,14 @@ async def test_a_burst_of_opens_subscribes_in_one_command_and_every_reader_gets_
         await redis.aclose()
 
 
+async def assert_a_new_open_receives(hub: Subscriber, redis: Any, channel: str, data: bytes) -> None:
+    """After a failure, a fresh open of ``channel`` subscribes again and gets what is published on it."""
+    sub = await hub.open(channel)
+    await redis.publish(channel, data)
+    assert await sub.get(5.0) == data
+    await sub.close()
+
+
 async def test_a_failed_subscribe_fails_its_burst_and_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
     redis = fakeredis.FakeAsyncRedis()
     hub = Subscriber(redis)
@@ -76,10 +84,7 @@ async def test_a_failed_subscribe_fails_its_burst_and_leaves_nothing_behind(monk
             results = await asyncio.gather(*(hub.open(f"ch{i}") for i in range(3)), return_exceptions=True)
         assert all(isinstance(r, RedisConnectionError) for r in results)
         assert hub._subs == {} and hub._unsent == set()
-        sub = await hub.open("ch0")  # the next burst subscribes again
-        await redis.publish("ch0", b"ok")
-        assert await sub.get(5.0) == b"ok"
-        await sub.close()
+        await assert_a_new_open_receives(hub, redis, "ch0", b"ok")  # the next burst subscribes again
     finally:
         await hub.aclose()
         await redis.aclose()
@@ -149,10 +154,7 @@ async def test_a_killed_connection_breaks_every_stream_and_the_next_open_reconne
             with pytest.raises(RedisConnectionError):
                 while await sub.get(5.0) is not None:
                     pass
-        again = await hub.open("k1")  # readers replay from the log and subscribe again
-        await redis.publish("k1", b"after")
-        assert await again.get(5.0) == b"after"
-        await again.close()
+        await assert_a_new_open_receives(hub, redis, "k1", b"after")  # readers replay from the log, subscribe again
     finally:
         await hub.aclose()
         await redis.aclose()

@@ -62,7 +62,7 @@ class FakeBackend:
             raise self.step_error
         toks = self.script.popleft() if self.script else []
         for t in toks:
-            if t.finish is not None:  # like BatchGenerator: a finished sequence leaves the batch itself
+            if t.finish_reason is not None:  # like BatchGenerator: a finished sequence leaves the batch itself
                 self.live.discard(t.uid)
         return toks
 
@@ -675,6 +675,14 @@ def test_coalesce_merges_steps_per_request_in_order() -> None:
     assert (a.token_ids, a.text, a.started, a.prompt_tokens, a.completion_tokens, a.finish) == (
         [1, 2, 3], "xyz", True, 3, 3, FinishReason.LENGTH)
     assert outs[0].token_ids == [1]  # inputs untouched
+
+
+def test_coalesce_hands_back_one_output_per_request_as_it_is() -> None:
+    from engine.request import coalesce
+
+    outs = [RequestOutput("a", [1], "x", completion_tokens=1), RequestOutput("b", [2], "y", completion_tokens=4)]
+    merged = coalesce(outs)
+    assert merged == outs and all(m is o for m, o in zip(merged, outs)) and merged is not outs
 
 
 def test_coalesce_drops_outputs_after_a_requests_end() -> None:

@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import pytest
 
-from worker import bench
+from worker import bench, blas
 from worker.cli import _parser
 
 
@@ -133,6 +133,7 @@ def test_targets_are_judged_from_the_reported_numbers(results: dict[str, Any]) -
 def test_config_defaults_quick_and_overrides(tmp_path: Path) -> None:
     full = bench.BenchConfig.from_args(_args(tmp_path, quick=False))
     assert (full.sizes, full.concurrency, full.max_tokens, full.capacity) == (("tiny", "small"), (1, 8, 32), 64, 32)
+    assert (full.repeats_for("tiny"), full.repeats_for("small")) == (15, 7)  # tiny runs are short: more pairs
     over = bench.BenchConfig.from_args(_args(tmp_path, sizes="small", concurrency="16,2,2", max_tokens=5))
     assert (over.sizes, over.concurrency, over.max_tokens, over.quick) == (("small",), (2, 16), 5, True)
 
@@ -163,6 +164,47 @@ def test_reexec_runs_the_same_command_with_openblas_preloaded(
     monkeypatch.setenv("LD_PRELOAD", str(lib))  # already preloaded: no second exec
     bench._maybe_reexec(_args(tmp_path))
     assert calls == []
+
+
+def test_reexec_names_openblas_kernels_when_it_fell_back_to_generic_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lib = tmp_path / "libblas.so.3"
+    lib.write_bytes(b"")
+    calls: list[dict[str, str]] = []
+    monkeypatch.setattr(bench, "OPENBLAS", lib)
+    monkeypatch.setattr(bench.sys, "platform", "linux")
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: calls.append(dict(env)))
+    monkeypatch.setattr(bench, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512cd", "avx512bw",
+                                                               "avx512dq", "avx512vl"}))
+    monkeypatch.delenv("MLXQ_BENCH_REEXEC", raising=False)
+    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
+    monkeypatch.setenv("LD_PRELOAD", str(lib))  # preloaded already, but on the generic kernels: exec once more
+    monkeypatch.setattr(bench, "openblas_core", lambda path: "Prescott")
+    bench._maybe_reexec(_args(tmp_path))
+    (env,) = calls
+    assert env["OPENBLAS_CORETYPE"] == "SkylakeX" and env["LD_PRELOAD"] == str(lib)
+    calls.clear()
+    monkeypatch.setattr(bench, "openblas_core", lambda path: "SkylakeX")  # it knows the CPU: nothing to do
+    bench._maybe_reexec(_args(tmp_path))
+    monkeypatch.setattr(bench, "openblas_core", lambda path: "Prescott")
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")  # the operator's choice stands
+    bench._maybe_reexec(_args(tmp_path))
+    assert calls == []
+
+
+def test_coretype_for_takes_the_fastest_kernels_the_cpu_flags_allow(tmp_path: Path) -> None:
+    avx512 = frozenset({"avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+    assert blas.coretype_for("Prescott", avx512) == "SkylakeX"
+    assert blas.coretype_for("Prescott", frozenset({"sse3", "avx", "avx2", "fma"})) == "Haswell"
+    assert blas.coretype_for("Prescott", frozenset({"sse3"})) is None  # generic is all it can run
+    assert blas.coretype_for("Haswell", avx512) is None  # a kernel set it chose for a CPU it knows
+    assert blas.coretype_for(None, avx512) is None  # no OpenBLAS
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse3 avx2\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert blas.cpu_flags(cpuinfo) == {"fpu", "sse3", "avx2"}
+    assert blas.cpu_flags(tmp_path / "missing") == frozenset()
+    assert blas.openblas_core(tmp_path / "missing.so") is None
 
 
 def test_parse_stats_takes_the_last_stats_line(tmp_path: Path) -> None:

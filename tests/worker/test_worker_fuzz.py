@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 import redis
@@ -295,19 +294,18 @@ def test_worker_accepts_valid_requests_that_fit(validator: Validator, fields: di
 # --- the client API --------------------------------------------------------------------------------
 @dataclass
 class RecordingPool:
-    """Stands in for the client's arq pool: records enqueues."""
+    """Stands in for the enqueuer's Redis connection: records the enqueues it would send."""
 
     calls: list[tuple[str, Any, str, str]] = field(default_factory=list)
 
-    async def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> int:
-        """The client enqueues through one Lua script: record what it would store."""
-        keys, args = keys_and_args[:numkeys], keys_and_args[numkeys:]
-        job_id, job = args[0], json.loads(args[1])
-        self.calls.append((job["f"], job["a"][0], job_id, keys[2]))
-        return 1
-
-    async def aclose(self) -> None:
-        pass
+    async def exchange(self, commands: list[tuple[Any, ...]]) -> list[int]:
+        """The client enqueues through one Lua script (EVALSHA sha numkeys keys... args...): record what it
+        would store."""
+        for _, _sha, numkeys, *keys_and_args in commands:
+            keys, args = keys_and_args[:numkeys], keys_and_args[numkeys:]
+            job_id, job = args[0], json.loads(args[1])
+            self.calls.append((job["f"], job["a"][0], job_id, keys[2]))
+        return [1] * len(commands)
 
 
 @dataclass
@@ -325,8 +323,8 @@ class OfflineClient:
 def offline_client() -> Iterator[OfflineClient]:
     pool = RecordingPool()
     loop = asyncio.new_event_loop()
-    with mock.patch("api.client.arq_pool", lambda url: pool):
-        client = Client("redis://127.0.0.1:1")
+    client = Client("redis://127.0.0.1:1")  # never connects: the enqueuer's sends are recorded
+    client._enqueuer._exchange = pool.exchange  # type: ignore[method-assign]
     yield OfflineClient(client, pool, loop)
     loop.run_until_complete(client.aclose())
     loop.close()
