@@ -4,6 +4,12 @@ A web backend may follow thousands of jobs at once; a connection per job would c
 and the backend a reader task each. Here one reader task reads the shared connection and routes each
 message to the queues of the streams following its channel. If the connection breaks, every stream is
 told (its ``get`` raises), so it can replay what it missed from the job's log and subscribe again.
+
+The pub/sub connection comes from a pool of its own, without redis-py's retries. redis-py's PubSub does not
+serialize a command with ``aclose``: a SUBSCRIBE or UNSUBSCRIBE retrying after a break reconnected the
+connection that ``aclose`` had just handed back to the pool commands share, and sent on it; the next
+command taken from that pool read the stale ``unsubscribe`` reply (seen in the chaos test as an XRANGE that
+failed to parse). Retries are not needed here: a break already makes every stream replay and subscribe anew.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import logging
 from collections import deque
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -22,6 +29,17 @@ __all__ = ["Subscriber", "Subscription"]
 
 log = logging.getLogger(__name__)
 _BROKEN = object()  # queued to every subscription when the shared connection fails
+
+
+_RETRY_KWARGS = ("retry", "retry_on_error", "retry_on_timeout")
+
+
+def own_pubsub(redis: Redis) -> PubSub:
+    """A PubSub on a one-connection pool of its own, with ``redis``'s address and timeouts, no retries."""
+    shared = redis.connection_pool
+    kwargs = {k: v for k, v in shared.connection_kwargs.items() if k not in _RETRY_KWARGS}
+    pool = ConnectionPool(connection_class=shared.connection_class, max_connections=1, **kwargs)
+    return PubSub(pool, ignore_subscribe_messages=True)
 
 
 class Subscription:
@@ -97,7 +115,7 @@ class Subscriber:
 
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
-        self._pubsub: Any = None
+        self._pubsub: PubSub | None = None
         self._reader: asyncio.Task[None] | None = None
         self._subs: dict[str, set[Subscription]] = {}
         self._unsent: set[str] = set()  # channels with readers but no SUBSCRIBE sent yet
@@ -143,11 +161,12 @@ class Subscriber:
             channels = sorted(self._unsent)
             try:
                 if self._pubsub is None:
-                    self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                    self._pubsub = own_pubsub(self.redis)
                 if channels:
                     await self._pubsub.subscribe(*channels)
                 self._unsent.difference_update(channels)
-                if self._reader is None or self._reader.done():
+                # No SUBSCRIBE yet (its openers left before the send): no connection to read either.
+                if self._pubsub.connection is not None and (self._reader is None or self._reader.done()):
                     self._reader = asyncio.create_task(self._read(self._pubsub))
             except asyncio.CancelledError:
                 done.cancel()
@@ -205,11 +224,12 @@ class Subscriber:
             if not self._subs:  # nobody opened a subscription since the timer was set
                 await self._drop_connection()
 
-    async def _read(self, pubsub: Any) -> None:
+    async def _read(self, pubsub: PubSub) -> None:
         # The connection's own read rather than PubSub.get_message, whose health check, retry wrapper and
         # dict per message were a fifth of a client's CPU following 32 jobs; replies other than messages
         # (subscribe confirmations) still go through redis-py's handler, which keeps its own books on them.
         conn = pubsub.connection  # made by the first SUBSCRIBE, which precedes this reader
+        assert conn is not None
         while pubsub is self._pubsub:
             try:
                 reply = await conn.read_response()  # blocks: no timer per message; close() cancels
@@ -224,7 +244,7 @@ class Subscriber:
             for sub in self._subs.get(channel, ()):
                 sub.put(reply[2])
 
-    async def _break(self, pubsub: Any) -> None:
+    async def _break(self, pubsub: PubSub) -> None:
         # Every stream replays from its log and subscribes again on a fresh connection.
         self._pubsub = None
         subs = [s for group in self._subs.values() for s in group]
@@ -233,8 +253,7 @@ class Subscriber:
         self._leaving.clear()
         for sub in subs:
             sub.put(_BROKEN)
-        with contextlib.suppress(Exception):
-            await pubsub.aclose()
+        await _close_pubsub(pubsub)
 
     async def aclose(self) -> None:
         """Stop reading and close the connection."""
@@ -263,5 +282,10 @@ class Subscriber:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
         if pubsub is not None:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()
+            await _close_pubsub(pubsub)
+
+
+async def _close_pubsub(pubsub: PubSub) -> None:
+    with contextlib.suppress(Exception):
+        await pubsub.aclose()
+    await pubsub.connection_pool.aclose()
