@@ -42,6 +42,7 @@ class WorkerConfig:
     max_tries: int = 3  # MLXQ_MAX_TRIES: runs of one job (after worker loss or shutdown)
     cancel_poll_s: float = 0.25  # MLXQ_CANCEL_POLL: backstop poll of cancel keys (pub/sub is the fast path)
     drain_timeout_s: float = 30.0  # MLXQ_DRAIN_TIMEOUT: on SIGTERM, how long running jobs may finish
+    shutdown_grace_s: float = 10.0  # MLXQ_SHUTDOWN_GRACE: past the drain, a hung shutdown dumps stacks, exits 1
     lease_ttl_s: float = 10.0  # MLXQ_LEASE_TTL: a running job's lease; the reaper re-runs jobs without one
     reap_interval_s: float = 2.0  # MLXQ_REAP_INTERVAL: how often each worker looks for lost jobs
     live_ttl_s: int = LIVE_TTL_S  # MLXQ_LIVE_TTL: replay log TTL while a job runs (refreshed on every write)
@@ -98,6 +99,7 @@ class WorkerConfig:
             max_tries=int(env.get("MLXQ_MAX_TRIES", d.max_tries)),
             cancel_poll_s=float(env.get("MLXQ_CANCEL_POLL", d.cancel_poll_s)),
             drain_timeout_s=float(env.get("MLXQ_DRAIN_TIMEOUT", d.drain_timeout_s)),
+            shutdown_grace_s=float(env.get("MLXQ_SHUTDOWN_GRACE", d.shutdown_grace_s)),
             lease_ttl_s=float(env.get("MLXQ_LEASE_TTL", d.lease_ttl_s)),
             reap_interval_s=float(env.get("MLXQ_REAP_INTERVAL", d.reap_interval_s)),
             live_ttl_s=int(env.get("MLXQ_LIVE_TTL", d.live_ttl_s)),

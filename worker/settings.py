@@ -15,7 +15,7 @@ from arq.worker import func
 
 from api.connection import JOB_FUNCTION, dumps_job, loads_job, redis_settings
 
-from . import claims, runner, waker
+from . import claims, runner, waker, watchdog
 from .config import WorkerConfig
 from .service import ModelService
 
@@ -66,6 +66,8 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
         "health_check_interval": 10,
         # SIGTERM: stop taking jobs, let running ones finish for this long, then cancel (arq re-queues them).
         "job_completion_wait": config.drain_timeout_s,
+        # A shutdown still running this long after the drain dumps every thread's stack and exits 1.
+        "ctx": {watchdog.GRACE: config.shutdown_grace_s},
     }
 
 
@@ -82,6 +84,7 @@ def _configure_logging() -> None:
 
 waker.install()
 claims.install()
+watchdog.install()
 
 
 class Settings:

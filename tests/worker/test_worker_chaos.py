@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -186,9 +188,24 @@ async def _chaos(rng: random.Random, workers: list[WorkerProcess], server: Redis
             w = rng.choice(workers)
             w.signal(signal.SIGKILL if action == "kill" else signal.SIGTERM)
             assert w.proc is not None
-            await asyncio.to_thread(w.proc.wait, 60)
+            try:
+                code = await asyncio.to_thread(w.proc.wait, 60)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"worker still running 60 s after {action}:\n{_stacks(w)}\nlog:\n{w.tail(80)}")
+            # SIGTERM: 0 from arq's drain, or -15 if it came before arq took the signal (at start-up); 1 is the
+            # shutdown watchdog, whose stacks are in the log.
+            assert action == "kill" or code in (0, -signal.SIGTERM), f"SIGTERM exit {code}; log:\n{w.tail(120)}"
             w.start()
         counts[action] += 1
+
+
+def _stacks(w: WorkerProcess) -> str:
+    """The threads' stacks of a live worker, when py-spy is installed (else a note)."""
+    spy = shutil.which("py-spy")
+    if spy is None or w.proc is None:
+        return "(py-spy not installed: no stacks)"
+    out = subprocess.run([spy, "dump", "--pid", str(w.proc.pid)], capture_output=True, text=True, timeout=60)
+    return out.stdout + out.stderr
 
 
 def _check_chaos(stamped: dict[str, list[tuple[float, Event]]], specs: list[tuple[str, int]]

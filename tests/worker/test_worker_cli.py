@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -102,3 +103,64 @@ def test_submit_error_event_exits_non_zero(arq_worker: WorkerProcess, redis_url:
     assert "no terminal event" in proc.stderr
     bad = mlxq(redis_url, "submit", "--model", "m", "--max-tokens", "0", "hi")
     assert bad.returncode == 2 and "bad request" in bad.stderr
+
+
+# --- the shutdown watchdog: a real arq Worker in a child process -------------------------------------------
+_WATCHED_WORKER = """
+import asyncio, logging, sys, time
+from arq.connections import RedisSettings
+from arq.worker import Worker, func
+from worker import watchdog
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+watchdog.install()
+hang = sys.argv[2] == "hang"
+
+async def noop(ctx):
+    return None
+
+async def startup(ctx):
+    print("ready", flush=True)
+
+async def shutdown(ctx):
+    if hang:  # as a call that never leaves MLX would
+        await asyncio.sleep(3600)
+
+worker = Worker(functions=[func(noop, name="noop")], redis_settings=RedisSettings.from_dsn(sys.argv[1]),
+                queue_name="watchdog-test", on_startup=startup, on_shutdown=shutdown, job_completion_wait=0.2,
+                ctx={watchdog.GRACE: 0.5}, poll_delay=0.05)
+worker.run()
+time.sleep(2)  # disarmed at close: a process that lives on after its Worker is not killed
+print("survived", flush=True)
+"""
+
+
+def _watched_worker(redis_url: str, mode: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.Popen([sys.executable, "-c", _WATCHED_WORKER, redis_url, mode], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_a_shutdown_that_hangs_past_its_grace_dumps_every_stack_and_exits_1(redis_url: str) -> None:
+    done = _watched_worker(redis_url, "hang")
+    assert done.returncode == 1, done.stderr
+    assert "shutdown watchdog armed: exiting in 0.7s" in done.stderr
+    tasks = done.stderr.split("shutdown still running past its grace;")[1]
+    assert re.search(r'arq/worker.py", line \d+, in close\n.*line \d+, in shutdown\n', tasks), done.stderr
+    assert "Timeout (0:00:01.700000)!" in tasks  # then faulthandler's dump of the threads, and the exit
+    assert "survived" not in done.stdout
+
+
+def test_a_shutdown_within_its_grace_exits_0_and_disarms_the_watchdog(redis_url: str) -> None:
+    done = _watched_worker(redis_url, "quick")
+    assert done.returncode == 0, done.stderr
+    assert "shutdown watchdog armed" in done.stderr
+    assert "Timeout" not in done.stderr
+    assert done.stdout == "survived\n"
