@@ -40,7 +40,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -493,7 +493,7 @@ def _machine() -> dict[str, Any]:
         "mlx": importlib.metadata.version("mlx"), "mlx_lm": importlib.metadata.version("mlx-lm"),
         "arq": importlib.metadata.version("arq"), "cpus": os.cpu_count(),
         "platform": platform.platform(), "python": platform.python_version(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "loadavg_start": _loadavg(),  # other processes on the machine skew every number
         "probe_ms_start": _speed_probe_ms(),
         "worker_env": _worker_env(),

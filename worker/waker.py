@@ -59,8 +59,11 @@ async def wakeable_poll(step: float = 0.5) -> AsyncGenerator[float, None]:
         event.clear()
         yield loop.time() - start
         if not event.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(event.wait(), step)
+            # Not wait_for: on Python 3.11 a cancel landing as the wake-up does returned the wake-up and
+            # dropped the cancel, and arq's stop (it cancels this loop) hung the worker after SIGTERM.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(step):
+                    await event.wait()
         if event.is_set():
             await _burst_settled(event, loop.time() + _BURST_MAX_S)
 

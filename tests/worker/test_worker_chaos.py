@@ -138,7 +138,7 @@ async def test_chaos_kills_terms_and_redis_restarts(tiny_model: Path, tmp_path: 
             await _chaos(rng, workers, server, counts, followers, duration=40.0)
             try:
                 await asyncio.wait_for(asyncio.shield(followers), 90)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 stuck = [rid for rid in rids if not stamped[rid] or stamped[rid][-1][1].type not in ("done", "error")]
                 pytest.fail(f"{len(stuck)} jobs stuck: {await _diagnose(server.url, stuck[:5], stamped)}")
         stalls, resets, lost = _check_chaos(stamped, specs)

@@ -146,3 +146,22 @@ async def test_an_endless_stream_of_wake_ups_still_polls_within_the_bound(monkey
     assert not stream.done()  # polled while wake-ups kept coming
     stream.cancel()
     await poll.aclose()
+
+
+async def test_a_poll_cancelled_as_a_wake_up_lands_stays_cancelled() -> None:
+    """arq stops its worker by cancelling the poll loop; a job's end may wake the poll in the same pass.
+    Python 3.11's wait_for returned the wake-up and dropped the cancel there: the loop polled on and the
+    worker hung after SIGTERM (caught by the chaos test, under load)."""
+    async def arq_main() -> None:
+        async for _ in waker.wakeable_poll(60.0):
+            pass
+
+    main = asyncio.create_task(arq_main())
+    await asyncio.sleep(0.01)  # main now waits for a wake-up
+    waker.wake()
+    main.cancel()
+    try:
+        await asyncio.wait({main}, timeout=5)  # a swallowed cancel polls on for ever
+        assert main.cancelled()
+    finally:
+        main.cancel()
