@@ -39,9 +39,9 @@ def arm(timeout_s: float) -> None:
     """Unless disarmed within ``timeout_s``: log every asyncio task's await chain, then (a second later, from C,
     so even if the event loop is stuck) write every thread's stack to stderr (the worker's log) and exit 1."""
     global _dump
+    if _dump is not None:  # a second signal keeps the first deadline
+        return
     log.info("shutdown watchdog armed: exiting in %.1fs unless closed by then", timeout_s)
-    if _dump is not None:
-        _dump.cancel()
     _dump = asyncio.get_running_loop().call_later(timeout_s, _log_tasks)
     faulthandler.dump_traceback_later(timeout_s + _THREADS_AFTER_S, exit=True)
 
