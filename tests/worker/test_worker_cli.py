@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import plistlib
 import re
 import signal
 import subprocess
@@ -164,3 +165,16 @@ def test_a_shutdown_within_its_grace_exits_0_and_disarms_the_watchdog(redis_url:
     assert "shutdown watchdog armed" in done.stderr
     assert "Timeout" not in done.stderr
     assert done.stdout == "survived\n"
+
+
+def test_the_service_units_stop_timeouts_leave_room_for_the_drain_and_the_watchdog() -> None:
+    # Else the supervisor's SIGKILL lands first and a hung shutdown leaves no stacks in the log.
+    from worker.config import WorkerConfig
+
+    d = WorkerConfig()
+    unit = (ROOT / "deploy/systemd/mlxq-worker@.service").read_text()
+    stop_s = int(re.search(r"^TimeoutStopSec=(\d+)$", unit, re.M).group(1))  # type: ignore[union-attr]
+    assert stop_s > d.drain_timeout_s + d.shutdown_grace_s + 1
+    plist = plistlib.loads((ROOT / "deploy/launchd/com.mlxq.worker.plist").read_bytes())
+    env = WorkerConfig.from_env(plist["EnvironmentVariables"])
+    assert plist["ExitTimeOut"] > env.drain_timeout_s + env.shutdown_grace_s + 1
