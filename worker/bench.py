@@ -122,8 +122,8 @@ class BenchConfig:
     @classmethod
     def quick_config(cls) -> BenchConfig:
         return cls(sizes=("tiny",), concurrency=(1, 4), max_tokens=16, repeats=1, tiny_repeats=1, blas_repeats=1,
-                   warmup_tokens=4,
-                   ttft_probes=5, cancel_max_tokens=128, cancel_wait=(2, 8), enqueue_jobs=200, quick=True)
+                   warmup_tokens=4, ttft_probes=5, cancel_max_tokens=128, cancel_wait=(2, 8), enqueue_jobs=200,
+                   quick=True)
 
 
 # --- records ---------------------------------------------------------------------------------------

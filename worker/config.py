@@ -42,7 +42,9 @@ class WorkerConfig:
     max_tries: int = 3  # MLXQ_MAX_TRIES: runs of one job (after worker loss or shutdown)
     cancel_poll_s: float = 0.25  # MLXQ_CANCEL_POLL: backstop poll of cancel keys (pub/sub is the fast path)
     drain_timeout_s: float = 30.0  # MLXQ_DRAIN_TIMEOUT: on SIGTERM, how long running jobs may finish
-    shutdown_grace_s: float = 10.0  # MLXQ_SHUTDOWN_GRACE: past the drain, a hung shutdown dumps stacks, exits 1
+    # MLXQ_SHUTDOWN_GRACE: past the drain, a hung shutdown dumps stacks and exits 1 (drain + grace stays inside
+    # the 45 s stop timeouts of deploy/)
+    shutdown_grace_s: float = 10.0
     lease_ttl_s: float = 10.0  # MLXQ_LEASE_TTL: a running job's lease; the reaper re-runs jobs without one
     reap_interval_s: float = 2.0  # MLXQ_REAP_INTERVAL: how often each worker looks for lost jobs
     live_ttl_s: int = LIVE_TTL_S  # MLXQ_LIVE_TTL: replay log TTL while a job runs (refreshed on every write)

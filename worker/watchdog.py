@@ -24,12 +24,14 @@ from typing import Any
 
 import arq.worker
 
+from .config import WorkerConfig
+
 __all__ = ["DEFAULT_GRACE_S", "GRACE", "arm", "disarm", "install"]
 
 log = logging.getLogger(__name__)
 
 GRACE = "mlxq_shutdown_grace_s"  # arq ctx key: seconds past the drain before the timer fires
-DEFAULT_GRACE_S = 10.0  # drain (30 s) + 10 s: inside systemd's TimeoutStopSec and launchd's ExitTimeOut (45 s)
+DEFAULT_GRACE_S = WorkerConfig().shutdown_grace_s  # for a Worker whose ctx does not name one
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)  # arq's close() also calls the handler, with SIGUSR1: not a stop
 _THREADS_AFTER_S = 1.0  # the thread dump and exit follow the task dump by this much
 _dump: asyncio.TimerHandle | None = None
