@@ -16,7 +16,7 @@ from .prompt import PromptEncoder
 from .sampling import make_request_logits_processors, make_request_sampler
 from .scheduler import Scheduler
 
-__all__ = ["EngineOptions", "LoadedModel", "load_model", "start_engine"]
+__all__ = ["EngineOptions", "LoadedModel", "build_engine", "load_model", "start_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,15 @@ def load_model(path: str) -> LoadedModel:
 
 async def start_engine(path: str, sink: Sink, options: EngineOptions | None = None) -> tuple[Engine, LoadedModel]:
     """Start an MLX thread, load the model on it, and build the engine around a fresh batch."""
-    opts = options or EngineOptions()
     thread = MLXThread(name="mlx-" + path.rstrip("/").rsplit("/", 1)[-1])
     loaded = await thread.call(load_model, path)
+    return await build_engine(loaded, thread, sink, options), loaded
+
+
+async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, options: EngineOptions | None = None
+                       ) -> Engine:
+    """The engine of a model loaded on ``thread``: scheduler, batch, detokenizers, sampling."""
+    opts = options or EngineOptions()
 
     def make_backend() -> MLXBatch:
         return MLXBatch(
@@ -78,6 +84,5 @@ async def start_engine(path: str, sink: Sink, options: EngineOptions | None = No
         make_sampler=make_request_sampler,
         make_processors=make_request_logits_processors,
     )
-    engine = Engine(thread, scheduler, sink, make_backend=make_backend, stream_interval_s=opts.stream_interval_s,
-                    prefill_batch=opts.prefill_batch_size)
-    return engine, loaded
+    return Engine(thread, scheduler, sink, make_backend=make_backend, stream_interval_s=opts.stream_interval_s,
+                  prefill_batch=opts.prefill_batch_size)

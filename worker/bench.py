@@ -8,6 +8,9 @@ run measures, on the same generated model, prompts and ``max_tokens``:
 - **queue**: ``api.client.Client`` -> Redis -> ``arq worker.Settings`` (continuous batching, in a child
   process) -> pub/sub -> the client;
 - **serial**: the same worker with a batch of one and one arq job at a time: what batching buys;
+- **engine** (a decomposition, no target): the worker's own engine (scheduler, detokenizers, pacer) on the
+  raw path's MLX thread, no Redis: queue/raw = engine/raw (the engine's bookkeeping) x queue/engine (the
+  transport: client, Redis, arq, event loop);
 
 plus time to first token (TTFT), cancel -> terminal-event latency, Redis round trips per engine step, CPU
 per process and the enqueue rate of one producer. Results go to ``results.json``, ``results.md`` and
@@ -58,7 +61,9 @@ from .redis_server import RedisServer
 if TYPE_CHECKING:
     import mlx.core as mx
 
+    from engine.engine import Engine
     from engine.loader import LoadedModel
+    from engine.request import RequestOutput
 
 __all__ = [
     "BenchConfig", "BenchResult", "RawPath", "WorkerStats", "parse_stats",
@@ -174,6 +179,9 @@ class Row:
     added_ttft_p50_ms: float  # queue - raw
     added_ttft_p99_ms: float
     queue_over_raw_paired: float = 0.0  # median over run pairs (raw run i, then queue run i) of their ratio
+    engine: PathResult | None = None  # the worker's engine in-process, no Redis (see _EngineRun)
+    engine_over_raw_paired: float = 0.0  # median over the runs of engine run i / raw run i
+    queue_over_engine_paired: float = 0.0  # median over the runs of queue run i / engine run i
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,6 +334,7 @@ class _Driven:
     cancel: CancelResult | None
     commandstats: dict[str, int]
     raw: _Measured | None = None
+    engine: dict[int, PathResult] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,7 +435,8 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
     serial = _worker_phase("serial", size, model, cfg, site, None, env)
     q, sr, rw = queue.driven.measured, serial.driven.measured, queue.driven.raw
     assert rw is not None and queue.driven.cancel is not None
-    rows = [_row(size, n, rw.paths[n], q.paths[n], sr.paths[n]) for n in cfg.concurrency]
+    rows = [_row(size, n, rw.paths[n], q.paths[n], sr.paths[n], queue.driven.engine.get(n))
+            for n in cfg.concurrency]
     trips = RoundTrips(queue.stats, queue.stats.writes_per_step, serial.stats, serial.stats.writes_per_step,
                        queue.driven.commandstats)
     return SizeResult(size, model, rows, _probe(rw.probe_ttft_ms, q.probe_ttft_ms), queue.driven.cancel,
@@ -434,12 +444,16 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
                       time.perf_counter() - t0, threads)
 
 
-def _row(size: str, n: int, raw: PathResult, queue: PathResult, serial: PathResult) -> Row:
+def _row(size: str, n: int, raw: PathResult, queue: PathResult, serial: PathResult,
+         engine: PathResult | None = None) -> Row:
     # Best-of compares each path's luckiest run; the paired median compares runs made seconds apart, so
     # the machine's slow swings (other tenants: ±10 % here) hit both sides of each ratio alike.
     paired = _pct([_ratio(q, r) for r, q in zip(raw.runs_tok_s, queue.runs_tok_s)], 50)
+    e_runs = engine.runs_tok_s if engine else []
     return Row(size, n, raw, queue, serial, _ratio(queue.tok_s, raw.tok_s), _ratio(queue.tok_s, serial.tok_s),
-               queue.ttft_p50_ms - raw.ttft_p50_ms, queue.ttft_p99_ms - raw.ttft_p99_ms, paired)
+               queue.ttft_p50_ms - raw.ttft_p50_ms, queue.ttft_p99_ms - raw.ttft_p99_ms, paired, engine,
+               _pct([_ratio(e, r) for r, e in zip(raw.runs_tok_s, e_runs)], 50) if e_runs else 0.0,
+               _pct([_ratio(q, e) for e, q in zip(e_runs, queue.runs_tok_s)], 50) if e_runs else 0.0)
 
 
 def _probe(raw: list[float], queue: list[float]) -> TtftProbe:
@@ -584,6 +598,7 @@ class RawPath:
         self.loaded: LoadedModel = self.thread.submit(load_model, model).result()
         self.capacity = capacity
         self.meter = _CpuMeter(None, redis_pid)
+        self._engine: _EngineRun | None = None
 
     async def run(self, prompts: list[str], max_tokens: int) -> Run:
         """Prompts tokenized as the worker does, then one :func:`_raw_run` on the MLX thread."""
@@ -593,6 +608,12 @@ class RawPath:
         fut = self.thread.submit(_raw_run, self.loaded, tokens, max_tokens, self.capacity, self.thread.stream)
         return await asyncio.wrap_future(fut)
 
+    async def engine_run(self, prompts: list[str], max_tokens: int) -> Run:
+        """The worker's engine, as the worker builds it, on this MLX thread: the same runs without Redis."""
+        if self._engine is None:
+            self._engine = await _EngineRun.start(self.loaded, self.capacity, self.thread)
+        return await self._engine.run(prompts, max_tokens)
+
     def set_blas_threads(self, n: int) -> None:
         """OpenBLAS threads for this process's later raw runs (set on the MLX thread, which calls BLAS)."""
         blas = _openblas()
@@ -600,7 +621,68 @@ class RawPath:
             self.thread.submit(blas.openblas_set_num_threads, n).result()
 
     def close(self) -> None:
+        if self._engine is not None:
+            self.thread.submit(self._engine.engine.scheduler.backend.close).result()
         self.thread.shutdown()
+
+
+class _EngineRun:
+    """The worker's ``Engine`` (scheduler, detokenizers, pacer, admission wait) with the worker's defaults,
+    outputs timed where they leave it (on the MLX thread): what the queue path adds to raw, minus the
+    transport."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.engine: Engine
+        self._tokenizer = tokenizer
+        self._t0 = 0.0
+        self._left: dict[str, int] = {}  # rid -> prompt index, while it runs
+        self._first: dict[int, float] = {}
+        self._tokens = 0
+        self._done: asyncio.Future[float] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    async def start(cls, loaded: LoadedModel, capacity: int, thread: Any) -> _EngineRun:
+        from engine.loader import EngineOptions, build_engine
+
+        d = WorkerConfig()
+        opts = EngineOptions(capacity, d.prefill_batch_size, d.prefill_step_size, d.stream_interval_ms / 1000)
+        run = cls(loaded.tokenizer)
+        run.engine = await build_engine(loaded, thread, run._sink, opts)
+        return run
+
+    async def run(self, prompts: list[str], max_tokens: int) -> Run:
+        from engine.prompt import encode_prompt
+        from engine.request import EngineRequest, SamplingParams
+
+        tokens = [encode_prompt(self._tokenizer, p, None) for p in prompts]
+        self._loop = asyncio.get_running_loop()
+        self._done = self._loop.create_future()
+        self._first, self._tokens = {}, 0
+        tag = uuid.uuid4().hex[:8]
+        self._left = {f"{tag}-{i}": i for i in range(len(prompts))}
+        self._t0 = time.perf_counter()
+        self.engine.expect(len(prompts), WorkerConfig().admit_wait_ms / 1000)  # as the worker does a claimed burst
+        for rid, i in self._left.items():
+            self.engine.add(EngineRequest(rid, tokens[i], SamplingParams(max_tokens=max_tokens)))
+        end = await self._done
+        return Run(self._tokens, end - self._t0, [(self._first.get(i, end) - self._t0) * 1000
+                                                  for i in range(len(prompts))])
+
+    def _sink(self, outs: list[RequestOutput]) -> None:  # on the MLX thread
+        now = time.perf_counter()
+        for out in outs:
+            i = self._left.get(out.rid)
+            if i is None:
+                continue
+            if out.token_ids:
+                self._first.setdefault(i, now)
+            if out.finish is not None:
+                self._tokens += out.completion_tokens
+                del self._left[out.rid]
+        if not self._left and self._done is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._done.set_result, now)
+            self._done = None
 
 
 def _raw_run(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, capacity: int,
@@ -697,32 +779,38 @@ async def _drive_batched(ctx: _DriveContext, raw: RawPath) -> _Driven:
     async with Client(ctx.url, prefix=ctx.prefix) as client:
         await client.generate(model=model, prompt="warm up", max_tokens=cfg.warmup_tokens, timeout=_TIMEOUT_S)
         before = await _commandstats(ctx.url)
-        pairs = {n: await _measure_pair(ctx, client, raw, n) for n in cfg.concurrency}
+        runs = {n: await _measure_at(ctx, client, raw, n) for n in cfg.concurrency}
         commands = _delta(before, await _commandstats(ctx.url))
         raw_probe, queue_probe = await _probe_pair(ctx, client, raw)
         cancel = await _cancel_phase(client, model, cfg)
-    queue = _Measured({n: q for n, (_, q) in pairs.items()}, ctx.meter.stop(), queue_probe)
-    raw_measured = _Measured({n: r for n, (r, _) in pairs.items()}, raw.meter.stop(), raw_probe)
-    return _Driven(queue, cancel, commands, raw_measured)
+    queue = _Measured({n: q for n, (_, _, q) in runs.items()}, ctx.meter.stop(), queue_probe)
+    raw_measured = _Measured({n: r for n, (r, _, _) in runs.items()}, raw.meter.stop(), raw_probe)
+    return _Driven(queue, cancel, commands, raw_measured, {n: e for n, (_, e, _) in runs.items()})
 
 
-async def _measure_pair(ctx: _DriveContext, client: Client, raw: RawPath, n: int) -> tuple[PathResult, PathResult]:
-    """Warm both paths at N, then alternate measured raw and queue runs."""
+async def _measure_at(ctx: _DriveContext, client: Client, raw: RawPath, n: int
+                      ) -> tuple[PathResult, PathResult, PathResult]:
+    """Warm the paths at N, then alternate measured runs: raw, engine (both with the worker stopped), queue."""
     prompts, cfg = _prompts(n), ctx.cfg
     with _frozen(ctx.worker):
         await raw.run(prompts, cfg.warmup_tokens)
+        await raw.engine_run(prompts, cfg.warmup_tokens)
     await _queue_run(client, ctx.model, prompts, cfg.warmup_tokens)
     raw_runs: list[Run] = []
+    engine_runs: list[Run] = []
     queue_runs: list[Run] = []
     for _ in range(cfg.repeats_for(ctx.model)):
-        with _frozen(ctx.worker), raw.meter.running():
-            raw_runs.append(await raw.run(prompts, cfg.max_tokens))
+        with _frozen(ctx.worker):
+            with raw.meter.running():
+                raw_runs.append(await raw.run(prompts, cfg.max_tokens))
+            time.sleep(_SETTLE_S)  # every run after the same idle pause (see _frozen)
+            engine_runs.append(await raw.engine_run(prompts, cfg.max_tokens))
         with ctx.meter.running():
             queue_runs.append(await _queue_run(client, ctx.model, prompts, cfg.max_tokens))
-    r, q = PathResult.of(raw_runs), PathResult.of(queue_runs)
+    r, e, q = PathResult.of(raw_runs), PathResult.of(engine_runs), PathResult.of(queue_runs)
     _say(f"[{ctx.model}] N={n:<3} raw {r.tok_s:8.1f} tok/s (runs {_fmt_runs(r)}); "
-         f"queue {q.tok_s:8.1f} tok/s (runs {_fmt_runs(q)})")
-    return r, q
+         f"engine {e.tok_s:8.1f} tok/s (runs {_fmt_runs(e)}); queue {q.tok_s:8.1f} tok/s (runs {_fmt_runs(q)})")
+    return r, e, q
 
 
 async def _probe_pair(ctx: _DriveContext, client: Client, raw: RawPath) -> tuple[list[float], list[float]]:
@@ -955,9 +1043,9 @@ def write_outputs(result: BenchResult, out: Path) -> str:
 
 def render_markdown(result: BenchResult) -> str:
     """``results.md``: a header, the main table, then one section per measurement and the targets."""
-    return "\n".join([*_md_header(result), *_md_table(result), *_md_blas(result), *_md_ttft(result),
-                      *_md_cancel(result), *_md_round_trips(result), *_md_cpu(result), *_md_enqueue(result),
-                      *_md_targets(result)])
+    return "\n".join([*_md_header(result), *_md_table(result), *_md_engine(result), *_md_blas(result),
+                      *_md_ttft(result), *_md_cancel(result), *_md_round_trips(result), *_md_cpu(result),
+                      *_md_enqueue(result), *_md_targets(result)])
 
 
 def _md_header(result: BenchResult) -> list[str]:
@@ -1000,6 +1088,28 @@ def _md_table(result: BenchResult) -> list[str]:
                 f"| {r.queue_over_raw:.2f} | {r.queue_over_raw_paired:.2f} | {r.queue_over_serial:.2f} "
                 f"| {r.raw.ttft_p50_ms:.1f} / {r.queue.ttft_p50_ms:.1f} / {r.added_ttft_p50_ms:+.1f} "
                 f"| {r.raw.ttft_p99_ms:.1f} / {r.queue.ttft_p99_ms:.1f} / {r.added_ttft_p99_ms:+.1f} |")
+    return [*lines, ""]
+
+
+def _md_engine(result: BenchResult) -> list[str]:
+    rows = [(s.size, r) for s in result.sizes for r in s.rows if r.engine is not None]
+    if not rows:
+        return []
+    lines = ["## Where the queue's cost goes", "",
+             "engine = the worker's own engine (scheduler, detokenizers, pacer, admission wait; the worker's "
+             "defaults) driven in this process on the raw path's MLX thread, without Redis, run between each "
+             "raw and queue run. engine/raw is the engine's bookkeeping; queue/engine the transport (client, "
+             "Redis, arq, the worker's event loop and the CPU they take from the model on this machine). "
+             "Ratios are medians over the run triples.", "",
+             "| size | N | raw tok/s | engine tok/s | queue tok/s | engine/raw | queue/engine | queue/raw "
+             "| TTFT p50 ms raw / engine / queue |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, r in rows:
+        assert r.engine is not None
+        lines.append(f"| {size} | {r.n} | {r.raw.tok_s:.1f} | {r.engine.tok_s:.1f} | {r.queue.tok_s:.1f} "
+                     f"| {r.engine_over_raw_paired:.2f} | {r.queue_over_engine_paired:.2f} "
+                     f"| {r.queue_over_raw_paired:.2f} | {r.raw.ttft_p50_ms:.1f} / {r.engine.ttft_p50_ms:.1f} / "
+                     f"{r.queue.ttft_p50_ms:.1f} |")
     return [*lines, ""]
 
 
@@ -1115,6 +1225,9 @@ def _chart(result: BenchResult, path: Path) -> None:
         for label, pick in (("raw BatchGenerator", lambda r: r.raw), ("queue", lambda r: r.queue),
                             ("serial", lambda r: r.serial)):
             ax.plot(ns, [pick(r).tok_s for r in s.rows], marker="o", label=label)
+        if all(r.engine is not None for r in s.rows):
+            ax.plot(ns, [r.engine.tok_s for r in s.rows if r.engine is not None], marker=".", linestyle=":",
+                    label="engine, no Redis")
         ax.set_xscale("log", base=2)
         ax.set_xticks(ns, [str(n) for n in ns])
         ax.set(title=f"{s.size} model", xlabel="concurrent requests N", ylabel="aggregate tok/s")

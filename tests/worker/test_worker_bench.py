@@ -55,6 +55,7 @@ def test_quick_run_writes_the_three_files_and_prints_the_table(quick_run: tuple[
                     "## Enqueue rate", "## Targets"):
         assert section in md
     assert "| size | N | raw tok/s | queue tok/s | serial tok/s |" in stdout
+    assert "| size | N | raw tok/s | engine tok/s | queue tok/s | engine/raw | queue/engine |" in stdout
     assert md.strip() in stdout
 
 
@@ -74,7 +75,7 @@ def test_every_path_and_n_has_throughput_and_consistent_ratios(results: dict[str
     assert size["size"] == "tiny"
     assert [r["n"] for r in size["rows"]] == [1, 4]
     for row in size["rows"]:
-        for path in ("raw", "queue", "serial"):
+        for path in ("raw", "engine", "queue", "serial"):
             p = row[path]
             assert p["tok_s"] > 0 and p["tokens"] > 0 and p["seconds"] > 0
             assert p["tok_s"] == pytest.approx(p["tokens"] / p["seconds"])
@@ -82,6 +83,9 @@ def test_every_path_and_n_has_throughput_and_consistent_ratios(results: dict[str
             assert p["ttft_samples"] >= row["n"] and 0 < p["ttft_p50_ms"] <= p["ttft_p99_ms"]
         # Greedy, no EOS from the random model: every request runs to max_tokens on every path.
         assert row["raw"]["tokens"] == row["queue"]["tokens"] == row["n"] * results["config"]["max_tokens"]
+        assert row["engine"]["tokens"] == row["raw"]["tokens"]
+        assert row["engine_over_raw_paired"] == pytest.approx(row["engine"]["tok_s"] / row["raw"]["tok_s"])  # 1 run
+        assert row["queue_over_engine_paired"] == pytest.approx(row["queue"]["tok_s"] / row["engine"]["tok_s"])
         assert row["queue_over_raw"] == pytest.approx(row["queue"]["tok_s"] / row["raw"]["tok_s"])
         assert row["queue_over_serial"] == pytest.approx(row["queue"]["tok_s"] / row["serial"]["tok_s"])
         assert row["added_ttft_p50_ms"] == pytest.approx(row["queue"]["ttft_p50_ms"] - row["raw"]["ttft_p50_ms"])
