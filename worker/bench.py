@@ -9,7 +9,7 @@ run measures, on the same generated model, prompts and ``max_tokens``:
   process) -> pub/sub -> the client;
 - **serial**: the same worker with a batch of one and one arq job at a time: what batching buys;
 - **engine** (a decomposition, no target): the worker's own engine (scheduler, detokenizers, pacer) on the
-  raw path's MLX thread, no Redis: queue/raw = engine/raw (the engine's bookkeeping) x queue/engine (the
+  raw path's MLX thread, no Redis: queue/raw ~ engine/raw (the engine's bookkeeping) x queue/engine (the
   transport: client, Redis, arq, event loop);
 
 plus time to first token (TTFT), cancel -> terminal-event latency, Redis round trips per engine step, CPU
@@ -1065,8 +1065,8 @@ def _md_header(result: BenchResult) -> list[str]:
           if m["blas"].startswith("bundled") else []),
         f"Generated random-weight models; greedy; max_tokens {c.max_tokens}; prompts \"{PROMPT}\". "
         f"Throughput: best of {c.repeats} run(s) ({c.tiny_repeats} for the tiny model) for raw and queue, "
-        "which alternate run by run at each N "
-        "(the idle queue worker SIGSTOPped during raw runs), and of "
+        "which alternate run by run at each N, with an engine run between them "
+        "(the idle queue worker SIGSTOPped during raw and engine runs), and of "
         f"{c.serial_repeats} for serial, each after a warm-up. Aggregate tok/s = completion tokens / "
         "(first submit → last terminal event; raw: insert → last token). TTFT pooled over those runs "
         "(raw: insert → first token; queue: submit → first token event). queue/raw = best queue run / best "
