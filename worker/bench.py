@@ -448,12 +448,11 @@ def _row(size: str, n: int, raw: PathResult, queue: PathResult, serial: PathResu
          engine: PathResult | None = None) -> Row:
     # Best-of compares each path's luckiest run; the paired median compares runs made seconds apart, so
     # the machine's slow swings (other tenants: ±10 % here) hit both sides of each ratio alike.
-    paired = _pct([_ratio(q, r) for r, q in zip(raw.runs_tok_s, queue.runs_tok_s)], 50)
     e_runs = engine.runs_tok_s if engine else []
     return Row(size, n, raw, queue, serial, _ratio(queue.tok_s, raw.tok_s), _ratio(queue.tok_s, serial.tok_s),
-               queue.ttft_p50_ms - raw.ttft_p50_ms, queue.ttft_p99_ms - raw.ttft_p99_ms, paired, engine,
-               _pct([_ratio(e, r) for r, e in zip(raw.runs_tok_s, e_runs)], 50) if e_runs else 0.0,
-               _pct([_ratio(q, e) for e, q in zip(e_runs, queue.runs_tok_s)], 50) if e_runs else 0.0)
+               queue.ttft_p50_ms - raw.ttft_p50_ms, queue.ttft_p99_ms - raw.ttft_p99_ms,
+               _paired(queue.runs_tok_s, raw.runs_tok_s), engine, _paired(e_runs, raw.runs_tok_s),
+               _paired(queue.runs_tok_s, e_runs))
 
 
 def _probe(raw: list[float], queue: list[float]) -> TtftProbe:
@@ -602,17 +601,20 @@ class RawPath:
 
     async def run(self, prompts: list[str], max_tokens: int) -> Run:
         """Prompts tokenized as the worker does, then one :func:`_raw_run` on the MLX thread."""
-        from engine.prompt import encode_prompt
-
-        tokens = [encode_prompt(self.loaded.tokenizer, p, None) for p in prompts]
-        fut = self.thread.submit(_raw_run, self.loaded, tokens, max_tokens, self.capacity, self.thread.stream)
+        fut = self.thread.submit(_raw_run, self.loaded, self._encode(prompts), max_tokens, self.capacity,
+                                 self.thread.stream)
         return await asyncio.wrap_future(fut)
 
     async def engine_run(self, prompts: list[str], max_tokens: int) -> Run:
         """The worker's engine, as the worker builds it, on this MLX thread: the same runs without Redis."""
         if self._engine is None:
             self._engine = await _EngineRun.start(self.loaded, self.capacity, self.thread)
-        return await self._engine.run(prompts, max_tokens)
+        return await self._engine.run(self._encode(prompts), max_tokens)
+
+    def _encode(self, prompts: list[str]) -> list[list[int]]:
+        from engine.prompt import encode_prompt
+
+        return [encode_prompt(self.loaded.tokenizer, p, None) for p in prompts]
 
     def set_blas_threads(self, n: int) -> None:
         """OpenBLAS threads for this process's later raw runs (set on the MLX thread, which calls BLAS)."""
@@ -631,10 +633,9 @@ class _EngineRun:
     outputs timed where they leave it (on the MLX thread): what the queue path adds to raw, minus the
     transport."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, admit_wait_s: float) -> None:
         self.engine: Engine
-        self._tokenizer = tokenizer
-        self._t0 = 0.0
+        self._admit_wait_s = admit_wait_s
         self._left: dict[str, int] = {}  # rid -> prompt index, while it runs
         self._first: dict[int, float] = {}
         self._tokens = 0
@@ -647,27 +648,24 @@ class _EngineRun:
 
         d = WorkerConfig()
         opts = EngineOptions(capacity, d.prefill_batch_size, d.prefill_step_size, d.stream_interval_ms / 1000)
-        run = cls(loaded.tokenizer)
+        run = cls(d.admit_wait_ms / 1000)
         run.engine = await build_engine(loaded, thread, run._sink, opts)
         return run
 
-    async def run(self, prompts: list[str], max_tokens: int) -> Run:
-        from engine.prompt import encode_prompt
+    async def run(self, tokens: list[list[int]], max_tokens: int) -> Run:
         from engine.request import EngineRequest, SamplingParams
 
-        tokens = [encode_prompt(self._tokenizer, p, None) for p in prompts]
         self._loop = asyncio.get_running_loop()
         self._done = self._loop.create_future()
         self._first, self._tokens = {}, 0
         tag = uuid.uuid4().hex[:8]
-        self._left = {f"{tag}-{i}": i for i in range(len(prompts))}
-        self._t0 = time.perf_counter()
-        self.engine.expect(len(prompts), WorkerConfig().admit_wait_ms / 1000)  # as the worker does a claimed burst
+        self._left = {f"{tag}-{i}": i for i in range(len(tokens))}
+        t0 = time.perf_counter()
+        self.engine.expect(len(tokens), self._admit_wait_s)  # as the worker announces a claimed burst
         for rid, i in self._left.items():
             self.engine.add(EngineRequest(rid, tokens[i], SamplingParams(max_tokens=max_tokens)))
         end = await self._done
-        return Run(self._tokens, end - self._t0, [(self._first.get(i, end) - self._t0) * 1000
-                                                  for i in range(len(prompts))])
+        return Run(self._tokens, end - t0, [(self._first.get(i, end) - t0) * 1000 for i in range(len(tokens))])
 
     def _sink(self, outs: list[RequestOutput]) -> None:  # on the MLX thread
         now = time.perf_counter()
@@ -1262,6 +1260,11 @@ def _pct_or_none(values: Sequence[float], q: float) -> float | None:
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 0.0
+
+
+def _paired(runs: Sequence[float], baseline: Sequence[float]) -> float:
+    """Median over run i of ``runs[i] / baseline[i]`` (runs made seconds apart); 0.0 for no runs."""
+    return _pct([_ratio(r, b) for r, b in zip(runs, baseline)], 50)
 
 
 def _fmt(v: float | None) -> str:
