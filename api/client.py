@@ -14,13 +14,13 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from arq.constants import job_key_prefix, result_key_prefix
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .arqseam import job_record
 from .config import ClientConfig
-from .connection import JOB_FUNCTION, JOB_TTL_MS, arq_pool, dumps_job
+from .connection import redis_client
 from .enqueuer import Enqueuer
 from .errors import BadRequest, DuplicateJob, JobFailed, JobNotFound, WaitTimeout
 from .keys import CANCEL_TTL_S, Keys, log_entry_id
@@ -39,6 +39,7 @@ from .subscriber import Subscriber, Subscription
 
 __all__ = ["Client", "Result"]
 
+JOB_TTL_MS = 86_400_000  # a job not started within a day expires (arq's default)
 _RESYNC_S = 1.0  # silence after which a reader re-reads the log (covers lost pub/sub messages)
 
 
@@ -62,7 +63,7 @@ class Client:
         env = ClientConfig.from_env()
         self.keys = Keys(prefix or env.prefix)
         self.max_payload_bytes = max_payload_bytes  # as the workers' MLXQ_MAX_PAYLOAD_BYTES
-        self._redis = arq_pool(redis_url or env.redis_url)
+        self._redis = redis_client(redis_url or env.redis_url)
         self._enqueuer = Enqueuer(self._redis)
         self._subscriber: Subscriber | None = None  # created on first use
 
@@ -87,10 +88,10 @@ class Client:
         """
         req = _request(request, fields)
         now_ms = int(time.time() * 1000)
-        job = dumps_job({"t": None, "f": JOB_FUNCTION, "a": [req.model_dump(mode="json")], "k": {}, "et": now_ms})
+        job = job_record(req.model_dump(mode="json"), now_ms)
         if len(job) > self.max_payload_bytes:  # the limit workers apply before decoding a job
             raise BadRequest(f"the job has {len(job)} bytes of JSON; the limit is {self.max_payload_bytes}")
-        keys = [job_key_prefix + req.id, result_key_prefix + req.id, self.keys.queue(req.model)]
+        keys = [self.keys.job(req.id), self.keys.result(req.id), self.keys.queue(req.model)]
         args: list[str | bytes | int] = [req.id, job, JOB_TTL_MS, self.keys.wake_channel(req.model), now_ms]
         if not await self._enqueuer.enqueue(keys, args):
             raise DuplicateJob(f"a job with id {req.id!r} already exists")
@@ -194,8 +195,8 @@ class Client:
             yield ev
 
     async def _vanished(self, rid: str) -> bool:
-        """Neither queued/running (arq's job key) nor logged: nothing will ever come."""
-        return not await self._redis.exists(job_key_prefix + rid, self.keys.log(rid))
+        """Neither queued/running (its job record) nor logged: nothing will ever come."""
+        return not await self._redis.exists(self.keys.job(rid), self.keys.log(rid))
 
     async def _replay(self, rid: str, from_seq: int) -> list[Event]:
         entries = await self._redis.xrange(self.keys.log(rid), min=log_entry_id(from_seq))

@@ -25,9 +25,21 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import NoScriptError, ResponseError
 
-from .connection import ENQUEUE
+__all__ = ["ENQUEUE", "Enqueuer"]
 
-__all__ = ["Enqueuer"]
+# One round trip: refuse a reused id, store the job record, queue it, and wake the model's workers.
+# KEYS: job record, result record, queue. ARGV: id, job record, TTL ms, wake channel ("" for none: a burst
+# sent together wakes them once, from its last job, even if that job's id is refused), score (enqueue ms).
+# The same record stored already is this submit's own earlier try (its reply was lost): success again.
+ENQUEUE = """
+if ARGV[4] ~= '' then redis.call('PUBLISH', ARGV[4], '1') end
+local stored = redis.call('GET', KEYS[1])
+if stored then return stored == ARGV[2] and 1 or 0 end
+if redis.call('EXISTS', KEYS[2]) > 0 then return 0 end
+redis.call('PSETEX', KEYS[1], ARGV[3], ARGV[2])
+redis.call('ZADD', KEYS[3], ARGV[5], ARGV[1])
+return 1
+"""
 
 _WAKE = 3  # ENQUEUE's argument naming the wake channel
 

@@ -42,9 +42,25 @@ class Keys:
         """Holds the id of the worker running the job, with a short TTL."""
         return f"{self.prefix}:{{{rid}}}:lease"
 
-    def reap_guard(self, rid: str) -> str:
-        """Held (SET NX, short TTL) by the one reaper handling a lost job."""
-        return f"{self.prefix}:{{{rid}}}:reap"
+    def job(self, rid: str) -> str:
+        """The job as enqueued (arq's job record: the request inside arq's envelope)."""
+        return f"{self.prefix}:{{{rid}}}:job"
+
+    def result(self, rid: str) -> str:
+        """arq's result record of an ended job (its terminal event), kept ``MLXQ_KEEP_RESULT`` seconds."""
+        return f"{self.prefix}:{{{rid}}}:result"
+
+    def tries(self, rid: str) -> str:
+        """How many runs of the job started (the lease's token names the run)."""
+        return f"{self.prefix}:{{{rid}}}:tries"
+
+    def epoch(self) -> str:
+        """A random value the first worker sets: when it changes or vanishes, Redis lost its data."""
+        return f"{self.prefix}:epoch"
+
+    def dead_letters(self) -> str:
+        """List of queue entries no worker could parse, moved aside (bounded, with a TTL)."""
+        return f"{self.prefix}:dead"
 
     def running(self) -> str:
         """Hash of jobs inside some worker's engine: request id -> arq queue name (the reaper scans it)."""

@@ -63,6 +63,7 @@ class ErrorCode(str, Enum):
     TIMEOUT = "timeout"  # the job ran past its deadline
     ENGINE_ERROR = "engine_error"  # the engine failed while this job was in flight
     WORKER_LOST = "worker_lost"  # the worker running it died and no tries remain
+    DATA_LOST = "data_lost"  # Redis lost the job's data while it ran (restarted without persistence, flushed)
     INTERNAL = "internal"  # a bug: the message says what
 
 

@@ -16,7 +16,9 @@ class RunningWorker:
 
     @property
     def service(self) -> Any:
-        return self.worker.ctx["mlxq"]
+        from api.arqseam import host_of
+
+        return host_of(self.worker)
 
     async def close(self, drain_s: float = 10.0) -> None:
         # Like a SIGTERM with job_completion_wait: stop taking jobs and let running ones finish, since
@@ -38,8 +40,10 @@ async def start_worker(config: Any, **overrides: Any) -> RunningWorker:
 
     worker = Worker(**{**worker_settings(config), "handle_signals": False, **overrides})
     task = asyncio.create_task(worker.async_run())
+    from api.arqseam import host_of
+
     for _ in range(600):
-        if "mlxq" in worker.ctx:
+        if host_of(worker) is not None:
             return RunningWorker(worker, task)
         if task.done():
             task.result()
@@ -49,3 +53,21 @@ async def start_worker(config: Any, **overrides: Any) -> RunningWorker:
 
 def config_with(config: Any, **changes: Any) -> Any:
     return replace(config, **changes)
+
+
+async def enqueue_raw(redis_url: str, payload: Any, job_id: str, model: str = "tiny", prefix: str = "mlxq") -> None:
+    """Queue a job record around any payload, as a producer other than ``Client`` might."""
+    import time
+
+    import redis.asyncio as aredis
+
+    from api.arqseam import job_record
+    from api.keys import Keys
+
+    keys, now = Keys(prefix), int(time.time() * 1000)
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        await r.set(keys.job(job_id), job_record(payload, now), px=86_400_000)
+        await r.zadd(keys.queue(model), {job_id: now})
+    finally:
+        await r.aclose()

@@ -53,3 +53,10 @@ def test_redis_replies_are_parsed_in_c() -> None:
     from redis.asyncio.connection import DefaultParser, _AsyncHiredisParser
 
     assert DefaultParser is _AsyncHiredisParser
+
+
+def test_arq_is_behind_one_seam() -> None:
+    # Everything that depends on arq's internals or formats lives in api/arqseam.py (which checks arq's version).
+    files = sorted(f for package in ("api", "engine", "worker") for f in (ROOT / package).rglob("*.py"))
+    importers = {str(f.relative_to(ROOT)) for f in files if "arq" in imported_roots(f)}
+    assert importers == {"api/arqseam.py"}

@@ -47,10 +47,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from arq.constants import job_key_prefix
-
 from api.client import Client
 from api.connection import redis_client
+from api.keys import Keys
 from api.schema import DoneEvent, ErrorEvent
 
 from .blas import OPENBLAS, blas_of, coretype_for, cpu_flags, openblas, openblas_core
@@ -993,7 +992,7 @@ async def _delete_jobs(url: str, queue: str, ids: list[str]) -> None:
     try:
         await redis.unlink(queue)
         for start in range(0, len(ids), 500):
-            await redis.unlink(*(job_key_prefix + rid for rid in ids[start : start + 500]))
+            await redis.unlink(*(Keys().job(rid) for rid in ids[start : start + 500]))
     finally:
         await redis.aclose()
 

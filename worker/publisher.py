@@ -1,9 +1,10 @@
-"""Publishes job events to Redis: live on each job's pub/sub channel and into its replay log.
+"""Writes a worker's job events: engine outputs of every job in one EMIT call per batch (worker/lifecycle.py).
 
-Engine outputs arrive from the MLX thread (via ``loop.call_soon_threadsafe``) and queue up while a write
-is in flight; each write sends every queued event of every job in one fenced EMIT script call, so Redis
-sees at most one round trip per engine step whatever the batch size, and the next step never waits for
-Redis. A job whose lease is gone is fenced: its events are refused and it is handed to ``on_fenced``.
+Engine outputs arrive from the MLX thread (via ``loop.call_soon_threadsafe``) and queue up while a write is
+in flight; each write carries every queued event of every job, so Redis sees at most one round trip per
+engine step whatever the batch size, and the next step never waits for Redis. Writes are serial, so every
+job's events reach Redis in seq order. A run whose write is refused has lost its lease: it is handed to
+``on_fenced`` and writes nothing more.
 """
 
 from __future__ import annotations
@@ -11,27 +12,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from json.encoder import encode_basestring  # type: ignore[attr-defined]  # the C string escaper
-from typing import Any
 
-from arq.constants import in_progress_key_prefix, job_key_prefix, result_key_prefix, retry_key_prefix
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from api.connection import JOB_FUNCTION
-from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
-from api.schema import TERMINAL_TYPES, Event
+from api.schema import TERMINAL_TYPES
 from engine.request import FinishReason, RequestOutput, coalesce
 
-from .job import Job
-from .scripts import EMIT, Script
-from .translate import TokenLine, Wire, output_events
+from .lifecycle import Lifecycle, Record, Run, State, Wire, Write
+from .translate import output_events
 
-__all__ = ["Batch", "LogTTL", "Publisher", "arq_result", "emit_args"]
+__all__ = ["Publisher", "PublisherStats"]
 
 log = logging.getLogger(__name__)
+
+_SETTLED = {Write.END: State.ENDED, Write.LOST: State.ENDED, Write.HAND_BACK: State.HANDED_BACK}
 
 
 @dataclass(slots=True)
@@ -41,82 +37,27 @@ class PublisherStats:
     writes: int = 0  # EMIT calls (Redis round trips) carrying engine step outputs
     other_writes: int = 0  # EMIT calls for single jobs: cancels, resets, rejections
     events: int = 0
-    fenced: int = 0  # jobs whose events were refused (lease lost)
+    fenced: int = 0  # runs whose writes were refused (lease lost)
 
 
-@dataclass(frozen=True, slots=True)
-class LogTTL:
-    """Replay-log TTLs, and how long arq's result key of an ended job is kept (0: none is written); seconds."""
-
-    live: int = LIVE_TTL_S
-    done: int = DONE_TTL_S
-    result: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """Events of one job for an EMIT call; ``mode`` as the script defines it."""
-
-    rid: str
-    token: str
-    events: Sequence[Wire]
-    mode: str
-    result: bytes = b""  # with mode "end": arq's result value for the job
-
-
-def emit_args(keys: Keys, batches: Sequence[Batch], ttl: LogTTL, queue: str) -> tuple[list[str], list[Any]]:
-    """Keys and arguments of one fenced EMIT call writing every batch (``queue``: the jobs' arq queue)."""
-    args: list[Any] = [len(batches), ttl.live, ttl.done, queue, int(time.time() * 1000), in_progress_key_prefix,
-                       keys.prefix, job_key_prefix, retry_key_prefix, result_key_prefix, max(1, ttl.result) * 1000]
-    args.append(b"".join(b"%d\n%s" % (len(r), r) for r in map(_record, batches)))
-    return [keys.running()], args
-
-
-def _record(b: Batch) -> bytes:
-    """One job's part of an EMIT call: ``<rid bytes> <token bytes> <mode> <first seq> <result bytes>``, then
-    rid, token and result, then the events."""
-    rid, token = b.rid.encode(), b.token.encode()
-    head = b"%d %d %s %d %d\n" % (len(rid), len(token), b.mode.encode(), b.events[0].seq if b.events else 0,
-                                  len(b.result))
-    events = "\n".join(ev.model_dump_json() for ev in b.events).encode()
-    return b"".join((head, rid, token, b.result, b"\n", events))
-
-
-def arq_result(job: Job, end: Event, queue: str) -> bytes:
-    """arq's result record for a job that ended with ``end`` (what ``arq.jobs.Job.result()`` reads), without
-    the job's arguments: arq would keep the whole prompt again for the result TTL.
-
-    Written around the event's own JSON: a dict dumped with ``json`` cost three times as much (15 us a job).
-    """
-    ok = "true" if end.type == "done" else "false"
-    return (f'{{"t":{job.attempt},"f":{encode_basestring(JOB_FUNCTION)},"a":[],"k":{{}},'
-            f'"et":{int(job.enqueue_time * 1000)},"s":{ok},"r":{end.model_dump_json()},'
-            f'"st":{int(job.started_at * 1000)},"ft":{int(time.time() * 1000)},'
-            f'"q":{encode_basestring(queue)},"id":{encode_basestring(job.rid)}}}').encode()
+async def _nothing(runs: list[Run]) -> None:
+    return None
 
 
 class Publisher:
     """Turns engine outputs into events and writes them, one EMIT call per batch of outputs."""
 
-    def __init__(self, redis: Redis, keys: Keys, worker_id: str, jobs: dict[str, Job],
-                 ttl: LogTTL | None = None, give_up_s: float = 10.0, queue: str = "") -> None:
-        self.redis = redis
-        self.queue = queue  # this worker's arq queue: where released jobs go back
-        self.keys = keys
+    def __init__(self, lifecycle: Lifecycle, runs: dict[str, Run], worker_id: str, give_up_s: float = 10.0) -> None:
+        self.lifecycle = lifecycle
+        self.runs = runs  # the runs in the engine, by job id
         self.worker_id = worker_id
-        self.jobs = jobs
-        self.ttl = ttl or LogTTL()
         self.stats = PublisherStats()
-        self.on_fenced: Callable[[Job], None] = lambda job: None
+        self.on_fenced: Callable[[list[Run]], Awaitable[None]] = _nothing
         self._give_up_s = give_up_s  # past the lease TTL, other workers own these jobs anyway
-        self._script: Script | None = None
         self._pending: list[RequestOutput] = []
         self._cancels = 0  # of _pending, synthetic cancel ends
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()  # one write at a time keeps every job's events in seq order
-
-    async def start(self) -> None:
-        self._script = await Script.load(self.redis, EMIT)
 
     def feed(self, outs: Sequence[RequestOutput]) -> None:
         """Queue engine outputs (call on the event loop thread)."""
@@ -138,77 +79,68 @@ class Publisher:
             only_cancels, self._cancels = len(batch) == self._cancels, 0
             await self.write(self._events_of(coalesce(batch)), step=not only_cancels)
 
-    async def finish(self, job: Job) -> None:
-        """End ``job``'s arq job and drop its lease without an event: an earlier run published its end."""
-        async with self._lock:
-            await self._send([Batch(job.rid, job.token, [], "end")])
-        self.stats.other_writes += 1
-
-    def _events_of(self, outs: list[RequestOutput]) -> list[tuple[Job, Wire]]:
-        items: list[tuple[Job, Wire]] = []
+    def _events_of(self, outs: list[RequestOutput]) -> list[tuple[Run, Wire]]:
+        items: list[tuple[Run, Wire]] = []
         for out in outs:
-            job = self.jobs.get(out.rid)
-            if job is None:  # detached (re-queued, fenced) or already ended
+            run = self.runs.get(out.rid)
+            if run is None:  # handed back, fenced or already ended
                 continue
-            items.extend((job, ev) for ev in output_events(out, job, self.worker_id))
+            items.extend((run, ev) for ev in output_events(out, run, self.worker_id))
         return items
 
-    async def write(self, items: Sequence[tuple[Job, Wire]], mode: str | None = None, step: bool = False) -> None:
-        """Write events (grouped per job, in order), then release the jobs they end.
+    async def write(self, items: Sequence[tuple[Run, Wire]], write: Write | None = None, step: bool = False) -> None:
+        """Write events (grouped per job, in order) and settle the runs they end or hand back.
 
-        ``mode`` overrides the per-job mode ("release" when handing a job back to the queue).
+        ``write`` overrides the per-job write, which is END after a terminal event and APPEND otherwise.
         """
         if not items:
             return
-        groups: dict[str, tuple[Job, list[Wire]]] = {}
-        for job, ev in items:
-            groups.setdefault(job.rid, (job, []))[1].append(ev)
-        batches = [self._batch(job, events, mode) for job, events in groups.values()]
-        for b in batches:
-            if b.mode:  # the write drops the lease: the lease keeper must not take that for a lost lease
-                self.jobs.pop(b.rid, None)
+        groups: dict[str, tuple[Run, list[Wire]]] = {}
+        for run, ev in items:
+            groups.setdefault(run.rid, (run, []))[1].append(ev)
+        records = [Record(run, events, write or _write_of(events[-1])) for run, events in groups.values()]
+        for r in records:
+            if r.write is not Write.APPEND:  # its write drops the lease: the lease keeper must not see it go
+                self.runs.pop(r.run.rid, None)
         async with self._lock:
-            written = await self._send(batches)
+            allowed = await self._send(records)
         if step:
             self.stats.writes += 1
         else:
             self.stats.other_writes += 1
-        for (job, events), b, ok in zip(groups.values(), batches, written):
-            if not ok:
-                self._fence(job)
-            elif b.mode:
-                self._settle(job, events[-1].type)
+        fenced = [r.run for r, ok in zip(records, allowed) if not ok and r.write is not Write.LOST]
+        for r, ok in zip(records, allowed):
+            if ok and r.write is not Write.APPEND:
+                settle(r.run, _SETTLED[r.write])
+            elif not ok and r.write is Write.LOST:
+                settle(r.run, State.FENCED)
+        if fenced:
+            self.stats.fenced += len(fenced)
+            await self.on_fenced(fenced)
 
-    def _batch(self, job: Job, events: list[Wire], mode: str | None) -> Batch:
-        end = events[-1]  # a job's terminal event is its last (engine.request.coalesce drops any after it)
-        if mode is None and not isinstance(end, TokenLine) and end.type in TERMINAL_TYPES:
-            result = arq_result(job, end, self.queue) if self.ttl.result > 0 else b""
-            return Batch(job.rid, job.token, events, "end", result)
-        return Batch(job.rid, job.token, events, mode or "")
-
-    def _settle(self, job: Job, outcome: str) -> None:
-        self.jobs.pop(job.rid, None)
-        if not job.finished.done():
-            job.finished.set_result(outcome)
-
-    def _fence(self, job: Job) -> None:
-        self.stats.fenced += 1
-        log.warning("job %s: lease lost, its events are fenced off", job.rid)
-        self.on_fenced(job)
-
-    async def _send(self, batches: list[Batch]) -> list[bool]:
-        assert self._script is not None, "Publisher.start() was not awaited"
+    async def _send(self, records: list[Record]) -> list[bool]:
         deadline = time.monotonic() + self._give_up_s
         attempt = 0
         while True:
             try:
-                result = await self._script.run(self.redis, *emit_args(self.keys, batches, self.ttl, self.queue))
-                self.stats.events += sum(len(b.events) for b in batches)
-                return [r == 1 for r in result]
+                allowed = await self.lifecycle.write(records)
+                self.stats.events += sum(len(r.events) for r in records)
+                return allowed
             except (RedisError, OSError) as exc:
                 attempt += 1
                 if time.monotonic() > deadline:
-                    log.error("Redis unreachable for %.0fs: fencing %d jobs", self._give_up_s, len(batches))
-                    return [False] * len(batches)
+                    log.error("Redis unreachable for %.0fs: fencing %d jobs", self._give_up_s, len(records))
+                    return [False] * len(records)
                 log.warning("event write failed (attempt %d): %r", attempt, exc)
                 await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
+
+
+def _write_of(last: Wire) -> Write:
+    return Write.END if last.type in TERMINAL_TYPES else Write.APPEND
+
+
+def settle(run: Run, state: State) -> None:
+    """Record how ``run`` left this worker and wake whoever awaits it."""
+    run.state = state
+    if not run.finished.done():
+        run.finished.set_result(state)

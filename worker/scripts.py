@@ -1,9 +1,13 @@
-"""Lua scripts that make a job's writes conditional on who holds its lease (fencing).
+"""The Lua scripts behind a job's transitions (worker/lifecycle.py calls them, with typed arguments).
 
-A worker writes a job's events only while it holds the job's lease (value: its token, worker id + try).
-A worker that lost its lease -- paused, partitioned, or reaped -- cannot publish over the job's next run.
-The reaper writes only while *no one* holds the lease (token ""). One job's keys share the ``{rid}`` hash
-tag; a call may write several jobs.
+Each transition is one script call, so it is atomic, and each checks in Redis that its caller may make it:
+a run only while the job's lease holds that run's token, the reaper only while nobody holds it and the job's
+log is where the reaper read it. A run that lost its lease (paused, partitioned, reaped, or its job finished
+elsewhere) can therefore change nothing about the job, whenever it wakes up.
+
+A job's keys are named here from the prefix and its id, as ``api.keys.Keys`` names them (``<prefix>:{<id>}:
+lease`` and so on), rather than passed as KEYS: redis-py packs every argument in Python, and packing was a
+quarter of the event loop's time in a 32-job write. (So the scripts are not Redis Cluster-ready.)
 """
 
 from __future__ import annotations
@@ -15,66 +19,118 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-__all__ = ["CLAIM", "EMIT", "REFRESH", "START", "SWEEP", "Script"]
+__all__ = ["EMIT", "REFRESH", "REJECT", "START", "SWEEP", "Script"]
 
-# Writes the events of several jobs in one call: one round trip per engine step whatever the batch size.
-# KEYS: running. ARGV: job count, live TTL, done TTL, arq queue, now (ms), arq's in-progress key prefix, the
-# key prefix, arq's job, retry and result key prefixes, the result TTL (ms), then the records of every job in
-# one argument, each "<record bytes>\n<record>". A record is a line "<rid bytes> <token bytes> <mode> <first
-# seq> <result bytes>", the rid, the token and the result back to back, a newline, and its events (JSON
-# texts) joined by newlines (JSON never contains a raw one). Event i gets log entry id "<first seq + i>-1".
-# A job's lease, log, cancel key and channel are named here from the prefix and rid, as api.keys.Keys names
-# them, and the records travel as one argument: redis-py packs every argument in Python (~1.7 us each on a
-# slow core), and packing was a quarter of the event loop's time in a 32-job write, which shares the GIL with
-# the engine. (Keys undeclared in KEYS, and global ones: not Redis Cluster-ready.)
-# Mode "": more to come; "end": terminal -- drop lease, cancel key and running entry, and finish the arq job
-# as arq's own finish_job would (its in-progress, job and retry keys, its queue entry; the result, if any,
-# kept for the result TTL), so a job's end costs no round trip of its own; "release": hand the job back --
-# drop lease and running entry, clear arq's in-progress mark and re-queue it, all in this one atomic call, so
-# no crash can leave a job neither running nor queued.
-# Returns one 1 (written) or 0 (fenced: the lease is not this token's) per job. An entry id already in the
-# log (a duplicate) is skipped, not published.
+# queued -> running. Starts up to ARGV[2] of the due ids, in order: takes the lease with token
+# "<worker id>:<try>", counts the try (only here: a try is a run that started), lists the job as running and
+# takes it out of the queue. A job whose lease another run still holds stays queued, due a lease TTL later,
+# with no try counted; a queue entry without a job record is left for REJECT. Also reads the deployment's
+# epoch (setting it if Redis has none: a fresh or emptied server), each job's last logged event, and whether
+# a cancel is pending.
+# KEYS: queue, running, epoch. ARGV: now ms, most, worker id, lease ms, prefix, a new epoch, epoch TTL s,
+# tries TTL s, then the ids. Returns {epoch, {id, "started", job, try, last event or false, cancelled 0|1} |
+# {id, "deferred"} | {id, "gone"}, ...}.
+START = """
+local epoch = redis.call('GET', KEYS[3])
+if not epoch then epoch = ARGV[6] end
+redis.call('SET', KEYS[3], epoch, 'EX', ARGV[7])
+local out = {epoch}
+local started, most, now = 0, tonumber(ARGV[2]), tonumber(ARGV[1])
+for i = 9, #ARGV do
+  if started >= most then break end
+  local id = ARGV[i]
+  local score = redis.call('ZSCORE', KEYS[1], id)
+  if score and tonumber(score) <= now then
+    local base = ARGV[5] .. ':{' .. id .. '}:'
+    local job = redis.call('GET', base .. 'job')
+    if not job then
+      out[#out + 1] = {id, 'gone'}
+    else
+      local try = tonumber(redis.call('GET', base .. 'tries') or '0') + 1
+      if redis.call('SET', base .. 'lease', ARGV[3] .. ':' .. try, 'NX', 'PX', ARGV[4]) then
+        started = started + 1
+        redis.call('SET', base .. 'tries', try, 'EX', ARGV[8])
+        redis.call('HSET', KEYS[2], id, KEYS[1])
+        redis.call('ZREM', KEYS[1], id)
+        local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
+        out[#out + 1] = {id, 'started', job, try, last and last[2][2] or false,
+                         redis.call('EXISTS', base .. 'cancel')}
+      else
+        redis.call('ZADD', KEYS[1], now + tonumber(ARGV[4]), id)
+        out[#out + 1] = {id, 'deferred'}
+      end
+    end
+  end
+end
+return out
+"""
+
+# running -> running | ended | queued, for several jobs in one call (one round trip per engine step).
+# KEYS: running, epoch. ARGV: record count, live TTL s, done TTL s, now ms, prefix, result TTL ms, then every
+# record in one argument, each "<size>\n<record>". A record is a line "<queue bytes> <rid bytes> <owner bytes>
+# <write> <first seq> <result bytes>", then queue, rid, owner and result back to back, a newline, and its
+# events (JSON texts, which never hold a raw newline) joined by newlines; event i is logged as entry
+# "<first seq + i>-1" and published on the job's channel.
+# The caller may write if (by write): a/e/h: owner is a run's token and the lease holds it, or owner is ""
+# (the reaper) and nobody holds the lease, the job is listed as running, and its log's next seq is the
+# record's first (two reapers cannot both act on one job); l: owner is the epoch the run started in and the
+# epoch moved on (Redis lost its data since) and the job record is gone.
+# Writes: a: append. e: end: drop lease, running entry, cancel key, job record, tries and queue entry, keep
+# the result (if any) for the result TTL and the log for the done TTL. h: hand back: drop lease and running
+# entry, queue the job again, due now. l: append, log kept for the done TTL.
+# Returns 1 (written) or 0 (refused) per record. An entry id already logged (a duplicate) is not published.
 EMIT = r"""
 local out = {}
-local blob, pos = ARGV[12], 1
+local blob, pos = ARGV[7], 1
 for j = 1, tonumber(ARGV[1]) do
   local nl = string.find(blob, '\n', pos, true)
   local size = tonumber(string.sub(blob, pos, nl - 1))
   local rec = string.sub(blob, nl + 1, nl + size)
   pos = nl + size + 1
   local h = string.find(rec, '\n', 1, true)
-  local lr, lt, mode, seq, lres = string.match(string.sub(rec, 1, h - 1), '^(%d+) (%d+) (%a*) (%d+) (%d+)$')
-  lr, lt, seq, lres = tonumber(lr), tonumber(lt), tonumber(seq), tonumber(lres)
-  local rid, token = string.sub(rec, h + 1, h + lr), string.sub(rec, h + lr + 1, h + lr + lt)
-  local base = ARGV[7] .. ':{' .. rid .. '}:'
+  local lq, lr, lo, write, seq, lres = string.match(string.sub(rec, 1, h - 1),
+    '^(%d+) (%d+) (%d+) (%a) (%d+) (%d+)$')
+  lq, lr, lo, seq, lres = tonumber(lq), tonumber(lr), tonumber(lo), tonumber(seq), tonumber(lres)
+  local queue = string.sub(rec, h + 1, h + lq)
+  local rid = string.sub(rec, h + lq + 1, h + lq + lr)
+  local owner = string.sub(rec, h + lq + lr + 1, h + lq + lr + lo)
+  local result = string.sub(rec, h + lq + lr + lo + 1, h + lq + lr + lo + lres)
+  local base = ARGV[5] .. ':{' .. rid .. '}:'
   local lease, log = base .. 'lease', base .. 'log'
-  local holder = redis.call('GET', lease)
-  if (token == '' and not holder) or (token ~= '' and holder == token) then
+  local ok
+  if write == 'l' then
+    ok = redis.call('GET', KEYS[2]) ~= owner and redis.call('EXISTS', base .. 'job') == 0
+  elseif owner ~= '' then
+    ok = redis.call('GET', lease) == owner
+  else
+    local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)[1]
+    local next_seq = last and tonumber(string.match(last[1], '^(%d+)')) + 1 or 0
+    ok = redis.call('EXISTS', lease) == 0 and redis.call('HEXISTS', KEYS[1], rid) == 1 and next_seq == seq
+  end
+  if ok then
     local channel = base .. 'events'
-    for event in string.gmatch(string.sub(rec, h + lr + lt + lres + 2), '[^\n]+') do
+    for event in string.gmatch(string.sub(rec, h + lq + lr + lo + lres + 2), '[^\n]+') do
       local r = redis.pcall('XADD', log, seq .. '-1', 'e', event)
       if type(r) ~= 'table' or not r.err then
         redis.call('PUBLISH', channel, event)
       end
       seq = seq + 1
     end
-    if mode == 'end' then
-      redis.call('EXPIRE', log, ARGV[3])
-      redis.call('DEL', base .. 'cancel', ARGV[6] .. rid, ARGV[8] .. rid, ARGV[9] .. rid)
-      redis.call('ZREM', ARGV[4], rid)
-      if lres > 0 then
-        redis.call('SET', ARGV[10] .. rid, string.sub(rec, h + lr + lt + 1, h + lr + lt + lres), 'PX', ARGV[11])
-      end
-    else
+    if write == 'a' or write == 'h' then
       redis.call('EXPIRE', log, ARGV[2])
+    else
+      redis.call('EXPIRE', log, ARGV[3])
     end
-    if mode ~= '' then
+    if write == 'e' or write == 'h' then
       redis.call('HDEL', KEYS[1], rid)
-      if token ~= '' then redis.call('DEL', lease) end
+      redis.call('DEL', lease)
     end
-    if mode == 'release' then
-      redis.call('DEL', ARGV[6] .. rid)
-      redis.call('ZADD', ARGV[4], ARGV[5], rid)
+    if write == 'e' then
+      redis.call('DEL', base .. 'cancel', base .. 'job', base .. 'tries')
+      redis.call('ZREM', queue, rid)
+      if lres > 0 then redis.call('SET', base .. 'result', result, 'PX', ARGV[6]) end
+    elseif write == 'h' then
+      redis.call('ZADD', queue, ARGV[4], rid)
     end
     out[j] = 1
   else
@@ -84,124 +140,75 @@ end
 return out
 """
 
-# Claims and starts every job one arq poll found, in one call: for each (up to the free slots), arq's claim
-# (the job is queued, due and not in progress: set its in-progress key), then what arq's run_job reads first
-# (the job, and its try count: INCR of its retry key), then the job's lease, taken with token
-# "<worker id>:<try>". Leased: the job is listed as running and taken out of arq's queue (otherwise every
-# poll re-examines every running job). If another run holds the lease: the job goes back to the queue, due
-# later, and this claim is dropped. Also reads each job's last logged event and whether a cancel is pending.
-# Keys are named here from the prefixes, as EMIT does (packing arguments costs the event loop).
-# KEYS: arq queue, running. ARGV: now (ms), in-progress TTL (ms), most to start, worker id, lease TTL (ms),
-# deferred score, key prefix, arq's in-progress, job and retry key prefixes, then the job ids.
-# Returns one {id, score, job bytes or false, try, 1 if leased else 0, last event JSON or false, 1 if
-# cancelled else 0} per claimed job.
-START = """
-local out = {}
-local started, most = 0, tonumber(ARGV[3])
-for i = 11, #ARGV do
-  if started >= most then break end
-  local id = ARGV[i]
-  local score = redis.call('ZSCORE', KEYS[1], id)
-  local claim = ARGV[8] .. id
-  if score and tonumber(score) <= tonumber(ARGV[1]) and redis.call('EXISTS', claim) == 0 then
-    redis.call('PSETEX', claim, ARGV[2], '1')
-    local job = redis.call('GET', ARGV[9] .. id)
-    local try = redis.call('INCR', ARGV[10] .. id)
-    redis.call('EXPIRE', ARGV[10] .. id, 88400)
-    local base = ARGV[7] .. ':{' .. id .. '}:'
-    local leased = redis.call('SET', base .. 'lease', ARGV[4] .. ':' .. try, 'NX', 'PX', ARGV[5])
-    if leased then
-      started = started + 1
-      redis.call('HSET', KEYS[2], id, KEYS[1])
-      redis.call('ZREM', KEYS[1], id)
-    else
-      redis.call('ZADD', KEYS[1], ARGV[6], id)
-      redis.call('DEL', claim)
-    end
-    local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
-    out[#out + 1] = {id, score, job or false, try, leased and 1 or 0, last and last[2][2] or false,
-                     redis.call('EXISTS', base .. 'cancel')}
-  end
-end
-return out
-"""
-
-# arq's claim of queued jobs, for many at once: a job is taken if it is in the queue, due, and not in
-# progress; taking it sets its in-progress key as arq does. KEYS: the arq queue, then each job's in-progress
-# key. ARGV: now (ms), in-progress TTL (ms), most to take, then the job ids. Returns id, score, id, score...
-# of the taken ones.
-CLAIM = """
-local out = {}
-local most = tonumber(ARGV[3]) * 2
-for i = 2, #KEYS do
-  if #out >= most then break end
-  local id = ARGV[i + 2]
-  local score = redis.call('ZSCORE', KEYS[1], id)
-  if score and tonumber(score) <= tonumber(ARGV[1]) and redis.call('EXISTS', KEYS[i]) == 0 then
-    redis.call('PSETEX', KEYS[i], ARGV[2], '1')
-    out[#out + 1] = id
-    out[#out + 1] = score
-  end
-end
-return out
-"""
-
-# The running jobs that hold no lease, read in one atomic call: a job ending meanwhile (its EMIT "end" drops
-# the lease and the running entry together) is never mistaken for a lost one, as it was when the entries
-# and their leases were read in two calls. KEYS: running. ARGV: the key prefix. Returns rid, queue, ...
+# The reaper's read: every running job whose lease is gone. One whose log already ends with its terminal
+# event only lost its bookkeeping: its running entry is dropped here. KEYS: running. ARGV: prefix.
+# Returns {rid, queue, next seq, tries, 1 if its job record exists else 0, ...} for the others.
 SWEEP = """
 local out = {}
 local running = redis.call('HGETALL', KEYS[1])
 for i = 1, #running, 2 do
-  if redis.call('EXISTS', ARGV[1] .. ':{' .. running[i] .. '}:lease') == 0 then
-    out[#out + 1] = running[i]
-    out[#out + 1] = running[i + 1]
+  local rid = running[i]
+  local base = ARGV[1] .. ':{' .. rid .. '}:'
+  if redis.call('EXISTS', base .. 'lease') == 0 then
+    local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
+    local kind = last and cjson.decode(last[2][2])['type']
+    if kind == 'done' or kind == 'error' then
+      redis.call('HDEL', KEYS[1], rid)
+    else
+      out[#out + 1] = {rid, running[i + 1], last and tonumber(string.match(last[1], '^(%d+)')) + 1 or 0,
+                       tonumber(redis.call('GET', base .. 'tries') or '0'), redis.call('EXISTS', base .. 'job')}
+    end
   end
 end
 return out
 """
 
-# KEYS: lease. ARGV: token, ttl ms. Extends the lease if still ours: 1, else 0.
+# Extends leases still held by their run. KEYS: none. ARGV: lease ms, prefix, then rid, token, rid, token...
+# Returns 1 (extended) or 0 (lost) per job.
 REFRESH = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local out = {}
+for i = 3, #ARGV, 2 do
+  local lease = ARGV[2] .. ':{' .. ARGV[i] .. '}:lease'
+  if redis.call('GET', lease) == ARGV[i + 1] then
+    out[#out + 1] = redis.call('PEXPIRE', lease, ARGV[1])
+  else
+    out[#out + 1] = 0
+  end
 end
-return 0
+return out
+"""
+
+# Moves queue entries no worker can run aside: out of the queue, onto the dead-letter list (bounded, with a
+# TTL). KEYS: queue, dead letters. ARGV: most kept, TTL s, then entry, record, entry, record...
+# Returns how many entries were still queued.
+REJECT = """
+local moved = 0
+for i = 3, #ARGV, 2 do
+  if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
+    moved = moved + 1
+    redis.call('LPUSH', KEYS[2], ARGV[i + 1])
+  end
+end
+redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[1]) - 1)
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return moved
 """
 
 
 @dataclass(frozen=True, slots=True)
 class Script:
-    """A Lua script called by SHA inside pipelines (no per-pipeline SCRIPT EXISTS round trip)."""
+    """A Lua script called by SHA (loaded on first use, and again after a Redis restart emptied the cache)."""
 
     source: str
     sha: str
 
     @classmethod
     def of(cls, source: str) -> Script:
-        """Without a round trip: :meth:`run` loads it on first use."""
         return cls(source, hashlib.sha1(source.encode()).hexdigest())
 
-    @classmethod
-    async def load(cls, redis: Redis, source: str) -> Script:
-        return cls(source, await redis.script_load(source))
-
-    async def reload(self, redis: Redis) -> None:
-        """After a Redis restart emptied the script cache."""
-        await redis.script_load(self.source)
-
-    def call(self, pipe: Any, keys: list[str], args: list[Any]) -> None:
-        """Queue the script on a pipeline."""
-        pipe.evalsha(self.sha, len(keys), *keys, *args)
-
     async def run(self, redis: Redis, keys: list[str], args: list[Any]) -> Any:
-        """Run the script now, reloading it once if Redis lost its script cache (a restart)."""
         try:
             return await redis.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
         except NoScriptError:
-            await self.reload(redis)
+            await redis.script_load(self.source)
             return await redis.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
-
-
-def is_noscript(result: object) -> bool:
-    return isinstance(result, NoScriptError)

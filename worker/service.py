@@ -1,12 +1,9 @@
-"""One model served from Redis: arq jobs go into the engine, events come out, cancels are honoured.
+"""One model served from Redis: the host arq's seam hands due jobs to; each runs through the engine.
 
-Each arq job is a thin coroutine (:meth:`ModelService.run`, run by ``runner.py``): read the job and take
-its lease in one call, validate, hand the request to the engine, await its terminal event. The coroutine
-never touches MLX, so cancelling it (arq timeout, shutdown) only posts an abort that the engine applies
-between steps on its own thread.
-
-A job ends with exactly one terminal event, or is handed back to the queue with a ``reset`` event:
-on shutdown (while tries remain), when its lease is lost (fenced), or by the reaper after a worker died.
+A job's run (:meth:`ModelService._run`) is a thin coroutine: validate, hand the request to the engine, await
+its end. It never touches MLX, so cancelling it (arq's timeout, shutdown) only posts an abort that the engine
+applies between steps on its own thread. How a job moves (started, ended, handed back, reaped, fenced) is
+worker/lifecycle.py; this module decides when.
 """
 
 from __future__ import annotations
@@ -16,16 +13,16 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-from arq.constants import in_progress_key_prefix, job_key_prefix, retry_key_prefix
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
-from api.connection import UNDECODABLE, redis_client
-from api.schema import DoneEvent, ErrorCode, Event, FinishReason, GenerateRequest, ResetEvent, Usage, decode_event
+from api.arqseam import Claimed, Envelope, Outcome, read_job
+from api.connection import redis_client
+from api.schema import ErrorCode, FinishReason, GenerateRequest, is_terminal
 from engine.engine import Engine
 from engine.loader import EngineOptions, LoadedModel, start_engine
 from engine.prompt import encode_prompt
@@ -34,62 +31,46 @@ from engine.request import RequestOutput
 from . import waker
 from .cancels import CancelWatcher
 from .config import WorkerConfig
-from .job import Job
 from .leases import LeaseKeeper
-from .publisher import LogTTL, Publisher
-from .reaper import Reaper, StaleClaims
-from .scripts import START, Script
-from .translate import error_event, timings, to_engine_request
+from .lifecycle import Claim, Lifecycle, LogTTL, Record, Run, Start, State, Write
+from .publisher import Publisher
+from .reaper import Reaper
+from .translate import to_engine_request
 
-__all__ = ["BadRequest", "ModelService", "Started"]
+__all__ = ["BadRequest", "ModelService"]
 
 log = logging.getLogger(__name__)
 ENGINE_DEAD_EXIT = 70  # EX_SOFTWARE: the supervisor restarts the worker
 _INLINE_TOKENIZE_CHARS = 16_384  # longer prompts are tokenized off the event loop
+_DATA_LOST = "Redis lost this job's data while it ran (restarted without persistence, or flushed); submit it again"
 
 
 class BadRequest(Exception):
     """The job can never succeed as sent; becomes an ``error(bad_request)`` event."""
 
 
-class LeaseLost(Exception):
-    """This worker can no longer vouch for the job; another run will take it over."""
-
-
-@dataclass(frozen=True, slots=True)
-class Started:
-    """A job the START script claimed: its arq job, this try's number, the lease, the job's history."""
-
-    rid: str
-    job: bytes | None  # None: the job key expired or was deleted
-    attempt: int
-    acquired: bool  # False: another run holds the lease; the job went back to the queue
-    last: Event | None
-    cancelled: bool
-
-
 class ModelService:
-    """Joins one model's engine to Redis for an arq worker."""
+    """Joins one model's engine to Redis for an arq worker (``api.arqseam.Host``)."""
 
     def __init__(self, config: WorkerConfig, redis: Redis) -> None:
         self.config = config
         self.keys = config.keys
         self.redis = redis
-        self.jobs: dict[str, Job] = {}
+        self.runs: dict[str, Run] = {}  # the runs in the engine
         ttl = LogTTL(live=config.live_ttl_s, done=config.done_ttl_s, result=config.keep_result_s)
-        # The publisher's writes are serial: a connection of its own skips the pool's per-command checkout,
-        # a health-check read that was a quarter of each EMIT call's CPU on the event loop.
-        self._events_redis = Redis(connection_pool=redis.connection_pool, single_connection_client=True)
-        self.publisher = Publisher(self._events_redis, self.keys, config.worker_id, self.jobs, ttl,
-                                   give_up_s=config.lease_ttl_s, queue=config.queue_name)
-        self.publisher.on_fenced = self._on_lease_lost
-        self.leases = LeaseKeeper(redis, self.keys, self.jobs, config.lease_ttl_s, self._on_lease_lost)
-        claims = StaleClaims(config.queue_name, int((config.arq_job_timeout_s + 10) * 1000),
-                             int(config.lease_ttl_s * 1000))  # arq claims for its job timeout + 10 s
-        self.reaper = Reaper(redis, self.keys, config.max_tries, config.reap_interval_s, ttl, claims)
-        self._start_script = Script.of(START)
+        # Event writes are serial: a connection of their own skips the pool's per-command checkout, a
+        # health-check read that was a quarter of each EMIT call's CPU on the event loop.
+        self._writer = Redis(connection_pool=redis.connection_pool, single_connection_client=True)
+        self.lifecycle = Lifecycle(redis, self.keys, config.queue_name, config.worker_id, ttl, config.lease_ttl_s,
+                                   writer=self._writer)
+        self.publisher = Publisher(self.lifecycle, self.runs, config.worker_id, give_up_s=config.lease_ttl_s)
+        self.publisher.on_fenced = self._lose
+        self.leases = LeaseKeeper(self.lifecycle, self.runs, config.lease_ttl_s, self._lose)
+        self.reaper = Reaper(self.lifecycle, config.max_tries, config.reap_interval_s)
         self.engine: Engine | None = None
         self.model: LoadedModel | None = None
+        self.dead_lettered = 0
+        self.data_lost = 0
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
@@ -98,6 +79,7 @@ class ModelService:
         if not config.model:
             raise RuntimeError("MLXQ_MODEL is not set: give a local model path (or a hub id on a Mac)")
         service = cls(config, redis_client(config.redis_url))
+        await service.lifecycle.open()
         loop = asyncio.get_running_loop()
 
         def sink(outs: list[RequestOutput]) -> None:  # runs on the MLX thread
@@ -111,8 +93,7 @@ class ModelService:
             loop.call_soon_threadsafe(service._on_engine_dead)
 
         service.engine.on_dead = on_dead
-        await asyncio.gather(service.publisher.start(), service.leases.start(), service.reaper.start())
-        watcher = CancelWatcher(redis=service.redis, keys=service.keys, held=service.jobs.keys,
+        watcher = CancelWatcher(redis=service.redis, keys=service.keys, held=service.runs.keys,
                                 on_cancel=service._cancel, poll_s=config.cancel_poll_s)
         loops = (service.publisher.run(), watcher.run(), service.leases.run(), service.reaper.run(),
                  waker.listen(service.redis, service.keys.wake_channel(config.name)))
@@ -129,13 +110,13 @@ class ModelService:
     async def aclose(self) -> None:
         """Abort what still runs, stop the engine (joining its MLX thread), close Redis."""
         if self.engine is not None:
-            for rid in list(self.jobs):
+            for rid in list(self.runs):
                 self.engine.abort(rid)
             await self.engine.aclose()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._events_redis.aclose()
+        await self._writer.aclose()
         await self.redis.aclose()
         log.info("stats: %s", self.stats_line())
 
@@ -144,142 +125,145 @@ class ModelService:
         steps = self.engine.stats.steps if self.engine is not None else 0
         p = self.publisher.stats
         return (f"engine_steps={steps} redis_writes={p.writes} other_writes={p.other_writes} events={p.events} "
-                f"fenced={p.fenced} reaped={self.reaper.reaped}")
+                f"fenced={p.fenced} reaped={self.reaper.reaped} data_lost={self.data_lost} "
+                f"dead_lettered={self.dead_lettered}")
 
-    def on_claimed(self, n: int) -> None:
-        """arq just claimed ``n`` jobs in one call: let an idle engine wait for all of them."""
-        if self.engine is not None:
-            self.engine.expect(n, self.config.admit_wait_ms / 1000)
+    # --- arq's seam: claims --------------------------------------------------------------------------
+    async def claim(self, ids: list[str], free: int) -> list[Claimed]:
+        """Start up to ``free`` of the due ``ids`` in one call; each started job runs in a coroutine."""
+        starts = await self.lifecycle.start(ids, free)
+        gone = [s.rid for s in starts if s.claim is Claim.GONE]
+        if gone:
+            await self.reject([rid.encode() for rid in gone], "no job record (it expired, or Redis lost it)")
+        for s in starts:
+            if s.claim is Claim.DEFERRED:
+                log.info("job %s: another run still holds its lease; left queued", s.rid)
+        started = [s for s in starts if s.claim is Claim.STARTED]
+        if started and self.engine is not None:  # let an idle engine wait for all of them
+            self.engine.expect(len(started), self.config.admit_wait_ms / 1000)
+        return [Claimed(s.rid, self._run(s)) for s in started]
 
-    # --- one job -----------------------------------------------------------------------------------
-    async def claim(self, job_ids: list[str], most: int, claim_ttl_ms: int) -> list[Started]:
-        """Claim and start up to ``most`` of the queued ``job_ids`` in one call (the START script); a claim is
-        arq's in-progress mark, kept ``claim_ttl_ms``."""
-        cfg = self.config
-        now_ms = int(time.time() * 1000)
-        args: list[Any] = [now_ms, claim_ttl_ms, most, cfg.worker_id, int(cfg.lease_ttl_s * 1000),
-                           now_ms + int(cfg.lease_ttl_s * 1000), self.keys.prefix, in_progress_key_prefix,
-                           job_key_prefix, retry_key_prefix, *job_ids]
-        rows = await self._start_script.run(self.redis, [cfg.queue_name, self.keys.running()], args)
-        return [Started(rid.decode(), job or None, int(attempt), bool(taken), decode_event(last) if last else None,
-                        bool(cancelled))
-                for rid, _score, job, attempt, taken, last, cancelled in rows]
-
-    async def run(self, start: Started, loads: Callable[[bytes], dict[str, Any]]) -> str:
-        """Run one job this worker started to its terminal event (or hand it back); returns how it ended.
-
-        ``loads`` is the worker's job deserializer. Never raises but for cancellation: a bug ends the job
-        with ``error(internal)``.
-        """
-        envelope = loads(start.job) if start.job is not None else None
-        job = Job(start.rid, self.config.name, (envelope or {}).get("et", time.time() * 1000) / 1000,
-                  attempt=start.attempt, token=f"{self.config.worker_id}:{start.attempt}")
+    async def reject(self, entries: Sequence[bytes], reason: str) -> None:
+        """Move queue entries no worker can run to the dead-letter list (``<prefix>:dead``)."""
         try:
-            return await self._serve(job, start, envelope)
+            self.dead_lettered += await self.lifecycle.reject(entries, reason)
+        except (RedisError, OSError) as exc:
+            log.warning("could not move %d queue entries aside: %r", len(entries), exc)
+            return
+        for entry in entries:
+            log.warning("queue %s: entry %r moved to %s: %s", self.config.queue_name, entry,
+                        self.keys.dead_letters(), reason)
+
+    # --- one job ---------------------------------------------------------------------------------------
+    async def _run(self, start: Start) -> Outcome:
+        """One started job, to its terminal event or handed back, within arq's job timeout (a backstop: the
+        engine's deadline comes first)."""
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self.config.arq_job_timeout_s):
+                state = await self._serve(start)
+        except TimeoutError:
+            log.warning("job %s: ran past the arq job timeout (%.0fs); handed back or failed",
+                        start.rid, self.config.arq_job_timeout_s)
+            return Outcome.FAILED
+        log.debug("job %s: %s in %.3fs", start.rid, state.value, time.monotonic() - t0)
+        return Outcome.COMPLETE if state is State.ENDED else Outcome.RETRIED
+
+    async def _serve(self, start: Start) -> State:
+        envelope = read_job(start.job, self.config.max_payload_bytes)
+        run = self.lifecycle.run(start, self.config.name, envelope.enqueue_ms)
+        try:
+            return await self._serve_run(run, start, envelope)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
-            log.exception("job %s: failed", job.rid)
-            self.jobs.pop(job.rid, None)
-            return await self._emit(job, error_event(job, ErrorCode.INTERNAL, f"the worker failed: {exc!r}"))
+        except Exception as exc:  # a bug: the job still gets its one terminal event
+            log.exception("job %s: failed", run.rid)
+            self.runs.pop(run.rid, None)
+            return await self._end(run, run.error(ErrorCode.INTERNAL, f"the worker failed: {exc!r}"))
 
-    async def _serve(self, job: Job, start: Started, envelope: dict[str, Any] | None) -> str:
+    async def _serve_run(self, run: Run, start: Start, envelope: Envelope) -> State:
         last = start.last
-        if last is not None and last.type in ("done", "error"):
-            await self._release(job)
-            return last.type  # an earlier run finished it
-        if last is not None:
-            job.seq = last.seq + 1
-            if last.type != "reset":
-                await self._emit(job, ResetEvent(id=job.rid, seq=job.next_seq(), reason="job restarted",
-                                                 attempt=job.attempt))
+        if last is not None and is_terminal(last):  # ended, yet queued: only a partial loss of Redis' data
+            (ok,) = await self.lifecycle.write([Record(run, [], Write.END)])
+            return State.ENDED if ok else State.FENCED
+        if last is not None and last.type != "reset":  # its last run left no reset (a partial loss of data)
+            await self.publisher.write([(run, run.reset("job restarted"))])
         if start.cancelled:
-            return await self._emit(job, self._cancelled_event(job))
-        if job.attempt > self.config.max_tries:
-            msg = f"the job was tried {job.attempt - 1} times; the limit is {self.config.max_tries}"
-            return await self._emit(job, error_event(job, ErrorCode.WORKER_LOST, msg))
+            return await self._end(run, run.done(FinishReason.CANCELLED))
+        if run.attempt > self.config.max_tries:
+            msg = f"the job was tried {run.attempt - 1} times; the limit is {self.config.max_tries}"
+            return await self._end(run, run.error(ErrorCode.WORKER_LOST, msg))
         try:
-            req = self._validate(_payload(envelope), job.rid)
+            if envelope.problem:
+                raise BadRequest(envelope.problem)
+            req = self._validate(envelope.payload, run.rid)
             tokens = await self._tokenize_off_loop(req)
         except BadRequest as exc:
-            log.info("job %s rejected: %s", job.rid, exc)
-            return await self._emit(job, error_event(job, ErrorCode.BAD_REQUEST, str(exc)))
-        return await self._run(job, req, tokens)
+            log.info("job %s rejected: %s", run.rid, exc)
+            return await self._end(run, run.error(ErrorCode.BAD_REQUEST, str(exc)))
+        return await self._generate(run, req, tokens)
 
-    async def _release(self, job: Job) -> None:
-        """Drop the lease and finish the arq job of a job an earlier run already ended."""
-        await self.publisher.finish(job)
+    async def _end(self, run: Run, event: Any) -> State:
+        await self.publisher.write([(run, event)])
+        return run.state
 
-    async def _run(self, job: Job, req: GenerateRequest, tokens: list[int]) -> str:
+    async def _generate(self, run: Run, req: GenerateRequest, tokens: list[int]) -> State:
         assert self.engine is not None
-        self.jobs[job.rid] = job
+        self.runs[run.rid] = run
         deadline = time.monotonic() + self.config.job_timeout_s
         self.engine.add(to_engine_request(req, tokens, deadline))
         try:
-            return await job.finished
-        except LeaseLost:
-            await self._requeue_fenced(job)
-            return "fenced"
+            return await run.finished
         except asyncio.CancelledError:
-            await asyncio.shield(self._interrupted(job))
+            await asyncio.shield(self._interrupted(run))
             raise
 
-    async def _requeue_fenced(self, job: Job) -> None:
-        """The lease was lost mid-run (the reaper normally re-queued the job already): make sure the job is
-        queued, due after a lease TTL, and drop this run's claim, as arq does when a job asks to be retried."""
-        due_ms = int((time.time() + self.config.lease_ttl_s) * 1000)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.zadd(self.config.queue_name, {job.rid: due_ms}, nx=True)
-        pipe.delete(in_progress_key_prefix + job.rid)
-        await pipe.execute()
-
-    async def _interrupted(self, job: Job) -> None:
-        """Shutdown or an arq timeout cancelled the job's coroutine: hand it back, or end it on its last try."""
+    async def _interrupted(self, run: Run) -> None:
+        """Shutdown or arq's timeout cancelled the run: hand the job back, or end it on its last try."""
         assert self.engine is not None
-        self.engine.abort(job.rid)
-        if job.rid not in self.jobs:
+        self.engine.abort(run.rid)
+        if self.runs.pop(run.rid, None) is None:
             return  # it ended (or was fenced) meanwhile
-        if job.attempt >= self.config.max_tries:
-            msg = f"the job was interrupted on its last try ({job.attempt}/{self.config.max_tries})"
-            await self._emit(job, error_event(job, ErrorCode.WORKER_LOST, msg))
+        if run.attempt >= self.config.max_tries:
+            msg = f"the job was interrupted on its last try ({run.attempt}/{self.config.max_tries})"
+            await self.publisher.write([(run, run.error(ErrorCode.WORKER_LOST, msg))])
             return
-        reset = ResetEvent(id=job.rid, seq=job.next_seq(), reason="worker shutting down; job re-queued",
-                           attempt=job.attempt + 1)
-        await self.publisher.write([(job, reset)], mode="release")  # also re-queues it, atomically
-        log.info("job %s: interrupted; handed back to the queue", job.rid)
+        await self.publisher.write([(run, run.reset("worker shutting down; job re-queued"))], Write.HAND_BACK)
+        log.info("job %s: interrupted; handed back to the queue", run.rid)
 
     def _cancel(self, rid: str) -> None:
         """A client cancelled: end the job now, without waiting for the step in flight, and drop its
         sequence from the batch between steps (the engine's own terminal output is then ignored)."""
-        if rid not in self.jobs or self.engine is None:
+        if rid not in self.runs or self.engine is None:
             return
         self.engine.abort(rid)
         self.publisher.feed_cancel(rid)
 
-    def _on_lease_lost(self, job: Job) -> None:
-        if self.engine is not None:
-            self.engine.abort(job.rid)
-        self.jobs.pop(job.rid, None)
-        if not job.finished.done():
-            job.finished.set_exception(LeaseLost(job.rid))
+    async def _lose(self, runs: list[Run]) -> None:
+        """Runs whose lease is gone: stop them. Each writes nothing more, unless Redis lost the job's data,
+        when nobody else could end it: then it ends with ``error(data_lost)`` (the LOST write checks that)."""
+        runs = [run for run in runs if run.state is State.RUNNING]  # the lease keeper and a write may both see it
+        for run in runs:
+            run.state = State.FENCED  # until the LOST write says otherwise
+            self.runs.pop(run.rid, None)
+            if self.engine is not None:
+                self.engine.abort(run.rid)
+        await self.publisher.write([(run, run.error(ErrorCode.DATA_LOST, _DATA_LOST)) for run in runs], Write.LOST)
+        for run in runs:
+            if run.state is State.ENDED:
+                self.data_lost += 1
+                log.warning("job %s: Redis lost its data while it ran; ended with error(data_lost)", run.rid)
+            else:
+                log.warning("job %s: fenced: its lease is gone (another run or the reaper owns the job); "
+                            "this run writes nothing more", run.rid)
 
     def _on_engine_dead(self) -> None:
         # Every in-flight job already got error(engine_error); exit so the supervisor starts a fresh process.
         log.critical("engine could not be rebuilt; exiting with %d", ENGINE_DEAD_EXIT)
         asyncio.get_running_loop().call_later(0.5, os._exit, ENGINE_DEAD_EXIT)
 
-    async def _emit(self, job: Job, event: Event) -> str:
-        await self.publisher.write([(job, event)])
-        return event.type
-
-    def _cancelled_event(self, job: Job) -> DoneEvent:
-        return DoneEvent(id=job.rid, seq=job.next_seq(), finish_reason=FinishReason.CANCELLED,
-                         usage=Usage(prompt_tokens=0, completion_tokens=0), timings=timings(job))
-
     # --- validation --------------------------------------------------------------------------------
     def _validate(self, payload: Any, job_id: str) -> GenerateRequest:
-        if isinstance(payload, dict) and UNDECODABLE in payload:
-            raise BadRequest(f"undecodable job: {payload[UNDECODABLE]}")
         try:
             req = GenerateRequest.model_validate(payload)
         except ValidationError as exc:
@@ -327,16 +311,6 @@ class ModelService:
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the context ({ctx})"
             )
         return tokens
-
-
-def _payload(envelope: dict[str, Any] | None) -> Any:
-    """The one argument of an arq job of ours (a malformed or vanished job becomes an undecodable payload)."""
-    if envelope is None:
-        return {UNDECODABLE: "the job is gone from Redis (expired or deleted) before it ran"}
-    args, kwargs = envelope.get("a"), envelope.get("k")
-    if isinstance(args, list) and len(args) == 1 and not kwargs:
-        return args[0]
-    return {UNDECODABLE: "the job must carry one payload"}
 
 
 def _summarize(exc: ValidationError) -> str:

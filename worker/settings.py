@@ -1,21 +1,18 @@
-"""arq worker settings, configured from the environment: run ``arq worker.Settings``.
+"""``arq worker.Settings``: a worker serving ``MLXQ_MODEL``, configured from the environment.
 
-One arq queue per model (``<prefix>:queue:<name>``), JSON job payloads, a short poll delay, ``max_jobs``
-above the batch capacity, and a health-check key per worker. The model loads at start-up on its MLX thread.
+One arq queue per model (``<prefix>:queue:<name>``), a short poll backed by producers' wake-ups, ``max_jobs``
+above the batch capacity and a health-check key per worker. The model loads at start-up on its MLX thread.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 from typing import Any
 
-from arq.worker import func
+from api.arqseam import Host, WorkerSpec
+from api.arqseam import worker_settings as arq_worker_settings
 
-from api.connection import JOB_FUNCTION, dumps_job, loads_job, redis_settings
-
-from . import claims, runner, waker, watchdog
+from . import watchdog
 from .config import WorkerConfig
 from .service import ModelService
 
@@ -25,50 +22,26 @@ __all__ = ["Settings", "worker_settings"]
 def worker_settings(config: WorkerConfig) -> dict[str, Any]:
     """Keyword arguments for ``arq.Worker`` serving ``config.model``."""
 
-    async def startup(ctx: dict[str, Any]) -> None:
+    async def start() -> Host:
         _configure_logging()
-        ctx[runner.SERVICE] = await ModelService.start(config)
+        return await ModelService.start(config)
 
-    async def shutdown(ctx: dict[str, Any]) -> None:
-        service: ModelService | None = ctx.get(runner.SERVICE)
-        if service is not None:
-            await service.aclose()
-
-    async def generate(ctx: dict[str, Any], *args: Any, **kwargs: Any) -> str:
-        # arq needs a function to register; worker.runner runs mlxq's jobs without calling it.
-        raise RuntimeError("mlxq jobs run through worker.runner, which this process did not install")
-
-    async def after_job_end(ctx: dict[str, Any]) -> None:
-        # A slot is free: if the last poll left jobs queued, let arq take the next one now rather than at its
-        # next poll. Two hops, so the wake lands after arq's done-callback has released the job's slot
-        # (max_jobs). Without a backlog there is nothing to take: a poll per job end was 16 % of the event
-        # loop's time in a burst of 1-token jobs.
-        if ctx.get(claims.BACKLOG):
-            loop = asyncio.get_running_loop()
-            loop.call_soon(loop.call_soon, waker.wake)
-
-    timeout = config.arq_job_timeout_s
-    return {
-        "functions": [func(generate, name=JOB_FUNCTION, timeout=timeout, max_tries=config.max_tries)],
-        "queue_name": config.queue_name,
-        "redis_settings": redis_settings(config.redis_url),
-        "on_startup": startup,
-        "on_shutdown": shutdown,
-        "after_job_end": after_job_end,
-        "max_jobs": config.arq_max_jobs,
-        "poll_delay": config.poll_delay_s,
-        "job_timeout": timeout,
-        "max_tries": config.max_tries,
-        "keep_result": config.keep_result_s,
-        "job_serializer": dumps_job,
-        "job_deserializer": functools.partial(loads_job, max_bytes=config.max_payload_bytes),
-        "health_check_key": f"{config.queue_name}:health:{config.worker_id}",
-        "health_check_interval": 10,
-        # SIGTERM: stop taking jobs, let running ones finish for this long, then cancel (arq re-queues them).
-        "job_completion_wait": config.drain_timeout_s,
+    def on_stop_signal(drain_s: float) -> None:
         # A shutdown still running this long after the drain dumps every thread's stack and exits 1.
-        "ctx": {watchdog.GRACE: config.shutdown_grace_s},
-    }
+        watchdog.arm(drain_s + config.shutdown_grace_s)
+
+    return arq_worker_settings(WorkerSpec(
+        queue=config.queue_name,
+        redis_url=config.redis_url,
+        start=start,
+        max_jobs=config.arq_max_jobs,
+        poll_delay_s=config.poll_delay_s,
+        job_timeout_s=config.arq_job_timeout_s,
+        drain_s=config.drain_timeout_s,
+        health_key=f"{config.queue_name}:health:{config.worker_id}",
+        on_stop_signal=on_stop_signal,
+        on_closed=watchdog.disarm,
+    ))
 
 
 def _configure_logging() -> None:
@@ -80,11 +53,6 @@ def _configure_logging() -> None:
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
-
-
-waker.install()
-claims.install()
-watchdog.install()
 
 
 class Settings:

@@ -8,31 +8,21 @@ its supervisor's SIGKILL and nothing would say where. ``faulthandler``'s timer r
 dumps the stacks) even while a thread holds the GIL inside a native call. Jobs left running are recovered
 as after a crash: the reaper re-queues them when their leases expire.
 
-:func:`install` wraps arq 0.28's ``Worker`` signal handlers (bound when a Worker is made) and ``close``,
-which disarms the timer, so a Worker embedded in a longer-lived process is not killed after it closed.
+arq's stop signals arm it and its ``close`` disarms it (``api.arqseam``), so a Worker embedded in a
+longer-lived process is not killed after it closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import faulthandler
-import functools
 import logging
-import signal
-from collections.abc import Callable, Coroutine
 from typing import Any
 
-import arq.worker
-
-from .config import WorkerConfig
-
-__all__ = ["DEFAULT_GRACE_S", "GRACE", "arm", "disarm", "install"]
+__all__ = ["arm", "disarm"]
 
 log = logging.getLogger(__name__)
 
-GRACE = "mlxq_shutdown_grace_s"  # arq ctx key: seconds past the drain before the timer fires
-DEFAULT_GRACE_S = WorkerConfig().shutdown_grace_s  # for a Worker whose ctx does not name one
-_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # arq's close() also calls the handler, with SIGUSR1: not a stop
 _THREADS_AFTER_S = 1.0  # the thread dump and exit follow the task dump by this much
 _dump: asyncio.TimerHandle | None = None
 
@@ -72,34 +62,3 @@ def _await_chain(coro: Any) -> list[str]:
         lines.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno}, in {frame.f_code.co_name}')
         coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom", None)
     return lines
-
-
-def install() -> None:
-    """Arm the watchdog on every arq Worker's stop signal in this process (idempotent)."""
-    worker = arq.worker.Worker
-    if getattr(worker, "_mlxq_watchdog", False):
-        return
-    for name in ("handle_sig", "handle_sig_wait_for_completion"):
-        setattr(worker, name, _arming(getattr(worker, name)))
-    worker.close = _disarming(worker.close)  # type: ignore[method-assign, assignment]
-    worker._mlxq_watchdog = True  # type: ignore[attr-defined]
-
-
-def _arming(handler: Callable[[arq.worker.Worker, Any], None]) -> Callable[[arq.worker.Worker, Any], None]:
-    @functools.wraps(handler)
-    def handle(self: arq.worker.Worker, signum: Any) -> None:
-        if signum in _SIGNALS:
-            arm(self._job_completion_wait + float(self.ctx.get(GRACE, DEFAULT_GRACE_S)))
-        handler(self, signum)
-
-    return handle
-
-
-def _disarming(close: Callable[[arq.worker.Worker], Coroutine[Any, Any, None]]
-               ) -> Callable[[arq.worker.Worker], Coroutine[Any, Any, None]]:
-    @functools.wraps(close)
-    async def closed(self: arq.worker.Worker) -> None:
-        await close(self)
-        disarm()
-
-    return closed

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aredis
 
+from api.arqseam import read_job
 from api.client import Client
-from api.connection import loads_job
 from api.errors import DuplicateJob
 
 MODEL = "m"
@@ -23,7 +23,7 @@ async def queued(redis_url: str) -> dict[str, Any]:
     r = aredis.Redis.from_url(redis_url)
     try:
         ids = [i.decode() for i in await r.zrange(f"mlxq:queue:{MODEL}", 0, -1)]
-        return {i: loads_job(await r.get(f"arq:job:{i}"))["a"][0] for i in ids}
+        return {i: read_job(await r.get(f"mlxq:{{{i}}}:job"), 1 << 20).payload for i in ids}
     finally:
         await r.aclose()
 
@@ -116,7 +116,7 @@ async def test_a_send_cancelled_before_its_reply_leaves_none_to_misread(client: 
     gate.set()  # a reused connection would now read the first reply
     # Redis ran the first ENQUEUE; had its reply (1) been left for the next send, this would not fail
     with pytest.raises(DuplicateJob):
-        await client.submit(model=MODEL, prompt="p", id="dup")
+        await client.submit(model=MODEL, prompt="another job", id="dup")
     assert await client.submit(model=MODEL, prompt="p", id="next") == "next"
     assert enq._conn is not conn
 

@@ -10,7 +10,7 @@ from redis.crc import key_slot
 from api.keys import Keys, log_entry_id, seq_of_entry_id
 from api.schema import REQUEST_ID_PATTERN
 
-PER_JOB = ("events", "log", "cancel", "lease")
+PER_JOB = ("events", "log", "cancel", "lease", "job", "result", "tries")
 
 
 def job_names(keys: Keys, rid: str) -> dict[str, str]:
@@ -32,6 +32,9 @@ def test_per_job_names() -> None:
         "log": "p:{r}:log",
         "cancel": "p:{r}:cancel",
         "lease": "p:{r}:lease",
+        "job": "p:{r}:job",
+        "result": "p:{r}:result",
+        "tries": "p:{r}:tries",
     }
 
 

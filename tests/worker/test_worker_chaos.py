@@ -160,14 +160,13 @@ async def _diagnose(url: str, rids: list[str], stamped: dict[str, list[tuple[flo
         pipe.hget("mlxq:running", rid)
         pipe.get(f"mlxq:{{{rid}}}:lease")
         pipe.zscore("mlxq:queue:tiny", rid)
-        pipe.exists(f"arq:in-progress:{rid}")
-        pipe.get(f"arq:retry:{rid}")
-        pipe.exists(f"arq:job:{rid}")
-        pipe.exists(f"arq:result:{rid}")
-        running, lease, score, inprog, tries, job, result = await pipe.execute()
+        pipe.get(f"mlxq:{{{rid}}}:tries")
+        pipe.exists(f"mlxq:{{{rid}}}:job")
+        pipe.exists(f"mlxq:{{{rid}}}:result")
+        running, lease, score, tries, job, result = await pipe.execute()
         last = [e.type for _, e in stamped[rid]][-3:]
         out.append(f"{rid}: last={last} running={running} lease={lease} queued={score is not None} "
-                   f"in_progress={inprog} tries={tries} job={job} result={result}")
+                   f"tries={tries} job={job} result={result}")
     await r.aclose()
     return out
 
@@ -241,7 +240,7 @@ async def test_soak_2000_jobs_leaves_redis_at_baseline_and_rss_flat(tiny_model: 
     r = aredis.Redis.from_url(redis_url)
     try:
         await asyncio.to_thread(worker.wait_ready, 120)
-        baseline = await r.dbsize()  # the worker's health-check key
+        baseline = await r.dbsize()  # the worker's health-check key and the deployment's epoch
         assert worker.proc is not None
         proc = psutil.Process(worker.proc.pid)
         async with Client(redis_url) as client:

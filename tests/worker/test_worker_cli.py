@@ -109,28 +109,32 @@ def test_submit_error_event_exits_non_zero(arq_worker: WorkerProcess, redis_url:
 # --- the shutdown watchdog: a real arq Worker in a child process -------------------------------------------
 _WATCHED_WORKER = """
 import asyncio, logging, sys, time
-from arq.connections import RedisSettings
-from arq.worker import Worker, func
+from arq.worker import Worker
+from api.arqseam import WorkerSpec, worker_settings
 from worker import watchdog
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-watchdog.install()
 hang = sys.argv[2] == "hang"
 
-async def noop(ctx):
-    return None
+class Host:
+    async def claim(self, ids, free):
+        return []
 
-async def startup(ctx):
+    async def reject(self, entries, reason):
+        return None
+
+    async def aclose(self):
+        if hang:  # as a call that never leaves MLX would
+            await asyncio.sleep(3600)
+
+async def start():
     print("ready", flush=True)
+    return Host()
 
-async def shutdown(ctx):
-    if hang:  # as a call that never leaves MLX would
-        await asyncio.sleep(3600)
-
-worker = Worker(functions=[func(noop, name="noop")], redis_settings=RedisSettings.from_dsn(sys.argv[1]),
-                queue_name="watchdog-test", on_startup=startup, on_shutdown=shutdown, job_completion_wait=0.2,
-                ctx={watchdog.GRACE: 0.5}, poll_delay=0.05)
-worker.run()
+spec = WorkerSpec(queue="watchdog-test", redis_url=sys.argv[1], start=start, max_jobs=4, poll_delay_s=0.05,
+                  job_timeout_s=10, drain_s=0.2, health_key="watchdog-test:health",
+                  on_stop_signal=lambda drain_s: watchdog.arm(drain_s + 0.5), on_closed=watchdog.disarm)
+Worker(**worker_settings(spec)).run()
 time.sleep(2)  # disarmed at close: a process that lives on after its Worker is not killed
 print("survived", flush=True)
 """
@@ -154,7 +158,7 @@ def test_a_shutdown_that_hangs_past_its_grace_dumps_every_stack_and_exits_1(redi
     assert done.returncode == 1, done.stderr
     assert "shutdown watchdog armed: exiting in 0.7s" in done.stderr
     tasks = done.stderr.split("shutdown still running past its grace;")[1]
-    assert re.search(r'arq/worker.py", line \d+, in close\n.*line \d+, in shutdown\n', tasks), done.stderr
+    assert re.search(r'arq/worker.py", line \d+, in close\n.*line \d+, in shutdown\n.*in aclose\n', tasks), done.stderr
     assert "Timeout (0:00:01.700000)!" in tasks  # then faulthandler's dump of the threads, and the exit
     assert "survived" not in done.stdout
 

@@ -27,8 +27,9 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from api.arqseam import JOB_FUNCTION, job_record, read_job
 from api.client import Client
-from api.connection import JOB_FUNCTION, arq_pool, dumps_job, loads_job, redis_client
+from api.connection import redis_client
 from api.errors import BadRequest as ClientBadRequest
 from api.schema import (
     MAX_MESSAGES,
@@ -42,7 +43,7 @@ from api.schema import (
     Event,
     GenerateRequest,
 )
-from tests.support import RunningWorker, start_worker
+from tests.support import RunningWorker, enqueue_raw, start_worker
 from worker.config import WorkerConfig
 from worker.service import BadRequest, ModelService
 from worker.translate import to_engine_request
@@ -190,8 +191,8 @@ def e2e_payloads(sizes: list[int]) -> st.SearchStrategy[Any]:
 
 # --- the worker's validation, in process -------------------------------------------------------------
 def wire(payload: Any) -> Any:
-    """``payload`` as the worker receives it: through arq's JSON job (de)serializer."""
-    return json.loads(dumps_job({"a": [payload]}))["a"][0]
+    """``payload`` as the worker receives it: through the JSON job record."""
+    return read_job(job_record(payload, 0), 1 << 40).payload
 
 
 @dataclass
@@ -408,10 +409,10 @@ def test_real_client_enqueues_nothing_for_invalid_requests(
         assert fuzz_redis.dbsize() == 0, "an invalid request left something in Redis"
         return
     assert expected is not None
-    raw = fuzz_redis.get(f"arq:job:{rid}")
+    raw = fuzz_redis.get(f"mlxq:{{{rid}}}:job")
     assert raw is not None
     assert fuzz_redis.zscore(f"mlxq:queue:{expected.model}", rid) is not None
-    sent = GenerateRequest.model_validate(loads_job(raw)["a"][0])
+    sent = GenerateRequest.model_validate(read_job(raw, 1 << 40).payload)
     assert sent.model_dump(exclude={"id"}) == expected.model_dump(exclude={"id"})
 
 
@@ -449,7 +450,6 @@ def e2e_config(url: str, tiny_model: Path) -> WorkerConfig:
 
 async def run_batch(config: WorkerConfig, validator: Validator, batch: list[Any]) -> None:
     running = await start_worker(config)
-    pool = arq_pool(config.redis_url)
     client = Client(config.redis_url)
     try:
         for prompt, max_tokens in CONTROLS:  # each control alone, once per module
@@ -467,7 +467,7 @@ async def run_batch(config: WorkerConfig, validator: Validator, batch: list[Any]
             rid = f"fz{i:03d}-{uuid.uuid4().hex[:12]}"
             if isinstance(payload, dict) and payload.get("id") == JOB_ID:
                 payload = {**payload, "id": rid}
-            assert await pool.enqueue_job(JOB_FUNCTION, payload, _job_id=rid, _queue_name=QUEUE) is not None
+            await enqueue_raw(config.redis_url, payload, rid, MODEL)
             jobs.append((rid, payload))
 
         results = await asyncio.gather(*(collect(client, rid) for rid, _ in jobs),
@@ -493,7 +493,6 @@ async def run_batch(config: WorkerConfig, validator: Validator, batch: list[Any]
         assert ok.usage.completion_tokens == 4
     finally:
         await client.aclose()
-        await pool.aclose()
         await running.close()
 
 
@@ -506,8 +505,8 @@ def test_fuzzed_jobs_end_with_one_terminal_event_and_leave_others_alone(
     asyncio.run(run_batch(e2e_config(redis_server.url, tiny_model), validator, batch))
 
 
-# --- arq jobs that are not even well-formed JSON jobs ------------------------------------------------
-# Written straight into Redis as arq's job key, so arq itself fails to decode them before mlxq runs.
+# --- job records that are not even well-formed JSON jobs ---------------------------------------------
+# Written straight into Redis as a job record, as a producer other than ``Client`` might.
 UNDECODABLE = {
     "invalid_utf8": b"\xff\xfe\xfd garbage",
     "invalid_utf8_in_json": b'{"f":"generate","a":[{"model":"tiny","prompt":"\xff\xfe"}],"k":{},"t":1,"et":0}',
@@ -518,7 +517,7 @@ UNDECODABLE = {
     "extra_kwargs": b'{"f":"generate","a":[{}],"k":{"x":1},"t":1,"et":0}',
     "unknown_function": b'{"f":"nope","a":[{}],"k":{},"t":1,"et":0}',
 }
-# Well-formed JSON whose envelope fields have the wrong types: arq raises outside its job try/except.
+# Well-formed JSON whose envelope fields have the wrong types (arq's own run_job raised outside its try).
 POISON = {
     "enqueue_time_not_a_number": b'{"f":"generate","a":[{}],"k":{},"t":1,"et":"soon"}',
     "try_not_a_number": b'{"f":"generate","a":[{}],"k":{},"t":"1","et":0}',
@@ -528,16 +527,16 @@ POISON = {
 
 async def put_raw_job(r: aredis.Redis, raw: bytes) -> str:
     rid = uuid.uuid4().hex
-    await r.set(f"arq:job:{rid}", raw, px=60_000)
+    await r.set(f"mlxq:{{{rid}}}:job", raw, px=60_000)
     await r.zadd(QUEUE, {rid: int(time.time() * 1000)})
     return rid
 
 
 async def wait_picked_up(r: aredis.Redis, rid: str, timeout: float = 10) -> None:
-    """Until arq took the job: it left the queue, or it is marked in progress."""
+    """Until a worker took the job: it left the queue."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if await r.zscore(QUEUE, rid) is None or await r.exists(f"arq:in-progress:{rid}"):
+        if await r.zscore(QUEUE, rid) is None:
             await asyncio.sleep(0.2)  # a few poll cycles for arq to act on it
             return
         await asyncio.sleep(0.02)
@@ -552,7 +551,7 @@ async def test_undecodable_jobs_do_not_stop_the_worker(worker: RunningWorker, cl
         rids = [await put_raw_job(r, raw) for raw in UNDECODABLE.values()]
         for rid in rids:
             await wait_picked_up(r, rid)
-            assert await r.exists(f"arq:result:{rid}"), "arq recorded no failure for the job"
+            assert await r.exists(f"mlxq:{{{rid}}}:result"), "no result record for the job"
         assert not worker.task.done()
         assert (await client.result(good, timeout=60)).usage.completion_tokens == 16
         ok = await client.generate(model=MODEL, prompt="still alive", max_tokens=4, timeout=60)
@@ -629,9 +628,7 @@ async def test_oversized_prompt_is_refused_without_stalling_the_worker(worker: R
     try:
         rid = uuid.uuid4().hex
         payload = {"id": rid, "model": MODEL, "messages": [{"role": "user", "content": "a" * MAX_PROMPT_CHARS}] * 2}
-        pool = arq_pool(redis_url)
-        await pool.enqueue_job(JOB_FUNCTION, payload, _job_id=rid, _queue_name=QUEUE)
-        await pool.aclose()
+        await enqueue_raw(redis_url, payload, rid, MODEL)
         end = terminal(await collect(client, rid))
         assert isinstance(end, ErrorEvent) and end.code is ErrorCode.BAD_REQUEST
     finally:

@@ -15,11 +15,10 @@ import redis.asyncio as aredis
 from mlx_lm.generate import generate_step
 
 from api.client import Client
-from api.connection import JOB_FUNCTION, arq_pool
 from api.errors import BadRequest, JobFailed
 from api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, GenerateRequest, decode_event
 from engine.prompt import encode_prompt
-from tests.support import RunningWorker, config_with, start_worker
+from tests.support import RunningWorker, config_with, enqueue_raw, start_worker
 
 PROMPTS = [
     "a",
@@ -231,12 +230,6 @@ async def test_cancel_after_the_end_changes_nothing(worker: RunningWorker, clien
 
 
 # --- bad input -------------------------------------------------------------------------------------
-async def enqueue_raw(redis_url: str, payload: Any, job_id: str, model: str = "tiny") -> None:
-    pool = arq_pool(redis_url)
-    await pool.enqueue_job(JOB_FUNCTION, payload, _job_id=job_id, _queue_name=f"mlxq:queue:{model}")
-    await pool.aclose()
-
-
 @pytest.mark.parametrize(
     ("payload", "needle"),
     [
@@ -322,12 +315,12 @@ async def wait_for(predicate: Callable[[], bool], timeout: float = 30) -> None:
         await asyncio.sleep(0.002)
 
 
-# --- the arq job around each run (worker/runner.py) ------------------------------------------------
+# --- the arq job around each run (worker/lifecycle.py, api/arqseam.py) ----------------------------
 QUEUE = "mlxq:queue:tiny"
 
 
 async def arq_keys_left(r: aredis.Redis, rid: str) -> list[str]:
-    keys = [f"arq:job:{rid}", f"arq:in-progress:{rid}", f"arq:retry:{rid}", f"mlxq:{{{rid}}}:lease"]
+    keys = [f"mlxq:{{{rid}}}:{name}" for name in ("job", "tries", "lease")]
     left = [k for k in keys if await r.exists(k)]
     return left + ([QUEUE] if await r.zscore(QUEUE, rid) is not None else [])
 
@@ -337,13 +330,16 @@ async def test_arq_sees_a_finished_job_as_complete_with_its_terminal_event(worke
     from arq.jobs import Job as ArqJob
     from arq.jobs import JobStatus
 
-    from api.connection import loads_job
+    from api.arqseam import JOB_FUNCTION, arq_job
+    from api.keys import Keys
 
     result = await client.generate(model="tiny", prompt="Hello world", max_tokens=6, timeout=60)
-    pool = arq_pool(redis_url)
+    pool = aredis.Redis.from_url(redis_url)
     try:
-        job = ArqJob(result.id, pool, _queue_name=QUEUE, _deserializer=loads_job)
+        job = arq_job(pool, Keys("mlxq"), "tiny", result.id)
+        assert isinstance(job, ArqJob)
         assert await job.status() is JobStatus.complete
+        assert (await job.result(timeout=5))["finish_reason"] == "length"
         info = await job.result_info()
         assert info is not None and info.success and info.function == JOB_FUNCTION and info.job_try == 1
         assert list(info.args) == []  # the prompt is not kept a second time
@@ -354,16 +350,20 @@ async def test_arq_sees_a_finished_job_as_complete_with_its_terminal_event(worke
         await pool.aclose()
 
 
-async def test_a_job_whose_payload_vanished_ends_with_an_error_and_no_arq_keys(worker: RunningWorker, client: Client,
-                                                                             redis_url: str) -> None:
+async def test_a_queued_job_whose_record_vanished_is_moved_aside(worker: RunningWorker, client: Client,
+                                                                   redis_url: str) -> None:
+    from api.errors import JobNotFound
+
     rid = GenerateRequest(model="tiny", prompt="x").id
     r = aredis.Redis.from_url(redis_url)
     try:
-        await r.zadd(QUEUE, {rid: int(time.time() * 1000)})  # queued, but its job key is gone (expired)
-        end = terminal(await collect(client, rid))
-        assert isinstance(end, ErrorEvent) and end.code is ErrorCode.BAD_REQUEST
-        assert "gone from Redis" in end.message
-        assert await arq_keys_left(r, rid) == []
+        await r.zadd(QUEUE, {rid: int(time.time() * 1000)})  # queued, but its job record is gone (expired)
+        await wait_for(lambda: worker.service.dead_lettered == 1)
+        (letter,) = [json.loads(x) for x in await r.lrange("mlxq:dead", 0, -1)]
+        assert letter["entry"] == rid and letter["queue"] == QUEUE and "no job record" in letter["reason"]
+        assert await r.zscore(QUEUE, rid) is None and await arq_keys_left(r, rid) == []
+        with pytest.raises(JobNotFound):  # nothing was published for it: there is nothing to follow
+            await collect(client, rid, timeout=30)
     finally:
         await r.aclose()
 
@@ -373,7 +373,7 @@ async def test_a_job_out_of_tries_ends_with_worker_lost(worker_config: Any, clie
     r = aredis.Redis.from_url(redis_url)
     try:
         rid = GenerateRequest(model="tiny", prompt="x").id
-        await r.set(f"arq:retry:{rid}", 2)  # two runs already started and were lost
+        await r.set(f"mlxq:{{{rid}}}:tries", 2)  # two runs already started and were lost
         await enqueue_raw(redis_url, {"id": rid, "model": "tiny", "prompt": "Hello", "max_tokens": 4}, rid)
         end = terminal(await collect(client, rid))
         assert isinstance(end, ErrorEvent) and end.code is ErrorCode.WORKER_LOST and end.retryable
@@ -388,7 +388,7 @@ async def test_a_job_out_of_tries_ends_with_worker_lost(worker_config: Any, clie
 async def test_a_run_that_loses_its_lease_stops_and_a_later_run_finishes_the_job(
     worker_config: Any, client: Client, redis_url: str
 ) -> None:
-    running = await start_worker(config_with(worker_config, lease_ttl_s=1.0, reap_interval_s=60))
+    running = await start_worker(config_with(worker_config, lease_ttl_s=1.0, reap_interval_s=0.2))
     slow_steps(running, 0.01)
     r = aredis.Redis.from_url(redis_url)
     try:
@@ -411,20 +411,59 @@ async def test_a_run_that_loses_its_lease_stops_and_a_later_run_finishes_the_job
         await running.close()
 
 
+async def test_a_run_whose_data_redis_lost_ends_once_with_data_lost(worker_config: Any, redis_url: str) -> None:
+    # FLUSHALL as a restart without persistence does; the lease keeper and the publisher both find the run
+    # lost, and a third caller too: the job still gets exactly one terminal event.
+    running = await start_worker(config_with(worker_config, lease_ttl_s=1.0, reap_interval_s=0.2))
+    slow_steps(running, 0.01)
+    service = running.service
+    r = aredis.Redis.from_url(redis_url)
+    pubsub = r.pubsub()
+    try:
+        async with Client(redis_url) as client:
+            rid = await client.submit(model="tiny", prompt="Hello world", max_tokens=400)
+            await wait_for(lambda: rid in service.runs and service.runs[rid].completion_tokens > 2)
+        run = service.runs[rid]
+        await pubsub.subscribe(f"mlxq:{{{rid}}}:events")
+        assert (await pubsub.get_message(timeout=5.0) or {}).get("type") == "subscribe"
+        await r.flushall()
+        await asyncio.gather(service._lose([run]), service._lose([run]))
+        await wait_for(lambda: service.data_lost == 1)
+        await asyncio.sleep(1.0)  # the lease keeper and the publisher have found it lost too
+        published = []
+        while (msg := await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)) is not None:
+            published.append(decode_event(msg["data"]))
+        assert [e.type for e in published if e.type in ("done", "error")] == ["error"], published
+        end = published[-1]
+        assert isinstance(end, ErrorEvent) and end.code is ErrorCode.DATA_LOST and end.retryable
+        assert [decode_event(f[b"e"]) for _, f in await r.xrange(f"mlxq:{{{rid}}}:log")] == [end]
+        assert service.data_lost == 1 and rid not in service.runs
+        result = await client_after(redis_url).generate(model="tiny", prompt="served on", max_tokens=3, timeout=60)
+        assert result.usage.completion_tokens == 3
+    finally:
+        await pubsub.aclose()
+        await r.aclose()
+        await running.close()
+
+
+def client_after(redis_url: str) -> Client:
+    return Client(redis_url)
+
+
 async def test_a_bug_in_a_job_run_neither_stops_the_worker_nor_loses_the_job(worker_config: Any,
                                                                              client: Client) -> None:
     running = await start_worker(config_with(worker_config, lease_ttl_s=1.0, reap_interval_s=0.2))
     service = running.service
-    run = service.run
+    serve = service._serve
     calls: list[str] = []
 
-    async def broken_once(start: Any, loads: Any) -> str:
+    async def broken_once(start: Any) -> Any:
         if not calls:
             calls.append(start.rid)
             raise RuntimeError("a bug")
-        return await run(start, loads)
+        return await serve(start)
 
-    service.run = broken_once
+    service._serve = broken_once
     try:
         rid = await client.submit(model="tiny", prompt="Hello world", max_tokens=8)
         events = await collect(client, rid)  # the lease lapses, the reaper re-queues it, the next run ends it
@@ -494,7 +533,7 @@ async def test_a_freed_slot_takes_a_queued_job_without_waiting_for_the_poll(work
         assert polls[0] >= 3  # the queued jobs were taken by polls that job ends woke
         # Jobs enqueued while every slot is busy (arq skips the poll of a full worker) start as slots free.
         busy = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=300) for p in PROMPTS[:2]))
-        while not all(rid in running.service.jobs for rid in busy):
+        while not all(rid in running.service.runs for rid in busy):
             await asyncio.sleep(0.005)
         later = [await client.submit(model="tiny", prompt=p, max_tokens=4) for p in PROMPTS[2:4]]
         for rid in [*busy, *later]:
@@ -526,7 +565,7 @@ async def test_payload_on_the_wire_is_json(worker: RunningWorker, client: Client
     req = GenerateRequest(model="tiny", prompt="no pickle", max_tokens=2)
     await client.submit(req)
     r = aredis.Redis.from_url(redis_url)
-    raw = await r.get(f"arq:job:{req.id}")
+    raw = await r.get(f"mlxq:{{{req.id}}}:job")
     await r.aclose()
     assert raw is not None
     assert json.loads(raw)["a"][0]["prompt"] == "no pickle"
@@ -546,7 +585,7 @@ async def test_one_client_follows_many_jobs_over_one_pubsub_connection(worker: R
     rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=40) for p in PROMPTS))
     streams = [asyncio.ensure_future(collect(client, rid)) for rid in rids]
     r = aredis.Redis.from_url(redis_url)
-    await wait_for(lambda: len(worker.service.jobs) == len(rids))
+    await wait_for(lambda: len(worker.service.runs) == len(rids))
     numsub = await r.pubsub_numsub(*(f"mlxq:{{{rid}}}:events" for rid in rids))
     subscribers = [c for c in await r.client_list() if int(c["sub"]) > 0]
     results = await asyncio.gather(*streams)
@@ -557,20 +596,29 @@ async def test_one_client_follows_many_jobs_over_one_pubsub_connection(worker: R
     assert all(isinstance(terminal(evs), DoneEvent) for evs in results)
 
 
-async def test_claim_left_by_a_worker_killed_before_it_leased_the_job_is_released(
-    worker_config: Any, client: Client, redis_url: str
-) -> None:
-    cfg = config_with(worker_config, lease_ttl_s=1.0, reap_interval_s=0.2)
-    rid = await client.submit(model="tiny", prompt="hi", max_tokens=3)
-    # What a worker SIGKILLed between arq's claim and its lease leaves: the claim (aged past a lease TTL),
-    # on a job enqueued a while ago. arq alone would wait out the claim's TTL (job timeout + 40 s).
+async def test_two_deployments_share_one_redis_without_sharing_ids_or_keys(worker_config: Any, redis_url: str
+                                                                          ) -> None:
+    # Issue 13, scenario 7: arq's job, result, retry and in-progress keys were global, so one deployment's
+    # submit(id=X) raised DuplicateJob because the other had used X.
+    from arq.jobs import JobStatus
+
+    from api.arqseam import arq_job
+    from api.keys import Keys
+
+    workers = [await start_worker(config_with(worker_config, prefix=p)) for p in ("alpha", "beta")]
     r = aredis.Redis.from_url(redis_url)
-    await r.set(f"arq:in-progress:{rid}", b"1", px=int((cfg.arq_job_timeout_s + 10) * 1000) - 2000)
-    await r.zadd("mlxq:queue:tiny", {rid: int(time.time() * 1000) - 5000})
-    running = await start_worker(cfg)
     try:
-        result = await client.result(rid, timeout=30)
-        assert result.usage.completion_tokens == 3
+        async with Client(redis_url, prefix="alpha") as alpha, Client(redis_url, prefix="beta") as beta:
+            results = await asyncio.gather(alpha.generate(model="tiny", prompt="one", max_tokens=3, id="same-id"),
+                                           beta.generate(model="tiny", prompt="two", max_tokens=5, id="same-id"))
+        assert [x.usage.completion_tokens for x in results] == [3, 5]
+        for prefix in ("alpha", "beta"):
+            assert await arq_job(r, Keys(prefix), "tiny", "same-id").status() is JobStatus.complete
+        keys = sorted([k.decode() async for k in r.scan_iter()])
+        assert keys and all(k.startswith(("alpha:", "beta:")) for k in keys), keys
+        ttls = {k: await r.ttl(k) for k in keys}
+        assert all(t > 0 for t in ttls.values()), ttls
     finally:
-        await running.close()
         await r.aclose()
+        for w in workers:
+            await w.close()

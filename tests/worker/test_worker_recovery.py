@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aredis
 
+from api.arqseam import arq_job
 from api.client import Client
-from api.schema import DoneEvent, Event, FinishReason
+from api.keys import Keys
+from api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, StartEvent
 from worker.process import WorkerProcess
 from worker.redis_server import RedisServer
 
@@ -157,25 +160,131 @@ async def test_sigterm_drains_short_jobs_and_requeues_long_ones(spawn: Any, clie
         assert final.startswith(before)
 
 
-async def test_worker_and_client_survive_a_redis_restart(small_model: Path, tmp_path: Path) -> None:
-    server = RedisServer(appendonly=True, directory=str(tmp_path / "redis")).start()
+async def across_a_redis_restart(small_model: Path, tmp_path: Path, *, appendonly: bool, max_tokens: int,
+                                 **env: str) -> tuple[list[Follower], str]:
+    """Three jobs decoding on a worker process when its Redis restarts: what their followers saw, and the
+    worker's log. The worker must serve on afterwards."""
+    server = RedisServer(appendonly=appendonly, directory=str(tmp_path / "redis")).start()
     worker = None
     try:
         env = {"MLXQ_MODEL": str(small_model), "MLXQ_MODEL_NAME": "small", "MLXQ_REDIS_URL": server.url,
-               **FAST_RECOVERY, "MLXQ_LEASE_TTL": "5"}
+               **FAST_RECOVERY, **env}
         worker = WorkerProcess(env, tmp_path / "w.log").start()
         worker.wait_ready(timeout=120)
         async with Client(server.url) as client:
-            followers, tasks = await submit_and_follow(client, 3, max_tokens=150)
+            followers, tasks = await submit_and_follow(client, 3, max_tokens=max_tokens)
             await wait_until(lambda: all(f.tokens() >= 3 for f in followers), 60, "decoding")
             await asyncio.to_thread(server.restart)
             await asyncio.wait_for(tasks, 120)
-            for f in followers:
-                check_one_terminal(f)
             after = await client.generate(model="small", prompt="after the restart", max_tokens=5, timeout=60)
             assert after.usage.completion_tokens == 5
         assert worker.proc is not None and worker.proc.poll() is None, worker.tail()
+        return followers, worker.log_path.read_text()
     finally:
         if worker is not None:
             worker.kill()
         server.close()
+
+
+async def test_worker_and_client_survive_a_redis_restart(small_model: Path, tmp_path: Path) -> None:
+    followers, _ = await across_a_redis_restart(small_model, tmp_path, appendonly=True, max_tokens=150,
+                                                MLXQ_LEASE_TTL="5")
+    for f in followers:
+        check_one_terminal(f)
+
+
+# --- issue 13: the delivery guarantee under a frozen worker and lost data ------------------------------
+async def pause_one_rescue_with_another(spawn: Any, client: Client, **env: str
+                                        ) -> tuple[WorkerProcess, list[Follower], asyncio.Future[Any]]:
+    """Worker a runs four jobs and freezes (SIGSTOP: a Mac asleep) past its leases; worker b re-runs them."""
+    paused = spawn("a", **env)
+    followers, tasks = await submit_and_follow(client, 4, max_tokens=150)
+    await wait_until(lambda: all(f.tokens() >= 3 for f in followers), 60, "every job decoding on a")
+    paused.signal(signal.SIGSTOP)
+    spawn("b", **env)
+    await wait_until(lambda: all(f.first_time("reset") for f in followers), 60, "every job reset")
+    return paused, followers, tasks
+
+
+def starts(f: Follower) -> list[int]:
+    return [e.attempt for e in f.events if isinstance(e, StartEvent)]
+
+
+async def test_a_frozen_worker_that_wakes_after_its_jobs_ended_elsewhere_publishes_nothing(
+    spawn: Any, client: Client, redis_url: str
+) -> None:
+    paused, followers, tasks = await pause_one_rescue_with_another(spawn, client, MLXQ_DONE_TTL="1")
+    await asyncio.wait_for(tasks, 120)
+    for f in followers:
+        assert isinstance(check_one_terminal(f), DoneEvent) and starts(f) == [1, 2]
+    r = aredis.Redis.from_url(redis_url)
+    pubsub = r.pubsub()
+    try:
+        await wait_until_async(lambda: r.exists(*(f"mlxq:{{{f.rid}}}:log" for f in followers)), 0, 30,
+                               "the ended jobs' logs to expire")
+        await pubsub.subscribe(*(f"mlxq:{{{f.rid}}}:events" for f in followers))
+        for _ in followers:
+            assert (await pubsub.get_message(timeout=5.0) or {}).get("type") == "subscribe"
+        paused.signal(signal.SIGCONT)
+        fenced = "writes nothing more"
+        await wait_until(lambda: paused.log_path.read_text().count(fenced) >= len(followers), 30, "a to wake")
+        late = [m async for m in _messages(pubsub, 1.5)]  # a's publisher and lease keeper both ran meanwhile
+        assert late == [], f"the woken worker published {late}"
+        for f in followers:  # no second terminal event, no recreated keys, arq's result untouched
+            assert not await r.exists(f"mlxq:{{{f.rid}}}:log", f"mlxq:{{{f.rid}}}:job", f"mlxq:{{{f.rid}}}:lease")
+            info = await arq_job(r, Keys("mlxq"), "small", f.rid).result_info()
+            assert info is not None and info.success and info.job_try == 2
+        assert await r.zcard("mlxq:queue:small") == 0 and not await r.exists("mlxq:dead")  # nothing re-queued
+        assert "data_lost" not in paused.log_path.read_text()
+        assert paused.proc is not None and paused.proc.poll() is None, paused.tail()
+    finally:
+        await pubsub.aclose()
+        await r.aclose()
+
+
+async def test_tries_count_only_runs_that_started_while_a_frozen_worker_wakes_mid_rescue(
+    spawn: Any, client: Client, redis_url: str
+) -> None:
+    # With two tries allowed, a job rescued once must finish: the woken run's deferrals are no tries.
+    paused, followers, tasks = await pause_one_rescue_with_another(spawn, client, MLXQ_MAX_TRIES="2")
+    await wait_until(lambda: all(starts(f) == [1, 2] for f in followers), 60, "the re-runs started")
+    paused.signal(signal.SIGCONT)  # while b still holds the leases
+    await asyncio.wait_for(tasks, 120)
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        for f in followers:
+            end = check_one_terminal(f)
+            assert isinstance(end, DoneEvent) and end.usage.completion_tokens == 150, end
+            assert starts(f) == [1, 2]
+            info = await arq_job(r, Keys("mlxq"), "small", f.rid).result_info()
+            assert info is not None and info.job_try == 2
+    finally:
+        await r.aclose()
+
+
+async def test_jobs_whose_data_redis_lost_end_with_a_retryable_data_lost_error(small_model: Path,
+                                                                              tmp_path: Path) -> None:
+    # Issue 13, scenario 3: they ended error(bad_request, retryable=false), "the job is gone from Redis".
+    followers, log = await across_a_redis_restart(small_model, tmp_path, appendonly=False, max_tokens=200)
+    for f in followers:  # no persistence: every key is gone, and so are the events before the restart
+        end = f.events[-1]
+        assert [e.type for e in f.events].count("error") == 1 and isinstance(end, ErrorEvent), f.events[-3:]
+        assert end.code is ErrorCode.DATA_LOST and end.retryable, end
+        assert "Redis lost this job's data" in end.message
+    assert log.count("ended with error(data_lost)") == 3
+
+
+async def wait_until_async(read: Any, want: Any, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while await read() != want:
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+async def _messages(pubsub: Any, window_s: float) -> AsyncIterator[Any]:
+    """Every message that arrives within ``window_s``."""
+    end = time.monotonic() + window_s
+    while (left := end - time.monotonic()) > 0:
+        msg = await pubsub.get_message(timeout=left)
+        if msg is not None:
+            yield msg

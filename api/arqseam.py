@@ -1,0 +1,429 @@
+"""Everything mlxq knows about arq, in one place (arq 0.28, pinned; checked at import).
+
+arq runs each worker process (``arq worker.Settings``): its poll loop, ``max_jobs`` slots, health-check
+key, signals and the SIGTERM drain. How a job is claimed, run and ended is mlxq's own (worker/lifecycle.py).
+What crosses this seam:
+
+- **Records.** A job is stored as arq's job record (a JSON envelope: function, arguments, enqueue time), and
+  an ended job's terminal event as arq's result record, both under the deployment's prefix (``api.keys``),
+  so :func:`arq_job` gives an ``arq.jobs.Job`` whose ``status()``, ``info()`` and ``result()`` work.
+- **Claims.** arq's poll reads due ids from the queue and calls ``Worker.start_jobs``. For a worker whose
+  context holds a :class:`Host`, an id this module cannot parse goes to ``Host.reject`` and the rest to
+  ``Host.claim``, which starts up to the free slots in one call; each claimed job then runs in one of arq's
+  slots, counted as arq counts its own jobs.
+- **Wake-ups.** arq polls on a fixed period; :func:`wake` makes the poll look at the queue now.
+- **Stop signals.** arq's SIGTERM/SIGINT handlers call :attr:`WorkerSpec.on_stop_signal`; its ``close``
+  calls :attr:`WorkerSpec.on_closed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+import re
+import signal
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from json.encoder import encode_basestring  # type: ignore[attr-defined]  # the C string escaper
+from typing import Any, Protocol
+
+import arq.jobs
+import arq.version
+import arq.worker
+from arq.connections import RedisSettings
+from redis.asyncio import Redis
+
+from .connection import CONNECT_TIMEOUT_S, RETRY_ON, retry
+from .keys import Keys
+from .schema import REQUEST_ID_PATTERN
+
+__all__ = [
+    "JOB_FUNCTION",
+    "Claimed",
+    "Envelope",
+    "Host",
+    "Outcome",
+    "WorkerSpec",
+    "arq_job",
+    "job_record",
+    "read_job",
+    "result_record",
+    "wake",
+    "worker_settings",
+]
+
+SUPPORTED = "0.28"
+if not arq.version.VERSION.startswith(SUPPORTED + "."):
+    raise ImportError(f"mlxq needs arq {SUPPORTED}.x (it plugs into arq's internals); arq {arq.version.VERSION} "
+                      f"is installed: pip install 'arq=={SUPPORTED}.*'")
+
+log = logging.getLogger(__name__)
+
+JOB_FUNCTION = "generate"  # the arq function name of every mlxq job
+_HOST = "mlxq_host"  # arq ctx keys
+_SPEC = "mlxq_spec"
+_BACKLOG = "mlxq_backlog"
+_ID = re.compile(REQUEST_ID_PATTERN)
+
+
+# --- records ---------------------------------------------------------------------------------------------
+def job_record(payload: dict[str, Any], enqueue_ms: int) -> bytes:
+    """arq's job record for a job of ours: JSON, never pickle."""
+    envelope: dict[str, Any] = {"t": None, "f": JOB_FUNCTION, "a": [payload], "k": {}, "et": enqueue_ms}
+    return json.dumps(envelope, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """A job record as read back: its one payload, or why it cannot be run (``problem``)."""
+
+    payload: Any
+    enqueue_ms: int
+    problem: str = ""
+
+
+def read_job(data: bytes, max_bytes: int) -> Envelope:
+    """Parse a job record; never raises (a malformed one comes back with a ``problem``)."""
+    now = int(time.time() * 1000)
+    if len(data) > max_bytes:
+        return Envelope(None, now, f"the job has {len(data)} bytes; the limit is {max_bytes}")
+    try:
+        d = json.loads(data)
+        _check_envelope(d)
+    except (ValueError, TypeError, RecursionError) as exc:
+        reason = str(exc) if len(str(exc)) <= 300 else str(exc)[:300] + "..."
+        return Envelope(None, now, f"undecodable job: {reason}")
+    args, kwargs = d["a"], d["k"]
+    if len(args) != 1 or kwargs:
+        return Envelope(None, d["et"], "undecodable job: the job must carry one payload")
+    return Envelope(args[0], d["et"])
+
+
+def _check_envelope(d: Any) -> None:
+    if not isinstance(d, dict):
+        raise ValueError("the job is not a JSON object")
+    checks = {"f": (str,), "a": (list,), "k": (dict,), "t": (int, type(None)), "et": (int,)}
+    for key, types in checks.items():
+        value = d.get(key)
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise ValueError(f"malformed job envelope: {key!r} is {type(value).__name__}")
+    if d["f"] != JOB_FUNCTION:
+        raise ValueError(f"unknown job function {d['f'][:64]!r}")
+
+
+def result_record(rid: str, *, attempt: int, ok: bool, event_json: str, enqueue_ms: int, start_ms: int,
+                  queue: str) -> bytes:
+    """arq's result record of an ended job (what ``Job.result()`` reads): its terminal event as the result,
+    without the job's arguments (arq would keep the whole prompt again for the result's TTL). Written around
+    the event's own JSON: a dict dumped with ``json`` cost three times as much."""
+    return (f'{{"t":{attempt},"f":{encode_basestring(JOB_FUNCTION)},"a":[],"k":{{}},"et":{enqueue_ms},'
+            f'"s":{"true" if ok else "false"},"r":{event_json},"st":{start_ms},"ft":{int(time.time() * 1000)},'
+            f'"q":{encode_basestring(queue)},"id":{encode_basestring(rid)}}}').encode()
+
+
+def _loads(data: bytes) -> dict[str, Any]:
+    d: dict[str, Any] = json.loads(data)
+    return d
+
+
+class _Job(arq.jobs.Job):
+    """arq's ``Job`` reading mlxq's records: the same methods, over the deployment's key names."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self, rid: str, redis: Redis, queue: str, keys: Keys) -> None:
+        super().__init__(rid, redis, _queue_name=queue, _deserializer=_loads)
+        self._keys = keys
+
+    async def result(self, timeout: float | None = None, *, poll_delay: float = 0.5,
+                     pole_delay: float | None = None) -> Any:
+        start = time.monotonic()
+        while True:
+            info = await self.result_info()
+            if info is not None:
+                if info.success:
+                    return info.result
+                raise arq.jobs.SerializationError(info.result)
+            if await self.status() is arq.jobs.JobStatus.not_found:
+                raise arq.jobs.ResultNotFound("not waiting for the result: the job is neither queued, running nor "
+                                              "ended with a kept result")
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise TimeoutError
+            await asyncio.sleep(poll_delay)
+
+    async def info(self) -> arq.jobs.JobDef | None:
+        info: arq.jobs.JobDef | None = await self.result_info()
+        if info is None:
+            raw = await self._redis.get(self._keys.job(self.job_id))
+            if raw:
+                info = arq.jobs.deserialize_job(raw, deserializer=_loads)
+        if info is not None:
+            score = await self._redis.zscore(self._queue_name, self.job_id)
+            info.score = None if score is None else int(score)
+        return info
+
+    async def result_info(self) -> arq.jobs.JobResult | None:
+        raw = await self._redis.get(self._keys.result(self.job_id))
+        return arq.jobs.deserialize_result(raw, deserializer=_loads) if raw else None
+
+    async def status(self) -> arq.jobs.JobStatus:
+        k = self._keys
+        async with self._redis.pipeline(transaction=True) as tr:
+            tr.exists(k.result(self.job_id))
+            tr.hexists(k.running(), self.job_id)
+            tr.zscore(self._queue_name, self.job_id)
+            ended, running, score = await tr.execute()
+        if ended:
+            return arq.jobs.JobStatus.complete
+        if running:
+            return arq.jobs.JobStatus.in_progress
+        if score is not None:
+            due = score > time.time() * 1000
+            return arq.jobs.JobStatus.deferred if due else arq.jobs.JobStatus.queued
+        return arq.jobs.JobStatus.not_found
+
+
+def arq_job(redis: Redis, keys: Keys, model: str, rid: str) -> arq.jobs.Job:
+    """arq's handle on job ``rid`` of ``model``'s queue: ``status()``, ``info()``, ``result()``."""
+    return _Job(rid, redis, keys.queue(model), keys)
+
+
+# --- the worker side -----------------------------------------------------------------------------------
+class Outcome(enum.Enum):
+    """How a run ended, as arq counts jobs."""
+
+    COMPLETE = "complete"  # ended with its terminal event (done or error)
+    RETRIED = "retried"  # handed back to the queue, or taken over by another run
+    FAILED = "failed"  # a bug or arq's job timeout
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A job this worker started, and the coroutine that runs it to its end."""
+
+    rid: str
+    run: Coroutine[Any, Any, Outcome]
+
+
+class Host(Protocol):
+    """What runs an mlxq worker's jobs inside arq's Worker."""
+
+    async def claim(self, ids: list[str], free: int) -> list[Claimed]:
+        """Start up to ``free`` of the queued ``ids`` (due, in queue order) in one call."""
+
+    async def reject(self, entries: list[bytes], reason: str) -> None:
+        """Move queue entries that are no job id aside."""
+
+    async def aclose(self) -> None:
+        """Stop: called from arq's shutdown."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """An mlxq worker process, in the terms arq's Worker takes."""
+
+    queue: str
+    redis_url: str
+    start: Callable[[], Awaitable[Host]]  # at arq's start-up
+    max_jobs: int
+    poll_delay_s: float
+    job_timeout_s: float  # arq's own job timeout: a backstop behind the engine's deadline
+    drain_s: float  # on SIGTERM, running jobs may finish this long
+    health_key: str
+    on_stop_signal: Callable[[float], None] = lambda drain_s: None  # SIGTERM/SIGINT, given the drain
+    on_closed: Callable[[], None] = lambda: None
+
+
+def worker_settings(spec: WorkerSpec) -> dict[str, Any]:
+    """Keyword arguments of ``arq.Worker`` (the attributes of an ``arq worker.Settings`` class)."""
+    _install()
+
+    async def startup(ctx: dict[str, Any]) -> None:
+        ctx[_HOST] = await spec.start()
+
+    async def shutdown(ctx: dict[str, Any]) -> None:
+        host: Host | None = ctx.get(_HOST)
+        if host is not None:
+            await host.aclose()
+
+    async def generate(ctx: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        # arq needs a function to register; the host runs mlxq's jobs without calling it.
+        raise RuntimeError("mlxq jobs run through api.arqseam, which this process did not install")
+
+    settings = RedisSettings.from_dsn(spec.redis_url)
+    settings.retry = retry()
+    settings.retry_on_error = list(RETRY_ON)
+    settings.conn_timeout = int(CONNECT_TIMEOUT_S)
+    return {
+        "functions": [arq.worker.func(generate, name=JOB_FUNCTION, timeout=spec.job_timeout_s, max_tries=1)],
+        "queue_name": spec.queue,
+        "redis_settings": settings,
+        "on_startup": startup,
+        "on_shutdown": shutdown,
+        "max_jobs": spec.max_jobs,
+        "poll_delay": spec.poll_delay_s,
+        "job_timeout": spec.job_timeout_s,
+        "health_check_key": spec.health_key,
+        "health_check_interval": 10,
+        "job_completion_wait": spec.drain_s,
+        "ctx": {_SPEC: spec},
+    }
+
+
+def host_of(worker: arq.worker.Worker) -> Host | None:
+    """The host running ``worker``'s jobs (once started)."""
+    host: Host | None = worker.ctx.get(_HOST)
+    return host
+
+
+_arq_start_jobs = arq.worker.Worker.start_jobs
+
+
+async def _start_jobs(self: arq.worker.Worker, job_ids: list[bytes]) -> None:
+    """``Worker.start_jobs`` for a worker with a host: parse the ids, claim up to the free slots in one call."""
+    host = host_of(self)
+    if host is None:
+        return await _arq_start_jobs(self, job_ids)
+    free = self.max_jobs - self.job_counter
+    # Jobs left queued, or every slot taken (arq does not poll a full worker, so jobs enqueued meanwhile
+    # wait for a slot): a job's end wakes the poll for them. A read of queue_read_limit ids may leave more.
+    self.ctx[_BACKLOG] = len(job_ids) >= free or len(job_ids) >= self.queue_read_limit
+    ids, poison = _parse_ids(job_ids)
+    if poison:
+        await host.reject(poison, "the queue entry is not a job id")
+    if free <= 0 or not ids:
+        return
+    for claimed in await host.claim(ids, free):
+        await self.sem.acquire()  # free slots were counted by the claim: never waits
+        self.job_counter += 1
+        task = self.loop.create_task(_run_in_slot(self, claimed))
+        task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
+        self.tasks[claimed.rid] = task
+
+
+def _parse_ids(job_ids: list[bytes]) -> tuple[list[str], list[bytes]]:
+    """The entries that are job ids, and the others (not UTF-8, or not an id a producer could have made)."""
+    ids: list[str] = []
+    poison: list[bytes] = []
+    for raw in job_ids:
+        rid = raw.decode(errors="replace")
+        if _ID.fullmatch(rid):
+            ids.append(rid)
+        else:
+            poison.append(raw)
+    return ids, poison
+
+
+async def _run_in_slot(worker: arq.worker.Worker, claimed: Claimed) -> None:
+    """One claimed job in a slot: arq's counters, and a wake-up for waiting jobs when it ends."""
+    try:
+        outcome = await claimed.run
+    except asyncio.CancelledError:  # shutdown: the host handed the job back (or ended it on its last try)
+        outcome = Outcome.RETRIED  # as arq's run_job: the task ends quietly, so the poll loop never re-raises it
+    except Exception:  # a bug: never let it reach arq's poll loop, which re-raises a task's exception and stops
+        log.exception("job %s: failed", claimed.rid)
+        outcome = Outcome.FAILED
+    if outcome is Outcome.COMPLETE:
+        worker.jobs_complete += 1
+    elif outcome is Outcome.RETRIED:
+        worker.jobs_retried += 1
+    else:
+        worker.jobs_failed += 1
+    # A slot is free: if the last poll left jobs queued, let arq take the next one now rather than at its
+    # next poll. Two hops, so the wake lands after the task's done-callback has released its slot.
+    if worker.ctx.get(_BACKLOG):
+        loop = asyncio.get_running_loop()
+        loop.call_soon(loop.call_soon, wake)
+
+
+# --- wake-ups: arq polls on a period; producers' and freed slots' wake-ups make it look now -------------
+# Enqueues from several producers arrive as a burst of wake-ups, and polling at the first one claims a job
+# or two, then the rest in pieces, each piece a prefill step of its own. So once woken, the poll waits while
+# wake-ups keep coming less than _BURST_GAP_S apart (at most _BURST_MAX_S) and claims the burst in one call.
+_wakes: dict[asyncio.AbstractEventLoop, asyncio.Event] = {}
+_BURST_GAP_S = 0.0005
+_BURST_MAX_S = 0.005
+
+
+def _wake_event() -> asyncio.Event:
+    loop = asyncio.get_running_loop()
+    event = _wakes.get(loop)
+    if event is None:
+        for stale in [lp for lp in _wakes if lp.is_closed()]:
+            del _wakes[stale]
+        event = _wakes[loop] = asyncio.Event()
+    return event
+
+
+def wake() -> None:
+    """Make every arq poll loop on this event loop look at its queue now."""
+    _wake_event().set()
+
+
+async def _wakeable_poll(step: float = 0.5) -> AsyncGenerator[float, None]:
+    """arq's ``poll`` helper, but its sleep ends early on :func:`wake`."""
+    loop = asyncio.get_running_loop()
+    event = _wake_event()
+    start = loop.time()
+    while True:
+        event.clear()
+        yield loop.time() - start
+        if not event.is_set():
+            # Not wait_for: on Python 3.11 a cancel landing as the wake-up does returned the wake-up and
+            # dropped the cancel, and arq's stop (it cancels this loop) hung the worker after SIGTERM.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(step):
+                    await event.wait()
+        if event.is_set():
+            await _burst_settled(event, loop.time() + _BURST_MAX_S)
+
+
+async def _burst_settled(event: asyncio.Event, until: float) -> None:
+    """Return once no wake-up came for ``_BURST_GAP_S``, or at ``until``."""
+    loop = asyncio.get_running_loop()
+    while True:
+        event.clear()
+        await asyncio.sleep(_BURST_GAP_S)
+        if not event.is_set() or loop.time() >= until:
+            return
+
+
+# --- stop signals --------------------------------------------------------------------------------------
+_STOPS = (signal.SIGTERM, signal.SIGINT)  # arq's close() also calls the handler, with SIGUSR1: not a stop
+
+
+def _signalled(handler: Callable[[arq.worker.Worker, Any], None]) -> Callable[[arq.worker.Worker, Any], None]:
+    def handle(self: arq.worker.Worker, signum: Any) -> None:
+        spec: WorkerSpec | None = self.ctx.get(_SPEC)
+        if spec is not None and signum in _STOPS:
+            spec.on_stop_signal(self._job_completion_wait)
+        handler(self, signum)
+
+    return handle
+
+
+_arq_close = arq.worker.Worker.close
+
+
+async def _close(self: arq.worker.Worker) -> None:
+    await _arq_close(self)
+    spec: WorkerSpec | None = self.ctx.get(_SPEC)
+    if spec is not None:
+        spec.on_closed()
+
+
+def _install() -> None:
+    """Plug the claim, the wakeable poll and the stop hooks into arq (idempotent; other Workers keep arq's)."""
+    worker = arq.worker.Worker
+    if getattr(worker, "_mlxq", False):
+        return
+    worker.start_jobs = _start_jobs  # type: ignore[method-assign]
+    arq.worker.poll = _wakeable_poll  # type: ignore[attr-defined]  # Worker.main reads it from the module
+    for name in ("handle_sig", "handle_sig_wait_for_completion"):
+        setattr(worker, name, _signalled(getattr(worker, name)))
+    worker.close = _close  # type: ignore[method-assign]
+    worker._mlxq = True  # type: ignore[attr-defined]

@@ -1,0 +1,299 @@
+"""A job's transitions (worker/lifecycle.py) on a real Redis: what each call writes, publishes and refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import redis.asyncio as aredis
+
+from api.arqseam import JOB_FUNCTION, job_record, read_job
+from api.keys import Keys
+from api.schema import DoneEvent, ErrorCode, Event, FinishReason, StartEvent, TokenEvent, decode_event
+from worker.lifecycle import Claim, Lifecycle, LogTTL, Record, Run, Write
+
+KEYS = Keys("lc-test")
+QUEUE = KEYS.queue("m")
+TTL = LogTTL(live=600, done=30, result=20)
+ODD_RID = "job 1\nwith newline, spaces and é"  # records are length-prefixed: they rely on no separator
+
+
+def lifecycle(r: aredis.Redis, worker: str = "w1") -> Lifecycle:
+    return Lifecycle(r, KEYS, QUEUE, worker, TTL, lease_ttl_s=5.0)
+
+
+def run(rid: str, owner: str = "w1:1", seq: int = 0, attempt: int = 1, epoch: str = "") -> Run:
+    return Run(rid, QUEUE, owner, attempt, seq=seq, epoch=epoch, model="m", enqueue_ms=1_700_000_000_250)
+
+
+def tokens(r: Run, n: int) -> list[Any]:
+    return [r.tokens(f"t{i}\n", [i], i + 1) for i in range(n)]
+
+
+async def logged(r: aredis.Redis, rid: str) -> list[tuple[bytes, Event]]:
+    return [(eid, decode_event(f[b"e"])) for eid, f in await r.xrange(KEYS.log(rid))]
+
+
+async def queue_job(r: aredis.Redis, rid: str, score: int = 1) -> None:
+    await r.set(KEYS.job(rid), job_record({"n": rid}, 1000))
+    await r.zadd(QUEUE, {rid: score})
+
+
+# --- append, end, hand back --------------------------------------------------------------------------
+async def test_one_call_writes_several_jobs_and_refuses_the_one_whose_lease_is_not_its_own(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        a, odd, stale = run("a"), run(ODD_RID), run("stale", seq=5)
+        for x, holder in ((a, "w1:1"), (odd, "w1:1"), (stale, "w2:2")):  # another run took "stale" over
+            await r.set(KEYS.lease(x.rid), holder)
+        evs_a, evs_odd = tokens(a, 3), [odd.start(1, "w1"), *tokens(odd, 2)]
+        records = [Record(a, evs_a, Write.APPEND), Record(odd, evs_odd, Write.APPEND),
+                   Record(stale, tokens(stale, 1), Write.APPEND)]
+        assert await lifecycle(r).write(records) == [True, True, False]
+        assert [(eid, ev.model_dump_json()) for eid, ev in await logged(r, "a")] == [
+            (f"{i}-1".encode(), ev.model_dump_json()) for i, ev in enumerate(evs_a)]
+        assert [ev.seq for _, ev in await logged(r, ODD_RID)] == [0, 1, 2]
+        assert not await r.exists(KEYS.log("stale"))
+        assert 590 < await r.ttl(KEYS.log("a")) <= 600
+        assert await r.get(KEYS.lease("a")) == b"w1:1"  # more to come: the lease stays
+    finally:
+        await r.aclose()
+
+
+async def test_events_go_live_on_the_documented_channel_and_duplicates_are_not_republished(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    pubsub = r.pubsub()
+    try:
+        await pubsub.subscribe(KEYS.events(ODD_RID))
+        ack = await pubsub.get_message(timeout=5.0)
+        assert ack is not None and ack["type"] == "subscribe"
+        await r.set(KEYS.lease(ODD_RID), "w1:1")
+        job = run(ODD_RID)
+        evs = tokens(job, 3)
+        assert await lifecycle(r).write([Record(job, evs[:2], Write.APPEND)]) == [True]
+        assert await lifecycle(r).write([Record(job, evs, Write.APPEND)]) == [True]  # a retried write
+        got = []
+        while len(got) < 3:
+            msg = await pubsub.get_message(timeout=5.0)
+            assert msg is not None, f"only {len(got)} of 3 events published"
+            got.append(decode_event(msg["data"]))
+        assert [e.model_dump_json() for e in got] == [e.model_dump_json() for e in evs]
+        assert await pubsub.get_message(timeout=0.2) is None  # nothing published twice
+    finally:
+        await pubsub.aclose()
+        await r.aclose()
+
+
+async def test_end_finishes_the_job_keeps_arqs_result_record_and_shortens_the_log_ttl(redis_url: str) -> None:
+    from api.arqseam import arq_job
+
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        job = run("a", attempt=2)
+        await queue_job(r, "a")
+        for key in (KEYS.lease("a"), KEYS.cancel("a"), KEYS.tries("a")):
+            await r.set(key, "w1:1" if key == KEYS.lease("a") else "1")
+        await r.hset(KEYS.running(), "a", QUEUE)
+        end = job.done(FinishReason.STOP)
+        assert await lifecycle(r).write([Record(job, [*tokens(job, 1), end], Write.END)]) == [True]
+        assert not await r.exists(KEYS.lease("a"), KEYS.cancel("a"), KEYS.job("a"), KEYS.tries("a"))
+        assert await r.zscore(QUEUE, "a") is None and not await r.hexists(KEYS.running(), "a")
+        assert 0 < await r.ttl(KEYS.log("a")) <= TTL.done
+        assert 0 < await r.pttl(KEYS.result("a")) <= TTL.result * 1000
+        info = await arq_job(r, KEYS, "m", "a").result_info()  # arq's own record, read by arq's own Job
+        assert info is not None and info.success and info.function == JOB_FUNCTION and info.job_try == 2
+        assert list(info.args) == [] and DoneEvent.model_validate(info.result) == end
+    finally:
+        await r.aclose()
+
+
+async def test_hand_back_queues_the_job_again_in_the_same_call(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        job = run(ODD_RID)
+        await r.set(KEYS.lease(ODD_RID), "w1:1")
+        await r.hset(KEYS.running(), ODD_RID, QUEUE)
+        assert await lifecycle(r).write([Record(job, [job.reset("shutdown")], Write.HAND_BACK)]) == [True]
+        assert await r.zscore(QUEUE, ODD_RID) is not None
+        assert not await r.exists(KEYS.lease(ODD_RID)) and not await r.hexists(KEYS.running(), ODD_RID)
+        ((_, reset),) = await logged(r, ODD_RID)
+        assert reset.type == "reset" and reset.attempt == 2
+    finally:
+        await r.aclose()
+
+
+async def test_a_run_that_wakes_after_its_job_ended_elsewhere_changes_nothing(redis_url: str) -> None:
+    # Issue 13, scenario 1 in one call: the paused run's lease expired, another run finished the job, its
+    # log expired; the paused run's late writes, even its terminal one, are refused and recreate nothing.
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        late = run("a", owner="paused:1", seq=7)
+        lc = lifecycle(r, "paused")
+        writes = [Record(late, tokens(late, 1), Write.APPEND), Record(late, [late.error(ErrorCode.INTERNAL, "x")],
+                                                                       Write.END),
+                  Record(late, [late.reset("shutdown")], Write.HAND_BACK)]
+        assert [await lc.write([w]) for w in writes] == [[False]] * 3
+        lost = Record(late, [late.error(ErrorCode.DATA_LOST, "lost")], Write.LOST)
+        await r.set(KEYS.epoch(), "e1")
+        late.epoch = "e1"  # the deployment's data is intact: the job ended, nothing was lost
+        assert await lc.write([lost]) == [False]
+        assert [k async for k in r.scan_iter()] == [KEYS.epoch().encode()]
+    finally:
+        await r.aclose()
+
+
+async def test_the_lost_write_ends_a_job_only_when_redis_lost_its_data(redis_url: str) -> None:
+    # Issue 13, scenario 3: the epoch changed (or vanished) and the job record is gone.
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        job = run("a", seq=4, epoch="before")
+        lc = lifecycle(r)
+        await r.set(KEYS.job("a"), b"{}")
+        assert await lc.write([Record(job, [job.error(ErrorCode.DATA_LOST, "x")], Write.LOST)]) == [False]
+        await r.delete(KEYS.job("a"))  # a restart without persistence: everything is gone
+        end = job.error(ErrorCode.DATA_LOST, "lost")
+        assert end.retryable
+        assert await lc.write([Record(job, [end], Write.LOST)]) == [True]
+        assert [ev for _, ev in await logged(r, "a")] == [end]
+        assert 0 < await r.ttl(KEYS.log("a")) <= TTL.done
+    finally:
+        await r.aclose()
+
+
+# --- start ---------------------------------------------------------------------------------------------
+async def test_start_leases_counts_the_try_and_reads_the_history_of_each_job(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        await queue_job(r, "odd", 1)
+        await queue_job(r, "b", 2)
+        await queue_job(r, "later", 1 << 50)
+        await r.set(KEYS.tries("odd"), 1)  # one earlier run
+        await r.set(KEYS.cancel("odd"), "1")
+        earlier = run("odd")
+        history = [earlier.start(3, "w0"), *tokens(earlier, 1)]
+        for ev in history:
+            await r.xadd(KEYS.log("odd"), {"e": ev.model_dump_json()}, id=f"{ev.seq}-1")
+        odd, b = await lifecycle(r).start(["odd", "b", "later", "unqueued"], 10)
+        assert (odd.rid, odd.claim, odd.attempt, odd.cancelled) == ("odd", Claim.STARTED, 2, True)
+        assert read_job(odd.job, 1 << 20).payload == {"n": "odd"}
+        assert odd.last is not None and odd.last.model_dump_json() == history[-1].model_dump_json()
+        assert (b.claim, b.attempt, b.last, b.cancelled) == (Claim.STARTED, 1, None, False)
+        assert odd.epoch == b.epoch and await r.get(KEYS.epoch()) == odd.epoch.encode()
+        assert await r.get(KEYS.lease("odd")) == b"w1:2"  # the token names the worker and the try
+        assert 0 < await r.pttl(KEYS.lease("odd")) <= 5000
+        assert await r.get(KEYS.tries("odd")) == b"2" and await r.ttl(KEYS.tries("odd")) > 0
+        assert await r.hget(KEYS.running(), "odd") == QUEUE.encode()
+        assert await r.zscore(QUEUE, "odd") is None  # out of the queue while it runs
+        assert await r.zscore(QUEUE, "later") == 1 << 50
+        resumed = lifecycle(r).run(odd, "m", 1000)
+        assert (resumed.seq, resumed.owner, resumed.attempt) == (2, "w1:2", 2)  # numbering goes on
+    finally:
+        await r.aclose()
+
+
+async def test_start_takes_at_most_the_free_slots(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        for rid in "abc":
+            await queue_job(r, rid)
+        assert [s.rid for s in await lifecycle(r).start(["a", "b", "c"], 2)] == ["a", "b"]
+        assert await r.zscore(QUEUE, "c") == 1 and not await r.exists(KEYS.lease("c"), KEYS.tries("c"))
+    finally:
+        await r.aclose()
+
+
+async def test_start_counts_no_try_for_a_job_whose_lease_another_run_holds(redis_url: str) -> None:
+    # Issue 13, scenario 2: tries count runs that started, nothing else (it once counted every deferral).
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        await queue_job(r, "a")
+        await queue_job(r, "b")
+        await r.set(KEYS.tries("a"), 1)
+        await r.set(KEYS.lease("a"), "w1:1")  # a live run holds it
+        lc = lifecycle(r, "w2")
+        for _ in range(5):
+            await r.zadd(QUEUE, {"a": 1})
+            a, *rest = await lc.start(["a", "b"], 1)
+            assert a.claim is Claim.DEFERRED
+        assert await r.get(KEYS.tries("a")) == b"1" and await r.get(KEYS.lease("a")) == b"w1:1"
+        assert (await r.zscore(QUEUE, "a") or 0) > 1 and not await r.hexists(KEYS.running(), "a")
+        assert [s.claim for s in rest] == []  # "b" started on the first call: a deferred job takes no slot
+    finally:
+        await r.aclose()
+
+
+async def test_start_leaves_a_queue_entry_without_a_record_for_reject(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        await r.zadd(QUEUE, {"gone": 1})
+        lc = lifecycle(r)
+        (gone,) = await lc.start(["gone"], 5)
+        assert gone.claim is Claim.GONE and not await r.exists(KEYS.lease("gone"), KEYS.tries("gone"))
+        assert await lc.reject([b"gone", b"\xff\xfe not utf-8"], "no job record") == 1
+        assert await r.zcard(QUEUE) == 0
+        (letter,) = [json.loads(x) for x in await r.lrange(KEYS.dead_letters(), 0, -1)]
+        assert letter["entry"] == "gone" and letter["reason"] == "no job record" and letter["queue"] == QUEUE
+        assert await r.ttl(KEYS.dead_letters()) > 0
+    finally:
+        await r.aclose()
+
+
+# --- the reaper's moves --------------------------------------------------------------------------------
+async def test_sweep_lists_running_jobs_without_a_lease_and_drops_ended_ones(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        await r.hset(KEYS.running(), mapping={"leased": QUEUE, "lost": QUEUE, "ended": "q2"})
+        await r.set(KEYS.lease("leased"), "w1:1")
+        await r.set(KEYS.tries("lost"), 2)
+        await r.set(KEYS.job("lost"), b"{}")
+        ended = run("ended")
+        await r.xadd(KEYS.log("ended"), {"e": ended.done(FinishReason.STOP).model_dump_json()}, id="0-1")
+        (lost,) = await lifecycle(r).sweep()
+        assert (lost.rid, lost.queue, lost.next_seq, lost.tries, lost.has_record) == ("lost", QUEUE, 0, 2, True)
+        assert not await r.hexists(KEYS.running(), "ended")
+    finally:
+        await r.aclose()
+
+
+async def test_two_reapers_never_both_act_on_one_job_and_never_while_a_run_holds_it(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        await r.hset(KEYS.running(), mapping={"lost": QUEUE, "held": QUEUE})
+        await r.set(KEYS.lease("held"), "w1:1")
+        lc = lifecycle(r)
+        (lost,) = await lc.sweep()
+        reapers = [lc.orphan(lost), lc.orphan(lost)]
+        records = [Record(x, [x.reset("worker lost")], Write.HAND_BACK) for x in reapers]
+        done = await asyncio.gather(*(lc.write([rec]) for rec in records))
+        assert sorted(done) == [[False], [True]]
+        held = lc.orphan(lost)
+        held.rid = "held"
+        assert await lc.write([Record(held, [held.reset("worker lost")], Write.HAND_BACK)]) == [False]
+        assert len(await logged(r, "lost")) == 1 and await r.zscore(QUEUE, "lost") is not None
+    finally:
+        await r.aclose()
+
+
+async def test_refresh_extends_only_leases_still_held_by_their_run(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        await r.set(KEYS.lease("mine"), "w1:1", px=100)
+        await r.set(KEYS.lease("taken"), "w2:2", px=100)
+        held = await lifecycle(r).refresh([run("mine"), run("taken"), run("expired")])
+        assert held == [True, False, False]
+        assert await r.pttl(KEYS.lease("mine")) > 1000 and await r.pttl(KEYS.lease("taken")) <= 100
+    finally:
+        await r.aclose()
+
+
+def test_a_run_numbers_its_events_and_builds_each_kind() -> None:
+    async def build() -> list[Any]:
+        job = run("r-1", seq=3)
+        return [job.start(5, "w1"), *tokens(job, 2), job.reset("again"), job.done(FinishReason.LENGTH)]
+
+    evs = asyncio.run(build())
+    assert [e.seq for e in evs] == [3, 4, 5, 6, 7]
+    assert isinstance(evs[0], StartEvent) and evs[0].prompt_tokens == 5
+    assert TokenEvent.model_validate_json(evs[2].model_dump_json()).index == 1
+    assert isinstance(evs[-1], DoneEvent) and evs[-1].usage.completion_tokens == 2

@@ -1,0 +1,312 @@
+"""A job's life on the worker side: its states, its events, and the one atomic Redis call behind each move.
+
+    queued ──start──▶ running ──end──▶ ended    (exactly one terminal event: done or error)
+      ▲                  │
+      └───hand back──────┘                      (a reset event: shutdown, or the reaper after a worker died)
+
+- **start** (``START``): a worker starts due jobs in one call. Each takes a lease whose token names the run
+  (``<worker id>:<try>``); the try is counted here and only here, so tries count runs that started.
+- **append / end / hand back** (``EMIT``): a run writes its events, one call per engine step for every job
+  of the worker. The terminal event's call also ends the job (its record, lease, queue entry; arq's result
+  record kept a while); a reset's call hands the job back to its queue.
+- **refresh** (``REFRESH``): a worker extends its runs' leases; a run whose lease is gone is fenced: it stops
+  and writes nothing more.
+- **reap** (``SWEEP``, then ``EMIT`` as the empty owner): any worker finds running jobs whose lease expired
+  (their worker died or froze) and hands each back with a reset, or ends it on its last try.
+- **lost data** (``EMIT``, write ``LOST``): when Redis lost its data under a running job (restarted without
+  persistence: the deployment's epoch changed and the job record is gone), the run ends it with
+  ``error(data_lost)``, retryable, instead of leaving its followers waiting.
+- **reject** (``REJECT``): a queue entry no worker can run is moved to the dead-letter list.
+
+Every script checks its caller's right in Redis (worker/scripts.py), so a fenced run's writes, whenever they
+arrive, are refused. Every event a job gets is built and numbered by its :class:`Run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from redis.asyncio import Redis
+
+from api.arqseam import result_record
+from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
+from api.schema import (
+    DoneEvent,
+    ErrorCode,
+    ErrorEvent,
+    Event,
+    FinishReason,
+    ResetEvent,
+    StartEvent,
+    Timings,
+    Usage,
+    decode_event,
+    token_event_json,
+)
+
+from .scripts import EMIT, REFRESH, REJECT, START, SWEEP, Script
+
+__all__ = ["Claim", "Lifecycle", "LogTTL", "Lost", "Record", "Run", "Start", "State", "TokenLine", "Wire", "Write"]
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = {ErrorCode.ENGINE_ERROR, ErrorCode.WORKER_LOST, ErrorCode.TIMEOUT, ErrorCode.DATA_LOST}
+_MAX_MESSAGE = 2000
+_EPOCH_TTL_S = 7 * 86_400  # refreshed at every start
+_TRIES_TTL_S = 86_400  # a job's record lives at most this long too (api.client.JOB_TTL_MS)
+_DEAD_LETTERS_KEPT = 1000
+_DEAD_LETTER_TTL_S = 7 * 86_400
+
+
+class State(enum.Enum):
+    """Where a run stands, as this worker knows it."""
+
+    RUNNING = "running"
+    ENDED = "ended"  # its terminal event is written
+    HANDED_BACK = "handed_back"  # its reset is written and the job is queued again
+    FENCED = "fenced"  # its lease is gone: another run (or nobody) owns the job now
+
+
+class Write(enum.Enum):
+    """What an EMIT call does with a job beyond logging and publishing its events."""
+
+    APPEND = "a"
+    END = "e"
+    HAND_BACK = "h"
+    LOST = "l"
+
+
+class Claim(enum.Enum):
+    """What START did with one due job."""
+
+    STARTED = "started"
+    DEFERRED = "deferred"  # another run still holds its lease: left queued, due later, no try counted
+    GONE = "gone"  # queued, but its record is gone (expired or lost): for REJECT
+
+
+@dataclass(frozen=True, slots=True)
+class LogTTL:
+    """Replay-log TTLs, and how long arq's result record of an ended job is kept (0: none); seconds."""
+
+    live: int = LIVE_TTL_S
+    done: int = DONE_TTL_S
+    result: int = 0
+
+
+@dataclass(slots=True)
+class TokenLine:
+    """A token event as its wire fields. A worker writes one per job per step it sends, so it skips building
+    a pydantic ``TokenEvent``; :meth:`model_dump_json` renders exactly that event's JSON."""
+
+    id: str
+    seq: int
+    text: str
+    token_ids: list[int]
+    index: int
+    type: Literal["token"] = "token"
+
+    def model_dump_json(self) -> str:
+        return token_event_json(self.id, self.seq, self.text, self.token_ids, self.index)
+
+
+Wire = Event | TokenLine  # what a run writes
+
+
+@dataclass(slots=True)
+class Run:
+    """One run of a job on this worker: its owner token, and the builder and numberer of the job's events.
+
+    ``seq`` is the next event's number; it continues across runs (a run starts after the last logged event).
+    """
+
+    rid: str
+    queue: str
+    owner: str  # the lease's token ("<worker id>:<try>"); "" for the reaper, who owns no run
+    attempt: int
+    seq: int = 0
+    epoch: str = ""  # the deployment's epoch when the run started
+    model: str = ""
+    enqueue_ms: int = 0
+    state: State = State.RUNNING
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    started_at: float = field(default_factory=time.time)  # epoch seconds, as the timings below
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished: asyncio.Future[State] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def _next(self) -> int:
+        seq, self.seq = self.seq, self.seq + 1
+        return seq
+
+    def start(self, prompt_tokens: int, worker: str) -> StartEvent:
+        """The engine admitted the job."""
+        self.prompt_tokens = prompt_tokens
+        if self.admitted_at is None:
+            self.admitted_at = time.time()
+        return StartEvent(id=self.rid, seq=self._next(), model=self.model, worker=worker,
+                          prompt_tokens=prompt_tokens, attempt=self.attempt)
+
+    def tokens(self, text: str, token_ids: list[int], completion_tokens: int) -> TokenLine:
+        """New text: ``completion_tokens`` counts every token so far, ``token_ids`` included."""
+        if self.first_token_at is None:
+            self.first_token_at = time.time()
+        self.completion_tokens = max(self.completion_tokens, completion_tokens)
+        return TokenLine(self.rid, self._next(), text, token_ids, completion_tokens - len(token_ids))
+
+    def done(self, reason: FinishReason) -> DoneEvent:
+        return DoneEvent(id=self.rid, seq=self._next(), finish_reason=reason, timings=self.timings(),
+                         usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens))
+
+    def error(self, code: ErrorCode, message: str) -> ErrorEvent:
+        if len(message) > _MAX_MESSAGE:
+            message = message[:_MAX_MESSAGE] + "..."
+        return ErrorEvent(id=self.rid, seq=self._next(), code=code, message=message, retryable=code in _RETRYABLE)
+
+    def reset(self, reason: str) -> ResetEvent:
+        """The job starts again (in the next run, ``attempt + 1``): its followers drop the text so far."""
+        return ResetEvent(id=self.rid, seq=self._next(), reason=reason, attempt=self.attempt + 1)
+
+    def timings(self) -> Timings:
+        now = time.time()
+        enqueued = self.enqueue_ms / 1000
+        ms = lambda t: max(0.0, (t - enqueued) * 1000.0)  # noqa: E731
+        decode_s = now - self.first_token_at if self.first_token_at else 0.0
+        tps = (self.completion_tokens - 1) / decode_s if decode_s > 0 and self.completion_tokens > 1 else None
+        return Timings(queue_ms=ms(self.admitted_at or now), total_ms=ms(now), tokens_per_s=tps,
+                       ttft_ms=ms(self.first_token_at) if self.first_token_at else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """One due job, as START left it; ``job``, ``attempt``, ``last`` and ``cancelled`` only when started."""
+
+    rid: str
+    claim: Claim
+    epoch: str
+    job: bytes = b""
+    attempt: int = 0
+    last: Event | None = None  # the job's last logged event (an earlier run's)
+    cancelled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """A running job whose lease expired, as SWEEP read it."""
+
+    rid: str
+    queue: str
+    next_seq: int
+    tries: int
+    has_record: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One job's events for an EMIT call, and what the call does with the job."""
+
+    run: Run
+    events: Sequence[Wire]
+    write: Write
+
+
+class Lifecycle:
+    """The transitions of the jobs of one queue, as typed calls of their scripts."""
+
+    def __init__(self, redis: Redis, keys: Keys, queue: str, worker_id: str, ttl: LogTTL, lease_ttl_s: float,
+                 writer: Redis | None = None) -> None:
+        self.redis = redis
+        self.writer = writer or redis  # EMIT calls' connection
+        self.keys = keys
+        self.queue = queue
+        self.worker_id = worker_id
+        self.ttl = ttl
+        self.lease_ms = int(lease_ttl_s * 1000)
+        self._start, self._emit, self._refresh = Script.of(START), Script.of(EMIT), Script.of(REFRESH)
+        self._sweep, self._reject = Script.of(SWEEP), Script.of(REJECT)
+
+    async def open(self) -> None:
+        """Set the deployment's epoch unless Redis has one (a fresh or emptied server); START keeps it."""
+        await self.redis.set(self.keys.epoch(), uuid.uuid4().hex, nx=True, ex=_EPOCH_TTL_S)
+
+    async def start(self, ids: list[str], most: int) -> list[Start]:
+        """Start up to ``most`` of the due ``ids`` (queue order); one row per due job START looked at."""
+        args = [int(time.time() * 1000), most, self.worker_id, self.lease_ms, self.keys.prefix, uuid.uuid4().hex,
+                _EPOCH_TTL_S, _TRIES_TTL_S, *ids]
+        epoch, *rows = await self._start.run(self.redis, [self.queue, self.keys.running(), self.keys.epoch()], args)
+        return [_start_row(row, epoch.decode()) for row in rows]
+
+    def run(self, start: Start, model: str, enqueue_ms: int) -> Run:
+        """This worker's run of a job START started."""
+        last = start.last
+        return Run(start.rid, self.queue, f"{self.worker_id}:{start.attempt}", start.attempt,
+                   seq=last.seq + 1 if last is not None else 0, epoch=start.epoch, model=model, enqueue_ms=enqueue_ms)
+
+    async def write(self, records: Sequence[Record]) -> list[bool]:
+        """One EMIT call: each record's events, and its write; whether each was allowed."""
+        args: list[object] = [len(records), self.ttl.live, self.ttl.done, int(time.time() * 1000), self.keys.prefix,
+                              max(1, self.ttl.result) * 1000]
+        args.append(b"".join(b"%d\n%s" % (len(r), r) for r in map(self._record, records)))
+        result = await self._emit.run(self.writer, [self.keys.running(), self.keys.epoch()], args)
+        return [r == 1 for r in result]
+
+    def _record(self, r: Record) -> bytes:
+        run = r.run
+        queue, rid = run.queue.encode(), run.rid.encode()
+        owner = (run.epoch if r.write is Write.LOST else run.owner).encode()
+        result = self._result(run, r.events[-1]) if r.write is Write.END and r.events else b""
+        head = b"%d %d %d %s %d %d\n" % (len(queue), len(rid), len(owner), r.write.value.encode(),
+                                         r.events[0].seq if r.events else run.seq, len(result))
+        events = "\n".join(ev.model_dump_json() for ev in r.events).encode()
+        return b"".join((head, queue, rid, owner, result, b"\n", events))
+
+    def _result(self, run: Run, end: Wire) -> bytes:
+        if self.ttl.result <= 0 or not run.owner:
+            return b""
+        return result_record(run.rid, attempt=run.attempt, ok=end.type == "done", event_json=end.model_dump_json(),
+                             enqueue_ms=run.enqueue_ms, start_ms=int(run.started_at * 1000), queue=run.queue)
+
+    async def refresh(self, runs: Sequence[Run]) -> list[bool]:
+        """Extend the leases of ``runs``; whether each is still theirs."""
+        args: list[object] = [self.lease_ms, self.keys.prefix]
+        for run in runs:
+            args += (run.rid, run.owner)
+        return [r == 1 for r in await self._refresh.run(self.redis, [], args)]
+
+    async def sweep(self) -> list[Lost]:
+        """Running jobs (of any queue) whose lease expired."""
+        rows = await self._sweep.run(self.redis, [self.keys.running()], [self.keys.prefix])
+        return [Lost(rid.decode(), queue.decode(), int(seq), int(tries), bool(has))
+                for rid, queue, seq, tries, has in rows]
+
+    def orphan(self, lost: Lost) -> Run:
+        """The reaper's handle on a lost job: it owns no run, and its events follow the job's log."""
+        return Run(lost.rid, lost.queue, "", lost.tries, seq=lost.next_seq)
+
+    async def reject(self, entries: Sequence[bytes | str], reason: str) -> int:
+        """Move queue entries aside to the dead-letter list; how many were still queued."""
+        now = int(time.time() * 1000)
+        args: list[object] = [_DEAD_LETTERS_KEPT, _DEAD_LETTER_TTL_S]
+        for entry in entries:
+            raw = entry.encode() if isinstance(entry, str) else entry
+            record = {"queue": self.queue, "entry": raw.decode(errors="backslashreplace"), "hex": raw.hex(),
+                      "reason": reason, "at_ms": now, "worker": self.worker_id}
+            args += (raw, json.dumps(record))
+        moved: int = await self._reject.run(self.redis, [self.queue, self.keys.dead_letters()], args)
+        return moved
+
+
+def _start_row(row: list[bytes], epoch: str) -> Start:
+    rid, claim = row[0].decode(), Claim(row[1].decode())
+    if claim is not Claim.STARTED:
+        return Start(rid, claim, epoch)
+    job, attempt, last, cancelled = row[2:]
+    return Start(rid, claim, epoch, job, int(attempt), decode_event(last) if last else None, bool(cancelled))
