@@ -119,7 +119,7 @@ def result_record(rid: str, *, attempt: int, ok: bool, event_json: str, enqueue_
                   queue: str) -> bytes:
     """arq's result record of an ended job (what ``Job.result()`` reads): its terminal event as the result,
     without the job's arguments (arq would keep the whole prompt again for the result's TTL). Written around
-    the event's own JSON: a dict dumped with ``json`` cost three times as much."""
+    the event's own JSON rather than dumping a dict: one is written per job, on the event loop."""
     return (f'{{"t":{attempt},"f":{encode_basestring(JOB_FUNCTION)},"a":[],"k":{{}},"et":{enqueue_ms},'
             f'"s":{"true" if ok else "false"},"r":{event_json},"st":{start_ms},"ft":{int(time.time() * 1000)},'
             f'"q":{encode_basestring(queue)},"id":{encode_basestring(rid)}}}').encode()

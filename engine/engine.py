@@ -9,7 +9,7 @@ Requests claimed together (:meth:`Engine.expect`) reach an idle engine a fractio
 its first step waits for the rest of them, then for as long as more keep arriving less than a fifth of the
 admission window apart (a burst still being enqueued and claimed), until a full prefill batch is in or the
 window closes. So a burst's prompts prefill as one batch instead of the first few alone (a whole prefill
-step, ~100 ms on a small model here) and then the others; a lone request does not linger.
+step) and then the others; a lone request does not linger.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class Engine:
     # --- on the MLX thread -------------------------------------------------------------------------
     def _tick(self) -> None:
         # Steps run back to back while nothing else waits for the MLX thread: a hop through its executor
-        # per step cost ~5 % of the thread's time on the tiny model.
+        # per step is time the thread does not step.
         while True:
             try:
                 if not self.scheduler.num_running:

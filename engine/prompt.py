@@ -30,9 +30,8 @@ class PromptEncoder:
     directly when that gives the same ids.
 
     transformers encodes even one text through ``encode_batch``, which releases the GIL; taking it back
-    waits for whatever Python the engine thread is running (up to the 5 ms switch interval). With a busy
-    Python thread beside it that cost 1.6 ms per call here, against 0.02 ms for ``Tokenizer.encode``, which
-    keeps the GIL; a burst of 32 jobs waited for it 32 times on the worker's event loop. The direct call is
+    waits for whatever Python the engine thread is running (up to the switch interval), once per prompt on
+    the worker's event loop; ``Tokenizer.encode`` keeps the GIL. The direct call is
     used only for a fast tokenizer with no truncation, padding or special-token splitting set (what the
     wrapper would change), and only after it matched the wrapper on a few probe texts.
     """

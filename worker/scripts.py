@@ -6,8 +6,9 @@ log is where the reaper read it. A run that lost its lease (paused, partitioned,
 elsewhere) can therefore change nothing about the job, whenever it wakes up.
 
 A job's keys are named here from the prefix and its id, as ``api.keys.Keys`` names them (``<prefix>:{<id>}:
-lease`` and so on), rather than passed as KEYS: redis-py packs every argument in Python, and packing was a
-quarter of the event loop's time in a 32-job write. (So the scripts are not Redis Cluster-ready.)
+lease`` and so on), rather than passed as KEYS: redis-py packs every argument in Python, on the event loop
+that shares the GIL with the engine, so a step's records travel as one argument. (So the scripts are not
+Redis Cluster-ready.)
 """
 
 from __future__ import annotations

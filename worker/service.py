@@ -58,8 +58,8 @@ class ModelService:
         self.redis = redis
         self.runs: dict[str, Run] = {}  # the runs in the engine
         ttl = LogTTL(live=config.live_ttl_s, done=config.done_ttl_s, result=config.keep_result_s)
-        # Event writes are serial: a connection of their own skips the pool's per-command checkout, a
-        # health-check read that was a quarter of each EMIT call's CPU on the event loop.
+        # Event writes are serial: a connection of their own skips the pool's per-command checkout (a
+        # health-check read on the event loop, which shares the GIL with the engine).
         self._writer = Redis(connection_pool=redis.connection_pool, single_connection_client=True)
         self.lifecycle = Lifecycle(redis, self.keys, config.queue_name, config.worker_id, ttl, config.lease_ttl_s,
                                    writer=self._writer)
@@ -99,8 +99,8 @@ class ModelService:
                  waker.listen(service.redis, service.keys.wake_channel(config.name)))
         service._tasks = [asyncio.create_task(c) for c in loops]
         # A full collection walks every object the collector tracks: with the model and its libraries loaded
-        # that stalled the engine (and every stream) for 76 ms mid-decode here, about once in 15 bursts. What
-        # is alive now lives as long as the worker: take it out of the collector's sight, as vLLM does.
+        # it stalls the engine (and every stream) mid-decode. What is alive now lives as long as the worker:
+        # take it out of the collector's sight, as vLLM does.
         gc.collect()
         gc.freeze()
         log.info("worker %s serving %s on queue %s (capacity %d; %d start-up objects frozen out of GC)",
