@@ -147,6 +147,12 @@ class Run:
         seq, self.seq = self.seq, self.seq + 1
         return seq
 
+    def settle(self, state: State) -> None:
+        """Record how the run left this worker, and wake whoever awaits it."""
+        self.state = state
+        if not self.finished.done():
+            self.finished.set_result(state)
+
     def start(self, prompt_tokens: int, worker: str) -> StartEvent:
         """The engine admitted the job."""
         self.prompt_tokens = prompt_tokens

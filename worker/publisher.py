@@ -111,9 +111,9 @@ class Publisher:
         fenced = [r.run for r, ok in zip(records, allowed) if not ok and r.write is not Write.LOST]
         for r, ok in zip(records, allowed):
             if ok and r.write is not Write.APPEND:
-                settle(r.run, _SETTLED[r.write])
+                r.run.settle(_SETTLED[r.write])
             elif not ok and r.write is Write.LOST:
-                settle(r.run, State.FENCED)
+                r.run.settle(State.FENCED)
         if fenced:
             self.stats.fenced += len(fenced)
             await self.on_fenced(fenced)
@@ -137,10 +137,3 @@ class Publisher:
 
 def _write_of(last: Wire) -> Write:
     return Write.END if last.type in TERMINAL_TYPES else Write.APPEND
-
-
-def settle(run: Run, state: State) -> None:
-    """Record how ``run`` left this worker and wake whoever awaits it."""
-    run.state = state
-    if not run.finished.done():
-        run.finished.set_result(state)

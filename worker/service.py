@@ -32,7 +32,7 @@ from . import waker
 from .cancels import CancelWatcher
 from .config import WorkerConfig
 from .leases import LeaseKeeper
-from .lifecycle import Claim, Lifecycle, LogTTL, Record, Run, Start, State, Write
+from .lifecycle import Claim, Lifecycle, LogTTL, Record, Run, Start, State, Wire, Write
 from .publisher import Publisher
 from .reaper import Reaper
 from .translate import to_engine_request
@@ -203,7 +203,7 @@ class ModelService:
             return await self._end(run, run.error(ErrorCode.BAD_REQUEST, str(exc)))
         return await self._generate(run, req, tokens)
 
-    async def _end(self, run: Run, event: Any) -> State:
+    async def _end(self, run: Run, event: Wire) -> State:
         await self.publisher.write([(run, event)])
         return run.state
 
