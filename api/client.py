@@ -15,14 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .arqseam import job_record
 from .config import ClientConfig
-from .connection import redis_client
+from .connection import Failures, RetryPolicy, client_redis, redact, with_retries
 from .enqueuer import Enqueuer
-from .errors import BadRequest, DuplicateJob, JobFailed, JobNotFound, WaitTimeout
+from .errors import BadRequest, DuplicateJob, JobFailed, JobNotFound, MlxqError, WaitTimeout
 from .keys import CANCEL_TTL_S, Keys, log_entry_id
 from .schema import (
     DoneEvent,
@@ -59,11 +57,16 @@ class Client:
     """Async client for one mlxq deployment. Use as ``async with Client(url) as client:``."""
 
     def __init__(self, redis_url: str | None = None, *, prefix: str | None = None,
-                 max_payload_bytes: int = 1 << 20) -> None:
+                 max_payload_bytes: int = 1 << 20, retry_deadline: float | None = None) -> None:
         env = ClientConfig.from_env()
+        url = redis_url or env.redis_url
         self.keys = Keys(prefix or env.prefix)
         self.max_payload_bytes = max_payload_bytes  # as the workers' MLXQ_MAX_PAYLOAD_BYTES
-        self._redis = redis_client(redis_url or env.redis_url)
+        # Every operation retries an unreachable Redis for this long (QueueUnavailable), and never a refusal
+        # of its credentials or commands (AccessDenied).
+        self.retry = RetryPolicy(deadline_s=env.retry_deadline_s if retry_deadline is None else retry_deadline)
+        self.where = redact(url)
+        self._redis = client_redis(url, self.retry)
         self._enqueuer = Enqueuer(self._redis)
         self._subscriber: Subscriber | None = None  # created on first use
 
@@ -93,16 +96,20 @@ class Client:
             raise BadRequest(f"the job has {len(job)} bytes of JSON; the limit is {self.max_payload_bytes}")
         keys = [self.keys.job(req.id), self.keys.result(req.id), self.keys.queue(req.model)]
         args: list[str | bytes | int] = [req.id, job, JOB_TTL_MS, self.keys.wake_channel(req.model), now_ms]
-        if not await self._enqueuer.enqueue(keys, args):
+        # A retry sends the same record: ENQUEUE takes it as this submit's own (its reply was lost).
+        if not await with_retries(lambda: self._enqueuer.enqueue(keys, args), self.retry, self.where):
             raise DuplicateJob(f"a job with id {req.id!r} already exists")
         return req.id
 
     async def cancel(self, rid: str) -> None:
         """Ask for the job to stop: it ends with ``done(cancelled)`` wherever it is (queued, prefill, decode)."""
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.set(self.keys.cancel(rid), b"1", ex=CANCEL_TTL_S)
-        pipe.publish(self.keys.cancel_channel(), rid)
-        await pipe.execute()
+        async def send() -> None:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.set(self.keys.cancel(rid), b"1", ex=CANCEL_TTL_S)
+            pipe.publish(self.keys.cancel_channel(), rid)
+            await pipe.execute()
+
+        await with_retries(send, self.retry, self.where)
 
     # --- consuming ---------------------------------------------------------------------------------
     async def events(self, rid: str, *, timeout: float | None = None) -> AsyncIterator[Event]:
@@ -122,7 +129,7 @@ class Client:
         the replay-log read that :meth:`events` starts with is skipped: one round trip less per job.
         """
         req = _request(request, fields)  # a bad request raises before anything is subscribed
-        sub = await self._hub().open(self.keys.events(req.id))
+        sub = await with_retries(lambda: self._hub().open(self.keys.events(req.id)), self.retry, self.where)
         try:
             await self.submit(req)
         except BaseException:
@@ -136,21 +143,24 @@ class Client:
                       ) -> AsyncGenerator[Event, None]:
         deadline = None if timeout is None else time.monotonic() + timeout
         next_seq = 0
+        failures = Failures(self.retry, self.where)
         while True:
             try:
-                async with aclosing(self._follow(rid, next_seq, deadline, sub)) as follow:
+                async with aclosing(self._follow(rid, next_seq, deadline, sub, failures)) as follow:
                     async for ev in follow:
                         next_seq = ev.seq + 1
                         yield ev
                         if is_terminal(ev):
                             return
-            except (RedisConnectionError, RedisTimeoutError, OSError):
+            except MlxqError:
+                raise
+            except Exception as exc:  # unreachable (retried within the policy's deadline) or refused
+                await failures.failed(exc)
                 _check_deadline(deadline, rid)
                 sub = None  # closed by _follow: resubscribe, then replay
-                await asyncio.sleep(0.2)
 
-    async def _follow(self, rid: str, next_seq: int, deadline: float | None, sub: Subscription | None
-                      ) -> AsyncGenerator[Event, None]:
+    async def _follow(self, rid: str, next_seq: int, deadline: float | None, sub: Subscription | None,
+                      failures: Failures) -> AsyncGenerator[Event, None]:
         fresh = sub is not None  # subscribed before the job was enqueued: nothing to replay yet
         if sub is None:
             sub = await self._hub().open(self.keys.events(rid))
@@ -158,6 +168,7 @@ class Client:
             first = True
             while True:
                 replayed = [] if fresh else await self._replay(rid, next_seq)
+                failures.ok()  # Redis answers again: a later failure starts a new deadline
                 if not replayed and not first and await self._vanished(rid):
                     raise JobNotFound(f"job {rid} is unknown, or its events expired (they are kept "
                                       "a few minutes after its end)")

@@ -5,14 +5,19 @@
      ├── DuplicateJob    a job with this id already exists (ids are never reused)
      ├── JobFailed       the job ended with an ``error`` event (carries code, message, retryable)
      ├── JobNotFound     no such job, or its events expired
-     └── WaitTimeout     no terminal event arrived within the caller's timeout
+     ├── WaitTimeout     no terminal event arrived within the caller's timeout
+     ├── QueueUnavailable  Redis could not be reached within the client's retry deadline
+     └── AccessDenied    Redis refused the credentials or a command (never retried)
 """
 
 from __future__ import annotations
 
 from .schema import ErrorCode, ErrorEvent
 
-__all__ = ["BadRequest", "DuplicateJob", "JobFailed", "JobNotFound", "MlxqError", "WaitTimeout"]
+__all__ = [
+    "AccessDenied", "BadRequest", "DuplicateJob", "JobFailed", "JobNotFound", "MlxqError", "QueueUnavailable",
+    "WaitTimeout",
+]
 
 
 class MlxqError(Exception):
@@ -49,3 +54,11 @@ class JobNotFound(MlxqError):
 
 class WaitTimeout(MlxqError):
     """Waiting for a job's events took longer than the caller allowed."""
+
+
+class QueueUnavailable(MlxqError):
+    """Redis could not be reached within the client's retry deadline (``MLXQ_RETRY_DEADLINE``)."""
+
+
+class AccessDenied(MlxqError):
+    """Redis refused the client's credentials (wrong or missing password) or a command (ACL)."""

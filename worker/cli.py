@@ -68,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_bench(args)
         return asyncio.run(_producer_command(args))
+    except MlxqError as exc:  # Redis unreachable or refusing us, an unknown job: one line, no traceback
+        print(f"mlxq: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -157,9 +157,10 @@ async def test_a_submit_cancelled_before_the_send_enqueues_nothing(client: Clien
 
 
 async def test_a_failed_send_fails_every_submit_of_the_burst() -> None:
-    async with Client("redis://127.0.0.1:1") as client:  # nothing listens there
-        client._redis.connection_pool.connection_kwargs["socket_connect_timeout"] = 0.2
-        client._redis.connection_pool.connection_kwargs["retry"] = None
+    from api.errors import QueueUnavailable
+
+    async with Client("redis://127.0.0.1:1", retry_deadline=0.3) as client:  # nothing listens there
         outcomes = await asyncio.gather(*(client.submit(model=MODEL, prompt="p") for _ in range(3)),
                                         return_exceptions=True)
-    assert all(isinstance(o, OSError | aredis.ConnectionError) for o in outcomes), outcomes
+    assert all(isinstance(o, QueueUnavailable) and "redis://127.0.0.1:1 unreachable" in str(o)
+               for o in outcomes), outcomes

@@ -182,3 +182,13 @@ def test_the_service_units_stop_timeouts_leave_room_for_the_drain_and_the_watchd
     plist = plistlib.loads((ROOT / "deploy/launchd/com.mlxq.worker.plist").read_bytes())
     env = WorkerConfig.from_env(plist["EnvironmentVariables"])
     assert plist["ExitTimeOut"] > env.drain_timeout_s + env.shutdown_grace_s + 1
+
+
+def test_submit_with_no_redis_reachable_prints_one_line_within_the_retry_deadline() -> None:
+    # Issue 13, scenario 6: ~90 s of silence, then a 70-line chained traceback.
+    env = {**os.environ, "MLXQ_REDIS_URL": "redis://127.0.0.1:1", "MLXQ_RETRY_DEADLINE": "0.5"}
+    done = subprocess.run([sys.executable, "-m", "worker.cli", "submit", "--model", "m", "--no-wait", "hi"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("mlxq: Redis at redis://127.0.0.1:1 unreachable for "), done.stderr
