@@ -18,7 +18,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[Any]:
-    from worker.redis_server import RedisServer
+    from worker.tools.redis_server import RedisServer
 
     with RedisServer() as server:
         yield server

@@ -39,8 +39,9 @@ def test_package_imports_respect_the_layering(package: str) -> None:
 def test_producer_side_runs_without_mlx_loaded() -> None:
     # Import the whole producer surface (and the CLI a web host runs) in a fresh interpreter.
     code = (
-        "import sys, api.client, api.schema, api.keys, api.errors, worker.cli; "
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm', 'engine'}); "
+        "import sys, api.client, api.schema, api.keys, api.errors, api.cli; "
+        "api.cli._parser().parse_args(['submit', '--model', 'm', 'hi']); "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm', 'engine', 'worker'}); "
         "print(bad); sys.exit(1 if bad else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -60,3 +61,17 @@ def test_arq_is_behind_one_seam() -> None:
     files = sorted(f for package in ("api", "engine", "worker") for f in (ROOT / package).rglob("*.py"))
     importers = {str(f.relative_to(ROOT)) for f in files if "arq" in imported_roots(f)}
     assert importers == {"api/arqseam.py"}
+
+
+def test_the_runtime_imports_none_of_its_tools() -> None:
+    # Runtime apart from tooling: worker/tools (demo, bench, their helpers) may import the runtime, never the
+    # other way round.
+    runtime = sorted(f for f in (ROOT / "worker").rglob("*.py") if "tools" not in f.relative_to(ROOT).parts)
+    offenders = {}
+    for f in runtime:
+        tree = ast.parse(f.read_text(), str(f))
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        if any(n == "tools" or n.startswith(("tools.", "worker.tools")) for n in names):
+            offenders[str(f.relative_to(ROOT))] = names
+    assert offenders == {}

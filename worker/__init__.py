@@ -8,7 +8,7 @@ __all__ = ["Settings"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so `mlxq submit` on a producer host (no MLX) can import worker.cli.
+    # Lazy: importing the package loads no MLX until arq asks for Settings.
     if name == "Settings":
         from .settings import Settings
 

@@ -22,7 +22,7 @@ from api.connection import is_denied, is_transient, redact
 from api.errors import AccessDenied, QueueUnavailable
 from api.keys import Keys, log_entry_id
 from api.schema import DoneEvent, FinishReason, StartEvent, Timings, Usage
-from worker.redis_server import RedisServer, find_redis_server
+from worker.tools.redis_server import RedisServer, find_redis_server
 
 
 def free_port() -> int:

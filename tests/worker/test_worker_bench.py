@@ -16,8 +16,8 @@ from typing import Any, cast
 
 import pytest
 
-from worker import bench, blas
-from worker.cli import _parser
+from api.cli import _parser
+from worker.tools import bench, blas
 
 
 def _args(out: Path, **over: Any) -> argparse.Namespace:
@@ -159,7 +159,7 @@ def test_reexec_runs_the_same_command_with_openblas_preloaded(
     monkeypatch.setenv("LD_PRELOAD", "/other.so")
     bench._maybe_reexec(_args(tmp_path / "o", quick=False, concurrency="1,8", max_tokens=7))
     ((_, argv, env),) = calls
-    assert argv[1:3] == ["-m", "worker.cli"]
+    assert argv[1:3] == ["-m", "api.cli"]
     parsed = _parser().parse_args(argv[3:])
     assert (parsed.command, parsed.out, parsed.quick, parsed.concurrency, parsed.max_tokens) == (
         "bench", str(tmp_path / "o"), False, "1,8", 7)

@@ -27,8 +27,8 @@ from api.client import Client
 from api.schema import DoneEvent, ErrorEvent, Event, FinishReason
 from engine.prompt import encode_prompt
 from tests.support import RunningWorker, config_with, start_worker
-from worker.process import WorkerProcess
-from worker.redis_server import RedisServer
+from worker.tools.process import WorkerProcess
+from worker.tools.redis_server import RedisServer
 
 PROMPTS = [f"prompt {i}: " + "the quick brown fox " * (i % 4) for i in range(10)]
 

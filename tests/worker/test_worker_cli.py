@@ -18,7 +18,7 @@ import pytest
 from api.client import Client, Result
 from api.schema import FinishReason
 from tests.support import config_with, start_worker
-from worker.process import WorkerProcess
+from worker.tools.process import WorkerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def arq_worker(redis_url: str, tiny_model: Path, tmp_path: Path) -> Iterator[Wor
 
 def mlxq(redis_url: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "MLXQ_REDIS_URL": redis_url, "TRANSFORMERS_VERBOSITY": "error"}
-    return subprocess.run([sys.executable, "-m", "worker.cli", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "api.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -187,7 +187,7 @@ def test_the_service_units_stop_timeouts_leave_room_for_the_drain_and_the_watchd
 def test_submit_with_no_redis_reachable_prints_one_line_within_the_retry_deadline() -> None:
     # Issue 13, scenario 6: ~90 s of silence, then a 70-line chained traceback.
     env = {**os.environ, "MLXQ_REDIS_URL": "redis://127.0.0.1:1", "MLXQ_RETRY_DEADLINE": "0.5"}
-    done = subprocess.run([sys.executable, "-m", "worker.cli", "submit", "--model", "m", "--no-wait", "hi"],
+    done = subprocess.run([sys.executable, "-m", "api.cli", "submit", "--model", "m", "--no-wait", "hi"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr

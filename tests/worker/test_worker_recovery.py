@@ -21,8 +21,8 @@ from api.arqseam import arq_job
 from api.client import Client
 from api.keys import Keys
 from api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, StartEvent
-from worker.process import WorkerProcess
-from worker.redis_server import RedisServer
+from worker.tools.process import WorkerProcess
+from worker.tools.redis_server import RedisServer
 
 FAST_RECOVERY = {"MLXQ_LEASE_TTL": "2", "MLXQ_REAP_INTERVAL": "0.5", "MLXQ_CANCEL_POLL": "0.1"}
 

@@ -121,7 +121,7 @@ class RedisServer:
         self.close()
 
 
-if __name__ == "__main__":  # pragma: no cover - manual use: python -m worker.redis_server
+if __name__ == "__main__":  # pragma: no cover - manual use: python -m worker.tools.redis_server
     logging.basicConfig(level=logging.INFO)
     with RedisServer(tcp=True) as server:
         print(server.url, flush=True)

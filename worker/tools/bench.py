@@ -51,9 +51,9 @@ from api.client import Client
 from api.connection import redis_client
 from api.keys import Keys
 from api.schema import DoneEvent, ErrorEvent
+from worker.config import WorkerConfig
 
 from .blas import OPENBLAS, blas_of, coretype_for, cpu_flags, openblas, openblas_core
-from .config import WorkerConfig
 from .process import WorkerProcess
 from .redis_server import RedisServer
 
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 _REEXEC_MARK = "MLXQ_BENCH_REEXEC"  # set in the re-executed process: never re-exec twice
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Hello world number {i} the quick brown fox"  # as in /work/shared/PERF-ANCHORS.md
 _PROBE_TOKENS = 2  # max_tokens of the N=1 TTFT probe requests
 _PROBE_OFFSET = 1000  # prompt numbers of probe requests
@@ -461,7 +461,7 @@ def _probe(raw: list[float], queue: list[float]) -> TtftProbe:
 
 # --- BLAS ------------------------------------------------------------------------------------------
 def _maybe_reexec(args: argparse.Namespace) -> None:
-    """Re-execute ``python -m worker.cli bench ...`` with OpenBLAS in LD_PRELOAD (Linux, if installed)."""
+    """Re-execute ``python -m api.cli bench ...`` with OpenBLAS in LD_PRELOAD (Linux, if installed)."""
     if not sys.platform.startswith("linux") or os.environ.get(_REEXEC_MARK):
         return
     if not OPENBLAS.exists():
@@ -485,7 +485,7 @@ def _maybe_reexec(args: argparse.Namespace) -> None:
     _say(f"BLAS: re-executing with LD_PRELOAD={env['LD_PRELOAD']}")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "worker.cli", *_argv_of(args)], env)
+    os.execve(sys.executable, [sys.executable, "-m", "api.cli", *_argv_of(args)], env)
 
 
 def _argv_of(args: argparse.Namespace) -> list[str]:

@@ -14,7 +14,7 @@ import redis
 
 __all__ = ["WorkerProcess"]
 
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 class WorkerProcess:

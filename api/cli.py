@@ -1,19 +1,23 @@
 """The ``mlxq`` command: submit, cancel and follow jobs; run the demo and the benchmark.
 
 ``submit`` writes exactly the generated text to stdout (so it pipes) and status to stderr. Producer
-commands import no MLX; ``demo`` and ``bench`` load the worker side lazily.
+commands (``submit``, ``cancel``, ``events``) are the producer side's own and import no worker code, so a
+producer-only install (``pip install mlxq``) has them; ``demo`` and ``bench`` are the worker's tools
+(``worker.tools``), loaded only when asked for.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from api.client import Client
-from api.errors import BadRequest, JobFailed, MlxqError
-from api.schema import ChatMessage, DoneEvent, ErrorEvent, GenerateRequest
+from .client import Client
+from .errors import BadRequest, JobFailed, MlxqError
+from .schema import ChatMessage, DoneEvent, ErrorEvent, GenerateRequest
 
 __all__ = ["main"]
 
@@ -60,19 +64,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "demo":
-            from .demo import run_demo
-
-            return run_demo(jobs=args.jobs, max_tokens=args.max_tokens, size=args.size)
+            run_demo = _worker_tool("demo", "run_demo")
+            return int(run_demo(jobs=args.jobs, max_tokens=args.max_tokens, size=args.size))
         if args.command == "bench":
-            from .bench import run_bench
-
-            return run_bench(args)
+            return int(_worker_tool("bench", "run_bench")(args))
         return asyncio.run(_producer_command(args))
     except MlxqError as exc:  # Redis unreachable or refusing us, an unknown job: one line, no traceback
         print(f"mlxq: {exc}", file=sys.stderr)
         return 1
+    except _MissingTool as exc:
+        print(f"mlxq: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
+
+
+class _MissingTool(Exception):
+    pass
+
+
+def _worker_tool(module: str, name: str) -> Callable[..., Any]:
+    """A tool of the worker side, which a producer-only install lacks."""
+    try:
+        tool: Callable[..., Any] = getattr(importlib.import_module(f"worker.tools.{module}"), name)
+    except ImportError as exc:
+        raise _MissingTool(f"'{module}' needs the worker extra ({exc}): pip install 'mlxq[worker]'") from None
+    return tool
 
 
 async def _producer_command(args: argparse.Namespace) -> int:
