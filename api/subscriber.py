@@ -107,8 +107,8 @@ class Subscriber:
     """Routes messages from one pub/sub connection to per-channel subscriptions.
 
     Idle for ``idle_close_s`` (no subscription), it closes the connection and stops its reader: a client
-    that submits bursts keeps one connection instead of opening one per burst (~1 ms before a burst's
-    enqueues, on top of the connection's set-up commands).
+    that submits bursts keeps one connection instead of opening one per burst (a connect and its set-up
+    commands before each burst's enqueues).
     """
 
     idle_close_s = 5.0
@@ -130,8 +130,8 @@ class Subscriber:
     async def open(self, channel: str) -> Subscription:
         """Subscribe to ``channel`` (the SUBSCRIBE is sent before this returns).
 
-        Channels opened in the same burst go out in one command: 32 concurrent submits took turns on a lock
-        for ~6 ms here, which delayed the burst's enqueues.
+        Channels opened in the same burst go out in one command: concurrent submits taking turns on a lock,
+        one SUBSCRIBE each, delayed the burst's enqueues.
         """
         sub = Subscription(self, channel)
         self._cancel_idle_close()
@@ -187,7 +187,7 @@ class Subscriber:
 
     async def release(self, sub: Subscription) -> None:
         """Stop delivering to ``sub``. Channels released in the same burst are unsubscribed in one command
-        (one each took the lock and a send, ~6 % of a client's CPU following 32 jobs)."""
+        (one each would take the lock and a send per job)."""
         if sub not in self._subs.get(sub.channel, ()):
             return
         sent = sub.channel not in self._unsent
@@ -226,7 +226,7 @@ class Subscriber:
 
     async def _read(self, pubsub: PubSub) -> None:
         # The connection's own read rather than PubSub.get_message, whose health check, retry wrapper and
-        # dict per message were a fifth of a client's CPU following 32 jobs; replies other than messages
+        # dict per message cost the client CPU on every message; replies other than messages
         # (subscribe confirmations) still go through redis-py's handler, which keeps its own books on them.
         conn = pubsub.connection  # made by the first SUBSCRIBE, which precedes this reader
         assert conn is not None
