@@ -1,0 +1,276 @@
+"""``mlxq bench``: how much of mlx-lm's raw batching throughput survives the queue, measured in one run.
+
+Why: a queue is worth running only if Redis, arq and a process hop cost little next to the model. So one
+run measures, on the same generated model, prompts and ``max_tokens``:
+
+- **raw**: mlx-lm's ``BatchGenerator`` driven in this process on its own MLX thread (no Redis, no arq):
+  the ceiling;
+- **queue**: ``api.client.Client`` -> Redis -> ``arq worker.Settings`` (continuous batching, in a child
+  process) -> pub/sub -> the client;
+- **serial**: the same worker with a batch of one and one arq job at a time: what batching buys;
+- **engine** (a decomposition, no target): the worker's own engine (scheduler, detokenizers, pacer) on the
+  raw path's MLX thread, no Redis: queue/raw ~ engine/raw (the engine's bookkeeping) x queue/engine (the
+  transport: client, Redis, arq, event loop);
+
+plus time to first token (TTFT), cancel -> terminal-event latency, Redis round trips per engine step, CPU
+per process and the enqueue rate of one producer. Results go to ``results.json``, ``results.md`` and
+``chart.png``.
+
+Machines running this are often shared, so raw and queue runs alternate at each N (the idle worker is
+SIGSTOPped during raw runs so its polling does not tax the ceiling), and throughput is the best of the
+repeats: background load only ever slows a run down.
+
+BLAS: mlx-cpu's bundled reference BLAS is so slow that batching gains nothing on Linux. When Debian's
+OpenBLAS is installed, the command re-executes itself with it in ``LD_PRELOAD``, so the in-process raw path
+and the worker subprocesses (which inherit the environment) both use it. Every result says which BLAS ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import os
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from worker.config import WorkerConfig
+
+from ..blas import OPENBLAS, blas_of, coretype_for, cpu_flags, openblas_core
+from ..redis_server import RedisServer
+from .paths import RawPath, _enqueue_phase, _openblas, _worker_phase, parse_stats
+from .report import _md_blas as _md_blas  # the tests read one table
+from .report import _targets, render_markdown, write_outputs
+from .runs import (
+    _BLAS_MARGIN,
+    _REEXEC_MARK,
+    _ROOT,
+    _SETTLE_S,
+    BenchConfig,
+    BenchResult,
+    BlasThreads,
+    PathResult,
+    RoundTrips,
+    Row,
+    SizeResult,
+    TtftProbe,
+    WorkerStats,
+    _fmt_list,
+    _paired,
+    _pct,
+    _prompts,
+    _ratio,
+    _say,
+    _Site,
+)
+
+__all__ = [
+    "BenchConfig", "BenchResult", "RawPath", "WorkerStats", "parse_stats",
+    "render_markdown", "run_bench", "write_outputs",
+]
+
+
+# --- entry point -----------------------------------------------------------------------------------
+def run_bench(args: argparse.Namespace, *, reexec: bool = True) -> int:
+    """``mlxq bench``: measure, write results.json, results.md and chart.png to ``args.out``, print them.
+
+    With ``reexec`` (the CLI), first re-executes itself with OpenBLAS preloaded when that helps.
+    """
+    if reexec:
+        _maybe_reexec(args)
+    try:
+        cfg = BenchConfig.from_args(args)
+    except ValueError as exc:
+        _say(f"mlxq bench: {exc}")
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        result = _run(cfg, out)
+    except RuntimeError as exc:
+        _say(f"mlxq bench: failed: {exc}")
+        return 1
+    print(write_outputs(result, out), flush=True)
+    return 0
+
+
+def _run(cfg: BenchConfig, out: Path) -> BenchResult:
+    t0 = time.perf_counter()
+    machine = _machine()
+    _say(f"BLAS: {machine['blas']}; mlx {machine['mlx']}, mlx-lm {machine['mlx_lm']}, "
+         f"{machine['cpus']} cores, load average {machine['loadavg_start']}")
+    with RedisServer() as server:
+        assert server.proc is not None
+        site = _Site(server.url, server.proc.pid, out)
+        machine["redis"] = _redis_version(server.url)
+        sizes = [_bench_size(size, cfg, site) for size in cfg.sizes]
+        _say("enqueue: one producer, no worker")
+        enqueue = asyncio.run(_enqueue_phase(server.url, cfg))
+    machine["loadavg_end"] = _loadavg()
+    machine["probe_ms_end"] = _speed_probe_ms()
+    return BenchResult(machine, cfg, sizes, enqueue, _targets(sizes, enqueue), time.perf_counter() - t0)
+
+
+def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
+    from engine.tinymodel import ensure_model
+
+    t0 = time.perf_counter()
+    model = str(ensure_model(size))
+    _say(f"[{size}] model {model}")
+    raw = RawPath(model, cfg.capacity, site.redis_pid)
+    try:
+        threads = asyncio.run(_calibrate_blas(raw, cfg)) if _openblas() is not None else None
+        env = {"OPENBLAS_NUM_THREADS": str(threads.chosen)} if threads is not None else {}
+        queue = _worker_phase("queue", size, model, cfg, site, raw, env)
+    finally:
+        raw.close()
+    serial = _worker_phase("serial", size, model, cfg, site, None, env)
+    q, sr, rw = queue.driven.measured, serial.driven.measured, queue.driven.raw
+    assert rw is not None and queue.driven.cancel is not None
+    rows = [_row(size, n, rw.paths[n], q.paths[n], sr.paths[n], queue.driven.engine.get(n))
+            for n in cfg.concurrency]
+    trips = RoundTrips(queue.stats, queue.stats.writes_per_step, serial.stats, serial.stats.writes_per_step,
+                       queue.driven.commandstats)
+    return SizeResult(size, model, rows, _probe(rw.probe_ttft_ms, q.probe_ttft_ms), queue.driven.cancel,
+                      trips, {"raw": rw.cpu, "queue": q.cpu, "serial": sr.cpu}, queue.blas,
+                      time.perf_counter() - t0, threads)
+
+
+def _row(size: str, n: int, raw: PathResult, queue: PathResult, serial: PathResult,
+         engine: PathResult | None = None) -> Row:
+    # Best-of compares each path's luckiest run; the paired median compares runs made seconds apart, so
+    # the machine's slow swings (other tenants: ±10 % here) hit both sides of each ratio alike.
+    e_runs = engine.runs_tok_s if engine else []
+    return Row(size, n, raw, queue, serial, _ratio(queue.tok_s, raw.tok_s), _ratio(queue.tok_s, serial.tok_s),
+               queue.ttft_p50_ms - raw.ttft_p50_ms, queue.ttft_p99_ms - raw.ttft_p99_ms,
+               _paired(queue.runs_tok_s, raw.runs_tok_s), engine, _paired(e_runs, raw.runs_tok_s),
+               _paired(queue.runs_tok_s, e_runs))
+
+
+def _probe(raw: list[float], queue: list[float]) -> TtftProbe:
+    r50, r99, q50, q99 = _pct(raw, 50), _pct(raw, 99), _pct(queue, 50), _pct(queue, 99)
+    return TtftProbe(min(len(raw), len(queue)), r50, r99, q50, q99, q50 - r50, q99 - r99)
+
+
+# --- BLAS ------------------------------------------------------------------------------------------
+def _maybe_reexec(args: argparse.Namespace) -> None:
+    """Re-execute ``python -m api.cli bench ...`` with OpenBLAS in LD_PRELOAD (Linux, if installed)."""
+    if not sys.platform.startswith("linux") or os.environ.get(_REEXEC_MARK):
+        return
+    if not OPENBLAS.exists():
+        _say(f"BLAS: {OPENBLAS} is missing, so mlx-cpu's slow bundled BLAS runs and batching gains little "
+             "(install it: apt-get install libopenblas0-pthread)")
+        return
+    preload = os.environ.get("LD_PRELOAD", "")
+    core = None if os.environ.get("OPENBLAS_CORETYPE") else openblas_core(OPENBLAS)  # the operator's stands
+    coretype = coretype_for(core, cpu_flags())
+    if str(OPENBLAS) in preload and coretype is None:
+        return
+    env = {**os.environ, _REEXEC_MARK: "1"}
+    if str(OPENBLAS) not in preload:
+        env["LD_PRELOAD"] = " ".join(p for p in (str(OPENBLAS), preload) if p)
+    if coretype is not None:  # the workers inherit it
+        env["OPENBLAS_CORETYPE"] = coretype
+        _say(f"BLAS: OpenBLAS does not know this CPU and chose its generic {core} kernels; "
+             f"setting OPENBLAS_CORETYPE={coretype}, which the CPU's flags allow (on an AVX-512 Xeon the generic "
+             "kernels ran gemm 4-5x slower)")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
+    _say(f"BLAS: re-executing with LD_PRELOAD={env['LD_PRELOAD']}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "api.cli", *_argv_of(args)], env)
+
+
+def _argv_of(args: argparse.Namespace) -> list[str]:
+    argv = ["bench", "--out", str(args.out)]
+    if args.quick:
+        argv.append("--quick")
+    for flag, value in (("--sizes", args.sizes), ("--concurrency", args.concurrency),
+                        ("--max-tokens", args.max_tokens)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "blas": blas_of(), "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "mlx": importlib.metadata.version("mlx"), "mlx_lm": importlib.metadata.version("mlx-lm"),
+        "arq": importlib.metadata.version("arq"), "cpus": os.cpu_count(),
+        "platform": platform.platform(), "python": platform.python_version(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "loadavg_start": _loadavg(),  # other processes on the machine skew every number
+        "probe_ms_start": _speed_probe_ms(),
+        "worker_env": _worker_env(),
+    }
+
+
+def _worker_env() -> dict[str, str]:
+    """The worker settings in effect (MLXQ_* from this environment, which the workers inherit, or defaults)."""
+    cfg = WorkerConfig.from_env()
+    return {"MLXQ_STREAM_INTERVAL_MS": f"{cfg.stream_interval_ms:g}", "MLXQ_ADMIT_WAIT_MS": f"{cfg.admit_wait_ms:g}",
+            "MLXQ_PREFILL_BATCH": str(cfg.prefill_batch_size)}
+
+
+def _speed_probe_ms() -> float:
+    """Milliseconds a fixed pure-Python loop takes: how fast this machine runs right now.
+
+    On a shared VM other tenants slow the cores by 2-3x for minutes at a time without any steal time or
+    load showing here; comparing this at the start and end of a run says whether its numbers are comparable.
+    """
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        n = 0
+        for i in range(1_000_000):
+            n += i
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1000, 1)
+
+
+def _loadavg() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else []
+
+
+def _redis_version(url: str) -> str:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        info: dict[str, Any] = client.info("server")  # type: ignore[assignment]
+        return str(info.get("redis_version", "?"))
+    finally:
+        client.close()
+
+
+def pick_threads(raw_tok_s: dict[int, list[float]], margin: float = _BLAS_MARGIN) -> int:
+    """The fewest threads whose median raw throughput is within ``margin`` of the best one.
+
+    More threads must clearly pay: each spins a core between calls that the worker, Redis and the client
+    need, and three runs on a noisy machine cannot tell a few percent apart.
+    """
+    best = max(_pct(v, 50) for v in raw_tok_s.values())
+    return min(n for n, v in raw_tok_s.items() if _pct(v, 50) >= best * (1 - margin))
+
+
+async def _calibrate_blas(raw: RawPath, cfg: BenchConfig) -> BlasThreads:
+    """Raw runs at the largest N with 1 and with all cores' OpenBLAS threads, alternating (see pick_threads)."""
+    counts = sorted({1, os.cpu_count() or 1})
+    prompts = _prompts(cfg.capacity)
+    runs: dict[int, list[float]] = {n: [] for n in counts}
+    for n in counts:  # warm each setting once
+        raw.set_blas_threads(n)
+        await raw.run(prompts, cfg.warmup_tokens)
+    for _ in range(cfg.blas_repeats):
+        for n in counts:
+            raw.set_blas_threads(n)
+            time.sleep(_SETTLE_S)
+            runs[n].append((await raw.run(prompts, cfg.max_tokens)).tok_s)
+    chosen = pick_threads(runs)
+    raw.set_blas_threads(chosen)
+    _say("BLAS threads: " + ", ".join(f"{n}: {_fmt_list(v)} tok/s" for n, v in runs.items()) + f" -> {chosen}")
+    return BlasThreads(chosen, runs)

@@ -1,0 +1,236 @@
+"""The benchmark's report: its targets, results.json and the tables of results.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ..blas import OPENBLAS
+from .chart import _chart
+from .runs import (
+    _BLAS_MARGIN,
+    _PROBE_TOKENS,
+    PROMPT,
+    BenchResult,
+    EnqueueResult,
+    SizeResult,
+    Target,
+    _fmt,
+    _fmt_list,
+    _num,
+)
+
+
+# --- targets ---------------------------------------------------------------------------------------
+def _targets(sizes: list[SizeResult], enqueue: EnqueueResult) -> list[Target]:
+    """The targets of issue #3 that this run measured."""
+    out: list[Target] = []
+    for s in sizes:
+        floor = 0.95 if s.size == "small" else 0.80
+        for r in s.rows:
+            if r.n > 1:
+                out.append(_at_least(f"queue/raw {s.size} N={r.n} (best runs)", r.queue_over_raw, floor))
+                out.append(_at_least(f"queue/raw {s.size} N={r.n} (median of pairs)", r.queue_over_raw_paired, floor))
+        out += [_at_least(f"queue/serial {s.size} N=32", r.queue_over_serial, 6.0)
+                for r in s.rows if r.n == 32 and s.size == "small"]
+        out.append(_at_most(f"queue-added TTFT p50 {s.size} N=1", s.ttft_n1.added_p50_ms, 10.0, " ms"))
+        out.append(_at_most(f"queue-added TTFT p99 {s.size} N=1", s.ttft_n1.added_p99_ms, 50.0, " ms"))
+        c = s.cancel
+        if c.p99_ms is not None and c.budget_ms is not None:
+            out.append(_at_most(f"cancel p99 {s.size} (step {c.step_ms_mean:.1f} ms + 50)", c.p99_ms,
+                                c.budget_ms, " ms"))
+        out.append(_at_most(f"round trips per step {s.size}", s.round_trips.queue_writes_per_step, 1.0, ""))
+    out.append(_at_least("enqueue jobs/s (sequential awaits)", enqueue.sequential_jobs_s, 2000.0))
+    return out
+
+
+def _at_least(name: str, value: float, limit: float) -> Target:
+    return Target(name, value, f">= {limit:g}", value >= limit)
+
+
+def _at_most(name: str, value: float, limit: float, unit: str) -> Target:
+    return Target(name, value, f"<= {limit:.1f}{unit}", value <= limit)
+
+
+# --- output ----------------------------------------------------------------------------------------
+def write_outputs(result: BenchResult, out: Path) -> str:
+    """Write results.json, results.md and chart.png into ``out``; returns the markdown."""
+    (out / "results.json").write_text(json.dumps(dataclasses.asdict(result), indent=2) + "\n")
+    md = render_markdown(result)
+    (out / "results.md").write_text(md)
+    _chart(result, out / "chart.png")
+    return md
+
+
+def render_markdown(result: BenchResult) -> str:
+    """``results.md``: a header, the main table, then one section per measurement and the targets."""
+    return "\n".join([*_md_header(result), *_md_table(result), *_md_engine(result), *_md_blas(result),
+                      *_md_ttft(result), *_md_cancel(result), *_md_round_trips(result), *_md_cpu(result),
+                      *_md_enqueue(result), *_md_targets(result)])
+
+
+def _md_header(result: BenchResult) -> list[str]:
+    m, c = result.machine, result.config
+    return [
+        "# mlxq bench", "",
+        f"{m['date']} · {m['cpus']} cores · BLAS: **{m['blas']}** · mlx {m['mlx']} · "
+        f"mlx-lm {m['mlx_lm']} · arq {m['arq']} · redis {m.get('redis', '?')} · python {m['python']} · "
+        f"run time {result.seconds:.0f} s · load average at start {m['loadavg_start']}, "
+        f"at end {m.get('loadavg_end', '?')}; a fixed Python loop took {m['probe_ms_start']} ms at the start, "
+        f"{m.get('probe_ms_end', '?')} ms at the end (other tenants skew every number)",
+        "",
+        "Worker settings: " + ", ".join(f"`{k}={v}`" for k, v in m.get("worker_env", {}).items()) + ".",
+        "",
+        *([f"**Warning: mlx-cpu's bundled BLAS ran; batching gains little with it** (install OpenBLAS: "
+           f"`apt-get install libopenblas0-pthread`, then `mlxq bench` preloads {OPENBLAS}).", ""]
+          if m["blas"].startswith("bundled") else []),
+        f"Generated random-weight models; greedy; max_tokens {c.max_tokens}; prompts \"{PROMPT}\". "
+        f"Throughput: best of {c.repeats} run(s) ({c.tiny_repeats} for the tiny model) for raw and queue, "
+        "which alternate run by run at each N, with an engine run between them "
+        "(the idle queue worker SIGSTOPped during raw and engine runs), and of "
+        f"{c.serial_repeats} for serial, each after a warm-up. Aggregate tok/s = completion tokens / "
+        "(first submit → last terminal event; raw: insert → last token). TTFT pooled over those runs "
+        "(raw: insert → first token; queue: submit → first token event). queue/raw = best queue run / best "
+        "raw run; queue/raw paired = the median, over the run pairs, of each queue run / the raw run just "
+        "before it (robust to the machine's slow swings).",
+        "",
+    ]
+
+
+def _md_table(result: BenchResult) -> list[str]:
+    lines = ["## Throughput and TTFT", "",
+             "| size | N | raw tok/s | queue tok/s | serial tok/s | queue/raw | queue/raw paired | queue/serial "
+             "| TTFT p50 ms raw / queue / added | TTFT p99 ms raw / queue / added |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in result.sizes:
+        for r in s.rows:
+            lines.append(
+                f"| {s.size} | {r.n} | {r.raw.tok_s:.1f} | {r.queue.tok_s:.1f} | {r.serial.tok_s:.1f} "
+                f"| {r.queue_over_raw:.2f} | {r.queue_over_raw_paired:.2f} | {r.queue_over_serial:.2f} "
+                f"| {r.raw.ttft_p50_ms:.1f} / {r.queue.ttft_p50_ms:.1f} / {r.added_ttft_p50_ms:+.1f} "
+                f"| {r.raw.ttft_p99_ms:.1f} / {r.queue.ttft_p99_ms:.1f} / {r.added_ttft_p99_ms:+.1f} |")
+    return [*lines, ""]
+
+
+def _md_engine(result: BenchResult) -> list[str]:
+    rows = [(s.size, r) for s in result.sizes for r in s.rows if r.engine is not None]
+    if not rows:
+        return []
+    lines = ["## Where the queue's cost goes", "",
+             "engine = the worker's own engine (scheduler, detokenizers, pacer, admission wait; the worker's "
+             "defaults) driven in this process on the raw path's MLX thread, without Redis, run between each "
+             "raw and queue run. engine/raw is the engine's bookkeeping; queue/engine the transport (client, "
+             "Redis, arq, the worker's event loop and the CPU they take from the model on this machine). "
+             "Ratios are medians over the run triples.", "",
+             "| size | N | raw tok/s | engine tok/s | queue tok/s | engine/raw | queue/engine | queue/raw "
+             "| TTFT p50 ms raw / engine / queue |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, r in rows:
+        assert r.engine is not None
+        lines.append(f"| {size} | {r.n} | {r.raw.tok_s:.1f} | {r.engine.tok_s:.1f} | {r.queue.tok_s:.1f} "
+                     f"| {r.engine_over_raw_paired:.2f} | {r.queue_over_engine_paired:.2f} "
+                     f"| {r.queue_over_raw_paired:.2f} | {r.raw.ttft_p50_ms:.1f} / {r.engine.ttft_p50_ms:.1f} / "
+                     f"{r.queue.ttft_p50_ms:.1f} |")
+    return [*lines, ""]
+
+
+def _md_blas(result: BenchResult) -> list[str]:
+    rows = [(s.size, s.blas_threads) for s in result.sizes if s.blas_threads is not None]
+    if not rows:
+        return []
+    n = result.config.capacity
+    lines = ["## OpenBLAS threads", "",
+             f"Chosen per size before its runs: raw at N={n} with each thread count, alternating; the fewest "
+             f"threads whose median is within {_BLAS_MARGIN:.0%} of the best is the ceiling's setting, and the "
+             "queue and serial workers run with it too (`OPENBLAS_NUM_THREADS`).", "",
+             "| size | threads | raw tok/s per thread count (runs) |", "|---|---:|---|"]
+    for size, t in rows:
+        runs = "; ".join(f"{k}: {_fmt_list(v)}" for k, v in sorted(t.raw_tok_s.items()))
+        lines.append(f"| {size} | {t.chosen} | {runs} |")
+    return [*lines, ""]
+
+
+def _md_ttft(result: BenchResult) -> list[str]:
+    lines = ["## TTFT at N=1", "",
+             f"{result.config.ttft_probes} sequential single requests per path, raw and queue in turn "
+             f"(max_tokens {_PROBE_TOKENS}).", "",
+             "| size | raw p50 | raw p99 | queue p50 | queue p99 | added p50 | added p99 |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for s in result.sizes:
+        p = s.ttft_n1
+        lines.append(f"| {s.size} | {p.raw_p50_ms:.1f} | {p.raw_p99_ms:.1f} | {p.queue_p50_ms:.1f} "
+                     f"| {p.queue_p99_ms:.1f} | {p.added_p50_ms:+.1f} | {p.added_p99_ms:+.1f} |")
+    return [*lines, ""]
+
+
+def _md_cancel(result: BenchResult) -> list[str]:
+    c0 = result.config
+    lines = ["## Cancel → terminal event", "",
+             f"{c0.capacity} jobs at once on the queue worker (max_tokens {c0.cancel_max_tokens}); each is "
+             f"cancelled after {c0.cancel_wait[0]}..{c0.cancel_wait[1]} of its token events; timed by the "
+             "client. Decode step = a job's time per generated token before its cancel (an event carries "
+             "several tokens when steps are faster than the stream interval).", "",
+             "| size | jobs | cancelled | p50 ms | p99 ms | max ms | decode step ms "
+             "| budget ms (step + 50) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in result.sizes:
+        c = s.cancel
+        lines.append(f"| {s.size} | {c.jobs} | {c.cancelled} | {_fmt(c.p50_ms)} | {_fmt(c.p99_ms)} "
+                     f"| {_fmt(c.max_ms)} | {_fmt(c.step_ms_mean)} | {_fmt(c.budget_ms)} |")
+    return [*lines, ""]
+
+
+def _md_round_trips(result: BenchResult) -> list[str]:
+    lines = ["## Redis round trips per engine step", "",
+             "From each worker's `stats:` line (its whole life: warm-up, runs, probes, cancels): "
+             "event-publishing pipelines / engine steps. Commands: Redis `INFO commandstats` deltas over the "
+             "queue path's throughput runs (every client: worker, arq, producer).", "",
+             "| size | worker | engine steps | redis writes | events | other counters | writes/step "
+             "| publish | xadd | all commands | top commands |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for s in result.sizes:
+        t = s.round_trips
+        for kind, w in (("queue", t.queue_worker), ("serial", t.serial_worker)):
+            cmd = "- | - | - | -"
+            if kind == "queue":
+                c = t.commandstats
+                top = ", ".join(f"{k} {v}" for k, v in list(c.items())[1:6])
+                cmd = f"{c.get('publish', 0)} | {c.get('xadd', 0)} | {c.get('total', 0)} | {top}"
+            other = " ".join(f"{k}={v}" for k, v in w.other.items()) or "-"
+            lines.append(f"| {s.size} | {kind} | {w.engine_steps} | {w.redis_writes} | {w.events} "
+                         f"| {other} | {w.writes_per_step:.3f} | {cmd} |")
+    return [*lines, ""]
+
+
+def _md_cpu(result: BenchResult) -> list[str]:
+    cpus = result.machine["cpus"] or 1
+    lines = ["## CPU during the throughput runs", "",
+             f"CPU seconds per process over the measured runs (warm-ups excluded); {cpus} cores give "
+             f"{cpus} s per wall second. bench = this process (the model on the raw path, the client otherwise).",
+             "", "| size | path | wall s | bench s | worker s | redis s | cores busy |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for s in result.sizes:
+        for path, c in s.cpu.items():
+            busy = (c.bench_s + c.worker_s + c.redis_s) / c.wall_s if c.wall_s else 0.0
+            lines.append(f"| {s.size} | {path} | {c.wall_s:.2f} | {c.bench_s:.2f} | {c.worker_s:.2f} "
+                         f"| {c.redis_s:.2f} | {busy:.2f} |")
+    return [*lines, ""]
+
+
+def _md_enqueue(result: BenchResult) -> list[str]:
+    e = result.enqueue
+    return ["## Enqueue rate", "",
+            f"One producer, {e.jobs} `client.submit` calls into a queue no worker serves "
+            "(its keys deleted after).", "",
+            "| producer | jobs/s |", "|---|---:|",
+            f"| sequential awaits | {e.sequential_jobs_s:.0f} |",
+            f"| asyncio.gather, batches of {e.gather_batch} | {e.gathered_jobs_s:.0f} |", ""]
+
+
+def _md_targets(result: BenchResult) -> list[str]:
+    lines = ["## Targets", "", "| target | value | limit | result |", "|---|---:|---:|---|"]
+    lines += [f"| {t.name} | {_num(t.value)} | {t.limit} | {'PASS' if t.passed else '**MISS**'} |"
+              for t in result.targets]
+    return [*lines, ""]

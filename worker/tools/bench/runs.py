@@ -1,0 +1,328 @@
+"""The benchmark's configuration, the records of its runs and results, and the statistics over them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_REEXEC_MARK = "MLXQ_BENCH_REEXEC"  # set in the re-executed process: never re-exec twice
+
+
+_ROOT = Path(__file__).resolve().parents[3]
+
+
+PROMPT = "Hello world number {i} the quick brown fox"  # as in /work/shared/PERF-ANCHORS.md
+
+
+_PROBE_TOKENS = 2  # max_tokens of the N=1 TTFT probe requests
+
+
+_PROBE_OFFSET = 1000  # prompt numbers of probe requests
+
+
+_TIMEOUT_S = 900.0  # one job's wait bound (serial N=32 on the small model queues for ~40 s)
+
+
+_STATS_LINE_RE = re.compile(r"stats: (engine_steps=\d+.*)$", re.MULTILINE)
+
+
+_KEY_VALUE_RE = re.compile(r"(\w+)=(\d+)")
+
+
+_NOBODY = "mlxq-bench-nobody"  # model name of the enqueue phase: no worker serves its queue
+
+
+_SETTLE_S = 0.3  # idle pause before every measured run (see _frozen)
+
+
+_BLAS_MARGIN = 0.05  # more OpenBLAS threads only when their raw median is this much faster (see pick_threads)
+
+
+# --- configuration ---------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """What one bench run measures; ``quick`` is a smoke run of a few seconds."""
+
+    sizes: tuple[str, ...] = ("tiny", "small")
+    concurrency: tuple[int, ...] = (1, 8, 32)
+    max_tokens: int = 64
+    repeats: int = 7  # measured runs per N on raw and queue, in pairs (the machine is noisy: ±20 % run to run)
+    tiny_repeats: int = 15  # the tiny model's runs take under a second: more pairs cost little, steady the medians
+    serial_repeats: int = 1  # serial runs are N jobs back to back: already an average
+    blas_repeats: int = 3  # raw runs per OpenBLAS thread count when choosing it
+    warmup_tokens: int = 8
+    ttft_probes: int = 20  # sequential N=1 requests per path for the TTFT targets
+    cancel_max_tokens: int = 400  # fits the tiny model's 512-token context with the prompt
+    cancel_wait: tuple[int, int] = (2, 40)  # token events to wait before a cancel, drawn uniformly
+    enqueue_jobs: int = 2000
+    enqueue_batch: int = 64
+    quick: bool = False
+
+    def repeats_for(self, size: str) -> int:
+        """Measured raw/queue pairs per N for a model size."""
+        return self.tiny_repeats if size == "tiny" else self.repeats
+
+    @property
+    def capacity(self) -> int:
+        """Batch capacity of the queue worker (and jobs of the cancel phase)."""
+        return max(self.concurrency)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BenchConfig:
+        """Defaults (or the quick ones), overridden by ``--sizes``, ``--concurrency``, ``--max-tokens``."""
+        base = cls.quick_config() if args.quick else cls()
+        sizes = tuple(s.strip() for s in args.sizes.split(",") if s.strip()) if args.sizes else base.sizes
+        ns = (tuple(int(n) for n in args.concurrency.split(",") if n.strip()) if args.concurrency
+              else base.concurrency)
+        if not sizes or not ns or min(ns) < 1:
+            raise ValueError("--sizes and --concurrency need at least one value; N must be >= 1")
+        return dataclasses.replace(base, sizes=sizes, concurrency=tuple(sorted(set(ns))),
+                                   max_tokens=args.max_tokens or base.max_tokens)
+
+    @classmethod
+    def quick_config(cls) -> BenchConfig:
+        return cls(sizes=("tiny",), concurrency=(1, 4), max_tokens=16, repeats=1, tiny_repeats=1, blas_repeats=1,
+                   warmup_tokens=4, ttft_probes=5, cancel_max_tokens=128, cancel_wait=(2, 8), enqueue_jobs=200,
+                   quick=True)
+
+
+# --- records ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One measured run of N requests on one path."""
+
+    tokens: int
+    seconds: float
+    ttft_ms: list[float]
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PathResult:
+    """One path at one N: the best run's throughput; TTFT pooled over every measured run."""
+
+    tok_s: float
+    runs_tok_s: list[float]
+    tokens: int
+    seconds: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    ttft_samples: int
+
+    @classmethod
+    def of(cls, runs: Sequence[Run]) -> PathResult:
+        best = max(runs, key=lambda r: r.tok_s)
+        ttft = [t for r in runs for t in r.ttft_ms]
+        return cls(best.tok_s, [r.tok_s for r in runs], best.tokens, best.seconds,
+                   _pct(ttft, 50), _pct(ttft, 99), len(ttft))
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One model size at one N, the three paths side by side."""
+
+    size: str
+    n: int
+    raw: PathResult
+    queue: PathResult
+    serial: PathResult
+    queue_over_raw: float  # best queue run / best raw run
+    queue_over_serial: float
+    added_ttft_p50_ms: float  # queue - raw
+    added_ttft_p99_ms: float
+    queue_over_raw_paired: float = 0.0  # median over run pairs (raw run i, then queue run i) of their ratio
+    engine: PathResult | None = None  # the worker's engine in-process, no Redis (see _EngineRun)
+    engine_over_raw_paired: float = 0.0  # median over the runs of engine run i / raw run i
+    queue_over_engine_paired: float = 0.0  # median over the runs of queue run i / engine run i
+
+
+@dataclass(frozen=True, slots=True)
+class TtftProbe:
+    """TTFT of sequential single requests (``_PROBE_TOKENS`` each): the N=1 TTFT targets."""
+
+    samples: int
+    raw_p50_ms: float
+    raw_p99_ms: float
+    queue_p50_ms: float
+    queue_p99_ms: float
+    added_p50_ms: float
+    added_p99_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class CancelResult:
+    """Cancel -> terminal event, measured by the client, with the decode step time seen meanwhile."""
+
+    jobs: int
+    cancelled: int  # jobs that ended ``done(cancelled)``; the others finished first and are not timed
+    p50_ms: float | None
+    p99_ms: float | None
+    max_ms: float | None
+    step_ms_mean: float | None
+    budget_ms: float | None  # one decode step + 50 ms
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """The worker's ``stats:`` line (logged at shutdown): event-publishing round trips per engine step."""
+
+    engine_steps: int
+    redis_writes: int
+    events: int
+    other: dict[str, int] = field(default_factory=dict)  # the line's other counters, as logged
+
+    @property
+    def writes_per_step(self) -> float:
+        return self.redis_writes / self.engine_steps if self.engine_steps else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RoundTrips:
+    """Round trips of one model size: both workers' counters, and Redis commandstats of the queue runs."""
+
+    queue_worker: WorkerStats
+    queue_writes_per_step: float
+    serial_worker: WorkerStats
+    serial_writes_per_step: float
+    commandstats: dict[str, int]  # calls during the queue path's throughput runs (every client included)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuUse:
+    """CPU seconds each process used during one path's throughput runs (N cores give N s per wall second).
+
+    ``bench`` is this process: the model itself on the raw path, the client on the queue and serial paths.
+    """
+
+    wall_s: float
+    bench_s: float
+    worker_s: float
+    redis_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class BlasThreads:
+    """OpenBLAS threads for one model size: the count whose raw runs were clearly faster, used by every path.
+
+    The ceiling must be raw's best configuration. A small model's gemms are too small to split: the second
+    thread then only spins (a whole core) between calls, and raw runs faster with one.
+    """
+
+    chosen: int
+    raw_tok_s: dict[int, list[float]]  # threads -> raw runs at the largest N, alternating
+
+
+@dataclass(frozen=True, slots=True)
+class SizeResult:
+    """Everything measured on one model size."""
+
+    size: str
+    model: str
+    rows: list[Row]
+    ttft_n1: TtftProbe
+    cancel: CancelResult
+    round_trips: RoundTrips
+    cpu: dict[str, CpuUse]  # by path: raw, queue, serial
+    worker_blas: str
+    seconds: float
+    blas_threads: BlasThreads | None = None  # None: no OpenBLAS to tune
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueResult:
+    """Jobs/s of one producer into a queue no worker serves."""
+
+    jobs: int
+    sequential_jobs_s: float
+    gathered_jobs_s: float
+    gather_batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One target of issue #3 and whether this run met it."""
+
+    name: str
+    value: float
+    limit: str
+    passed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BenchResult:
+    """The whole run (``results.json``)."""
+
+    machine: dict[str, Any]
+    config: BenchConfig
+    sizes: list[SizeResult]
+    enqueue: EnqueueResult
+    targets: list[Target]
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Site:
+    """Where the bench runs: the embedded Redis and the output directory."""
+
+    url: str
+    redis_pid: int
+    out: Path
+
+
+# --- small helpers ---------------------------------------------------------------------------------
+def _prompts(n: int, offset: int = 0) -> list[str]:
+    return [PROMPT.format(i=offset + i) for i in range(n)]
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    """Percentile with linear interpolation (numpy's default); 0.0 for no values."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _pct_or_none(values: Sequence[float], q: float) -> float | None:
+    return _pct(values, q) if values else None
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0
+
+
+def _paired(runs: Sequence[float], baseline: Sequence[float]) -> float:
+    """Median over run i of ``runs[i] / baseline[i]`` (runs made seconds apart); 0.0 for no runs."""
+    return _pct([_ratio(r, b) for r, b in zip(runs, baseline)], 50)
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _num(v: float) -> str:
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _fmt_runs(p: PathResult) -> str:
+    return _fmt_list(p.runs_tok_s)
+
+
+def _fmt_list(values: Sequence[float]) -> str:
+    return ", ".join(f"{v:.1f}" for v in values)
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
