@@ -20,8 +20,9 @@ from .arqseam import job_record
 from .config import ClientConfig
 from .connection import Failures, RetryPolicy, client_redis, redact, with_retries
 from .enqueuer import Enqueuer
-from .errors import BadRequest, DuplicateJob, JobFailed, JobNotFound, MlxqError, WaitTimeout
-from .keys import CANCEL_TTL_S, Keys, log_entry_id
+from .errors import BadRequest, DuplicateJob, JobFailed, JobNotFound, MlxqError, NoWorker, QueueFull, WaitTimeout
+from .keys import CANCEL_TTL_S, Keys, deadline_member, log_entry_id, queue_score
+from .registry import ModelInfo, live_workers, models_of
 from .schema import (
     DoneEvent,
     ErrorEvent,
@@ -30,6 +31,7 @@ from .schema import (
     GenerateRequest,
     Timings,
     Usage,
+    WorkerStatus,
     decode_event,
     is_terminal,
 )
@@ -37,8 +39,21 @@ from .subscriber import Subscriber, Subscription
 
 __all__ = ["Client", "Result"]
 
-JOB_TTL_MS = 86_400_000  # a job not started within a day expires (arq's default)
+JOB_TTL_MS = 86_400_000  # a job record lives a day (arq's default): queued, running and re-run within it
 _RESYNC_S = 1.0  # silence after which a reader re-reads the log (covers lost pub/sub messages)
+_SERVED_FOR_S = 1.0  # a model seen served is taken as served this long without reading the records again
+
+# Cancel a job that exists: KEYS job record, log, cancel key. ARGV: id, cancel channel, TTL s.
+# Returns 1 (requested), 2 (it ended already: nothing to cancel) or 0 (no such job).
+_CANCEL = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('SET', KEYS[3], '1', 'EX', ARGV[3])
+  redis.call('PUBLISH', ARGV[2], ARGV[1])
+  return 1
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 2 end
+return 0
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +72,10 @@ class Client:
     """Async client for one mlxq deployment. Use as ``async with Client(url) as client:``."""
 
     def __init__(self, redis_url: str | None = None, *, prefix: str | None = None,
-                 max_payload_bytes: int = 1 << 20, retry_deadline: float | None = None) -> None:
-        env = ClientConfig.from_env()
+                 max_payload_bytes: int = 1 << 20, retry_deadline: float | None = None,
+                 config: ClientConfig | None = None) -> None:
+        env = config or ClientConfig.from_env()
+        self.config = env
         url = redis_url or env.redis_url
         self.keys = Keys(prefix or env.prefix)
         self.max_payload_bytes = max_payload_bytes  # as the workers' MLXQ_MAX_PAYLOAD_BYTES
@@ -69,6 +86,8 @@ class Client:
         self._redis = client_redis(url, self.retry)
         self._enqueuer = Enqueuer(self._redis)
         self._subscriber: Subscriber | None = None  # created on first use
+        self._served: dict[str, float] = {}  # model -> when a live worker was last seen serving it
+        self._cancel = self._redis.register_script(_CANCEL)
 
     async def __aenter__(self) -> Client:
         return self
@@ -84,32 +103,70 @@ class Client:
         await self._redis.aclose()
 
     # --- producing ---------------------------------------------------------------------------------
-    async def submit(self, request: GenerateRequest | dict[str, Any] | None = None, /, **fields: Any) -> str:
+    async def submit(self, request: GenerateRequest | dict[str, Any] | None = None, /, *,
+                     require_worker: bool = False, **fields: Any) -> str:
         """Validate and enqueue a job on its model's queue; returns its id (the arq job id).
 
-        Pass a :class:`GenerateRequest`, a dict of its fields, or the fields as keywords.
+        Pass a :class:`GenerateRequest`, a dict of its fields, or the fields as keywords. Raises
+        :class:`QueueFull` when the model's queue holds ``MLXQ_MAX_QUEUED`` jobs, and with ``require_worker``
+        :class:`NoWorker` when no live worker serves the model (else such a job waits for one, until it
+        expires). A job still queued ``expires_in`` seconds after this (default ``MLXQ_JOB_EXPIRY``) ends with
+        ``error(expired)``.
         """
         req = _request(request, fields)
+        if require_worker:
+            await self._require_worker(req.model)
         now_ms = int(time.time() * 1000)
         job = job_record(req.model_dump(mode="json"), now_ms)
         if len(job) > self.max_payload_bytes:  # the limit workers apply before decoding a job
             raise BadRequest(f"the job has {len(job)} bytes of JSON; the limit is {self.max_payload_bytes}")
-        keys = [self.keys.job(req.id), self.keys.result(req.id), self.keys.queue(req.model)]
-        args: list[str | bytes | int] = [req.id, job, JOB_TTL_MS, self.keys.wake_channel(req.model), now_ms]
+        cfg = self.config
+        expiry_s = cfg.job_expiry_s if req.expires_in is None else req.expires_in
+        queue = self.keys.queue(req.model)
+        keys = [self.keys.job(req.id), self.keys.result(req.id), queue, self.keys.deadlines()]
+        args: list[str | bytes | int] = [
+            req.id, job, JOB_TTL_MS, self.keys.wake_channel(req.model),
+            queue_score(now_ms, req.priority, int(cfg.priority_aging_s * 1000)), max(0, cfg.max_queued),
+            now_ms + int(expiry_s * 1000) if expiry_s > 0 else 0, deadline_member(req.id, queue),
+        ]
         # A retry sends the same record: ENQUEUE takes it as this submit's own (its reply was lost).
-        if not await with_retries(lambda: self._enqueuer.enqueue(keys, args), self.retry, self.where):
+        queued = await with_retries(lambda: self._enqueuer.enqueue(keys, args), self.retry, self.where)
+        if queued == 0:
             raise DuplicateJob(f"a job with id {req.id!r} already exists")
+        if queued < 0:
+            raise QueueFull(req.model, cfg.max_queued)
         return req.id
 
-    async def cancel(self, rid: str) -> None:
-        """Ask for the job to stop: it ends with ``done(cancelled)`` wherever it is (queued, prefill, decode)."""
-        async def send() -> None:
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.set(self.keys.cancel(rid), b"1", ex=CANCEL_TTL_S)
-            pipe.publish(self.keys.cancel_channel(), rid)
-            await pipe.execute()
+    async def _require_worker(self, model: str) -> None:
+        seen = self._served.get(model)
+        if seen is not None and time.monotonic() - seen < _SERVED_FOR_S:
+            return
+        models = await self.models()
+        if model not in models or models[model].workers == 0:
+            raise NoWorker(model, [name for name, m in models.items() if m.workers > 0])
+        self._served[model] = time.monotonic()
 
-        await with_retries(send, self.retry, self.where)
+    async def cancel(self, rid: str) -> bool:
+        """Ask for the job to stop: it ends with ``done(cancelled)`` wherever it is (queued, prefill, decode).
+
+        Returns False if it had ended already (nothing to cancel); raises :class:`JobNotFound` for an id that is
+        neither queued, running nor recently ended.
+        """
+        keys = [self.keys.job(rid), self.keys.log(rid), self.keys.cancel(rid)]
+        args: list[str | int] = [rid, self.keys.cancel_channel(), CANCEL_TTL_S]
+        outcome = await with_retries(lambda: self._cancel(keys, args, client=self._redis), self.retry, self.where)
+        if outcome == 0:
+            raise JobNotFound(f"job {rid} is unknown, or ended more than a few minutes ago")
+        return bool(outcome == 1)
+
+    # --- the deployment ------------------------------------------------------------------------------
+    async def workers(self) -> list[WorkerStatus]:
+        """The live workers, from their health records."""
+        return await with_retries(lambda: live_workers(self._redis, self.keys), self.retry, self.where)
+
+    async def models(self) -> dict[str, ModelInfo]:
+        """The models live workers serve (or served until their engine died), by name."""
+        return models_of(await self.workers())
 
     # --- consuming ---------------------------------------------------------------------------------
     async def events(self, rid: str, *, timeout: float | None = None) -> AsyncIterator[Event]:
@@ -239,8 +296,8 @@ class Client:
             async for delta in _text(req.id, self.submit_and_follow(req, timeout=timeout)):
                 yield delta
             finished = True
-        except DuplicateJob:
-            finished = True  # the id is another job's: not ours to cancel
+        except (BadRequest, DuplicateJob, NoWorker, QueueFull):
+            finished = True  # nothing of ours was queued (or the id is another job's): nothing to cancel
             raise
         finally:
             if not finished:

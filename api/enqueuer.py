@@ -26,17 +26,25 @@ from redis.exceptions import NoScriptError, ResponseError
 
 __all__ = ["ENQUEUE", "Enqueuer"]
 
-# One round trip: refuse a reused id, store the job record, queue it, and wake the model's workers.
-# KEYS: job record, result record, queue. ARGV: id, job record, TTL ms, wake channel ("" for none: a burst
-# sent together wakes them once, from its last job, even if that job's id is refused), score (enqueue ms).
-# The same record stored already is this submit's own earlier try (its reply was lost): success again.
+# One round trip: refuse a reused id or a full queue, store the job record, queue it (and its expiry), and wake
+# the model's workers. KEYS: job record, result record, queue, deadlines. ARGV: id, job record, TTL ms, wake
+# channel ("" for none: a burst sent together wakes them once, from its last job, even if that job is refused),
+# score, most jobs queued (0: no cap), expiry ms (0: none), deadline member. Returns 1 (queued), 0 (the id is
+# taken) or -1 (the queue is full). The same record stored already is this submit's own earlier try (its reply
+# was lost): success again. The queue and the deadlines live as long as a job record after the last enqueue.
 ENQUEUE = """
 if ARGV[4] ~= '' then redis.call('PUBLISH', ARGV[4], '1') end
 local stored = redis.call('GET', KEYS[1])
 if stored then return stored == ARGV[2] and 1 or 0 end
 if redis.call('EXISTS', KEYS[2]) > 0 then return 0 end
+if ARGV[6] ~= '0' and redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[6]) then return -1 end
 redis.call('PSETEX', KEYS[1], ARGV[3], ARGV[2])
 redis.call('ZADD', KEYS[3], ARGV[5], ARGV[1])
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
+if ARGV[7] ~= '0' then
+  redis.call('ZADD', KEYS[4], ARGV[7], ARGV[8])
+  redis.call('PEXPIRE', KEYS[4], ARGV[3])
+end
 return 1
 """
 
@@ -47,7 +55,7 @@ _WAKE = 3  # ENQUEUE's argument naming the wake channel
 class _Call:
     keys: list[str]
     args: list[Any]
-    done: asyncio.Future[bool]
+    done: asyncio.Future[int]
 
 
 class Enqueuer:
@@ -61,8 +69,9 @@ class Enqueuer:
         self._sender: asyncio.Task[None] | None = None
         self._conn: AbstractConnection | None = None
 
-    async def enqueue(self, keys: list[str], args: list[Any]) -> bool:
-        """Store and queue one job; False if its id is taken. A caller cancelled before the send is dropped."""
+    async def enqueue(self, keys: list[str], args: list[Any]) -> int:
+        """Store and queue one job: ENQUEUE's reply (1 queued, 0 id taken, -1 queue full). A caller cancelled
+        before the send is dropped."""
         loop = asyncio.get_running_loop()
         call = _Call(keys, args, loop.create_future())
         self._pending.append(call)
@@ -109,7 +118,7 @@ class Enqueuer:
             if isinstance(r, Exception):
                 c.done.set_exception(r)
             else:
-                c.done.set_result(bool(r))
+                c.done.set_result(int(r))
 
     async def _run(self, calls: list[_Call]) -> list[Any]:
         results = await self._evalsha(calls)

@@ -6,6 +6,8 @@
      ├── JobFailed       the job ended with an ``error`` event (carries code, message, retryable)
      ├── JobNotFound     no such job, or its events expired
      ├── WaitTimeout     no terminal event arrived within the caller's timeout
+     ├── NoWorker        no live worker serves the model (raised only when the caller asked to refuse)
+     ├── QueueFull       the model's queue holds the producer's cap of waiting jobs (retry later)
      ├── QueueUnavailable  Redis could not be reached within the client's retry deadline
      └── AccessDenied    Redis refused the credentials or a command (never retried)
 """
@@ -15,8 +17,8 @@ from __future__ import annotations
 from .schema import ErrorCode, ErrorEvent
 
 __all__ = [
-    "AccessDenied", "BadRequest", "DuplicateJob", "JobFailed", "JobNotFound", "MlxqError", "QueueUnavailable",
-    "WaitTimeout",
+    "AccessDenied", "BadRequest", "DuplicateJob", "JobFailed", "JobNotFound", "MlxqError", "NoWorker", "QueueFull",
+    "QueueUnavailable", "WaitTimeout",
 ]
 
 
@@ -54,6 +56,27 @@ class JobNotFound(MlxqError):
 
 class WaitTimeout(MlxqError):
     """Waiting for a job's events took longer than the caller allowed."""
+
+
+class NoWorker(MlxqError):
+    """No live worker serves the model; nothing was enqueued. ``served`` names the models live workers serve."""
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        listed = ", ".join(repr(m) for m in served) if served else "none"
+        super().__init__(f"no live worker serves model {model!r} (models served now: {listed})")
+        self.model = model
+        self.served = served
+
+
+class QueueFull(MlxqError):
+    """The model's queue holds as many waiting jobs as producers may queue (``MLXQ_MAX_QUEUED``); nothing was
+    enqueued. Retry after ``retry_after`` seconds."""
+
+    def __init__(self, model: str, limit: int, retry_after: float = 1.0) -> None:
+        super().__init__(f"the queue of model {model!r} is full ({limit} jobs waiting); retry later")
+        self.model = model
+        self.limit = limit
+        self.retry_after = retry_after
 
 
 class QueueUnavailable(MlxqError):

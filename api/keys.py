@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .schema import PRIORITY_MIN
+
 __all__ = ["Keys"]
 
 # TTLs, in seconds.
 LIVE_TTL_S = 600  # replay log while a job runs (refreshed on every write)
 DONE_TTL_S = 300  # replay log after its terminal event
 CANCEL_TTL_S = 3600
+REGISTRY_TTL_S = 86_400  # the set of workers, refreshed by every heartbeat
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,18 @@ class Keys:
         """Hash of jobs inside some worker's engine: request id -> arq queue name (the reaper scans it)."""
         return f"{self.prefix}:running"
 
+    def deadlines(self) -> str:
+        """Sorted set of queued jobs that expire: member ``<id>@<queue>``, score the expiry (epoch ms)."""
+        return f"{self.prefix}:deadlines"
+
+    def workers(self) -> str:
+        """Sorted set of workers: member the worker id, score its last heartbeat (epoch ms)."""
+        return f"{self.prefix}:workers"
+
+    def worker(self, worker_id: str) -> str:
+        """A worker's health record (``api.schema.WorkerStatus`` as JSON), with a TTL of a few heartbeats."""
+        return f"{self.prefix}:worker:{worker_id}"
+
     def wake_channel(self, model: str) -> str:
         """Pub/sub wake-up for the workers of ``model``: a job was enqueued."""
         return f"{self.prefix}:wake:{model}"
@@ -73,6 +88,18 @@ class Keys:
     def cancel_channel(self) -> str:
         """Pub/sub wake-up workers listen on for cancels (payload: request id)."""
         return f"{self.prefix}:cancel"
+
+
+def queue_score(enqueue_ms: int, priority: int, aging_ms: int) -> int:
+    """A queued job's score: lower runs first. Each priority level is worth ``aging_ms`` of waiting, so a job
+    waits at most that long per level behind later jobs of higher priority. Offset so that every score lies
+    in the past: a queue entry is due at once whatever its priority (a future score means deferred)."""
+    return enqueue_ms - (priority - PRIORITY_MIN) * aging_ms
+
+
+def deadline_member(rid: str, queue: str) -> str:
+    """A job's member in ``Keys.deadlines()``; ids never hold ``@``, so the first one splits it."""
+    return f"{rid}@{queue}"
 
 
 def log_entry_id(seq: int) -> str:

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 __all__ = [
     "EVENTS",
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
     "ChatMessage",
     "DoneEvent",
     "ErrorCode",
@@ -23,11 +25,14 @@ __all__ = [
     "Event",
     "FinishReason",
     "GenerateRequest",
+    "ModelState",
+    "ModelStatus",
     "ResetEvent",
     "StartEvent",
     "Timings",
     "TokenEvent",
     "Usage",
+    "WorkerStatus",
     "decode_event",
     "new_request_id",
     "token_event_json",
@@ -40,6 +45,8 @@ MAX_TOKENS_CEILING = 1_000_000
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_METADATA_ITEMS = 32
+PRIORITY_MIN, PRIORITY_MAX = -100, 100
+MAX_EXPIRY_S = 86_400.0  # a job record lives a day; it cannot wait longer than that
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
 
 
@@ -64,6 +71,7 @@ class ErrorCode(str, Enum):
     ENGINE_ERROR = "engine_error"  # the engine failed while this job was in flight
     WORKER_LOST = "worker_lost"  # the worker running it died and no tries remain
     DATA_LOST = "data_lost"  # Redis lost the job's data while it ran (restarted without persistence, flushed)
+    EXPIRED = "expired"  # it was still queued when its expiry passed (no worker took it in time)
     INTERNAL = "internal"  # a bug: the message says what
 
 
@@ -91,7 +99,15 @@ class GenerateRequest(BaseModel):
     top_k: int = Field(default=0, ge=0, le=1_000_000)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, allow_inf_nan=False)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)  # OpenAI's ranges
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+    # Higher runs first; within a level, first come first served. Each level is worth the deployment's
+    # MLXQ_PRIORITY_AGING seconds of waiting, so a job waits at most that long per level behind later ones.
+    priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    # Seconds the job may wait queued before it ends with error(expired); None: the client's default
+    # (MLXQ_JOB_EXPIRY), 0: no expiry (it waits as long as its record lives, a day).
+    expires_in: float | None = Field(default=None, ge=0.0, le=MAX_EXPIRY_S, allow_inf_nan=False)
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
         default_factory=list, max_length=MAX_STOP_STRINGS
     )
@@ -192,6 +208,50 @@ Event = Annotated[
 ]
 EVENTS: TypeAdapter[Event] = TypeAdapter(Event)
 TERMINAL_TYPES = frozenset({"done", "error"})
+
+
+class ModelState(str, Enum):
+    """A model's engine in a worker, as its health record says."""
+
+    LOADING = "loading"
+    SERVING = "serving"
+    DEAD = "dead"  # its engine failed and could not be rebuilt: its jobs fail with engine_error
+
+
+class ModelStatus(BaseModel):
+    """One model a worker serves, in the worker's health record."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: str  # what clients call it (its queue is ``Keys.queue(name)``)
+    state: ModelState
+    capacity: int = 0  # sequences decoding at once
+    running: int = 0  # sequences in the batch now
+    waiting: int = 0  # claimed, not yet in the batch
+    tokens_per_s: float = 0.0  # tokens generated per second over the last minute
+    accepts_images: bool = False
+    context_length: int | None = None
+    error: str | None = None  # why it is dead
+
+
+class WorkerStatus(BaseModel):
+    """A worker's health record (``Keys.worker(id)``): written every few seconds, gone soon after it stops."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    id: str
+    host: str
+    pid: int
+    version: str
+    started_at: float  # epoch seconds
+    updated_at: float
+    draining: bool = False  # shutting down: takes no new jobs
+    models: list[ModelStatus] = Field(default_factory=list)
+    metrics_url: str | None = None
+
+    def serves(self, model: str) -> bool:
+        """Whether this worker takes new jobs of ``model`` now."""
+        return not self.draining and any(m.name == model and m.state is ModelState.SERVING for m in self.models)
 
 
 def decode_event(data: bytes | str) -> Event:

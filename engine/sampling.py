@@ -49,7 +49,11 @@ def _seeded_sampler(params: SamplingParams) -> Sampler:
 
 
 def make_request_logits_processors(params: SamplingParams) -> list[Any]:
-    """Repetition penalty (mlx-lm's processor); empty when not asked for."""
-    if params.repetition_penalty is None or params.repetition_penalty == 1.0:
+    """Repetition, presence and frequency penalties (mlx-lm's processors); empty when none is asked for."""
+    repetition = params.repetition_penalty if params.repetition_penalty not in (None, 1.0) else None
+    presence = params.presence_penalty or None
+    frequency = params.frequency_penalty or None
+    if repetition is None and presence is None and frequency is None:
         return []
-    return list(make_logits_processors(repetition_penalty=params.repetition_penalty))
+    return list(make_logits_processors(repetition_penalty=repetition, presence_penalty=presence,
+                                       frequency_penalty=frequency))

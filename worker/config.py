@@ -50,6 +50,7 @@ class WorkerConfig:
     live_ttl_s: int = LIVE_TTL_S  # MLXQ_LIVE_TTL: replay log TTL while a job runs (refreshed on every write)
     done_ttl_s: int = DONE_TTL_S  # MLXQ_DONE_TTL: replay log TTL after the terminal event
     keep_result_s: int = 60  # MLXQ_KEEP_RESULT: arq's result key TTL
+    heartbeat_s: float = 2.0  # MLXQ_HEARTBEAT: how often the worker's health record is written
     worker_id: str = field(default_factory=_worker_id)
 
     @property
@@ -107,4 +108,5 @@ class WorkerConfig:
             live_ttl_s=int(env.get("MLXQ_LIVE_TTL", d.live_ttl_s)),
             done_ttl_s=int(env.get("MLXQ_DONE_TTL", d.done_ttl_s)),
             keep_result_s=int(env.get("MLXQ_KEEP_RESULT", d.keep_result_s)),
+            heartbeat_s=float(env.get("MLXQ_HEARTBEAT", d.heartbeat_s)),
         )

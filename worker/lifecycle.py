@@ -1,7 +1,8 @@
 """A job's life on the worker side: its states, its events, and the one atomic Redis call behind each move.
 
     queued ──start──▶ running ──end──▶ ended    (exactly one terminal event: done or error)
-      ▲                  │
+      ▲ │                │                 ▲
+      │ └───lapse────────┼─────────────────┘    (expired while queued: error(expired))
       └───hand back──────┘                      (a reset event: shutdown, or the reaper after a worker died)
 
 - **start** (``START``): a worker starts due jobs in one call. Each takes a lease whose token names the run
@@ -16,6 +17,10 @@
 - **lost data** (``EMIT``, write ``LOST``): when Redis lost its data under a running job (restarted without
   persistence: the deployment's epoch changed and the job record is gone), the run ends it with
   ``error(data_lost)``, retryable, instead of leaving its followers waiting.
+- **lapse** (``LAPSE``, then ``EMIT`` as the empty owner, write ``EXPIRE``): a job still queued when its
+  expiry passes (no worker took it in time) ends with ``error(expired)``, or ``done(cancelled)`` if a cancel
+  waits for it; taking it out of its queue decides, so a worker starting it at the same moment wins or loses
+  cleanly.
 - **reject** (``REJECT``): a queue entry no worker can run is moved to the dead-letter list.
 
 Every script checks its caller's right in Redis (worker/scripts.py), so a fenced run's writes, whenever they
@@ -52,13 +57,16 @@ from api.schema import (
     token_event_json,
 )
 
-from .scripts import EMIT, REFRESH, REJECT, START, SWEEP, Script
+from .scripts import EMIT, LAPSE, REFRESH, REJECT, START, SWEEP, Script
 
-__all__ = ["Claim", "Lifecycle", "LogTTL", "Lost", "Record", "Run", "Start", "State", "TokenLine", "Wire", "Write"]
+__all__ = ["Claim", "Lapsed", "Lifecycle", "LogTTL", "Lost", "Record", "Run", "Start", "State", "TokenLine", "Wire",
+           "Write"]
 
 log = logging.getLogger(__name__)
 
-_RETRYABLE = {ErrorCode.ENGINE_ERROR, ErrorCode.WORKER_LOST, ErrorCode.TIMEOUT, ErrorCode.DATA_LOST}
+_RETRYABLE = {ErrorCode.ENGINE_ERROR, ErrorCode.WORKER_LOST, ErrorCode.TIMEOUT, ErrorCode.DATA_LOST,
+              ErrorCode.EXPIRED}
+_LAPSED_PER_SWEEP = 500
 _MAX_MESSAGE = 2000
 _EPOCH_TTL_S = 7 * 86_400  # refreshed at every start
 _TRIES_TTL_S = 86_400  # a job's record lives at most this long too (api.client.JOB_TTL_MS)
@@ -82,6 +90,7 @@ class Write(enum.Enum):
     END = "e"
     HAND_BACK = "h"
     LOST = "l"
+    EXPIRE = "x"
 
 
 class Claim(enum.Enum):
@@ -216,6 +225,17 @@ class Lost:
 
 
 @dataclass(frozen=True, slots=True)
+class Lapsed:
+    """A queued job whose expiry passed, as LAPSE read it."""
+
+    rid: str
+    queue: str
+    next_seq: int
+    enqueue_ms: int  # 0 if its record is gone
+    cancelled: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Record:
     """One job's events for an EMIT call, and what the call does with the job."""
 
@@ -237,7 +257,7 @@ class Lifecycle:
         self.ttl = ttl
         self.lease_ms = int(lease_ttl_s * 1000)
         self._start, self._emit, self._refresh = Script.of(START), Script.of(EMIT), Script.of(REFRESH)
-        self._sweep, self._reject = Script.of(SWEEP), Script.of(REJECT)
+        self._sweep, self._reject, self._lapse = Script.of(SWEEP), Script.of(REJECT), Script.of(LAPSE)
 
     async def open(self) -> None:
         """Set the deployment's epoch unless Redis has one (a fresh or emptied server); START keeps it."""
@@ -247,7 +267,8 @@ class Lifecycle:
         """Start up to ``most`` of the due ``ids`` (queue order); one row per due job START looked at."""
         args = [int(time.time() * 1000), most, self.worker_id, self.lease_ms, self.keys.prefix, uuid.uuid4().hex,
                 _EPOCH_TTL_S, _TRIES_TTL_S, *ids]
-        epoch, *rows = await self._start.run(self.redis, [self.queue, self.keys.running(), self.keys.epoch()], args)
+        keys = [self.queue, self.keys.running(), self.keys.epoch(), self.keys.deadlines()]
+        epoch, *rows = await self._start.run(self.redis, keys, args)
         return [_start_row(row, epoch.decode()) for row in rows]
 
     def run(self, start: Start, model: str, enqueue_ms: int) -> Run:
@@ -261,7 +282,8 @@ class Lifecycle:
         args: list[object] = [len(records), self.ttl.live, self.ttl.done, int(time.time() * 1000), self.keys.prefix,
                               max(1, self.ttl.result) * 1000]
         args.append(b"".join(b"%d\n%s" % (len(r), r) for r in map(self._record, records)))
-        result = await self._emit.run(self.writer, [self.keys.running(), self.keys.epoch()], args)
+        keys = [self.keys.running(), self.keys.epoch(), self.keys.deadlines()]
+        result = await self._emit.run(self.writer, keys, args)
         return [r == 1 for r in result]
 
     def _record(self, r: Record) -> bytes:
@@ -296,6 +318,16 @@ class Lifecycle:
     def orphan(self, lost: Lost) -> Run:
         """The reaper's handle on a lost job: it owns no run, and its events follow the job's log."""
         return Run(lost.rid, lost.queue, "", lost.tries, seq=lost.next_seq)
+
+    async def lapsed(self) -> list[Lapsed]:
+        """Queued jobs (of any queue) whose expiry passed."""
+        args = [int(time.time() * 1000), self.keys.prefix, _LAPSED_PER_SWEEP]
+        rows = await self._lapse.run(self.redis, [self.keys.deadlines()], args)
+        return [Lapsed(rid.decode(), queue.decode(), int(seq), int(et), bool(c)) for rid, queue, seq, et, c in rows]
+
+    def expiring(self, lapsed: Lapsed) -> Run:
+        """The reaper's handle on a job that expired while queued (no run owns it)."""
+        return Run(lapsed.rid, lapsed.queue, "", 0, seq=lapsed.next_seq, enqueue_ms=lapsed.enqueue_ms)
 
     async def reject(self, entries: Sequence[bytes | str], reason: str) -> int:
         """Move queue entries aside to the dead-letter list; how many were still queued."""

@@ -37,6 +37,7 @@ class PublisherStats:
     writes: int = 0  # EMIT calls (Redis round trips) carrying engine step outputs
     other_writes: int = 0  # EMIT calls for single jobs: cancels, resets, rejections
     events: int = 0
+    tokens: int = 0  # tokens generated (sent in token events)
     fenced: int = 0  # runs whose writes were refused (lease lost)
 
 
@@ -85,6 +86,7 @@ class Publisher:
             run = self.runs.get(out.rid)
             if run is None:  # handed back, fenced or already ended
                 continue
+            self.stats.tokens += len(out.token_ids)
             items.extend((run, ev) for ev in output_events(out, run, self.worker_id))
         return items
 

@@ -20,15 +20,15 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-__all__ = ["EMIT", "REFRESH", "REJECT", "START", "SWEEP", "Script"]
+__all__ = ["EMIT", "LAPSE", "REFRESH", "REJECT", "START", "SWEEP", "Script"]
 
 # queued -> running. Starts up to ARGV[2] of the due ids, in order: takes the lease with token
 # "<worker id>:<try>", counts the try (only here: a try is a run that started), lists the job as running and
 # takes it out of the queue. A job whose lease another run still holds stays queued, due a lease TTL later,
 # with no try counted; a queue entry without a job record is left for REJECT. Also reads the deployment's
 # epoch (setting it if Redis has none: a fresh or emptied server), each job's last logged event, and whether
-# a cancel is pending.
-# KEYS: queue, running, epoch. ARGV: now ms, most, worker id, lease ms, prefix, a new epoch, epoch TTL s,
+# a cancel is pending. A started job no longer expires.
+# KEYS: queue, running, epoch, deadlines. ARGV: now ms, most, worker id, lease ms, prefix, a new epoch, epoch TTL s,
 # tries TTL s, then the ids. Returns {epoch, {id, "started", job, try, last event or false, cancelled 0|1} |
 # {id, "deferred"} | {id, "gone"}, ...}.
 START = """
@@ -53,6 +53,7 @@ for i = 9, #ARGV do
         redis.call('SET', base .. 'tries', try, 'EX', ARGV[8])
         redis.call('HSET', KEYS[2], id, KEYS[1])
         redis.call('ZREM', KEYS[1], id)
+        redis.call('ZREM', KEYS[4], id .. '@' .. KEYS[1])
         local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
         out[#out + 1] = {id, 'started', job, try, last and last[2][2] or false,
                          redis.call('EXISTS', base .. 'cancel')}
@@ -66,8 +67,9 @@ end
 return out
 """
 
-# running -> running | ended | queued, for several jobs in one call (one round trip per engine step).
-# KEYS: running, epoch. ARGV: record count, live TTL s, done TTL s, now ms, prefix, result TTL ms, then every
+# running -> running | ended | queued, and queued -> ended (expired), for several jobs in one call (one round
+# trip per engine step).
+# KEYS: running, epoch, deadlines. ARGV: record count, live TTL s, done TTL s, now ms, prefix, result TTL ms, then every
 # record in one argument, each "<size>\n<record>". A record is a line "<queue bytes> <rid bytes> <owner bytes>
 # <write> <first seq> <result bytes>", then queue, rid, owner and result back to back, a newline, and its
 # events (JSON texts, which never hold a raw newline) joined by newlines; event i is logged as entry
@@ -75,10 +77,12 @@ return out
 # The caller may write if (by write): a/e/h: owner is a run's token and the lease holds it, or owner is ""
 # (the reaper) and nobody holds the lease, the job is listed as running, and its log's next seq is the
 # record's first (two reapers cannot both act on one job); l: owner is the epoch the run started in and the
-# epoch moved on (Redis lost its data since) and the job record is gone.
+# epoch moved on (Redis lost its data since) and the job record is gone; x: owner is "" and the job is still
+# queued (taking it out of its queue decides) and its log's next seq is the record's first.
 # Writes: a: append. e: end: drop lease, running entry, cancel key, job record, tries and queue entry, keep
 # the result (if any) for the result TTL and the log for the done TTL. h: hand back: drop lease and running
-# entry, queue the job again, due now. l: append, log kept for the done TTL.
+# entry, queue the job again, due now. l: append, log kept for the done TTL. x: as e, and the job's deadline
+# is dropped.
 # Returns 1 (written) or 0 (refused) per record. An entry id already logged (a duplicate) is not published.
 EMIT = r"""
 local out = {}
@@ -101,6 +105,10 @@ for j = 1, tonumber(ARGV[1]) do
   local ok
   if write == 'l' then
     ok = redis.call('GET', KEYS[2]) ~= owner and redis.call('EXISTS', base .. 'job') == 0
+  elseif write == 'x' then
+    local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)[1]
+    local next_seq = last and tonumber(string.match(last[1], '^(%d+)')) + 1 or 0
+    ok = owner == '' and next_seq == seq and redis.call('ZREM', queue, rid) == 1
   elseif owner ~= '' then
     ok = redis.call('GET', lease) == owner
   else
@@ -126,10 +134,13 @@ for j = 1, tonumber(ARGV[1]) do
       redis.call('HDEL', KEYS[1], rid)
       redis.call('DEL', lease)
     end
-    if write == 'e' then
+    if write == 'e' or write == 'x' then
       redis.call('DEL', base .. 'cancel', base .. 'job', base .. 'tries')
       redis.call('ZREM', queue, rid)
       if lres > 0 then redis.call('SET', base .. 'result', result, 'PX', ARGV[6]) end
+    end
+    if write == 'x' then
+      redis.call('ZREM', KEYS[3], rid .. '@' .. queue)
     elseif write == 'h' then
       redis.call('ZADD', queue, ARGV[4], rid)
     end
@@ -159,6 +170,28 @@ for i = 1, #running, 2 do
       out[#out + 1] = {rid, running[i + 1], last and tonumber(string.match(last[1], '^(%d+)')) + 1 or 0,
                        tonumber(redis.call('GET', base .. 'tries') or '0'), redis.call('EXISTS', base .. 'job')}
     end
+  end
+end
+return out
+"""
+
+# The expiry sweep's read: queued jobs whose deadline passed. Members whose job is no longer queued (started,
+# ended, or gone) are dropped here. KEYS: deadlines. ARGV: now ms, prefix, most.
+# Returns {rid, queue, next seq, enqueue ms (0 if the record is gone), cancel requested 0|1, ...}.
+LAPSE = """
+local out = {}
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))) do
+  local at = string.find(member, '@', 1, true)
+  local rid = at and string.sub(member, 1, at - 1)
+  local queue = at and string.sub(member, at + 1)
+  if at and redis.call('ZSCORE', queue, rid) then
+    local base = ARGV[2] .. ':{' .. rid .. '}:'
+    local job = redis.call('GET', base .. 'job')
+    local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
+    out[#out + 1] = {rid, queue, last and tonumber(string.match(last[1], '^(%d+)')) + 1 or 0,
+                     job and string.match(job, '"et":(%d+)}$') or '0', redis.call('EXISTS', base .. 'cancel')}
+  else
+    redis.call('ZREM', KEYS[1], member)
   end
 end
 return out

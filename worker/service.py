@@ -12,6 +12,7 @@ import asyncio
 import gc
 import logging
 import os
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +23,7 @@ from redis.exceptions import RedisError
 
 from api.arqseam import Claimed, Envelope, Outcome, read_job
 from api.connection import redis_client
-from api.schema import ErrorCode, FinishReason, GenerateRequest, is_terminal
+from api.schema import ErrorCode, FinishReason, GenerateRequest, ModelState, ModelStatus, WorkerStatus, is_terminal
 from engine.engine import Engine
 from engine.loader import EngineOptions, LoadedModel, start_engine
 from engine.prompt import encode_prompt
@@ -31,6 +32,7 @@ from engine.request import RequestOutput
 from . import waker
 from .cancels import CancelWatcher
 from .config import WorkerConfig
+from .health import HealthReporter, TokenRate, package_version
 from .leases import LeaseKeeper
 from .lifecycle import Claim, Lifecycle, LogTTL, Record, Run, Start, State, Wire, Write
 from .publisher import Publisher
@@ -42,6 +44,7 @@ __all__ = ["BadRequest", "ModelService"]
 log = logging.getLogger(__name__)
 ENGINE_DEAD_EXIT = 70  # EX_SOFTWARE: the supervisor restarts the worker
 _INLINE_TOKENIZE_CHARS = 16_384  # longer prompts are tokenized off the event loop
+_VERSION = package_version()
 _DATA_LOST = "Redis lost this job's data while it ran (restarted without persistence, or flushed); submit it again"
 
 
@@ -71,6 +74,10 @@ class ModelService:
         self.model: LoadedModel | None = None
         self.dead_lettered = 0
         self.data_lost = 0
+        self.draining = False
+        self.started_at = time.time()
+        self.health = HealthReporter(redis, self.keys, config.worker_id, self.status, config.heartbeat_s)
+        self._rate = TokenRate()
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
@@ -96,7 +103,8 @@ class ModelService:
         watcher = CancelWatcher(redis=service.redis, keys=service.keys, held=service.runs.keys,
                                 on_cancel=service._cancel, poll_s=config.cancel_poll_s)
         loops = (service.publisher.run(), watcher.run(), service.leases.run(), service.reaper.run(),
-                 waker.listen(service.redis, service.keys.wake_channel(config.name)))
+                 waker.listen(service.redis, service.keys.wake_channel(config.name)), service.health.run())
+        await service.health.beat()  # clients see it serving from here on
         service._tasks = [asyncio.create_task(c) for c in loops]
         # A full collection walks every object the collector tracks: with the model and its libraries loaded
         # it stalls the engine (and every stream) mid-decode. What is alive now lives as long as the worker:
@@ -108,7 +116,8 @@ class ModelService:
         return service
 
     async def aclose(self) -> None:
-        """Abort what still runs, stop the engine (joining its MLX thread), close Redis."""
+        """Leave the registry, abort what still runs, stop the engine (joining its MLX thread), close Redis."""
+        await self.health.remove()
         if self.engine is not None:
             for rid in list(self.runs):
                 self.engine.abort(rid)
@@ -119,6 +128,27 @@ class ModelService:
         await self._writer.aclose()
         await self.redis.aclose()
         log.info("stats: %s", self.stats_line())
+
+    def drain(self) -> None:
+        """A stop signal came: say so in the health record now (no new jobs are taken from here on)."""
+        self.draining = True
+        asyncio.get_running_loop().create_task(self.health.beat())
+
+    def status(self) -> WorkerStatus:
+        """This worker's health record."""
+        cfg, engine, model = self.config, self.engine, self.model
+        if engine is None or model is None:
+            state, running, waiting = ModelState.LOADING, 0, 0
+        else:
+            state = ModelState.DEAD if engine.dead else ModelState.SERVING
+            running = engine.scheduler.num_running
+            waiting = max(0, len(self.runs) - running)
+        served = ModelStatus(name=cfg.name, state=state, capacity=cfg.capacity, running=running, waiting=waiting,
+                             tokens_per_s=round(self._rate.rate(self.publisher.stats.tokens), 1),
+                             context_length=model.context_length if model is not None else None)
+        return WorkerStatus(id=cfg.worker_id, host=socket.gethostname(), pid=os.getpid(), version=_VERSION,
+                            started_at=self.started_at, updated_at=time.time(), draining=self.draining,
+                            models=[served])
 
     def stats_line(self) -> str:
         """Counters as one ``key=value`` line (benchmarks parse it from the log)."""

@@ -22,13 +22,19 @@ __all__ = ["Settings", "worker_settings"]
 def worker_settings(config: WorkerConfig) -> dict[str, Any]:
     """Keyword arguments for ``arq.Worker`` serving ``config.model``."""
 
+    service: ModelService | None = None
+
     async def start() -> Host:
+        nonlocal service
         _configure_logging()
-        return await ModelService.start(config)
+        service = await ModelService.start(config)
+        return service
 
     def on_stop_signal(drain_s: float) -> None:
         # A shutdown still running this long after the drain dumps every thread's stack and exits 1.
         watchdog.arm(drain_s + config.shutdown_grace_s)
+        if service is not None:
+            service.drain()
 
     return arq_worker_settings(WorkerSpec(
         queue=config.queue_name,

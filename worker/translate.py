@@ -24,6 +24,8 @@ def to_engine_request(req: GenerateRequest, tokens: list[int], deadline: float |
         top_k=req.top_k,
         min_p=req.min_p,
         repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
         seed=req.seed,
         stop=tuple(req.stop),
     )

@@ -15,7 +15,7 @@ import pytest
 
 import api.client as client_mod
 from api.client import Client
-from api.errors import JobFailed, WaitTimeout
+from api.errors import JobFailed, JobNotFound, WaitTimeout
 from api.keys import CANCEL_TTL_S, log_entry_id
 from api.schema import (
     DoneEvent,
@@ -412,8 +412,9 @@ async def test_stream_text_raises_on_error_event(fake_client: Client, fake_worke
 async def test_cancel_sets_key_with_ttl_and_publishes_id(fake_client: Client, fake_redis: Any) -> None:
     listener = fake_redis.pubsub(ignore_subscribe_messages=True)
     await listener.subscribe(fake_client.keys.cancel_channel())
+    await fake_redis.set(fake_client.keys.job(RID), b"{}")  # queued or running
     try:
-        await fake_client.cancel(RID)
+        assert await fake_client.cancel(RID) is True
         assert await fake_redis.get(fake_client.keys.cancel(RID)) == b"1"
         ttl = await fake_redis.ttl(fake_client.keys.cancel(RID))
         assert 0 < ttl <= CANCEL_TTL_S
@@ -427,6 +428,15 @@ async def test_cancel_sets_key_with_ttl_and_publishes_id(fake_client: Client, fa
         assert msg["data"] == RID.encode()
     finally:
         await listener.aclose()
+
+
+async def test_cancel_of_an_ended_job_is_a_no_op_and_of_an_unknown_one_raises(fake_client: Client,
+                                                                              fake_redis: Any) -> None:
+    await fake_redis.xadd(fake_client.keys.log(RID), {"e": b"{}"}, id="0-1")  # ended: its record is gone, its log kept
+    assert await fake_client.cancel(RID) is False
+    with pytest.raises(JobNotFound, match="job nope is unknown"):
+        await fake_client.cancel("nope")
+    assert not await fake_redis.exists(fake_client.keys.cancel(RID), fake_client.keys.cancel("nope"))
 
 
 # --- submit_and_follow() --------------------------------------------------------------------------------

@@ -152,6 +152,12 @@ def test_top_p_in_range_accepted(value: float) -> None:
         ("repetition_penalty", 101.0),
         ("seed", -1),
         ("seed", 2**63),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.5),
+        ("priority", 101),
+        ("priority", -101),
+        ("expires_in", -1.0),
+        ("expires_in", 86_401.0),
     ],
 )
 def test_other_sampling_bounds_rejected(field: str, value: float) -> None:

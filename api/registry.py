@@ -1,0 +1,79 @@
+"""The live workers of a deployment, read from their health records (any host, no worker code needed).
+
+Every worker writes its :class:`~api.schema.WorkerStatus` to ``<prefix>:worker:<id>`` every few seconds, with
+a TTL of a few heartbeats, and its id into the ``<prefix>:workers`` sorted set (score: the heartbeat's time).
+A worker that stops is gone from both within its TTL; one that dies lingers in the set (never in a record)
+until a reader prunes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+from redis.asyncio import Redis
+
+from .keys import Keys
+from .schema import ModelState, WorkerStatus
+
+__all__ = ["ModelInfo", "live_workers", "models_of"]
+
+log = logging.getLogger(__name__)
+
+_STALE_S = 3600.0  # set members this old are pruned by readers (their records expired long ago)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """A model as the live workers serve it."""
+
+    name: str
+    workers: int  # live workers taking its jobs now
+    capacity: int  # their batch capacity together
+    running: int
+    waiting: int
+    tokens_per_s: float
+    accepts_images: bool
+    context_length: int | None
+    dead_on: list[str] = field(default_factory=list)  # workers whose engine for it died
+
+
+async def live_workers(redis: Redis, keys: Keys) -> list[WorkerStatus]:
+    """Every worker whose health record is current, ordered by id."""
+    now_ms = int(time.time() * 1000)
+    ids = [i.decode() if isinstance(i, bytes) else str(i) for i in await redis.zrange(keys.workers(), 0, -1)]
+    if not ids:
+        return []
+    records = await redis.mget([keys.worker(i) for i in ids])
+    workers = []
+    for wid, raw in zip(ids, records):
+        if raw is None:
+            continue
+        try:
+            workers.append(WorkerStatus.model_validate_json(raw))
+        except ValidationError as exc:  # a newer or broken writer: skip it, say so once per read
+            log.warning("worker %s: unreadable health record: %s", wid, exc.errors()[0]["msg"])
+    await redis.zremrangebyscore(keys.workers(), "-inf", now_ms - int(_STALE_S * 1000))
+    return sorted(workers, key=lambda w: w.id)
+
+
+def models_of(workers: Iterable[WorkerStatus]) -> dict[str, ModelInfo]:
+    """What the given workers serve, by model name (a model only dead everywhere has ``workers == 0``)."""
+    infos: dict[str, ModelInfo] = {}
+    for w in workers:
+        for m in w.models:
+            serving = w.serves(m.name)
+            one = ModelInfo(m.name, int(serving), m.capacity if serving else 0, m.running, m.waiting, m.tokens_per_s,
+                            m.accepts_images, m.context_length, [w.id] if m.state is ModelState.DEAD else [])
+            prev = infos.get(m.name)
+            infos[m.name] = one if prev is None else _sum(prev, one)
+    return dict(sorted(infos.items()))
+
+
+def _sum(a: ModelInfo, b: ModelInfo) -> ModelInfo:
+    return ModelInfo(a.name, a.workers + b.workers, a.capacity + b.capacity, a.running + b.running,
+                     a.waiting + b.waiting, a.tokens_per_s + b.tokens_per_s, a.accepts_images or b.accepts_images,
+                     a.context_length or b.context_length, a.dead_on + b.dead_on)

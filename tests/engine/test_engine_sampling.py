@@ -1,0 +1,32 @@
+"""Per-request logits processors: the penalties a request asks for, and none when it asks for none."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engine.request import SamplingParams
+from engine.sampling import make_request_logits_processors
+
+
+def test_no_penalty_means_no_processor() -> None:
+    assert make_request_logits_processors(SamplingParams()) == []
+    assert make_request_logits_processors(SamplingParams(repetition_penalty=1.0)) == []
+
+
+def test_each_penalty_asked_for_gets_mlx_lms_processor() -> None:
+    both = make_request_logits_processors(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    assert len(both) == 2
+    all_three = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)
+    assert len(make_request_logits_processors(all_three)) == 3
+
+
+def test_presence_and_frequency_penalties_lower_the_tokens_already_seen() -> None:
+    context = mx.array([[3, 3, 5]])
+    logits = mx.zeros((1, 8))
+    (presence,) = make_request_logits_processors(SamplingParams(presence_penalty=0.5))
+    (frequency,) = make_request_logits_processors(SamplingParams(frequency_penalty=0.25))
+    for processor in (presence, frequency):
+        out = processor(context, logits)[0].tolist()
+        assert [i for i, v in enumerate(out) if v < 0] == [3, 5] and all(v <= 0 for v in out)
+    by_frequency = frequency(context, logits)[0].tolist()
+    assert by_frequency[3] < by_frequency[5]  # seen twice: penalized more
