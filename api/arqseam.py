@@ -7,10 +7,10 @@ What crosses this seam:
 - **Records.** A job is stored as arq's job record (a JSON envelope: function, arguments, enqueue time), and
   an ended job's terminal event as arq's result record, both under the deployment's prefix (``api.keys``),
   so :func:`arq_job` gives an ``arq.jobs.Job`` whose ``status()``, ``info()`` and ``result()`` work.
-- **Claims.** arq's poll reads due ids from the queue and calls ``Worker.start_jobs``. For a worker whose
-  context holds a :class:`Host`, an id this module cannot parse goes to ``Host.reject`` and the rest to
-  ``Host.claim``, which starts up to the free slots in one call; each claimed job then runs in one of arq's
-  slots, counted as arq counts its own jobs.
+- **Claims.** arq's poll loop calls ``Worker._poll_iteration``. For a worker whose context holds a
+  :class:`Host`, the iteration asks ``Host.claim`` for up to the free slots instead of reading arq's one
+  queue: the host reads its own queues (one per model it serves) and starts, in one call, what its engines
+  have room for; each claimed job then runs in one of arq's slots, counted as arq counts its own jobs.
 - **Wake-ups.** arq polls on a fixed period; :func:`wake` makes the poll look at the queue now.
 - **Stop signals.** arq's SIGTERM/SIGINT handlers call :attr:`WorkerSpec.on_stop_signal`; its ``close``
   calls :attr:`WorkerSpec.on_closed`.
@@ -23,7 +23,6 @@ import contextlib
 import enum
 import json
 import logging
-import re
 import signal
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
@@ -39,11 +38,11 @@ from redis.asyncio import Redis
 
 from .connection import CONNECT_TIMEOUT_S, RETRY_ON, retry
 from .keys import Keys
-from .schema import REQUEST_ID_PATTERN
 
 __all__ = [
     "JOB_FUNCTION",
     "Claimed",
+    "Claims",
     "Envelope",
     "Host",
     "Outcome",
@@ -67,7 +66,6 @@ JOB_FUNCTION = "generate"  # the arq function name of every mlxq job
 _HOST = "mlxq_host"  # arq ctx keys
 _SPEC = "mlxq_spec"
 _BACKLOG = "mlxq_backlog"
-_ID = re.compile(REQUEST_ID_PATTERN)
 
 
 # --- records ---------------------------------------------------------------------------------------------
@@ -209,14 +207,19 @@ class Claimed:
     run: Coroutine[Any, Any, Outcome]
 
 
+@dataclass(frozen=True, slots=True)
+class Claims:
+    """What one claim started, and whether due jobs were left queued (a freed slot should poll again)."""
+
+    started: list[Claimed]
+    left: bool
+
+
 class Host(Protocol):
     """What runs an mlxq worker's jobs inside arq's Worker."""
 
-    async def claim(self, ids: list[str], free: int) -> list[Claimed]:
-        """Start up to ``free`` of the queued ``ids`` (due, in queue order) in one call."""
-
-    async def reject(self, entries: list[bytes], reason: str) -> None:
-        """Move queue entries that are no job id aside."""
+    async def claim(self, free: int) -> Claims:
+        """Start up to ``free`` due jobs of the host's queues in one call."""
 
     async def aclose(self) -> None:
         """Stop: called from arq's shutdown."""
@@ -226,7 +229,7 @@ class Host(Protocol):
 class WorkerSpec:
     """An mlxq worker process, in the terms arq's Worker takes."""
 
-    queue: str
+    queue: str  # arq's own queue name (its health record counts it); the host claims from all of its queues
     redis_url: str
     start: Callable[[], Awaitable[Host]]  # at arq's start-up
     max_jobs: int
@@ -280,42 +283,31 @@ def host_of(worker: arq.worker.Worker) -> Host | None:
     return host
 
 
-_arq_start_jobs = arq.worker.Worker.start_jobs
+_arq_poll_iteration = arq.worker.Worker._poll_iteration
 
 
-async def _start_jobs(self: arq.worker.Worker, job_ids: list[bytes]) -> None:
-    """``Worker.start_jobs`` for a worker with a host: parse the ids, claim up to the free slots in one call."""
+async def _poll_iteration(self: arq.worker.Worker) -> None:
+    """``Worker._poll_iteration`` for a worker with a host: claim up to the free slots from the host's queues."""
     host = host_of(self)
     if host is None:
-        return await _arq_start_jobs(self, job_ids)
+        return await _arq_poll_iteration(self)
     free = self.max_jobs - self.job_counter
-    # Jobs left queued, or every slot taken (arq does not poll a full worker, so jobs enqueued meanwhile
-    # wait for a slot): a job's end wakes the poll for them. A read of queue_read_limit ids may leave more.
-    self.ctx[_BACKLOG] = len(job_ids) >= free or len(job_ids) >= self.queue_read_limit
-    ids, poison = _parse_ids(job_ids)
-    if poison:
-        await host.reject(poison, "the queue entry is not a job id")
-    if free <= 0 or not ids:
-        return
-    for claimed in await host.claim(ids, free):
-        await self.sem.acquire()  # free slots were counted by the claim: never waits
-        self.job_counter += 1
-        task = self.loop.create_task(_run_in_slot(self, claimed))
-        task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
-        self.tasks[claimed.rid] = task
-
-
-def _parse_ids(job_ids: list[bytes]) -> tuple[list[str], list[bytes]]:
-    """The entries that are job ids, and the others (not UTF-8, or not an id a producer could have made)."""
-    ids: list[str] = []
-    poison: list[bytes] = []
-    for raw in job_ids:
-        rid = raw.decode(errors="replace")
-        if _ID.fullmatch(rid):
-            ids.append(rid)
-        else:
-            poison.append(raw)
-    return ids, poison
+    if self.allow_pick_jobs and free > 0:
+        claims = await host.claim(free)
+        # Jobs left queued, or every free slot taken (arq does not poll a full worker, so jobs enqueued meanwhile
+        # wait for a slot): a job's end wakes the poll for them.
+        self.ctx[_BACKLOG] = claims.left or len(claims.started) >= free
+        for claimed in claims.started:
+            await self.sem.acquire()  # free slots were counted by the claim: never waits
+            self.job_counter += 1
+            task = self.loop.create_task(_run_in_slot(self, claimed))
+            task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
+            self.tasks[claimed.rid] = task
+    for rid, task in list(self.tasks.items()):
+        if task.done():
+            del self.tasks[rid]
+            task.result()  # as arq: a task's exception stops the worker (ours never raise: see _run_in_slot)
+    await self.heart_beat()
 
 
 async def _run_in_slot(worker: arq.worker.Worker, claimed: Claimed) -> None:
@@ -421,7 +413,7 @@ def _install() -> None:
     worker = arq.worker.Worker
     if getattr(worker, "_mlxq", False):
         return
-    worker.start_jobs = _start_jobs  # type: ignore[method-assign]
+    worker._poll_iteration = _poll_iteration  # type: ignore[method-assign]
     arq.worker.poll = _wakeable_poll  # type: ignore[attr-defined]  # Worker.main reads it from the module
     for name in ("handle_sig", "handle_sig_wait_for_completion"):
         setattr(worker, name, _signalled(getattr(worker, name)))

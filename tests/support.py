@@ -15,10 +15,17 @@ class RunningWorker:
         self.task = task
 
     @property
-    def service(self) -> Any:
+    def host(self) -> Any:
+        """The worker's host (worker/host.py): claims, runs, the shared loops."""
         from api.arqseam import host_of
 
         return host_of(self.worker)
+
+    @property
+    def service(self) -> Any:
+        """The one model it serves (worker/service.py)."""
+        (service,) = self.host.services.values()
+        return service
 
     async def close(self, drain_s: float = 10.0) -> None:
         # Like a SIGTERM with job_completion_wait: stop taking jobs and let running ones finish, since

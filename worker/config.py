@@ -11,11 +11,30 @@ from dataclasses import dataclass, field
 from api.config import DEFAULT_REDIS_URL
 from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
 
-__all__ = ["WorkerConfig"]
+__all__ = ["ServedModel", "WorkerConfig"]
 
 
 def _worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model a worker serves: where it loads from, and the name clients give (which names its queue)."""
+
+    path: str
+    name: str
+
+
+def parse_models(spec: str) -> tuple[ServedModel, ...]:
+    """``MLXQ_MODELS``: ``path[=alias],...``; a model without an alias is called by its path."""
+    served = []
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        path, _, alias = item.partition("=")
+        served.append(ServedModel(path.strip(), alias.strip() or path.strip()))
+    return tuple(served)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +43,7 @@ class WorkerConfig:
 
     model: str = ""  # MLXQ_MODEL: local path, or a hub id on a Mac
     model_name: str = ""  # MLXQ_MODEL_NAME: alias clients use instead of MLXQ_MODEL
+    models: str = ""  # MLXQ_MODELS: several models, "path[=alias],..." (instead of MLXQ_MODEL)
     redis_url: str = DEFAULT_REDIS_URL  # MLXQ_REDIS_URL
     prefix: str = "mlxq"  # MLXQ_PREFIX
     capacity: int = 32  # MLXQ_BATCH_CAPACITY: sequences decoding at once
@@ -54,9 +74,11 @@ class WorkerConfig:
     worker_id: str = field(default_factory=_worker_id)
 
     @property
-    def name(self) -> str:
-        """The model name clients use; it names the queue."""
-        return self.model_name or self.model
+    def served(self) -> tuple[ServedModel, ...]:
+        """The models this worker serves: ``MLXQ_MODELS``, else ``MLXQ_MODEL`` (called ``MLXQ_MODEL_NAME``)."""
+        if self.models:
+            return parse_models(self.models)
+        return (ServedModel(self.model, self.model_name or self.model),) if self.model else ()
 
     @property
     def arq_job_timeout_s(self) -> float:
@@ -68,13 +90,13 @@ class WorkerConfig:
         return Keys(self.prefix)
 
     @property
-    def queue_name(self) -> str:
-        return self.keys.queue(self.name)
+    def jobs_per_model(self) -> int:
+        """Jobs one model's engine holds at most: its batch, and a few waiting so a freed slot refills at once."""
+        return self.capacity + max(2, self.capacity // 4)
 
     @property
     def arq_max_jobs(self) -> int:
-        # A few jobs beyond the batch wait inside the engine, so a freed slot refills without a poll.
-        return self.max_jobs or self.capacity + max(2, self.capacity // 4)
+        return self.max_jobs or self.jobs_per_model * max(1, len(self.served))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerConfig:
@@ -84,6 +106,7 @@ class WorkerConfig:
         return cls(
             model=env.get("MLXQ_MODEL", d.model),
             model_name=env.get("MLXQ_MODEL_NAME", d.model_name),
+            models=env.get("MLXQ_MODELS", d.models),
             redis_url=env.get("MLXQ_REDIS_URL", d.redis_url),
             prefix=env.get("MLXQ_PREFIX", d.prefix),
             capacity=int(env.get("MLXQ_BATCH_CAPACITY", d.capacity)),

@@ -5,8 +5,10 @@
       │ └───lapse────────┼─────────────────┘    (expired while queued: error(expired))
       └───hand back──────┘                      (a reset event: shutdown, or the reaper after a worker died)
 
-- **start** (``START``): a worker starts due jobs in one call. Each takes a lease whose token names the run
-  (``<worker id>:<try>``); the try is counted here and only here, so tries count runs that started.
+- **start** (``START``): a worker starts due jobs of its queues in one call, lowest score first across them
+  (priority, then enqueue time), each queue up to what its engine has room for. Each takes a lease whose token
+  names the run (``<worker id>:<try>``); the try is counted here and only here, so tries count runs that
+  started.
 - **append / end / hand back** (``EMIT``): a run writes its events, one call per engine step for every job
   of the worker. The terminal event's call also ends the job (its record, lease, queue entry; arq's result
   record kept a while); a reset's call hands the job back to its queue.
@@ -59,14 +61,15 @@ from api.schema import (
 
 from .scripts import EMIT, LAPSE, REFRESH, REJECT, START, SWEEP, Script
 
-__all__ = ["Claim", "Lapsed", "Lifecycle", "LogTTL", "Lost", "Record", "Run", "Start", "State", "TokenLine", "Wire",
-           "Write"]
+__all__ = ["Claim", "Lapsed", "Lifecycle", "LogTTL", "Lost", "Record", "Run", "Start", "Starts", "State", "TokenLine",
+           "Wire", "Write"]
 
 log = logging.getLogger(__name__)
 
 _RETRYABLE = {ErrorCode.ENGINE_ERROR, ErrorCode.WORKER_LOST, ErrorCode.TIMEOUT, ErrorCode.DATA_LOST,
               ErrorCode.EXPIRED}
 _LAPSED_PER_SWEEP = 500
+_READ_MIN = 16  # due entries START reads per queue, at least (poison and deferred entries may come first)
 _MAX_MESSAGE = 2000
 _EPOCH_TTL_S = 7 * 86_400  # refreshed at every start
 _TRIES_TTL_S = 86_400  # a job's record lives at most this long too (api.client.JOB_TTL_MS)
@@ -99,6 +102,7 @@ class Claim(enum.Enum):
     STARTED = "started"
     DEFERRED = "deferred"  # another run still holds its lease: left queued, due later, no try counted
     GONE = "gone"  # queued, but its record is gone (expired or lost): for REJECT
+    POISON = "poison"  # the queue entry is no job id a producer makes: for REJECT
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,12 +209,22 @@ class Start:
     """One due job, as START left it; ``job``, ``attempt``, ``last`` and ``cancelled`` only when started."""
 
     rid: str
+    queue: str
     claim: Claim
     epoch: str
+    entry: bytes = b""  # the queue entry as stored (a poison one may not be text)
     job: bytes = b""
     attempt: int = 0
     last: Event | None = None  # the job's last logged event (an earlier run's)
     cancelled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Starts:
+    """What one START call did: a row per due entry it looked at, and whether it left due jobs queued."""
+
+    rows: list[Start]
+    left: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,14 +259,13 @@ class Record:
 
 
 class Lifecycle:
-    """The transitions of the jobs of one queue, as typed calls of their scripts."""
+    """The transitions of a worker's jobs (of any of its queues), as typed calls of their scripts."""
 
-    def __init__(self, redis: Redis, keys: Keys, queue: str, worker_id: str, ttl: LogTTL, lease_ttl_s: float,
+    def __init__(self, redis: Redis, keys: Keys, worker_id: str, ttl: LogTTL, lease_ttl_s: float,
                  writer: Redis | None = None) -> None:
         self.redis = redis
         self.writer = writer or redis  # EMIT calls' connection
         self.keys = keys
-        self.queue = queue
         self.worker_id = worker_id
         self.ttl = ttl
         self.lease_ms = int(lease_ttl_s * 1000)
@@ -263,18 +276,19 @@ class Lifecycle:
         """Set the deployment's epoch unless Redis has one (a fresh or emptied server); START keeps it."""
         await self.redis.set(self.keys.epoch(), uuid.uuid4().hex, nx=True, ex=_EPOCH_TTL_S)
 
-    async def start(self, ids: list[str], most: int) -> list[Start]:
-        """Start up to ``most`` of the due ``ids`` (queue order); one row per due job START looked at."""
+    async def start(self, quotas: dict[str, int], most: int) -> Starts:
+        """Start up to ``most`` due jobs, lowest score first across the queues, each queue up to its quota."""
+        queues = list(quotas)
         args = [int(time.time() * 1000), most, self.worker_id, self.lease_ms, self.keys.prefix, uuid.uuid4().hex,
-                _EPOCH_TTL_S, _TRIES_TTL_S, *ids]
-        keys = [self.queue, self.keys.running(), self.keys.epoch(), self.keys.deadlines()]
-        epoch, *rows = await self._start.run(self.redis, keys, args)
-        return [_start_row(row, epoch.decode()) for row in rows]
+                _EPOCH_TTL_S, _TRIES_TTL_S, max(_READ_MIN, 2 * most), *(quotas[q] for q in queues)]
+        keys = [self.keys.running(), self.keys.epoch(), self.keys.deadlines(), *queues]
+        epoch, left, *rows = await self._start.run(self.redis, keys, args)
+        return Starts([_start_row(row, epoch.decode()) for row in rows], bool(left))
 
     def run(self, start: Start, model: str, enqueue_ms: int) -> Run:
         """This worker's run of a job START started."""
         last = start.last
-        return Run(start.rid, self.queue, f"{self.worker_id}:{start.attempt}", start.attempt,
+        return Run(start.rid, start.queue, f"{self.worker_id}:{start.attempt}", start.attempt,
                    seq=last.seq + 1 if last is not None else 0, epoch=start.epoch, model=model, enqueue_ms=enqueue_ms)
 
     async def write(self, records: Sequence[Record]) -> list[bool]:
@@ -329,22 +343,23 @@ class Lifecycle:
         """The reaper's handle on a job that expired while queued (no run owns it)."""
         return Run(lapsed.rid, lapsed.queue, "", 0, seq=lapsed.next_seq, enqueue_ms=lapsed.enqueue_ms)
 
-    async def reject(self, entries: Sequence[bytes | str], reason: str) -> int:
-        """Move queue entries aside to the dead-letter list; how many were still queued."""
+    async def reject(self, queue: str, entries: Sequence[bytes | str], reason: str) -> int:
+        """Move entries of ``queue`` aside to the dead-letter list; how many were still queued."""
         now = int(time.time() * 1000)
         args: list[object] = [_DEAD_LETTERS_KEPT, _DEAD_LETTER_TTL_S]
         for entry in entries:
             raw = entry.encode() if isinstance(entry, str) else entry
-            record = {"queue": self.queue, "entry": raw.decode(errors="backslashreplace"), "hex": raw.hex(),
+            record = {"queue": queue, "entry": raw.decode(errors="backslashreplace"), "hex": raw.hex(),
                       "reason": reason, "at_ms": now, "worker": self.worker_id}
             args += (raw, json.dumps(record))
-        moved: int = await self._reject.run(self.redis, [self.queue, self.keys.dead_letters()], args)
+        moved: int = await self._reject.run(self.redis, [queue, self.keys.dead_letters()], args)
         return moved
 
 
 def _start_row(row: list[bytes], epoch: str) -> Start:
-    rid, claim = row[0].decode(), Claim(row[1].decode())
+    rid, queue, claim = row[0].decode(errors="backslashreplace"), row[1].decode(), Claim(row[2].decode())
     if claim is not Claim.STARTED:
-        return Start(rid, claim, epoch)
-    job, attempt, last, cancelled = row[2:]
-    return Start(rid, claim, epoch, job, int(attempt), decode_event(last) if last else None, bool(cancelled))
+        return Start(rid, queue, claim, epoch, row[0])
+    _score, job, attempt, last, cancelled = row[3:]
+    return Start(rid, queue, claim, epoch, row[0], job, int(attempt), decode_event(last) if last else None,
+                 bool(cancelled))

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
@@ -38,6 +38,7 @@ class PublisherStats:
     other_writes: int = 0  # EMIT calls for single jobs: cancels, resets, rejections
     events: int = 0
     tokens: int = 0  # tokens generated (sent in token events)
+    tokens_by_model: dict[str, int] = field(default_factory=dict)
     fenced: int = 0  # runs whose writes were refused (lease lost)
 
 
@@ -86,7 +87,11 @@ class Publisher:
             run = self.runs.get(out.rid)
             if run is None:  # handed back, fenced or already ended
                 continue
-            self.stats.tokens += len(out.token_ids)
+            if out.token_ids:
+                n = len(out.token_ids)
+                self.stats.tokens += n
+                by_model = self.stats.tokens_by_model
+                by_model[run.model] = by_model.get(run.model, 0) + n
             items.extend((run, ev) for ev in output_events(out, run, self.worker_id))
         return items
 

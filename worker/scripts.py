@@ -22,48 +22,74 @@ from redis.exceptions import NoScriptError
 
 __all__ = ["EMIT", "LAPSE", "REFRESH", "REJECT", "START", "SWEEP", "Script"]
 
-# queued -> running. Starts up to ARGV[2] of the due ids, in order: takes the lease with token
-# "<worker id>:<try>", counts the try (only here: a try is a run that started), lists the job as running and
-# takes it out of the queue. A job whose lease another run still holds stays queued, due a lease TTL later,
-# with no try counted; a queue entry without a job record is left for REJECT. Also reads the deployment's
-# epoch (setting it if Redis has none: a fresh or emptied server), each job's last logged event, and whether
-# a cancel is pending. A started job no longer expires.
-# KEYS: queue, running, epoch, deadlines. ARGV: now ms, most, worker id, lease ms, prefix, a new epoch, epoch TTL s,
-# tries TTL s, then the ids. Returns {epoch, {id, "started", job, try, last event or false, cancelled 0|1} |
-# {id, "deferred"} | {id, "gone"}, ...}.
+# queued -> running, from several queues in one call. Reads the due entries of each queue whose quota is
+# above 0 and starts, lowest score first across queues (the score orders by priority and enqueue time), up to
+# each queue's quota and ARGV[2] in all: takes the lease with token "<worker id>:<try>", counts the try (only
+# here: a try is a run that started), lists the job as running (value "<score> <queue>", so a hand-back can
+# queue it in its old place) and takes it out of its queue and its deadline. A job whose lease another run
+# still holds stays queued, due a lease TTL later, with no try counted. An entry that is no job id (not what a
+# producer makes: wrong bytes or length) comes back as poison, one without a job record as gone: both for
+# REJECT. Also reads the deployment's epoch (setting it if Redis has none: a fresh or emptied server), each
+# started job's last logged event, and whether a cancel is pending; and whether due jobs were left queued
+# (for lack of quota, or beyond the read limit).
+# KEYS: running, epoch, deadlines, then the queues. ARGV: now ms, most, worker id, lease ms, prefix, a new epoch,
+# epoch TTL s, tries TTL s, read limit per queue, then one quota per queue.
+# Returns {epoch, left 0|1, {id, queue, "started", score, job, try, last event or false, cancelled 0|1} |
+# {id, queue, "deferred" | "gone" | "poison"}, ...}.
 START = """
-local epoch = redis.call('GET', KEYS[3])
+local epoch = redis.call('GET', KEYS[2])
 if not epoch then epoch = ARGV[6] end
-redis.call('SET', KEYS[3], epoch, 'EX', ARGV[7])
-local out = {epoch}
-local started, most, now = 0, tonumber(ARGV[2]), tonumber(ARGV[1])
-for i = 9, #ARGV do
-  if started >= most then break end
-  local id = ARGV[i]
-  local score = redis.call('ZSCORE', KEYS[1], id)
-  if score and tonumber(score) <= now then
+redis.call('SET', KEYS[2], epoch, 'EX', ARGV[7])
+local now, most, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[9])
+local left, due = 0, {}
+for q = 4, #KEYS do
+  if tonumber(ARGV[6 + q]) > 0 then
+    local entries = redis.call('ZRANGEBYSCORE', KEYS[q], '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit)
+    if #entries >= 2 * limit then left = 1 end
+    for i = 1, #entries, 2 do due[#due + 1] = {entries[i], tonumber(entries[i + 1]), q} end
+  elseif redis.call('ZCOUNT', KEYS[q], '-inf', now) > 0 then
+    left = 1
+  end
+end
+table.sort(due, function(a, b)
+  if a[2] ~= b[2] then return a[2] < b[2] end
+  if a[3] ~= b[3] then return a[3] < b[3] end
+  return a[1] < b[1]
+end)
+local out = {epoch, 0}
+local started, taken = 0, {}
+for _, entry in ipairs(due) do
+  local id, score, q = entry[1], entry[2], entry[3]
+  local queue = KEYS[q]
+  if started >= most or (taken[q] or 0) >= tonumber(ARGV[6 + q]) then
+    left = 1
+  elseif #id > 64 or not string.match(id, '^[%w_.:%-]+$') then
+    out[#out + 1] = {id, queue, 'poison'}
+  else
     local base = ARGV[5] .. ':{' .. id .. '}:'
     local job = redis.call('GET', base .. 'job')
     if not job then
-      out[#out + 1] = {id, 'gone'}
+      out[#out + 1] = {id, queue, 'gone'}
     else
       local try = tonumber(redis.call('GET', base .. 'tries') or '0') + 1
       if redis.call('SET', base .. 'lease', ARGV[3] .. ':' .. try, 'NX', 'PX', ARGV[4]) then
         started = started + 1
+        taken[q] = (taken[q] or 0) + 1
         redis.call('SET', base .. 'tries', try, 'EX', ARGV[8])
-        redis.call('HSET', KEYS[2], id, KEYS[1])
-        redis.call('ZREM', KEYS[1], id)
-        redis.call('ZREM', KEYS[4], id .. '@' .. KEYS[1])
+        redis.call('HSET', KEYS[1], id, string.format('%d', score) .. ' ' .. queue)
+        redis.call('ZREM', queue, id)
+        redis.call('ZREM', KEYS[3], id .. '@' .. queue)
         local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
-        out[#out + 1] = {id, 'started', job, try, last and last[2][2] or false,
+        out[#out + 1] = {id, queue, 'started', string.format('%d', score), job, try, last and last[2][2] or false,
                          redis.call('EXISTS', base .. 'cancel')}
       else
-        redis.call('ZADD', KEYS[1], now + tonumber(ARGV[4]), id)
-        out[#out + 1] = {id, 'deferred'}
+        redis.call('ZADD', queue, now + tonumber(ARGV[4]), id)
+        out[#out + 1] = {id, queue, 'deferred'}
       end
     end
   end
 end
+out[2] = left
 return out
 """
 
@@ -81,8 +107,8 @@ return out
 # queued (taking it out of its queue decides) and its log's next seq is the record's first.
 # Writes: a: append. e: end: drop lease, running entry, cancel key, job record, tries and queue entry, keep
 # the result (if any) for the result TTL and the log for the done TTL. h: hand back: drop lease and running
-# entry, queue the job again, due now. l: append, log kept for the done TTL. x: as e, and the job's deadline
-# is dropped.
+# entry, queue the job again in its old place (the score START listed it with), due at once. l: append, log
+# kept for the done TTL. x: as e, and the job's deadline is dropped.
 # Returns 1 (written) or 0 (refused) per record. An entry id already logged (a duplicate) is not published.
 EMIT = r"""
 local out = {}
@@ -130,6 +156,11 @@ for j = 1, tonumber(ARGV[1]) do
     else
       redis.call('EXPIRE', log, ARGV[3])
     end
+    local requeue_at = ARGV[4]
+    if write == 'h' then
+      local entry = redis.call('HGET', KEYS[1], rid)
+      requeue_at = entry and string.match(entry, '^(%-?%d+) ') or ARGV[4]
+    end
     if write == 'e' or write == 'h' then
       redis.call('HDEL', KEYS[1], rid)
       redis.call('DEL', lease)
@@ -142,7 +173,7 @@ for j = 1, tonumber(ARGV[1]) do
     if write == 'x' then
       redis.call('ZREM', KEYS[3], rid .. '@' .. queue)
     elseif write == 'h' then
-      redis.call('ZADD', queue, ARGV[4], rid)
+      redis.call('ZADD', queue, requeue_at, rid)
     end
     out[j] = 1
   else
@@ -167,7 +198,8 @@ for i = 1, #running, 2 do
     if kind == 'done' or kind == 'error' then
       redis.call('HDEL', KEYS[1], rid)
     else
-      out[#out + 1] = {rid, running[i + 1], last and tonumber(string.match(last[1], '^(%d+)')) + 1 or 0,
+      local queue = string.match(running[i + 1], '^%-?%d+ (.*)$') or running[i + 1]
+      out[#out + 1] = {rid, queue, last and tonumber(string.match(last[1], '^(%d+)')) + 1 or 0,
                        tonumber(redis.call('GET', base .. 'tries') or '0'), redis.call('EXISTS', base .. 'job')}
     end
   end

@@ -65,10 +65,10 @@ async def test_queue_entries_that_are_no_job_id_are_moved_aside_and_the_worker_s
         result = await client.generate(model="tiny", prompt="still serving", max_tokens=4, timeout=60)
         assert result.usage.completion_tokens == 4
         for _ in range(500):
-            if worker.service.dead_lettered == len(poison):
+            if worker.host.dead_lettered == len(poison):
                 break
             await asyncio.sleep(0.01)
-        assert worker.service.dead_lettered == len(poison) and not worker.task.done()
+        assert worker.host.dead_lettered == len(poison) and not worker.task.done()
         assert await r.zcard("mlxq:queue:tiny") == 0
         letters = [json.loads(x) for x in await r.lrange("mlxq:dead", 0, -1)]
         assert sorted(bytes.fromhex(x["hex"]) for x in letters) == sorted(poison)

@@ -110,18 +110,15 @@ def test_submit_error_event_exits_non_zero(arq_worker: WorkerProcess, redis_url:
 _WATCHED_WORKER = """
 import asyncio, logging, sys, time
 from arq.worker import Worker
-from api.arqseam import WorkerSpec, worker_settings
+from api.arqseam import Claims, WorkerSpec, worker_settings
 from worker import watchdog
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 hang = sys.argv[2] == "hang"
 
 class Host:
-    async def claim(self, ids, free):
-        return []
-
-    async def reject(self, entries, reason):
-        return None
+    async def claim(self, free):
+        return Claims([], False)
 
     async def aclose(self):
         if hang:  # as a call that never leaves MLX would

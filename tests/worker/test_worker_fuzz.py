@@ -29,7 +29,6 @@ from pydantic import ValidationError
 
 from api.arqseam import JOB_FUNCTION, job_record, read_job
 from api.client import Client
-from api.connection import redis_client
 from api.errors import BadRequest as ClientBadRequest
 from api.schema import (
     MAX_MESSAGES,
@@ -197,7 +196,7 @@ def wire(payload: Any) -> Any:
 
 @dataclass
 class Validator:
-    """The real ModelService validation (``_validate`` + ``_tokenize``) around the real tiny model."""
+    """The real ModelService validation (``validate`` + ``encode``) around the real tiny model."""
 
     service: ModelService
     vocab: int
@@ -209,8 +208,8 @@ class Validator:
     def check(self, payload: Any, job_id: str) -> tuple[GenerateRequest, list[int]] | str:
         """The accepted request and its tokens, or the BadRequest message; asserts the contract."""
         try:
-            req = self.service._validate(payload, job_id)
-            tokens = self.service._tokenize(req, inline=True)
+            req = self.service.validate(payload, job_id)
+            tokens = self.service.encode(req, inline=True)
         except BadRequest as exc:
             message = str(exc)
             assert message.strip(), "BadRequest without a message"
@@ -219,7 +218,7 @@ class Validator:
             return message
         self.assert_within_limits(req, tokens, job_id)
         try:  # the direct Rust call (inline) and transformers (long prompts, off the loop) agree
-            assert self.service._tokenize(req, inline=False) == tokens
+            assert self.service.encode(req, inline=False) == tokens
         except BadRequest as exc:
             raise AssertionError(f"only the inline tokenizer accepted the prompt: {exc}") from exc
         return req, tokens
@@ -251,7 +250,7 @@ def validator(tiny_model: Path) -> Validator:
     from engine.loader import load_model
 
     config = WorkerConfig(model=str(tiny_model), model_name=MODEL, redis_url="redis://127.0.0.1:1")
-    service = ModelService(config, redis_client(config.redis_url))  # validation never connects
+    service = ModelService(config.served[0], config)
     service.model = load_model(str(tiny_model))
     vocab = max(service.model.tokenizer.get_vocab().values()) + 1
     return Validator(service, vocab)
@@ -600,7 +599,7 @@ async def test_malformed_job_envelope_does_not_kill_the_worker(worker: RunningWo
     {"id": JOB_ID, "model": MODEL, "prompt": "hi", "metadata": {"k" * 100_000: "v"}},
 ], ids=["unknown_field", "metadata_key"])
 def test_bad_request_message_is_bounded(validator: Validator, payload: dict[str, Any]) -> None:
-    """``worker.service._summarize`` puts pydantic error locations in the message verbatim: an unknown field
+    """``worker.service.summarize`` puts pydantic error locations in the message verbatim: an unknown field
     name or a metadata key of N chars gives an N-char error event (published, and kept in the replay log)."""
     message = validator.check(payload, JOB_ID)
     assert isinstance(message, str)

@@ -20,7 +20,7 @@ ODD_RID = "job 1\nwith newline, spaces and é"  # records are length-prefixed: t
 
 
 def lifecycle(r: aredis.Redis, worker: str = "w1") -> Lifecycle:
-    return Lifecycle(r, KEYS, QUEUE, worker, TTL, lease_ttl_s=5.0)
+    return Lifecycle(r, KEYS, worker, TTL, lease_ttl_s=5.0)
 
 
 def run(rid: str, owner: str = "w1:1", seq: int = 0, attempt: int = 1, epoch: str = "") -> Run:
@@ -116,6 +116,11 @@ async def test_hand_back_queues_the_job_again_in_the_same_call(redis_url: str) -
         await r.hset(KEYS.running(), ODD_RID, QUEUE)
         assert await lifecycle(r).write([Record(job, [job.reset("shutdown")], Write.HAND_BACK)]) == [True]
         assert await r.zscore(QUEUE, ODD_RID) is not None
+        await r.set(KEYS.lease("scored"), "w1:1")
+        await r.hset(KEYS.running(), "scored", f"-1234 {QUEUE}")  # as START lists a job: score, then queue
+        scored = run("scored")
+        assert await lifecycle(r).write([Record(scored, [scored.reset("shutdown")], Write.HAND_BACK)]) == [True]
+        assert await r.zscore(QUEUE, "scored") == -1234  # back in its old place
         assert not await r.exists(KEYS.lease(ODD_RID)) and not await r.hexists(KEYS.running(), ODD_RID)
         ((_, reset),) = await logged(r, ODD_RID)
         assert reset.type == "reset" and reset.attempt == 2
@@ -174,7 +179,9 @@ async def test_start_leases_counts_the_try_and_reads_the_history_of_each_job(red
         history = [earlier.start(3, "w0"), *tokens(earlier, 1)]
         for ev in history:
             await r.xadd(KEYS.log("odd"), {"e": ev.model_dump_json()}, id=f"{ev.seq}-1")
-        odd, b = await lifecycle(r).start(["odd", "b", "later", "unqueued"], 10)
+        starts = await lifecycle(r).start({QUEUE: 10}, 10)
+        odd, b = starts.rows  # "later" is not due yet
+        assert not starts.left
         assert (odd.rid, odd.claim, odd.attempt, odd.cancelled) == ("odd", Claim.STARTED, 2, True)
         assert read_job(odd.job, 1 << 20).payload == {"n": "odd"}
         assert odd.last is not None and odd.last.model_dump_json() == history[-1].model_dump_json()
@@ -183,7 +190,7 @@ async def test_start_leases_counts_the_try_and_reads_the_history_of_each_job(red
         assert await r.get(KEYS.lease("odd")) == b"w1:2"  # the token names the worker and the try
         assert 0 < await r.pttl(KEYS.lease("odd")) <= 5000
         assert await r.get(KEYS.tries("odd")) == b"2" and await r.ttl(KEYS.tries("odd")) > 0
-        assert await r.hget(KEYS.running(), "odd") == QUEUE.encode()
+        assert await r.hget(KEYS.running(), "odd") == b"1 " + QUEUE.encode()  # its score: a hand-back keeps it
         assert await r.zscore(QUEUE, "odd") is None  # out of the queue while it runs
         assert await r.zscore(QUEUE, "later") == 1 << 50
         resumed = lifecycle(r).run(odd, "m", 1000)
@@ -192,13 +199,48 @@ async def test_start_leases_counts_the_try_and_reads_the_history_of_each_job(red
         await r.aclose()
 
 
-async def test_start_takes_at_most_the_free_slots(redis_url: str) -> None:
+async def test_start_takes_at_most_the_free_slots_and_each_queues_quota(redis_url: str) -> None:
     r = aredis.Redis.from_url(redis_url)
     try:
         for rid in "abc":
             await queue_job(r, rid)
-        assert [s.rid for s in await lifecycle(r).start(["a", "b", "c"], 2)] == ["a", "b"]
+        starts = await lifecycle(r).start({QUEUE: 5}, 2)
+        assert [s.rid for s in starts.rows] == ["a", "b"] and starts.left
         assert await r.zscore(QUEUE, "c") == 1 and not await r.exists(KEYS.lease("c"), KEYS.tries("c"))
+        starts = await lifecycle(r).start({QUEUE: 0}, 5)  # no room: nothing read, yet it says jobs wait
+        assert starts.rows == [] and starts.left
+        starts = await lifecycle(r).start({QUEUE: 1}, 5)
+        assert [s.rid for s in starts.rows] == ["c"] and not starts.left
+    finally:
+        await r.aclose()
+
+
+async def test_start_takes_the_lowest_scores_across_queues_each_within_its_quota(redis_url: str) -> None:
+    other = KEYS.queue("other")
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        for rid, queue, score in (("a1", QUEUE, 10), ("a2", QUEUE, 30), ("a3", QUEUE, 50),
+                                  ("b1", other, 20), ("b2", other, 40), ("b3", other, 5)):
+            await r.set(KEYS.job(rid), job_record({"n": rid}, 1000))
+            await r.zadd(queue, {rid: score})
+        starts = await lifecycle(r).start({QUEUE: 3, other: 1}, 4)
+        assert [(s.rid, s.queue) for s in starts.rows] == [("b3", other), ("a1", QUEUE), ("a2", QUEUE),
+                                                            ("a3", QUEUE)]
+        assert starts.left  # b1, b2: over the other queue's quota
+        assert await r.zrange(other, 0, -1) == [b"b1", b"b2"]
+    finally:
+        await r.aclose()
+
+
+async def test_start_returns_entries_that_are_no_job_id_as_poison(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        poison = [b"\xff\xfe", b"has space", b"x" * 65, b"ok\n"]
+        await r.zadd(QUEUE, {p: 1 for p in poison})
+        await queue_job(r, "fine", 2)
+        starts = await lifecycle(r).start({QUEUE: 5}, 5)
+        assert sorted(s.entry for s in starts.rows if s.claim is Claim.POISON) == sorted(poison)
+        assert [s.rid for s in starts.rows if s.claim is Claim.STARTED] == ["fine"]
     finally:
         await r.aclose()
 
@@ -214,7 +256,7 @@ async def test_start_counts_no_try_for_a_job_whose_lease_another_run_holds(redis
         lc = lifecycle(r, "w2")
         for _ in range(5):
             await r.zadd(QUEUE, {"a": 1})
-            a, *rest = await lc.start(["a", "b"], 1)
+            a, *rest = (await lc.start({QUEUE: 1}, 1)).rows
             assert a.claim is Claim.DEFERRED
         assert await r.get(KEYS.tries("a")) == b"1" and await r.get(KEYS.lease("a")) == b"w1:1"
         assert (await r.zscore(QUEUE, "a") or 0) > 1 and not await r.hexists(KEYS.running(), "a")
@@ -228,9 +270,9 @@ async def test_start_leaves_a_queue_entry_without_a_record_for_reject(redis_url:
     try:
         await r.zadd(QUEUE, {"gone": 1})
         lc = lifecycle(r)
-        (gone,) = await lc.start(["gone"], 5)
+        (gone,) = (await lc.start({QUEUE: 5}, 5)).rows
         assert gone.claim is Claim.GONE and not await r.exists(KEYS.lease("gone"), KEYS.tries("gone"))
-        assert await lc.reject([b"gone", b"\xff\xfe not utf-8"], "no job record") == 1
+        assert await lc.reject(QUEUE, [b"gone", b"\xff\xfe not utf-8"], "no job record") == 1
         assert await r.zcard(QUEUE) == 0
         (letter,) = [json.loads(x) for x in await r.lrange(KEYS.dead_letters(), 0, -1)]
         assert letter["entry"] == "gone" and letter["reason"] == "no job record" and letter["queue"] == QUEUE
@@ -297,3 +339,33 @@ def test_a_run_numbers_its_events_and_builds_each_kind() -> None:
     assert isinstance(evs[0], StartEvent) and evs[0].prompt_tokens == 5
     assert TokenEvent.model_validate_json(evs[2].model_dump_json()).index == 1
     assert isinstance(evs[-1], DoneEvent) and evs[-1].usage.completion_tokens == 2
+
+
+# --- expiry of queued jobs -------------------------------------------------------------------------------
+async def test_a_queued_job_expires_once_and_one_started_meanwhile_does_not(redis_url: str) -> None:
+    from api.keys import deadline_member
+
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        for rid in ("late", "taken", "fresh"):
+            await queue_job(r, rid)
+        await r.zadd(KEYS.deadlines(), {deadline_member("late", QUEUE): 1, deadline_member("taken", QUEUE): 1,
+                                        deadline_member("fresh", QUEUE): 1 << 50})
+        lc = lifecycle(r)
+        lapsed = await lc.lapsed()
+        assert sorted((x.rid, x.queue, x.next_seq, x.enqueue_ms) for x in lapsed) == [
+            ("late", QUEUE, 0, 1000), ("taken", QUEUE, 0, 1000)]
+        await r.zrem(QUEUE, "taken")  # a worker started it since the read: starting wins
+        records = [Record(x := lc.expiring(job), [x.error(ErrorCode.EXPIRED, "too late")], Write.EXPIRE)
+                   for job in sorted(lapsed, key=lambda job: job.rid)]
+        assert await lc.write(records) == [True, False]
+        assert await lc.write(records[:1]) == [False]  # never twice
+        ((_, end),) = await logged(r, "late")
+        assert end.type == "error" and end.code is ErrorCode.EXPIRED
+        assert not await r.exists(KEYS.job("late")) and await r.zscore(QUEUE, "late") is None
+        assert await r.zrange(KEYS.deadlines(), 0, -1) == [deadline_member("taken", QUEUE).encode(),
+                                                          deadline_member("fresh", QUEUE).encode()]
+        assert await lc.lapsed() == []  # "taken" is not queued any more: its deadline is dropped
+        assert await r.zrange(KEYS.deadlines(), 0, -1) == [deadline_member("fresh", QUEUE).encode()]
+    finally:
+        await r.aclose()

@@ -358,7 +358,7 @@ async def test_a_queued_job_whose_record_vanished_is_moved_aside(worker: Running
     r = aredis.Redis.from_url(redis_url)
     try:
         await r.zadd(QUEUE, {rid: int(time.time() * 1000)})  # queued, but its job record is gone (expired)
-        await wait_for(lambda: worker.service.dead_lettered == 1)
+        await wait_for(lambda: worker.host.dead_lettered == 1)
         (letter,) = [json.loads(x) for x in await r.lrange("mlxq:dead", 0, -1)]
         assert letter["entry"] == rid and letter["queue"] == QUEUE and "no job record" in letter["reason"]
         assert await r.zscore(QUEUE, rid) is None and await arq_keys_left(r, rid) == []
@@ -403,7 +403,7 @@ async def test_a_run_that_loses_its_lease_stops_and_a_later_run_finishes_the_job
         assert [e.seq for e in events] == list(range(len(events)))
         end = terminal(events)
         assert isinstance(end, DoneEvent) and end.usage.completion_tokens == 60
-        assert running.service.publisher.stats.fenced >= 1
+        assert running.host.publisher.stats.fenced >= 1
         assert running.worker.jobs_retried >= 1
         assert await arq_keys_left(r, rid) == []
     finally:
@@ -416,19 +416,19 @@ async def test_a_run_whose_data_redis_lost_ends_once_with_data_lost(worker_confi
     # lost, and a third caller too: the job still gets exactly one terminal event.
     running = await start_worker(config_with(worker_config, lease_ttl_s=1.0, reap_interval_s=0.2))
     slow_steps(running, 0.01)
-    service = running.service
+    host = running.host
     r = aredis.Redis.from_url(redis_url)
     pubsub = r.pubsub()
     try:
         async with Client(redis_url) as client:
             rid = await client.submit(model="tiny", prompt="Hello world", max_tokens=400)
-            await wait_for(lambda: rid in service.runs and service.runs[rid].completion_tokens > 2)
-        run = service.runs[rid]
+            await wait_for(lambda: rid in host.runs and host.runs[rid].completion_tokens > 2)
+        run = host.runs[rid]
         await pubsub.subscribe(f"mlxq:{{{rid}}}:events")
         assert (await pubsub.get_message(timeout=5.0) or {}).get("type") == "subscribe"
         await r.flushall()
-        await asyncio.gather(service._lose([run]), service._lose([run]))
-        await wait_for(lambda: service.data_lost == 1)
+        await asyncio.gather(host._lose([run]), host._lose([run]))
+        await wait_for(lambda: host.data_lost == 1)
         await asyncio.sleep(1.0)  # the lease keeper and the publisher have found it lost too
         published = []
         while (msg := await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)) is not None:
@@ -437,7 +437,7 @@ async def test_a_run_whose_data_redis_lost_ends_once_with_data_lost(worker_confi
         end = published[-1]
         assert isinstance(end, ErrorEvent) and end.code is ErrorCode.DATA_LOST and end.retryable
         assert [decode_event(f[b"e"]) for _, f in await r.xrange(f"mlxq:{{{rid}}}:log")] == [end]
-        assert service.data_lost == 1 and rid not in service.runs
+        assert host.data_lost == 1 and rid not in host.runs
         result = await client_after(redis_url).generate(model="tiny", prompt="served on", max_tokens=3, timeout=60)
         assert result.usage.completion_tokens == 3
     finally:
@@ -453,17 +453,17 @@ def client_after(redis_url: str) -> Client:
 async def test_a_bug_in_a_job_run_neither_stops_the_worker_nor_loses_the_job(worker_config: Any,
                                                                              client: Client) -> None:
     running = await start_worker(config_with(worker_config, lease_ttl_s=1.0, reap_interval_s=0.2))
-    service = running.service
-    serve = service._serve
+    host = running.host
+    serve = host._serve
     calls: list[str] = []
 
-    async def broken_once(start: Any) -> Any:
+    async def broken_once(service: Any, start: Any) -> Any:
         if not calls:
             calls.append(start.rid)
             raise RuntimeError("a bug")
-        return await serve(start)
+        return await serve(service, start)
 
-    service._serve = broken_once
+    host._serve = broken_once
     try:
         rid = await client.submit(model="tiny", prompt="Hello world", max_tokens=8)
         events = await collect(client, rid)  # the lease lapses, the reaper re-queues it, the next run ends it
@@ -510,12 +510,12 @@ async def test_every_key_has_a_ttl_after_jobs_end(worker: RunningWorker, client:
 
 
 async def test_one_redis_round_trip_per_engine_step_at_most(worker: RunningWorker, client: Client) -> None:
-    service = worker.service
-    writes0, steps0 = service.publisher.stats.writes, service.engine.stats.steps
+    service, host = worker.service, worker.host
+    writes0, steps0 = host.publisher.stats.writes, service.engine.stats.steps
     rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=32) for p in PROMPTS[:8]))
     for rid in rids:
         await collect(client, rid)
-    writes = service.publisher.stats.writes - writes0
+    writes = host.publisher.stats.writes - writes0
     steps = service.engine.stats.steps - steps0
     assert steps >= 32
     assert writes <= steps
@@ -533,7 +533,7 @@ async def test_a_freed_slot_takes_a_queued_job_without_waiting_for_the_poll(work
         assert polls[0] >= 3  # the queued jobs were taken by polls that job ends woke
         # Jobs enqueued while every slot is busy (arq skips the poll of a full worker) start as slots free.
         busy = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=300) for p in PROMPTS[:2]))
-        while not all(rid in running.service.runs for rid in busy):
+        while not all(rid in running.host.runs for rid in busy):
             await asyncio.sleep(0.005)
         later = [await client.submit(model="tiny", prompt=p, max_tokens=4) for p in PROMPTS[2:4]]
         for rid in [*busy, *later]:
@@ -549,15 +549,15 @@ async def test_a_freed_slot_takes_a_queued_job_without_waiting_for_the_poll(work
 
 
 def count_polls(running: RunningWorker) -> list[int]:
-    """Counts this worker's queue reads (arq's poll) in the returned one-item list."""
+    """Counts this worker's queue reads (arq's poll: a claim) in the returned one-item list."""
     count = [0]
-    read = running.worker.pool.zrangebyscore
+    claim = running.host.claim
 
-    async def counting(*args: Any, **kwargs: Any) -> Any:
+    async def counting(free: int) -> Any:
         count[0] += 1
-        return await read(*args, **kwargs)
+        return await claim(free)
 
-    running.worker.pool.zrangebyscore = counting
+    running.host.claim = counting
     return count
 
 
@@ -585,7 +585,7 @@ async def test_one_client_follows_many_jobs_over_one_pubsub_connection(worker: R
     rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=40) for p in PROMPTS))
     streams = [asyncio.ensure_future(collect(client, rid)) for rid in rids]
     r = aredis.Redis.from_url(redis_url)
-    await wait_for(lambda: len(worker.service.runs) == len(rids))
+    await wait_for(lambda: len(worker.host.runs) == len(rids))
     numsub = await r.pubsub_numsub(*(f"mlxq:{{{rid}}}:events" for rid in rids))
     subscribers = [c for c in await r.client_list() if int(c["sub"]) > 0]
     results = await asyncio.gather(*streams)

@@ -29,7 +29,7 @@ async def test_a_worker_publishes_its_health_record_and_removes_it_when_it_stops
         assert (model.name, model.state, model.capacity) == ("tiny", ModelState.SERVING, 8)
         assert model.context_length == 512
         await client.generate(model="tiny", prompt="Hello", max_tokens=20, timeout=60)
-        await running.service.health.beat()
+        await running.host.health.beat()
         (status,) = await client.workers()
         assert status.models[0].tokens_per_s > 0  # 20 tokens since the first beat
         models = await client.models()
@@ -88,7 +88,7 @@ async def test_a_job_still_queued_at_its_expiry_ends_with_error_expired(worker_c
             (done,) = [ev async for ev in client.events(cancelled, timeout=30)]
             assert isinstance(done, DoneEvent) and done.finish_reason is FinishReason.CANCELLED
             await asyncio.sleep(0.5)  # several sweeps
-            assert running.service.reaper.expired == 2
+            assert running.host.reaper.expired == 2
             r = aredis.Redis.from_url(redis_url)
             try:
                 keys = Keys()

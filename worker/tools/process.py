@@ -12,6 +12,9 @@ from pathlib import Path
 
 import redis
 
+from api.keys import Keys
+from api.schema import ModelState, WorkerStatus
+
 __all__ = ["WorkerProcess"]
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -35,23 +38,33 @@ class WorkerProcess:
             )
         return self
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        """Block until the worker's health-check key appears (it has loaded its model and polls)."""
-        prefix = self.env.get("MLXQ_PREFIX", "mlxq")
-        name = self.env.get("MLXQ_MODEL_NAME") or self.env["MLXQ_MODEL"]
-        pattern = f"{prefix}:queue:{name}:health:*"
+    def wait_ready(self, timeout: float = 120.0) -> WorkerStatus:
+        """Block until the worker's health record shows every model it serves loaded; returns that record."""
+        keys = Keys(self.env.get("MLXQ_PREFIX", "mlxq"))
         client = redis.Redis.from_url(self.env["MLXQ_REDIS_URL"])
         end = time.monotonic() + timeout
         try:
             while time.monotonic() < end:
                 if self.proc is None or self.proc.poll() is not None:
                     raise RuntimeError(f"worker exited early; log:\n{self.tail()}")
-                if any(True for _ in client.scan_iter(match=pattern, count=1000)):
-                    return
+                status = self._status(client, keys)
+                if status is not None and all(m.state is ModelState.SERVING for m in status.models):
+                    return status
                 time.sleep(0.05)
         finally:
             client.close()
         raise RuntimeError(f"worker not ready after {timeout}s; log:\n{self.tail()}")
+
+    def _status(self, client: redis.Redis, keys: Keys) -> WorkerStatus | None:
+        """This process's health record, if it wrote one."""
+        assert self.proc is not None
+        ids = [i.decode() for i in client.zrange(keys.workers(), 0, -1)]  # type: ignore[union-attr]
+        for raw in client.mget([keys.worker(i) for i in ids]) if ids else []:  # type: ignore[union-attr]
+            if raw is not None:
+                status = WorkerStatus.model_validate_json(raw)
+                if status.pid == self.proc.pid:
+                    return status
+        return None
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:

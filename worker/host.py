@@ -1,0 +1,294 @@
+"""A worker process: the models it serves, and what they share; arq's seam hands it due jobs.
+
+The host claims jobs from every served model's queue in one call (up to what each engine has room for) and
+runs each job as a thin coroutine (:meth:`WorkerHost._run`): validate, hand the request to its model's engine,
+await its end. A run never touches MLX, so cancelling it (arq's timeout, shutdown) only posts an abort that
+the engine applies between steps on its own thread. How a job moves (started, ended, handed back, reaped,
+fenced, expired) is worker/lifecycle.py; this module decides when.
+
+Shared by every model: the Redis connections, the lifecycle, one publisher (one EMIT per batch of outputs,
+whichever engines made them), the lease keeper, the reaper, the cancel watcher, the wake-up listener and the
+health record. A model whose engine dies stops taking jobs and shows as dead in the health record; the
+process exits for its supervisor only when every engine is dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from api.arqseam import Claimed, Claims, Envelope, Outcome, read_job
+from api.connection import redis_client
+from api.schema import ErrorCode, FinishReason, GenerateRequest, ModelState, WorkerStatus, is_terminal
+from engine.request import RequestOutput
+
+from . import waker
+from .cancels import CancelWatcher
+from .config import WorkerConfig
+from .health import HealthReporter, TokenRate, package_version
+from .leases import LeaseKeeper
+from .lifecycle import Claim, Lifecycle, LogTTL, Record, Run, Start, Starts, State, Wire, Write
+from .publisher import Publisher
+from .reaper import Reaper
+from .service import BadRequest, ModelService
+from .translate import to_engine_request
+
+__all__ = ["ENGINE_DEAD_EXIT", "WorkerHost"]
+
+log = logging.getLogger(__name__)
+ENGINE_DEAD_EXIT = 70  # EX_SOFTWARE: the supervisor restarts the worker
+_VERSION = package_version()
+_DATA_LOST = "Redis lost this job's data while it ran (restarted without persistence, or flushed); submit it again"
+
+
+class WorkerHost:
+    """Serves ``config.served`` from Redis for an arq worker (``api.arqseam.Host``)."""
+
+    def __init__(self, config: WorkerConfig, redis: Redis) -> None:
+        self.config = config
+        self.keys = config.keys
+        self.redis = redis
+        self.services = {served.name: ModelService(served, config) for served in config.served}
+        self._by_queue = {s.queue: s for s in self.services.values()}
+        self.runs: dict[str, Run] = {}  # the runs in an engine, by job id
+        ttl = LogTTL(live=config.live_ttl_s, done=config.done_ttl_s, result=config.keep_result_s)
+        # Event writes are serial: a connection of their own skips the pool's per-command checkout (a
+        # health-check read on the event loop, which shares the GIL with the engines).
+        self._writer = Redis(connection_pool=redis.connection_pool, single_connection_client=True)
+        self.lifecycle = Lifecycle(redis, self.keys, config.worker_id, ttl, config.lease_ttl_s, writer=self._writer)
+        self.publisher = Publisher(self.lifecycle, self.runs, config.worker_id, give_up_s=config.lease_ttl_s)
+        self.publisher.on_fenced = self._lose
+        self.leases = LeaseKeeper(self.lifecycle, self.runs, config.lease_ttl_s, self._lose)
+        self.reaper = Reaper(self.lifecycle, config.max_tries, config.reap_interval_s)
+        self.health = HealthReporter(redis, self.keys, config.worker_id, self.status, config.heartbeat_s)
+        self.dead_lettered = 0
+        self.data_lost = 0
+        self.draining = False
+        self.started_at = time.time()
+        self._rates = {name: TokenRate() for name in self.services}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @classmethod
+    async def start(cls, config: WorkerConfig) -> WorkerHost:
+        """Connect to Redis, load each model on its own MLX thread, start the shared loops."""
+        if not config.served:
+            raise RuntimeError("no model to serve: set MLXQ_MODEL (or MLXQ_MODELS=path[=alias],...)")
+        host = cls(config, redis_client(config.redis_url))
+        await host.lifecycle.open()
+        loop = asyncio.get_running_loop()
+
+        def sink(outs: list[RequestOutput]) -> None:  # runs on an MLX thread
+            loop.call_soon_threadsafe(host.publisher.feed, outs)
+
+        for service in host.services.values():  # one at a time: each materializes its arrays on its own thread
+            await service.load(sink)
+            service.on_dead = host._on_model_dead
+        watcher = CancelWatcher(redis=host.redis, keys=host.keys, held=host.runs.keys, on_cancel=host._cancel,
+                                poll_s=config.cancel_poll_s)
+        wake_channels = [host.keys.wake_channel(name) for name in host.services]
+        loops = (host.publisher.run(), watcher.run(), host.leases.run(), host.reaper.run(),
+                 waker.listen(host.redis, wake_channels), host.health.run())
+        host._tasks = [asyncio.create_task(c) for c in loops]
+        # A full collection walks every object the collector tracks: with the models and their libraries
+        # loaded it stalls the engines (and every stream) mid-decode. What is alive now lives as long as the
+        # worker: take it out of the collector's sight, as vLLM does.
+        gc.collect()
+        gc.freeze()
+        served = ", ".join(f"{s.name} on {s.queue}" for s in host.services.values())
+        log.info("worker %s serving %s (capacity %d each; %d start-up objects frozen out of GC)",
+                 config.worker_id, served, config.capacity, gc.get_freeze_count())
+        await host.health.beat()  # clients see it serving from here on
+        return host
+
+    async def aclose(self) -> None:
+        """Leave the registry, abort what still runs, stop the engines (joining their MLX threads), close Redis."""
+        await self.health.remove()
+        for run in list(self.runs.values()):
+            self.services[run.model].abort(run.rid)
+        await asyncio.gather(*(s.aclose() for s in self.services.values()))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._writer.aclose()
+        await self.redis.aclose()
+        log.info("stats: %s", self.stats_line())
+
+    def drain(self) -> None:
+        """A stop signal came: say so in the health record now (no new jobs are taken from here on)."""
+        self.draining = True
+        asyncio.get_running_loop().create_task(self.health.beat())
+
+    def status(self) -> WorkerStatus:
+        """This worker's health record."""
+        tokens = self.publisher.stats.tokens_by_model
+        models = [s.status(self._rates[name].rate(tokens.get(name, 0))) for name, s in self.services.items()]
+        return WorkerStatus(id=self.config.worker_id, host=socket.gethostname(), pid=os.getpid(), version=_VERSION,
+                            started_at=self.started_at, updated_at=time.time(), draining=self.draining, models=models)
+
+    def stats_line(self) -> str:
+        """Counters as one ``key=value`` line."""
+        steps = sum(s.engine.stats.steps for s in self.services.values() if s.engine is not None)
+        p = self.publisher.stats
+        return (f"engine_steps={steps} redis_writes={p.writes} other_writes={p.other_writes} events={p.events} "
+                f"fenced={p.fenced} reaped={self.reaper.reaped} expired={self.reaper.expired} "
+                f"data_lost={self.data_lost} dead_lettered={self.dead_lettered}")
+
+    # --- arq's seam: claims --------------------------------------------------------------------------
+    async def claim(self, free: int) -> Claims:
+        """Start up to ``free`` due jobs across the served models' queues, each up to its engine's room."""
+        quotas = {s.queue: min(free, s.room()) for s in self.services.values()}
+        starts = await self.lifecycle.start(quotas, free)
+        await self._put_aside(starts)
+        claimed = []
+        for s in starts.rows:
+            if s.claim is Claim.STARTED:
+                service = self._by_queue[s.queue]
+                service.active += 1
+                claimed.append(Claimed(s.rid, self._run(service, s)))
+        for service in self.services.values():  # let an idle engine wait for all of its jobs
+            n = sum(1 for c in starts.rows if c.claim is Claim.STARTED and c.queue == service.queue)
+            if n and service.engine is not None:
+                service.engine.expect(n, self.config.admit_wait_ms / 1000)
+        return Claims(claimed, starts.left)
+
+    async def _put_aside(self, starts: Starts) -> None:
+        for s in starts.rows:
+            if s.claim is Claim.DEFERRED:
+                log.info("job %s: another run still holds its lease; left queued", s.rid)
+        reasons = {Claim.POISON: "the queue entry is not a job id",
+                   Claim.GONE: "no job record (it expired, or Redis lost it)"}
+        for claim, reason in reasons.items():
+            for queue in {s.queue for s in starts.rows if s.claim is claim}:
+                await self.reject(queue, [s.entry for s in starts.rows if s.claim is claim and s.queue == queue],
+                                  reason)
+
+    async def reject(self, queue: str, entries: Sequence[bytes], reason: str) -> None:
+        """Move queue entries no worker can run to the dead-letter list (``<prefix>:dead``)."""
+        try:
+            self.dead_lettered += await self.lifecycle.reject(queue, entries, reason)
+        except (RedisError, OSError) as exc:
+            log.warning("could not move %d queue entries aside: %r", len(entries), exc)
+            return
+        for entry in entries:
+            log.warning("queue %s: entry %r moved to %s: %s", queue, entry, self.keys.dead_letters(), reason)
+
+    # --- one job ---------------------------------------------------------------------------------------
+    async def _run(self, service: ModelService, start: Start) -> Outcome:
+        """One started job, to its terminal event or handed back, within arq's job timeout (a backstop: the
+        engine's deadline comes first)."""
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self.config.arq_job_timeout_s):
+                state = await self._serve(service, start)
+        except TimeoutError:
+            log.warning("job %s: ran past the arq job timeout (%.0fs); handed back or failed",
+                        start.rid, self.config.arq_job_timeout_s)
+            return Outcome.FAILED
+        finally:
+            service.active -= 1
+        log.debug("job %s: %s in %.3fs", start.rid, state.value, time.monotonic() - t0)
+        return Outcome.COMPLETE if state is State.ENDED else Outcome.RETRIED
+
+    async def _serve(self, service: ModelService, start: Start) -> State:
+        envelope = read_job(start.job, self.config.max_payload_bytes)
+        run = self.lifecycle.run(start, service.name, envelope.enqueue_ms)
+        try:
+            return await self._serve_run(service, run, start, envelope)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: the job still gets its one terminal event
+            log.exception("job %s: failed", run.rid)
+            self.runs.pop(run.rid, None)
+            return await self._end(run, run.error(ErrorCode.INTERNAL, f"the worker failed: {exc!r}"))
+
+    async def _serve_run(self, service: ModelService, run: Run, start: Start, envelope: Envelope) -> State:
+        last = start.last
+        if last is not None and is_terminal(last):  # ended, yet queued: only a partial loss of Redis' data
+            (ok,) = await self.lifecycle.write([Record(run, [], Write.END)])
+            return State.ENDED if ok else State.FENCED
+        if last is not None and last.type != "reset":  # its last run left no reset (a partial loss of data)
+            await self.publisher.write([(run, run.reset("job restarted"))])
+        if start.cancelled:
+            return await self._end(run, run.done(FinishReason.CANCELLED))
+        if run.attempt > self.config.max_tries:
+            msg = f"the job was tried {run.attempt - 1} times; the limit is {self.config.max_tries}"
+            return await self._end(run, run.error(ErrorCode.WORKER_LOST, msg))
+        if service.state is ModelState.DEAD:
+            msg = f"model {service.name}'s engine on this worker is dead: {service.error}"
+            return await self._end(run, run.error(ErrorCode.ENGINE_ERROR, msg))
+        try:
+            if envelope.problem:
+                raise BadRequest(envelope.problem)
+            req = service.validate(envelope.payload, run.rid)
+            tokens = await service.tokenize(req)
+        except BadRequest as exc:
+            log.info("job %s rejected: %s", run.rid, exc)
+            return await self._end(run, run.error(ErrorCode.BAD_REQUEST, str(exc)))
+        return await self._generate(service, run, req, tokens)
+
+    async def _end(self, run: Run, event: Wire) -> State:
+        await self.publisher.write([(run, event)])
+        return run.state
+
+    async def _generate(self, service: ModelService, run: Run, req: GenerateRequest, tokens: list[int]) -> State:
+        self.runs[run.rid] = run
+        deadline = time.monotonic() + self.config.job_timeout_s
+        service.add(to_engine_request(req, tokens, deadline))
+        try:
+            return await run.finished
+        except asyncio.CancelledError:
+            await asyncio.shield(self._interrupted(service, run))
+            raise
+
+    async def _interrupted(self, service: ModelService, run: Run) -> None:
+        """Shutdown or arq's timeout cancelled the run: hand the job back, or end it on its last try."""
+        service.abort(run.rid)
+        if self.runs.pop(run.rid, None) is None:
+            return  # it ended (or was fenced) meanwhile
+        if run.attempt >= self.config.max_tries:
+            msg = f"the job was interrupted on its last try ({run.attempt}/{self.config.max_tries})"
+            await self.publisher.write([(run, run.error(ErrorCode.WORKER_LOST, msg))])
+            return
+        await self.publisher.write([(run, run.reset("worker shutting down; job re-queued"))], Write.HAND_BACK)
+        log.info("job %s: interrupted; handed back to the queue", run.rid)
+
+    def _cancel(self, rid: str) -> None:
+        """A client cancelled: end the job now, without waiting for the step in flight, and drop its
+        sequence from the batch between steps (the engine's own terminal output is then ignored)."""
+        run = self.runs.get(rid)
+        if run is None:
+            return
+        self.services[run.model].abort(rid)
+        self.publisher.feed_cancel(rid)
+
+    async def _lose(self, runs: list[Run]) -> None:
+        """Runs whose lease is gone: stop them. Each writes nothing more, unless Redis lost the job's data,
+        when nobody else could end it: then it ends with ``error(data_lost)`` (the LOST write checks that)."""
+        runs = [run for run in runs if run.state is State.RUNNING]  # the lease keeper and a write may both see it
+        for run in runs:
+            run.state = State.FENCED  # until the LOST write says otherwise
+            self.runs.pop(run.rid, None)
+            self.services[run.model].abort(run.rid)
+        await self.publisher.write([(run, run.error(ErrorCode.DATA_LOST, _DATA_LOST)) for run in runs], Write.LOST)
+        for run in runs:
+            if run.state is State.ENDED:
+                self.data_lost += 1
+                log.warning("job %s: Redis lost its data while it ran; ended with error(data_lost)", run.rid)
+            else:
+                log.warning("job %s: fenced: its lease is gone (another run or the reaper owns the job); "
+                            "this run writes nothing more", run.rid)
+
+    def _on_model_dead(self, service: ModelService) -> None:
+        asyncio.get_running_loop().create_task(self.health.beat())  # say so now: producers stop counting on it
+        if all(s.state is ModelState.DEAD for s in self.services.values()):
+            # Every in-flight job already got error(engine_error); exit so the supervisor starts a fresh process.
+            log.critical("every engine is dead; exiting with %d", ENGINE_DEAD_EXIT)
+            asyncio.get_running_loop().call_later(0.5, os._exit, ENGINE_DEAD_EXIT)
