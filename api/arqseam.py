@@ -35,8 +35,9 @@ import arq.version
 import arq.worker
 from arq.connections import RedisSettings
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
-from .connection import CONNECT_TIMEOUT_S, RETRY_ON, retry
+from .connection import CONNECT_TIMEOUT_S, RETRY_ON, redact, retry
 from .keys import Keys
 
 __all__ = [
@@ -261,6 +262,7 @@ def worker_settings(spec: WorkerSpec) -> dict[str, Any]:
     settings.retry = retry()
     settings.retry_on_error = list(RETRY_ON)
     settings.conn_timeout = int(CONNECT_TIMEOUT_S)
+    settings.conn_retries = 2  # each try retries inside redis-py too: ~25 s of outage at start, then exit 69
     return {
         "functions": [arq.worker.func(generate, name=JOB_FUNCTION, timeout=spec.job_timeout_s, max_tries=1)],
         "queue_name": spec.queue,
@@ -398,6 +400,23 @@ def _signalled(handler: Callable[[arq.worker.Worker, Any], None]) -> Callable[[a
     return handle
 
 
+REDIS_UNAVAILABLE_EXIT = 69  # EX_UNAVAILABLE: Redis stayed unreachable past the retries
+_arq_main = arq.worker.Worker.main
+
+
+async def _main(self: arq.worker.Worker) -> None:
+    """arq's main loop; for an mlxq worker, Redis staying unreachable (at start, or past the retries later)
+    ends it with one line and exit status 69 for the supervisor, instead of a traceback."""
+    spec: WorkerSpec | None = self.ctx.get(_SPEC)
+    if spec is None:
+        return await _arq_main(self)
+    try:
+        await _arq_main(self)
+    except (RedisError, OSError) as exc:
+        log.error("worker stopping: Redis at %s unreachable: %s", redact(spec.redis_url), exc)
+        raise SystemExit(REDIS_UNAVAILABLE_EXIT) from None
+
+
 _arq_close = arq.worker.Worker.close
 
 
@@ -418,4 +437,5 @@ def _install() -> None:
     for name in ("handle_sig", "handle_sig_wait_for_completion"):
         setattr(worker, name, _signalled(getattr(worker, name)))
     worker.close = _close  # type: ignore[method-assign]
+    worker.main = _main  # type: ignore[method-assign]
     worker._mlxq = True  # type: ignore[attr-defined]

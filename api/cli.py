@@ -1,9 +1,11 @@
-"""The ``mlxq`` command: submit, cancel and follow jobs; run the demo and the benchmark.
+"""The ``mlxq`` command: submit, cancel and follow jobs; see the deployment's status and health; run the demo
+and the benchmark.
 
-``submit`` writes exactly the generated text to stdout (so it pipes) and status to stderr. Producer
-commands (``submit``, ``cancel``, ``events``) are the producer side's own and import no worker code, so a
-producer-only install (``pip install mlxq``) has them; ``demo`` and ``bench`` are the worker's tools
-(``worker.tools``), loaded only when asked for.
+``submit`` writes exactly the generated text to stdout (so it pipes) and status to stderr. Producer commands
+(``submit``, ``cancel``, ``events``, ``status``, ``health``) are the producer side's own and import no worker
+code, so a producer-only install (``pip install mlxq``) has them; ``demo`` and ``bench`` are the worker's tools
+(``worker.tools``), loaded only when asked for. Every failure prints one line (a traceback only with
+``--debug``) and exits with a documented status.
 """
 
 from __future__ import annotations
@@ -11,72 +13,153 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import json
+import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from .client import Client
-from .errors import BadRequest, JobFailed, MlxqError
+from .config import ClientConfig
+from .errors import BadRequest, ConfigError, JobFailed, MlxqError, NoWorker, describe
 from .schema import ChatMessage, DoneEvent, ErrorEvent, GenerateRequest
 
-__all__ = ["main"]
+__all__ = ["EXIT_FAILED", "EXIT_NO_WORKER", "EXIT_OK", "EXIT_USAGE", "main"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the job failed or timed out, an unknown job, Redis unreachable or refusing, unhealthy
+EXIT_USAGE = 2  # a bad request, option or configuration value
+EXIT_NO_WORKER = 3  # no live worker serves the model
+EXIT_INTERRUPTED = 130
+
+_ENVIRONMENT = """\
+environment:
+  MLXQ_REDIS_URL       Redis to use (default redis://127.0.0.1:6379; also unix:///path/redis.sock)
+  MLXQ_PREFIX          namespace of every key under one Redis (default mlxq)
+  MLXQ_RETRY_DEADLINE  seconds to retry an unreachable Redis before giving up (default 5)
+  MLXQ_MAX_QUEUED      jobs one model's queue may hold before submits are refused (default 10000; 0: no cap)
+  MLXQ_JOB_EXPIRY      seconds a job may wait queued before it ends error(expired) (default 300; 0: never)
+  MLXQ_PRIORITY_AGING  seconds of waiting one priority level is worth (default 1)
+
+exit status:
+  0    success
+  1    the job ended with an error or timed out; an unknown job; Redis unreachable or refusing; unhealthy
+  2    a bad request, option or configuration value
+  3    no live worker serves the model (submit, unless --queue-anyway)
+  130  interrupted
+"""
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlxq", description="MLX language models behind a Redis job queue.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="mlxq", description="MLX language models behind a Redis job queue.",
+                                epilog=_ENVIRONMENT, formatter_class=_Formatter)
+    p.add_argument("--debug", action="store_true", help="log at DEBUG and show tracebacks")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    fmt: dict[str, Any] = {"formatter_class": _Formatter, "epilog": _ENVIRONMENT}
 
-    s = sub.add_parser("submit", help="submit a job and stream its text to stdout")
-    s.add_argument("prompt", help="raw prompt (tokenized like mlx_lm.generate), or a user message with --chat")
-    s.add_argument("--model", required=True, help="model name, as the worker's MLXQ_MODEL or MLXQ_MODEL_NAME")
-    s.add_argument("--max-tokens", type=int, default=256)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=None)
+    s = sub.add_parser("submit", help="submit a job and stream its text to stdout", **fmt,
+                       description="Submit a job; its text goes to stdout, status to stderr.")
+    s.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt (a raw prompt, or the user message with --chat); '-' reads standard input")
+    s.add_argument("--file", type=Path, default=None, help="read the prompt from this file")
+    s.add_argument("--model", required=True, help="model name: a worker's MLXQ_MODEL_NAME (or MLXQ_MODEL)")
+    s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    s.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    s.add_argument("--chat", action="store_true", help="send PROMPT as one user message (chat template)")
+    s.add_argument("--priority", type=int, default=0, help="higher runs first (-100..100)")
+    s.add_argument("--expires-in", type=float, default=None,
+                   help="seconds it may wait queued before it ends error(expired) (default: MLXQ_JOB_EXPIRY)")
+    s.add_argument("--chat", action="store_true", help="send the prompt as one user message (chat template)")
+    s.add_argument("--system", default=None, help="with --chat: a system message before it")
     s.add_argument("--no-wait", action="store_true", help="print the job id and exit")
+    s.add_argument("--queue-anyway", action="store_true",
+                   help="queue it even when no live worker serves the model (one may start before it expires)")
     s.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
 
-    c = sub.add_parser("cancel", help="cancel a job")
+    c = sub.add_parser("cancel", help="cancel a job", **fmt)
     c.add_argument("job_id")
 
-    e = sub.add_parser("events", help="print a job's events as JSON lines (replayed, then live)")
+    e = sub.add_parser("events", help="print a job's events as JSON lines (replayed, then live)", **fmt)
     e.add_argument("job_id")
-    e.add_argument("--timeout", type=float, default=None)
+    e.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
 
-    d = sub.add_parser("demo", help="embedded Redis + tiny model + worker + concurrent jobs, no setup")
+    st = sub.add_parser("status", help="queues and live workers, from Redis", **fmt)
+    st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    st.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                    help="refresh in place every SECONDS (2 when given alone) until interrupted")
+
+    h = sub.add_parser("health", **fmt,
+                       help="exit 0 if a live worker serves the model (any model without --model), else 1")
+    h.add_argument("--model", default=None, help="the model to check")
+
+    d = sub.add_parser("demo", help="embedded Redis + tiny model + worker + concurrent jobs, no setup", **fmt)
     d.add_argument("--jobs", type=int, default=8, help="concurrent jobs in the batch phase")
     d.add_argument("--max-tokens", type=int, default=64)
     d.add_argument("--size", choices=["tiny", "small"], default="tiny", help="generated model size")
 
-    b = sub.add_parser("bench", help="raw mlx-lm vs the queue vs serial, side by side in one run")
+    b = sub.add_parser("bench", help="raw mlx-lm vs the queue vs serial, side by side in one run", **fmt)
     b.add_argument("--out", default="bench-out", help="directory for results.json, results.md, chart.png")
     b.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     b.add_argument("--sizes", default=None, help="comma-separated model sizes (default: tiny,small)")
     b.add_argument("--concurrency", default=None, help="comma-separated N values (default: 1,8,32)")
-    b.add_argument("--max-tokens", type=int, default=None)
+    b.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default: 64)")
     return p
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilog's layout (environment, exit status) and shows each option's default, if it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        unset = default is None or default is False or default == [] or default == argparse.SUPPRESS
+        if unset or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: {default})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mlxq`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "demo":
-            run_demo = _worker_tool("demo", "run_demo")
-            return int(run_demo(jobs=args.jobs, max_tokens=args.max_tokens, size=args.size))
-        if args.command == "bench":
-            return int(_worker_tool("bench", "run_bench")(args))
-        return asyncio.run(_producer_command(args))
-    except MlxqError as exc:  # Redis unreachable or refusing us, an unknown job: one line, no traceback
-        print(f"mlxq: {exc}", file=sys.stderr)
-        return 1
-    except _MissingTool as exc:
-        print(f"mlxq: {exc}", file=sys.stderr)
-        return 2
+        return _run(args)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except (ConfigError, _MissingTool, BadRequest) as exc:
+        return _fail(args, exc, EXIT_USAGE)
+    except NoWorker as exc:
+        return _fail(args, exc, EXIT_NO_WORKER)
+    except MlxqError as exc:  # Redis unreachable or refusing us, an unknown job, a failed job
+        return _fail(args, exc, EXIT_FAILED)
+    except Exception as exc:  # a bug: still one line, unless asked for the traceback
+        if args.debug:
+            raise
+        print(f"mlxq: internal error: {exc!r} (run with --debug for the traceback)", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _fail(args: argparse.Namespace, exc: Exception, status: int) -> int:
+    if args.debug:
+        logging.getLogger(__name__).exception("mlxq %s failed", args.command)
+    print(f"mlxq: {exc}", file=sys.stderr)
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "demo":
+        run_demo = _worker_tool("demo", "run_demo")
+        return int(run_demo(jobs=args.jobs, max_tokens=args.max_tokens, size=args.size))
+    if args.command == "bench":
+        return int(_worker_tool("bench", "run_bench")(args))
+    config = ClientConfig.from_env()  # a bad MLXQ_* value: one line, before anything connects
+    return asyncio.run(_producer_command(args, config))
 
 
 class _MissingTool(Exception):
@@ -92,39 +175,102 @@ def _worker_tool(module: str, name: str) -> Callable[..., Any]:
     return tool
 
 
-async def _producer_command(args: argparse.Namespace) -> int:
-    async with Client() as client:
+async def _producer_command(args: argparse.Namespace, config: ClientConfig) -> int:
+    async with Client(config=config) as client:
         if args.command == "cancel":
-            await client.cancel(args.job_id)
-            print(f"cancel requested for {args.job_id}", file=sys.stderr)
-            return 0
+            return await _cancel(client, args.job_id)
         if args.command == "events":
             async for ev in client.events(args.job_id, timeout=args.timeout):
                 print(ev.model_dump_json(), flush=True)
-            return 0
+            return EXIT_OK
+        if args.command == "status":
+            return await _status(client, args.json, args.watch)
+        if args.command == "health":
+            return await _health(client, args.model)
         return await _submit(client, args)
+
+
+async def _cancel(client: Client, rid: str) -> int:
+    if await client.cancel(rid):
+        print(f"cancel requested for {rid}", file=sys.stderr)
+    else:
+        print(f"job {rid} already ended; nothing to cancel", file=sys.stderr)
+    return EXIT_OK
+
+
+async def _status(client: Client, as_json: bool, watch: float | None) -> int:
+    from .status import collect, render
+
+    while True:
+        report = await collect(client)
+        text = json.dumps(report.to_json(), indent=2) if as_json else render(report)
+        if watch is None:
+            print(text)
+            return EXIT_OK
+        sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")  # home, clear: refresh in place
+        sys.stdout.flush()
+        await asyncio.sleep(watch)
+
+
+async def _health(client: Client, model: str | None) -> int:
+    workers = await client.workers()
+    serving = [w for w in workers if any(w.serves(m.name) for m in w.models) and (model is None or w.serves(model))]
+    what = f"model {model!r}" if model else "any model"
+    if not serving:
+        served = sorted({m.name for w in workers for m in w.models if w.serves(m.name)})
+        listed = ", ".join(repr(m) for m in served) or "none"
+        print(f"mlxq: unhealthy: no live worker serves {what} (models served now: {listed})", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"ok: {len(serving)} live worker(s) serve {what}: {', '.join(w.id for w in serving)}")
+    return EXIT_OK
+
+
+def _prompt(args: argparse.Namespace) -> str:
+    if args.file is not None:
+        if args.prompt is not None:
+            raise BadRequest("give the prompt as an argument or with --file, not both")
+        try:
+            return str(args.file.read_text())
+        except OSError as exc:
+            raise BadRequest(f"cannot read the prompt from {args.file}: {exc.strerror}") from None
+    if args.prompt == "-":
+        return sys.stdin.read()
+    if args.prompt is None:
+        raise BadRequest("no prompt: give it as an argument, '-' for standard input, or --file PATH")
+    return str(args.prompt)
+
+
+def _request(args: argparse.Namespace) -> GenerateRequest:
+    text = _prompt(args)
+    messages = None
+    if args.chat:
+        messages = [ChatMessage(role="system", content=args.system)] if args.system else []
+        messages.append(ChatMessage(role="user", content=text))
+    elif args.system:
+        raise BadRequest("--system needs --chat")
+    try:
+        return GenerateRequest(
+            model=args.model, prompt=None if args.chat else text, messages=messages, max_tokens=args.max_tokens,
+            temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop, priority=args.priority,
+            expires_in=args.expires_in,
+        )
+    except ValidationError as exc:
+        raise BadRequest(describe(exc)) from None
 
 
 async def _submit(client: Client, args: argparse.Namespace) -> int:
     try:
-        req = GenerateRequest(
-            model=args.model,
-            prompt=None if args.chat else args.prompt,
-            messages=[ChatMessage(role="user", content=args.prompt)] if args.chat else None,
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            seed=args.seed, stop=args.stop,
-        )
-    except ValueError as exc:
-        print(f"mlxq: bad request: {exc}", file=sys.stderr)
-        return 2
-    try:
-        rid = await client.submit(req)
+        req = _request(args)
+        rid = await client.submit(req, require_worker=not args.queue_anyway)
     except BadRequest as exc:
-        print(f"mlxq: bad request: {exc}", file=sys.stderr)
-        return 2
+        raise BadRequest(f"bad request: {exc}") from None
+    except NoWorker as exc:
+        print(f"mlxq: {exc}; nothing was queued (--queue-anyway queues it for a worker that starts before it "
+              "expires)", file=sys.stderr)
+        return EXIT_NO_WORKER
     if args.no_wait:
         print(rid)
-        return 0
+        return EXIT_OK
     print(f"job {rid} queued on {client.keys.queue(req.model)}", file=sys.stderr)
     return await _stream(client, rid, args.timeout)
 
@@ -148,8 +294,8 @@ async def _stream(client: Client, rid: str, timeout: float | None) -> int:
                 raise JobFailed(ev)
     except MlxqError as exc:
         print(f"\nmlxq: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -20,9 +20,19 @@ from .arqseam import job_record
 from .config import ClientConfig
 from .connection import Failures, RetryPolicy, client_redis, redact, with_retries
 from .enqueuer import Enqueuer
-from .errors import BadRequest, DuplicateJob, JobFailed, JobNotFound, MlxqError, NoWorker, QueueFull, WaitTimeout
+from .errors import (
+    BadRequest,
+    DuplicateJob,
+    JobFailed,
+    JobNotFound,
+    MlxqError,
+    NoWorker,
+    QueueFull,
+    WaitTimeout,
+    describe,
+)
 from .keys import CANCEL_TTL_S, Keys, deadline_member, log_entry_id, queue_score
-from .registry import ModelInfo, live_workers, models_of
+from .registry import ModelInfo, QueueInfo, live_workers, models_of, queues
 from .schema import (
     DoneEvent,
     ErrorEvent,
@@ -168,6 +178,10 @@ class Client:
         """The models live workers serve (or served until their engine died), by name."""
         return models_of(await self.workers())
 
+    async def queues(self) -> list[QueueInfo]:
+        """Every model queue that holds jobs: its depth and the age of its oldest waiting job."""
+        return await with_retries(lambda: queues(self._redis, self.keys), self.retry, self.where)
+
     # --- consuming ---------------------------------------------------------------------------------
     async def events(self, rid: str, *, timeout: float | None = None) -> AsyncIterator[Event]:
         """Every event of job ``rid`` exactly once, in seq order, ending with its terminal event.
@@ -201,9 +215,10 @@ class Client:
         deadline = None if timeout is None else time.monotonic() + timeout
         next_seq = 0
         failures = Failures(self.retry, self.where)
+        patient = sub is not None  # subscribed before its enqueue, the job exists: no need to ask at once
         while True:
             try:
-                async with aclosing(self._follow(rid, next_seq, deadline, sub, failures)) as follow:
+                async with aclosing(self._follow(rid, next_seq, deadline, sub, failures, patient)) as follow:
                     async for ev in follow:
                         next_seq = ev.seq + 1
                         yield ev
@@ -215,21 +230,23 @@ class Client:
                 await failures.failed(exc)
                 _check_deadline(deadline, rid)
                 sub = None  # closed by _follow: resubscribe, then replay
+                patient = True  # Redis may have lost the job: its worker says so within a lease refresh
 
     async def _follow(self, rid: str, next_seq: int, deadline: float | None, sub: Subscription | None,
-                      failures: Failures) -> AsyncGenerator[Event, None]:
+                      failures: Failures, patient: bool) -> AsyncGenerator[Event, None]:
+        """Replay, then live events; a job with neither a record nor a log is unknown (a patient follower
+        asks only after its first wait for live events)."""
         fresh = sub is not None  # subscribed before the job was enqueued: nothing to replay yet
         if sub is None:
             sub = await self._hub().open(self.keys.events(rid))
         try:
-            first = True
             while True:
                 replayed = [] if fresh else await self._replay(rid, next_seq)
                 failures.ok()  # Redis answers again: a later failure starts a new deadline
-                if not replayed and not first and await self._vanished(rid):
+                if not replayed and not patient and await self._vanished(rid):
                     raise JobNotFound(f"job {rid} is unknown, or its events expired (they are kept "
                                       "a few minutes after its end)")
-                first = fresh = False
+                fresh = patient = False
                 for ev in replayed:
                     next_seq = ev.seq + 1
                     yield ev
@@ -349,7 +366,7 @@ def _request(request: Any, fields: dict[str, Any]) -> GenerateRequest:
     try:
         return GenerateRequest.model_validate(request if request is not None else fields)
     except ValidationError as exc:
-        raise BadRequest(str(exc)) from None
+        raise BadRequest(describe(exc)) from None
 
 
 def _check_deadline(deadline: float | None, rid: str) -> None:

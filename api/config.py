@@ -6,13 +6,44 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ClientConfig"]
+from .errors import ConfigError
+
+__all__ = ["ClientConfig", "EnvReader"]
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379"
 DEFAULT_RETRY_DEADLINE_S = 5.0
 DEFAULT_MAX_QUEUED = 10_000
 DEFAULT_JOB_EXPIRY_S = 300.0
 DEFAULT_PRIORITY_AGING_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class EnvReader:
+    """Typed reads of ``MLXQ_*`` variables: a value that does not parse raises :class:`ConfigError` naming it."""
+
+    env: Mapping[str, str]
+
+    def text(self, name: str, default: str) -> str:
+        return self.env.get(name, default)
+
+    def integer(self, name: str, default: int, minimum: int | None = None) -> int:
+        return int(self._number(name, default, int, minimum))
+
+    def number(self, name: str, default: float, minimum: float | None = None) -> float:
+        return float(self._number(name, default, float, minimum))
+
+    def _number(self, name: str, default: float, kind: type, minimum: float | None) -> float:
+        raw = self.env.get(name)
+        if raw is None or not raw.strip():
+            return default
+        what = "an integer" if kind is int else "a number"
+        try:
+            value = kind(raw.strip())
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r}: expected {what}") from None
+        if value != value or (minimum is not None and value < minimum):  # NaN, or below the bound
+            raise ConfigError(f"{name}={raw!r}: expected {what} >= {minimum:g}")
+        return float(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +61,12 @@ class ClientConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClientConfig:
         """``MLXQ_REDIS_URL``, ``MLXQ_PREFIX``, ``MLXQ_RETRY_DEADLINE``, ``MLXQ_MAX_QUEUED``, ``MLXQ_JOB_EXPIRY``
         and ``MLXQ_PRIORITY_AGING`` (seconds)."""
-        env = os.environ if env is None else env
+        e = EnvReader(os.environ if env is None else env)
         return cls(
-            redis_url=env.get("MLXQ_REDIS_URL", DEFAULT_REDIS_URL),
-            prefix=env.get("MLXQ_PREFIX", "mlxq"),
-            retry_deadline_s=float(env.get("MLXQ_RETRY_DEADLINE", DEFAULT_RETRY_DEADLINE_S)),
-            max_queued=int(env.get("MLXQ_MAX_QUEUED", DEFAULT_MAX_QUEUED)),
-            job_expiry_s=float(env.get("MLXQ_JOB_EXPIRY", DEFAULT_JOB_EXPIRY_S)),
-            priority_aging_s=float(env.get("MLXQ_PRIORITY_AGING", DEFAULT_PRIORITY_AGING_S)),
+            redis_url=e.text("MLXQ_REDIS_URL", DEFAULT_REDIS_URL),
+            prefix=e.text("MLXQ_PREFIX", "mlxq"),
+            retry_deadline_s=e.number("MLXQ_RETRY_DEADLINE", DEFAULT_RETRY_DEADLINE_S, minimum=0),
+            max_queued=e.integer("MLXQ_MAX_QUEUED", DEFAULT_MAX_QUEUED, minimum=0),
+            job_expiry_s=e.number("MLXQ_JOB_EXPIRY", DEFAULT_JOB_EXPIRY_S, minimum=0),
+            priority_aging_s=e.number("MLXQ_PRIORITY_AGING", DEFAULT_PRIORITY_AGING_S, minimum=0),
         )

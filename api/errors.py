@@ -9,16 +9,19 @@
      ├── NoWorker        no live worker serves the model (raised only when the caller asked to refuse)
      ├── QueueFull       the model's queue holds the producer's cap of waiting jobs (retry later)
      ├── QueueUnavailable  Redis could not be reached within the client's retry deadline
-     └── AccessDenied    Redis refused the credentials or a command (never retried)
+     ├── AccessDenied    Redis refused the credentials or a command (never retried)
+     └── ConfigError     an MLXQ_* variable holds a value that cannot be used
 """
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 from .schema import ErrorCode, ErrorEvent
 
 __all__ = [
-    "AccessDenied", "BadRequest", "DuplicateJob", "JobFailed", "JobNotFound", "MlxqError", "NoWorker", "QueueFull",
-    "QueueUnavailable", "WaitTimeout",
+    "AccessDenied", "BadRequest", "ConfigError", "DuplicateJob", "JobFailed", "JobNotFound", "MlxqError", "NoWorker",
+    "QueueFull", "QueueUnavailable", "WaitTimeout", "describe",
 ]
 
 
@@ -85,3 +88,21 @@ class QueueUnavailable(MlxqError):
 
 class AccessDenied(MlxqError):
     """Redis refused the client's credentials (wrong or missing password) or a command (ACL)."""
+
+
+class ConfigError(MlxqError):
+    """An ``MLXQ_*`` environment variable (or option) holds a value that cannot be used."""
+
+
+def describe(exc: ValidationError, most: int = 5) -> str:
+    """A request's validation errors as ``field: problem`` parts on one line, bounded in length."""
+    parts = []
+    for err in exc.errors()[:most]:
+        where = ".".join(_clip(str(p), 64) for p in err["loc"]) or "request"
+        parts.append(f"{where}: {_clip(err['msg'], 300)}")
+    more = f" (+{exc.error_count() - most} more)" if exc.error_count() > most else ""
+    return "; ".join(parts) + more
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[:n] + "..."

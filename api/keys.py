@@ -81,6 +81,10 @@ class Keys:
         """A worker's health record (``api.schema.WorkerStatus`` as JSON), with a TTL of a few heartbeats."""
         return f"{self.prefix}:worker:{worker_id}"
 
+    def arq_health(self, host: str, model: str) -> str:
+        """arq's health-check key of the workers on ``host`` whose first model is ``model`` (``arq --check``)."""
+        return f"{self.prefix}:arq-health:{host}:{model}"
+
     def wake_channel(self, model: str) -> str:
         """Pub/sub wake-up for the workers of ``model``: a job was enqueued."""
         return f"{self.prefix}:wake:{model}"

@@ -1,4 +1,4 @@
-"""The live workers of a deployment, read from their health records (any host, no worker code needed).
+"""The live workers and the queues of a deployment, read from Redis (any host, no worker code needed).
 
 Every worker writes its :class:`~api.schema.WorkerStatus` to ``<prefix>:worker:<id>`` every few seconds, with
 a TTL of a few heartbeats, and its id into the ``<prefix>:workers`` sorted set (score: the heartbeat's time).
@@ -19,11 +19,25 @@ from redis.asyncio import Redis
 from .keys import Keys
 from .schema import ModelState, WorkerStatus
 
-__all__ = ["ModelInfo", "live_workers", "models_of"]
+__all__ = ["ModelInfo", "QueueInfo", "live_workers", "models_of", "queues"]
 
 log = logging.getLogger(__name__)
 
 _STALE_S = 3600.0  # set members this old are pruned by readers (their records expired long ago)
+_OLDEST_OF = 50  # the oldest waiting job is looked for among this many first in queue order
+
+# A queue's depth, and the enqueue time of the oldest of its first ARGV[2] entries (job records end with
+# "et":<ms>}, read in Redis: a record may hold a megabyte of prompt). KEYS: queue. ARGV: prefix, how many.
+_QUEUE_STATS = """
+local depth = redis.call('ZCARD', KEYS[1])
+local oldest = false
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)) do
+  local job = redis.call('GET', ARGV[1] .. ':{' .. id .. '}:job')
+  local et = job and tonumber(string.match(job, '"et":(%d+)}$'))
+  if et and (not oldest or et < oldest) then oldest = et end
+end
+return {depth, oldest}
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +53,39 @@ class ModelInfo:
     accepts_images: bool
     context_length: int | None
     dead_on: list[str] = field(default_factory=list)  # workers whose engine for it died
+
+
+@dataclass(frozen=True, slots=True)
+class QueueInfo:
+    """A model's queue: jobs waiting, and how long the oldest of them (among the first few) has waited."""
+
+    model: str
+    depth: int
+    oldest_s: float | None
+
+
+async def queues(redis: Redis, keys: Keys) -> list[QueueInfo]:
+    """Every model queue under the prefix that holds jobs, by model name."""
+    start = keys.queue("")
+    names = sorted({k.decode() if isinstance(k, bytes) else str(k)
+                    async for k in redis.scan_iter(match=_glob_escape(start) + "*", count=1000)})
+    if not names:
+        return []
+    pipe = redis.pipeline(transaction=False)
+    for name in names:  # the script's text each time: a status read, not a hot path
+        pipe.eval(_QUEUE_STATS, 1, name, keys.prefix, str(_OLDEST_OF))
+    now = time.time()
+    found = []
+    for name, reply in zip(names, await pipe.execute(raise_on_error=False)):
+        if isinstance(reply, Exception):  # not a queue (a key of another kind under the same name)
+            continue
+        depth, oldest = reply
+        found.append(QueueInfo(name[len(start):], int(depth), now - int(oldest) / 1000 if oldest else None))
+    return found
+
+
+def _glob_escape(text: str) -> str:
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
 
 
 async def live_workers(redis: Redis, keys: Keys) -> list[WorkerStatus]:

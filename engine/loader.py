@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx_lm
@@ -16,7 +18,8 @@ from .prompt import PromptEncoder
 from .sampling import make_request_logits_processors, make_request_sampler
 from .scheduler import Scheduler
 
-__all__ = ["EngineOptions", "LoadedModel", "build_engine", "load_model", "start_engine"]
+__all__ = ["EngineOptions", "LoadedModel", "ModelLoadError", "build_engine", "load_model", "locate_model",
+           "start_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +46,40 @@ class LoadedModel:
     prompts: PromptEncoder
 
 
+class ModelLoadError(Exception):
+    """The model cannot be loaded: a missing directory, not an mlx-lm model, an unsupported architecture."""
+
+
+def locate_model(path: str) -> str:
+    """``path`` if it names a model mlx-lm can load: a local directory with a config.json, or a Hugging Face
+    repo id (``org/name``). A path that looks local and does not exist is never sent to the hub."""
+    local = Path(path).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise ModelLoadError(f"{path} is a file, not a model directory")
+        if not (local / "config.json").is_file():
+            raise ModelLoadError(f"{path} is not an mlx-lm model directory (it has no config.json)")
+        model_type = json.loads((local / "config.json").read_text()).get("model_type")
+        if not model_type:
+            raise ModelLoadError(f"{path} is not an mlx-lm model directory (its config.json names no model_type)")
+        return str(local)
+    looks_local = path.startswith(("/", ".", "~")) or path.count("/") != 1 or "\\" in path
+    if looks_local:
+        raise ModelLoadError(f"no model directory at {path}")
+    return path  # org/name: mlx-lm fetches it from the hub (where the machine may download)
+
+
 def load_model(path: str) -> LoadedModel:
     """``mlx_lm.load`` (a local path, or a hub id on a machine that may download). Run on the MLX thread."""
     t0 = time.perf_counter()
-    model, tokenizer, config = mlx_lm.load(path, return_config=True)  # type: ignore[misc]
+    try:
+        model, tokenizer, config = mlx_lm.load(locate_model(path), return_config=True)  # type: ignore[misc]
+    except ModelLoadError:
+        raise
+    except ValueError as exc:  # mlx-lm's "Model type X not supported."
+        raise ModelLoadError(f"cannot load the model at {path}: {exc}") from exc
+    except Exception as exc:  # a download failing, a broken checkpoint
+        raise ModelLoadError(f"cannot load the model at {path}: {type(exc).__name__}: {exc}") from exc
     ctx = config.get("max_position_embeddings") or config.get("max_seq_len")
     loaded = LoadedModel(path, model, tokenizer, int(ctx) if ctx else None, frozenset(tokenizer.eos_token_ids),
                          PromptEncoder(tokenizer))
@@ -57,7 +90,11 @@ def load_model(path: str) -> LoadedModel:
 async def start_engine(path: str, sink: Sink, options: EngineOptions | None = None) -> tuple[Engine, LoadedModel]:
     """Start an MLX thread, load the model on it, and build the engine around a fresh batch."""
     thread = MLXThread(name="mlx-" + path.rstrip("/").rsplit("/", 1)[-1])
-    loaded = await thread.call(load_model, path)
+    try:
+        loaded = await thread.call(load_model, path)
+    except BaseException:
+        await thread.aclose()
+        raise
     return await build_engine(loaded, thread, sink, options), loaded
 
 

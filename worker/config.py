@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from api.config import DEFAULT_REDIS_URL
+from api.config import DEFAULT_REDIS_URL, EnvReader
 from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
 
 __all__ = ["ServedModel", "WorkerConfig"]
@@ -100,36 +100,37 @@ class WorkerConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerConfig:
-        """Read ``MLXQ_*`` variables; unset ones keep their defaults."""
-        env = os.environ if env is None else env
+        """Read ``MLXQ_*`` variables; unset ones keep their defaults. A value that does not parse, or is out of
+        range, raises :class:`api.errors.ConfigError` naming the variable."""
+        e = EnvReader(os.environ if env is None else env)
         d = cls()
         return cls(
-            model=env.get("MLXQ_MODEL", d.model),
-            model_name=env.get("MLXQ_MODEL_NAME", d.model_name),
-            models=env.get("MLXQ_MODELS", d.models),
-            redis_url=env.get("MLXQ_REDIS_URL", d.redis_url),
-            prefix=env.get("MLXQ_PREFIX", d.prefix),
-            capacity=int(env.get("MLXQ_BATCH_CAPACITY", d.capacity)),
-            prefill_batch_size=int(env.get("MLXQ_PREFILL_BATCH", d.prefill_batch_size)),
-            prefill_step_size=int(env.get("MLXQ_PREFILL_STEP", d.prefill_step_size)),
-            admit_wait_ms=float(env.get("MLXQ_ADMIT_WAIT_MS", d.admit_wait_ms)),
-            stream_interval_ms=float(env.get("MLXQ_STREAM_INTERVAL_MS", d.stream_interval_ms)),
-            max_jobs=int(env.get("MLXQ_MAX_JOBS", d.max_jobs)),
-            poll_delay_s=float(env.get("MLXQ_POLL_DELAY", d.poll_delay_s)),
-            job_timeout_s=float(env.get("MLXQ_JOB_TIMEOUT", d.job_timeout_s)),
-            max_tokens_limit=int(env.get("MLXQ_MAX_TOKENS", d.max_tokens_limit)),
-            max_prompt_tokens=int(env.get("MLXQ_MAX_PROMPT_TOKENS", d.max_prompt_tokens)),
-            max_payload_bytes=int(env.get("MLXQ_MAX_PAYLOAD_BYTES", d.max_payload_bytes)),
-            max_stop_strings=int(env.get("MLXQ_MAX_STOP_STRINGS", d.max_stop_strings)),
-            max_stop_chars=int(env.get("MLXQ_MAX_STOP_CHARS", d.max_stop_chars)),
-            max_tries=int(env.get("MLXQ_MAX_TRIES", d.max_tries)),
-            cancel_poll_s=float(env.get("MLXQ_CANCEL_POLL", d.cancel_poll_s)),
-            drain_timeout_s=float(env.get("MLXQ_DRAIN_TIMEOUT", d.drain_timeout_s)),
-            shutdown_grace_s=float(env.get("MLXQ_SHUTDOWN_GRACE", d.shutdown_grace_s)),
-            lease_ttl_s=float(env.get("MLXQ_LEASE_TTL", d.lease_ttl_s)),
-            reap_interval_s=float(env.get("MLXQ_REAP_INTERVAL", d.reap_interval_s)),
-            live_ttl_s=int(env.get("MLXQ_LIVE_TTL", d.live_ttl_s)),
-            done_ttl_s=int(env.get("MLXQ_DONE_TTL", d.done_ttl_s)),
-            keep_result_s=int(env.get("MLXQ_KEEP_RESULT", d.keep_result_s)),
-            heartbeat_s=float(env.get("MLXQ_HEARTBEAT", d.heartbeat_s)),
+            model=e.text("MLXQ_MODEL", d.model),
+            model_name=e.text("MLXQ_MODEL_NAME", d.model_name),
+            models=e.text("MLXQ_MODELS", d.models),
+            redis_url=e.text("MLXQ_REDIS_URL", d.redis_url),
+            prefix=e.text("MLXQ_PREFIX", d.prefix),
+            capacity=e.integer("MLXQ_BATCH_CAPACITY", d.capacity, minimum=1),
+            prefill_batch_size=e.integer("MLXQ_PREFILL_BATCH", d.prefill_batch_size, minimum=1),
+            prefill_step_size=e.integer("MLXQ_PREFILL_STEP", d.prefill_step_size, minimum=1),
+            admit_wait_ms=e.number("MLXQ_ADMIT_WAIT_MS", d.admit_wait_ms, minimum=0),
+            stream_interval_ms=e.number("MLXQ_STREAM_INTERVAL_MS", d.stream_interval_ms, minimum=0),
+            max_jobs=e.integer("MLXQ_MAX_JOBS", d.max_jobs, minimum=0),
+            poll_delay_s=e.number("MLXQ_POLL_DELAY", d.poll_delay_s, minimum=0.001),
+            job_timeout_s=e.number("MLXQ_JOB_TIMEOUT", d.job_timeout_s, minimum=0.001),
+            max_tokens_limit=e.integer("MLXQ_MAX_TOKENS", d.max_tokens_limit, minimum=1),
+            max_prompt_tokens=e.integer("MLXQ_MAX_PROMPT_TOKENS", d.max_prompt_tokens, minimum=1),
+            max_payload_bytes=e.integer("MLXQ_MAX_PAYLOAD_BYTES", d.max_payload_bytes, minimum=1),
+            max_stop_strings=e.integer("MLXQ_MAX_STOP_STRINGS", d.max_stop_strings, minimum=0),
+            max_stop_chars=e.integer("MLXQ_MAX_STOP_CHARS", d.max_stop_chars, minimum=1),
+            max_tries=e.integer("MLXQ_MAX_TRIES", d.max_tries, minimum=1),
+            cancel_poll_s=e.number("MLXQ_CANCEL_POLL", d.cancel_poll_s, minimum=0.001),
+            drain_timeout_s=e.number("MLXQ_DRAIN_TIMEOUT", d.drain_timeout_s, minimum=0),
+            shutdown_grace_s=e.number("MLXQ_SHUTDOWN_GRACE", d.shutdown_grace_s, minimum=0),
+            lease_ttl_s=e.number("MLXQ_LEASE_TTL", d.lease_ttl_s, minimum=0.1),
+            reap_interval_s=e.number("MLXQ_REAP_INTERVAL", d.reap_interval_s, minimum=0.01),
+            live_ttl_s=e.integer("MLXQ_LIVE_TTL", d.live_ttl_s, minimum=1),
+            done_ttl_s=e.integer("MLXQ_DONE_TTL", d.done_ttl_s, minimum=1),
+            keep_result_s=e.integer("MLXQ_KEEP_RESULT", d.keep_result_s, minimum=0),
+            heartbeat_s=e.number("MLXQ_HEARTBEAT", d.heartbeat_s, minimum=0.05),
         )

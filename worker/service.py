@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from api.errors import describe
 from api.schema import GenerateRequest, ModelState, ModelStatus
 from engine.engine import Engine, Sink
 from engine.loader import EngineOptions, LoadedModel, start_engine
@@ -104,7 +105,7 @@ class ModelService:
         try:
             req = GenerateRequest.model_validate(payload)
         except ValidationError as exc:
-            raise BadRequest(summarize(exc)) from None
+            raise BadRequest("invalid request: " + describe(exc)) from None
         cfg = self.config
         if len(req.stop) > cfg.max_stop_strings or any(len(s) > cfg.max_stop_chars for s in req.stop):
             raise BadRequest(f"at most {cfg.max_stop_strings} stop strings of at most {cfg.max_stop_chars} chars")
@@ -148,17 +149,3 @@ class ModelService:
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the context ({ctx})"
             )
         return tokens
-
-
-def summarize(exc: ValidationError) -> str:
-    """A validation error as ``field: problem`` parts, bounded in length."""
-    parts = []
-    for err in exc.errors()[:5]:
-        where = ".".join(_clip(str(p), 64) for p in err["loc"]) or "payload"
-        parts.append(f"{where}: {_clip(err['msg'], 300)}")
-    more = f" (+{exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
-    return "invalid request: " + "; ".join(parts) + more
-
-
-def _clip(text: str, n: int) -> str:
-    return text if len(text) <= n else text[:n] + "..."

@@ -9,16 +9,36 @@ thread.
 from __future__ import annotations
 
 import logging
+import socket
+import sys
 from typing import Any
 
 from api.arqseam import Host, WorkerSpec
 from api.arqseam import worker_settings as arq_worker_settings
+from api.errors import ConfigError
+from engine.loader import ModelLoadError, locate_model
 
 from . import watchdog
 from .config import WorkerConfig
 from .host import WorkerHost
 
-__all__ = ["Settings", "worker_settings"]
+__all__ = ["CONFIG_ERROR_EXIT", "check_config", "worker_settings"]  # and Settings, built on first use
+
+log = logging.getLogger(__name__)
+CONFIG_ERROR_EXIT = 78  # EX_CONFIG: a configuration the worker cannot start with; restarting will not help
+
+
+def check_config(config: WorkerConfig) -> None:
+    """What can be judged before connecting anywhere: a model to serve, and each one's directory (a local path
+    that does not exist is never sent to the hub). Raises ConfigError or ModelLoadError."""
+    if not config.served:
+        raise ConfigError("no model to serve: set MLXQ_MODEL=<model directory or hub id> "
+                          "(or MLXQ_MODELS=path[=alias],...)")
+    names = [m.name for m in config.served]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"MLXQ_MODELS names a model twice: {', '.join(names)}")
+    for served in config.served:
+        locate_model(served.path)
 
 
 def worker_settings(config: WorkerConfig) -> dict[str, Any]:
@@ -28,8 +48,11 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
 
     async def start() -> Host:
         nonlocal host
-        _configure_logging()
-        host = await WorkerHost.start(config)
+        try:
+            host = await WorkerHost.start(config)
+        except (ConfigError, ModelLoadError) as exc:
+            log.error("worker cannot start: %s", exc)
+            raise SystemExit(CONFIG_ERROR_EXIT) from None
         return host
 
     def on_stop_signal(drain_s: float) -> None:
@@ -38,23 +61,25 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
         if host is not None:
             host.drain()
 
-    first = config.keys.queue(config.served[0].name) if config.served else config.keys.queue("")
+    first = config.served[0].name if config.served else ""
     return arq_worker_settings(WorkerSpec(
-        queue=first,
+        queue=config.keys.queue(first),
         redis_url=config.redis_url,
         start=start,
         max_jobs=config.arq_max_jobs,
         poll_delay_s=config.poll_delay_s,
         job_timeout_s=config.arq_job_timeout_s,
         drain_s=config.drain_timeout_s,
-        health_key=f"{first}:health:{config.worker_id}",
+        # The same on every start on this host, so `arq --check worker.Settings` (same environment) finds it.
+        health_key=config.keys.arq_health(socket.gethostname(), first),
         on_stop_signal=on_stop_signal,
         on_closed=watchdog.disarm,
     ))
 
 
 def _configure_logging() -> None:
-    # arq's CLI configures only the "arq" logger; give ours the same treatment unless the host app did.
+    # arq's CLI configures only the "arq" logger; give ours the same treatment unless the host app did (tests
+    # starting a Worker themselves log through pytest).
     for name in ("worker", "engine", "api"):
         logger = logging.getLogger(name)
         if not logger.handlers and not logging.getLogger().handlers:
@@ -64,10 +89,27 @@ def _configure_logging() -> None:
             logger.setLevel(logging.INFO)
 
 
-class Settings:
-    """``arq worker.Settings``: the worker for ``MLXQ_MODEL`` or ``MLXQ_MODELS`` (attributes filled from the
-    environment)."""
+def _settings_class() -> type:
+    """``arq worker.Settings``: the worker for ``MLXQ_MODEL`` or ``MLXQ_MODELS``, its attributes read from the
+    environment; a bad configuration exits 78 with one line, not a traceback."""
+    _configure_logging()
+    try:
+        config = WorkerConfig.from_env()
+        check_config(config)
+    except (ConfigError, ModelLoadError) as exc:
+        print(f"mlxq worker: {exc}", file=sys.stderr)
+        raise SystemExit(CONFIG_ERROR_EXIT) from None
+    return type("Settings", (), dict(worker_settings(config)))
 
 
-for _name, _value in worker_settings(WorkerConfig.from_env()).items():
-    setattr(Settings, _name, _value)
+_settings: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    # Built when arq asks for it, not at import: importing this module reads no environment.
+    global _settings
+    if name == "Settings":
+        if _settings is None:
+            _settings = _settings_class()
+        return _settings
+    raise AttributeError(name)

@@ -112,7 +112,8 @@ async def fake_client(fake_redis: Any) -> AsyncIterator[Client]:
 
 
 @pytest.fixture
-def fake_worker(fake_redis: Any, fake_client: Client) -> FakeWorker:
+async def fake_worker(fake_redis: Any, fake_client: Client) -> FakeWorker:
+    await fake_redis.set(fake_client.keys.job(RID), b"{}")  # the job was submitted: its record exists
     return FakeWorker(fake_redis, fake_client)
 
 
@@ -293,9 +294,15 @@ async def test_live_events_from_background_worker(fake_client: Client, fake_work
     assert got == events
 
 
-async def test_events_timeout_when_nothing_comes(fake_client: Client) -> None:
-    with pytest.raises(WaitTimeout):
+async def test_events_timeout_when_nothing_comes(fake_client: Client, fake_worker: FakeWorker) -> None:
+    with pytest.raises(WaitTimeout):  # queued (its record exists), and no worker takes it
         await collect(fake_client, timeout=0.1)
+
+
+async def test_events_of_an_unknown_job_raise_at_once(fake_client: Client, xrange_calls: list[str]) -> None:
+    with pytest.raises(JobNotFound, match="job nope is unknown"):
+        await fake_client.result("nope", timeout=60)
+    assert len(xrange_calls) == 1  # one replay read, then the job's record was looked for: no wait
 
 
 async def test_events_timeout_when_job_never_ends(fake_client: Client, fake_worker: FakeWorker) -> None:

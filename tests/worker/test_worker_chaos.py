@@ -10,6 +10,7 @@ import itertools
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -24,6 +25,7 @@ import redis.asyncio as aredis
 from mlx_lm.generate import generate_step
 
 from api.client import Client
+from api.keys import Keys
 from api.schema import DoneEvent, ErrorEvent, Event, FinishReason
 from engine.prompt import encode_prompt
 from tests.support import RunningWorker, config_with, start_worker
@@ -242,7 +244,7 @@ async def test_soak_2000_jobs_leaves_redis_at_baseline_and_rss_flat(tiny_model: 
         status = await asyncio.to_thread(worker.wait_ready, 120)
         # What a live worker keeps: its health records (its own and arq's), the set of workers, the epoch.
         baseline = {b"mlxq:epoch", b"mlxq:workers", f"mlxq:worker:{status.id}".encode(),
-                    f"mlxq:queue:tiny:health:{status.id}".encode()}
+                    Keys().arq_health(socket.gethostname(), "tiny").encode()}
         assert worker.proc is not None
         proc = psutil.Process(worker.proc.pid)
         async with Client(redis_url) as client:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import plistlib
 import re
@@ -36,10 +37,17 @@ def arq_worker(redis_url: str, tiny_model: Path, tmp_path: Path) -> Iterator[Wor
         assert "Traceback" not in proc.log_path.read_text(), proc.tail()
 
 
-def mlxq(redis_url: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "MLXQ_REDIS_URL": redis_url, "TRANSFORMERS_VERBOSITY": "error"}
-    return subprocess.run([sys.executable, "-m", "api.cli", *args], cwd=ROOT, env=env,
+def mlxq(redis_url: str, *args: str, timeout: float = 120, stdin: str | None = None,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "MLXQ_REDIS_URL": redis_url, "TRANSFORMERS_VERBOSITY": "error", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "api.cli", *args], cwd=ROOT, env=env, input=stdin,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """The one line a failing command printed on stderr (and no traceback)."""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr.strip()
 
 
 def test_submit_streams_exactly_the_generated_text_to_stdout(arq_worker: WorkerProcess, redis_url: str,
@@ -83,7 +91,7 @@ def test_submit_chat_no_wait_prints_the_job_id(arq_worker: WorkerProcess, redis_
 
 
 def test_cancel_command_cancels_a_queued_job(redis_url: str, worker_config: Any) -> None:
-    proc = mlxq(redis_url, "submit", "--model", "ghost", "--no-wait", "hello")
+    proc = mlxq(redis_url, "submit", "--model", "ghost", "--no-wait", "--queue-anyway", "hello")
     rid = proc.stdout.strip()
     assert mlxq(redis_url, "cancel", rid).returncode == 0
 
@@ -99,11 +107,129 @@ def test_cancel_command_cancels_a_queued_job(redis_url: str, worker_config: Any)
 
 
 def test_submit_error_event_exits_non_zero(arq_worker: WorkerProcess, redis_url: str) -> None:
-    proc = mlxq(redis_url, "submit", "--model", "no-such-model", "--timeout", "3", "hi")
+    proc = mlxq(redis_url, "submit", "--model", "no-such-model", "--queue-anyway", "--timeout", "3", "hi")
     assert proc.returncode == 1  # nothing serves that queue: the wait times out
     assert "no terminal event" in proc.stderr
     bad = mlxq(redis_url, "submit", "--model", "m", "--max-tokens", "0", "hi")
-    assert bad.returncode == 2 and "bad request" in bad.stderr
+    assert bad.returncode == 2
+    assert one_line(bad) == "mlxq: bad request: max_tokens: Input should be greater than or equal to 1"
+
+
+def test_submit_says_at_once_that_no_live_worker_serves_the_model(arq_worker: WorkerProcess, redis_url: str,
+                                                                  tiny_model: Path) -> None:
+    proc = mlxq(redis_url, "submit", "--model", "ghost", "hi")
+    assert proc.returncode == 3
+    assert one_line(proc).startswith(f"mlxq: no live worker serves model 'ghost' (models served now: "
+                                      f"'{tiny_model}'); nothing was queued")
+
+    async def queued() -> int:
+        import redis.asyncio as aredis
+
+        r = aredis.Redis.from_url(redis_url)
+        try:
+            return int(await r.exists("mlxq:queue:ghost"))
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(queued()) == 0
+
+
+def test_submit_reads_the_prompt_from_stdin_or_a_file(arq_worker: WorkerProcess, redis_url: str,
+                                                      tiny_model: Path, tmp_path: Path) -> None:
+    model = str(tiny_model)
+    direct = mlxq(redis_url, "submit", "--model", model, "--max-tokens", "6", "a long prompt\nover lines")
+    piped = mlxq(redis_url, "submit", "--model", model, "--max-tokens", "6", "-", stdin="a long prompt\nover lines")
+    (tmp_path / "prompt.txt").write_text("a long prompt\nover lines")
+    filed = mlxq(redis_url, "submit", "--model", model, "--max-tokens", "6", "--file", str(tmp_path / "prompt.txt"))
+    assert direct.returncode == piped.returncode == filed.returncode == 0, piped.stderr + filed.stderr
+    assert direct.stdout == piped.stdout == filed.stdout
+    missing = mlxq(redis_url, "submit", "--model", model, "--file", str(tmp_path / "nope.txt"))
+    assert missing.returncode == 2
+    assert one_line(missing) == f"mlxq: bad request: cannot read the prompt from {tmp_path / 'nope.txt'}: " \
+                                "No such file or directory"
+    nothing = mlxq(redis_url, "submit", "--model", model)
+    assert nothing.returncode == 2 and "no prompt" in one_line(nothing)
+
+
+def test_cancel_and_events_of_an_unknown_job_say_so_in_one_line(redis_url: str) -> None:
+    for command in ("cancel", "events"):
+        proc = mlxq(redis_url, command, "no-such-job")
+        assert proc.returncode == 1
+        assert one_line(proc).startswith("mlxq: job no-such-job is unknown"), proc.stderr
+
+
+def test_status_and_health_show_the_live_worker_and_the_queues(arq_worker: WorkerProcess, redis_url: str,
+                                                               tiny_model: Path) -> None:
+    assert mlxq(redis_url, "submit", "--model", "ghost", "--queue-anyway", "--no-wait", "hi").returncode == 0
+    text = mlxq(redis_url, "status")
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    ghost = next(ln for ln in lines if ln.startswith("ghost "))
+    assert ghost.split()[1] == "1" and "no live worker" in ghost  # one job queued, nobody to take it
+    served = next(ln for ln in lines if ln.startswith(str(tiny_model)))
+    assert served.split()[3:5] == ["1", "4"]  # one worker, capacity 4
+    report = json.loads(mlxq(redis_url, "status", "--json").stdout)
+    (worker,) = report["workers"]
+    assert worker["pid"] == arq_worker.proc.pid and worker["models"][0]["state"] == "serving"
+    assert {m["name"]: m["queued"] for m in report["models"]} == {"ghost": 1, str(tiny_model): 0}
+    ok = mlxq(redis_url, "health", "--model", str(tiny_model))
+    assert ok.returncode == 0 and ok.stdout.startswith("ok: 1 live worker(s) serve model")
+    assert mlxq(redis_url, "health").returncode == 0
+    sick = mlxq(redis_url, "health", "--model", "ghost")
+    assert sick.returncode == 1
+    assert one_line(sick).startswith("mlxq: unhealthy: no live worker serves model 'ghost'")
+
+
+def test_health_and_arqs_own_check_fail_without_a_worker(redis_url: str, tiny_model: Path) -> None:
+    assert mlxq(redis_url, "health").returncode == 1
+    env = {**os.environ, "MLXQ_REDIS_URL": redis_url, "MLXQ_MODEL": str(tiny_model)}
+    check = subprocess.run([sys.executable, "-m", "arq", "--check", "worker.Settings"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 1, check.stderr
+
+
+def test_arqs_own_health_check_passes_for_a_live_worker_on_this_host(arq_worker: WorkerProcess) -> None:
+    check = subprocess.run([sys.executable, "-m", "arq", "--check", "worker.Settings"], cwd=ROOT, env=arq_worker.env,
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("setting,message", [
+    ({"MLXQ_MODEL": "/nonexistent/model"}, "mlxq worker: no model directory at /nonexistent/model"),
+    ({"MLXQ_MODEL": "relative/path/model"}, "mlxq worker: no model directory at relative/path/model"),
+    ({"MLXQ_MODEL": "{tmp}"}, "mlxq worker: {tmp} is not an mlx-lm model directory (it has no config.json)"),
+    ({"MLXQ_MODEL": ""}, "mlxq worker: no model to serve: set MLXQ_MODEL"),
+    ({"MLXQ_MODEL": "{tiny}", "MLXQ_BATCH_CAPACITY": "many"}, "mlxq worker: MLXQ_BATCH_CAPACITY='many': expected an "
+                                                             "integer"),
+], ids=["missing", "relative", "not_a_model", "unset", "bad_number"])
+def test_a_worker_that_cannot_start_says_why_in_one_line_and_exits_78(setting: dict[str, str], message: str,
+                                                                       tmp_path: Path, tiny_model: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}
+    env.update({k: v.format(tmp=tmp_path, tiny=tiny_model) for k, v in setting.items()})
+    env["MLXQ_REDIS_URL"] = "redis://127.0.0.1:1"  # never reached: the configuration is judged first
+    proc = subprocess.run([sys.executable, "-m", "arq", "worker.Settings"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 78
+    assert one_line(proc).startswith(message.format(tmp=tmp_path)), proc.stderr
+
+
+def test_a_bad_setting_or_a_missing_extra_is_one_line_not_a_traceback(redis_url: str) -> None:
+    bad = mlxq(redis_url, "status", env={"MLXQ_RETRY_DEADLINE": "soon"})
+    assert bad.returncode == 2 and one_line(bad) == "mlxq: MLXQ_RETRY_DEADLINE='soon': expected a number"
+    code = ("import sys; sys.modules['worker.tools.demo'] = None; from api.cli import main; "
+            "sys.exit(main(['demo']))")
+    missing = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2
+    assert one_line(missing).startswith("mlxq: 'demo' needs the worker extra")
+
+
+def test_help_shows_defaults_environment_and_exit_status() -> None:
+    top = subprocess.run([sys.executable, "-m", "api.cli", "--help"], cwd=ROOT, capture_output=True, text=True)
+    sub = subprocess.run([sys.executable, "-m", "api.cli", "submit", "--help"], cwd=ROOT, capture_output=True,
+                         text=True)
+    for out in (top.stdout, sub.stdout):
+        assert "MLXQ_REDIS_URL" in out and "exit status:" in out and "3    no live worker serves the model" in out
+    assert "most tokens to generate (default: 256)" in sub.stdout
 
 
 # --- the shutdown watchdog: a real arq Worker in a child process -------------------------------------------

@@ -599,7 +599,7 @@ async def test_malformed_job_envelope_does_not_kill_the_worker(worker: RunningWo
     {"id": JOB_ID, "model": MODEL, "prompt": "hi", "metadata": {"k" * 100_000: "v"}},
 ], ids=["unknown_field", "metadata_key"])
 def test_bad_request_message_is_bounded(validator: Validator, payload: dict[str, Any]) -> None:
-    """``worker.service.summarize`` puts pydantic error locations in the message verbatim: an unknown field
+    """``api.errors.describe`` puts pydantic error locations in the message verbatim: an unknown field
     name or a metadata key of N chars gives an N-char error event (published, and kept in the replay log)."""
     message = validator.check(payload, JOB_ID)
     assert isinstance(message, str)

@@ -1,0 +1,102 @@
+"""``mlxq status``: the deployment at a glance, read from Redis (so it works from any host).
+
+For every model with a queue or a live worker: jobs waiting, the age of the oldest, and what its live workers
+do now; then each live worker (host, pid, models, capacity, running and waiting sequences, tokens per second
+over the last minute, uptime, version). As text for a terminal, or JSON for scripts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .client import Client
+from .registry import ModelInfo, QueueInfo, models_of
+from .schema import WorkerStatus
+
+__all__ = ["Report", "collect", "render"]
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What ``mlxq status`` shows."""
+
+    where: str  # the Redis address (no password)
+    prefix: str
+    at: float
+    queues: dict[str, QueueInfo]
+    models: dict[str, ModelInfo]
+    workers: list[WorkerStatus]
+
+    def to_json(self) -> dict[str, Any]:
+        names = sorted(set(self.queues) | set(self.models))
+        return {
+            "redis": self.where, "prefix": self.prefix, "at": self.at,
+            "models": [_model_json(name, self.queues.get(name), self.models.get(name)) for name in names],
+            "workers": [w.model_dump(mode="json") for w in self.workers],
+        }
+
+
+async def collect(client: Client) -> Report:
+    """Read the queues and the live workers' health records."""
+    workers = await client.workers()
+    queues = {q.model: q for q in await client.queues()}
+    return Report(client.where, client.keys.prefix, time.time(), queues, models_of(workers), workers)
+
+
+def render(report: Report) -> str:
+    """The report as text tables."""
+    at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.at))
+    lines = [f"mlxq status: {report.where}, prefix {report.prefix!r}, {at}", ""]
+    names = sorted(set(report.queues) | set(report.models))
+    if not names:
+        lines.append("no queued jobs and no live workers")
+        return "\n".join(lines)
+    rows = [["MODEL", "QUEUED", "OLDEST", "WORKERS", "CAPACITY", "RUNNING", "WAITING", "TOK/S", "IMAGES"]]
+    for name in names:
+        q, m = report.queues.get(name), report.models.get(name)
+        depth = str(q.depth) if q else "0"
+        oldest = _age(q.oldest_s) if q and q.oldest_s is not None else "-"
+        if m is None or m.workers == 0:
+            note = "dead on every worker" if m is not None and m.dead_on else "no live worker"
+            rows.append([name, depth, oldest, "0", "-", "-", "-", "-", note])
+        else:
+            rows.append([name, depth, oldest, str(m.workers), str(m.capacity), str(m.running), str(m.waiting),
+                         f"{m.tokens_per_s:.1f}", "yes" if m.accepts_images else "no"])
+    lines += _table(rows)
+    if report.workers:
+        lines += ["", *_table(_worker_rows(report))]
+    return "\n".join(lines)
+
+
+def _worker_rows(report: Report) -> list[list[str]]:
+    rows = [["WORKER", "HOST", "PID", "MODEL", "STATE", "CAP", "RUN", "WAIT", "TOK/S", "UPTIME", "VERSION"]]
+    for w in report.workers:
+        for i, m in enumerate(w.models):
+            state = "draining" if w.draining and m.state.value == "serving" else m.state.value
+            head = [w.id, w.host, str(w.pid)] if i == 0 else ["", "", ""]
+            tail = [_age(report.at - w.started_at), w.version] if i == 0 else ["", ""]
+            rows.append([*head, m.name, state, str(m.capacity), str(m.running), str(m.waiting),
+                         f"{m.tokens_per_s:.1f}", *tail])
+    return rows
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def _age(seconds: float) -> str:
+    s = max(0.0, seconds)
+    if s < 60:
+        return f"{s:.1f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def _model_json(name: str, q: QueueInfo | None, m: ModelInfo | None) -> dict[str, Any]:
+    served = asdict(m) if m is not None else {"workers": 0}
+    served.pop("name", None)
+    return {"name": name, "queued": q.depth if q else 0, "oldest_s": q.oldest_s if q else None, **served}
