@@ -66,6 +66,7 @@ class Engine:
         self.scheduler = scheduler
         self.stats = EngineStats()
         self.on_dead: Callable[[], None] = lambda: None  # called (on the MLX thread) if it cannot recover
+        self.on_step: Callable[[float], None] = lambda seconds: None  # each step's duration (on the MLX thread)
         self.dead = False
         self._sink = sink
         self._pacer = Pacer(stream_interval_s)
@@ -132,8 +133,11 @@ class Engine:
                     self._await_expected()
                 self._emit(self._drain_inbox())
                 if self.scheduler.has_work:
+                    t0 = time.perf_counter()
+                    outs = self.scheduler.step()
                     self.stats.steps += 1
-                    self._emit(self.scheduler.step())
+                    self.on_step(time.perf_counter() - t0)
+                    self._emit(outs)
             except Exception as exc:  # an engine step failed: fail what was in flight, keep serving
                 self._on_failure(exc)
             with self._lock:

@@ -71,6 +71,8 @@ class WorkerConfig:
     done_ttl_s: int = DONE_TTL_S  # MLXQ_DONE_TTL: replay log TTL after the terminal event
     keep_result_s: int = 60  # MLXQ_KEEP_RESULT: arq's result key TTL
     heartbeat_s: float = 2.0  # MLXQ_HEARTBEAT: how often the worker's health record is written
+    metrics_port: int = 0  # MLXQ_METRICS_PORT: serve Prometheus metrics on this port (0: off)
+    metrics_addr: str = "0.0.0.0"  # MLXQ_METRICS_ADDR: the address it listens on
     worker_id: str = field(default_factory=_worker_id)
 
     @property
@@ -133,4 +135,6 @@ class WorkerConfig:
             done_ttl_s=e.integer("MLXQ_DONE_TTL", d.done_ttl_s, minimum=1),
             keep_result_s=e.integer("MLXQ_KEEP_RESULT", d.keep_result_s, minimum=0),
             heartbeat_s=e.number("MLXQ_HEARTBEAT", d.heartbeat_s, minimum=0.05),
+            metrics_port=e.integer("MLXQ_METRICS_PORT", d.metrics_port, minimum=0),
+            metrics_addr=e.text("MLXQ_METRICS_ADDR", d.metrics_addr),
         )

@@ -13,7 +13,7 @@ import importlib.metadata
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -58,12 +58,13 @@ class HealthReporter:
     """Writes ``snapshot()`` as this worker's health record every ``interval_s`` until cancelled."""
 
     def __init__(self, redis: Redis, keys: Keys, worker_id: str, snapshot: Callable[[], WorkerStatus],
-                 interval_s: float = 2.0) -> None:
+                 interval_s: float = 2.0, before: Callable[[], Awaitable[None]] | None = None) -> None:
         self.redis = redis
         self.keys = keys
         self.worker_id = worker_id
         self.snapshot = snapshot
         self.interval_s = interval_s
+        self.before = before  # reads what the record needs from Redis (each beat, before the snapshot)
         self._failing = False
 
     async def run(self) -> None:
@@ -74,9 +75,11 @@ class HealthReporter:
 
     async def beat(self) -> None:
         """Write the record now (failures are logged once, then retried at the next beat)."""
-        record = self.snapshot().model_dump_json()
         ttl_ms = int(self.interval_s * RECORD_TTL_INTERVALS * 1000)
         try:
+            if self.before is not None:
+                await self.before()
+            record = self.snapshot().model_dump_json()
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.set(self.keys.worker(self.worker_id), record, px=ttl_ms)
                 pipe.zadd(self.keys.workers(), {self.worker_id: int(time.time() * 1000)})

@@ -36,6 +36,7 @@ from .config import WorkerConfig
 from .health import HealthReporter, TokenRate, package_version
 from .leases import LeaseKeeper
 from .lifecycle import Claim, Lifecycle, LogTTL, Record, Run, Start, Starts, State, Wire, Write
+from .metrics import Metrics
 from .publisher import Publisher
 from .reaper import Reaper
 from .service import BadRequest, ModelService
@@ -68,13 +69,21 @@ class WorkerHost:
         self.publisher.on_fenced = self._lose
         self.leases = LeaseKeeper(self.lifecycle, self.runs, config.lease_ttl_s, self._lose)
         self.reaper = Reaper(self.lifecycle, config.max_tries, config.reap_interval_s)
-        self.health = HealthReporter(redis, self.keys, config.worker_id, self.status, config.heartbeat_s)
+        self.health = HealthReporter(redis, self.keys, config.worker_id, self.status, config.heartbeat_s,
+                                     before=self._read_queues)
+        self.metrics = Metrics()
+        self.publisher.on_ended = self.metrics.ended
+        self.publisher.on_write = self.metrics.redis_write.observe
+        self.metrics_url: str | None = None
+        self.queue_depths: dict[str, int] = {}  # jobs waiting in each served queue, read every heartbeat
         self.dead_lettered = 0
         self.data_lost = 0
+        self.handed_back = 0
         self.draining = False
         self.started_at = time.time()
         self._rates = {name: TokenRate() for name in self.services}
         self._tasks: list[asyncio.Task[None]] = []
+        self.metrics.watch(self)  # last: the registry reads the counters above at once
 
     @classmethod
     async def start(cls, config: WorkerConfig) -> WorkerHost:
@@ -91,6 +100,11 @@ class WorkerHost:
         for service in host.services.values():  # one at a time: each materializes its arrays on its own thread
             await service.load(sink)
             service.on_dead = host._on_model_dead
+            assert service.engine is not None
+            service.engine.on_step = host.metrics.step_timer(service.name)
+        if config.metrics_port:
+            host.metrics_url = host.metrics.serve(config.metrics_port, config.metrics_addr)
+            log.info("metrics on %s", host.metrics_url)
         watcher = CancelWatcher(redis=host.redis, keys=host.keys, held=host.runs.keys, on_cancel=host._cancel,
                                 poll_s=config.cancel_poll_s)
         wake_channels = [host.keys.wake_channel(name) for name in host.services]
@@ -119,6 +133,7 @@ class WorkerHost:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._writer.aclose()
         await self.redis.aclose()
+        self.metrics.close()
         log.info("stats: %s", self.stats_line())
 
     def drain(self) -> None:
@@ -131,15 +146,27 @@ class WorkerHost:
         tokens = self.publisher.stats.tokens_by_model
         models = [s.status(self._rates[name].rate(tokens.get(name, 0))) for name, s in self.services.items()]
         return WorkerStatus(id=self.config.worker_id, host=socket.gethostname(), pid=os.getpid(), version=_VERSION,
-                            started_at=self.started_at, updated_at=time.time(), draining=self.draining, models=models)
+                            started_at=self.started_at, updated_at=time.time(), draining=self.draining, models=models,
+                            metrics_url=self._public_metrics_url())
+
+    def _public_metrics_url(self) -> str | None:
+        if self.metrics_url is None:
+            return None
+        if self.config.metrics_addr in ("0.0.0.0", "::", ""):  # listening everywhere: name this host
+            return f"http://{socket.gethostname()}:{self.config.metrics_port}/metrics"
+        return self.metrics_url
+
+    async def _read_queues(self) -> None:
+        """The depth of each served queue (for the metrics), once a heartbeat."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for service in self.services.values():
+                pipe.zcard(service.queue)
+            depths = await pipe.execute()
+        self.queue_depths = {name: int(n) for name, n in zip(self.services, depths)}
 
     def stats_line(self) -> str:
-        """Counters as one ``key=value`` line."""
-        steps = sum(s.engine.stats.steps for s in self.services.values() if s.engine is not None)
-        p = self.publisher.stats
-        return (f"engine_steps={steps} redis_writes={p.writes} other_writes={p.other_writes} events={p.events} "
-                f"fenced={p.fenced} reaped={self.reaper.reaped} expired={self.reaper.expired} "
-                f"data_lost={self.data_lost} dead_lettered={self.dead_lettered}")
+        """Every counter of the metrics registry as one ``key=value`` line."""
+        return self.metrics.stats_line()
 
     # --- arq's seam: claims --------------------------------------------------------------------------
     async def claim(self, free: int) -> Claims:
@@ -258,6 +285,7 @@ class WorkerHost:
             await self.publisher.write([(run, run.error(ErrorCode.WORKER_LOST, msg))])
             return
         await self.publisher.write([(run, run.reset("worker shutting down; job re-queued"))], Write.HAND_BACK)
+        self.handed_back += 1
         log.info("job %s: interrupted; handed back to the queue", run.rid)
 
     def _cancel(self, rid: str) -> None:

@@ -46,6 +46,10 @@ async def _nothing(runs: list[Run]) -> None:
     return None
 
 
+def _ignore(*args: object) -> None:
+    return None
+
+
 class Publisher:
     """Turns engine outputs into events and writes them, one EMIT call per batch of outputs."""
 
@@ -55,6 +59,8 @@ class Publisher:
         self.worker_id = worker_id
         self.stats = PublisherStats()
         self.on_fenced: Callable[[list[Run]], Awaitable[None]] = _nothing
+        self.on_ended: Callable[[Run, Wire], None] = _ignore  # a run's terminal event was written
+        self.on_write: Callable[[float], None] = _ignore  # seconds one EMIT call took
         self._give_up_s = give_up_s  # past the lease TTL, other workers own these jobs anyway
         self._pending: list[RequestOutput] = []
         self._cancels = 0  # of _pending, synthetic cancel ends
@@ -119,6 +125,8 @@ class Publisher:
         for r, ok in zip(records, allowed):
             if ok and r.write is not Write.APPEND:
                 r.run.settle(_SETTLED[r.write])
+                if r.write is not Write.HAND_BACK and r.events:
+                    self.on_ended(r.run, r.events[-1])
             elif not ok and r.write is Write.LOST:
                 r.run.settle(State.FENCED)
         if fenced:
@@ -130,7 +138,9 @@ class Publisher:
         attempt = 0
         while True:
             try:
+                t0 = time.perf_counter()
                 allowed = await self.lifecycle.write(records)
+                self.on_write(time.perf_counter() - t0)
                 self.stats.events += sum(len(r.events) for r in records)
                 return allowed
             except (RedisError, OSError) as exc:

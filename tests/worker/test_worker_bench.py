@@ -211,14 +211,47 @@ def test_coretype_for_takes_the_fastest_kernels_the_cpu_flags_allow(tmp_path: Pa
     assert blas.openblas_core(tmp_path / "missing.so") is None
 
 
-def test_parse_stats_takes_the_last_stats_line(tmp_path: Path) -> None:
-    log = tmp_path / "w.log"
-    assert bench.parse_stats(log) is None
-    log.write_text("x stats: engine_steps=1 redis_writes=1 events=2 dropped=0\n"
-                   "12:00 INFO worker.service: stats: engine_steps=10 redis_writes=8 events=30 fenced=0 reaped=1\n")
-    stats = bench.parse_stats(log)
-    assert stats == bench.WorkerStats(10, 8, 30, {"fenced": 0, "reaped": 1})
+def test_scrape_stats_reads_the_workers_counters_from_its_metrics_endpoint() -> None:
+    import http.server
+    import threading
+
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    registry = CollectorRegistry()
+    Counter("mlxq:engine_steps", "", ["model_name"], registry=registry).labels("tiny").inc(10)
+    Counter("mlxq:redis_writes", "", registry=registry).inc(8)
+    Counter("mlxq:events", "", registry=registry).inc(30)
+    Counter("mlxq:reaped", "", registry=registry).inc(1)
+    body = generate_latest(registry)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        stats = bench.scrape_stats(f"http://127.0.0.1:{server.server_port}/metrics")
+    finally:
+        server.shutdown()
+    assert stats == bench.WorkerStats(10, 8, 30, {"reaped": 1})
     assert stats.writes_per_step == pytest.approx(0.8)
+    assert bench.scrape_stats(f"http://127.0.0.1:{server.server_port}/metrics") is None  # nobody answers
+
+
+def test_status_and_metrics_were_sampled_live_during_the_queue_run(quick_run: tuple[Path, int, str]) -> None:
+    out, _, _ = quick_run
+    status = (out / "live-status.txt").read_text()
+    row = next(ln for ln in status.splitlines() if ln.startswith("tiny "))
+    assert int(row.split()[5]) > 0  # RUNNING: sequences in the batch when it was read
+    metrics = (out / "live-metrics.txt").read_text()
+    running = next(ln for ln in metrics.splitlines() if ln.startswith('mlxq:num_requests_running{model_name="tiny"}'))
+    assert float(running.split()[-1]) > 0
 
 
 def test_blas_threads_are_chosen_only_where_openblas_runs(results: dict[str, Any]) -> None:

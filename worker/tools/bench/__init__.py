@@ -42,7 +42,7 @@ from worker.config import WorkerConfig
 
 from ..blas import OPENBLAS, blas_of, coretype_for, cpu_flags, openblas_core
 from ..redis_server import RedisServer
-from .paths import RawPath, _enqueue_phase, _openblas, _worker_phase, parse_stats
+from .paths import RawPath, _enqueue_phase, _openblas, _worker_phase, scrape_stats
 from .report import _md_blas as _md_blas  # the tests read one table
 from .report import _targets, render_markdown, write_outputs
 from .runs import (
@@ -69,8 +69,14 @@ from .runs import (
 )
 
 __all__ = [
-    "BenchConfig", "BenchResult", "RawPath", "WorkerStats", "parse_stats",
-    "render_markdown", "run_bench", "write_outputs",
+    "BenchConfig",
+    "BenchResult",
+    "RawPath",
+    "WorkerStats",
+    "render_markdown",
+    "run_bench",
+    "scrape_stats",
+    "write_outputs",
 ]
 
 

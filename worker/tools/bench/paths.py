@@ -9,7 +9,9 @@ import contextlib
 import os
 import random
 import signal
+import socket
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,12 +35,10 @@ if TYPE_CHECKING:
     from engine.request import RequestOutput
 
 from .runs import (
-    _KEY_VALUE_RE,
     _NOBODY,
     _PROBE_OFFSET,
     _PROBE_TOKENS,
     _SETTLE_S,
-    _STATS_LINE_RE,
     _TIMEOUT_S,
     PROMPT,
     BenchConfig,
@@ -87,6 +87,8 @@ class _DriveContext:
     cfg: BenchConfig
     worker: WorkerProcess
     meter: _CpuMeter
+    out: Path
+    metrics_url: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,37 +260,85 @@ def _worker_phase(
     """Start ``arq worker.Settings`` and measure it: batched ("queue", interleaved with ``raw``) or "serial"."""
     batched = raw is not None
     prefix = f"mlxq-bench-{kind}-{uuid.uuid4().hex[:6]}"
+    port = _free_port()
     env = {"MLXQ_MODEL": model, "MLXQ_MODEL_NAME": size, "MLXQ_REDIS_URL": site.url, "MLXQ_PREFIX": prefix,
            "MLXQ_BATCH_CAPACITY": str(cfg.capacity if batched else 1),
-           "MLXQ_MAX_JOBS": "0" if batched else "1", **extra_env}
+           "MLXQ_MAX_JOBS": "0" if batched else "1", "MLXQ_METRICS_PORT": str(port),
+           "MLXQ_METRICS_ADDR": "127.0.0.1", "MLXQ_HEARTBEAT": "0.5", **extra_env}
     log_path = site.out / "logs" / f"worker-{size}-{kind}.log"
     log_path.unlink(missing_ok=True)
     worker = WorkerProcess(env, log_path).start()
+    metrics_url = f"http://127.0.0.1:{port}/metrics"
     try:
         worker.wait_ready()
         assert worker.proc is not None
         blas = blas_of(worker.proc.pid)
         threads = f", {extra_env['OPENBLAS_NUM_THREADS']} BLAS thread(s)" if extra_env else ""
         _say(f"[{size}] {kind}: worker ready (capacity {env['MLXQ_BATCH_CAPACITY']}, {blas}{threads})")
-        ctx = _DriveContext(site.url, prefix, size, cfg, worker, _CpuMeter(worker.proc.pid, site.redis_pid))
+        ctx = _DriveContext(site.url, prefix, size, cfg, worker, _CpuMeter(worker.proc.pid, site.redis_pid),
+                            site.out, metrics_url)
         driven = asyncio.run(_drive_batched(ctx, raw) if raw is not None else _drive_serial(ctx))
+        stats = scrape_stats(metrics_url)  # the worker's own counters, as its metrics endpoint serves them
     finally:
         worker.signal(signal.SIGCONT)
         code = worker.stop()
-    stats = parse_stats(log_path)
     if stats is None:
-        raise RuntimeError(f"no stats line in {log_path} (worker exit {code}); log:\n{worker.tail()}")
+        raise RuntimeError(f"no metrics at {metrics_url} (worker exit {code}); log:\n{worker.tail()}")
     return _WorkerRun(driven, stats, blas)
 
 
-def parse_stats(log_path: Path) -> WorkerStats | None:
-    """The last ``stats: engine_steps=N redis_writes=N events=N ...`` line of a worker log, or None."""
-    lines = _STATS_LINE_RE.findall(log_path.read_text(errors="replace")) if log_path.exists() else []
-    if not lines:
+def scrape_stats(url: str) -> WorkerStats | None:
+    """A worker's counters from its Prometheus endpoint (summed over labels), or None if it does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    except OSError:
         return None
-    counters = {k: int(v) for k, v in _KEY_VALUE_RE.findall(lines[-1])}
+    counters: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type == "counter":
+            name = family.name.removeprefix("mlxq:")
+            counters[name] = int(sum(s.value for s in family.samples if s.name.endswith("_total")))
     known = {k: counters.pop(k, 0) for k in ("engine_steps", "redis_writes", "events")}
     return WorkerStats(**known, other=counters)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _live_sample(ctx: _DriveContext, client: Client, n: int) -> None:
+    """While jobs run: ``mlxq status`` and the worker's metrics endpoint as they read then, saved beside the
+    results (live-status.txt, live-metrics.txt): both show live numbers, from any host. Waves of 2N jobs (N in
+    the batch, more waiting in Redis) until a health record written mid-wave shows sequences running."""
+    from api.status import collect, render
+
+    t0 = time.time()
+
+    async def sample() -> None:
+        while True:
+            report = await collect(client)
+            if any(m.running for w in report.workers if w.updated_at > t0 for m in w.models):
+                text = await asyncio.to_thread(lambda: urllib.request.urlopen(ctx.metrics_url, timeout=10).read())
+                (ctx.out / "live-status.txt").write_text(render(report) + "\n")
+                (ctx.out / "live-metrics.txt").write_bytes(text)
+                return
+            await asyncio.sleep(0.02)
+
+    sampler = asyncio.create_task(sample())
+    deadline = time.monotonic() + 120
+    while not sampler.done() and time.monotonic() < deadline:
+        await _queue_run(client, ctx.model, _prompts(2 * n), ctx.cfg.max_tokens)
+    if not sampler.done():
+        sampler.cancel()
+        _say(f"[{ctx.model}] no health record showed a running batch in 120 s: no live sample")
+        return
+    await sampler
+    _say(f"[{ctx.model}] status and metrics sampled mid-run: {ctx.out / 'live-status.txt'}, "
+         f"{ctx.out / 'live-metrics.txt'}")
 
 
 @contextlib.contextmanager
@@ -319,6 +369,7 @@ async def _drive_batched(ctx: _DriveContext, raw: RawPath) -> _Driven:
         commands = _delta(before, await _commandstats(ctx.url))
         raw_probe, queue_probe = await _probe_pair(ctx, client, raw)
         cancel = await _cancel_phase(client, model, cfg)
+        await _live_sample(ctx, client, max(cfg.concurrency))
     queue = _Measured({n: q for n, (_, _, q) in runs.items()}, ctx.meter.stop(), queue_probe)
     raw_measured = _Measured({n: r for n, (r, _, _) in runs.items()}, raw.meter.stop(), raw_probe)
     return _Driven(queue, cancel, commands, raw_measured, {n: e for n, (_, e, _) in runs.items()})

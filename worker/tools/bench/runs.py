@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,12 +27,6 @@ _PROBE_OFFSET = 1000  # prompt numbers of probe requests
 
 
 _TIMEOUT_S = 900.0  # one job's wait bound (serial N=32 on the small model queues for ~40 s)
-
-
-_STATS_LINE_RE = re.compile(r"stats: (engine_steps=\d+.*)$", re.MULTILINE)
-
-
-_KEY_VALUE_RE = re.compile(r"(\w+)=(\d+)")
 
 
 _NOBODY = "mlxq-bench-nobody"  # model name of the enqueue phase: no worker serves its queue
@@ -174,12 +167,12 @@ class CancelResult:
 
 @dataclass(frozen=True, slots=True)
 class WorkerStats:
-    """The worker's ``stats:`` line (logged at shutdown): event-publishing round trips per engine step."""
+    """The worker's counters (scraped from its metrics endpoint): event-publishing round trips per engine step."""
 
     engine_steps: int
     redis_writes: int
     events: int
-    other: dict[str, int] = field(default_factory=dict)  # the line's other counters, as logged
+    other: dict[str, int] = field(default_factory=dict)  # its other counters, by metric name
 
     @property
     def writes_per_step(self) -> float:

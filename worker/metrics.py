@@ -1,0 +1,173 @@
+"""A worker's metrics: one Prometheus registry that feeds the ``/metrics`` endpoint (``MLXQ_METRICS_PORT``),
+the stats line the worker logs when it stops, and the benchmark (which scrapes the endpoint).
+
+Names and labels follow vLLM's (``vllm:num_requests_running{model_name=...}``) under an ``mlxq:`` prefix.
+The counters the worker's parts keep anyway (engine steps, Redis writes, fenced runs, reaped jobs...) are read
+at scrape time by a collector, so nothing is counted twice; what is only known when a job ends (its outcome
+and timings) is observed then, once per job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from api.schema import DoneEvent, ErrorEvent
+
+if TYPE_CHECKING:
+    from .host import WorkerHost
+    from .lifecycle import Run, Wire
+
+__all__ = ["Metrics"]
+
+log = logging.getLogger(__name__)
+
+_MODEL = ["model_name"]
+# Latency buckets (seconds): from a tiny model's milliseconds to a big model's minute-long jobs.
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_STEP = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass
+class Metrics:
+    """The registry of one worker process."""
+
+    registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.success = Counter("mlxq:request_success", "Jobs this worker ended with done, by finish reason.",
+                               [*_MODEL, "finished_reason"], registry=r)
+        self.failure = Counter("mlxq:request_failure", "Jobs this worker ended with an error, by error code.",
+                               [*_MODEL, "code"], registry=r)
+        self.prompt_tokens = Counter("mlxq:prompt_tokens", "Prompt tokens of the jobs this worker ran.", _MODEL,
+                                     registry=r)
+        self.queue_time = Histogram("mlxq:request_queue_time_seconds", "Enqueue to admission into the batch.",
+                                    _MODEL, buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("mlxq:time_to_first_token_seconds", "Enqueue to the first token.", _MODEL,
+                              buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("mlxq:time_per_output_token_seconds", "Decode time per token after the first.",
+                              _MODEL, buckets=_STEP, registry=r)
+        self.e2e = Histogram("mlxq:e2e_request_latency_seconds", "Enqueue to the terminal event.", _MODEL,
+                             buckets=_LATENCY, registry=r)
+        self.step = Histogram("mlxq:engine_step_seconds", "One engine step (a decode step and a prefill chunk).",
+                              _MODEL, buckets=_STEP, registry=r)
+        self.redis_write = Histogram("mlxq:redis_write_seconds", "One EMIT call (every job's events of a step).",
+                                     buckets=_STEP, registry=r)
+        self._server: Any = None
+
+    def watch(self, host: WorkerHost) -> None:
+        """Read ``host``'s counters and gauges at every scrape."""
+        self.registry.register(_HostCollector(host))
+
+    def ended(self, run: Run, end: Wire) -> None:
+        """A job this worker ran ended with ``end`` (its terminal event): its outcome and timings."""
+        model = run.model
+        if isinstance(end, ErrorEvent):
+            self.failure.labels(model, end.code.value).inc()
+        elif isinstance(end, DoneEvent):
+            self.success.labels(model, end.finish_reason.value).inc()
+        self.prompt_tokens.labels(model).inc(run.prompt_tokens)
+        now, enqueued = time.time(), run.enqueue_ms / 1000
+        if run.enqueue_ms:
+            self.e2e.labels(model).observe(max(0.0, now - enqueued))
+            if run.admitted_at is not None:
+                self.queue_time.labels(model).observe(max(0.0, run.admitted_at - enqueued))
+            if run.first_token_at is not None:
+                self.ttft.labels(model).observe(max(0.0, run.first_token_at - enqueued))
+        if run.first_token_at is not None and run.completion_tokens > 1:
+            self.tpot.labels(model).observe((now - run.first_token_at) / (run.completion_tokens - 1))
+
+    def step_timer(self, model: str) -> Callable[[float], None]:
+        """What an engine calls (on its MLX thread) with each step's duration."""
+        return self.step.labels(model).observe
+
+    def serve(self, port: int, addr: str) -> str:
+        """Serve ``/metrics`` on ``addr:port`` (a thread of prometheus_client's); the URL."""
+        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        return f"http://{addr}:{port}/metrics"
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+
+    def totals(self) -> dict[str, float]:
+        """Every counter, summed over its labels (the stats line): ``{"engine_steps": 1234.0, ...}``."""
+        out: dict[str, float] = {}
+        for family in self.registry.collect():
+            if family.type != "counter":
+                continue
+            name = family.name.removeprefix("mlxq:")
+            out[name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+        return out
+
+    def stats_line(self) -> str:
+        return " ".join(f"{k}={v:g}" for k, v in self.totals().items())
+
+
+class _HostCollector(Collector):
+    """The counters and gauges a worker's parts keep, read when scraped (from prometheus_client's thread:
+    each value is one int read whole, so no lock is needed)."""
+
+    def __init__(self, host: WorkerHost) -> None:
+        self.host = host
+
+    def collect(self) -> Iterator[Metric]:
+        h = self.host
+        p = h.publisher.stats
+        yield _counter("mlxq:engine_steps", "Engine steps.", {n: _engine(s, "steps") for n, s in _services(h)})
+        yield _counter("mlxq:engine_failures", "Engine steps that failed (their jobs got engine_error).",
+                       {n: _engine(s, "failures") for n, s in _services(h)})
+        yield _counter("mlxq:generation_tokens", "Tokens generated.", dict(p.tokens_by_model))
+        yield _plain("mlxq:redis_writes", "EMIT calls carrying engine steps' events.", p.writes)
+        yield _plain("mlxq:redis_other_writes", "EMIT calls for single jobs (cancels, resets, rejections).",
+                     p.other_writes)
+        yield _plain("mlxq:events", "Events written.", p.events)
+        yield _plain("mlxq:lease_losses", "Runs fenced: their lease was gone (taken over, reaped, or Redis lost).",
+                     p.fenced)
+        yield _plain("mlxq:resets", "Jobs this worker handed back to their queue (shutdown).", h.handed_back)
+        yield _plain("mlxq:reaped", "Jobs of lost workers this worker re-queued or ended.", h.reaper.reaped)
+        yield _plain("mlxq:expired", "Queued jobs this worker ended at their expiry.", h.reaper.expired)
+        yield _plain("mlxq:dead_lettered", "Queue entries moved to the dead-letter list.", h.dead_lettered)
+        yield _plain("mlxq:data_lost", "Jobs ended with data_lost (Redis lost them while they ran).", h.data_lost)
+        running = GaugeMetricFamily("mlxq:num_requests_running", "Sequences in the batch.", labels=_MODEL)
+        waiting = GaugeMetricFamily("mlxq:num_requests_waiting", "Jobs claimed, not yet in the batch.",
+                                    labels=_MODEL)
+        queued = GaugeMetricFamily("mlxq:queue_depth", "Jobs waiting in the model's queue in Redis (all workers').",
+                                   labels=_MODEL)
+        dead = GaugeMetricFamily("mlxq:engine_dead", "1 if the model's engine died on this worker.", labels=_MODEL)
+        for name, service in _services(h):
+            status = service.status(0.0)
+            running.add_metric([name], status.running)
+            waiting.add_metric([name], status.waiting)
+            queued.add_metric([name], h.queue_depths.get(name, 0))
+            dead.add_metric([name], 1 if status.state.value == "dead" else 0)
+        yield from (running, waiting, queued, dead)
+        yield GaugeMetricFamily("mlxq:worker_draining", "1 while the worker shuts down.", value=int(h.draining))
+
+
+def _services(host: WorkerHost) -> list[tuple[str, Any]]:
+    return list(host.services.items())
+
+
+def _engine(service: Any, name: str) -> int:
+    return int(getattr(service.engine.stats, name)) if service.engine is not None else 0
+
+
+def _counter(name: str, doc: str, by_model: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=_MODEL)
+    for model, value in by_model.items():
+        family.add_metric([model], value)
+    return family
+
+
+def _plain(name: str, doc: str, value: int) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
