@@ -315,3 +315,19 @@ def test_submit_with_no_redis_reachable_prints_one_line_within_the_retry_deadlin
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith("mlxq: Redis at redis://127.0.0.1:1 unreachable for "), done.stderr
+
+
+def test_the_demo_runs_and_leaves_no_temporary_folder_nor_library_noise(tmp_path: Path, tiny_model: Path) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLXQ_", "TRANSFORMERS_"))}
+    env.update({"TMPDIR": str(scratch), "MLXQ_MODEL_CACHE": str(tiny_model.parent)})
+    done = subprocess.run([sys.executable, "-m", "api.cli", "demo", "--jobs", "2", "--max-tokens", "6"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "2 concurrent jobs" in done.stderr and "worker stopped (exit 0)" in done.stderr
+    # The embedded Redis' folder and the worker's log are gone; what stays is MLX's own cache of the CPU kernels
+    # it compiled (TMPDIR/mlx/<version>/cpu), kept by MLX across runs as the generated model is by the demo.
+    assert [p.name for p in scratch.iterdir()] in ([], ["mlx"])
+    noise = [ln for ln in done.stderr.splitlines() if "PyTorch" in ln or "warn" in ln.lower()]
+    assert noise == []

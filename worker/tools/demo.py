@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -50,33 +51,46 @@ def _printable(text: str) -> str:
 
 
 def run_demo(jobs: int = 8, max_tokens: int = 64, size: str = "tiny") -> int:
-    """Run the demo; returns the exit status."""
-    from engine.tinymodel import ensure_model
-
+    """Run the demo; returns the exit status. It leaves nothing behind but the generated model (cached for the
+    next run), and the worker's log only if something failed."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its no-PyTorch notice is not ours to print
     url = os.environ.get("MLXQ_REDIS_URL")
     server = None if url else RedisServer().start()
-    url = url or (server.url if server else "")
     workdir = Path(tempfile.mkdtemp(prefix="mlxq-demo-"))
-    prefix = f"mlxq-demo-{uuid.uuid4().hex[:6]}"
+    status = 1
     try:
-        _say(f"redis: {url} ({'embedded redis-server' if server else 'MLXQ_REDIS_URL'})")
-        t0 = time.perf_counter()
-        model = ensure_model(size)
-        _say(f"model: {size} random-weight model at {model} ({time.perf_counter() - t0:.1f}s)")
-        env = {"MLXQ_MODEL": str(model), "MLXQ_MODEL_NAME": size, "MLXQ_REDIS_URL": url,
-               "MLXQ_PREFIX": prefix, "MLXQ_BATCH_CAPACITY": str(max(jobs, 1))}
-        worker = WorkerProcess(env, workdir / "worker.log").start()
-        try:
-            t0 = time.perf_counter()
-            worker.wait_ready()
-            _say(f"worker: `arq worker.Settings` ready in {time.perf_counter() - t0:.1f}s (log: {worker.log_path})")
-            return asyncio.run(_demo_jobs(url, prefix, size, jobs, max_tokens))
-        finally:
-            code = worker.stop()
-            _say(f"worker stopped (exit {code})")
+        status = _run(url or (server.url if server else ""), bool(server), workdir, jobs, max_tokens, size)
+        return status
     finally:
         if server is not None:
             server.close()
+        if status == 0:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            _say(f"the worker's log is kept in {workdir}")
+
+
+def _run(url: str, embedded: bool, workdir: Path, jobs: int, max_tokens: int, size: str) -> int:
+    from engine.tinymodel import ensure_model
+
+    prefix = f"mlxq-demo-{uuid.uuid4().hex[:6]}"
+    _say(f"redis: {url} ({'embedded redis-server' if embedded else 'MLXQ_REDIS_URL'})")
+    t0 = time.perf_counter()
+    model = ensure_model(size)
+    _say(f"model: {size} random-weight model at {model} ({time.perf_counter() - t0:.1f}s)")
+    env = {"MLXQ_MODEL": str(model), "MLXQ_MODEL_NAME": size, "MLXQ_REDIS_URL": url,
+           "MLXQ_PREFIX": prefix, "MLXQ_BATCH_CAPACITY": str(max(jobs, 1))}
+    worker = WorkerProcess(env, workdir / "worker.log").start()
+    status = 1
+    try:
+        t0 = time.perf_counter()
+        worker.wait_ready()
+        _say(f"worker: `arq worker.Settings` ready in {time.perf_counter() - t0:.1f}s")
+        status = asyncio.run(_demo_jobs(url, prefix, size, jobs, max_tokens))
+    finally:
+        code = worker.stop()
+        _say(f"worker stopped (exit {code})")
+    return status or int(code != 0)
 
 
 async def _demo_jobs(url: str, prefix: str, model: str, jobs: int, max_tokens: int) -> int:
