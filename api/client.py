@@ -32,6 +32,7 @@ from .schema import (
     Usage,
     decode_event,
     is_terminal,
+    job_bytes_limit,
 )
 from .subscriber import Subscriber, Subscription
 
@@ -57,11 +58,14 @@ class Client:
     """Async client for one mlxq deployment. Use as ``async with Client(url) as client:``."""
 
     def __init__(self, redis_url: str | None = None, *, prefix: str | None = None,
-                 max_payload_bytes: int = 1 << 20, retry_deadline: float | None = None) -> None:
+                 max_payload_bytes: int = 1 << 20, retry_deadline: float | None = None,
+                 max_images: int = 4, max_image_bytes: int = 4 << 20) -> None:
         env = ClientConfig.from_env()
         url = redis_url or env.redis_url
         self.keys = Keys(prefix or env.prefix)
         self.max_payload_bytes = max_payload_bytes  # as the workers' MLXQ_MAX_PAYLOAD_BYTES
+        # An image job may be larger by the workers' image allowance (MLXQ_MAX_IMAGES x MLXQ_MAX_IMAGE_BYTES).
+        self.max_image_job_bytes = job_bytes_limit(max_payload_bytes, max_images, max_image_bytes)
         # Every operation retries an unreachable Redis for this long (QueueUnavailable), and never a refusal
         # of its credentials or commands (AccessDenied).
         self.retry = RetryPolicy(deadline_s=env.retry_deadline_s if retry_deadline is None else retry_deadline)
@@ -92,8 +96,9 @@ class Client:
         req = _request(request, fields)
         now_ms = int(time.time() * 1000)
         job = job_record(req.model_dump(mode="json"), now_ms)
-        if len(job) > self.max_payload_bytes:  # the limit workers apply before decoding a job
-            raise BadRequest(f"the job has {len(job)} bytes of JSON; the limit is {self.max_payload_bytes}")
+        limit = self.max_image_job_bytes if req.image_parts else self.max_payload_bytes
+        if len(job) > limit:  # within the limit workers apply before decoding a job
+            raise BadRequest(f"the job has {len(job)} bytes of JSON; the limit is {limit}")
         keys = [self.keys.job(req.id), self.keys.result(req.id), self.keys.queue(req.model)]
         args: list[str | bytes | int] = [req.id, job, JOB_TTL_MS, self.keys.wake_channel(req.model), now_ms]
         # A retry sends the same record: ENQUEUE takes it as this submit's own (its reply was lost).

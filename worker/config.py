@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from api.config import DEFAULT_REDIS_URL
 from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
+from api.schema import job_bytes_limit
 
 __all__ = ["WorkerConfig"]
 
@@ -50,6 +51,11 @@ class WorkerConfig:
     live_ttl_s: int = LIVE_TTL_S  # MLXQ_LIVE_TTL: replay log TTL while a job runs (refreshed on every write)
     done_ttl_s: int = DONE_TTL_S  # MLXQ_DONE_TTL: replay log TTL after the terminal event
     keep_result_s: int = 60  # MLXQ_KEEP_RESULT: arq's result key TTL
+    max_images: int = 4  # MLXQ_MAX_IMAGES: images in one job
+    max_image_bytes: int = 4 << 20  # MLXQ_MAX_IMAGE_BYTES: one image file (decoded from base64, or fetched)
+    max_image_pixels: int = 4096 * 4096  # MLXQ_MAX_IMAGE_PIXELS: width x height of one image, read before decoding
+    image_urls: bool = False  # MLXQ_IMAGE_URLS: fetch http(s) image URLs (else data: URLs only)
+    image_fetch_timeout_s: float = 10.0  # MLXQ_IMAGE_FETCH_TIMEOUT: one http(s) image's whole fetch
     worker_id: str = field(default_factory=_worker_id)
 
     @property
@@ -61,6 +67,11 @@ class WorkerConfig:
     def arq_job_timeout_s(self) -> float:
         """arq's own job timeout: behind the engine's deadline, so the engine's fires first."""
         return self.job_timeout_s + 30.0
+
+    @property
+    def max_job_bytes(self) -> int:
+        """The largest job (JSON) read: the payload limit plus room for ``max_images`` of the largest image."""
+        return job_bytes_limit(self.max_payload_bytes, self.max_images, self.max_image_bytes)
 
     @property
     def keys(self) -> Keys:
@@ -107,4 +118,19 @@ class WorkerConfig:
             live_ttl_s=int(env.get("MLXQ_LIVE_TTL", d.live_ttl_s)),
             done_ttl_s=int(env.get("MLXQ_DONE_TTL", d.done_ttl_s)),
             keep_result_s=int(env.get("MLXQ_KEEP_RESULT", d.keep_result_s)),
+            max_images=int(env.get("MLXQ_MAX_IMAGES", d.max_images)),
+            max_image_bytes=int(env.get("MLXQ_MAX_IMAGE_BYTES", d.max_image_bytes)),
+            max_image_pixels=int(env.get("MLXQ_MAX_IMAGE_PIXELS", d.max_image_pixels)),
+            image_urls=_flag(env.get("MLXQ_IMAGE_URLS"), d.image_urls),
+            image_fetch_timeout_s=float(env.get("MLXQ_IMAGE_FETCH_TIMEOUT", d.image_fetch_timeout_s)),
         )
+
+
+def _flag(value: str | None, default: bool) -> bool:
+    if value is None or not value.strip():
+        return default
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {value!r}")

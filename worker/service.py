@@ -28,7 +28,7 @@ from engine.loader import EngineOptions, LoadedModel, start_engine
 from engine.prompt import encode_prompt
 from engine.request import RequestOutput
 
-from . import waker
+from . import media, waker
 from .cancels import CancelWatcher
 from .config import WorkerConfig
 from .leases import LeaseKeeper
@@ -170,7 +170,7 @@ class ModelService:
         return Outcome.COMPLETE if state is State.ENDED else Outcome.RETRIED
 
     async def _serve(self, start: Start) -> State:
-        envelope = read_job(start.job, self.config.max_payload_bytes)
+        envelope = read_job(start.job, self.config.max_job_bytes)
         run = self.lifecycle.run(start, self.config.name, envelope.enqueue_ms)
         try:
             return await self._serve_run(run, start, envelope)
@@ -197,21 +197,21 @@ class ModelService:
             if envelope.problem:
                 raise BadRequest(envelope.problem)
             req = self._validate(envelope.payload, run.rid)
-            tokens = await self._tokenize_off_loop(req)
+            prompt = await self._tokenize_off_loop(req)
         except BadRequest as exc:
             log.info("job %s rejected: %s", run.rid, exc)
             return await self._end(run, run.error(ErrorCode.BAD_REQUEST, str(exc)))
-        return await self._generate(run, req, tokens)
+        return await self._generate(run, req, prompt)
 
     async def _end(self, run: Run, event: Wire) -> State:
         await self.publisher.write([(run, event)])
         return run.state
 
-    async def _generate(self, run: Run, req: GenerateRequest, tokens: list[int]) -> State:
+    async def _generate(self, run: Run, req: GenerateRequest, prompt: media.Prompt) -> State:
         assert self.engine is not None
         self.runs[run.rid] = run
         deadline = time.monotonic() + self.config.job_timeout_s
-        self.engine.add(to_engine_request(req, tokens, deadline))
+        self.engine.add(to_engine_request(req, prompt.tokens, deadline, images=prompt.images))
         try:
             return await run.finished
         except asyncio.CancelledError:
@@ -279,20 +279,26 @@ class ModelService:
             raise BadRequest(f"max_tokens {req.max_tokens} exceeds this worker's limit {cfg.max_tokens_limit}")
         return req
 
-    async def _tokenize_off_loop(self, req: GenerateRequest) -> list[int]:
+    async def _tokenize_off_loop(self, req: GenerateRequest) -> media.Prompt:
         # A long prompt takes a while to tokenize: keep the event loop (events, leases) responsive.
-        chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
+        chars = len(req.prompt or "") + sum(len(m.text) for m in req.messages or [])
         if chars > self.config.max_payload_bytes:
             raise BadRequest(f"the prompt has {chars} characters; the limit is {self.config.max_payload_bytes}")
+        if media.has_images(req):  # read, checked and prepared in a worker thread (worker/media.py)
+            assert self.model is not None
+            try:
+                return await media.prepare(req, self.model, self.config)
+            except media.ImageError as exc:
+                raise BadRequest(str(exc)) from None
         if chars < _INLINE_TOKENIZE_CHARS:
-            return self._tokenize(req, inline=True)
-        return await asyncio.to_thread(self._tokenize, req, False)
+            return media.Prompt(self._tokenize(req, inline=True))
+        return media.Prompt(await asyncio.to_thread(self._tokenize, req, False))
 
     def _tokenize(self, req: GenerateRequest, inline: bool) -> list[int]:
         """Inline: without releasing the GIL (see ``PromptEncoder``); else through transformers, which
         releases it while a long prompt encodes."""
         assert self.model is not None
-        messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
+        messages = [{"role": m.role, "content": m.text} for m in req.messages] if req.messages is not None else None
         try:
             if inline:
                 tokens = self.model.prompts.encode(req.prompt, messages)
