@@ -81,12 +81,17 @@ class Oracle:
         return str(self.processor.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True))
 
     def tokens(self, messages: list[dict[str, Any]], max_tokens: int) -> list[int]:
+        return self.tokens_of(self.prompt(messages), image_urls(messages), max_tokens)
+
+    def tokens_of(self, prompt: str, urls: list[str], max_tokens: int) -> list[int]:
+        """Greedy tokens of a prompt text (a raw prompt, or a rendered chat) with its images' URLs."""
         import mlx_vlm
 
-        key = (self.prompt(messages), tuple(image_urls(messages)), max_tokens)
+        key = (prompt, tuple(urls), max_tokens)
         if key not in self._memo:
             last = None
-            for last in mlx_vlm.stream_generate(self.model, self.processor, key[0], image=list(key[1]) or None,
+            for last in mlx_vlm.stream_generate(self.model, self.processor, key[0],  # noqa: B007
+                                                image=list(key[1]) or None,
                                                 max_tokens=max_tokens, temperature=0.0):
                 pass
             assert last is not None

@@ -208,8 +208,8 @@ def _fetch(url: str, name: str, limits: ImageLimits) -> bytes:
             if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
                 raise ImageError(f"{name}: {declared} bytes; the limit is {limits.max_bytes} bytes")
             return _read_within(resp, name, limits, deadline)
-    except urllib.error.HTTPError as exc:
-        raise ImageError(f"{name}: fetching it failed: HTTP {exc.code}") from None
+    except urllib.error.HTTPError as exc:  # also a redirect urllib refuses (to file:, say)
+        raise ImageError(f"{name}: fetching it failed: HTTP {exc.code}: {_clip(str(exc.reason))}") from None
     except TimeoutError:
         raise ImageError(f"{name}: fetching it took longer than {limits.fetch_timeout_s:g} s") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:

@@ -58,8 +58,9 @@ def test_greedy_generation_with_images_is_varied_and_runs_to_max_tokens(loaded: 
     runs = []
     for url in (data_url(64, 40, 1), data_url(32, 96, 2)):
         last = None
-        for last in mlx_vlm.stream_generate(model, processor, prompt, image=[url], max_tokens=16, temperature=0.0):
-            pass
+        for last in mlx_vlm.stream_generate(model, processor, prompt, image=[url], max_tokens=16,  # noqa: B007
+                                            temperature=0.0):
+            pass  # the last result carries every token
         assert last is not None
         assert len(last.token_ids) == 16 and len(set(last.token_ids)) >= 4  # never EOS, not one repeated token
         assert last.prompt_tokens <= 30 + 16  # at most 16 tokens per image (4096 pixels, 8-pixel patches, 2x2)
