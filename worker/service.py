@@ -285,11 +285,14 @@ class ModelService:
         if chars > self.config.max_payload_bytes:
             raise BadRequest(f"the prompt has {chars} characters; the limit is {self.config.max_payload_bytes}")
         if media.has_images(req):  # read, checked and prepared in a worker thread (worker/media.py)
-            assert self.model is not None
+            assert self.model is not None and self.engine is not None
             try:
-                return await media.prepare(req, self.model, self.config)
+                prompt = await media.prepare(req, self.model, self.config)
             except media.ImageError as exc:
                 raise BadRequest(str(exc)) from None
+            # Images take a few ms to prepare: an idle engine waits on for the rest of their claimed burst.
+            self.engine.expect(0, self.config.admit_wait_ms / 1000)
+            return prompt
         if chars < _INLINE_TOKENIZE_CHARS:
             return media.Prompt(self._tokenize(req, inline=True))
         return media.Prompt(await asyncio.to_thread(self._tokenize, req, False))
