@@ -1,5 +1,5 @@
-"""Vision-language models on mlx-vlm: the one file that touches mlx-vlm (its BatchGenerator's API moves
-between minors; mlx-vlm is pinned).
+"""Vision-language models on mlx-vlm: the runtime's one file that touches mlx-vlm (its BatchGenerator's API
+moves between minors; mlx-vlm is pinned).
 
 - :class:`Vision` is the CPU half of an image prompt (chat template, the processor's decode/resize/patch
   work and image-token expansion). It runs in any thread and makes no MLX array the engine evaluates:
@@ -8,7 +8,7 @@ between minors; mlx-vlm is pinned).
   carries input embeddings (``get_input_embeddings``, on the model's MLX thread), so image rows and text
   rows share one continuous batch.
 
-Two things mlx-vlm 0.7 does not do are done here:
+What mlx-vlm 0.7 does not do is done here:
 
 - **Per-request sampling.** Its ``GenerationBatch`` samples every row with one sampler (``ar.py``
   ``GenerationBatch.sampler``; its server builds it from the first request of a batch). Rows do carry
@@ -18,13 +18,14 @@ Two things mlx-vlm 0.7 does not do are done here:
 - **Admission up to capacity.** It prefills new prompts only while ``completion_batch_size - active >=
   prefill_batch_size``; with ``completion_batch_size = capacity + prefill_batch_size`` that holds for every
   count of sequences the scheduler (which admits at most ``capacity``) can give it.
+- **A cancel mid-prefill that leaves one padded row.** mlx-vlm 0.7.10 would decode that row at shifted
+  positions, so the cancelled row stays until its prefill ends (see :meth:`VLMBatch.remove`).
 
 It cannot hand a sequence's KV cache back (``supports_caches`` is False): mlx-vlm's responses carry none.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -41,8 +42,6 @@ from .batch import GeneratedToken
 from .request import ImageInputs
 
 __all__ = ["RowSampler", "VLMBatch", "Vision", "load_vision_model"]
-
-log = logging.getLogger(__name__)
 
 _TOKEN_KEYS = ("input_ids", "attention_mask")  # the processor's outputs the prompt tokens stand for
 
@@ -68,7 +67,8 @@ class Vision:
         self._lock = threading.Lock()
 
     def render(self, messages: list[dict[str, Any]], num_images: int) -> str:
-        """The chat prompt of ``messages`` (OpenAI content parts, images in place) as mlx-vlm renders it."""
+        """The chat prompt of ``messages`` (content parts, an image as ``{"type": "image"}``) as mlx-vlm
+        renders it."""
         return str(apply_chat_template(self.processor, self._config, messages, num_images=num_images))
 
     def prepare(self, messages: list[dict[str, Any]], images: Sequence[Any]) -> tuple[list[int], ImageInputs]:
