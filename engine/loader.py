@@ -62,11 +62,11 @@ def load_model(path: str) -> LoadedModel:
     that may download). Run on the MLX thread."""
     t0 = time.perf_counter()
     vision = None
-    if is_vision_config(read_config(path)):
+    config = read_config(path)
+    if is_vision_config(config):
         from .vlm import load_vision_model  # imports mlx-vlm: only a vision-language worker pays for it
 
         model, vision = load_vision_model(path)
-        config = read_config(path)
         # mlx-lm's tokenizer wrapper, as a text model's: the same prompt encoding and streaming detokenizer.
         tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
     else:

@@ -26,6 +26,7 @@ It cannot hand a sequence's KV cache back (``supports_caches`` is False): mlx-vl
 
 from __future__ import annotations
 
+import importlib.metadata
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -42,6 +43,11 @@ from .batch import GeneratedToken
 from .request import ImageInputs
 
 __all__ = ["RowSampler", "VLMBatch", "Vision", "load_vision_model"]
+
+SUPPORTED = "0.7"  # BatchGenerator's API and the prefill state VLMBatch.remove reads are 0.7's
+if not importlib.metadata.version("mlx-vlm").startswith(SUPPORTED + "."):
+    raise ImportError(f"mlxq needs mlx-vlm {SUPPORTED}.x; mlx-vlm {importlib.metadata.version('mlx-vlm')} is "
+                      f"installed: pip install 'mlx-vlm=={SUPPORTED}.*'")
 
 _TOKEN_KEYS = ("input_ids", "attention_mask")  # the processor's outputs the prompt tokens stand for
 
