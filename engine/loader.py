@@ -68,7 +68,7 @@ def load_model(path: str) -> LoadedModel:
 
         model, vision = load_vision_model(path)
         # mlx-lm's tokenizer wrapper, as a text model's: the same prompt encoding and streaming detokenizer.
-        tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))  # a hub id too
     else:
         model, tokenizer, config = mlx_lm.load(path, return_config=True)  # type: ignore[misc]
     text_config = config.get("text_config")
