@@ -146,6 +146,8 @@ def test_image_jobs_are_measured_on_mlx_vlm_and_through_the_queue(results: dict[
     for row in vision["text_rows"]:
         assert row["vlm"]["tokens"] == row["lm"]["tokens"] == row["n"] * cfg["max_tokens"]
         assert row["vlm_over_lm_paired"] == pytest.approx(row["vlm"]["tok_s"] / row["lm"]["tok_s"])  # one run
+    mixed = vision["mixed"]
+    assert mixed["n"] == 2 and mixed["one_batch"]["tokens"] == mixed["split"]["tokens"] == 2 * cfg["max_tokens"]
     targets = {t["name"]: t for t in results["targets"]}
     t = targets["queue/raw images N=2 (median of pairs)"]
     assert t["value"] == vision["rows"][1]["queue_over_raw_paired"] and t["passed"] is (t["value"] >= 0.9)

@@ -11,10 +11,12 @@ On the generated tiny qwen2_vl (``engine/tinyvlm.py``), one image per job, greed
 
 Raw and queue runs alternate at each N (the idle worker SIGSTOPped during raw runs), as the text phase's.
 
-And, for the vision-language worker's text rows, the choice between mlx-vlm and mlx-lm: text prompts on the
-same checkpoint through mlx-vlm's ``BatchGenerator`` (rows carrying embeddings, as the worker runs them) and
-through mlx-lm's (its qwen2_vl text model), alternating. The worker keeps text rows in the one mlx-vlm batch;
-this says whether mlx-lm would be faster.
+And, for the vision-language worker's text rows, the choice between mlx-vlm and mlx-lm, in this process:
+text prompts on the same checkpoint through mlx-vlm's ``BatchGenerator`` (rows carrying embeddings, as the
+worker runs them) and through mlx-lm's (its qwen2_vl text model), alternating; and a mixed load (half image
+jobs, half text) in one mlx-vlm batch against image rows on mlx-vlm beside text rows on mlx-lm (two batches,
+both stepped every step). The worker keeps text rows in the one mlx-vlm batch; this says whether mlx-lm
+would be faster.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
     from engine.loader import LoadedModel
     from engine.mlx_thread import MLXThread
 
-__all__ = ["TextRows", "VisionResult", "VisionRow", "md_vision", "run_vision", "vision_targets"]
+__all__ = ["MixedRows", "TextRows", "VisionResult", "VisionRow", "md_vision", "run_vision", "vision_targets"]
 
 MODEL_NAME = "tiny-vl"
 TEXT = "Describe picture {i} and the water in it"
@@ -81,6 +83,16 @@ class TextRows:
 
 
 @dataclass(frozen=True, slots=True)
+class MixedRows:
+    """Half image jobs, half text jobs at once: one mlx-vlm batch, against text rows on mlx-lm beside it."""
+
+    n: int
+    one_batch: PathResult
+    split: PathResult
+    one_over_split_paired: float
+
+
+@dataclass(frozen=True, slots=True)
 class VisionResult:
     """The image phase (``results.json``: ``vision``)."""
 
@@ -89,6 +101,7 @@ class VisionResult:
     blas_threads: int | None  # None: no OpenBLAS to set
     rows: list[VisionRow]
     text_rows: list[TextRows]
+    mixed: MixedRows
     seconds: float
 
 
@@ -104,10 +117,11 @@ def run_vision(cfg: BenchConfig, site: _Site) -> VisionResult:
         blas = raw.set_blas_threads(_BLAS_THREADS)
         env = {"OPENBLAS_NUM_THREADS": str(_BLAS_THREADS)} if blas else {}
         text_rows = [asyncio.run(_text_rows(raw, cfg, n)) for n in cfg.vision_concurrency]
+        mixed = asyncio.run(_mixed_rows(raw, cfg, max(cfg.vision_concurrency)))
         rows = _queue_phase(model, cfg, site, raw, env)
     finally:
         raw.close()
-    return VisionResult(model, _IMAGE_SIZE, _BLAS_THREADS if blas else None, rows, text_rows,
+    return VisionResult(model, _IMAGE_SIZE, _BLAS_THREADS if blas else None, rows, text_rows, mixed,
                         time.perf_counter() - t0)
 
 
@@ -168,10 +182,21 @@ class _RawVision:
     async def text_lm(self, prompts: list[list[int]], max_tokens: int) -> Run:
         from .paths import _raw_run
 
+        fut = self.thread.submit(_raw_run, await self._lm_model(), prompts, max_tokens, self.capacity,
+                                 self.thread.stream)
+        return await asyncio.wrap_future(fut)
+
+    async def mixed(self, jobs: list[tuple[str, str]], prompts: list[list[int]], max_tokens: int, split: bool
+                    ) -> Run:
+        lm = await self._lm_model() if split else None
+        fut = self.thread.submit(_raw_mixed, self.loaded, lm, jobs, prompts, max_tokens, self.capacity,
+                                 self.thread.stream)
+        return await asyncio.wrap_future(fut)
+
+    async def _lm_model(self) -> LoadedModel:
         if self._lm is None:
             self._lm = await asyncio.wrap_future(self.thread.submit(_load_lm, self.path))
-        fut = self.thread.submit(_raw_run, self._lm, prompts, max_tokens, self.capacity, self.thread.stream)
-        return await asyncio.wrap_future(fut)
+        return self._lm  # type: ignore[no-any-return]
 
     def close(self) -> None:
         self.thread.shutdown()
@@ -213,24 +238,11 @@ def _embedded(loaded: LoadedModel, inputs: dict[str, Any]) -> tuple[list[int], d
 def _raw_images(loaded: LoadedModel, jobs: list[tuple[str, str]], max_tokens: int, capacity: int,
                 stream: mx.Stream) -> Run:
     """Decode, prepare and embed every job's image, insert them all, step until all end (on the MLX thread)."""
-    from mlx_vlm.utils import load_image, prepare_inputs, should_add_special_tokens
-
-    assert loaded.vision is not None
-    vision = loaded.vision
     gen = _generator(loaded, capacity, stream)
-    special = should_add_special_tokens(loaded.model.config.model_type, vision.processor)
     try:
         t0 = time.perf_counter()
-        uids = []
-        for text, url in jobs:
-            prompt = vision.render([{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}],
-                                   1)
-            inputs = prepare_inputs(vision.processor, images=[load_image(url)], prompts=prompt,
-                                    image_token_index=getattr(loaded.model.config, "image_token_index", None),
-                                    add_special_tokens=special)
-            ids, kwargs = _embedded(loaded, inputs)
-            uids += gen.insert([ids], max_tokens=[max_tokens], prompt_kwargs=[kwargs])
-        return _drain(gen, uids, t0)
+        uids = _insert_images(loaded, gen, jobs, max_tokens)
+        return _drain([gen], uids, t0)
     finally:
         gen.close()
 
@@ -238,32 +250,81 @@ def _raw_images(loaded: LoadedModel, jobs: list[tuple[str, str]], max_tokens: in
 def _raw_text_vlm(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, capacity: int,
                   stream: mx.Stream) -> Run:
     """Text prompts through mlx-vlm's BatchGenerator, each row carrying its embeddings (as the worker's)."""
-    import mlx.core as mx
-
     gen = _generator(loaded, capacity, stream)
     try:
         t0 = time.perf_counter()
-        uids = []
-        for tokens in prompts:
-            ids = mx.array([tokens])
-            _, kwargs = _embedded(loaded, {"input_ids": ids, "attention_mask": mx.ones_like(ids)})
-            uids += gen.insert([tokens], max_tokens=[max_tokens], prompt_kwargs=[kwargs])
-        return _drain(gen, uids, t0)
+        uids = _insert_texts(loaded, gen, prompts, max_tokens)
+        return _drain([gen], uids, t0)
     finally:
         gen.close()
 
 
-def _drain(gen: Any, uids: list[int], t0: float) -> Run:
+def _raw_mixed(loaded: LoadedModel, lm: LoadedModel | None, jobs: list[tuple[str, str]], prompts: list[list[int]],
+               max_tokens: int, capacity: int, stream: mx.Stream) -> Run:
+    """Image jobs and text prompts at once: all in one mlx-vlm batch, or (``lm``) the text on mlx-lm's beside
+    it, both generators stepped every step."""
+    from mlx_lm.generate import BatchGenerator
+
+    gens = [_generator(loaded, capacity, stream)]
+    if lm is not None:
+        gens.append(BatchGenerator(lm.model, stop_tokens=[[t] for t in sorted(lm.eos_token_ids)],
+                                   completion_batch_size=capacity, prefill_batch_size=capacity,
+                                   prefill_step_size=512, stream=stream))
+    try:
+        t0 = time.perf_counter()
+        uids = _insert_images(loaded, gens[0], jobs, max_tokens)
+        if lm is None:
+            uids += _insert_texts(loaded, gens[0], prompts, max_tokens)
+        else:
+            uids += [-1 - u for u in gens[1].insert(prompts, max_tokens=[max_tokens] * len(prompts))]
+        return _drain(gens, uids, t0)
+    finally:
+        for gen in gens:
+            gen.close()
+
+
+def _insert_images(loaded: LoadedModel, gen: Any, jobs: list[tuple[str, str]], max_tokens: int) -> list[int]:
+    from mlx_vlm.utils import load_image, prepare_inputs, should_add_special_tokens
+
+    assert loaded.vision is not None
+    vision = loaded.vision
+    special = should_add_special_tokens(loaded.model.config.model_type, vision.processor)
+    uids: list[int] = []
+    for text, url in jobs:
+        prompt = vision.render([{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}], 1)
+        inputs = prepare_inputs(vision.processor, images=[load_image(url)], prompts=prompt,
+                                image_token_index=getattr(loaded.model.config, "image_token_index", None),
+                                add_special_tokens=special)
+        ids, kwargs = _embedded(loaded, inputs)
+        uids += gen.insert([ids], max_tokens=[max_tokens], prompt_kwargs=[kwargs])
+    return uids
+
+
+def _insert_texts(loaded: LoadedModel, gen: Any, prompts: list[list[int]], max_tokens: int) -> list[int]:
+    import mlx.core as mx
+
+    uids: list[int] = []
+    for tokens in prompts:
+        ids = mx.array([tokens])
+        _, kwargs = _embedded(loaded, {"input_ids": ids, "attention_mask": mx.ones_like(ids)})
+        uids += gen.insert([tokens], max_tokens=[max_tokens], prompt_kwargs=[kwargs])
+    return uids
+
+
+def _drain(gens: list[Any], uids: list[int], t0: float) -> Run:
+    """Step every generator until all ``uids`` end (the second generator's uids are given as -1 - uid)."""
     first: dict[int, float] = {}
     live, tokens = set(uids), 0
     while live:
-        _, generated = gen.next()
-        now = time.perf_counter()
-        for r in generated:
-            first.setdefault(r.uid, now)
-            tokens += r.finish_reason != "stop"  # an EOS token is not part of the completion
-            if r.finish_reason is not None:
-                live.discard(r.uid)
+        for k, gen in enumerate(gens):
+            _, generated = gen.next()
+            now = time.perf_counter()
+            for r in generated:
+                uid = r.uid if k == 0 else -1 - r.uid
+                first.setdefault(uid, now)
+                tokens += r.finish_reason != "stop"  # an EOS token is not part of the completion
+                if r.finish_reason is not None:
+                    live.discard(uid)
     seconds = time.perf_counter() - t0
     return Run(tokens, seconds, [(first[u] - t0) * 1000 for u in uids])
 
@@ -287,6 +348,29 @@ async def _text_rows(raw: _RawVision, cfg: BenchConfig, n: int) -> TextRows:
     row = TextRows(n, v, m, _paired(v.runs_tok_s, m.runs_tok_s))
     _say(f"[{MODEL_NAME}] text rows N={n:<3} mlx-vlm {v.tok_s:8.1f} tok/s (runs {_fmt_runs(v)}); "
          f"mlx-lm {m.tok_s:8.1f} tok/s (runs {_fmt_runs(m)}); paired {row.vlm_over_lm_paired:.2f}")
+    return row
+
+
+async def _mixed_rows(raw: _RawVision, cfg: BenchConfig, n: int) -> MixedRows:
+    """N/2 image jobs and N/2 text prompts at once: one mlx-vlm batch against text rows on mlx-lm."""
+    from engine.prompt import encode_prompt
+
+    jobs = _jobs(max(1, n // 2))
+    prompts = [encode_prompt(raw.loaded.tokenizer, None, [{"role": "user", "content": TEXT.format(i=i)}])
+               for i in range(max(1, n - n // 2))]
+    for split in (False, True):
+        await raw.mixed(jobs, prompts, cfg.warmup_tokens, split)
+    one: list[Run] = []
+    two: list[Run] = []
+    for _ in range(cfg.vision_repeats):
+        time.sleep(_SETTLE_S)
+        one.append(await raw.mixed(jobs, prompts, cfg.max_tokens, False))
+        time.sleep(_SETTLE_S)
+        two.append(await raw.mixed(jobs, prompts, cfg.max_tokens, True))
+    a, b = PathResult.of(one), PathResult.of(two)
+    row = MixedRows(len(jobs) + len(prompts), a, b, _paired(a.runs_tok_s, b.runs_tok_s))
+    _say(f"[{MODEL_NAME}] mixed N={row.n:<3} one mlx-vlm batch {a.tok_s:8.1f} tok/s (runs {_fmt_runs(a)}); text on "
+         f"mlx-lm beside it {b.tok_s:8.1f} tok/s (runs {_fmt_runs(b)}); paired {row.one_over_split_paired:.2f}")
     return row
 
 
@@ -388,4 +472,8 @@ def md_vision(result: VisionResult | None, cfg: BenchConfig) -> list[str]:
               "| N | mlx-vlm tok/s | mlx-lm tok/s | mlx-vlm/mlx-lm paired |", "|---:|---:|---:|---:|"]
     lines += [f"| {t.n} | {t.vlm.tok_s:.1f} | {t.lm.tok_s:.1f} | {t.vlm_over_lm_paired:.2f} |"
               for t in result.text_rows]
+    m = result.mixed
+    lines += ["", f"A mixed load, {m.n} at once (half image jobs, half text): one mlx-vlm batch "
+              f"{m.one_batch.tok_s:.1f} tok/s; image rows on mlx-vlm with the text rows on mlx-lm beside them (both "
+              f"stepped every step) {m.split.tok_s:.1f} tok/s; paired {m.one_over_split_paired:.2f}."]
     return [*lines, ""]
