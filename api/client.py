@@ -44,6 +44,7 @@ from .schema import (
     WorkerStatus,
     decode_event,
     is_terminal,
+    job_bytes_limit,
 )
 from .subscriber import Subscriber, Subscription
 
@@ -83,12 +84,14 @@ class Client:
 
     def __init__(self, redis_url: str | None = None, *, prefix: str | None = None,
                  max_payload_bytes: int = 1 << 20, retry_deadline: float | None = None,
-                 config: ClientConfig | None = None) -> None:
+                 max_images: int = 4, max_image_bytes: int = 4 << 20, config: ClientConfig | None = None) -> None:
         env = config or ClientConfig.from_env()
         self.config = env
         url = redis_url or env.redis_url
         self.keys = Keys(prefix or env.prefix)
         self.max_payload_bytes = max_payload_bytes  # as the workers' MLXQ_MAX_PAYLOAD_BYTES
+        # An image job may be larger by the workers' image allowance (MLXQ_MAX_IMAGES x MLXQ_MAX_IMAGE_BYTES).
+        self.max_image_job_bytes = job_bytes_limit(max_payload_bytes, max_images, max_image_bytes)
         # Every operation retries an unreachable Redis for this long (QueueUnavailable), and never a refusal
         # of its credentials or commands (AccessDenied).
         self.retry = RetryPolicy(deadline_s=env.retry_deadline_s if retry_deadline is None else retry_deadline)
@@ -128,8 +131,9 @@ class Client:
             await self._require_worker(req.model)
         now_ms = int(time.time() * 1000)
         job = job_record(req.model_dump(mode="json"), now_ms)
-        if len(job) > self.max_payload_bytes:  # the limit workers apply before decoding a job
-            raise BadRequest(f"the job has {len(job)} bytes of JSON; the limit is {self.max_payload_bytes}")
+        limit = self.max_image_job_bytes if req.image_parts else self.max_payload_bytes
+        if len(job) > limit:  # within the limit workers apply before decoding a job
+            raise BadRequest(f"the job has {len(job)} bytes of JSON; the limit is {limit}")
         cfg = self.config
         expiry_s = cfg.job_expiry_s if req.expires_in is None else req.expires_in
         queue = self.keys.queue(req.model)

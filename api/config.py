@@ -26,6 +26,17 @@ class EnvReader:
     def text(self, name: str, default: str) -> str:
         return self.env.get(name, default)
 
+    def flag(self, name: str, default: bool) -> bool:
+        raw = self.env.get(name)
+        if raw is None or not raw.strip():
+            return default
+        value = raw.strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+
     def integer(self, name: str, default: int, minimum: int | None = None) -> int:
         return int(self._number(name, default, int, minimum))
 

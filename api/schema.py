@@ -7,6 +7,7 @@ sequence number ``seq`` (0, 1, 2, ...) so subscribers can merge live pub/sub wit
 
 from __future__ import annotations
 
+import base64
 import uuid
 from enum import Enum
 from json.encoder import encode_basestring  # type: ignore[attr-defined]  # the C string escaper
@@ -19,21 +20,27 @@ __all__ = [
     "PRIORITY_MAX",
     "PRIORITY_MIN",
     "ChatMessage",
+    "ContentPart",
     "DoneEvent",
     "ErrorCode",
     "ErrorEvent",
     "Event",
     "FinishReason",
     "GenerateRequest",
+    "ImagePart",
+    "ImageURL",
     "ModelState",
     "ModelStatus",
     "ResetEvent",
     "StartEvent",
+    "TextPart",
     "Timings",
     "TokenEvent",
     "Usage",
     "WorkerStatus",
     "decode_event",
+    "image_data_url",
+    "job_bytes_limit",
     "new_request_id",
     "token_event_json",
 ]
@@ -47,6 +54,9 @@ MAX_STOP_CHARS = 256
 MAX_METADATA_ITEMS = 32
 PRIORITY_MIN, PRIORITY_MAX = -100, 100
 MAX_EXPIRY_S = 86_400.0  # a job record lives a day; it cannot wait longer than that
+MAX_CONTENT_PARTS = 256  # per message
+MAX_IMAGES = 64  # per request
+MAX_IMAGE_URL_CHARS = 48 << 20  # a data URL of a ~36 MiB image
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
 
 
@@ -75,13 +85,68 @@ class ErrorCode(str, Enum):
     INTERNAL = "internal"  # a bug: the message says what
 
 
+class TextPart(BaseModel):
+    """Text in a message's content list (OpenAI's shape)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text"]
+    text: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class ImageURL(BaseModel):
+    """Where an image is: a ``data:image/...;base64,...`` URL, or an http(s) URL where a deployment enables
+    them. ``detail`` is accepted for OpenAI compatibility and ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(min_length=1, max_length=MAX_IMAGE_URL_CHARS)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(BaseModel):
+    """An image in a user message's content list (OpenAI's shape); only models that accept images take it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]  # noqa: UP007
+
+
 class ChatMessage(BaseModel):
-    """One chat turn, rendered with the model's own chat template."""
+    """One chat turn, rendered with the model's own chat template: a string, or a list of text and image
+    parts in order (images in user turns only)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = Field(max_length=MAX_PROMPT_CHARS)
+    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[
+        list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)
+    ]
+
+    @property
+    def text(self) -> str:
+        """The message's text: the string, or its text parts joined (as mlx-lm's server joins them)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    @property
+    def images(self) -> list[ImagePart]:
+        """The message's image parts, in order."""
+        return [] if isinstance(self.content, str) else [p for p in self.content if isinstance(p, ImagePart)]
+
+    @model_validator(mode="after")
+    def _bounded_parts(self) -> ChatMessage:
+        if isinstance(self.content, list):
+            if self.role != "user" and self.images:
+                raise ValueError("images are allowed in user messages only")
+            if sum(len(p.text) for p in self.content if isinstance(p, TextPart)) > MAX_PROMPT_CHARS:
+                raise ValueError(f"at most {MAX_PROMPT_CHARS} characters of text in a message")
+        return self
 
 
 class GenerateRequest(BaseModel):
@@ -119,7 +184,26 @@ class GenerateRequest(BaseModel):
     def _one_prompt_kind(self) -> GenerateRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if len(self.image_parts) > MAX_IMAGES:
+            raise ValueError(f"at most {MAX_IMAGES} images in a request")
         return self
+
+    @property
+    def image_parts(self) -> list[ImagePart]:
+        """Every image of the request, in the order the chat template renders them."""
+        return [p for m in self.messages or [] for p in m.images]
+
+
+def image_data_url(data: bytes, mime: str = "image/png") -> str:
+    """An image file's bytes as the ``data:`` URL an :class:`ImagePart` carries."""
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def job_bytes_limit(max_payload_bytes: int, max_images: int, max_image_bytes: int) -> int:
+    """The largest job (JSON bytes) a worker reads: ``max_payload_bytes`` for the text and parameters, plus the
+    data URL of its largest accepted image (base64: 4 bytes per 3, and a header) for each image it may carry.
+    So an image job fits, and no job can hold more than this of Redis."""
+    return max_payload_bytes + max_images * (4 * -(-max_image_bytes // 3) + 64)
 
 
 class Usage(BaseModel):

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from .request import ImageInputs
+
 __all__ = ["BatchBackend", "BatchToken", "GeneratedToken", "MLXBatch"]
 
 
@@ -39,7 +41,8 @@ class BatchToken:
 
 
 class BatchBackend(Protocol):
-    """What the scheduler needs from a continuous batch (real: :class:`MLXBatch`; tests: a fake)."""
+    """What the scheduler needs from a continuous batch (real: :class:`MLXBatch`, ``engine.vlm.VLMBatch``;
+    tests: a fake). ``images`` is passed only with an image request: a backend without images may omit it."""
 
     def insert(
         self,
@@ -47,6 +50,8 @@ class BatchBackend(Protocol):
         max_tokens: int,
         sampler: Callable[[Any], Any] | None,
         logits_processors: list[Any],
+        *,
+        images: ImageInputs | None = None,
     ) -> int: ...
 
     def remove(self, uids: Iterable[int]) -> None: ...
@@ -89,7 +94,11 @@ class MLXBatch:
         max_tokens: int,
         sampler: Callable[[Any], Any] | None,
         logits_processors: list[Any],
+        *,
+        images: ImageInputs | None = None,
     ) -> int:
+        if images is not None:  # the worker rejects these first; a ValueError fails only this request
+            raise ValueError("this model does not accept images")
         (uid,) = self._gen.insert(
             [prompt],
             max_tokens=[max_tokens],

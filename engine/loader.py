@@ -1,4 +1,5 @@
-"""Load a model with mlx-lm on its MLX thread and assemble its engine."""
+"""Load a model on its MLX thread and assemble its engine: mlx-lm for a language model, mlx-vlm for a
+vision-language checkpoint (one whose config.json has a ``vision_config``), which then also takes images."""
 
 from __future__ import annotations
 
@@ -7,16 +8,20 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx_lm
+from mlx_lm.utils import load_tokenizer
 
-from .batch import MLXBatch
+from .batch import BatchBackend, MLXBatch
 from .engine import Engine, Sink
 from .mlx_thread import MLXThread
 from .prompt import PromptEncoder
 from .sampling import make_request_logits_processors, make_request_sampler
 from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from .vlm import Vision
 
 __all__ = ["EngineOptions", "LoadedModel", "ModelLoadError", "build_engine", "load_model", "locate_model",
            "start_engine"]
@@ -36,7 +41,8 @@ class EngineOptions:
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    """A model and tokenizer as mlx-lm loaded them, plus what validation needs."""
+    """A model and tokenizer as mlx-lm (or mlx-vlm) loaded them, plus what validation needs. ``vision`` is
+    the image-prompt preparation of a vision-language model, None for a text-only one."""
 
     path: str
     model: Any
@@ -44,6 +50,12 @@ class LoadedModel:
     context_length: int | None
     eos_token_ids: frozenset[int]
     prompts: PromptEncoder
+    vision: Vision | None = None
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether requests with images can run on this model."""
+        return self.vision is not None
 
 
 class ModelLoadError(Exception):
@@ -70,21 +82,60 @@ def locate_model(path: str) -> str:
 
 
 def load_model(path: str) -> LoadedModel:
-    """``mlx_lm.load`` (a local path, or a hub id on a machine that may download). Run on the MLX thread."""
+    """``mlx_lm.load``, or mlx-vlm's for a vision-language checkpoint (a local path, or a hub id on a machine
+    that may download). Run on the MLX thread."""
     t0 = time.perf_counter()
     try:
-        model, tokenizer, config = mlx_lm.load(locate_model(path), return_config=True)  # type: ignore[misc]
+        model, tokenizer, config, vision = _load(locate_model(path))
     except ModelLoadError:
         raise
     except ValueError as exc:  # mlx-lm's "Model type X not supported."
         raise ModelLoadError(f"cannot load the model at {path}: {exc}") from exc
     except Exception as exc:  # a download failing, a broken checkpoint
         raise ModelLoadError(f"cannot load the model at {path}: {type(exc).__name__}: {exc}") from exc
-    ctx = config.get("max_position_embeddings") or config.get("max_seq_len")
+    text_config = config.get("text_config")
+    text_config = text_config if isinstance(text_config, dict) else {}
+    ctx = (config.get("max_position_embeddings") or config.get("max_seq_len")
+           or text_config.get("max_position_embeddings"))
     loaded = LoadedModel(path, model, tokenizer, int(ctx) if ctx else None, frozenset(tokenizer.eos_token_ids),
-                         PromptEncoder(tokenizer))
-    log.info("loaded model %s in %.2fs (context %s)", path, time.perf_counter() - t0, loaded.context_length)
+                         PromptEncoder(tokenizer), vision)
+    log.info("loaded %smodel %s in %.2fs (context %s)", "vision-language " if vision else "", path,
+             time.perf_counter() - t0, loaded.context_length)
     return loaded
+
+
+def _load(path: str) -> tuple[Any, Any, dict[str, Any], Vision | None]:
+    """The model, mlx-lm's tokenizer wrapper, config.json, and the vision half of a vision-language model."""
+    config = read_config(path)
+    if not is_vision_config(config):
+        model, tokenizer, config = mlx_lm.load(path, return_config=True)  # type: ignore[misc]
+        return model, tokenizer, config, None
+    from .vlm import load_vision_model  # imports mlx-vlm: only a vision-language worker pays for it
+
+    model, vision = load_vision_model(path)
+    # mlx-lm's tokenizer wrapper, as a text model's: the same prompt encoding and streaming detokenizer.
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))  # a hub id too
+    return model, tokenizer, config, vision
+
+
+def is_vision_config(config: dict[str, Any]) -> bool:
+    """Whether a checkpoint's config.json describes a vision-language model (it has a vision tower)."""
+    return isinstance(config.get("vision_config"), dict)
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """config.json of a checkpoint: a local directory's, or a hub model's (downloading only that file).
+    {} when unreadable: the load that follows then reports the real problem."""
+    local = Path(path)
+    try:
+        if not local.exists():
+            from huggingface_hub import hf_hub_download
+
+            local = Path(hf_hub_download(path, "config.json")).parent
+        config = json.loads((local / "config.json").read_text())
+    except Exception:  # a missing file, a bad id, no network: mlx_lm.load says which
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 async def start_engine(path: str, sink: Sink, options: EngineOptions | None = None) -> tuple[Engine, LoadedModel]:
@@ -103,7 +154,13 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
     """The engine of a model loaded on ``thread``: scheduler, batch, detokenizers, sampling."""
     opts = options or EngineOptions()
 
-    def make_backend() -> MLXBatch:
+    def make_backend() -> BatchBackend:
+        if loaded.vision is not None:  # image and text rows in one mlx-vlm batch (see engine/vlm.py)
+            from .vlm import VLMBatch
+
+            return VLMBatch(loaded.model, loaded.vision.processor, loaded.eos_token_ids, capacity=opts.capacity,
+                            prefill_batch_size=opts.prefill_batch_size, prefill_step_size=opts.prefill_step_size,
+                            stream=thread.stream)
         return MLXBatch(
             loaded.model,
             loaded.eos_token_ids,

@@ -5,10 +5,13 @@ These know nothing of the wire schema or Redis; ``worker/translate.py`` maps bet
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
-__all__ = ["EngineRequest", "FinishReason", "RequestOutput", "SamplingParams", "Status", "coalesce", "merge_into"]
+__all__ = ["EngineRequest", "FinishReason", "ImageInputs", "RequestOutput", "SamplingParams", "Status", "coalesce",
+           "merge_into"]
 
 
 class Status(str, Enum):
@@ -49,15 +52,27 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class ImageInputs:
+    """A prompt's images as the model's processor prepared them, off the engine thread: numpy arrays only
+    (e.g. ``pixel_values``, ``image_grid_thw``), no MLX array. The prompt's tokens already hold the image
+    placeholders; the engine embeds the images on its own thread when the request joins the batch."""
+
+    arrays: Mapping[str, Any]  # name -> numpy array, as the model's get_input_embeddings takes them
+    count: int  # images in the prompt
+
+
 @dataclass(slots=True)
 class EngineRequest:
-    """One sequence to generate. ``arrival`` and ``deadline`` are ``time.monotonic()`` values."""
+    """One sequence to generate. ``arrival`` and ``deadline`` are ``time.monotonic()`` values. ``images``: the
+    prompt's images, for a model that accepts them (None: a text prompt)."""
 
     rid: str
     prompt_tokens: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     arrival: float = 0.0
     deadline: float | None = None
+    images: ImageInputs | None = None
 
 
 @dataclass(slots=True)

@@ -171,12 +171,15 @@ class Scheduler:
     def _admit(self, outs: _StepOutputs) -> None:
         while self._waiting and len(self._running) < self.capacity:
             req = self._waiting.popleft()
+            # Only an image request passes images: a backend that takes none keeps its plain insert.
+            extra = {} if req.images is None else {"images": req.images}
             try:
                 uid = self.backend.insert(
                     req.prompt_tokens,
                     req.params.max_tokens,
                     self._make_sampler(req.params),
                     self._make_processors(req.params),
+                    **extra,
                 )
             except ValueError as exc:
                 outs.by_rid[req.rid] = _terminal(req.rid, FinishReason.ERROR, "bad_request", str(exc), 0)

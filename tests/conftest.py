@@ -40,6 +40,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_model("tiny", root=tmp_path_factory.mktemp("models"))
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A generated tiny qwen2_vl in mlx-vlm's format (engine/tinyvlm.py)."""
+    from engine.tinyvlm import ensure_vlm
+
+    return ensure_vlm(root=tmp_path_factory.mktemp("vlm"))
+
+
 @pytest.fixture
 def worker_config(redis_url: str, tiny_model: Path) -> Any:
     from worker.config import WorkerConfig

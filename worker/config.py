@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from api.config import DEFAULT_REDIS_URL, EnvReader
 from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
+from api.schema import job_bytes_limit
 
 __all__ = ["ServedModel", "WorkerConfig"]
 
@@ -73,6 +74,11 @@ class WorkerConfig:
     heartbeat_s: float = 2.0  # MLXQ_HEARTBEAT: how often the worker's health record is written
     metrics_port: int = 0  # MLXQ_METRICS_PORT: serve Prometheus metrics on this port (0: off)
     metrics_addr: str = "0.0.0.0"  # MLXQ_METRICS_ADDR: the address it listens on
+    max_images: int = 4  # MLXQ_MAX_IMAGES: images in one job
+    max_image_bytes: int = 4 << 20  # MLXQ_MAX_IMAGE_BYTES: one image file (decoded from base64, or fetched)
+    max_image_pixels: int = 4096 * 4096  # MLXQ_MAX_IMAGE_PIXELS: width x height of one image, read before decoding
+    image_urls: bool = False  # MLXQ_IMAGE_URLS: fetch http(s) image URLs (else data: URLs only)
+    image_fetch_timeout_s: float = 10.0  # MLXQ_IMAGE_FETCH_TIMEOUT: one http(s) image's whole fetch
     worker_id: str = field(default_factory=_worker_id)
 
     @property
@@ -86,6 +92,11 @@ class WorkerConfig:
     def arq_job_timeout_s(self) -> float:
         """arq's own job timeout: behind the engine's deadline, so the engine's fires first."""
         return self.job_timeout_s + 30.0
+
+    @property
+    def max_job_bytes(self) -> int:
+        """The largest job (JSON) read: the payload limit plus room for ``max_images`` of the largest image."""
+        return job_bytes_limit(self.max_payload_bytes, self.max_images, self.max_image_bytes)
 
     @property
     def keys(self) -> Keys:
@@ -137,4 +148,10 @@ class WorkerConfig:
             heartbeat_s=e.number("MLXQ_HEARTBEAT", d.heartbeat_s, minimum=0.05),
             metrics_port=e.integer("MLXQ_METRICS_PORT", d.metrics_port, minimum=0),
             metrics_addr=e.text("MLXQ_METRICS_ADDR", d.metrics_addr),
+            max_images=e.integer("MLXQ_MAX_IMAGES", d.max_images, minimum=0),
+            max_image_bytes=e.integer("MLXQ_MAX_IMAGE_BYTES", d.max_image_bytes, minimum=1),
+            max_image_pixels=e.integer("MLXQ_MAX_IMAGE_PIXELS", d.max_image_pixels, minimum=1),
+            image_urls=e.flag("MLXQ_IMAGE_URLS", d.image_urls),
+            image_fetch_timeout_s=e.number("MLXQ_IMAGE_FETCH_TIMEOUT", d.image_fetch_timeout_s, minimum=0.001),
         )
+

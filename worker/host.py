@@ -36,6 +36,7 @@ from .config import WorkerConfig
 from .health import HealthReporter, TokenRate, package_version
 from .leases import LeaseKeeper
 from .lifecycle import Claim, Lifecycle, LogTTL, Record, Run, Start, Starts, State, Wire, Write
+from .media import Prompt
 from .metrics import Metrics
 from .publisher import Publisher
 from .reaper import Reaper
@@ -225,7 +226,7 @@ class WorkerHost:
         return Outcome.COMPLETE if state is State.ENDED else Outcome.RETRIED
 
     async def _serve(self, service: ModelService, start: Start) -> State:
-        envelope = read_job(start.job, self.config.max_payload_bytes)
+        envelope = read_job(start.job, self.config.max_job_bytes)
         run = self.lifecycle.run(start, service.name, envelope.enqueue_ms)
         try:
             return await self._serve_run(service, run, start, envelope)
@@ -255,20 +256,20 @@ class WorkerHost:
             if envelope.problem:
                 raise BadRequest(envelope.problem)
             req = service.validate(envelope.payload, run.rid)
-            tokens = await service.tokenize(req)
+            prompt = await service.prepare(req)
         except BadRequest as exc:
             log.info("job %s rejected: %s", run.rid, exc)
             return await self._end(run, run.error(ErrorCode.BAD_REQUEST, str(exc)))
-        return await self._generate(service, run, req, tokens)
+        return await self._generate(service, run, req, prompt)
 
     async def _end(self, run: Run, event: Wire) -> State:
         await self.publisher.write([(run, event)])
         return run.state
 
-    async def _generate(self, service: ModelService, run: Run, req: GenerateRequest, tokens: list[int]) -> State:
+    async def _generate(self, service: ModelService, run: Run, req: GenerateRequest, prompt: Prompt) -> State:
         self.runs[run.rid] = run
         deadline = time.monotonic() + self.config.job_timeout_s
-        service.add(to_engine_request(req, tokens, deadline))
+        service.add(to_engine_request(req, prompt.tokens, deadline, images=prompt.images))
         try:
             return await run.finished
         except asyncio.CancelledError:

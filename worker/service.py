@@ -20,6 +20,7 @@ from engine.loader import EngineOptions, LoadedModel, start_engine
 from engine.prompt import encode_prompt
 from engine.request import EngineRequest
 
+from . import media
 from .config import ServedModel, WorkerConfig
 
 __all__ = ["BadRequest", "ModelService"]
@@ -85,10 +86,11 @@ class ModelService:
     def status(self, tokens_per_s: float) -> ModelStatus:
         """Its part of the worker's health record."""
         running = self.engine.scheduler.num_running if self.engine is not None else 0
+        model = self.model
         return ModelStatus(name=self.name, state=self.state, capacity=self.config.capacity, running=running,
                            waiting=max(0, self.active - running), tokens_per_s=round(tokens_per_s, 1),
-                           context_length=self.model.context_length if self.model is not None else None,
-                           error=self.error)
+                           accepts_images=model is not None and model.accepts_images,
+                           context_length=model.context_length if model is not None else None, error=self.error)
 
     # --- jobs ----------------------------------------------------------------------------------------
     def add(self, request: EngineRequest) -> None:
@@ -117,20 +119,30 @@ class ModelService:
             raise BadRequest(f"max_tokens {req.max_tokens} exceeds this worker's limit {cfg.max_tokens_limit}")
         return req
 
-    async def tokenize(self, req: GenerateRequest) -> list[int]:
-        """The prompt's tokens (a long prompt is tokenized off the event loop, which keeps serving events)."""
-        chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
+    async def prepare(self, req: GenerateRequest) -> media.Prompt:
+        """The prompt's tokens, and its images prepared (a long prompt is tokenized, and images are read, checked
+        and processed, off the event loop, which keeps serving events)."""
+        chars = len(req.prompt or "") + sum(len(m.text) for m in req.messages or [])
         if chars > self.config.max_payload_bytes:
             raise BadRequest(f"the prompt has {chars} characters; the limit is {self.config.max_payload_bytes}")
+        if media.has_images(req):  # worker/media.py, in a worker thread
+            assert self.model is not None and self.engine is not None
+            try:
+                prompt = await media.prepare(req, self.model, self.config)
+            except media.ImageError as exc:
+                raise BadRequest(str(exc)) from None
+            # Images take a few ms to prepare: an idle engine waits on for the rest of their claimed burst.
+            self.engine.expect(0, self.config.admit_wait_ms / 1000)
+            return prompt
         if chars < _INLINE_TOKENIZE_CHARS:
-            return self.encode(req, inline=True)
-        return await asyncio.to_thread(self.encode, req, False)
+            return media.Prompt(self.encode(req, inline=True))
+        return media.Prompt(await asyncio.to_thread(self.encode, req, False))
 
     def encode(self, req: GenerateRequest, inline: bool) -> list[int]:
         """Inline: without releasing the GIL (see ``PromptEncoder``); else through transformers, which
         releases it while a long prompt encodes."""
         assert self.model is not None
-        messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
+        messages = [{"role": m.role, "content": m.text} for m in req.messages] if req.messages is not None else None
         try:
             if inline:
                 tokens = self.model.prompts.encode(req.prompt, messages)

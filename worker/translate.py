@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from api.schema import ErrorCode, FinishReason, GenerateRequest
-from engine.request import EngineRequest, RequestOutput, SamplingParams
+from engine.request import EngineRequest, ImageInputs, RequestOutput, SamplingParams
 from engine.request import FinishReason as EngineFinish
 
 from .lifecycle import Run, Wire
@@ -15,8 +15,11 @@ __all__ = ["output_events", "to_engine_request"]
 _ERROR_CODES = {c.value: c for c in ErrorCode}
 
 
-def to_engine_request(req: GenerateRequest, tokens: list[int], deadline: float | None) -> EngineRequest:
-    """A validated wire request and its prompt tokens, as the engine takes them."""
+def to_engine_request(
+    req: GenerateRequest, tokens: list[int], deadline: float | None, *, images: ImageInputs | None = None
+) -> EngineRequest:
+    """A validated wire request and its prompt tokens (and images, prepared: see worker/media.py), as the
+    engine takes them."""
     params = SamplingParams(
         max_tokens=req.max_tokens,
         temperature=req.temperature,
@@ -29,7 +32,7 @@ def to_engine_request(req: GenerateRequest, tokens: list[int], deadline: float |
         seed=req.seed,
         stop=tuple(req.stop),
     )
-    return EngineRequest(req.id, tokens, params, arrival=time.monotonic(), deadline=deadline)
+    return EngineRequest(req.id, tokens, params, arrival=time.monotonic(), deadline=deadline, images=images)
 
 
 def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:

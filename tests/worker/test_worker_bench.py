@@ -52,7 +52,7 @@ def test_quick_run_writes_the_three_files_and_prints_the_table(quick_run: tuple[
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "results.md").read_text()
     for section in ("## Throughput and TTFT", "## TTFT at N=1", "## Cancel", "## Redis round trips",
-                    "## Enqueue rate", "## Targets"):
+                    "## Image jobs (tiny qwen2_vl, mlx-vlm)", "## Enqueue rate", "## Targets"):
         assert section in md
     assert "| size | N | raw tok/s | queue tok/s | serial tok/s |" in stdout
     assert "| size | N | raw tok/s | engine tok/s | queue tok/s | engine/raw | queue/engine |" in stdout
@@ -131,6 +131,26 @@ def test_targets_are_judged_from_the_reported_numbers(results: dict[str, Any]) -
     enq = targets["enqueue jobs/s (sequential awaits)"]
     assert enq["value"] == results["enqueue"]["sequential_jobs_s"]
     assert all(isinstance(t["passed"], bool) for t in results["targets"])
+
+
+def test_image_jobs_are_measured_on_mlx_vlm_and_through_the_queue(results: dict[str, Any]) -> None:
+    vision, cfg = results["vision"], results["config"]
+    assert vision["model"].endswith("tiny-vl-v1") and cfg["vision_concurrency"] == [1, 2]
+    assert [r["n"] for r in vision["rows"]] == [1, 2]
+    for row in vision["rows"]:
+        for path in ("raw", "queue"):
+            p = row[path]
+            assert p["tok_s"] == pytest.approx(p["tokens"] / p["seconds"]) and p["tok_s"] == max(p["runs_tok_s"])
+            assert p["tokens"] == row["n"] * cfg["max_tokens"]  # every image job runs to max_tokens on both paths
+        assert row["queue_over_raw"] == pytest.approx(row["queue"]["tok_s"] / row["raw"]["tok_s"])
+    for row in vision["text_rows"]:
+        assert row["vlm"]["tokens"] == row["lm"]["tokens"] == row["n"] * cfg["max_tokens"]
+        assert row["vlm_over_lm_paired"] == pytest.approx(row["vlm"]["tok_s"] / row["lm"]["tok_s"])  # one run
+    mixed = vision["mixed"]
+    assert mixed["n"] == 2 and mixed["one_batch"]["tokens"] == mixed["split"]["tokens"] == 2 * cfg["max_tokens"]
+    targets = {t["name"]: t for t in results["targets"]}
+    t = targets["queue/raw images N=2 (median of pairs)"]
+    assert t["value"] == vision["rows"][1]["queue_over_raw_paired"] and t["passed"] is (t["value"] >= 0.9)
 
 
 # --- fast: configuration, the re-exec, the stats line ----------------------------------------------

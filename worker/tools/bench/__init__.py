@@ -13,7 +13,8 @@ run measures, on the same generated model, prompts and ``max_tokens``:
   transport: client, Redis, arq, event loop);
 
 plus time to first token (TTFT), cancel -> terminal-event latency, Redis round trips per engine step, CPU
-per process and the enqueue rate of one producer. Results go to ``results.json``, ``results.md`` and
+per process and the enqueue rate of one producer; and image jobs on a tiny vision-language model, raw
+mlx-vlm ``BatchGenerator`` against the queue (``vision.py``). Results go to ``results.json``, ``results.md`` and
 ``chart.png``.
 
 Machines running this are often shared, so raw and queue runs alternate at each N (the idle worker is
@@ -67,6 +68,7 @@ from .runs import (
     _say,
     _Site,
 )
+from .vision import run_vision, vision_targets
 
 __all__ = [
     "BenchConfig",
@@ -114,11 +116,14 @@ def _run(cfg: BenchConfig, out: Path) -> BenchResult:
         site = _Site(server.url, server.proc.pid, out)
         machine["redis"] = _redis_version(server.url)
         sizes = [_bench_size(size, cfg, site) for size in cfg.sizes]
+        vision = run_vision(cfg, site)
         _say("enqueue: one producer, no worker")
         enqueue = asyncio.run(_enqueue_phase(server.url, cfg))
     machine["loadavg_end"] = _loadavg()
     machine["probe_ms_end"] = _speed_probe_ms()
-    return BenchResult(machine, cfg, sizes, enqueue, _targets(sizes, enqueue), time.perf_counter() - t0)
+    machine["mlx_vlm"] = importlib.metadata.version("mlx-vlm")
+    targets = _targets(sizes, enqueue) + vision_targets(vision)
+    return BenchResult(machine, cfg, sizes, enqueue, targets, time.perf_counter() - t0, vision)
 
 
 def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:

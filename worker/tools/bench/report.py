@@ -21,6 +21,7 @@ from .runs import (
     _fmt_list,
     _num,
 )
+from .vision import md_vision
 
 
 # --- targets ---------------------------------------------------------------------------------------
@@ -68,7 +69,7 @@ def render_markdown(result: BenchResult) -> str:
     """``results.md``: a header, the main table, then one section per measurement and the targets."""
     return "\n".join([*_md_header(result), *_md_table(result), *_md_engine(result), *_md_blas(result),
                       *_md_ttft(result), *_md_cancel(result), *_md_round_trips(result), *_md_cpu(result),
-                      *_md_enqueue(result), *_md_targets(result)])
+                      *md_vision(result.vision, result.config), *_md_enqueue(result), *_md_targets(result)])
 
 
 def _md_header(result: BenchResult) -> list[str]:
@@ -76,7 +77,8 @@ def _md_header(result: BenchResult) -> list[str]:
     return [
         "# mlxq bench", "",
         f"{m['date']} · {m['cpus']} cores · BLAS: **{m['blas']}** · mlx {m['mlx']} · "
-        f"mlx-lm {m['mlx_lm']} · arq {m['arq']} · redis {m.get('redis', '?')} · python {m['python']} · "
+        f"mlx-lm {m['mlx_lm']} · mlx-vlm {m.get('mlx_vlm', '?')} · arq {m['arq']} · redis {m.get('redis', '?')} · "
+        f"python {m['python']} · "
         f"run time {result.seconds:.0f} s · load average at start {m['loadavg_start']}, "
         f"at end {m.get('loadavg_end', '?')}; a fixed Python loop took {m['probe_ms_start']} ms at the start, "
         f"{m.get('probe_ms_end', '?')} ms at the end (other tenants skew every number)",

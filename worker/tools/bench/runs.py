@@ -56,6 +56,8 @@ class BenchConfig:
     cancel_wait: tuple[int, int] = (2, 40)  # token events to wait before a cancel, drawn uniformly
     enqueue_jobs: int = 2000
     enqueue_batch: int = 64
+    vision_concurrency: tuple[int, ...] = (1, 8)  # image jobs at once (the tiny qwen2_vl, see vision.py)
+    vision_repeats: int = 7  # measured raw/queue pairs per N of image jobs
     quick: bool = False
 
     def repeats_for(self, size: str) -> int:
@@ -83,7 +85,7 @@ class BenchConfig:
     def quick_config(cls) -> BenchConfig:
         return cls(sizes=("tiny",), concurrency=(1, 4), max_tokens=16, repeats=1, tiny_repeats=1, blas_repeats=1,
                    warmup_tokens=4, ttft_probes=5, cancel_max_tokens=128, cancel_wait=(2, 8), enqueue_jobs=200,
-                   quick=True)
+                   vision_concurrency=(1, 2), vision_repeats=1, quick=True)
 
 
 # --- records ---------------------------------------------------------------------------------------
@@ -261,6 +263,7 @@ class BenchResult:
     enqueue: EnqueueResult
     targets: list[Target]
     seconds: float
+    vision: Any = None  # vision.VisionResult: image jobs on the tiny qwen2_vl
 
 
 @dataclass(frozen=True, slots=True)

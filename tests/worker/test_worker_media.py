@@ -1,0 +1,131 @@
+"""worker/media.py: every way an image can be refused names the image and the problem; good images decode
+(data URLs, and http(s) URLs from a local server when enabled, within byte and time limits)."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from PIL import Image
+
+from api.schema import image_data_url
+from tests.vlm_support import png
+from worker.media import ImageError, ImageLimits, decode_image
+
+LIMITS = ImageLimits(max_images=4, max_bytes=64 * 1024, max_pixels=100 * 100)
+URLS = ImageLimits(max_images=4, max_bytes=64 * 1024, max_pixels=100 * 100, urls=True, fetch_timeout_s=1.0)
+
+
+def encoded(fmt: str, size: tuple[int, int] = (20, 10), **save: object) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (200, 10, 10)).save(buf, format=fmt, **save)
+    return buf.getvalue()
+
+
+def test_data_urls_decode_to_upright_rgb() -> None:
+    img = decode_image(image_data_url(png(30, 20, 0)), "image 1", LIMITS)
+    assert img.mode == "RGB" and img.size == (30, 20)
+    assert decode_image(image_data_url(encoded("JPEG"), "image/jpeg"), "image 2", LIMITS).size == (20, 10)
+    gray = io.BytesIO()
+    Image.new("L", (8, 8), 7).save(gray, format="PNG")
+    assert decode_image(image_data_url(gray.getvalue()), "image 3", LIMITS).mode == "RGB"
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("data:text/plain;base64,aGVsbG8=", "not a base64 image data URL"),
+    ("data:image/png,notbase64", "not a base64 image data URL"),
+    ("data:image/png;base64", "not a base64 image data URL"),
+    ("data:image/png;base64,@@@@", "not valid base64"),
+    ("data:image/png;base64,", "empty image data"),
+    (image_data_url(b"\x00" * 900), "not an image (undecodable data)"),
+    (image_data_url(encoded("TIFF"), "image/tiff"), "unsupported image format TIFF; accepted: PNG, JPEG"),
+    (image_data_url(png(30, 20, 0)[:60]), "cannot decode it"),
+    (image_data_url(encoded("PNG", (101, 100))), "101x100 pixels (10100); the limit is 10000 pixels"),
+    (image_data_url(b"\x89PNG" + b"\x00" * (65 * 1024)), "66564 bytes; the limit is 65536 bytes"),
+    ("file:///etc/passwd", "unsupported URL scheme 'file'"),
+    ("ftp://example.com/a.png", "unsupported URL scheme 'ftp'"),
+    ("https://example.com/a.png", "http(s) image URLs are not enabled on this worker (MLXQ_IMAGE_URLS)"),
+])
+def test_each_bad_image_is_refused_naming_it_and_the_problem(url: str, problem: str) -> None:
+    with pytest.raises(ImageError) as err:
+        decode_image(url, "image 2 (messages[0].content[3])", LIMITS)
+    assert str(err.value).startswith("image 2 (messages[0].content[3]): ")
+    assert problem in str(err.value)
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    """/ok.png, /big (declared too large), /endless (undeclared, too large), /slow (drips), /404, /to-file."""
+
+    def do_GET(self) -> None:
+        body = png(30, 20, 1)
+        if self.path == "/ok.png":
+            self._send(200, body, len(body))
+        elif self.path == "/big":
+            self._send(200, b"x" * (70 * 1024), 70 * 1024)
+        elif self.path == "/endless":
+            self._send(200, b"x" * (70 * 1024), None)
+        elif self.path == "/slow":
+            self.send_response(200)
+            self.end_headers()
+            for _ in range(40):  # each byte well inside the socket timeout; the whole fetch is not
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.05)
+        elif self.path == "/to-file":
+            self.send_response(302)
+            self.send_header("Location", "file:///etc/passwd")
+            self.end_headers()
+        else:
+            self._send(404, b"no", 2)
+
+    def _send(self, code: int, body: bytes, length: int | None) -> None:
+        self.send_response(code)
+        if length is not None:
+            self.send_header("Content-Length", str(length))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_http_urls_are_fetched_when_enabled(server: str) -> None:
+    assert decode_image(f"{server}/ok.png", "image 1", URLS).size == (30, 20)
+    with pytest.raises(ImageError, match="not enabled"):
+        decode_image(f"{server}/ok.png", "image 1", LIMITS)
+
+
+@pytest.mark.parametrize(("path", "problem"), [
+    ("/big", "71680 bytes; the limit is 65536 bytes"),
+    ("/endless", "more than 65536 bytes"),
+    ("/slow", "fetching it took longer than 1 s"),
+    ("/404", "fetching it failed: HTTP 404"),
+    ("/to-file", "Redirection to url 'file:///etc/passwd' is not allowed"),
+])
+def test_http_fetches_stay_within_their_limits(server: str, path: str, problem: str) -> None:
+    with pytest.raises(ImageError) as err:
+        decode_image(f"{server}{path}", "image 1 (messages[0].content[0])", URLS)
+    assert str(err.value).startswith("image 1 (messages[0].content[0]): ") and problem in str(err.value)
+
+
+def test_a_data_url_at_the_byte_limit_is_read() -> None:
+    body = png(50, 50, 3)
+    limits = ImageLimits(max_bytes=len(body))
+    assert decode_image("data:image/png;base64," + base64.b64encode(body).decode(), "image 1", limits).size == (50, 50)
+    with pytest.raises(ImageError, match=f"{len(body)} bytes; the limit is {len(body) - 1} bytes"):
+        decode_image(image_data_url(body), "image 1", ImageLimits(max_bytes=len(body) - 1))
