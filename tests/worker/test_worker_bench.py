@@ -299,3 +299,16 @@ def test_the_blas_section_lists_each_sizes_runs() -> None:
     assert "## OpenBLAS threads" in md and "raw at N=32" in md
     assert "| tiny | 1 | 1: 11556.0, 12340.0; 2: 9151.0, 9885.0 |" in md
 
+
+
+def test_two_engines_in_one_worker_process_were_timed_side_by_side(results: dict[str, Any],
+                                                                   quick_run: tuple[Path, int, str]) -> None:
+    models = results["models"]
+    assert len(models["sequential_s"]) == len(models["concurrent_s"]) == 1
+    assert all(s > 0 for s in models["sequential_s"] + models["concurrent_s"])
+    assert models["speedup"] == pytest.approx(models["sequential_s"][0] / models["concurrent_s"][0])
+    assert all(c > 0 for c in models["concurrent_cores"])  # the worker's CPU over the run was read
+    (target,) = [t for t in results["targets"] if t["name"].startswith("two models in one process")]
+    assert target["value"] == round(models["speedup"], 3) and target["passed"] is (models["speedup"] >= 1.2)
+    out, _, _ = quick_run
+    assert "## Two models in one worker process" in (out / "results.md").read_text()

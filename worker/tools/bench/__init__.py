@@ -14,7 +14,8 @@ run measures, on the same generated model, prompts and ``max_tokens``:
 
 plus time to first token (TTFT), cancel -> terminal-event latency, Redis round trips per engine step, CPU
 per process and the enqueue rate of one producer; and image jobs on a tiny vision-language model, raw
-mlx-vlm ``BatchGenerator`` against the queue (``vision.py``). Results go to ``results.json``, ``results.md`` and
+mlx-vlm ``BatchGenerator`` against the queue (``vision.py``); and two models in one worker process, both at
+once against one after the other (``models.py``). Results go to ``results.json``, ``results.md`` and
 ``chart.png``.
 
 Machines running this are often shared, so raw and queue runs alternate at each N (the idle worker is
@@ -43,6 +44,7 @@ from worker.config import WorkerConfig
 
 from ..blas import OPENBLAS, blas_of, coretype_for, cpu_flags, openblas_core
 from ..redis_server import RedisServer
+from .models import models_targets, run_models
 from .paths import RawPath, _enqueue_phase, _openblas, _worker_phase, scrape_stats
 from .report import _md_blas as _md_blas  # the tests read one table
 from .report import _targets, render_markdown, write_outputs
@@ -117,13 +119,14 @@ def _run(cfg: BenchConfig, out: Path) -> BenchResult:
         machine["redis"] = _redis_version(server.url)
         sizes = [_bench_size(size, cfg, site) for size in cfg.sizes]
         vision = run_vision(cfg, site)
+        models = run_models(cfg, site)
         _say("enqueue: one producer, no worker")
         enqueue = asyncio.run(_enqueue_phase(server.url, cfg))
     machine["loadavg_end"] = _loadavg()
     machine["probe_ms_end"] = _speed_probe_ms()
     machine["mlx_vlm"] = importlib.metadata.version("mlx-vlm")
-    targets = _targets(sizes, enqueue) + vision_targets(vision)
-    return BenchResult(machine, cfg, sizes, enqueue, targets, time.perf_counter() - t0, vision)
+    targets = _targets(sizes, enqueue) + vision_targets(vision) + models_targets(models)
+    return BenchResult(machine, cfg, sizes, enqueue, targets, time.perf_counter() - t0, vision, models)
 
 
 def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..blas import OPENBLAS
 from .chart import _chart
+from .models import md_models
 from .runs import (
     _BLAS_MARGIN,
     _PROBE_TOKENS,
@@ -69,7 +70,8 @@ def render_markdown(result: BenchResult) -> str:
     """``results.md``: a header, the main table, then one section per measurement and the targets."""
     return "\n".join([*_md_header(result), *_md_table(result), *_md_engine(result), *_md_blas(result),
                       *_md_ttft(result), *_md_cancel(result), *_md_round_trips(result), *_md_cpu(result),
-                      *md_vision(result.vision, result.config), *_md_enqueue(result), *_md_targets(result)])
+                      *md_vision(result.vision, result.config), *md_models(result.models), *_md_enqueue(result),
+                      *_md_targets(result)])
 
 
 def _md_header(result: BenchResult) -> list[str]:

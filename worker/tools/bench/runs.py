@@ -58,6 +58,8 @@ class BenchConfig:
     enqueue_batch: int = 64
     vision_concurrency: tuple[int, ...] = (1, 8)  # image jobs at once (the tiny qwen2_vl, see vision.py)
     vision_repeats: int = 7  # measured raw/queue pairs per N of image jobs
+    models_n: int = 8  # jobs per model in the two-models phase (models.py)
+    models_repeats: int = 5  # sequential/concurrent pairs there
     quick: bool = False
 
     def repeats_for(self, size: str) -> int:
@@ -85,7 +87,7 @@ class BenchConfig:
     def quick_config(cls) -> BenchConfig:
         return cls(sizes=("tiny",), concurrency=(1, 4), max_tokens=16, repeats=1, tiny_repeats=1, blas_repeats=1,
                    warmup_tokens=4, ttft_probes=5, cancel_max_tokens=128, cancel_wait=(2, 8), enqueue_jobs=200,
-                   vision_concurrency=(1, 2), vision_repeats=1, quick=True)
+                   vision_concurrency=(1, 2), vision_repeats=1, models_n=2, models_repeats=1, quick=True)
 
 
 # --- records ---------------------------------------------------------------------------------------
@@ -264,6 +266,7 @@ class BenchResult:
     targets: list[Target]
     seconds: float
     vision: Any = None  # vision.VisionResult: image jobs on the tiny qwen2_vl
+    models: Any = None  # models.ModelsResult: two engines in one worker process
 
 
 @dataclass(frozen=True, slots=True)
