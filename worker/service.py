@@ -25,7 +25,7 @@ from api.connection import redis_client
 from api.schema import ErrorCode, FinishReason, GenerateRequest, is_terminal
 from engine.engine import Engine
 from engine.loader import EngineOptions, LoadedModel, start_engine
-from engine.prompt import encode_prompt
+from engine.prompt import EncodedPrompt, encode_prompt_with_boundary
 from engine.request import RequestOutput
 
 from . import waker
@@ -197,21 +197,21 @@ class ModelService:
             if envelope.problem:
                 raise BadRequest(envelope.problem)
             req = self._validate(envelope.payload, run.rid)
-            tokens = await self._tokenize_off_loop(req)
+            prompt = await self._tokenize_off_loop(req)
         except BadRequest as exc:
             log.info("job %s rejected: %s", run.rid, exc)
             return await self._end(run, run.error(ErrorCode.BAD_REQUEST, str(exc)))
-        return await self._generate(run, req, tokens)
+        return await self._generate(run, req, prompt)
 
     async def _end(self, run: Run, event: Wire) -> State:
         await self.publisher.write([(run, event)])
         return run.state
 
-    async def _generate(self, run: Run, req: GenerateRequest, tokens: list[int]) -> State:
+    async def _generate(self, run: Run, req: GenerateRequest, prompt: EncodedPrompt) -> State:
         assert self.engine is not None
         self.runs[run.rid] = run
         deadline = time.monotonic() + self.config.job_timeout_s
-        self.engine.add(to_engine_request(req, tokens, deadline))
+        self.engine.add(to_engine_request(req, prompt.tokens, deadline, cache_boundary=prompt.cache_boundary))
         try:
             return await run.finished
         except asyncio.CancelledError:
@@ -279,7 +279,7 @@ class ModelService:
             raise BadRequest(f"max_tokens {req.max_tokens} exceeds this worker's limit {cfg.max_tokens_limit}")
         return req
 
-    async def _tokenize_off_loop(self, req: GenerateRequest) -> list[int]:
+    async def _tokenize_off_loop(self, req: GenerateRequest) -> EncodedPrompt:
         # A long prompt takes a while to tokenize: keep the event loop (events, leases) responsive.
         chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
         if chars > self.config.max_payload_bytes:
@@ -288,18 +288,19 @@ class ModelService:
             return self._tokenize(req, inline=True)
         return await asyncio.to_thread(self._tokenize, req, False)
 
-    def _tokenize(self, req: GenerateRequest, inline: bool) -> list[int]:
+    def _tokenize(self, req: GenerateRequest, inline: bool) -> EncodedPrompt:
         """Inline: without releasing the GIL (see ``PromptEncoder``); else through transformers, which
-        releases it while a long prompt encodes."""
+        releases it while a long prompt encodes. With the system-prompt boundary the engine caches at."""
         assert self.model is not None
         messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
         try:
             if inline:
-                tokens = self.model.prompts.encode(req.prompt, messages)
+                encoded = self.model.prompts.encode_with_boundary(req.prompt, messages)
             else:
-                tokens = encode_prompt(self.model.tokenizer, req.prompt, messages)
+                encoded = encode_prompt_with_boundary(self.model.tokenizer, req.prompt, messages)
         except Exception as exc:  # a template or tokenizer error is the request's fault
             raise BadRequest(f"could not tokenize the prompt: {exc}") from None
+        tokens = encoded.tokens
         ctx = self.model.context_length
         limit = min(self.config.max_prompt_tokens, ctx or self.config.max_prompt_tokens)
         if not tokens:
@@ -310,7 +311,7 @@ class ModelService:
             raise BadRequest(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the context ({ctx})"
             )
-        return tokens
+        return encoded
 
 
 def _summarize(exc: ValidationError) -> str:

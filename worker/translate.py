@@ -15,8 +15,11 @@ __all__ = ["output_events", "to_engine_request"]
 _ERROR_CODES = {c.value: c for c in ErrorCode}
 
 
-def to_engine_request(req: GenerateRequest, tokens: list[int], deadline: float | None) -> EngineRequest:
-    """A validated wire request and its prompt tokens, as the engine takes them."""
+def to_engine_request(
+    req: GenerateRequest, tokens: list[int], deadline: float | None, *, cache_boundary: int = 0
+) -> EngineRequest:
+    """A validated wire request and its prompt tokens (the first ``cache_boundary`` of them its system
+    prompt: see engine/prompt.py), as the engine takes them."""
     params = SamplingParams(
         max_tokens=req.max_tokens,
         temperature=req.temperature,
@@ -27,7 +30,8 @@ def to_engine_request(req: GenerateRequest, tokens: list[int], deadline: float |
         seed=req.seed,
         stop=tuple(req.stop),
     )
-    return EngineRequest(req.id, tokens, params, arrival=time.monotonic(), deadline=deadline)
+    return EngineRequest(req.id, tokens, params, arrival=time.monotonic(), deadline=deadline,
+                         cache_boundary=cache_boundary)
 
 
 def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
