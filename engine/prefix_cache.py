@@ -8,6 +8,14 @@ the earlier turns of a chat are prefilled once. Every call runs on the model's M
 Bytes are the caches' allocated buffers (``nbytes``), the eviction mlx-lm's: least recently stored first,
 answers before prompts before system prompts. Storing a trimmable cache drops the entries that are its
 prefixes (a longer entry serves them, trimmed), as mlx-lm's server does.
+
+Two bounds keep it off the hot path. Prompts shorter than ``min_tokens`` are not looked up, nor are their
+sequences stored when they end (the scheduler's rule): a hit would save less prefill than copying and
+merging its cache costs, and copying a finished sequence's cache out of the batch is engine-thread time
+that only a long prompt repays. And the entries are few
+(``max_entries``), because mlx-lm's lookup walks every entry that shares the prompt's longest cached prefix
+(to find the shortest longer one): milliseconds per lookup on the engine thread once dozens of chats share
+a system prompt.
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ from .batch import SequenceCache
 __all__ = ["PrefixCache", "PrefixHit"]
 
 _MODEL = "model"  # the cache serves one model: one trie
-_MAX_ENTRIES = 512  # the trie's Python nodes (one dict per token) are not in the byte count: bound them too
+MAX_ENTRIES = 32
+MIN_TOKENS = 32
 
 
 @dataclass(slots=True)
@@ -36,12 +45,14 @@ class PrefixHit:
 
 
 class PrefixCache:
-    """KV caches of prompt prefixes, at most ``max_bytes`` of them (LRU)."""
+    """KV caches of prompt prefixes, at most ``max_bytes`` of them (LRU) in at most ``max_entries`` entries;
+    prefixes shorter than ``min_tokens`` are not worth it."""
 
-    def __init__(self, max_bytes: int, max_entries: int = _MAX_ENTRIES) -> None:
+    def __init__(self, max_bytes: int, max_entries: int = MAX_ENTRIES, min_tokens: int = MIN_TOKENS) -> None:
         if max_bytes <= 0:
             raise ValueError("a prefix cache needs a positive byte bound (0 disables it: build none)")
         self.max_bytes = max_bytes
+        self.min_tokens = min_tokens
         self._lru = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
         self.hits = 0
         self.misses = 0
@@ -56,12 +67,14 @@ class PrefixCache:
         return len(self._lru)
 
     def fetch(self, tokens: list[int]) -> PrefixHit | None:
-        """The longest cached prefix of ``tokens`` (a copy), or None."""
+        """The longest cached prefix of ``tokens`` (a copy), or None (not counted for short prompts)."""
+        if len(tokens) <= self.min_tokens:
+            return None
         cache, rest = self._lru.fetch_nearest_cache(_MODEL, tokens)
-        if cache is None:
+        n = len(tokens) - len(rest)
+        if cache is None or n < self.min_tokens:
             self.misses += 1
             return None
-        n = len(tokens) - len(rest)
         if not rest:
             # An exact hit leaves nothing to feed, which kills mlx-lm's batch ("empty prompt"): give back the
             # last token, or prefill the whole prompt when the cache cannot be trimmed.
@@ -76,9 +89,12 @@ class PrefixCache:
 
     def store(self, entries: list[SequenceCache], kind: str) -> None:
         """Keep each entry's cache under its tokens; ``kind`` ("system" or "assistant") orders eviction."""
+        entries = [e for e in entries if len(e.tokens) >= self.min_tokens]
+        if not entries:
+            return
         mx.eval([c.state for e in entries for c in e.cache])  # a lazy slice would pin the whole batch's buffer
         for e in entries:
-            if len(e.tokens) < 2 or e.nbytes > self.max_bytes:  # nothing to reuse / would evict all, then itself
+            if e.nbytes > self.max_bytes:  # it would evict everything, then itself
                 continue
             self._lru.insert_cache(_MODEL, list(e.tokens), e.cache, cache_type=kind)
 

@@ -296,7 +296,7 @@ class Scheduler:
         out = outs.get(seq.req.rid)
         fin = tok.finish_reason
         if fin is not None:
-            if self._prefix is not None:
+            if self._prefix is not None and len(seq.req.prompt_tokens) >= self._prefix.min_tokens:
                 self._keep_final_cache(tok)
             if fin == "stop":  # EOS: not part of the text (as mlx_lm.generate)
                 self._finish(seq, out, FinishReason.STOP, removed=True)
@@ -322,7 +322,8 @@ class Scheduler:
             elif seq.stops is not None:
                 out.text += seq.stops.flush()
         if not removed:
-            if self._prefix is not None and self._caching is not None:
+            if (self._prefix is not None and self._caching is not None
+                    and len(seq.req.prompt_tokens) >= self._prefix.min_tokens):
                 self._finished.extend(self._caching.take_caches([seq.uid]).values())
             else:
                 self.backend.remove([seq.uid])
@@ -571,7 +572,8 @@ class Scheduler:
         self.room = Room(free, len(self._waiting), kv_rows)
 
     def _keep_final_cache(self, tok: GeneratedToken) -> None:
-        # mlx-lm's last response of a sequence carries its cache and every token in it.
+        # mlx-lm's last response of a sequence carries its cache and every token in it. Kept only after a
+        # prompt long enough to be worth a lookup itself (the caller checks): copying a cache out is not free.
         cache, tokens = getattr(tok, "prompt_cache", None), getattr(tok, "all_tokens", None)
         if cache is not None and tokens is not None:
             self._finished.append(SequenceCache(list(cache), list(tokens)))

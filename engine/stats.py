@@ -28,7 +28,7 @@ class EngineStats:
     recomputes: int = 0  # preempted sequences put back by prefilling prompt + generated tokens again
     # Prefix (prompt) cache (engine/prefix_cache.py).
     prefix_hits: int = 0  # admissions that reused a cached prefix
-    prefix_misses: int = 0  # admissions that found none
+    prefix_misses: int = 0  # admissions that found none (prompts too short to be worth a lookup not counted)
     prefix_tokens_saved: int = 0  # prompt tokens not prefilled thanks to a hit
     prefix_cache_bytes: int = 0
     prefix_cache_entries: int = 0
