@@ -32,7 +32,7 @@ __all__ = ["PrefixCache", "PrefixHit"]
 
 _MODEL = "model"  # the cache serves one model: one trie
 MAX_ENTRIES = 32
-MIN_TOKENS = 32
+MIN_TOKENS = 64
 
 
 @dataclass(slots=True)

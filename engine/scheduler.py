@@ -459,16 +459,18 @@ class Scheduler:
                                   cache_tokens=full[:n])
         if seq.admitted:
             self.stats.recomputes += 1
-        hit = self._prefix.fetch(full) if self._prefix is not None else None
+        if self._prefix is None:
+            return caching.insert(full, remaining, seq.sampler, seq.processors)
+        hit = self._prefix.fetch(full)
+        self._sync_prefix_stats()
         cached = hit.tokens if hit is not None else 0
         boundary = req.cache_boundary
-        checkpoint = boundary - cached if self._prefix is not None and cached < boundary < len(full) else 0
-        uid = caching.insert(full[cached:], remaining, seq.sampler, seq.processors,
-                             cache=hit.cache if hit is not None else None, cache_tokens=full[:cached],
-                             checkpoint=checkpoint)
-        if self._prefix is not None:
-            self._sync_prefix_stats()
-        return uid
+        checkpoint = boundary - cached if cached < boundary < len(full) else 0
+        if hit is None and not checkpoint:  # the plain call, as any backend takes it
+            return caching.insert(full, remaining, seq.sampler, seq.processors)
+        return caching.insert(full[cached:], remaining, seq.sampler, seq.processors,
+                              cache=hit.cache if hit is not None else None, cache_tokens=full[:cached],
+                              checkpoint=checkpoint)
 
     # --- preemption --------------------------------------------------------------------------------
     def _plan_preemption(self, top: _Sequence) -> tuple[list[_Sequence], bool] | None:

@@ -69,7 +69,10 @@ class WaitingQueue(Generic[T]):
 
     def remove(self, rid: str) -> T | None:
         """Take the item of ``rid`` out, wherever it is; None if there is none."""
-        return self._items.pop(rid, None)
+        item = self._items.pop(rid, None)
+        if not self._items:
+            self._heap.clear()  # the skipped entries would hold their items until something else is pushed
+        return item
 
     def clear(self) -> None:
         self._heap.clear()
