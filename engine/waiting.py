@@ -75,5 +75,6 @@ class WaitingQueue(Generic[T]):
         return item
 
     def clear(self) -> None:
+        """Drop every item."""
         self._heap.clear()
         self._items.clear()
