@@ -43,6 +43,11 @@ class EnvReader:
     def number(self, name: str, default: float, minimum: float | None = None) -> float:
         return float(self._number(name, default, float, minimum))
 
+    def optional_number(self, name: str, minimum: float | None = None) -> float | None:
+        """A number, or None when unset."""
+        raw = self.env.get(name)
+        return None if raw is None or not raw.strip() else self.number(name, 0.0, minimum)
+
     def _number(self, name: str, default: float, kind: type, minimum: float | None) -> float:
         raw = self.env.get(name)
         if raw is None or not raw.strip():

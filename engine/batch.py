@@ -1,7 +1,9 @@
 """The one file that touches mlx-lm's ``BatchGenerator`` (its API moves between minors; mlx-lm is pinned).
 
 ``MLXBatch`` exposes the small surface the scheduler needs: insert a prompt, remove sequences, run one
-step. Every method must be called on the model's MLX thread.
+step; and, for the prefix cache and preemption (:class:`CachingBackend`), insert with a KV cache, take a
+sequence out with its cache, report the caches' bytes and the caches checkpointed at a prompt boundary.
+Every method must be called on the model's MLX thread.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from .request import ImageInputs
 
-__all__ = ["BatchBackend", "BatchToken", "GeneratedToken", "MLXBatch"]
+__all__ = ["BatchBackend", "BatchToken", "CachingBackend", "GeneratedToken", "MLXBatch", "SequenceCache"]
 
 
 class GeneratedToken(Protocol):
@@ -33,11 +35,27 @@ class GeneratedToken(Protocol):
 
 @dataclass(slots=True)
 class BatchToken:
-    """A :class:`GeneratedToken` of a backend's own making (fakes in tests)."""
+    """A :class:`GeneratedToken` of a backend's own making (fakes in tests). A sequence's last token may
+    carry its KV cache and the tokens in it, as mlx-lm's final response does."""
 
     uid: int
     token: int
     finish_reason: str | None
+    prompt_cache: list[Any] | None = None
+    all_tokens: list[int] | None = None
+
+
+@dataclass(slots=True)
+class SequenceCache:
+    """One sequence's KV cache out of a batch (a list of per-layer caches) and the tokens it holds."""
+
+    cache: list[Any]
+    tokens: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the caches' buffers (allocated, not only used)."""
+        return sum(int(c.nbytes) for c in self.cache)
 
 
 class BatchBackend(Protocol):
@@ -61,12 +79,49 @@ class BatchBackend(Protocol):
     def close(self) -> None: ...
 
 
+class CachingBackend(BatchBackend, Protocol):
+    """A backend whose sequences' KV caches can come and go (``supports_caches`` is True). A backend without
+    this (mlx-vlm's) still serves: the scheduler then skips the prefix cache and preempts by recomputing."""
+
+    @property
+    def supports_caches(self) -> bool: ...
+
+    def insert(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        sampler: Callable[[Any], Any] | None,
+        logits_processors: list[Any],
+        *,
+        cache: list[Any] | None = None,
+        cache_tokens: list[int] | None = None,
+        checkpoint: int = 0,
+        images: ImageInputs | None = None,
+    ) -> int:
+        """``cache`` holds ``cache_tokens`` (which precede ``prompt``); ``checkpoint``: a position in ``prompt``
+        where the sequence's cache is to be taken a copy of (see :meth:`take_checkpoints`)."""
+        ...
+
+    def take_caches(self, uids: Iterable[int]) -> dict[int, SequenceCache]:
+        """Remove sequences, returning each one's cache (evaluated) and the tokens in it."""
+        ...
+
+    def take_checkpoints(self) -> list[SequenceCache]:
+        """Caches copied at the checkpoints the last steps reached (evaluated), once each."""
+        ...
+
+    def kv_bytes(self) -> int:
+        """Bytes of every sequence's KV cache in the batch, as allocated."""
+        ...
+
+
 class MLXBatch:
     """mlx-lm's BatchGenerator behind :class:`BatchBackend`.
 
     A step runs one decode step for the generating sequences plus one chunk (``prefill_step_size``
     tokens) of prefill for the sequences being prompted, so a long prompt spans several steps and can be
-    cancelled between them.
+    cancelled between them. ``caches=False`` makes it a backend that cannot hand out caches (tests of the
+    scheduler's fallbacks).
     """
 
     def __init__(
@@ -78,7 +133,11 @@ class MLXBatch:
         prefill_batch_size: int,
         prefill_step_size: int,
         stream: mx.Stream,
+        caches: bool = True,
     ) -> None:
+        self._caches = caches
+        self._watch: dict[int, None] = {}  # uids with a checkpoint not reached yet
+        self._checkpoints: list[SequenceCache] = []
         self._stops = StopSequences([(t,) for t in sorted(eos_token_ids)])
         self._gen = BatchGenerator(
             model,
@@ -88,6 +147,10 @@ class MLXBatch:
             stream=stream,
         )
 
+    @property
+    def supports_caches(self) -> bool:
+        return self._caches
+
     def insert(
         self,
         prompt: list[int],
@@ -95,25 +158,70 @@ class MLXBatch:
         sampler: Callable[[Any], Any] | None,
         logits_processors: list[Any],
         *,
+        cache: list[Any] | None = None,
+        cache_tokens: list[int] | None = None,
+        checkpoint: int = 0,
         images: ImageInputs | None = None,
     ) -> int:
         if images is not None:  # the worker rejects these first; a ValueError fails only this request
             raise ValueError("this model does not accept images")
-        (uid,) = self._gen.insert(
-            [prompt],
+        # A segment boundary makes mlx-lm stop the prefill there, where take_checkpoints copies the cache.
+        segments = [prompt[:checkpoint], prompt[checkpoint:]] if 0 < checkpoint < len(prompt) else [prompt]
+        (uid,) = self._gen.insert_segments(
+            [segments],
             max_tokens=[max_tokens],
+            caches=[cache],  # type: ignore[list-item]  # None: a fresh cache
+            all_tokens=[list(cache_tokens or ())],  # mlx-lm appends to it
             samplers=[sampler],  # type: ignore[list-item]  # None means the shared greedy sampler
             logits_processors=[logits_processors],
             stop_sequences=[self._stops],
         )
+        if len(segments) > 1:
+            self._watch[uid] = None
         return int(uid)
 
     def remove(self, uids: Iterable[int]) -> None:
-        self._gen.remove(list(uids))
+        uids = list(uids)
+        self._unwatch(uids)
+        self._gen.remove(uids)
+
+    def take_caches(self, uids: Iterable[int]) -> dict[int, SequenceCache]:
+        uids = list(uids)
+        self._unwatch(uids)
+        taken = self._gen.remove(uids, return_prompt_caches=True)
+        out = {int(uid): SequenceCache(list(cache), list(tokens)) for uid, (cache, tokens) in taken.items()}
+        mx.eval([c.state for held in out.values() for c in held.cache])  # an unevaluated slice pins the batch
+        return out
+
+    def take_checkpoints(self) -> list[SequenceCache]:
+        if not self._checkpoints:
+            return []
+        out, self._checkpoints = self._checkpoints, []
+        return out
+
+    def kv_bytes(self) -> int:
+        return int(self._gen.prompt_cache_nbytes)
 
     def step(self) -> Sequence[GeneratedToken]:
-        _, generated = self._gen.next()
+        prompts, generated = self._gen.next()
+        if self._watch and prompts:
+            self._checkpoint(prompts)
         return generated  # type: ignore[no-any-return]
+
+    def _checkpoint(self, prompts: Sequence[Any]) -> None:
+        # A watched sequence's first segment end is its checkpoint (its later ones are mlx-lm's own split).
+        due = [r.uid for r in prompts if r.end_of_segment and not r.end_of_prompt and r.uid in self._watch]
+        if not due:
+            return
+        self._unwatch(due)
+        for cache, tokens in self._gen.extract_cache(due).values():
+            self._checkpoints.append(SequenceCache(list(cache), list(tokens)))
+        mx.eval([c.state for held in self._checkpoints for c in held.cache])
+
+    def _unwatch(self, uids: Iterable[int]) -> None:
+        if self._watch:
+            for uid in uids:
+                self._watch.pop(uid, None)
 
     def close(self) -> None:
         self._gen.close()

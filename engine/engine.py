@@ -10,6 +10,9 @@ its first step waits for the rest of them, then for as long as more keep arrivin
 admission window apart (a burst still being enqueued and claimed), until a full prefill batch is in or the
 window closes. So a burst's prompts prefill as one batch instead of the first few alone (a whole prefill
 step) and then the others; a lone request does not linger.
+
+:meth:`Engine.claim_capacity` tells the worker how many more requests this engine has room for soon, so it
+claims no more than that from Redis and other hosts take the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .mlx_thread import MLXThread
 from .pacer import Pacer
 from .request import EngineRequest, FinishReason, RequestOutput
 from .scheduler import Scheduler, StepFailed
+from .stats import EngineStats
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -42,14 +46,6 @@ class _Abort:
     message: str
 
 
-@dataclass(slots=True)
-class EngineStats:
-    """Counters a benchmark or a metrics endpoint can read."""
-
-    steps: int = 0
-    failures: int = 0
-
-
 class Engine:
     """Drives a :class:`Scheduler` on an :class:`MLXThread`; outputs go to ``sink`` (called on that thread)."""
 
@@ -64,7 +60,7 @@ class Engine:
     ) -> None:
         self.thread = thread
         self.scheduler = scheduler
-        self.stats = EngineStats()
+        self.stats: EngineStats = scheduler.stats  # the scheduler's counters plus the engine's own
         self.on_dead: Callable[[], None] = lambda: None  # called (on the MLX thread) if it cannot recover
         self.on_step: Callable[[float], None] = lambda seconds: None  # each step's duration (on the MLX thread)
         self.dead = False
@@ -72,6 +68,8 @@ class Engine:
         self._pacer = Pacer(stream_interval_s)
         self._make_backend = make_backend
         self._inbox: deque[EngineRequest | _Abort] = deque()
+        self._inbox_requests = 0  # requests added and not yet through a scheduler step (claim_capacity)
+        self._drained = 0  # of those, the ones this tick took from the inbox
         self._lock = threading.Lock()
         self._scheduled = False
         self._closed = False
@@ -90,6 +88,7 @@ class Engine:
             return
         with self._lock:
             self._expected = max(0, self._expected - 1)
+            self._inbox_requests += 1
             self._last_arrival = time.monotonic()
         self._post(req)
         self._arrived.set()
@@ -108,6 +107,20 @@ class Engine:
     ) -> None:
         """Remove a request between steps (thread-safe); unknown ids are ignored."""
         self._post(_Abort(rid, reason, code, message))
+
+    def claim_capacity(self) -> int:
+        """How many more requests this engine can start soon (thread-safe): free sequence slots, bounded by
+        the KV headroom left for a typical request, minus the requests already waiting, added or announced
+        (:meth:`expect`). As of the last step; 0 once the engine is dead or closed."""
+        if self.dead or self._closed:
+            return 0
+        room = self.scheduler.room  # a frozen record, replaced whole by the engine thread
+        with self._lock:
+            # Announced requests count only within their window: a claimed job that never comes (refused
+            # before it reached the engine) must not hold a slot for ever.
+            announced = self._expected if time.monotonic() < self._expect_until else 0
+            pending = self._inbox_requests + announced
+        return max(0, room.admissible - pending)
 
     async def aclose(self) -> None:
         """Stop ticking and join the MLX thread; returns only once no MLX call is running."""
@@ -131,13 +144,19 @@ class Engine:
             try:
                 if not self.scheduler.num_running:
                     self._await_expected()
-                self._emit(self._drain_inbox())
-                if self.scheduler.has_work:
-                    t0 = time.perf_counter()
-                    outs = self.scheduler.step()
-                    self.stats.steps += 1
-                    self.on_step(time.perf_counter() - t0)
-                    self._emit(outs)
+                try:
+                    self._emit(self._drain_inbox())
+                    if self.scheduler.has_work:
+                        t0 = time.perf_counter()
+                        outs = self.scheduler.step()
+                        self.stats.steps += 1
+                        self.on_step(time.perf_counter() - t0)
+                        self._emit(outs)
+                finally:  # the drained requests now count in the scheduler's room (or have ended)
+                    if self._drained:
+                        with self._lock:
+                            self._inbox_requests -= self._drained
+                        self._drained = 0
             except Exception as exc:  # an engine step failed: fail what was in flight, keep serving
                 self._on_failure(exc)
             with self._lock:
@@ -176,6 +195,7 @@ class Engine:
         while self._inbox:
             cmd = self._inbox.popleft()
             if isinstance(cmd, EngineRequest):
+                self._drained += 1
                 self.scheduler.add(cmd)
             else:
                 out = self.scheduler.abort(cmd.rid, cmd.reason, cmd.code, cmd.message)

@@ -15,7 +15,18 @@ from mlx_lm.utils import load_tokenizer
 
 from .batch import BatchBackend, MLXBatch
 from .engine import Engine, Sink
+from .memory import (
+    KVBudget,
+    KVLayout,
+    default_headroom,
+    default_prefix_cache_bytes,
+    measure_layout,
+    mib,
+    model_bytes,
+    usable_memory_bytes,
+)
 from .mlx_thread import MLXThread
+from .prefix_cache import PrefixCache
 from .prompt import PromptEncoder
 from .sampling import make_request_logits_processors, make_request_sampler
 from .scheduler import Scheduler
@@ -24,19 +35,27 @@ if TYPE_CHECKING:
     from .vlm import Vision
 
 __all__ = ["EngineOptions", "LoadedModel", "ModelLoadError", "build_engine", "load_model", "locate_model",
-           "start_engine"]
+           "memory_plan", "start_engine"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
-    """Batch shape of one engine."""
+    """Batch shape, memory and scheduling of one engine."""
 
     capacity: int = 32  # sequences decoding at once
     prefill_batch_size: int = 8  # prompts prefilled together
     prefill_step_size: int = 512  # prompt tokens per prefill chunk (a step boundary between chunks)
     stream_interval_s: float = 0.0  # hold a request's tokens up to this long between outputs (see pacer.py)
+    # KV bytes the batch's caches may hold (> 0); None: the default rule of engine/memory.py (75 % of usable
+    # memory - weights - the prefix cache's bound)
+    kv_headroom_bytes: int | None = None
+    # the prefix cache's bound; None: a tenth of usable memory, at most 4 GiB; 0: no prefix cache
+    prefix_cache_bytes: int | None = None
+    aging_s: float = 1.0  # seconds of waiting worth one priority level (engine/waiting.py)
+    # the share of the machine's memory the default rules give this engine (1/n with n engines in a process)
+    memory_share: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +78,8 @@ class LoadedModel:
 
 
 class ModelLoadError(Exception):
-    """The model cannot be loaded: a missing directory, not an mlx-lm model, an unsupported architecture."""
+    """The model cannot be loaded or served as configured: a missing directory, not an mlx-lm model, an
+    unsupported architecture, no memory left for its KV cache."""
 
 
 def locate_model(path: str) -> str:
@@ -171,12 +191,38 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
         )
 
     backend = await thread.call(make_backend)
+    memory, prefix = memory_plan(loaded, await thread.call(measure_layout, loaded.model), opts)
     scheduler = Scheduler(
         backend,
         capacity=opts.capacity,
         new_detokenizer=lambda: loaded.tokenizer.detokenizer,
         make_sampler=make_request_sampler,
         make_processors=make_request_logits_processors,
+        memory=memory,
+        prefix_cache=prefix,
+        aging_s=opts.aging_s,
+        context_length=loaded.context_length,
     )
     return Engine(thread, scheduler, sink, make_backend=make_backend, stream_interval_s=opts.stream_interval_s,
                   prefill_batch=opts.prefill_batch_size)
+
+
+def memory_plan(loaded: LoadedModel, layout: KVLayout, opts: EngineOptions) -> tuple[KVBudget, PrefixCache | None]:
+    """The KV budget and the prefix cache of an engine, from its options or the defaults of engine/memory.py."""
+    usable = int(usable_memory_bytes() * opts.memory_share)
+    prefix_bytes = opts.prefix_cache_bytes
+    if prefix_bytes is None:
+        prefix_bytes = default_prefix_cache_bytes(usable)
+    headroom = opts.kv_headroom_bytes
+    if headroom is None:
+        headroom = default_headroom(usable, model_bytes(loaded.model), prefix_bytes, layout, loaded.context_length)
+    if headroom <= 0:
+        raise ModelLoadError(f"the KV headroom for {loaded.path} must be positive, not {headroom} bytes "
+                             "(MLXQ_KV_HEADROOM_GB, or less weights for the memory)")
+    full = layout.row_bytes(loaded.context_length or 0)
+    if loaded.context_length and full > headroom:
+        log.warning("a full-context sequence (%d tokens) needs %s of KV cache, more than the headroom %s: longer "
+                    "requests will be refused", loaded.context_length, mib(full), mib(headroom))
+    log.info("KV cache: %d bytes per token (%d-token steps); headroom %s; prefix cache %s", layout.bytes_per_token,
+             layout.step, mib(headroom), mib(prefix_bytes) if prefix_bytes > 0 else "off")
+    return KVBudget(headroom, layout), PrefixCache(prefix_bytes) if prefix_bytes > 0 else None

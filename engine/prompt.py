@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import tokenizers
 
-__all__ = ["PromptEncoder", "encode_prompt"]
+__all__ = ["EncodedPrompt", "PromptEncoder", "encode_prompt", "encode_prompt_with_boundary", "system_boundary"]
 
 log = logging.getLogger(__name__)
 
 # Texts the direct call must encode exactly as the tokenizer's own ``encode`` before it is trusted.
 _PROBES = ("Hello, world!", "  leading and trailing  ", "naïve café 東京 🙂", "line\nbreak\ttab", "a" * 300, "")
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedPrompt:
+    """A prompt's tokens, and how many of them are its system-prompt prefix (0: none), where the engine
+    caches the KV (``EngineRequest.cache_boundary``)."""
+
+    tokens: list[int]
+    cache_boundary: int = 0
 
 
 def encode_prompt(tokenizer: Any, prompt: str | None, messages: Sequence[dict[str, str]] | None) -> list[int]:
@@ -23,6 +33,34 @@ def encode_prompt(tokenizer: Any, prompt: str | None, messages: Sequence[dict[st
     if prompt is None:
         raise ValueError("no prompt")
     return list(tokenizer.encode(prompt, add_special_tokens=_add_special(tokenizer, prompt)))
+
+
+def encode_prompt_with_boundary(
+    tokenizer: Any, prompt: str | None, messages: Sequence[dict[str, str]] | None
+) -> EncodedPrompt:
+    """:func:`encode_prompt` and the system-prompt boundary of chat messages (:func:`system_boundary`)."""
+    tokens = encode_prompt(tokenizer, prompt, messages)
+    return EncodedPrompt(tokens, system_boundary(tokenizer, messages, tokens) if messages is not None else 0)
+
+
+def system_boundary(tokenizer: Any, messages: Sequence[dict[str, str]], tokens: list[int]) -> int:
+    """Where the leading system messages of ``messages`` end in their rendered ``tokens``, as mlx-lm's server
+    finds it: render those messages with an empty user turn after them; the tokens both renderings share are
+    the prefix every conversation with that system prompt starts with. 0 without a system message (or when
+    the template renders it differently in the two)."""
+    n = 0
+    while n < len(messages) and messages[n].get("role") == "system":
+        n += 1
+    if n == 0 or n == len(messages):
+        return 0
+    probe = list(tokenizer.apply_chat_template([*messages[:n], {"role": "user", "content": ""}],
+                                               add_generation_prompt=False))
+    shared = 0
+    for a, b in zip(probe, tokens):
+        if a != b:
+            break
+        shared += 1
+    return shared if 0 < shared < len(tokens) else 0
 
 
 class PromptEncoder:
@@ -48,6 +86,11 @@ class PromptEncoder:
             return encode_prompt(self.tokenizer, prompt, messages)
         ids: list[int] = self.direct.encode(prompt, add_special_tokens=_add_special(self.tokenizer, prompt)).ids
         return ids
+
+    def encode_with_boundary(self, prompt: str | None, messages: Sequence[dict[str, str]] | None) -> EncodedPrompt:
+        """:meth:`encode`, and the system-prompt boundary of chat messages."""
+        tokens = self.encode(prompt, messages)
+        return EncodedPrompt(tokens, system_boundary(self.tokenizer, messages, tokens) if messages is not None else 0)
 
     def _agrees(self) -> bool:
         bos = getattr(self.tokenizer, "bos_token", None) or ""

@@ -64,14 +64,22 @@ class ImageInputs:
 
 @dataclass(slots=True)
 class EngineRequest:
-    """One sequence to generate. ``arrival`` and ``deadline`` are ``time.monotonic()`` values. ``images``: the
-    prompt's images, for a model that accepts them (None: a text prompt)."""
+    """One sequence to generate. ``arrival`` and ``deadline`` are ``time.monotonic()`` values (an arrival of
+    0.0 means "when the scheduler gets it").
+
+    ``priority``: higher goes first, with aging (``engine/waiting.py``), and may preempt lower-priority
+    sequences. ``cache_boundary``: how many leading prompt tokens are a reusable prefix (the chat template's
+    system prompt, see ``engine/prompt.py``); the engine caches their KV there. 0: none. ``images``: the
+    prompt's images, for a model that accepts them (None: a text prompt).
+    """
 
     rid: str
     prompt_tokens: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     arrival: float = 0.0
     deadline: float | None = None
+    priority: int = 0
+    cache_boundary: int = 0
     images: ImageInputs | None = None
 
 

@@ -72,6 +72,13 @@ class WorkerConfig:
     done_ttl_s: int = DONE_TTL_S  # MLXQ_DONE_TTL: replay log TTL after the terminal event
     keep_result_s: int = 60  # MLXQ_KEEP_RESULT: arq's result key TTL
     heartbeat_s: float = 2.0  # MLXQ_HEARTBEAT: how often the worker's health record is written
+    # MLXQ_KV_HEADROOM_GB: KV-cache bytes the batches may hold, split evenly between the models; unset: 75 % of
+    # the memory MLX may use less the weights and the prefix cache (engine/memory.py)
+    kv_headroom_gb: float | None = None
+    # MLXQ_PREFIX_CACHE_GB: bytes of cached prompt prefixes, per model; unset: a tenth of memory (at most 4 GiB);
+    # 0: off
+    prefix_cache_gb: float | None = None
+    priority_aging_s: float = 1.0  # MLXQ_PRIORITY_AGING: waiting one priority level is worth (as producers')
     metrics_port: int = 0  # MLXQ_METRICS_PORT: serve Prometheus metrics on this port (0: off)
     metrics_addr: str = "0.0.0.0"  # MLXQ_METRICS_ADDR: the address it listens on
     max_images: int = 4  # MLXQ_MAX_IMAGES: images in one job
@@ -146,6 +153,9 @@ class WorkerConfig:
             done_ttl_s=e.integer("MLXQ_DONE_TTL", d.done_ttl_s, minimum=1),
             keep_result_s=e.integer("MLXQ_KEEP_RESULT", d.keep_result_s, minimum=0),
             heartbeat_s=e.number("MLXQ_HEARTBEAT", d.heartbeat_s, minimum=0.05),
+            kv_headroom_gb=e.optional_number("MLXQ_KV_HEADROOM_GB", minimum=0.001),
+            prefix_cache_gb=e.optional_number("MLXQ_PREFIX_CACHE_GB", minimum=0),
+            priority_aging_s=e.number("MLXQ_PRIORITY_AGING", d.priority_aging_s, minimum=0),
             metrics_port=e.integer("MLXQ_METRICS_PORT", d.metrics_port, minimum=0),
             metrics_addr=e.text("MLXQ_METRICS_ADDR", d.metrics_addr),
             max_images=e.integer("MLXQ_MAX_IMAGES", d.max_images, minimum=0),

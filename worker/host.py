@@ -269,7 +269,8 @@ class WorkerHost:
     async def _generate(self, service: ModelService, run: Run, req: GenerateRequest, prompt: Prompt) -> State:
         self.runs[run.rid] = run
         deadline = time.monotonic() + self.config.job_timeout_s
-        service.add(to_engine_request(req, prompt.tokens, deadline, images=prompt.images))
+        service.add(to_engine_request(req, prompt.tokens, deadline, cache_boundary=prompt.cache_boundary,
+                                      images=prompt.images, enqueue_ms=run.enqueue_ms))
         try:
             return await run.finished
         except asyncio.CancelledError:

@@ -47,10 +47,12 @@ class ImageError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """A job's prompt as the engine takes it: its tokens, and its images (None for a text prompt)."""
+    """A job's prompt as the engine takes it: its tokens, its images (None for a text prompt), and how many of
+    its tokens are a system prompt the engine may cache (``EngineRequest.cache_boundary``; 0: none)."""
 
     tokens: list[int]
     images: ImageInputs | None = None
+    cache_boundary: int = 0
 
 
 @dataclass(frozen=True, slots=True)

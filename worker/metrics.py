@@ -127,6 +127,7 @@ class _HostCollector(Collector):
         yield _counter("mlxq:engine_failures", "Engine steps that failed (their jobs got engine_error).",
                        {n: _engine(s, "failures") for n, s in _services(h)})
         yield _counter("mlxq:generation_tokens", "Tokens generated.", dict(p.tokens_by_model))
+        yield from _engine_counters(h)
         yield _plain("mlxq:redis_writes", "EMIT calls carrying engine steps' events.", p.writes)
         yield _plain("mlxq:redis_other_writes", "EMIT calls for single jobs (cancels, resets, rejections).",
                      p.other_writes)
@@ -151,7 +152,41 @@ class _HostCollector(Collector):
             queued.add_metric([name], h.queue_depths.get(name, 0))
             dead.add_metric([name], 1 if status.state.value == "dead" else 0)
         yield from (running, waiting, queued, dead)
+        yield from _engine_gauges(h)
         yield GaugeMetricFamily("mlxq:worker_draining", "1 while the worker shuts down.", value=int(h.draining))
+
+
+_ENGINE_COUNTERS = (  # name, EngineStats field(s) summed, help
+    ("mlxq:prefix_cache_queries", ("prefix_hits", "prefix_misses"), "Requests that looked for a cached prefix."),
+    ("mlxq:prefix_cache_hits", ("prefix_hits",), "Requests that reused a cached prefix."),
+    ("mlxq:prefix_cache_tokens_saved", ("prefix_tokens_saved",), "Prompt tokens not prefilled thanks to a hit."),
+    ("mlxq:num_preemptions", ("preemptions",), "Sequences taken out of the batch for higher-priority ones."),
+    ("mlxq:preemption_resumes", ("resumes",), "Preempted sequences resumed from their own KV cache."),
+    ("mlxq:preemption_recomputes", ("recomputes",), "Preempted sequences resumed by prefilling again."),
+    ("mlxq:requests_too_large", ("rejected_too_large",), "Requests that could never fit (context or headroom)."),
+)
+_ENGINE_GAUGES = (
+    ("mlxq:kv_cache_usage_bytes", "kv_bytes", "KV-cache bytes in use (the batch's, and preempted ones held)."),
+    ("mlxq:kv_cache_peak_bytes", "kv_bytes_peak", "Most KV-cache bytes in use since the start."),
+    ("mlxq:kv_cache_headroom_bytes", "kv_headroom_bytes", "KV-cache bytes the batch may hold."),
+    ("mlxq:prefix_cache_bytes", "prefix_cache_bytes", "Bytes of cached prompt prefixes."),
+    ("mlxq:prefix_cache_entries", "prefix_cache_entries", "Cached prompt prefixes."),
+)
+
+
+def _engine_counters(host: WorkerHost) -> Iterator[Metric]:
+    services = _services(host)
+    for name, fields, doc in _ENGINE_COUNTERS:
+        yield _counter(name, doc, {n: sum(_engine(s, f) for f in fields) for n, s in services})
+
+
+def _engine_gauges(host: WorkerHost) -> Iterator[Metric]:
+    services = _services(host)
+    for name, field_name, doc in _ENGINE_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=_MODEL)
+        for n, s in services:
+            family.add_metric([n], _engine(s, field_name))
+        yield family
 
 
 def _services(host: WorkerHost) -> list[tuple[str, Any]]:

@@ -17,7 +17,7 @@ from api.errors import describe
 from api.schema import GenerateRequest, ModelState, ModelStatus
 from engine.engine import Engine, Sink
 from engine.loader import EngineOptions, LoadedModel, start_engine
-from engine.prompt import encode_prompt
+from engine.prompt import EncodedPrompt, encode_prompt_with_boundary
 from engine.request import EngineRequest
 
 from . import media
@@ -50,8 +50,12 @@ class ModelService:
     async def load(self, sink: Sink) -> None:
         """Load the model on a new MLX thread of its own and start its engine."""
         cfg = self.config
+        share = 1 / max(1, len(cfg.served))  # the machine's memory is split evenly between the models
         opts = EngineOptions(cfg.capacity, cfg.prefill_batch_size, cfg.prefill_step_size,
-                             stream_interval_s=cfg.stream_interval_ms / 1000)
+                             stream_interval_s=cfg.stream_interval_ms / 1000,
+                             kv_headroom_bytes=_bytes(cfg.kv_headroom_gb, share),
+                             prefix_cache_bytes=_bytes(cfg.prefix_cache_gb, 1.0), aging_s=cfg.priority_aging_s,
+                             memory_share=share)
         self.engine, self.model = await start_engine(self.served.path, sink, opts)
         loop = asyncio.get_running_loop()
 
@@ -78,10 +82,11 @@ class ModelService:
         return ModelState.DEAD if self.engine.dead else ModelState.SERVING
 
     def room(self) -> int:
-        """How many more jobs it takes now: what its batch and a few waiting behind it leave free."""
-        if self.state is not ModelState.SERVING:
+        """How many more jobs it takes now: what its engine can start soon (free slots, within its KV headroom,
+        not promised to jobs already claimed), so other workers take what it has no room for."""
+        if self.state is not ModelState.SERVING or self.engine is None:
             return 0
-        return max(0, self.config.jobs_per_model - self.active)
+        return max(0, min(self.engine.claim_capacity(), self.config.jobs_per_model - self.active))
 
     def status(self, tokens_per_s: float) -> ModelStatus:
         """Its part of the worker's health record."""
@@ -135,21 +140,25 @@ class ModelService:
             self.engine.expect(0, self.config.admit_wait_ms / 1000)
             return prompt
         if chars < _INLINE_TOKENIZE_CHARS:
-            return media.Prompt(self.encode(req, inline=True))
-        return media.Prompt(await asyncio.to_thread(self.encode, req, False))
+            encoded = self.encode(req, inline=True)
+        else:
+            encoded = await asyncio.to_thread(self.encode, req, False)
+        return media.Prompt(encoded.tokens, cache_boundary=encoded.cache_boundary)
 
-    def encode(self, req: GenerateRequest, inline: bool) -> list[int]:
-        """Inline: without releasing the GIL (see ``PromptEncoder``); else through transformers, which
-        releases it while a long prompt encodes."""
+    def encode(self, req: GenerateRequest, inline: bool) -> EncodedPrompt:
+        """The prompt's tokens and its system-prompt boundary (where the engine caches a prefix). Inline:
+        without releasing the GIL (see ``PromptEncoder``); else through transformers, which releases it while
+        a long prompt encodes."""
         assert self.model is not None
         messages = [{"role": m.role, "content": m.text} for m in req.messages] if req.messages is not None else None
         try:
             if inline:
-                tokens = self.model.prompts.encode(req.prompt, messages)
+                encoded = self.model.prompts.encode_with_boundary(req.prompt, messages)
             else:
-                tokens = encode_prompt(self.model.tokenizer, req.prompt, messages)
+                encoded = encode_prompt_with_boundary(self.model.tokenizer, req.prompt, messages)
         except Exception as exc:  # a template or tokenizer error is the request's fault
             raise BadRequest(f"could not tokenize the prompt: {exc}") from None
+        tokens = encoded.tokens
         ctx = self.model.context_length
         limit = min(self.config.max_prompt_tokens, ctx or self.config.max_prompt_tokens)
         if not tokens:
@@ -160,4 +169,8 @@ class ModelService:
             raise BadRequest(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the context ({ctx})"
             )
-        return tokens
+        return encoded
+
+
+def _bytes(gigabytes: float | None, share: float) -> int | None:
+    return None if gigabytes is None else int(gigabytes * share * (1 << 30))

@@ -16,10 +16,13 @@ _ERROR_CODES = {c.value: c for c in ErrorCode}
 
 
 def to_engine_request(
-    req: GenerateRequest, tokens: list[int], deadline: float | None, *, images: ImageInputs | None = None
+    req: GenerateRequest, tokens: list[int], deadline: float | None, *, cache_boundary: int = 0,
+    images: ImageInputs | None = None, enqueue_ms: int = 0,
 ) -> EngineRequest:
-    """A validated wire request and its prompt tokens (and images, prepared: see worker/media.py), as the
-    engine takes them."""
+    """A validated wire request and its prompt tokens (the first ``cache_boundary`` of them its system prompt:
+    see engine/prompt.py; its images prepared: see worker/media.py), as the engine takes them. It arrived when
+    it was enqueued (``enqueue_ms``, epoch ms; now if 0), so its priority ages in the engine from then, as it
+    did in the queue."""
     params = SamplingParams(
         max_tokens=req.max_tokens,
         temperature=req.temperature,
@@ -32,7 +35,10 @@ def to_engine_request(
         seed=req.seed,
         stop=tuple(req.stop),
     )
-    return EngineRequest(req.id, tokens, params, arrival=time.monotonic(), deadline=deadline, images=images)
+    now = time.monotonic()
+    arrival = now - max(0.0, time.time() - enqueue_ms / 1000) if enqueue_ms else now
+    return EngineRequest(req.id, tokens, params, arrival=arrival, deadline=deadline, priority=req.priority,
+                         cache_boundary=cache_boundary, images=images)
 
 
 def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:

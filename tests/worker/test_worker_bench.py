@@ -312,3 +312,24 @@ def test_two_engines_in_one_worker_process_were_timed_side_by_side(results: dict
     assert target["value"] == round(models["speedup"], 3) and target["passed"] is (models["speedup"] >= 1.2)
     out, _, _ = quick_run
     assert "## Two models in one worker process" in (out / "results.md").read_text()
+def test_scheduling_features_are_measured_on_the_engine(results: dict[str, Any]) -> None:
+    (size,) = results["sizes"]
+    sch, probes = size["scheduling"], results["config"]["scheduling_probes"]
+    p = sch["prefix"]
+    assert len(p["cold_ms"]) == len(p["warm_ms"]) == probes and min(p["cold_ms"] + p["warm_ms"]) > 0
+    assert p["hits"] == probes and p["tokens_saved"] >= probes * p["system_tokens"] > 0  # each cached probe hit
+    assert p["speedup"] == pytest.approx(p["cold_p50_ms"] / p["warm_p50_ms"])
+    o = sch["oversubscribed"]
+    assert o["jobs"] == 3 * o["capacity"] and o["demand_bytes"] // 3 == o["headroom_bytes"]
+    assert 0 < o["peak_kv_bytes"] <= o["headroom_bytes"]  # never over, whatever the machine
+    assert o["completed"] == o["expected"] == o["jobs"] * results["config"]["scheduling_repeats"]
+    assert 1 <= o["most_running"] <= o["capacity"] and o["peak_rss_bytes"] > 0 and o["mlx_peak_bytes"] > 0
+    assert o["best_ratio"] == pytest.approx(max(o["tok_s"]) / max(o["unlimited_tok_s"]))
+    q = sch["priority"]
+    assert len(q["ttft_ms"]) == probes and 1 <= q["preemptions"] <= probes
+    assert q["budget_ms"] == pytest.approx(q["idle_ttft_ms"] + 2 * q["step_ms"])
+    targets = {t["name"]: t for t in results["targets"]}
+    peak = targets["over-subscribed peak KV / headroom tiny"]
+    assert peak["value"] == o["peak_kv_bytes"] / o["headroom_bytes"] and peak["passed"] is True
+    assert "prefix-cache TTFT speedup tiny" not in targets  # a target of the small model
+    assert "priority TTFT / (prefill + 2 decode steps) tiny" in targets

@@ -209,7 +209,8 @@ class Validator:
         """The accepted request and its tokens, or the BadRequest message; asserts the contract."""
         try:
             req = self.service.validate(payload, job_id)
-            tokens = self.service.encode(req, inline=True)
+            encoded = self.service.encode(req, inline=True)
+            tokens = encoded.tokens
         except BadRequest as exc:
             message = str(exc)
             assert message.strip(), "BadRequest without a message"
@@ -217,8 +218,10 @@ class Validator:
             ErrorEvent(id=job_id, seq=0, code=ErrorCode.BAD_REQUEST, message=message).model_dump_json()
             return message
         self.assert_within_limits(req, tokens, job_id)
+        assert 0 <= encoded.cache_boundary < len(tokens)  # a system-prompt prefix, never the whole prompt
+        assert encoded.cache_boundary == 0 or (req.messages is not None and req.messages[0].role == "system")
         try:  # the direct Rust call (inline) and transformers (long prompts, off the loop) agree
-            assert self.service.encode(req, inline=False) == tokens
+            assert self.service.encode(req, inline=False) == encoded
         except BadRequest as exc:
             raise AssertionError(f"only the inline tokenizer accepted the prompt: {exc}") from exc
         return req, tokens

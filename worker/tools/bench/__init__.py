@@ -11,6 +11,9 @@ run measures, on the same generated model, prompts and ``max_tokens``:
 - **engine** (a decomposition, no target): the worker's own engine (scheduler, detokenizers, pacer) on the
   raw path's MLX thread, no Redis: queue/raw ~ engine/raw (the engine's bookkeeping) x queue/engine (the
   transport: client, Redis, arq, event loop);
+- **scheduling** (``scheduling.py``): the engine's prefix cache (TTFT cached against cold), admission under
+  KV over-subscription (peak KV against the headroom, throughput against no KV limit) and a priority job's
+  TTFT with every slot busy;
 
 plus time to first token (TTFT), cancel -> terminal-event latency, Redis round trips per engine step, CPU
 per process and the enqueue rate of one producer; and image jobs on a tiny vision-language model, raw
@@ -70,6 +73,7 @@ from .runs import (
     _say,
     _Site,
 )
+from .scheduling import run_scheduling
 from .vision import run_vision, vision_targets
 
 __all__ = [
@@ -140,6 +144,7 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
         threads = asyncio.run(_calibrate_blas(raw, cfg)) if _openblas() is not None else None
         env = {"OPENBLAS_NUM_THREADS": str(threads.chosen)} if threads is not None else {}
         queue = _worker_phase("queue", size, model, cfg, site, raw, env)
+        scheduling = asyncio.run(run_scheduling(raw, cfg, size))
     finally:
         raw.close()
     serial = _worker_phase("serial", size, model, cfg, site, None, env)
@@ -151,7 +156,7 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
                        queue.driven.commandstats)
     return SizeResult(size, model, rows, _probe(rw.probe_ttft_ms, q.probe_ttft_ms), queue.driven.cancel,
                       trips, {"raw": rw.cpu, "queue": q.cpu, "serial": sr.cpu}, queue.blas,
-                      time.perf_counter() - t0, threads)
+                      time.perf_counter() - t0, threads, scheduling)
 
 
 def _row(size: str, n: int, raw: PathResult, queue: PathResult, serial: PathResult,

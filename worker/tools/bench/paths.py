@@ -304,6 +304,14 @@ def scrape_stats(url: str) -> WorkerStats | None:
     return WorkerStats(**known, other=counters)
 
 
+def _running_in(metrics: bytes) -> bool:
+    """Whether a scrape of a worker's metrics shows sequences in a batch."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return any(s.value > 0 for f in text_string_to_metric_families(metrics.decode()) for s in f.samples
+               if s.name == "mlxq:num_requests_running")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -323,9 +331,10 @@ async def _live_sample(ctx: _DriveContext, client: Client, n: int) -> None:
             report = await collect(client)
             if any(m.running for w in report.workers if w.updated_at > t0 for m in w.models):
                 text = await asyncio.to_thread(lambda: urllib.request.urlopen(ctx.metrics_url, timeout=10).read())
-                (ctx.out / "live-status.txt").write_text(render(report) + "\n")
-                (ctx.out / "live-metrics.txt").write_bytes(text)
-                return
+                if _running_in(text):  # read while the batch still ran, both of them
+                    (ctx.out / "live-status.txt").write_text(render(report) + "\n")
+                    (ctx.out / "live-metrics.txt").write_bytes(text)
+                    return
             await asyncio.sleep(0.02)
 
     sampler = asyncio.create_task(sample())

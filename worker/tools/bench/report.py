@@ -24,6 +24,8 @@ from .runs import (
 )
 from .vision import md_vision
 
+_MIB = 1 << 20
+
 
 # --- targets ---------------------------------------------------------------------------------------
 def _targets(sizes: list[SizeResult], enqueue: EnqueueResult) -> list[Target]:
@@ -44,8 +46,24 @@ def _targets(sizes: list[SizeResult], enqueue: EnqueueResult) -> list[Target]:
             out.append(_at_most(f"cancel p99 {s.size} (step {c.step_ms_mean:.1f} ms + 50)", c.p99_ms,
                                 c.budget_ms, " ms"))
         out.append(_at_most(f"round trips per step {s.size}", s.round_trips.queue_writes_per_step, 1.0, ""))
+        out += _scheduling_targets(s)
     out.append(_at_least("enqueue jobs/s (sequential awaits)", enqueue.sequential_jobs_s, 2000.0))
     return out
+
+
+def _scheduling_targets(s: SizeResult) -> list[Target]:
+    """Issue 16's targets: the prefix cache's TTFT (small model), admission under over-subscription, priority."""
+    sch = s.scheduling
+    if sch is None:
+        return []
+    o, p = sch.oversubscribed, sch.priority
+    out = [_at_least(f"prefix-cache TTFT speedup {s.size}", sch.prefix.speedup, 10.0)] if s.size == "small" else []
+    return [*out,
+            _at_most(f"over-subscribed peak KV / headroom {s.size}", o.peak_kv_bytes / o.headroom_bytes, 1.0, ""),
+            _at_least(f"over-subscribed jobs completed {s.size}", o.completed / o.expected if o.expected else 0, 1.0),
+            _at_least(f"over-subscribed tok/s / unlimited {s.size} (best runs)", o.best_ratio, 0.9),
+            _at_most(f"priority TTFT / (prefill + 2 decode steps) {s.size}",
+                     p.ttft_p50_ms / p.budget_ms if p.budget_ms else 0.0, 1.0, "")]
 
 
 def _at_least(name: str, value: float, limit: float) -> Target:
@@ -70,8 +88,8 @@ def render_markdown(result: BenchResult) -> str:
     """``results.md``: a header, the main table, then one section per measurement and the targets."""
     return "\n".join([*_md_header(result), *_md_table(result), *_md_engine(result), *_md_blas(result),
                       *_md_ttft(result), *_md_cancel(result), *_md_round_trips(result), *_md_cpu(result),
-                      *md_vision(result.vision, result.config), *md_models(result.models), *_md_enqueue(result),
-                      *_md_targets(result)])
+                      *_md_scheduling(result), *md_vision(result.vision, result.config), *md_models(result.models),
+                      *_md_enqueue(result), *_md_targets(result)])
 
 
 def _md_header(result: BenchResult) -> list[str]:
@@ -231,6 +249,55 @@ def _md_enqueue(result: BenchResult) -> list[str]:
             "| producer | jobs/s |", "|---|---:|",
             f"| sequential awaits | {e.sequential_jobs_s:.0f} |",
             f"| asyncio.gather, batches of {e.gather_batch} | {e.gathered_jobs_s:.0f} |", ""]
+
+
+def _md_scheduling(result: BenchResult) -> list[str]:
+    sizes = [(s.size, s.scheduling) for s in result.sizes if s.scheduling is not None]
+    if not sizes:
+        return []
+    c = result.config
+    lines = ["## Scheduling: prefix cache, KV admission, priority", "",
+             "The worker's own engine in this process, on the raw path's MLX thread (no Redis). **Prefix cache**: "
+             f"chat jobs (max_tokens 2) with one long system prompt, {c.scheduling_probes} probes each, alternating: "
+             "cold on an engine without a prefix cache, cached on one that holds the system prompt. TTFT = added "
+             "-> first token leaves the engine.", "",
+             "| size | system prompt tokens | prompt tokens | TTFT p50 cold ms | cached ms | speedup | hits "
+             "| tokens saved |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, sch in sizes:
+        p = sch.prefix
+        lines.append(f"| {size} | {p.system_tokens} | {p.prompt_tokens} | {p.cold_p50_ms:.1f} | {p.warm_p50_ms:.1f} "
+                     f"| {p.speedup:.1f} | {p.hits} | {p.tokens_saved} |")
+    lines += ["", f"**KV over-subscription**: 3 x slots jobs at once (prompts \"{PROMPT}\", max_tokens drawn from "
+              f"{c.max_tokens // 2}..{c.max_tokens * 3 // 2}), their KV demand by the engine's own estimate 3x the "
+              "headroom; against the same jobs with the same slots and no KV limit, "
+              f"{c.scheduling_repeats} round(s) alternating after a warm-up. Peak KV = the caches' measured bytes "
+              "after a step (mlx-lm's prompt_cache_nbytes plus preempted caches held); peak RSS of this process "
+              "and MLX's peak memory (model included) during the limited runs.", "",
+              "| size | jobs | slots | headroom MiB | demand / headroom | peak KV / headroom "
+              "| unlimited peak / headroom | completed | tok/s limited | tok/s unlimited | best ratio | paired "
+              "| most running | peak RSS MiB "
+              "| MLX peak MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, sch in sizes:
+        o = sch.oversubscribed
+        h = o.headroom_bytes
+        lines.append(f"| {size} | {o.jobs} | {o.capacity} | {h / _MIB:.1f} | {o.demand_bytes / h:.2f} "
+                     f"| {o.peak_kv_bytes / h:.2f} | {o.unlimited_peak_kv_bytes / h:.2f} | {o.completed}/{o.expected} "
+                     f"| {_fmt_list(o.tok_s)} | {_fmt_list(o.unlimited_tok_s)} | {o.best_ratio:.2f} "
+                     f"| {o.paired_ratio:.2f} | {o.most_running} | {o.peak_rss_bytes / _MIB:.0f} "
+                     f"| {o.mlx_peak_bytes / _MIB:.0f} |")
+    lines += ["", "**Priority**: every slot decoding a long job, then one job of priority 100 at a random point of "
+              f"a step ({c.scheduling_probes} probes, one at a time; each preempts a long job); against its TTFT on "
+              "an idle engine (one prefill, to its first token) plus two decode steps of the full batch. For "
+              "comparison, the same job with priority 0 joining the one free slot of a batch otherwise full (no "
+              "preemption): a sequence joining or leaving mlx-lm's batch copies the batch's caches.", "",
+              "| size | background jobs | TTFT p50 ms | one prefill ms | decode step ms | budget ms "
+              "| joining a free slot ms | preemptions |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, sch in sizes:
+        q = sch.priority
+        lines.append(f"| {size} | {q.background} | {q.ttft_p50_ms:.1f} | {q.idle_ttft_ms:.1f} | {q.step_ms:.1f} "
+                     f"| {q.budget_ms:.1f} | {q.join_ttft_p50_ms:.1f} | {q.preemptions} |")
+    return [*lines, ""]
 
 
 def _md_targets(result: BenchResult) -> list[str]:

@@ -9,7 +9,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .scheduling import SchedulingResult
 
 _REEXEC_MARK = "MLXQ_BENCH_REEXEC"  # set in the re-executed process: never re-exec twice
 
@@ -60,6 +63,8 @@ class BenchConfig:
     vision_repeats: int = 7  # measured raw/queue pairs per N of image jobs
     models_n: int = 8  # jobs per model in the two-models phase (models.py)
     models_repeats: int = 5  # sequential/concurrent pairs there
+    scheduling_probes: int = 5  # TTFT probes per side of the prefix-cache and priority measurements
+    scheduling_repeats: int = 2  # measured rounds of the over-subscription runs (limited and unlimited)
     quick: bool = False
 
     def repeats_for(self, size: str) -> int:
@@ -87,7 +92,8 @@ class BenchConfig:
     def quick_config(cls) -> BenchConfig:
         return cls(sizes=("tiny",), concurrency=(1, 4), max_tokens=16, repeats=1, tiny_repeats=1, blas_repeats=1,
                    warmup_tokens=4, ttft_probes=5, cancel_max_tokens=128, cancel_wait=(2, 8), enqueue_jobs=200,
-                   vision_concurrency=(1, 2), vision_repeats=1, models_n=2, models_repeats=1, quick=True)
+                   vision_concurrency=(1, 2), vision_repeats=1, models_n=2, models_repeats=1, scheduling_probes=2,
+                   scheduling_repeats=1, quick=True)
 
 
 # --- records ---------------------------------------------------------------------------------------
@@ -233,6 +239,7 @@ class SizeResult:
     worker_blas: str
     seconds: float
     blas_threads: BlasThreads | None = None  # None: no OpenBLAS to tune
+    scheduling: SchedulingResult | None = None  # prefix cache, KV over-subscription, priority (scheduling.py)
 
 
 @dataclass(frozen=True, slots=True)

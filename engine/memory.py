@@ -1,0 +1,135 @@
+"""KV-cache memory: what a model's caches allocate, how much a batch may hold, and the default headroom.
+
+What mlx-lm allocates (mlx_lm/models/cache.py): a cache's buffer grows 256 tokens at a time, and in a batch
+``BatchKVCache`` left-pads every row to the longest one. A batch's buffer is never more than 255 tokens past
+its longest row (it is step-aligned only while no cache of another length was merged in and no left padding
+was cut off, which continuous batching does all the time). So a batch of ``n`` rows whose longest reaches
+``L`` tokens holds at most ``n x (L + 255)`` tokens' worth, however short the other rows are.
+:class:`KVBudget` charges exactly that, for the longest each admitted sequence may get (prompt +
+max_tokens), so the batch's caches stay under the headroom for as long as it runs. (Moving a prompt batch
+into the decode batch copies its caches for a moment inside one mlx-lm step; the default headroom leaves
+room for that.)
+
+The default headroom (``default_headroom``): 75 % of the memory MLX may use (Metal's recommended working
+set; on the CPU, the smaller of RAM and MLX's memory limit), minus the model's weights and the prefix
+cache's bound; never less than one full-context sequence, so a worker that can serve nothing never passes
+as healthy (it logs a warning instead).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+__all__ = [
+    "KV_STEP",
+    "KVBudget",
+    "KVLayout",
+    "default_headroom",
+    "default_prefix_cache_bytes",
+    "measure_layout",
+    "mib",
+    "model_bytes",
+    "usable_memory_bytes",
+]
+
+log = logging.getLogger(__name__)
+
+KV_STEP = 256  # tokens a KVCache grows by (mlx_lm KVCache.step)
+_HEADROOM_SHARE = 0.75  # of usable memory: the rest is activations, copies inside a step, Python
+_PREFIX_SHARE = 10  # the default prefix cache bound: a tenth of usable memory...
+_PREFIX_MAX = 4 << 30  # ...and at most 4 GiB
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What one sequence's KV caches allocate: ``bytes_per_token`` over every layer (keys and values),
+    in buffers that grow ``step`` tokens at a time."""
+
+    bytes_per_token: int
+    step: int = KV_STEP
+
+    def row_bytes(self, tokens: int) -> int:
+        """The most one batch row may allocate while it grows to ``tokens`` tokens: its buffer runs up to a
+        step, less one token, past its contents."""
+        return (max(tokens, 1) + self.step - 1) * self.bytes_per_token
+
+
+@dataclass(frozen=True, slots=True)
+class KVBudget:
+    """The KV bytes a batch may fill (``headroom``) and how to charge sequences against it."""
+
+    headroom: int
+    layout: KVLayout
+
+    def batch_bytes(self, rows: int, longest: int) -> int:
+        """What ``rows`` sequences in one batch hold once the longest has ``longest`` tokens (every row is
+        padded to it)."""
+        return rows * self.layout.row_bytes(longest) if rows > 0 else 0
+
+    def rows_that_fit(self, longest: int, held: int) -> int:
+        """How many rows of a batch whose longest sequence reaches ``longest`` fit beside ``held`` bytes."""
+        return max(0, (self.headroom - held) // self.layout.row_bytes(longest))
+
+
+def measure_layout(model: Any) -> KVLayout:
+    """Run one token through a fresh prompt cache of ``model`` and read what its buffers allocated (on the
+    model's MLX thread). Fixed-size state (recurrent layers, sliding windows) is charged as if it grew with
+    the sequence: an overestimate, never an under-one."""
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    total = sum(int(c.nbytes) for c in cache)
+    return KVLayout(max(1, -(-total // KV_STEP)), KV_STEP)
+
+
+def model_bytes(model: Any) -> int:
+    """Bytes of the model's parameters."""
+    params: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    return sum(int(p.nbytes) for _, p in params)
+
+
+def usable_memory_bytes() -> int:
+    """What MLX may allocate: Metal's recommended working set, else the smaller of RAM and MLX's limit."""
+    info = mx.device_info()
+    ws = info.get("max_recommended_working_set_size")
+    if ws:
+        return int(ws)
+    ram = int(info.get("memory_size") or 0) or _physical_memory()
+    limit = int(mx.get_memory_limit())
+    return min(v for v in (ram, limit, 1 << 62) if v > 0)
+
+
+def default_prefix_cache_bytes(usable: int) -> int:
+    """The prefix cache's default bound: a tenth of usable memory, at most 4 GiB."""
+    return min(_PREFIX_MAX, usable // _PREFIX_SHARE)
+
+
+def default_headroom(usable: int, weights: int, prefix_cache: int, layout: KVLayout, context: int | None) -> int:
+    """75 % of ``usable`` minus the weights and the prefix cache's bound; at least one full-context row."""
+    floor = layout.row_bytes(context or 4096)
+    headroom = int(usable * _HEADROOM_SHARE) - weights - prefix_cache
+    if headroom < floor:
+        log.warning("KV headroom %s by the default rule (75%% of %s usable - %s weights - %s prefix cache) is less "
+                    "than one %d-token sequence; using %s: this machine may run out of memory",
+                    mib(headroom), mib(usable), mib(weights), mib(prefix_cache), context or 4096, mib(floor))
+        return floor
+    return headroom
+
+
+def mib(n: int) -> str:
+    """Bytes as MiB, for messages."""
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0

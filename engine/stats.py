@@ -1,0 +1,34 @@
+"""The engine's counters, in one record a benchmark, a stats line or a metrics endpoint reads.
+
+The engine thread writes them; other threads only read (each field is one int, read whole).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EngineStats"]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters of one engine since it started. Bytes are KV-cache buffer bytes as MLX allocated them."""
+
+    steps: int = 0
+    failures: int = 0
+    # Admission by KV memory (engine/memory.py).
+    kv_headroom_bytes: int = 0  # what the batch's KV caches may fill (0: no KV admission)
+    kv_bytes: int = 0  # KV caches in use after the last step: the batch's plus preempted ones held
+    kv_bytes_peak: int = 0
+    kv_reserved_bytes: int = 0  # what the admitted sequences may grow to (the admission estimate)
+    rejected_too_large: int = 0  # requests that could never fit (context or headroom): error(bad_request)
+    # Priority preemption.
+    preemptions: int = 0  # sequences taken out of the batch for a higher-priority request
+    resumes: int = 0  # preempted sequences put back with their KV cache (no recomputation)
+    recomputes: int = 0  # preempted sequences put back by prefilling prompt + generated tokens again
+    # Prefix (prompt) cache (engine/prefix_cache.py).
+    prefix_hits: int = 0  # admissions that reused a cached prefix
+    prefix_misses: int = 0  # admissions that found none (prompts too short to be worth a lookup not counted)
+    prefix_tokens_saved: int = 0  # prompt tokens not prefilled thanks to a hit
+    prefix_cache_bytes: int = 0
+    prefix_cache_entries: int = 0

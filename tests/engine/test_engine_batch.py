@@ -1,0 +1,118 @@
+"""MLXBatch's cache surface on the real tiny model, through the scheduler: a preempted sequence resumed from
+its own cache, or recomputed, generates exactly the greedy tokens of an uninterrupted mlx-lm run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from engine.batch import MLXBatch
+from engine.memory import KVBudget, measure_layout
+from engine.request import EngineRequest, FinishReason, SamplingParams
+from engine.scheduler import Scheduler
+from tests.engine.fakes import Run
+from tests.worker.test_worker_queue import reference, reference_text
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model: Path) -> Any:
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_model))
+
+
+@pytest.fixture(scope="module")
+def stream() -> mx.Stream:
+    return mx.new_stream(mx.cpu)
+
+
+def make(lm: Any, stream: mx.Stream, capacity: int, *, caches: bool = True, prefill_step: int = 512,
+         headroom: int | None = None) -> Scheduler:
+    model, tokenizer = lm
+    batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=capacity, prefill_batch_size=8,
+                     prefill_step_size=prefill_step, stream=stream, caches=caches)
+    memory = KVBudget(headroom, measure_layout(model)) if headroom is not None else None
+    return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer, memory=memory)
+
+
+def drive(s: Scheduler, run: Run, stream: mx.Stream, until: Any = None) -> None:
+    with mx.stream(stream):
+        for _ in range(2000):
+            if not s.has_work or (until is not None and until()):
+                return
+            run.step(s)
+    raise AssertionError("did not finish")
+
+
+def words(tokenizer: Any, n: int, seed: int = 0) -> list[int]:
+    vocab = ["queue", "model", "token", "server", "batch", "the", "of", "cache"]
+    return list(tokenizer.encode(" ".join(vocab[(i * 7 + seed) % len(vocab)] for i in range(n))))
+
+
+@pytest.mark.parametrize("caches", [True, False], ids=["resume-from-cache", "recompute"])
+def test_a_preempted_sequence_generates_what_an_uninterrupted_one_does(lm: Any, stream: mx.Stream,
+                                                                        caches: bool) -> None:
+    tokenizer = lm[1]
+    s = make(lm, stream, capacity=2, caches=caches)
+    run = Run()
+    low = [words(tokenizer, 12, seed) for seed in (1, 2)]
+    for i, p in enumerate(low):
+        s.add(EngineRequest(f"low{i}", p, SamplingParams(max_tokens=60)))
+    drive(s, run, stream, until=lambda: len(run.tokens("low1")) >= 20)
+    high = words(tokenizer, 9, 5)
+    s.add(EngineRequest("high", high, SamplingParams(max_tokens=25), priority=1))
+    drive(s, run, stream)
+    assert s.stats.preemptions == 1
+    assert (s.stats.resumes, s.stats.recomputes) == ((1, 0) if caches else (0, 1))
+    for rid, p, n in (("low0", low[0], 60), ("low1", low[1], 60), ("high", high, 25)):
+        expected = reference(lm, p, n)
+        assert run.tokens(rid) == expected, rid
+        assert run.text(rid) == reference_text(lm, expected), rid  # the detokenizer carried on
+        assert run.final(rid).completion_tokens == len(expected)
+    assert run.started_order.count("low1") == 1
+
+
+def test_a_sequence_preempted_mid_prefill_resumes_from_its_partial_cache(lm: Any, stream: mx.Stream) -> None:
+    tokenizer = lm[1]
+    s = make(lm, stream, capacity=1, prefill_step=32)
+    run = Run()
+    long = words(tokenizer, 150, 3)
+    assert len(long) > 4 * 32
+    s.add(EngineRequest("long", long, SamplingParams(max_tokens=20)))
+    drive(s, run, stream, until=lambda: s.stats.kv_bytes > 0)  # prefilling, no token yet
+    assert run.tokens("long") == []
+    s.add(EngineRequest("urgent", words(tokenizer, 5, 1), SamplingParams(max_tokens=5), priority=2))
+    drive(s, run, stream)
+    assert (s.stats.preemptions, s.stats.resumes, s.stats.recomputes) == (1, 1, 0)
+    assert run.tokens("long") == reference(lm, long, 20)
+
+
+def test_priority_with_memory_pressure_on_the_real_model(lm: Any, stream: mx.Stream) -> None:
+    model, tokenizer = lm
+    layout = measure_layout(model)
+    prompts = {f"bg{i}": words(tokenizer, 20, i) for i in range(2)}
+    prompts["vip"] = words(tokenizer, 30, 7)
+    longest = max(len(p) for p in prompts.values()) + 120
+    headroom = 2 * layout.row_bytes(longest) + 1000  # two rows; not two and a held cache
+    s = make(lm, stream, capacity=8, headroom=headroom)
+    run = Run()
+    for rid in ("bg0", "bg1"):
+        s.add(EngineRequest(rid, prompts[rid], SamplingParams(max_tokens=120)))
+    drive(s, run, stream, until=lambda: len(run.tokens("bg1")) >= 10)
+    s.add(EngineRequest("vip", prompts["vip"], SamplingParams(max_tokens=120), priority=1))
+    peak = 0
+    with mx.stream(stream):
+        while s.has_work:
+            run.step(s)
+            peak = max(peak, s.stats.kv_bytes)
+            assert s.stats.kv_reserved_bytes <= headroom
+    # Holding the victim's cache would not leave room for the vip: it was dropped, and recomputed later.
+    assert s.stats.preemptions == 1 and s.stats.recomputes == 1
+    assert peak <= headroom and s.stats.kv_bytes_peak <= headroom
+    for rid, p in prompts.items():
+        assert run.tokens(rid) == reference(lm, p, 120), rid
+        assert run.final(rid).finish is FinishReason.LENGTH
+    assert s.stats.kv_bytes == 0  # everything released

@@ -1,0 +1,93 @@
+"""``Engine.claim_capacity``: how many more requests the worker may claim for this engine, from any thread."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from engine.batch import BatchToken
+from engine.engine import Engine
+from engine.mlx_thread import MLXThread
+from engine.request import RequestOutput
+from tests.engine.fakes import ToyBatch, req, scheduler
+
+
+class SlowToyBatch(ToyBatch):
+    def step(self) -> list[BatchToken]:
+        time.sleep(0.002)  # a model step: the test's thread gets to look in between
+        return super().step()
+
+
+async def until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.002)
+
+
+def sink(outs: list[RequestOutput]) -> None:
+    pass
+
+
+async def test_free_slots_minus_waiting_added_and_announced_requests() -> None:
+    engine = Engine(MLXThread("claim"), scheduler(SlowToyBatch(), capacity=4), sink)
+    try:
+        assert engine.claim_capacity() == 4
+        engine.expect(2, within_s=0.05)  # claimed, on their way
+        assert engine.claim_capacity() == 2
+        engine.add(req("a", max_tokens=10_000))
+        engine.add(req("b", max_tokens=10_000))
+        await until(lambda: engine.scheduler.num_running == 2)
+        await until(lambda: engine.claim_capacity() == 2)
+        for rid in ("c", "d", "e"):
+            engine.add(req(rid, max_tokens=10_000))
+        await until(lambda: engine.scheduler.num_running == 4 and engine.scheduler.num_waiting == 1)
+        await until(lambda: engine.claim_capacity() == 0)
+        for rid in "abcde":
+            engine.abort(rid)
+        await until(lambda: engine.claim_capacity() == 4)
+        engine.dead = True
+        assert engine.claim_capacity() == 0
+    finally:
+        await engine.aclose()
+
+
+async def test_bounded_by_the_kv_headroom_for_a_typical_request() -> None:
+    # Rows of 16 tokens are charged (16 + 3) x 10 bytes: 600 bytes hold three of them.
+    engine = Engine(MLXThread("claim-kv"), scheduler(SlowToyBatch(), capacity=8, headroom=600), sink)
+    try:
+        engine.add(req("a", 6, max_tokens=10))
+        await until(lambda: engine.scheduler.num_running == 1)
+        await until(lambda: engine.claim_capacity() == 2)  # 8 free slots, but KV for two more like "a"
+        engine.abort("a")
+        await until(lambda: engine.scheduler.room.kv_rows == 3)
+        assert engine.claim_capacity() == 3
+    finally:
+        await engine.aclose()
+
+
+async def test_an_idle_engine_claims_one_even_when_a_typical_request_would_not_fit() -> None:
+    # The default estimate of a typical request (one cache step, 3 tokens here) overflows 20 bytes of headroom:
+    # were the room 0, the worker would claim nothing, ever. Alone, a request fits or is refused with an error.
+    engine = Engine(MLXThread("claim-idle"), scheduler(SlowToyBatch(), capacity=8, headroom=20), sink)
+    try:
+        seen: list[RequestOutput] = []
+        engine._sink = seen.extend
+        engine.add(req("too-big", 6, max_tokens=10))
+        await until(lambda: any(o.finish is not None for o in seen))
+        assert seen[-1].error_code == "bad_request"
+        await until(lambda: engine.claim_capacity() == 1)  # after a step with nothing running, not 0
+    finally:
+        await engine.aclose()
+
+
+async def test_announced_requests_that_never_come_stop_counting_after_their_window() -> None:
+    # A claimed job refused before it reaches the engine (bad request, cancelled while queued) is never added:
+    # it must not hold a slot for ever, or a worker refusing many jobs would end up claiming none.
+    engine = Engine(MLXThread("claim-window"), scheduler(SlowToyBatch(), capacity=4), sink)
+    try:
+        engine.expect(3, within_s=0.05)
+        assert engine.claim_capacity() == 1
+        await until(lambda: engine.claim_capacity() == 4)
+    finally:
+        await engine.aclose()

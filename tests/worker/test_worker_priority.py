@@ -1,0 +1,62 @@
+"""Priority and KV-memory admission through the queue: a real Redis, a real arq worker on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from api import arqseam
+from api.client import Client
+from api.config import ClientConfig
+from api.errors import JobFailed
+from api.schema import ErrorCode
+from tests.support import config_with, start_worker
+
+
+async def _ends_in_order(client: Client, rids: list[str]) -> list[str]:
+    order: list[str] = []
+
+    async def follow(rid: str) -> None:
+        await client.result(rid, timeout=60)
+        order.append(rid)
+
+    await asyncio.gather(*(follow(rid) for rid in rids))
+    return order
+
+
+async def test_higher_priority_jobs_are_claimed_first_and_aging_lets_an_old_job_through(
+        worker_config: Any, redis_url: str) -> None:
+    # One job at a time, so the order jobs end in is the order they were claimed in.
+    running = await start_worker(config_with(worker_config, capacity=1, max_jobs=1, priority_aging_s=0.2))
+    running.worker.allow_pick_jobs = False  # everything queues first
+    try:
+        async with Client(redis_url, config=ClientConfig(priority_aging_s=0.2)) as client:
+            old = await client.submit(model="tiny", prompt="old, ordinary", max_tokens=3)
+            await asyncio.sleep(1.0)  # five levels' worth of waiting
+            low = await client.submit(model="tiny", prompt="ordinary", max_tokens=3)
+            urgent = await client.submit(model="tiny", prompt="urgent", max_tokens=3, priority=10)
+            higher = await client.submit(model="tiny", prompt="a little higher", max_tokens=3, priority=2)
+            running.worker.allow_pick_jobs = True
+            arqseam.wake()
+            order = await _ends_in_order(client, [old, low, urgent, higher])
+        # urgent (10 levels) beats old (waited 5 levels' worth); old beats higher (2 levels); low comes last.
+        assert order == [urgent, old, higher, low]
+    finally:
+        await running.close()
+
+
+async def test_a_job_that_can_never_fit_the_kv_headroom_ends_at_once_saying_by_how_much(
+        worker_config: Any, client: Client) -> None:
+    running = await start_worker(config_with(worker_config, kv_headroom_gb=0.0002))  # ~200 KiB of KV cache
+    try:
+        with pytest.raises(JobFailed) as failed:
+            await client.generate(model="tiny", prompt="Hello " * 10, max_tokens=400, timeout=60)
+        assert failed.value.code is ErrorCode.BAD_REQUEST
+        assert "more than this worker's KV headroom" in str(failed.value)
+        small = await client.generate(model="tiny", prompt="Hello", max_tokens=4, timeout=60)  # serves on
+        assert small.usage.completion_tokens == 4
+        assert running.service.engine.stats.rejected_too_large == 1
+    finally:
+        await running.close()
