@@ -1,9 +1,9 @@
-"""The ``mlxq`` command: submit, cancel and follow jobs; run the demo and the benchmark.
+"""The ``mlxq`` command: submit, cancel and follow jobs; serve the HTTP gateway; run the demo and the benchmark.
 
 ``submit`` writes exactly the generated text to stdout (so it pipes) and status to stderr. Producer
 commands (``submit``, ``cancel``, ``events``) are the producer side's own and import no worker code, so a
-producer-only install (``pip install mlxq``) has them; ``demo`` and ``bench`` are the worker's tools
-(``worker.tools``), loaded only when asked for.
+producer-only install (``pip install mlxq``) has them; ``gateway`` needs the gateway extra (``api.gateway``),
+and ``demo`` and ``bench`` are the worker's tools (``worker.tools``), each loaded only when asked for.
 """
 
 from __future__ import annotations
@@ -50,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=64)
     d.add_argument("--size", choices=["tiny", "small"], default="tiny", help="generated model size")
 
+    g = sub.add_parser("gateway", help="OpenAI- and Anthropic-compatible HTTP API over the queue")
+    g.add_argument("--host", default=None, help="address to listen on (default: MLXQ_GATEWAY_HOST or 127.0.0.1)")
+    g.add_argument("--port", type=int, default=None, help="port (default: MLXQ_GATEWAY_PORT or 8000)")
+    g.add_argument("--workers", type=int, default=1, help="gateway processes sharing the port")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="debug logs one line per request")
+
     b = sub.add_parser("bench", help="raw mlx-lm vs the queue vs serial, side by side in one run")
     b.add_argument("--out", default="bench-out", help="directory for results.json, results.md, chart.png")
     b.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
@@ -68,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(run_demo(jobs=args.jobs, max_tokens=args.max_tokens, size=args.size))
         if args.command == "bench":
             return int(_worker_tool("bench", "run_bench")(args))
+        if args.command == "gateway":
+            return _gateway(args)
         return asyncio.run(_producer_command(args))
     except MlxqError as exc:  # Redis unreachable or refusing us, an unknown job: one line, no traceback
         print(f"mlxq: {exc}", file=sys.stderr)
@@ -90,6 +99,25 @@ def _worker_tool(module: str, name: str) -> Callable[..., Any]:
     except ImportError as exc:
         raise _MissingTool(f"'{module}' needs the worker extra ({exc}): pip install 'mlxq[worker]'") from None
     return tool
+
+
+_GATEWAY_NEEDS = frozenset({"starlette", "sse_starlette", "uvicorn", "anyio"})
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    """``mlxq gateway``: needs the gateway extra, which a producer-only install lacks."""
+    from dataclasses import replace
+
+    try:
+        from .gateway.config import GatewayConfig
+        from .gateway.server import serve
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] not in _GATEWAY_NEEDS:
+            raise
+        raise _MissingTool(f"'gateway' needs the gateway extra ({exc}): pip install 'mlxq[gateway]'") from None
+    config = GatewayConfig.from_env()
+    config = replace(config, host=args.host or config.host, port=args.port or config.port)
+    return serve(config, workers=args.workers, log_level=args.log_level)
 
 
 async def _producer_command(args: argparse.Namespace) -> int:
