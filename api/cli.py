@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--jobs", type=int, default=8, help="concurrent jobs in the batch phase")
     d.add_argument("--max-tokens", type=int, default=64)
     d.add_argument("--size", choices=["tiny", "small"], default="tiny", help="generated model size")
+    d.add_argument("--gateway", action="store_true",
+                   help="then serve the HTTP gateway in front of the worker and print a curl line (until Ctrl-C)")
+    d.add_argument("--port", type=int, default=8000, help="the gateway's port with --gateway (0: any free one)")
 
     g = sub.add_parser("gateway", help="OpenAI- and Anthropic-compatible HTTP API over the queue")
     g.add_argument("--host", default=None, help="address to listen on (default: MLXQ_GATEWAY_HOST or 127.0.0.1)")
@@ -72,7 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             run_demo = _worker_tool("demo", "run_demo")
-            return int(run_demo(jobs=args.jobs, max_tokens=args.max_tokens, size=args.size))
+            return int(run_demo(jobs=args.jobs, max_tokens=args.max_tokens, size=args.size,
+                                gateway_port=args.port if args.gateway else None))
         if args.command == "bench":
             return int(_worker_tool("bench", "run_bench")(args))
         if args.command == "gateway":

@@ -139,19 +139,20 @@ class MessagesDialect:
                 "usage": {"input_tokens": job.prompt_tokens, "output_tokens": 0}}
 
     async def frames(self, ask: Ask, job: JobStream) -> AsyncIterator[bytes]:
-        yield _event("message_start", {"type": "message_start", "message": self._message(ask, job)})
-        yield _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                             "content_block": {"type": "text", "text": ""}})
-        yield _event("ping", {"type": "ping"})
+        # Events that go out together are joined into one write (one send each, as in the OpenAI dialect).
+        yield (_event("message_start", {"type": "message_start", "message": self._message(ask, job)})
+               + _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                "content_block": {"type": "text", "text": ""}})
+               + _event("ping", {"type": "ping"}))
         async for text in job.deltas():
             yield f"{_DELTA_HEAD}{encode_basestring(text)}}}}}\n\n".encode()
         assert job.done is not None
-        yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-        yield _event("message_delta", {"type": "message_delta",
-                                       "delta": {"stop_reason": _stop_reason(job.done.finish_reason),
-                                                 "stop_sequence": None},
-                                       "usage": {"output_tokens": job.done.usage.completion_tokens}})
-        yield _event("message_stop", {"type": "message_stop"})
+        yield (_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+               + _event("message_delta", {"type": "message_delta",
+                                          "delta": {"stop_reason": _stop_reason(job.done.finish_reason),
+                                                    "stop_sequence": None},
+                                          "usage": {"output_tokens": job.done.usage.completion_tokens}})
+               + _event("message_stop", {"type": "message_stop"}))
 
     def error_body(self, problem: Problem) -> dict[str, Any]:
         return anthropic_error(problem)

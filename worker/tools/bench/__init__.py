@@ -11,6 +11,8 @@ run measures, on the same generated model, prompts and ``max_tokens``:
 - **engine** (a decomposition, no target): the worker's own engine (scheduler, detokenizers, pacer) on the
   raw path's MLX thread, no Redis: queue/raw ~ engine/raw (the engine's bookkeeping) x queue/engine (the
   transport: client, Redis, arq, event loop);
+- **gateway**: ``mlxq gateway`` (a child process) in front of the same queue worker, streamed over HTTP
+  (OpenAI's ``/v1/completions``), run by run in turn with the in-process client (the queue path);
 
 plus time to first token (TTFT), cancel -> terminal-event latency, Redis round trips per engine step, CPU
 per process and the enqueue rate of one producer. Results go to ``results.json``, ``results.md`` and
@@ -42,6 +44,7 @@ from worker.config import WorkerConfig
 
 from ..blas import OPENBLAS, blas_of, coretype_for, cpu_flags, openblas_core
 from ..redis_server import RedisServer
+from .gateway import gateway_phase
 from .paths import RawPath, _enqueue_phase, _openblas, _worker_phase, parse_stats
 from .report import _md_blas as _md_blas  # the tests read one table
 from .report import _targets, render_markdown, write_outputs
@@ -125,7 +128,7 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
     try:
         threads = asyncio.run(_calibrate_blas(raw, cfg)) if _openblas() is not None else None
         env = {"OPENBLAS_NUM_THREADS": str(threads.chosen)} if threads is not None else {}
-        queue = _worker_phase("queue", size, model, cfg, site, raw, env)
+        queue = _worker_phase("queue", size, model, cfg, site, raw, env, gateway_phase)
     finally:
         raw.close()
     serial = _worker_phase("serial", size, model, cfg, site, None, env)
@@ -137,7 +140,7 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
                        queue.driven.commandstats)
     return SizeResult(size, model, rows, _probe(rw.probe_ttft_ms, q.probe_ttft_ms), queue.driven.cancel,
                       trips, {"raw": rw.cpu, "queue": q.cpu, "serial": sr.cpu}, queue.blas,
-                      time.perf_counter() - t0, threads)
+                      time.perf_counter() - t0, threads, queue.driven.gateway)
 
 
 def _row(size: str, n: int, raw: PathResult, queue: PathResult, serial: PathResult,
