@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -30,6 +31,7 @@ from starlette.routing import Route
 
 from ..client import Client
 from ..errors import MlxqError, NoWorker
+from ..registry import ModelInfo
 from .anthropic_api import MESSAGES
 from .auth import Auth
 from .config import GatewayConfig
@@ -86,9 +88,10 @@ class Gateway:
             ask = dialect.parse(await self._body(request), self.config)
             job = JobStream(self.client, ask.request)
             await _unless_gone(request, job.open())
-            if ask.stream:
-                stream, job = self._stream(request, dialect, ask, job, t0), None  # the stream closes it
-                return EventSourceResponse(stream, headers={"x-mlxq-job-id": ask.request.id}, sep="\n")
+            if ask.stream:  # the stream closes the job; so does the task after it, should it never start
+                stream, closing, job = self._stream(request, dialect, ask, job, t0), BackgroundTask(job.close), None
+                return EventSourceResponse(stream, headers={"x-mlxq-job-id": ask.request.id}, sep="\n",
+                                           background=closing)
             text = await _unless_gone(request, job.whole())
             _log_done(request, dialect, job, t0)
             return JSONResponse(dialect.response(ask, job, text), headers={"x-mlxq-job-id": job.rid})
@@ -133,7 +136,7 @@ class Gateway:
 
     async def _failed(self, request: Request, dialect: Dialect, exc: Exception, job: JobStream | None) -> Response:
         problem = await self._problem(exc)
-        rid = job.rid if job else None
+        rid = job.rid if job is not None and job.submitted else None  # a refused request queued no job
         _log_problem(request, problem, rid, "", exc)
         headers = {**problem.headers(), **({"x-mlxq-job-id": rid} if rid else {})}
         return JSONResponse(dialect.error_body(problem), problem.status, headers=headers)
@@ -177,10 +180,11 @@ class Gateway:
         except MlxqError as exc:
             log.warning("GET /health -> 503: %s", exc)
             return JSONResponse({"status": "unavailable", "error": str(exc)}, 503)
+        log.debug("GET /health -> 200")
         return JSONResponse({"status": "ok"})
 
 
-def _card(m: Any, anthropic: bool) -> dict[str, Any]:
+def _card(m: ModelInfo, anthropic: bool) -> dict[str, Any]:
     """One model, in the API's format, with what the queue knows of it."""
     queue = {"workers": m.workers, "capacity": m.capacity, "context_length": m.context_length,
              "accepts_images": m.accepts_images}

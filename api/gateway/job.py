@@ -34,6 +34,7 @@ class JobStream:
         self.rid = request.id
         self.prompt_tokens = 0
         self.done: DoneEvent | None = None  # the job's end, once reached
+        self.submitted = False  # queued (its first event came), or perhaps queued (Redis failed under the submit)
         self._events: AsyncGenerator[Event, None] | None = None
         self._held: list[Event] = []  # read by open() past the start
         self._settled = False  # ended, or never queued: nothing to cancel
@@ -47,6 +48,7 @@ class JobStream:
         try:
             while True:
                 ev = await anext(events)
+                self.submitted = True
                 if isinstance(ev, StartEvent):
                     self.prompt_tokens = ev.prompt_tokens
                     return
@@ -55,7 +57,9 @@ class JobStream:
                         self._held.append(ev)
                     return
         except MlxqError as exc:
-            self._settled = not isinstance(exc, _UNSURE)  # refused, or ended: nothing queued to cancel
+            unsure = isinstance(exc, _UNSURE)
+            self.submitted = self.submitted or unsure
+            self._settled = not unsure  # refused, or ended: nothing queued to cancel
             raise
 
     async def deltas(self) -> AsyncIterator[str]:

@@ -4,7 +4,7 @@ Mapped: ``model``, ``messages`` (``developer`` is a system turn; text content pa
 ``max_completion_tokens``/``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``presence_penalty``,
 ``frequency_penalty``, ``metadata``, ``stream`` and ``stream_options.include_usage``; mlx-lm's and vLLM's
 extensions ``top_k``, ``min_p``, ``repetition_penalty`` and mlxq's ``priority``. Refused with a 400 that names
-them: ``n`` > 1, ``logprobs``, tools and functions, structured ``response_format``, ``logit_bias``, audio,
+them: ``n`` other than 1, ``logprobs``, tools and functions, structured ``response_format``, ``logit_bias``, audio,
 images, ``echo``, ``suffix``, ``best_of`` > 1 and token-id prompts. ``user`` goes into the job's metadata.
 """
 
@@ -113,7 +113,7 @@ def _refusals(body: _Common) -> list[str]:
     """What the request asks for that the gateway does not do."""
     out = []
     if body.n not in (None, 1):
-        out.append("n > 1 (one choice per request)")
+        out.append("n other than 1 (one choice per request)")
     if body.logit_bias:
         out.append("logit_bias")
     if isinstance(body, ChatRequest):
@@ -234,8 +234,8 @@ class _OpenAI:
         raise NotImplementedError
 
     async def frames(self, ask: Ask, job: JobStream) -> AsyncIterator[bytes]:
-        # Frames that go out together are joined into one write: each write is a send (a system call and a
-        # wake-up of the reader), the gateway's largest cost per request after the HTTP parsing.
+        # Frames that go out together are joined into one write: each write is a send (a system call, and a
+        # wake-up of the reader) and a pass through the HTTP stack.
         created = int(time.time())
         head, tail = self._head(ask, job, created), self._tail(ask)
         start = self._start()

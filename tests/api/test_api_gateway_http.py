@@ -112,7 +112,7 @@ async def test_health_is_ready_only_while_redis_answers(tmp_path: Path) -> None:
     from api.gateway import GatewayConfig, create_app
 
     server = RedisServer().start()
-    config = GatewayConfig(client=ClientConfig(redis_url=server.url, prefix=PREFIX))
+    config = GatewayConfig(client=ClientConfig(redis_url=server.url, prefix=PREFIX, retry_deadline_s=0.5))
     gateway = ServedGateway(create_app(config)).start()
     try:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
@@ -134,7 +134,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
 
 
 @pytest.mark.parametrize(("messages", "extra", "says"), [
-    (USER, {"n": 2}, "n > 1"),
+    (USER, {"n": 2}, "n other than 1"),
     (USER, {"logprobs": True}, "logprobs"),
     (USER, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (USER, {"response_format": {"type": "json_object"}}, "response_format"),
@@ -221,6 +221,7 @@ async def test_an_unknown_model_is_a_404_naming_the_models_served(oai: openai.As
     with pytest.raises(openai.NotFoundError) as caught:
         await oai.chat.completions.create(model="ghost", messages=USER, stream=True)  # type: ignore[call-overload]
     assert caught.value.code == "model_not_found" and "'hasty', 'tiny'" in caught.value.message
+    assert "x-mlxq-job-id" not in caught.value.response.headers  # refused: no job was queued
     with pytest.raises(anthropic.NotFoundError) as missing:
         await claude.messages.create(model="ghost", max_tokens=4, messages=USER)  # type: ignore[arg-type]
     assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
@@ -284,6 +285,7 @@ async def test_a_job_past_its_deadline_is_a_500_with_its_code_whole_or_streamed(
     with pytest.raises(openai.InternalServerError) as caught:
         await oai.completions.create(model="hasty", prompt="hi", max_tokens=400)
     assert caught.value.status_code == 500 and caught.value.code == "timeout"
+    assert caught.value.response.headers["x-mlxq-job-id"]  # it ran: its id says which job to look at
     with pytest.raises(openai.APIError) as streamed:  # the stream may have started: an error event, same code
         async for _ in await oai.chat.completions.create(model="hasty", messages=USER, max_tokens=400,  # type: ignore[arg-type]
                                                          stream=True):

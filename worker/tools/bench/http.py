@@ -1,10 +1,10 @@
 """A lean HTTP/1.1 client for the bench's gateway runs: keep-alive connections on asyncio streams, one POST
 at a time each, reading a server-sent event stream.
 
-Why not httpx: on this 2-core machine the client shares the cores with the worker it measures, and httpx
-(pure-Python h11 under anyio) cost the bench ~2.8 ms of CPU per streamed request, against ~1 ms for
-``api.client.Client`` on the queue path; the bench would measure its client library more than the gateway.
-This client speaks only what the gateway answers: a status line, headers, a chunked or sized body.
+Why not httpx: the client shares the machine's cores with the worker it measures, and httpx (pure-Python h11
+under anyio) takes several times the CPU per streamed request that ``api.client.Client`` takes on the queue
+path, so the bench would measure its client library more than the gateway (the numbers are in the report of
+issue 15). This client speaks only what the gateway answers: a status line, headers, a chunked or sized body.
 """
 
 from __future__ import annotations

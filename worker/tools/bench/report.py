@@ -158,7 +158,8 @@ def _md_gateway(result: BenchResult) -> list[str]:
     c = result.config
     lines = ["## HTTP gateway", "",
              "`mlxq gateway` (a child process) in front of the same queue worker, streamed over HTTP "
-             "(`POST /v1/completions`, `stream_options.include_usage`; a lean httpx client parsing the SSE lines) "
+             "(`POST /v1/completions`, `stream_options.include_usage`; read by a lean keep-alive HTTP/1.1 client, "
+             "`worker/tools/bench/http.py`) "
              "against the in-process client (queue), run by run in turn at each N after the same idle pause: "
              f"best of {c.repeats} pair(s) ({c.tiny_repeats} for the tiny model). TTFT: request -> first text "
              "chunk (queue: submit -> first token event). paired = median over the pairs of gateway run / queue "
