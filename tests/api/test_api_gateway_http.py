@@ -325,8 +325,8 @@ async def test_mlxq_gateway_serves_until_sigterm(d: Deployment) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MLXQ_REDIS_URL": d.redis.url, "MLXQ_PREFIX": PREFIX}
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "gateway", "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "gateway", "--port", str(port), "--log-level", "debug"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
             for _ in range(300):
@@ -342,6 +342,10 @@ async def test_mlxq_gateway_serves_until_sigterm(d: Deployment) -> None:
     # uvicorn shuts down cleanly, then re-raises the signal it caught: the process ends as SIGTERM asked.
     assert proc.returncode in (0, -signal.SIGTERM), out.decode()
     assert b"Application shutdown complete" in out and b"Traceback" not in out
+    log = out.decode()
+    assert f"INFO api.gateway.app: gateway serving the queue at {d.redis.url} (prefix {PREFIX}" in log
+    (line,) = [x for x in log.splitlines() if "POST /v1/completions" in x]  # one line per request, at DEBUG
+    assert "DEBUG api.gateway.app:" in line and "model tiny -> 200: 3 tokens, length" in line
 
 
 def test_mlxq_gateway_without_the_extra_says_so_in_one_line() -> None:

@@ -109,3 +109,10 @@ def test_the_producer_side_never_loads_the_web_stack() -> None:
             "'fastapi'}); print(web); sys.exit(1 if web else 0)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_gateways_public_names() -> None:
+    import api.gateway
+
+    assert api.gateway.__all__ == ["Gateway", "GatewayConfig", "create_app"]
+    assert all(getattr(api.gateway, name) is not None for name in api.gateway.__all__)
