@@ -1,10 +1,11 @@
-"""The ``mlxq`` command: submit, cancel and follow jobs; see the deployment's status and health; run the demo
-and the benchmark.
+"""The ``mlxq`` command: submit, cancel and follow jobs; see the deployment's status and health; serve the HTTP
+gateway; run the demo and the benchmark.
 
 ``submit`` writes exactly the generated text to stdout (so it pipes) and status to stderr. Producer commands
 (``submit``, ``cancel``, ``events``, ``status``, ``health``) are the producer side's own and import no worker
-code, so a producer-only install (``pip install mlxq``) has them; ``demo`` and ``bench`` are the worker's tools
-(``worker.tools``), loaded only when asked for. Every failure prints one line (a traceback only with
+code, so a producer-only install (``pip install mlxq``) has them; ``gateway`` needs the gateway extra
+(``api.gateway``), and ``demo`` and ``bench`` are the worker's tools (``worker.tools``), each loaded only when
+asked for. Every failure prints one line (a traceback only with
 ``--debug``) and exits with a documented status.
 """
 
@@ -101,6 +102,16 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--jobs", type=int, default=8, help="concurrent jobs in the batch phase")
     d.add_argument("--max-tokens", type=int, default=64)
     d.add_argument("--size", choices=["tiny", "small"], default="tiny", help="generated model size")
+    d.add_argument("--gateway", action="store_true",
+                   help="then serve the HTTP gateway in front of the worker and print a curl line (until Ctrl-C)")
+    d.add_argument("--port", type=int, default=8000, help="the gateway's port with --gateway (0: any free one)")
+
+    g = sub.add_parser("gateway", help="OpenAI- and Anthropic-compatible HTTP API over the queue", **fmt)
+    g.add_argument("--host", default=None, help="address to listen on (default: MLXQ_GATEWAY_HOST or 127.0.0.1)")
+    g.add_argument("--port", type=int, default=None, help="port (default: MLXQ_GATEWAY_PORT or 8000)")
+    g.add_argument("--workers", type=int, default=1, help="gateway processes sharing the port")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="debug logs one line per request")
 
     b = sub.add_parser("bench", help="raw mlx-lm vs the queue vs serial, side by side in one run", **fmt)
     b.add_argument("--out", default="bench-out", help="directory for results.json, results.md, chart.png")
@@ -155,9 +166,12 @@ def _fail(args: argparse.Namespace, exc: Exception, status: int) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         run_demo = _worker_tool("demo", "run_demo")
-        return int(run_demo(jobs=args.jobs, max_tokens=args.max_tokens, size=args.size))
+        return int(run_demo(jobs=args.jobs, max_tokens=args.max_tokens, size=args.size,
+                            gateway_port=args.port if args.gateway else None))
     if args.command == "bench":
         return int(_worker_tool("bench", "run_bench")(args))
+    if args.command == "gateway":
+        return _gateway(args)
     config = ClientConfig.from_env()  # a bad MLXQ_* value: one line, before anything connects
     return asyncio.run(_producer_command(args, config))
 
@@ -173,6 +187,25 @@ def _worker_tool(module: str, name: str) -> Callable[..., Any]:
     except ImportError as exc:
         raise _MissingTool(f"'{module}' needs the worker extra ({exc}): pip install 'mlxq[worker]'") from None
     return tool
+
+
+_GATEWAY_NEEDS = frozenset({"starlette", "sse_starlette", "uvicorn", "anyio"})
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    """``mlxq gateway``: needs the gateway extra, which a producer-only install lacks."""
+    from dataclasses import replace
+
+    try:
+        from .gateway.config import GatewayConfig
+        from .gateway.server import serve
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] not in _GATEWAY_NEEDS:
+            raise
+        raise _MissingTool(f"'gateway' needs the gateway extra ({exc}): pip install 'mlxq[gateway]'") from None
+    config = GatewayConfig.from_env()
+    config = replace(config, host=args.host or config.host, port=args.port or config.port)
+    return serve(config, workers=args.workers, log_level=args.log_level)
 
 
 async def _producer_command(args: argparse.Namespace, config: ClientConfig) -> int:

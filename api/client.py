@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from .arqseam import job_record
 from .config import ClientConfig
-from .connection import Failures, RetryPolicy, client_redis, redact, with_retries
+from .connection import Failures, RetryPolicy, client_redis, denied, is_denied, redact, with_retries
 from .enqueuer import Enqueuer
 from .errors import (
     BadRequest,
@@ -28,6 +28,7 @@ from .errors import (
     MlxqError,
     NoWorker,
     QueueFull,
+    QueueUnavailable,
     WaitTimeout,
     describe,
 )
@@ -186,6 +187,17 @@ class Client:
         """Every model queue that holds jobs: its depth and the age of its oldest waiting job."""
         return await with_retries(lambda: queues(self._redis, self.keys), self.retry, self.where)
 
+    async def ping(self, timeout: float = 1.0) -> None:
+        """Raise :class:`QueueUnavailable` (or :class:`AccessDenied`) unless Redis answers within ``timeout``
+        seconds: one try, no retries (a readiness check must answer at once)."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._redis.ping()
+        except Exception as exc:
+            if is_denied(exc):
+                raise denied(exc, self.where) from exc
+            raise QueueUnavailable(f"Redis at {self.where} did not answer a ping: {exc!r}") from exc
+
     # --- consuming ---------------------------------------------------------------------------------
     async def events(self, rid: str, *, timeout: float | None = None) -> AsyncIterator[Event]:
         """Every event of job ``rid`` exactly once, in seq order, ending with its terminal event.
@@ -197,13 +209,17 @@ class Client:
                 yield ev
 
     async def submit_and_follow(self, request: GenerateRequest | dict[str, Any] | None = None, /, *,
-                                timeout: float | None = None, **fields: Any) -> AsyncIterator[Event]:
+                                timeout: float | None = None, require_worker: bool = False,
+                                **fields: Any) -> AsyncIterator[Event]:
         """Submit a job and yield its events, as :meth:`events` does; every event's ``id`` is the job id.
 
         The channel is subscribed before the job is enqueued, so no event can precede the subscription and
         the replay-log read that :meth:`events` starts with is skipped: one round trip less per job.
+        ``require_worker`` refuses a model no live worker serves, as :meth:`submit` does.
         """
         req = _request(request, fields)  # a bad request raises before anything is subscribed
+        if require_worker:
+            await self._require_worker(req.model)
         sub = await with_retries(lambda: self._hub().open(self.keys.events(req.id)), self.retry, self.where)
         try:
             await self.submit(req)

@@ -118,6 +118,35 @@ def test_ttft_probe_cancel_round_trips_and_enqueue_are_measured(results: dict[st
     assert enq["jobs"] == 200 and enq["sequential_jobs_s"] > 0 and enq["gathered_jobs_s"] > 0
 
 
+def test_the_gateway_path_is_measured_beside_the_client_on_the_same_worker(results: dict[str, Any],
+                                                                         quick_run: tuple[Path, int, str]) -> None:
+    (size,) = results["sizes"]
+    gateway = size["gateway"]
+    assert [r["n"] for r in gateway["rows"]] == [1, 4]
+    for row in gateway["rows"]:
+        for path in ("queue", "gateway"):
+            p = row[path]
+            assert p["tok_s"] == pytest.approx(p["tokens"] / p["seconds"]) and p["tok_s"] == max(p["runs_tok_s"])
+            assert p["ttft_samples"] >= row["n"] and 0 < p["ttft_p50_ms"] <= p["ttft_p99_ms"]
+        # Greedy, no EOS from the random model: both run every request to max_tokens.
+        assert row["gateway"]["tokens"] == row["queue"]["tokens"] == row["n"] * results["config"]["max_tokens"]
+        assert row["gateway_over_queue"] == pytest.approx(row["gateway"]["tok_s"] / row["queue"]["tok_s"])
+        assert row["gateway_over_queue_paired"] == pytest.approx(row["gateway_over_queue"])  # one pair each
+        assert row["added_ttft_p50_ms"] == pytest.approx(row["gateway"]["ttft_p50_ms"] - row["queue"]["ttft_p50_ms"])
+    probe = gateway["probe"]
+    assert probe["samples"] == results["config"]["ttft_probes"]
+    assert probe["added_p50_ms"] == pytest.approx(probe["gateway_p50_ms"] - probe["queue_p50_ms"])
+    # CPU is read in clock ticks (10 ms): two short runs may show none.
+    assert gateway["gateway_s"] >= 0 and gateway["cpu_gateway"]["wall_s"] > 0 and gateway["cpu_queue"]["wall_s"] > 0
+    targets = {t["name"]: t for t in results["targets"]}
+    ttft = targets["gateway-added TTFT p50 tiny N=1"]
+    assert ttft["value"] == probe["added_p50_ms"] and ttft["passed"] is (ttft["value"] <= 5.0)
+    ratio = targets["gateway/queue tiny N=4 (median of pairs)"]
+    assert ratio["value"] == gateway["rows"][1]["gateway_over_queue_paired"]
+    out, _, stdout = quick_run
+    assert "## HTTP gateway" in stdout and (out / "logs" / "gateway-tiny.log").exists()
+
+
 def test_targets_are_judged_from_the_reported_numbers(results: dict[str, Any]) -> None:
     targets = {t["name"]: t for t in results["targets"]}
     (size,) = results["sizes"]
@@ -259,6 +288,7 @@ def test_scrape_stats_reads_the_workers_counters_from_its_metrics_endpoint() -> 
         stats = bench.scrape_stats(f"http://127.0.0.1:{server.server_port}/metrics")
     finally:
         server.shutdown()
+        server.server_close()
     assert stats == bench.WorkerStats(10, 8, 30, {"reaped": 1})
     assert stats.writes_per_step == pytest.approx(0.8)
     assert bench.scrape_stats(f"http://127.0.0.1:{server.server_port}/metrics") is None  # nobody answers

@@ -171,3 +171,32 @@ async def test_a_text_only_worker_refuses_image_jobs_clearly(worker: RunningWork
                                   timeout=60)
     assert parts.token_ids == plain.token_ids and len(parts.token_ids) == 8
 
+
+
+async def test_the_gateways_chat_endpoints_take_the_same_image_parts(vlm_worker: RunningWorker, client: Client,
+                                                                     redis_url: str) -> None:
+    import anthropic
+    import openai
+
+    from api.config import ClientConfig
+    from api.gateway import GatewayConfig, create_app
+    from tests.api.gateway_support import ServedGateway
+
+    served = ServedGateway(create_app(GatewayConfig(client=ClientConfig(redis_url=redis_url)))).start()
+    try:
+        via_client = await client.generate(model=VL, messages=LOOK, max_tokens=N, timeout=60)
+        oa = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused")
+        chat_reply = await oa.chat.completions.create(model=VL, messages=LOOK, max_tokens=N,  # type: ignore[arg-type]
+                                                      temperature=0)
+        assert chat_reply.choices[0].message.content == via_client.text
+        media, data = IMG_A.removeprefix("data:").split(";base64,")
+        an = anthropic.AsyncAnthropic(base_url=served.url, api_key="unused")
+        message = await an.messages.create(model=VL, max_tokens=N, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is in this picture?"},
+            {"type": "image", "source": {"type": "base64", "media_type": media, "data": data}},
+        ]}])  # type: ignore[list-item, misc]
+        assert message.content[0].text == via_client.text  # type: ignore[union-attr]
+        listed = {m.id: m for m in (await oa.models.list()).data}
+        assert listed[VL].model_extra["accepts_images"] is True  # type: ignore[index]
+    finally:
+        served.stop()

@@ -8,6 +8,7 @@ queue, and cancels one mid-decode. Weights are random, so the text is gibberish;
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import sys
@@ -20,7 +21,7 @@ from pathlib import Path
 from api.client import Client
 from api.schema import DoneEvent, ErrorEvent
 
-from .process import WorkerProcess
+from .process import GatewayProcess, WorkerProcess
 from .redis_server import RedisServer
 
 __all__ = ["run_demo"]
@@ -50,16 +51,18 @@ def _printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else "·" for ch in text)
 
 
-def run_demo(jobs: int = 8, max_tokens: int = 64, size: str = "tiny") -> int:
-    """Run the demo; returns the exit status. It leaves nothing behind but the generated model (cached for the
-    next run), and the worker's log only if something failed."""
+def run_demo(jobs: int = 8, max_tokens: int = 64, size: str = "tiny", gateway_port: int | None = None) -> int:
+    """Run the demo; returns the exit status. ``gateway_port``: then serve the gateway there until Ctrl-C. It
+    leaves nothing behind but the generated model (cached for the next run), and the logs only if something
+    failed."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its no-PyTorch notice is not ours to print
     url = os.environ.get("MLXQ_REDIS_URL")
     server = None if url else RedisServer().start()
     workdir = Path(tempfile.mkdtemp(prefix="mlxq-demo-"))
     status = 1
     try:
-        status = _run(url or (server.url if server else ""), bool(server), workdir, jobs, max_tokens, size)
+        status = _run(url or (server.url if server else ""), bool(server), workdir, jobs, max_tokens, size,
+                      gateway_port)
         return status
     finally:
         if server is not None:
@@ -70,7 +73,8 @@ def run_demo(jobs: int = 8, max_tokens: int = 64, size: str = "tiny") -> int:
             _say(f"the worker's log is kept in {workdir}")
 
 
-def _run(url: str, embedded: bool, workdir: Path, jobs: int, max_tokens: int, size: str) -> int:
+def _run(url: str, embedded: bool, workdir: Path, jobs: int, max_tokens: int, size: str,
+         gateway_port: int | None) -> int:
     from engine.tinymodel import ensure_model
 
     prefix = f"mlxq-demo-{uuid.uuid4().hex[:6]}"
@@ -87,6 +91,8 @@ def _run(url: str, embedded: bool, workdir: Path, jobs: int, max_tokens: int, si
         worker.wait_ready()
         _say(f"worker: `arq worker.Settings` ready in {time.perf_counter() - t0:.1f}s")
         status = asyncio.run(_demo_jobs(url, prefix, size, jobs, max_tokens))
+        if gateway_port is not None and status == 0:
+            status = _serve_gateway(url, prefix, size, workdir, gateway_port)
     finally:
         code = worker.stop()
         _say(f"worker stopped (exit {code})")
@@ -158,6 +164,30 @@ async def _cancel_demo(client: Client, model: str, max_tokens: int) -> None:
     _say(f"cancelled job: {result.finish_reason.value} after {result.usage.completion_tokens}/{long_tokens} "
          f"tokens, terminal event {waited:.0f} ms after the cancel")
     _say(f"other job: {kept.finish_reason.value}, {kept.usage.completion_tokens} tokens")
+
+
+def _serve_gateway(url: str, prefix: str, model: str, workdir: Path, port: int) -> int:
+    """``mlxq gateway`` in front of the demo's worker, until Ctrl-C; prints the ``curl`` lines to try it."""
+    gateway = GatewayProcess({"MLXQ_REDIS_URL": url, "MLXQ_PREFIX": prefix}, workdir / "gateway.log", port or None)
+    gateway.start()
+    try:
+        gateway.wait_ready()
+        _say(f"\n== the HTTP gateway at {gateway.url} (OpenAI and Anthropic APIs; log: {gateway.log_path}) ==")
+        chat = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32, "stream": True}
+        message = {"model": model, "max_tokens": 32, "messages": [{"role": "user", "content": "Hello"}]}
+        print(f"curl -N {gateway.url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{json.dumps(chat)}'", flush=True)
+        print(f"curl {gateway.url}/v1/messages -H 'Content-Type: application/json' -d '{json.dumps(message)}'",
+              flush=True)
+        _say("serving until Ctrl-C")
+        assert gateway.proc is not None
+        gateway.proc.wait()
+        _say(f"the gateway exited ({gateway.proc.returncode}); log:\n{gateway.log_path.read_text(errors='replace')}")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        gateway.stop()
 
 
 def _say(msg: str) -> None:

@@ -1,12 +1,15 @@
-"""Run ``arq worker.Settings`` in a child process, as an operator would: for the demo, benchmarks and tests."""
+"""Run ``arq worker.Settings`` (and ``mlxq gateway``) in a child process, as an operator would: for the demo,
+benchmarks and tests."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import redis
 from api.keys import Keys
 from api.schema import ModelState, WorkerStatus
 
-__all__ = ["WorkerProcess"]
+__all__ = ["GatewayProcess", "WorkerProcess"]
 
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,3 +94,69 @@ class WorkerProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+class GatewayProcess:
+    """``mlxq gateway`` in a subprocess on a free loopback port (``url``), configured by ``MLXQ_*`` variables;
+    its log goes to ``log_path``. Needs the gateway extra."""
+
+    def __init__(self, env: Mapping[str, str], log_path: Path, port: int | None = None) -> None:
+        self.env = {**os.environ, **env}
+        self.log_path = log_path
+        self.port = port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> GatewayProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "api.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--log-level", "warning"],
+                env=self.env, cwd=_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            )
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until ``GET /health`` answers 200 (the gateway listens and reaches Redis)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited early; log:\n{_tail(self.log_path)}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:  # refused (not listening yet), or a 503 (Redis not answering yet)
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"gateway not ready after {timeout}s; log:\n{_tail(self.log_path)}")
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (open streams end, their jobs cancelled), then SIGKILL if it does not exit in ``timeout``."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

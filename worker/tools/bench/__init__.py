@@ -14,6 +14,8 @@ run measures, on the same generated model, prompts and ``max_tokens``:
 - **scheduling** (``scheduling.py``): the engine's prefix cache (TTFT cached against cold), admission under
   KV over-subscription (peak KV against the headroom, throughput against no KV limit) and a priority job's
   TTFT with every slot busy;
+- **gateway**: ``mlxq gateway`` (a child process) in front of the same queue worker, streamed over HTTP
+  (OpenAI's ``/v1/completions``), run by run in turn with the in-process client (the queue path);
 
 plus time to first token (TTFT), cancel -> terminal-event latency, Redis round trips per engine step, CPU
 per process and the enqueue rate of one producer; and image jobs on a tiny vision-language model, raw
@@ -47,6 +49,7 @@ from worker.config import WorkerConfig
 
 from ..blas import OPENBLAS, blas_of, coretype_for, cpu_flags, openblas_core
 from ..redis_server import RedisServer
+from .gateway import gateway_phase
 from .models import models_targets, run_models
 from .paths import RawPath, _enqueue_phase, _openblas, _worker_phase, scrape_stats
 from .report import _md_blas as _md_blas  # the tests read one table
@@ -143,7 +146,7 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
     try:
         threads = asyncio.run(_calibrate_blas(raw, cfg)) if _openblas() is not None else None
         env = {"OPENBLAS_NUM_THREADS": str(threads.chosen)} if threads is not None else {}
-        queue = _worker_phase("queue", size, model, cfg, site, raw, env)
+        queue = _worker_phase("queue", size, model, cfg, site, raw, env, gateway_phase)
         scheduling = asyncio.run(run_scheduling(raw, cfg, size))
     finally:
         raw.close()
@@ -156,7 +159,7 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
                        queue.driven.commandstats)
     return SizeResult(size, model, rows, _probe(rw.probe_ttft_ms, q.probe_ttft_ms), queue.driven.cancel,
                       trips, {"raw": rw.cpu, "queue": q.cpu, "serial": sr.cpu}, queue.blas,
-                      time.perf_counter() - t0, threads, scheduling)
+                      time.perf_counter() - t0, threads, scheduling, queue.driven.gateway)
 
 
 def _row(size: str, n: int, raw: PathResult, queue: PathResult, serial: PathResult,

@@ -20,6 +20,9 @@ def _chart(result: BenchResult, path: Path) -> None:
         for label, pick in (("raw BatchGenerator", lambda r: r.raw), ("queue", lambda r: r.queue),
                             ("serial", lambda r: r.serial)):
             ax.plot(ns, [pick(r).tok_s for r in s.rows], marker="o", label=label)
+        if s.gateway is not None:
+            ax.plot([r.n for r in s.gateway.rows], [r.gateway.tok_s for r in s.gateway.rows], marker="s",
+                    linestyle="--", label="HTTP gateway")
         if all(r.engine is not None for r in s.rows):
             ax.plot(ns, [r.engine.tok_s for r in s.rows if r.engine is not None], marker=".", linestyle=":",
                     label="engine, no Redis")

@@ -13,7 +13,7 @@ import socket
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +45,7 @@ from .runs import (
     CancelResult,
     CpuUse,
     EnqueueResult,
+    GatewayResult,
     PathResult,
     Run,
     WorkerStats,
@@ -75,6 +76,7 @@ class _Driven:
     commandstats: dict[str, int]
     raw: _Measured | None = None
     engine: dict[int, PathResult] = field(default_factory=dict)
+    gateway: GatewayResult | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,11 +255,15 @@ def _raw_run(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, cap
 
 
 # --- queue and serial: the worker in a child process -----------------------------------------------
+GatewayPhase = Callable[["_DriveContext", Client], Awaitable[GatewayResult | None]]
+
+
 def _worker_phase(
     kind: str, size: str, model: str, cfg: BenchConfig, site: _Site, raw: RawPath | None,
-    extra_env: dict[str, str],
+    extra_env: dict[str, str], gateway: GatewayPhase | None = None,
 ) -> _WorkerRun:
-    """Start ``arq worker.Settings`` and measure it: batched ("queue", interleaved with ``raw``) or "serial"."""
+    """Start ``arq worker.Settings`` and measure it: batched ("queue", interleaved with ``raw``, then the
+    ``gateway`` phase on the same worker) or "serial"."""
     batched = raw is not None
     prefix = f"mlxq-bench-{kind}-{uuid.uuid4().hex[:6]}"
     port = _free_port()
@@ -277,7 +283,7 @@ def _worker_phase(
         _say(f"[{size}] {kind}: worker ready (capacity {env['MLXQ_BATCH_CAPACITY']}, {blas}{threads})")
         ctx = _DriveContext(site.url, prefix, size, cfg, worker, _CpuMeter(worker.proc.pid, site.redis_pid),
                             site.out, metrics_url)
-        driven = asyncio.run(_drive_batched(ctx, raw) if raw is not None else _drive_serial(ctx))
+        driven = asyncio.run(_drive_batched(ctx, raw, gateway) if raw is not None else _drive_serial(ctx))
         stats = scrape_stats(metrics_url)  # the worker's own counters, as its metrics endpoint serves them
     finally:
         worker.signal(signal.SIGCONT)
@@ -368,8 +374,8 @@ def _frozen(worker: WorkerProcess) -> Iterator[None]:
         time.sleep(_SETTLE_S)
 
 
-async def _drive_batched(ctx: _DriveContext, raw: RawPath) -> _Driven:
-    """Raw and queue run by run in turn (background load hits both alike), then probes and cancels."""
+async def _drive_batched(ctx: _DriveContext, raw: RawPath, gateway: GatewayPhase | None = None) -> _Driven:
+    """Raw and queue run by run in turn (background load hits both alike), then probes, the gateway and cancels."""
     cfg, model = ctx.cfg, ctx.model
     async with Client(ctx.url, prefix=ctx.prefix) as client:
         await client.generate(model=model, prompt="warm up", max_tokens=cfg.warmup_tokens, timeout=_TIMEOUT_S)
@@ -377,11 +383,12 @@ async def _drive_batched(ctx: _DriveContext, raw: RawPath) -> _Driven:
         runs = {n: await _measure_at(ctx, client, raw, n) for n in cfg.concurrency}
         commands = _delta(before, await _commandstats(ctx.url))
         raw_probe, queue_probe = await _probe_pair(ctx, client, raw)
+        via_http = await gateway(ctx, client) if gateway is not None else None
         cancel = await _cancel_phase(client, model, cfg)
         await _live_sample(ctx, client, max(cfg.concurrency))
     queue = _Measured({n: q for n, (_, _, q) in runs.items()}, ctx.meter.stop(), queue_probe)
     raw_measured = _Measured({n: r for n, (r, _, _) in runs.items()}, raw.meter.stop(), raw_probe)
-    return _Driven(queue, cancel, commands, raw_measured, {n: e for n, (_, e, _) in runs.items()})
+    return _Driven(queue, cancel, commands, raw_measured, {n: e for n, (_, e, _) in runs.items()}, via_http)
 
 
 async def _measure_at(ctx: _DriveContext, client: Client, raw: RawPath, n: int
@@ -484,6 +491,12 @@ class _CpuMeter:
         self._spent = dict.fromkeys(self._pids, 0.0)
         self._wall = 0.0
         self._mark: tuple[float, dict[str, float]] | None = None
+
+    def fresh(self) -> _CpuMeter:
+        """A meter of the same processes, from zero."""
+        meter = _CpuMeter(None, None)
+        meter._pids = dict(self._pids)
+        return meter
 
     def resume(self) -> None:
         self._mark = (time.perf_counter(), {k: _cpu_seconds(p) for k, p in self._pids.items()})

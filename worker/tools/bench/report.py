@@ -47,6 +47,7 @@ def _targets(sizes: list[SizeResult], enqueue: EnqueueResult) -> list[Target]:
                                 c.budget_ms, " ms"))
         out.append(_at_most(f"round trips per step {s.size}", s.round_trips.queue_writes_per_step, 1.0, ""))
         out += _scheduling_targets(s)
+        out += _gateway_targets(s)
     out.append(_at_least("enqueue jobs/s (sequential awaits)", enqueue.sequential_jobs_s, 2000.0))
     return out
 
@@ -64,6 +65,19 @@ def _scheduling_targets(s: SizeResult) -> list[Target]:
             _at_least(f"over-subscribed tok/s / unlimited {s.size} (best runs)", o.best_ratio, 0.9),
             _at_most(f"priority TTFT / (prefill + 2 decode steps) {s.size}",
                      p.ttft_p50_ms / p.budget_ms if p.budget_ms else 0.0, 1.0, "")]
+
+
+def _gateway_targets(s: SizeResult) -> list[Target]:
+    """Issue #15's: streaming through the gateway keeps 0.95 of the in-process client's throughput at every N
+    and adds at most 5 ms to a lone request's TTFT (p50)."""
+    if s.gateway is None:
+        return []
+    out = []
+    for r in s.gateway.rows:
+        out.append(_at_least(f"gateway/queue {s.size} N={r.n} (best runs)", r.gateway_over_queue, 0.95))
+        out.append(_at_least(f"gateway/queue {s.size} N={r.n} (median of pairs)", r.gateway_over_queue_paired, 0.95))
+    out.append(_at_most(f"gateway-added TTFT p50 {s.size} N=1", s.gateway.probe.added_p50_ms, 5.0, " ms"))
+    return out
 
 
 def _at_least(name: str, value: float, limit: float) -> Target:
@@ -86,7 +100,8 @@ def write_outputs(result: BenchResult, out: Path) -> str:
 
 def render_markdown(result: BenchResult) -> str:
     """``results.md``: a header, the main table, then one section per measurement and the targets."""
-    return "\n".join([*_md_header(result), *_md_table(result), *_md_engine(result), *_md_blas(result),
+    return "\n".join([*_md_header(result), *_md_table(result), *_md_engine(result), *_md_gateway(result),
+                      *_md_blas(result),
                       *_md_ttft(result), *_md_cancel(result), *_md_round_trips(result), *_md_cpu(result),
                       *_md_scheduling(result), *md_vision(result.vision, result.config), *md_models(result.models),
                       *_md_enqueue(result), *_md_targets(result)])
@@ -155,6 +170,48 @@ def _md_engine(result: BenchResult) -> list[str]:
                      f"| {r.engine_over_raw_paired:.2f} | {r.queue_over_engine_paired:.2f} "
                      f"| {r.queue_over_raw_paired:.2f} | {r.raw.ttft_p50_ms:.1f} / {r.engine.ttft_p50_ms:.1f} / "
                      f"{r.queue.ttft_p50_ms:.1f} |")
+    return [*lines, ""]
+
+
+def _md_gateway(result: BenchResult) -> list[str]:
+    sizes = [s for s in result.sizes if s.gateway is not None]
+    if not sizes:
+        return []
+    c = result.config
+    lines = ["## HTTP gateway", "",
+             "`mlxq gateway` (a child process) in front of the same queue worker, streamed over HTTP "
+             "(`POST /v1/completions`, `stream_options.include_usage`; read by a lean keep-alive HTTP/1.1 client, "
+             "`worker/tools/bench/http.py`) "
+             "against the in-process client (queue), run by run in turn at each N after the same idle pause: "
+             f"best of {c.repeats} pair(s) ({c.tiny_repeats} for the tiny model). TTFT: request -> first text "
+             "chunk (queue: submit -> first token event). paired = median over the pairs of gateway run / queue "
+             "run.", "",
+             "| size | N | queue tok/s | gateway tok/s | gateway/queue | paired "
+             "| TTFT p50 ms queue / gateway / added | TTFT p99 ms queue / gateway / added |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in sizes:
+        assert s.gateway is not None
+        for r in s.gateway.rows:
+            lines.append(
+                f"| {s.size} | {r.n} | {r.queue.tok_s:.1f} | {r.gateway.tok_s:.1f} | {r.gateway_over_queue:.2f} "
+                f"| {r.gateway_over_queue_paired:.2f} "
+                f"| {r.queue.ttft_p50_ms:.1f} / {r.gateway.ttft_p50_ms:.1f} / {r.added_ttft_p50_ms:+.1f} "
+                f"| {r.queue.ttft_p99_ms:.1f} / {r.gateway.ttft_p99_ms:.1f} / {r.added_ttft_p99_ms:+.1f} |")
+    lines += ["", f"TTFT at N=1 ({c.ttft_probes} sequential single requests per path, in turn; max_tokens "
+              f"{_PROBE_TOKENS}) and CPU over the measured runs (cores busy: bench + worker + Redis + gateway "
+              "CPU seconds per wall second):", "",
+              "| size | queue p50 | gateway p50 | added p50 | queue p99 | gateway p99 | added p99 "
+              "| cores busy queue / gateway | gateway process CPU s |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in sizes:
+        g = s.gateway
+        assert g is not None
+        p, cq, cg = g.probe, g.cpu_queue, g.cpu_gateway
+        busy_q = (cq.bench_s + cq.worker_s + cq.redis_s) / cq.wall_s if cq.wall_s else 0.0
+        busy_g = (cg.bench_s + cg.worker_s + cg.redis_s + g.gateway_s) / cg.wall_s if cg.wall_s else 0.0
+        lines.append(f"| {s.size} | {p.queue_p50_ms:.1f} | {p.gateway_p50_ms:.1f} | {p.added_p50_ms:+.1f} "
+                     f"| {p.queue_p99_ms:.1f} | {p.gateway_p99_ms:.1f} | {p.added_p99_ms:+.1f} "
+                     f"| {busy_q:.2f} / {busy_g:.2f} | {g.gateway_s:.2f} |")
     return [*lines, ""]
 
 

@@ -226,6 +226,44 @@ class BlasThreads:
 
 
 @dataclass(frozen=True, slots=True)
+class GatewayRow:
+    """One N on the same queue worker: the in-process client and the HTTP gateway, streaming, run by run in turn."""
+
+    n: int
+    queue: PathResult
+    gateway: PathResult
+    gateway_over_queue: float  # best gateway run / best queue run
+    gateway_over_queue_paired: float  # median over the run pairs of gateway run i / queue run i
+    added_ttft_p50_ms: float  # gateway - queue
+    added_ttft_p99_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayProbe:
+    """TTFT of sequential single requests (``_PROBE_TOKENS`` each), queue and gateway in turn."""
+
+    samples: int
+    queue_p50_ms: float
+    queue_p99_ms: float
+    gateway_p50_ms: float
+    gateway_p99_ms: float
+    added_p50_ms: float
+    added_p99_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayResult:
+    """The gateway path of one model size: rows per N, the N=1 probe, and CPU per path (``gateway_s``: the
+    gateway process's CPU seconds over the gateway runs)."""
+
+    rows: list[GatewayRow]
+    probe: GatewayProbe
+    cpu_queue: CpuUse
+    cpu_gateway: CpuUse
+    gateway_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class SizeResult:
     """Everything measured on one model size."""
 
@@ -240,6 +278,7 @@ class SizeResult:
     seconds: float
     blas_threads: BlasThreads | None = None  # None: no OpenBLAS to tune
     scheduling: SchedulingResult | None = None  # prefix cache, KV over-subscription, priority (scheduling.py)
+    gateway: GatewayResult | None = None  # None: the gateway extra is not installed
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,168 @@
+"""Anthropic's Messages API over the queue: ``/v1/messages``, requests in and responses out.
+
+Mapped: ``model``, ``max_tokens``, ``system`` (a string or text blocks: the first turn, a system message),
+``messages`` (text blocks are joined), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``,
+``metadata.user_id`` (into the job's metadata) and ``stream``. Refused with a 400 that names them: tools,
+extended thinking, images and documents, and a final assistant turn (a prefill to continue). A job that stops
+on end of text or on a stop sequence reports ``stop_reason`` ``end_turn`` (the job's end does not say which).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from json.encoder import encode_basestring  # type: ignore[attr-defined]  # the C string escaper
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..schema import ChatMessage, FinishReason, GenerateRequest
+from .config import GatewayConfig
+from .content import chat_content
+from .dialect import Ask, dumps, sse
+from .errors import GatewayError, Kind, Problem, invalid, validation_problem
+from .job import JobStream
+
+__all__ = ["MESSAGES", "MessagesDialect", "anthropic_error"]
+
+_ERROR_TYPES = {Kind.INVALID: "invalid_request_error", Kind.UNAUTHORIZED: "authentication_error",
+                Kind.NOT_FOUND: "not_found_error", Kind.TOO_LARGE: "request_too_large",
+                Kind.RATE_LIMITED: "rate_limit_error", Kind.UPSTREAM: "api_error",
+                Kind.UNAVAILABLE: "overloaded_error"}
+_DELTA_HEAD = 'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,' \
+              '"delta":{"type":"text_delta","text":'
+
+
+class MessageIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["user", "assistant"]
+    content: str | list[Any]
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    user_id: str | None = None
+
+
+class MessagesRequest(BaseModel):
+    """``POST /v1/messages``. Unknown fields are refused (as Anthropic does), so none is silently lost."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    messages: list[MessageIn] = Field(min_length=1)
+    system: str | list[Any] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    stream: bool = False
+    metadata: Metadata | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    thinking: dict[str, Any] | None = None
+    # Accepted, without effect here: prompt caching, routing and account hints.
+    cache_control: dict[str, Any] | None = None
+    service_tier: str | None = None
+    inference_geo: str | None = None
+    speed: str | None = None
+    diagnostics: dict[str, Any] | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+
+
+def _refusals(body: MessagesRequest) -> list[str]:
+    out = []
+    if body.tools or body.tool_choice is not None:
+        out.append("tools")
+    if body.thinking and body.thinking.get("type") != "disabled":
+        out.append("extended thinking")
+    if body.messages[-1].role == "assistant":
+        out.append("a final assistant turn (prefill)")
+    return out
+
+
+def _messages(body: MessagesRequest) -> list[ChatMessage]:
+    out = []
+    system = chat_content(body.system, "system")
+    if system:
+        out.append(ChatMessage(role="system", content=system))
+    for i, m in enumerate(body.messages):
+        out.append(ChatMessage(role=m.role, content=chat_content(m.content, f"messages[{i}]")))
+    return out
+
+
+def _stop_reason(reason: FinishReason) -> str:
+    return "max_tokens" if reason is FinishReason.LENGTH else "end_turn"
+
+
+def anthropic_error(problem: Problem) -> dict[str, Any]:
+    """Anthropic's error object: ``{"type": "error", "error": {"type", "message"}}`` (and mlxq's ``code``)."""
+    return {"type": "error", "error": {"type": _ERROR_TYPES[problem.kind], "message": problem.message,
+                                       "code": problem.code}}
+
+
+class MessagesDialect:
+    """``POST /v1/messages``."""
+
+    name = "messages"
+
+    def parse(self, body: bytes, config: GatewayConfig) -> Ask:
+        try:
+            req = MessagesRequest.model_validate_json(body)
+        except ValidationError as exc:
+            raise GatewayError(validation_problem(exc)) from None
+        refused = _refusals(req)
+        if refused:
+            raise invalid(f"not supported by this server: {', '.join(refused)}", "unsupported_parameter")
+        sampling = {k: v for k in ("temperature", "top_p", "top_k") if (v := getattr(req, k)) is not None}
+        metadata = {"user_id": req.metadata.user_id} if req.metadata and req.metadata.user_id else {}
+        try:
+            job = GenerateRequest(model=req.model, messages=_messages(req), max_tokens=req.max_tokens,
+                                  stop=[s for s in req.stop_sequences or [] if s], metadata=metadata, **sampling)
+        except ValidationError as exc:
+            raise GatewayError(validation_problem(exc)) from None
+        return Ask(job, req.stream)
+
+    def response(self, ask: Ask, job: JobStream, text: str) -> dict[str, Any]:
+        assert job.done is not None
+        usage = job.done.usage
+        return {**self._message(ask, job), "content": [{"type": "text", "text": text}],
+                "stop_reason": _stop_reason(job.done.finish_reason),
+                "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}}
+
+    def _message(self, ask: Ask, job: JobStream) -> dict[str, Any]:
+        return {"id": f"msg_{job.rid}", "type": "message", "role": "assistant", "model": ask.request.model,
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": job.prompt_tokens, "output_tokens": 0}}
+
+    async def frames(self, ask: Ask, job: JobStream) -> AsyncIterator[bytes]:
+        # Events that go out together are joined into one write (one send each, as in the OpenAI dialect).
+        yield (_event("message_start", {"type": "message_start", "message": self._message(ask, job)})
+               + _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                "content_block": {"type": "text", "text": ""}})
+               + _event("ping", {"type": "ping"}))
+        async for text in job.deltas():
+            yield f"{_DELTA_HEAD}{encode_basestring(text)}}}}}\n\n".encode()
+        assert job.done is not None
+        yield (_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+               + _event("message_delta", {"type": "message_delta",
+                                          "delta": {"stop_reason": _stop_reason(job.done.finish_reason),
+                                                    "stop_sequence": None},
+                                          "usage": {"output_tokens": job.done.usage.completion_tokens}})
+               + _event("message_stop", {"type": "message_stop"}))
+
+    def error_body(self, problem: Problem) -> dict[str, Any]:
+        return anthropic_error(problem)
+
+    def error_frame(self, problem: Problem) -> bytes:
+        return _event("error", anthropic_error(problem))
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return sse(dumps(data), name)
+
+
+MESSAGES = MessagesDialect()

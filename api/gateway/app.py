@@ -1,0 +1,268 @@
+"""The gateway's ASGI app: OpenAI's and Anthropic's HTTP APIs in front of the queue (Starlette; streams are
+sse-starlette's ``EventSourceResponse``).
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI) and ``POST /v1/messages`` (Anthropic);
+- ``GET /v1/models`` (and ``/v1/models/{model}``): the models live workers serve now, with their worker
+  counts; in Anthropic's format when the request carries ``anthropic-version``;
+- ``GET /health``: 200 while Redis answers, else 503 (no key needed).
+
+A generation request is authenticated, its body read (bounded) and parsed by its API's dialect into one job,
+which is submitted (refused at once when no live worker serves the model) and followed to its start; then
+the response is either the whole text once the job ends, or an SSE stream of it. A client that goes away,
+while waiting or mid-stream, cancels its job. Every failure is answered in the API's own error format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..client import Client
+from ..errors import MlxqError, NoWorker
+from ..registry import ModelInfo
+from .anthropic_api import MESSAGES
+from .auth import Auth
+from .config import GatewayConfig
+from .dialect import Ask, Dialect
+from .errors import GatewayError, Kind, Problem, problem_of
+from .job import JobStream
+from .openai_api import CHAT, COMPLETIONS, openai_error
+
+__all__ = ["Gateway", "create_app"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_GONE = 499  # the status logged for a client that went away before its answer (nginx's)
+
+
+class _Gone(Exception):
+    """The HTTP client disconnected while its request waited."""
+
+
+class Gateway:
+    """What the routes share: the configuration, the key check and the queue client (one per process)."""
+
+    def __init__(self, config: GatewayConfig, client: Client | None = None) -> None:
+        self.config = config
+        self.auth = Auth(config.api_keys)
+        self._client = client
+        self._owns_client = client is None
+
+    @property
+    def client(self) -> Client:
+        assert self._client is not None, "the app's lifespan opens the client"
+        return self._client
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        if self._owns_client:
+            self._client = Client(config=self.config.client)
+        log.info("gateway serving the queue at %s (prefix %s; %s)", self.client.where, self.client.keys.prefix,
+                 "API keys required" if self.auth.required else "no API keys")
+        try:
+            yield
+        finally:
+            if self._owns_client and self._client is not None:
+                await self._client.aclose()
+
+    # --- generation ---------------------------------------------------------------------------------
+    async def generate(self, request: Request, dialect: Dialect) -> Response:
+        """One generation request, in ``dialect``'s formats."""
+        t0 = time.perf_counter()
+        job: JobStream | None = None
+        try:
+            self.auth.check(request.headers)
+            ask = dialect.parse(await self._body(request), self.config)
+            job = JobStream(self.client, ask.request)
+            await _unless_gone(request, job.open())
+            if ask.stream:  # the stream closes the job; so does the task after it, should it never start
+                stream, closing, job = self._stream(request, dialect, ask, job, t0), BackgroundTask(job.close), None
+                return EventSourceResponse(stream, headers={"x-mlxq-job-id": ask.request.id}, sep="\n",
+                                           background=closing)
+            text = await _unless_gone(request, job.whole())
+            _log_done(request, dialect, job, t0)
+            return JSONResponse(dialect.response(ask, job, text), headers={"x-mlxq-job-id": job.rid})
+        except _Gone:
+            log.debug("%s %s: the client went away (job %s) -> %d", request.method, request.url.path,
+                      job.rid if job else "-", _GONE)
+            return Response(status_code=_GONE)
+        except Exception as exc:
+            return await self._failed(request, dialect, exc, job)
+        finally:
+            if job is not None:
+                await job.close()
+
+    async def _stream(self, request: Request, dialect: Dialect, ask: Ask, job: JobStream, t0: float
+                      ) -> AsyncIterator[bytes]:
+        try:
+            async for frame in dialect.frames(ask, job):
+                yield frame
+            _log_done(request, dialect, job, t0)
+        except asyncio.CancelledError:  # the client went away (or the server stops): its job is cancelled
+            log.debug("%s %s: the client left the stream of job %s", request.method, request.url.path, job.rid)
+            raise
+        except Exception as exc:
+            problem = problem_of(exc)
+            _log_problem(request, problem, job.rid, "mid-stream")
+            yield dialect.error_frame(problem)
+        finally:
+            await job.close()
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _failed(self, request: Request, dialect: Dialect, exc: Exception, job: JobStream | None) -> Response:
+        problem = await self._problem(exc)
+        rid = job.rid if job is not None and job.submitted else None  # a refused request queued no job
+        _log_problem(request, problem, rid, "", exc)
+        headers = {**problem.headers(), **({"x-mlxq-job-id": rid} if rid else {})}
+        return JSONResponse(dialect.error_body(problem), problem.status, headers=headers)
+
+    async def _problem(self, exc: Exception) -> Problem:
+        if not isinstance(exc, NoWorker):
+            return problem_of(exc)
+        try:  # a model some worker has (its engine dead, or draining) is no typo: 503, not 404
+            known = exc.model in await self.client.models()
+        except MlxqError:
+            known = False
+        return problem_of(exc, model_known=known)
+
+    # --- the deployment -----------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models`` and ``GET /v1/models/{model}``: what live workers serve now."""
+        anthropic = "anthropic-version" in request.headers
+        dialect: Dialect = MESSAGES if anthropic else CHAT
+        wanted = request.path_params.get("model")
+        try:
+            self.auth.check(request.headers)
+            live = {name: m for name, m in (await self.client.models()).items() if m.workers > 0}
+            if wanted is not None and wanted not in live:
+                raise GatewayError(Problem(Kind.NOT_FOUND, f"no live worker serves model {wanted!r}",
+                                           "model_not_found"))
+        except Exception as exc:
+            return await self._failed(request, dialect, exc, None)
+        cards = [_card(m, anthropic) for name, m in live.items() if wanted in (None, name)]
+        log.debug("%s %s -> 200 (%d models)", request.method, request.url.path, len(cards))
+        if wanted is not None:
+            return JSONResponse(cards[0])
+        if anthropic:
+            return JSONResponse({"data": cards, "has_more": False, "first_id": cards[0]["id"] if cards else None,
+                                 "last_id": cards[-1]["id"] if cards else None})
+        return JSONResponse({"object": "list", "data": cards})
+
+    async def health(self, request: Request) -> Response:
+        """``GET /health``: ready while Redis answers."""
+        try:
+            await self.client.ping()
+        except MlxqError as exc:
+            log.warning("GET /health -> 503: %s", exc)
+            return JSONResponse({"status": "unavailable", "error": str(exc)}, 503)
+        log.debug("GET /health -> 200")
+        return JSONResponse({"status": "ok"})
+
+
+def _card(m: ModelInfo, anthropic: bool) -> dict[str, Any]:
+    """One model, in the API's format, with what the queue knows of it."""
+    queue = {"workers": m.workers, "capacity": m.capacity, "context_length": m.context_length,
+             "accepts_images": m.accepts_images}
+    if anthropic:
+        return {"type": "model", "id": m.name, "display_name": m.name, "created_at": "1970-01-01T00:00:00Z",
+                **queue}
+    return {"id": m.name, "object": "model", "created": 0, "owned_by": "mlxq", **queue}
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``await work``, unless the client disconnects first: then it is cancelled and :class:`_Gone` raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise _Gone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body was read already: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _too_large(limit: int) -> GatewayError:
+    return GatewayError(Problem(Kind.TOO_LARGE, f"the request body is larger than {limit} bytes (the gateway's "
+                                "MLXQ_GATEWAY_MAX_BODY)", "request_too_large"))
+
+
+def _log_done(request: Request, dialect: Dialect, job: JobStream, t0: float) -> None:
+    if log.isEnabledFor(logging.DEBUG):
+        done = job.done
+        tokens = done.usage.completion_tokens if done else 0
+        log.debug("%s %s (%s) job %s model %s -> 200: %d tokens, %s, %.1f ms", request.method, request.url.path,
+                  dialect.name, job.rid, job.request.model, tokens,
+                  done.finish_reason.value if done else "-", (time.perf_counter() - t0) * 1000)
+
+
+def _log_problem(request: Request, problem: Problem, rid: str | None, when: str,
+                 exc: BaseException | None = None) -> None:
+    unexpected = exc is not None and problem.code == "internal" and not isinstance(exc, MlxqError | GatewayError)
+    log.warning("%s %s job %s -> %d %s%s: %s", request.method, request.url.path, rid or "-", problem.status,
+                problem.code, f" ({when})" if when else "", problem.message, exc_info=exc if unexpected else None)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (no such route, wrong method) in OpenAI's format."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    kind = Kind.NOT_FOUND if status == 404 else Kind.INVALID
+    body = openai_error(Problem(kind, f"{request.method} {request.url.path}: {exc}", "unknown_route"))
+    return JSONResponse(body, status)
+
+
+def create_app(config: GatewayConfig | None = None, *, client: Client | None = None) -> Starlette:
+    """The gateway's ASGI app. ``client``: a queue client of the caller's (else it opens its own, from
+    ``config.client``, for the app's lifetime)."""
+    gw = Gateway(config or GatewayConfig.from_env(), client)
+
+    def post(dialect: Dialect) -> Any:
+        async def route(request: Request) -> Response:
+            return await gw.generate(request, dialect)
+        return route
+
+    routes = [
+        Route("/v1/chat/completions", post(CHAT), methods=["POST"]),
+        Route("/v1/completions", post(COMPLETIONS), methods=["POST"]),
+        Route("/v1/messages", post(MESSAGES), methods=["POST"]),
+        Route("/v1/models", gw.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", gw.models, methods=["GET"]),
+        Route("/health", gw.health, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})
+    app.state.gateway = gw
+    return app

@@ -1,0 +1,151 @@
+"""The job an HTTP request waits on: submitted, its start awaited, then its text and its end.
+
+A reset (the job re-runs after its worker was lost or shut down) must not corrupt what a client receives.
+A streamed response skips the text the new run repeats (greedy decoding repeats it exactly), and ends with
+:class:`JobFailed` as soon as the new run diverges from what was sent (sampling): the client gets an error
+event, never text that no longer holds, and the job is cancelled. A whole response keeps the last run's text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import cast
+
+import anyio
+
+from ..client import Client
+from ..errors import AccessDenied, JobFailed, MlxqError, QueueUnavailable, WaitTimeout
+from ..schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, GenerateRequest, StartEvent
+from .errors import GatewayError, Kind, Problem
+
+__all__ = ["JobStream"]
+
+_CANCEL_WAIT_S = 2.0  # a cancel on the way out gives up after this (Redis unreachable): the job still ends
+_UNSURE = (QueueUnavailable, AccessDenied, WaitTimeout)  # raised with the job perhaps queued: cancel it
+
+
+class JobStream:
+    """One job followed for one HTTP request. ``open``, then ``deltas`` (a stream) or ``whole``; ``close`` always."""
+
+    def __init__(self, client: Client, request: GenerateRequest) -> None:
+        self.client = client
+        self.request = request
+        self.rid = request.id
+        self.prompt_tokens = 0
+        self.done: DoneEvent | None = None  # the job's end, once reached
+        self.submitted = False  # queued (its first event came), or perhaps queued (Redis failed under the submit)
+        self._events: AsyncGenerator[Event, None] | None = None
+        self._held: list[Event] = []  # read by open() past the start
+        self._settled = False  # ended, or never queued: nothing to cancel
+
+    async def open(self) -> None:
+        """Submit the job and wait for its start. Raises what submitting raises (``NoWorker``, ``QueueFull``,
+        ``BadRequest``, ...) and ``JobFailed`` when the job fails before it starts (the worker refused it)."""
+        # An async generator: closing it unsubscribes at once.
+        events = self._events = cast(AsyncGenerator[Event, None],
+                                     self.client.submit_and_follow(self.request, require_worker=True))
+        try:
+            while True:
+                ev = await anext(events)
+                self.submitted = True
+                if isinstance(ev, StartEvent):
+                    self.prompt_tokens = ev.prompt_tokens
+                    return
+                if ev.type != "reset":  # the end (an error raises here), or a token (never before a start)
+                    if not self._ends(ev):
+                        self._held.append(ev)
+                    return
+        except MlxqError as exc:
+            unsure = isinstance(exc, _UNSURE)
+            self.submitted = self.submitted or unsure
+            self._settled = not unsure  # refused, or ended: nothing queued to cancel
+            raise
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """The text as it is made, each piece once: a re-run's repeat of text already sent is skipped."""
+        sent: list[str] = []
+        sent_len = 0
+        pos = 0  # how far into the text sent the current run has come
+        async for ev in self._rest():
+            if ev.type == "reset":
+                pos = 0
+                continue
+            if ev.type != "token" or not ev.text:
+                continue
+            text = ev.text
+            if pos < sent_len:  # a re-run repeating what was sent: it must match
+                sent_text = "".join(sent)
+                sent = [sent_text]
+                overlap = sent_text[pos : pos + len(text)]
+                if not text.startswith(overlap):
+                    raise JobFailed(_diverged(self.rid, ev.seq))
+                pos += len(overlap)
+                text = text[len(overlap) :]
+                if not text:
+                    continue
+            sent.append(text)
+            sent_len += len(text)
+            pos += len(text)
+            yield text
+        if pos < sent_len:  # the re-run ended short of what was sent
+            raise JobFailed(_diverged(self.rid, self.done.seq if self.done else 0))
+
+    async def whole(self) -> str:
+        """The whole text of the job's last run."""
+        parts: list[str] = []
+        async for ev in self._rest():
+            if ev.type == "reset":
+                parts = []
+            elif ev.type == "token":
+                parts.append(ev.text)
+        return "".join(parts)
+
+    async def _rest(self) -> AsyncIterator[Event]:
+        """Events after the start, up to the end (which sets ``done``, or raises ``JobFailed``)."""
+        assert self._events is not None, "open() first"
+        if self.done is not None:  # it ended before it started (cancelled while queued)
+            return
+        held, self._held = self._held, []
+        for ev in held:
+            if self._ends(ev):
+                return
+            yield ev
+        async for ev in self._events:
+            if self._ends(ev):
+                return
+            yield ev
+
+    def _ends(self, ev: Event) -> bool:
+        if isinstance(ev, ErrorEvent):
+            self._settled = True
+            raise JobFailed(ev)
+        if isinstance(ev, DoneEvent):
+            self._settled = True
+            if ev.finish_reason is FinishReason.CANCELLED:  # someone else cancelled it (mlxq cancel)
+                raise GatewayError(Problem(Kind.UNAVAILABLE, f"job {self.rid} was cancelled before it finished",
+                                           "cancelled"))
+            self.done = ev
+            return True
+        return False
+
+    async def close(self) -> None:
+        """Stop following; cancel the job unless it ended (the client went away, or the text diverged)."""
+        with anyio.move_on_after(_CANCEL_WAIT_S, shield=True):
+            if self._events is not None:
+                await self._events.aclose()
+            if not self._settled:
+                self._settled = True
+                with contextlib.suppress(MlxqError):
+                    await self.client.cancel(self.rid)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the job reached its end (or was never queued)."""
+        return self._settled
+
+
+def _diverged(rid: str, seq: int) -> ErrorEvent:
+    return ErrorEvent(id=rid, seq=seq, code=ErrorCode.INTERNAL, retryable=True,
+                      message="the job restarted on another worker and its new text differs from the text "
+                              "already streamed (sampling without a seed does not repeat)")

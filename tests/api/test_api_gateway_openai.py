@@ -1,0 +1,184 @@
+"""The gateway's OpenAI API, with the official ``openai`` SDK as the client: a real gateway (uvicorn), a real
+Redis and a real worker process on the tiny model. Greedy text through the gateway equals ``Client.generate``'s
+for the same request; a client that goes away cancels its job."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from api.client import Client, Result
+from api.schema import DoneEvent, Event, FinishReason
+from tests.api.gateway_support import Deployment, ServedGateway, deployment
+
+MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Say hello"}]
+LONG = 400  # tokens: a job still decoding long after its first chunk (the context is 512)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Deployment, ServedGateway]]:
+    with deployment(tiny_model, tmp_path_factory.mktemp("gw-openai")) as running:
+        yield running
+
+
+@pytest.fixture
+async def oai(served: tuple[Deployment, ServedGateway]) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=f"{served[1].url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+async def queue(served: tuple[Deployment, ServedGateway]) -> AsyncIterator[Client]:
+    async with Client(config=served[0].config.client) as c:
+        yield c
+
+
+def finish(result: Result) -> str:
+    return "length" if result.finish_reason is FinishReason.LENGTH else "stop"
+
+
+async def terminal(queue: Client, rid: str) -> Event:
+    events = [ev async for ev in queue.events(rid, timeout=30)]
+    return events[-1]
+
+
+# --- chat completions -------------------------------------------------------------------------------
+async def test_a_chat_completion_is_the_queues_greedy_text(oai: openai.AsyncOpenAI, queue: Client) -> None:
+    resp = await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24)  # type: ignore[arg-type]
+    want = await queue.generate(model="tiny", messages=MESSAGES, max_tokens=24, timeout=60)
+    (choice,) = resp.choices
+    assert want.text and choice.message.content == want.text and choice.message.role == "assistant"
+    assert choice.finish_reason == finish(want)
+    assert resp.usage is not None
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (want.usage.prompt_tokens,
+                                                                       want.usage.completion_tokens)
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert resp.id.startswith("chatcmpl-") and resp.model == "tiny" and resp.object == "chat.completion"
+
+
+async def test_a_streamed_chat_completion_sends_the_same_text_a_finish_reason_then_usage(
+        oai: openai.AsyncOpenAI, queue: Client) -> None:
+    stream = await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40,  # type: ignore[arg-type]
+                                               stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    want = await queue.generate(model="tiny", messages=MESSAGES, max_tokens=40, timeout=60)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [finish(want)]
+    *body, last = chunks
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 40
+    assert all(c.usage is None for c in body)
+    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].object == "chat.completion.chunk"
+
+
+async def test_without_include_usage_a_stream_has_no_usage_chunk(oai: openai.AsyncOpenAI) -> None:
+    stream = await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8,  # type: ignore[arg-type]
+                                               stream=True)
+    chunks = [c async for c in stream]
+    assert all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_content_parts_of_text_are_joined(oai: openai.AsyncOpenAI, queue: Client) -> None:
+    parts = [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello"}]
+    resp = await oai.chat.completions.create(model="tiny", max_tokens=16,  # type: ignore[misc]
+                                             messages=[MESSAGES[0], {"role": "user", "content": parts}])
+    want = await queue.generate(model="tiny", messages=MESSAGES, max_tokens=16, timeout=60)
+    assert resp.choices[0].message.content == want.text
+
+
+async def test_sampling_fields_reach_the_job(oai: openai.AsyncOpenAI, queue: Client) -> None:
+    # A seeded sampler repeats itself: the same fields through the gateway and through the client agree, and
+    # differ from greedy text.
+    fields: dict[str, Any] = {"temperature": 0.9, "top_p": 0.9, "seed": 7, "presence_penalty": 0.5,
+                              "frequency_penalty": 0.3}
+    extensions = {"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1}
+    resp = await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=30,  # type: ignore[arg-type]
+                                             extra_body=extensions, **fields)
+    sampled = await queue.generate(model="tiny", messages=MESSAGES, max_tokens=30, timeout=60, **fields, **extensions)
+    greedy = await queue.generate(model="tiny", messages=MESSAGES, max_tokens=30, timeout=60)
+    assert resp.choices[0].message.content == sampled.text != greedy.text
+
+
+async def test_a_stop_string_cuts_the_text_before_it(oai: openai.AsyncOpenAI, queue: Client) -> None:
+    greedy = await queue.generate(model="tiny", messages=MESSAGES, max_tokens=40, timeout=60)
+    stop = greedy.text[12:16]
+    resp = await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40,  # type: ignore[arg-type]
+                                             stop=stop)
+    assert resp.choices[0].message.content == greedy.text[: greedy.text.index(stop)]
+    assert resp.choices[0].finish_reason == "stop"
+
+
+# --- completions ------------------------------------------------------------------------------------
+async def test_a_completion_is_the_queues_greedy_text_streamed_or_not(oai: openai.AsyncOpenAI, queue: Client) -> None:
+    want = await queue.generate(model="tiny", prompt="Once upon a time", max_tokens=32, timeout=60)
+    whole = await oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=32)
+    assert whole.choices[0].text == want.text and whole.choices[0].finish_reason == finish(want)
+    assert whole.object == "text_completion" and whole.id.startswith("cmpl-")
+    assert whole.usage is not None and whole.usage.prompt_tokens == want.usage.prompt_tokens
+    stream = await oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=32, stream=True,
+                                          stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [finish(want)]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == want.usage.completion_tokens
+
+
+# --- a client that goes away ------------------------------------------------------------------------
+async def test_a_client_that_leaves_a_stream_cancels_its_job(oai: openai.AsyncOpenAI, queue: Client) -> None:
+    stream = await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=LONG,  # type: ignore[arg-type]
+                                               stream=True)
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    await stream.close()
+    end = await terminal(queue, chunk.id.removeprefix("chatcmpl-"))
+    assert isinstance(end, DoneEvent) and end.finish_reason is FinishReason.CANCELLED
+    assert end.usage.completion_tokens < LONG
+
+
+async def test_a_client_that_leaves_before_a_whole_response_cancels_its_job(
+        served: tuple[Deployment, ServedGateway], queue: Client) -> None:
+    d, gw = served
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": LONG}
+    before = await job_logs(d, queue)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=60) as http:
+        waiting = asyncio.create_task(http.post("/v1/completions", json=body))
+        rid = await running_job(d, queue, before)
+        waiting.cancel()  # the connection closes under the request
+        await asyncio.gather(waiting, return_exceptions=True)
+    end = await terminal(queue, rid)
+    assert isinstance(end, DoneEvent) and end.finish_reason is FinishReason.CANCELLED
+    assert end.usage.completion_tokens < LONG
+
+
+async def job_logs(d: Deployment, queue: Client) -> set[str]:
+    """The replay logs in Redis now: one per job that started in the last few minutes."""
+    import redis.asyncio as aredis
+
+    r = aredis.Redis.from_url(d.redis.url)
+    try:
+        return {k.decode() async for k in r.scan_iter(match=queue.keys.log("*"))}
+    finally:
+        await r.aclose()
+
+
+async def running_job(d: Deployment, queue: Client, before: set[str]) -> str:
+    """The id of the one job started since ``before`` was taken, once it has made a token."""
+    for _ in range(500):
+        new = await job_logs(d, queue) - before
+        if new:
+            break
+        await asyncio.sleep(0.01)
+    (log,) = new
+    rid = log[log.index("{") + 1 : log.index("}")]
+    async for ev in queue.events(rid, timeout=30):
+        if ev.type == "token":
+            return rid
+    raise AssertionError(f"job {rid} ended before making a token")

@@ -1,0 +1,98 @@
+"""A lean HTTP/1.1 client for the bench's gateway runs: keep-alive connections on asyncio streams, one POST
+at a time each, reading a server-sent event stream.
+
+Why not httpx: the client shares the machine's cores with the worker it measures, and httpx (pure-Python h11
+under anyio) takes several times the CPU per streamed request that ``api.client.Client`` takes on the queue
+path, so the bench would measure its client library more than the gateway (the numbers are in the report of
+issue 15). This client speaks only what the gateway answers: a status line, headers, a chunked or sized body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+__all__ = ["SseClient"]
+
+
+class _Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class SseClient:
+    """POSTs JSON to one server and yields the ``data:`` payloads of its event-stream answers."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self._idle: list[_Connection] = []
+
+    async def events(self, path: str, body: bytes) -> AsyncIterator[bytes]:
+        """The ``data:`` payloads of one streamed response, in order; raises on a status other than 200."""
+        conn = self._idle.pop() if self._idle else await self._connect()
+        reusable = False
+        try:
+            conn.writer.write(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), self.port,
+                                                                len(body), body))
+            status, chunked, length, keep = await _head(conn.reader)
+            if status != 200:
+                raw = await conn.reader.read(2000)
+                raise RuntimeError(f"the gateway answered {status}: {raw[:500]!r}")
+            pending = b""
+            async for data in _body(conn.reader, chunked, length):
+                pending += data
+                *events, pending = pending.split(b"\n\n")
+                for event in events:
+                    for line in event.split(b"\n"):
+                        if line.startswith(b"data: "):
+                            yield line[6:]
+            reusable = keep
+        finally:
+            if reusable:
+                self._idle.append(conn)
+            else:
+                conn.close()
+
+    async def _connect(self) -> _Connection:
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        return _Connection(reader, writer)
+
+    async def aclose(self) -> None:
+        for conn in self._idle:
+            conn.close()
+            with contextlib.suppress(Exception):
+                await conn.writer.wait_closed()
+        self._idle.clear()
+
+
+async def _head(reader: asyncio.StreamReader) -> tuple[int, bool, int | None, bool]:
+    """Status, chunked, content length and keep-alive of a response, its head read."""
+    status = int((await reader.readline()).split(b" ", 2)[1])
+    chunked, length, keep = False, None, True
+    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+        name, _, value = line.partition(b":")
+        name, value = name.strip().lower(), value.strip().lower()
+        if name == b"transfer-encoding":
+            chunked = value == b"chunked"
+        elif name == b"content-length":
+            length = int(value)
+        elif name == b"connection":
+            keep = value != b"close"
+    return status, chunked, length, keep
+
+
+async def _body(reader: asyncio.StreamReader, chunked: bool, length: int | None) -> AsyncIterator[bytes]:
+    if not chunked:
+        yield await reader.readexactly(length or 0)
+        return
+    while size := int((await reader.readline()).split(b";", 1)[0], 16):
+        yield await reader.readexactly(size)
+        await reader.readexactly(2)
+    await reader.readline()  # the empty trailer
