@@ -14,10 +14,12 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
 
 from .request import ImageInputs
 
-__all__ = ["BatchBackend", "BatchToken", "CachingBackend", "GeneratedToken", "MLXBatch", "SequenceCache"]
+__all__ = ["BatchBackend", "BatchToken", "CachingBackend", "GeneratedToken", "MLXBatch", "SequenceCache", "Started"]
 
 
 class GeneratedToken(Protocol):
@@ -56,6 +58,16 @@ class SequenceCache:
     def nbytes(self) -> int:
         """Bytes of the caches' buffers (allocated, not only used)."""
         return sum(int(c.nbytes) for c in self.cache)
+
+
+@dataclass(slots=True)
+class Started:
+    """A sequence prefilled on its own (:meth:`CachingBackend.start`): its first token, whether that token
+    ended it ("stop": an EOS token), and its KV cache, which holds the prompt (not yet the first token)."""
+
+    token: int
+    finish_reason: str | None
+    cache: list[Any]
 
 
 class BatchBackend(Protocol):
@@ -102,6 +114,19 @@ class CachingBackend(BatchBackend, Protocol):
         where the sequence's cache is to be taken a copy of (see :meth:`take_checkpoints`)."""
         ...
 
+    def start(
+        self,
+        prompt: list[int],
+        sampler: Callable[[Any], Any] | None,
+        logits_processors: list[Any],
+        *,
+        cache: list[Any] | None = None,
+        cache_tokens: list[int] | None = None,
+    ) -> Started:
+        """Prefill ``prompt`` alone (after ``cache``, which holds ``cache_tokens``) and sample its first token,
+        outside the batch and at once; the caller inserts it with the returned cache to go on."""
+        ...
+
     def take_caches(self, uids: Iterable[int]) -> dict[int, SequenceCache]:
         """Remove sequences, returning each one's cache (evaluated) and the tokens in it."""
         ...
@@ -136,9 +161,13 @@ class MLXBatch:
         caches: bool = True,
     ) -> None:
         self._caches = caches
+        self._model = model
+        self._stream = stream
+        self._prefill_step = prefill_step_size
+        self._eos = frozenset(eos_token_ids)
         self._watch: dict[int, None] = {}  # uids with a checkpoint not reached yet
         self._checkpoints: list[SequenceCache] = []
-        self._stops = StopSequences([(t,) for t in sorted(eos_token_ids)])
+        self._stops = StopSequences([(t,) for t in sorted(self._eos)])
         self._gen = BatchGenerator(
             model,
             completion_batch_size=capacity,
@@ -179,6 +208,33 @@ class MLXBatch:
         if len(segments) > 1:
             self._watch[uid] = None
         return int(uid)
+
+    def start(
+        self,
+        prompt: list[int],
+        sampler: Callable[[Any], Any] | None,
+        logits_processors: list[Any],
+        *,
+        cache: list[Any] | None = None,
+        cache_tokens: list[int] | None = None,
+    ) -> Started:
+        # mlx_lm.generate's prefill (generate_step): the prompt but its last token in chunks, then the last
+        # token's step gives the first token's logits. So its greedy output is the single-request output.
+        cache = cache if cache is not None else make_prompt_cache(self._model)
+        with mx.stream(self._stream):
+            for i in range(0, len(prompt) - 1, self._prefill_step):
+                self._model(mx.array(prompt[i:min(i + self._prefill_step, len(prompt) - 1)])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+            logits = self._model(mx.array(prompt[-1:])[None], cache=cache)[:, -1, :]
+            if logits_processors:
+                context = mx.array(list(cache_tokens or ()) + prompt)
+                for processor in logits_processors:
+                    logits = processor(context, logits)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            token = (sampler or greedy_sampler)(logprobs)
+            mx.eval(token, [c.state for c in cache])
+        first = int(token.reshape(-1)[0].item())  # type: ignore[arg-type]  # an integer array
+        return Started(first, "stop" if first in self._eos else None, cache)
 
     def remove(self, uids: Iterable[int]) -> None:
         uids = list(uids)

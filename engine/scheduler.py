@@ -35,7 +35,7 @@ from typing import Any, Protocol, cast
 
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from .batch import BatchBackend, CachingBackend, GeneratedToken, SequenceCache
+from .batch import BatchBackend, BatchToken, CachingBackend, GeneratedToken, SequenceCache
 from .memory import KVBudget, mib
 from .prefix_cache import PrefixCache
 from .request import EngineRequest, FinishReason, RequestOutput, SamplingParams
@@ -258,14 +258,16 @@ class Scheduler:
                 outs.by_rid[out.rid] = out
             self._rejected = []
         self._expire(outs)
-        self._admit(outs)
+        started_at_once = self._admit(outs)
         if self._running:
-            try:
-                tokens = self.backend.step()
-            except Exception as exc:
-                raise StepFailed(list(outs.by_rid.values())) from exc
-            for tok in tokens:
-                self._on_token(tok, outs)
+            # A request started at once (see _admit) has its first token: it goes out now, not after a decode.
+            if not started_at_once:
+                try:
+                    tokens = self.backend.step()
+                except Exception as exc:
+                    raise StepFailed(list(outs.by_rid.values())) from exc
+                for tok in tokens:
+                    self._on_token(tok, outs)
             self._after_step()
         if self._room_dirty:
             self._update_room()
@@ -361,17 +363,28 @@ class Scheduler:
                         f"more than this worker's KV headroom ({mib(room)})")
         return None
 
-    def _admit(self, outs: _StepOutputs) -> None:
+    def _admit(self, outs: _StepOutputs) -> int:
+        """Admit waiting requests in order; how many of them started at once (their first token is out)."""
+        at_once = 0
         while self._waiting:
             seq = self._waiting.peek()
             assert seq is not None
+            urgent = self._outranks_running(seq)
             if not self._fits(seq):
                 plan = self._plan_preemption(seq)
                 if plan is None:
-                    return
+                    return at_once
                 self._preempt(seq, *plan)
             self._waiting.remove(seq.req.rid)  # not pop(): a preempted sequence may share its key
-            self._launch(seq, outs)
+            at_once += self._launch(seq, outs, urgent)
+        return at_once
+
+    def _outranks_running(self, seq: _Sequence) -> bool:
+        """Whether ``seq`` starts at once: a new request of higher priority than some running sequence is
+        prefilled on its own before the next decode step, its first token sampled from that prefill (in
+        mlx-lm's batch a joining prompt waits for three decode steps of the whole batch)."""
+        return (self._caching is not None and not seq.admitted and seq.req.images is None
+                and bool(self._priorities) and min(self._priorities) < seq.req.priority)
 
     def _fits(self, seq: _Sequence, victims: Sequence[_Sequence] = (), hold: bool = False) -> bool:
         """Whether ``seq`` can join once ``victims`` left (holding their caches if ``hold``)."""
@@ -408,20 +421,25 @@ class Scheduler:
             self._measured, self._measured_stale = self._kv_probe(), False
         return max(0, self._measured - mem.batch_bytes(len(self._running), self._max_end()))
 
-    def _launch(self, seq: _Sequence, outs: _StepOutputs) -> None:
-        """Insert ``seq`` into the batch: a new request, or a preempted one resuming."""
+    def _launch(self, seq: _Sequence, outs: _StepOutputs, at_once: bool = False) -> int:
+        """Insert ``seq`` into the batch: a new request, or a preempted one resuming. ``at_once``: prefill it
+        alone first (:meth:`_start`). Returns 1 if it started at once, else 0."""
         req = seq.req
         resumed = seq.admitted
         if not resumed:
             seq.sampler, seq.processors = self._make_sampler(req.params), self._make_processors(req.params)
             if self._caching is None:  # no cache to resume from: a preemption recomputes from the tokens
                 seq.history = []
+        first: BatchToken | None = None
         try:
-            uid = self._insert(seq)
+            if at_once:
+                uid, first = self._start(seq)
+            else:
+                uid = self._insert(seq)
         except ValueError as exc:
             self._release(seq)
             outs.by_rid[req.rid] = _terminal(req.rid, FinishReason.ERROR, "bad_request", str(exc), seq.generated)
-            return
+            return 0
         except Exception as exc:
             self._waiting.push(req.rid, seq.key, seq.order, seq)  # still owned here, so fail_all() reaches it
             raise StepFailed(list(outs.by_rid.values())) from exc
@@ -437,6 +455,31 @@ class Scheduler:
             out = outs.get(req.rid)
             out.started, out.prompt_tokens = True, len(req.prompt_tokens)
             self._typical_end += (seq.end - self._typical_end) / (8 if self._typical_end else 1)
+        if first is None:
+            return 0
+        if first.finish_reason is not None:  # it ended with its first token: it leaves the batch unstarted
+            self.backend.remove([uid])
+        self._on_token(first, outs)
+        return 1
+
+    def _start(self, seq: _Sequence) -> tuple[int, BatchToken]:
+        """Prefill ``seq`` alone (from its longest cached prefix) and sample its first token, then put it in
+        the batch holding that cache, to go on from the first token: as a preempted sequence resumes."""
+        assert self._caching is not None
+        req, caching = seq.req, self._caching
+        prompt, hit = req.prompt_tokens, None
+        if self._prefix is not None:
+            hit = self._prefix.fetch(prompt)
+            self._sync_prefix_stats()
+        cached = hit.tokens if hit is not None else 0
+        started = caching.start(prompt[cached:], seq.sampler, seq.processors,
+                                cache=hit.cache if hit is not None else None, cache_tokens=prompt[:cached])
+        more = req.params.max_tokens - 1
+        finish = started.finish_reason or ("length" if more == 0 else None)
+        uid = caching.insert([started.token], max(more, 1), seq.sampler, seq.processors, cache=started.cache,
+                             cache_tokens=prompt)
+        self.stats.started_at_once += 1
+        return uid, BatchToken(uid, started.token, finish)
 
     def _insert(self, seq: _Sequence) -> int:
         req = seq.req

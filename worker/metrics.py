@@ -163,6 +163,8 @@ _ENGINE_COUNTERS = (  # name, EngineStats field(s) summed, help
     ("mlxq:num_preemptions", ("preemptions",), "Sequences taken out of the batch for higher-priority ones."),
     ("mlxq:preemption_resumes", ("resumes",), "Preempted sequences resumed from their own KV cache."),
     ("mlxq:preemption_recomputes", ("recomputes",), "Preempted sequences resumed by prefilling again."),
+    ("mlxq:priority_started_at_once", ("started_at_once",),
+     "Requests that outranked a running one: prefilled alone, first token before the next decode step."),
     ("mlxq:requests_too_large", ("rejected_too_large",), "Requests that could never fit (context or headroom)."),
 )
 _ENGINE_GAUGES = (

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.batch import BatchToken, SequenceCache
+from engine.batch import BatchToken, SequenceCache, Started
 from engine.memory import KVBudget, KVLayout
 from engine.request import EngineRequest, RequestOutput, SamplingParams
 from engine.scheduler import Scheduler
@@ -75,6 +75,7 @@ class ToyBatch:
     kv_extra: int = 0  # added to kv_bytes(): an estimate that is wrong by this much
     rows: dict[int, _Row] = field(default_factory=dict)
     inserted: list[dict[str, Any]] = field(default_factory=list)
+    started: list[dict[str, Any]] = field(default_factory=list)  # start() calls
     steps: int = 0
     next_uid: int = 100
     checkpoints: list[SequenceCache] = field(default_factory=list)
@@ -100,6 +101,15 @@ class ToyBatch:
             self.checkpoints.append(SequenceCache([ToyCache(len(before) + checkpoint)],
                                                   before + list(prompt[:checkpoint])))
         return uid
+
+    def start(self, prompt: list[int], sampler: Any, logits_processors: list[Any], *,
+              cache: list[Any] | None = None, cache_tokens: list[int] | None = None) -> Started:
+        before = list(cache_tokens or [])
+        if cache is not None:
+            assert cache[0].offset == len(before), "the cache must hold exactly the tokens said to be in it"
+        self.started.append({"prompt": list(prompt), "cached": len(before), "at_step": self.steps})
+        tokens = before + list(prompt)
+        return Started(toy_next(tokens), None, [ToyCache(len(tokens), self.trimmable)])
 
     def remove(self, uids: Iterable[int]) -> None:
         for uid in uids:

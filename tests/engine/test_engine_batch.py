@@ -116,3 +116,56 @@ def test_priority_with_memory_pressure_on_the_real_model(lm: Any, stream: mx.Str
         assert run.tokens(rid) == reference(lm, p, 120), rid
         assert run.final(rid).finish is FinishReason.LENGTH
     assert s.stats.kv_bytes == 0  # everything released
+
+
+def _sampling_scheduler(lm: Any, stream: mx.Stream, prefix: Any = None) -> Scheduler:
+    from engine.sampling import make_request_logits_processors, make_request_sampler
+
+    model, tokenizer = lm
+    batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=4, prefill_batch_size=8, prefill_step_size=16,
+                     stream=stream)
+    return Scheduler(batch, capacity=4, new_detokenizer=lambda: tokenizer.detokenizer, prefix_cache=prefix,
+                     make_sampler=make_request_sampler, make_processors=make_request_logits_processors)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=30),
+                                    SamplingParams(max_tokens=30, temperature=0.9, seed=11, repetition_penalty=1.3,
+                                                   presence_penalty=0.5)], ids=["greedy", "seeded-penalized"])
+def test_a_request_started_at_once_generates_what_it_would_have_in_the_batch(lm: Any, stream: mx.Stream,
+                                                                            params: SamplingParams) -> None:
+    # It outranks the running one, so it is prefilled alone (in chunks: its prompt spans several) and its first
+    # token sampled there; its tokens are the ones it gets joining the batch the usual way, which for greedy
+    # decoding are mlx-lm's single-request tokens.
+    tokenizer = lm[1]
+    prompt = words(tokenizer, 40, 4)
+    usual, urgent = Run(), Run()
+    for run, priority in ((usual, 0), (urgent, 1)):
+        s = _sampling_scheduler(lm, stream)
+        s.add(EngineRequest("bg", words(tokenizer, 10, 2), SamplingParams(max_tokens=80)))
+        drive(s, run, stream, until=lambda run=run: len(run.tokens("bg")) >= 5)
+        s.add(EngineRequest("r", prompt, params, priority=priority))
+        drive(s, run, stream)
+        assert s.stats.started_at_once == priority
+        assert run.tokens("bg") == reference(lm, words(tokenizer, 10, 2), 80)
+    assert urgent.tokens("r") == usual.tokens("r") and len(urgent.tokens("r")) == 30
+    assert urgent.text("r") == usual.text("r")
+    if params.greedy:
+        assert urgent.tokens("r") == reference(lm, prompt, 30)
+
+
+def test_a_request_started_at_once_starts_from_a_cached_prefix(lm: Any, stream: mx.Stream) -> None:
+    from engine.prefix_cache import PrefixCache
+
+    tokenizer = lm[1]
+    shared = words(tokenizer, 80, 1)
+    first, second = shared + words(tokenizer, 6, 3), shared + words(tokenizer, 7, 5)
+    s = _sampling_scheduler(lm, stream, PrefixCache(64 << 20))
+    run = Run()
+    s.add(EngineRequest("first", first, SamplingParams(max_tokens=4)))
+    drive(s, run, stream)  # its finished sequence is cached
+    s.add(EngineRequest("bg", words(tokenizer, 10, 2), SamplingParams(max_tokens=60)))
+    drive(s, run, stream, until=lambda: len(run.tokens("bg")) >= 3)
+    s.add(EngineRequest("second", second, SamplingParams(max_tokens=20), priority=5))
+    drive(s, run, stream)
+    assert s.stats.started_at_once == 1 and s.stats.prefix_hits >= 1 and s.stats.prefix_tokens_saved >= len(shared)
+    assert run.tokens("second") == reference(lm, second, 20)

@@ -225,3 +225,53 @@ def test_fail_all_drops_preempted_requests_and_their_caches() -> None:
     outs = {o.rid: o for o in s.fail_all("engine_error", "boom")}
     assert set(outs) == {"low", "high"} and outs["low"].completion_tokens == 2
     assert not s.has_work and s.stats.kv_bytes == 0 and s.stats.kv_reserved_bytes == 0
+
+
+def test_a_request_that_outranks_a_running_one_starts_at_once() -> None:
+    # A free slot, so no preemption: the urgent request is prefilled alone and its first token goes out in the
+    # step that admitted it, with no decode step of the batch before it; then it joins the batch and goes on.
+    batch = ToyBatch()
+    s = scheduler(batch, capacity=4)
+    run = Run()
+    s.add(req("low", [5, 6], max_tokens=12))
+    run.step(s, 3)
+    s.add(req("urgent", [7, 8, 9], max_tokens=6, priority=2))
+    steps = batch.steps
+    run.step(s)
+    assert batch.steps == steps  # no decode ran in that step
+    assert run.tokens("urgent") == toy_generate([7, 8, 9], 1)
+    assert batch.started == [{"prompt": [7, 8, 9], "cached": 0, "at_step": steps}]
+    assert s.stats.started_at_once == 1 and s.stats.preemptions == 0
+    run.drain(s)
+    assert run.tokens("urgent") == toy_generate([7, 8, 9], 6)
+    assert run.tokens("low") == toy_generate([5, 6], 12)
+    assert run.final("urgent").completion_tokens == 6
+
+
+def test_requests_of_equal_or_lower_priority_join_the_batch_the_usual_way() -> None:
+    batch = ToyBatch()
+    s = scheduler(batch, capacity=4)
+    run = Run()
+    s.add(req("a", max_tokens=8, priority=1))
+    run.step(s, 2)
+    s.add(req("same", max_tokens=8, priority=1))
+    s.add(req("lower", max_tokens=8, priority=0))
+    run.drain(s)
+    assert batch.started == [] and s.stats.started_at_once == 0
+    assert run.tokens("same") == run.tokens("lower") == toy_generate([1, 2, 3], 8)
+
+
+def test_an_urgent_request_of_one_token_ends_with_it_and_leaves_nothing_in_the_batch() -> None:
+    batch = ToyBatch()
+    s = scheduler(batch, capacity=4)
+    run = Run()
+    s.add(req("low", max_tokens=20))
+    run.step(s, 2)
+    s.add(req("one", [4, 4], max_tokens=1, priority=1))
+    run.step(s)
+    final = run.final("one")
+    assert final.finish is FinishReason.LENGTH and final.completion_tokens == 1
+    assert run.tokens("one") == toy_generate([4, 4], 1)
+    assert len(batch.rows) == 1 and s.request_ids() == ["low"]
+    run.drain(s)
+    assert run.tokens("low") == toy_generate([1, 2, 3], 20)
