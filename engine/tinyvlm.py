@@ -89,6 +89,10 @@ class VLMSpec:
 
 
 TINY_VLM = VLMSpec()
+# The text tower of tinymodel's "small" (steps of tens of ms on a CPU, as real models take on a Mac): for the bench.
+SMALL_VLM = VLMSpec(name="small-vl", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                    num_key_value_heads=4, intermediate_size=1536, vocab_size=1024, vision_depth=4,
+                    vision_embed_dim=128, vision_heads=4)
 
 
 def vlm_dir(root: Path | None = None, spec: VLMSpec = TINY_VLM) -> Path:

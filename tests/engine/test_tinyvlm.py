@@ -66,3 +66,17 @@ def test_greedy_generation_with_images_is_varied_and_runs_to_max_tokens(loaded: 
         assert last.prompt_tokens <= 30 + 16  # at most 16 tokens per image (4096 pixels, 8-pixel patches, 2x2)
         runs.append(last.token_ids)
     assert runs[0] != runs[1]  # the image matters
+
+
+def test_the_bench_s_small_qwen2_vl_loads_and_generates_with_an_image(tmp_path: Path) -> None:
+    from engine.loader import load_model
+    from engine.tinyvlm import SMALL_VLM
+
+    path = ensure_vlm(tmp_path, SMALL_VLM)
+    loaded = load_model(str(path))
+    assert loaded.accepts_images and loaded.context_length == SMALL_VLM.max_position_embeddings
+    assert 10_000_000 < sum(v.size for _, v in tree_flatten(loaded.model.parameters())) < 60_000_000
+    model, processor = mlx_vlm.load(str(path))
+    prompt = "<|im_start|>user\nDescribe<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n"
+    out = mlx_vlm.generate(model, processor, prompt, image=[data_url(64, 48, 3)], max_tokens=8, temperature=0.0)
+    assert out.generation_tokens == 8

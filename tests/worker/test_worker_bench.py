@@ -52,7 +52,7 @@ def test_quick_run_writes_the_three_files_and_prints_the_table(quick_run: tuple[
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "results.md").read_text()
     for section in ("## Throughput and TTFT", "## TTFT at N=1", "## Cancel", "## Redis round trips",
-                    "## Image jobs (tiny qwen2_vl, mlx-vlm)", "## Enqueue rate", "## Targets"):
+                    "## Image jobs (tiny-vl: a generated qwen2_vl, mlx-vlm)", "## Enqueue rate", "## Targets"):
         assert section in md
     assert "| size | N | raw tok/s | queue tok/s | serial tok/s |" in stdout
     assert "| size | N | raw tok/s | engine tok/s | queue tok/s | engine/raw | queue/engine |" in stdout
@@ -163,8 +163,9 @@ def test_targets_are_judged_from_the_reported_numbers(results: dict[str, Any]) -
 
 
 def test_image_jobs_are_measured_on_mlx_vlm_and_through_the_queue(results: dict[str, Any]) -> None:
-    vision, cfg = results["vision"], results["config"]
-    assert vision["model"].endswith("tiny-vl-v1") and cfg["vision_concurrency"] == [1, 2]
+    (vision,), cfg = results["vision"], results["config"]  # the small qwen2_vl only beside the small text model
+    assert vision["name"] == "tiny-vl" and vision["model"].endswith("tiny-vl-v1")
+    assert cfg["vision_concurrency"] == [1, 2]
     assert [r["n"] for r in vision["rows"]] == [1, 2]
     for row in vision["rows"]:
         for path in ("raw", "queue"):
@@ -178,7 +179,7 @@ def test_image_jobs_are_measured_on_mlx_vlm_and_through_the_queue(results: dict[
     mixed = vision["mixed"]
     assert mixed["n"] == 2 and mixed["one_batch"]["tokens"] == mixed["split"]["tokens"] == 2 * cfg["max_tokens"]
     targets = {t["name"]: t for t in results["targets"]}
-    t = targets["queue/raw images N=2 (median of pairs)"]
+    t = targets["queue/raw images tiny-vl N=2 (median of pairs)"]
     assert t["value"] == vision["rows"][1]["queue_over_raw_paired"] and t["passed"] is (t["value"] >= 0.9)
 
 
@@ -338,10 +339,14 @@ def test_two_engines_in_one_worker_process_were_timed_side_by_side(results: dict
     assert all(s > 0 for s in models["sequential_s"] + models["concurrent_s"])
     assert models["speedup"] == pytest.approx(models["sequential_s"][0] / models["concurrent_s"][0])
     assert all(c > 0 for c in models["concurrent_cores"])  # the worker's CPU over the run was read
+    for pair in ("threads", "processes"):  # the same pair without the queue, timed
+        assert len(models[pair]["sequential_s"]) == len(models[pair]["concurrent_s"]) == 1
+        assert all(s > 0 for s in models[pair]["sequential_s"] + models[pair]["concurrent_s"])
     (target,) = [t for t in results["targets"] if t["name"].startswith("two models in one process")]
     assert target["value"] == round(models["speedup"], 3) and target["passed"] is (models["speedup"] >= 1.2)
     out, _, _ = quick_run
     assert "## Two models in one worker process" in (out / "results.md").read_text()
+    assert "| two processes |" in (out / "results.md").read_text()
 def test_scheduling_features_are_measured_on_the_engine(results: dict[str, Any]) -> None:
     (size,) = results["sizes"]
     sch, probes = size["scheduling"], results["config"]["scheduling_probes"]

@@ -6,14 +6,20 @@ same worker) and **concurrent** (all 2N at once, both engines stepping side by s
 throughput says what a second engine in one process buys; the worker process's CPU (cores busy over each run)
 says what bounds it. Both models are the same generated model served twice under two names: two engines of
 equal weight, so neither finishes early and leaves the other alone.
+
+The same pair without the queue (mlx-lm's ``BatchGenerator`` alone, the raw path's loop) says where the bound
+lies: two engines as two MLX threads of this process, and as two processes, each sequential against concurrent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
@@ -40,35 +46,152 @@ class ModelsResult:
     sequential_cores: list[float]
     concurrent_cores: list[float]
     speedup: float  # median over the run pairs of sequential / concurrent wall time
+    threads: RawPair  # mlx-lm alone: two engines as two threads of one process
+    processes: RawPair  # and as two processes
+
+
+@dataclass(frozen=True, slots=True)
+class RawPair:
+    """Two mlx-lm engines without the queue: wall seconds of each sequential and concurrent run of N jobs each."""
+
+    sequential_s: list[float]
+    concurrent_s: list[float]
+
+    @property
+    def speedup(self) -> float:
+        return _paired(self.sequential_s, self.concurrent_s)
 
 
 def run_models(cfg: BenchConfig, site: _Site) -> ModelsResult:
-    """Start a worker serving one generated model twice and time its runs."""
+    """Start a worker serving one generated model twice and time its runs; then the pair without the queue."""
     from engine.tinymodel import ensure_model
 
     size = "small" if "small" in cfg.sizes else cfg.sizes[0]
     path = str(ensure_model(size))
+    threads, processes = _raw_pairs(path, cfg)
     prefix = f"mlxq-bench-models-{uuid.uuid4().hex[:6]}"
-    threads = "1"  # one core per engine: two engines at once would share two cores otherwise
+    # One BLAS thread (one core) per engine: two engines at once would share two cores otherwise.
     env = {"MLXQ_MODELS": f"{path}=a,{path}=b", "MLXQ_REDIS_URL": site.url, "MLXQ_PREFIX": prefix,
-           "MLXQ_BATCH_CAPACITY": str(cfg.models_n), "OPENBLAS_NUM_THREADS": threads}
+           "MLXQ_BATCH_CAPACITY": str(cfg.models_n), "OPENBLAS_NUM_THREADS": "1"}
     log_path = site.out / "logs" / "worker-two-models.log"
     log_path.unlink(missing_ok=True)
     worker = WorkerProcess(env, log_path).start()
     try:
         worker.wait_ready()
         assert worker.proc is not None
-        _say(f"[models] worker ready: two engines of the {size} model in one process ({threads} BLAS thread each)")
-        result = asyncio.run(_drive(site.url, prefix, cfg, psutil.Process(worker.proc.pid), size, threads))
+        _say(f"[models] worker ready: two engines of the {size} model in one process (1 BLAS thread each)")
+        result = asyncio.run(_drive(site.url, prefix, cfg, psutil.Process(worker.proc.pid), size, "1", threads,
+                                    processes))
     finally:
         worker.stop()
     _say(f"[models] N={cfg.models_n} per model: concurrent / sequential {result.speedup:.2f}x; worker cores busy "
-         f"{_median(result.concurrent_cores):.2f} concurrent, {_median(result.sequential_cores):.2f} sequential")
+         f"{_median(result.concurrent_cores):.2f} concurrent, {_median(result.sequential_cores):.2f} sequential; "
+         f"mlx-lm alone: {threads.speedup:.2f}x as two threads, {processes.speedup:.2f}x as two processes")
     return result
 
 
-async def _drive(url: str, prefix: str, cfg: BenchConfig, proc: psutil.Process, size: str, threads: str
-                 ) -> ModelsResult:
+# --- the pair without the queue ----------------------------------------------------------------------------
+def _raw_pairs(path: str, cfg: BenchConfig) -> tuple[RawPair, RawPair]:
+    """Two engines of mlx-lm's BatchGenerator on ``path`` (N jobs each, one BLAS thread): as two MLX threads of
+    this process, then as two child processes, sequential and concurrent runs alternating."""
+    from .paths import RawPath, _openblas
+
+    blas = _openblas()
+    if blas is not None:
+        blas.openblas_set_num_threads(1)
+    prompts = _prompts(cfg.models_n)
+    engines = [RawPath(path, cfg.models_n) for _ in range(2)]
+    try:
+        in_process = _alternate(cfg, lambda sel: _threads_run([engines[i] for i in sel], prompts, cfg.max_tokens))
+    finally:
+        for e in engines:
+            e.close()
+    children = [_Child(path, cfg) for _ in range(2)]
+    try:
+        in_children = _alternate(cfg, lambda sel: _children_run([children[i] for i in sel]))
+    finally:
+        for c in children:
+            c.close()
+    return in_process, in_children
+
+
+def _alternate(cfg: BenchConfig, run: Any) -> RawPair:
+    run((0, 1))  # warm-up
+    seq, con = [], []
+    for _ in range(cfg.models_repeats):
+        time.sleep(_SETTLE_S)
+        seq.append(run((0,)) + run((1,)))
+        time.sleep(_SETTLE_S)
+        con.append(run((0, 1)))
+    return RawPair(seq, con)
+
+
+def _threads_run(engines: list[Any], prompts: list[str], max_tokens: int) -> float:
+    async def both() -> None:
+        await asyncio.gather(*(e.run(prompts, max_tokens) for e in engines))
+
+    t0 = time.perf_counter()
+    asyncio.run(both())
+    return time.perf_counter() - t0
+
+
+class _Child:
+    """A process with one raw engine: runs N jobs at each line on its stdin, answers a line when done."""
+
+    def __init__(self, path: str, cfg: BenchConfig) -> None:
+        script = f"from worker.tools.bench.models import _child_main; _child_main({path!r}, {cfg.models_n}, " \
+                 f"{cfg.max_tokens})"
+        self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=_child_env())
+        self._line()  # loaded and warmed up
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
+    def _line(self) -> None:
+        assert self.proc.stdout is not None
+        if not self.proc.stdout.readline():
+            raise RuntimeError("a raw engine child process exited")
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=_TIMEOUT_S)
+
+
+def _children_run(children: list[_Child]) -> float:
+    t0 = time.perf_counter()
+    for c in children:
+        c.go()
+    for c in children:
+        c._line()
+    return time.perf_counter() - t0
+
+
+def _child_env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+
+
+def _child_main(path: str, n: int, max_tokens: int) -> None:
+    """A raw engine child's loop (see :class:`_Child`)."""
+    from .paths import RawPath
+
+    engine = RawPath(path, n)
+    prompts = _prompts(n)
+    asyncio.run(engine.run(prompts, max_tokens))
+    print("ready", flush=True)
+    while sys.stdin.readline():
+        asyncio.run(engine.run(prompts, max_tokens))
+        print("done", flush=True)
+    engine.close()
+
+
+async def _drive(url: str, prefix: str, cfg: BenchConfig, proc: psutil.Process, size: str, blas_threads: str,
+                 threads: RawPair, processes: RawPair) -> ModelsResult:
     n = cfg.models_n
     seq_s: list[float] = []
     con_s: list[float] = []
@@ -86,7 +209,8 @@ async def _drive(url: str, prefix: str, cfg: BenchConfig, proc: psutil.Process, 
             s, c = await _timed(proc, _jobs(client, ["a", "b"], n, cfg.max_tokens))
             con_s.append(s)
             con_cores.append(c)
-    return ModelsResult(size, n, threads, seq_s, con_s, seq_cores, con_cores, _paired(seq_s, con_s))
+    return ModelsResult(size, n, blas_threads, seq_s, con_s, seq_cores, con_cores, _paired(seq_s, con_s), threads,
+                        processes)
 
 
 async def _sequential(client: Client, n: int, max_tokens: int) -> None:
@@ -139,6 +263,13 @@ def md_models(result: ModelsResult | None) -> list[str]:
         f"| sequential | {_median(result.sequential_s):.2f} | {_median(result.sequential_cores):.2f} |",
         f"| concurrent | {_median(result.concurrent_s):.2f} | {_median(result.concurrent_cores):.2f} |",
         "", f"concurrent / sequential: **{result.speedup:.2f}x** (median of pairs; target {_TARGET}).", "",
+        "The same pair without the queue: mlx-lm's BatchGenerator alone (the raw path's loop, one OpenBLAS thread "
+        "each), as two MLX threads of one process (as the worker runs its engines) and as two processes.", "",
+        "| mlx-lm alone | sequential s (median) | concurrent s (median) | concurrent / sequential |",
+        "|---|---:|---:|---:|",
+        *(f"| {name} | {_median(pair.sequential_s):.2f} | {_median(pair.concurrent_s):.2f} | {pair.speedup:.2f}x |"
+          for name, pair in (("two threads, one process", result.threads), ("two processes", result.processes))),
+        "",
     ]
 
 

@@ -59,7 +59,7 @@ class BenchConfig:
     cancel_wait: tuple[int, int] = (2, 40)  # token events to wait before a cancel, drawn uniformly
     enqueue_jobs: int = 2000
     enqueue_batch: int = 64
-    vision_concurrency: tuple[int, ...] = (1, 8)  # image jobs at once (the tiny qwen2_vl, see vision.py)
+    vision_concurrency: tuple[int, ...] = (1, 8)  # image jobs at once (the generated qwen2_vl models, vision.py)
     vision_repeats: int = 7  # measured raw/queue pairs per N of image jobs
     models_n: int = 8  # jobs per model in the two-models phase (models.py)
     models_repeats: int = 5  # sequential/concurrent pairs there
@@ -311,7 +311,7 @@ class BenchResult:
     enqueue: EnqueueResult
     targets: list[Target]
     seconds: float
-    vision: Any = None  # vision.VisionResult: image jobs on the tiny qwen2_vl
+    vision: Any = None  # list[vision.VisionResult]: image jobs, one per generated qwen2_vl
     models: Any = None  # models.ModelsResult: two engines in one worker process
 
 

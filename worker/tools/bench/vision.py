@@ -1,6 +1,7 @@
 """The benchmark's image phase: how much of mlx-vlm's own batching survives the queue, for image jobs.
 
-On the generated tiny qwen2_vl (``engine/tinyvlm.py``), one image per job, greedy, ``max_tokens`` each:
+On the generated qwen2_vl models (``engine/tinyvlm.py``: the tiny one, and with the small text model the small
+one, whose steps take tens of ms as a real model's do), one image per job, greedy, ``max_tokens`` each:
 
 - **raw**: mlx-vlm's ``BatchGenerator`` driven in this process on its own MLX thread, with what any server
   of these requests does per request before it: decode the image (mlx-vlm's ``load_image``, from the same
@@ -52,13 +53,13 @@ if TYPE_CHECKING:
 
     from engine.loader import LoadedModel
     from engine.mlx_thread import MLXThread
+    from engine.tinyvlm import VLMSpec
 
 __all__ = ["MixedRows", "TextRows", "VisionResult", "VisionRow", "md_vision", "run_vision", "vision_targets"]
 
-MODEL_NAME = "tiny-vl"
 TEXT = "Describe picture {i} and the water in it"
 _IMAGE_SIZE = (64, 48)  # 12 image tokens after the processor's 2x2 merge
-_BLAS_THREADS = 1  # a 64-wide model's gemms are too small to split over threads
+_BLAS_THREADS = 1  # the same on both paths (a 64-wide model's gemms are too small to split over threads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +95,9 @@ class MixedRows:
 
 @dataclass(frozen=True, slots=True)
 class VisionResult:
-    """The image phase (``results.json``: ``vision``)."""
+    """The image phase on one model (``results.json``: ``vision``, one per model)."""
 
+    name: str  # the served name: the spec's
     model: str
     image_size: tuple[int, int]
     blas_threads: int | None  # None: no OpenBLAS to set
@@ -105,14 +107,21 @@ class VisionResult:
     seconds: float
 
 
-def run_vision(cfg: BenchConfig, site: _Site) -> VisionResult:
-    """Measure the image phase (see the module docstring)."""
+def run_vision(cfg: BenchConfig, site: _Site) -> list[VisionResult]:
+    """Measure the image phase (see the module docstring) on the tiny qwen2_vl, and on the small one when the
+    small text model is measured too."""
+    from engine.tinyvlm import SMALL_VLM, TINY_VLM
+
+    return [_run_model(spec, cfg, site) for spec in (TINY_VLM, SMALL_VLM) if spec is TINY_VLM or "small" in cfg.sizes]
+
+
+def _run_model(spec: VLMSpec, cfg: BenchConfig, site: _Site) -> VisionResult:
     from engine.tinyvlm import ensure_vlm
 
     t0 = time.perf_counter()
-    model = str(ensure_vlm())
-    _say(f"[{MODEL_NAME}] model {model}")
-    raw = _RawVision(model, max(cfg.vision_concurrency))
+    model = str(ensure_vlm(spec=spec))
+    _say(f"[{spec.name}] model {model}")
+    raw = _RawVision(spec.name, model, max(cfg.vision_concurrency))
     try:
         blas = raw.set_blas_threads(_BLAS_THREADS)
         env = {"OPENBLAS_NUM_THREADS": str(_BLAS_THREADS)} if blas else {}
@@ -121,7 +130,7 @@ def run_vision(cfg: BenchConfig, site: _Site) -> VisionResult:
         rows = _queue_phase(model, cfg, site, raw, env)
     finally:
         raw.close()
-    return VisionResult(model, _IMAGE_SIZE, _BLAS_THREADS if blas else None, rows, text_rows, mixed,
+    return VisionResult(spec.name, model, _IMAGE_SIZE, _BLAS_THREADS if blas else None, rows, text_rows, mixed,
                         time.perf_counter() - t0)
 
 
@@ -154,10 +163,11 @@ def _messages(text: str, url: str | None) -> list[dict[str, Any]]:
 class _RawVision:
     """The model loaded once on this process's own MLX thread, as the worker loads it."""
 
-    def __init__(self, model: str, capacity: int) -> None:
+    def __init__(self, name: str, model: str, capacity: int) -> None:
         from engine.loader import load_model
         from engine.mlx_thread import MLXThread
 
+        self.name = name
         self.path = model
         self.thread: MLXThread = MLXThread(name="mlx-bench-vl")
         self.loaded: LoadedModel = self.thread.submit(load_model, model).result()
@@ -346,7 +356,7 @@ async def _text_rows(raw: _RawVision, cfg: BenchConfig, n: int) -> TextRows:
         lm.append(await raw.text_lm(prompts, cfg.max_tokens))
     v, m = PathResult.of(vlm), PathResult.of(lm)
     row = TextRows(n, v, m, _paired(v.runs_tok_s, m.runs_tok_s))
-    _say(f"[{MODEL_NAME}] text rows N={n:<3} mlx-vlm {v.tok_s:8.1f} tok/s (runs {_fmt_runs(v)}); "
+    _say(f"[{raw.name}] text rows N={n:<3} mlx-vlm {v.tok_s:8.1f} tok/s (runs {_fmt_runs(v)}); "
          f"mlx-lm {m.tok_s:8.1f} tok/s (runs {_fmt_runs(m)}); paired {row.vlm_over_lm_paired:.2f}")
     return row
 
@@ -369,7 +379,7 @@ async def _mixed_rows(raw: _RawVision, cfg: BenchConfig, n: int) -> MixedRows:
         two.append(await raw.mixed(jobs, prompts, cfg.max_tokens, True))
     a, b = PathResult.of(one), PathResult.of(two)
     row = MixedRows(len(jobs) + len(prompts), a, b, _paired(a.runs_tok_s, b.runs_tok_s))
-    _say(f"[{MODEL_NAME}] mixed N={row.n:<3} one mlx-vlm batch {a.tok_s:8.1f} tok/s (runs {_fmt_runs(a)}); text on "
+    _say(f"[{raw.name}] mixed N={row.n:<3} one mlx-vlm batch {a.tok_s:8.1f} tok/s (runs {_fmt_runs(a)}); text on "
          f"mlx-lm beside it {b.tok_s:8.1f} tok/s (runs {_fmt_runs(b)}); paired {row.one_over_split_paired:.2f}")
     return row
 
@@ -378,15 +388,15 @@ async def _mixed_rows(raw: _RawVision, cfg: BenchConfig, n: int) -> MixedRows:
 def _queue_phase(model: str, cfg: BenchConfig, site: _Site, raw: _RawVision, extra_env: dict[str, str]
                  ) -> list[VisionRow]:
     prefix = f"mlxq-bench-vl-{uuid.uuid4().hex[:6]}"
-    env = {"MLXQ_MODEL": model, "MLXQ_MODEL_NAME": MODEL_NAME, "MLXQ_REDIS_URL": site.url, "MLXQ_PREFIX": prefix,
+    env = {"MLXQ_MODEL": model, "MLXQ_MODEL_NAME": raw.name, "MLXQ_REDIS_URL": site.url, "MLXQ_PREFIX": prefix,
            "MLXQ_BATCH_CAPACITY": str(max(cfg.vision_concurrency)), **extra_env}
-    log_path = site.out / "logs" / f"worker-{MODEL_NAME}.log"
+    log_path = site.out / "logs" / f"worker-{raw.name}.log"
     log_path.unlink(missing_ok=True)
     worker = WorkerProcess(env, log_path).start()
     try:
         worker.wait_ready()
         assert worker.proc is not None
-        _say(f"[{MODEL_NAME}] queue: worker ready (capacity {env['MLXQ_BATCH_CAPACITY']})")
+        _say(f"[{raw.name}] queue: worker ready (capacity {env['MLXQ_BATCH_CAPACITY']})")
         return asyncio.run(_drive(site.url, prefix, cfg, worker, raw))
     finally:
         worker.signal(signal.SIGCONT)
@@ -401,32 +411,32 @@ async def _drive(url: str, prefix: str, cfg: BenchConfig, worker: WorkerProcess,
             jobs = _jobs(n)
             with _frozen(worker):
                 await raw.images(jobs, cfg.warmup_tokens)
-            await _queue_run(client, jobs, cfg.warmup_tokens)
+            await _queue_run(client, raw.name, jobs, cfg.warmup_tokens)
             raws: list[Run] = []
             queues: list[Run] = []
             for _ in range(cfg.vision_repeats):
                 with _frozen(worker):
                     raws.append(await raw.images(jobs, cfg.max_tokens))
-                queues.append(await _queue_run(client, jobs, cfg.max_tokens))
+                queues.append(await _queue_run(client, raw.name, jobs, cfg.max_tokens))
             r, q = PathResult.of(raws), PathResult.of(queues)
             rows.append(VisionRow(n, r, q, _ratio(q.tok_s, r.tok_s), _paired(q.runs_tok_s, r.runs_tok_s)))
-            _say(f"[{MODEL_NAME}] images N={n:<3} raw {r.tok_s:8.1f} tok/s (runs {_fmt_runs(r)}); "
+            _say(f"[{raw.name}] images N={n:<3} raw {r.tok_s:8.1f} tok/s (runs {_fmt_runs(r)}); "
                  f"queue {q.tok_s:8.1f} tok/s (runs {_fmt_runs(q)})")
     return rows
 
 
-async def _queue_run(client: Client, jobs: list[tuple[str, str]], max_tokens: int) -> Run:
+async def _queue_run(client: Client, model: str, jobs: list[tuple[str, str]], max_tokens: int) -> Run:
     """Submit every image job at once and follow each; first submit -> last terminal event."""
     t0 = time.perf_counter()
-    traces = await asyncio.gather(*(_one(client, text, url, max_tokens) for text, url in jobs))
+    traces = await asyncio.gather(*(_one(client, model, text, url, max_tokens) for text, url in jobs))
     end = max(e for _, e, _ in traces)
     return Run(sum(n for _, _, n in traces), end - t0, [(f - t0) * 1000 for f, _, _ in traces])
 
 
-async def _one(client: Client, text: str, url: str, max_tokens: int) -> tuple[float, float, int]:
+async def _one(client: Client, model: str, text: str, url: str, max_tokens: int) -> tuple[float, float, int]:
     first = ended = 0.0
     tokens = 0
-    async for ev in client.submit_and_follow(model=MODEL_NAME, messages=_messages(text, url), max_tokens=max_tokens,
+    async for ev in client.submit_and_follow(model=model, messages=_messages(text, url), max_tokens=max_tokens,
                                              timeout=_TIMEOUT_S):
         if ev.type == "token" and not first:
             first = time.perf_counter()
@@ -438,23 +448,27 @@ async def _one(client: Client, text: str, url: str, max_tokens: int) -> tuple[fl
 
 
 # --- report ---------------------------------------------------------------------------------------------
-def vision_targets(result: VisionResult) -> list[Target]:
-    """Image jobs: queue/raw >= 0.9 at every N (best runs and median of pairs)."""
+def vision_targets(results: list[VisionResult]) -> list[Target]:
+    """Image jobs: queue/raw >= 0.9 at every N on every model (best runs and median of pairs)."""
     out = []
-    for r in result.rows:
-        out.append(Target(f"queue/raw images N={r.n} (best runs)", r.queue_over_raw, ">= 0.9", r.queue_over_raw >= 0.9))
-        out.append(Target(f"queue/raw images N={r.n} (median of pairs)", r.queue_over_raw_paired, ">= 0.9",
-                          r.queue_over_raw_paired >= 0.9))
+    for result in results:
+        for r in result.rows:
+            name = f"queue/raw images {result.name} N={r.n}"
+            out.append(Target(f"{name} (best runs)", r.queue_over_raw, ">= 0.9", r.queue_over_raw >= 0.9))
+            out.append(Target(f"{name} (median of pairs)", r.queue_over_raw_paired, ">= 0.9",
+                              r.queue_over_raw_paired >= 0.9))
     return out
 
 
-def md_vision(result: VisionResult | None, cfg: BenchConfig) -> list[str]:
-    """The image section of results.md."""
-    if result is None:
-        return []
+def md_vision(results: list[VisionResult] | None, cfg: BenchConfig) -> list[str]:
+    """The image sections of results.md, one per model."""
+    return [line for result in results or [] for line in _md_model(result, cfg)]
+
+
+def _md_model(result: VisionResult, cfg: BenchConfig) -> list[str]:
     w, h = result.image_size
     blas = f"OpenBLAS {result.blas_threads} thread" if result.blas_threads else "the default BLAS threads"
-    lines = ["## Image jobs (tiny qwen2_vl, mlx-vlm)", "",
+    lines = [f"## Image jobs ({result.name}: a generated qwen2_vl, mlx-vlm)", "",
              f"One {w}x{h} PNG per job (a data URL) plus a line of text, greedy, max_tokens {cfg.max_tokens}; "
              f"{blas} on both paths. raw = mlx-vlm's BatchGenerator in this process, each request's image decoded, "
              "processed and embedded before its insert (what serving it takes), then stepped to the end; queue = "
