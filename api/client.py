@@ -131,7 +131,8 @@ class Client:
         if require_worker:
             await self._require_worker(req.model)
         now_ms = int(time.time() * 1000)
-        job = job_record(req.model_dump(mode="json"), now_ms)
+        # Fields left at their defaults stay out: a smaller record, and one a worker that predates a field reads.
+        job = job_record(req.model_dump(mode="json", exclude_defaults=True), now_ms)
         limit = self.max_image_job_bytes if req.image_parts else self.max_payload_bytes
         if len(job) > limit:  # within the limit workers apply before decoding a job
             raise BadRequest(f"the job has {len(job)} bytes of JSON; the limit is {limit}")

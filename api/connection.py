@@ -24,6 +24,7 @@ from redis.exceptions import (
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
     AuthorizationError,
+    InvalidResponse,
     NoPermissionError,
     ResponseError,
 )
@@ -112,6 +113,8 @@ class Failures:
         """Raise what ``exc`` means to the caller, or wait out the backoff before the next try."""
         if is_denied(exc):
             raise denied(exc, self.where) from exc
+        if isinstance(exc, InvalidResponse):  # another server on Redis's port: retrying reads the same
+            raise QueueUnavailable(f"{self.where} does not answer as Redis does: {exc}") from exc
         if not is_transient(exc):
             raise exc
         now = time.monotonic()

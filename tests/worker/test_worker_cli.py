@@ -331,3 +331,31 @@ def test_the_demo_runs_and_leaves_no_temporary_folder_nor_library_noise(tmp_path
     assert [p.name for p in scratch.iterdir()] in ([], ["mlx"])
     noise = [ln for ln in done.stderr.splitlines() if "PyTorch" in ln or "warn" in ln.lower()]
     assert noise == []
+
+
+def test_submit_to_a_server_that_is_not_redis_says_so_in_one_line() -> None:
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer_http() -> None:  # what a web server or proxy on that port would say
+        for _ in range(20):
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    threading.Thread(target=answer_http, daemon=True).start()
+    try:
+        env = {**os.environ, "MLXQ_REDIS_URL": f"redis://127.0.0.1:{port}"}
+        done = subprocess.run([sys.executable, "-m", "api.cli", "submit", "--model", "m", "--no-wait", "hi"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        server.close()
+    assert done.returncode == 1
+    assert one_line(done).startswith(f"mlxq: redis://127.0.0.1:{port} does not answer as Redis does: "), done.stderr
