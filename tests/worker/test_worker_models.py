@@ -121,3 +121,58 @@ async def test_a_dead_engine_takes_only_its_model_down(two_models: RunningWorker
     assert models["tiny"].workers == 1
     with pytest.raises(NoWorker, match="models served now: 'tiny'"):
         await client.submit(model="small", prompt="anyone?", require_worker=True)
+
+
+_DOOMED_WORKER = """
+import sys
+import worker.host
+
+start = worker.host.WorkerHost.start.__func__
+
+async def doomed(cls, config):  # every engine's steps fail and its batch cannot be rebuilt: each engine dies
+    host = await start(cls, config)
+    for service in host.services.values():
+        def broken(*_):
+            raise RuntimeError("[metal] device lost")
+        service.engine._make_backend = broken
+        service.engine.scheduler.backend.step = broken
+    return host
+
+worker.host.WorkerHost.start = classmethod(doomed)
+from arq.cli import cli
+cli.main(["worker.Settings"])
+"""
+
+
+async def test_the_process_exits_70_for_its_supervisor_once_every_engine_is_dead(redis_url: str, tiny_model: Path,
+                                                                                 tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from worker.host import ENGINE_DEAD_EXIT
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "MLXQ_MODELS": f"{tiny_model}=a,{tiny_model}=b", "MLXQ_REDIS_URL": redis_url,
+           "MLXQ_PREFIX": "doomed"}
+    log = (tmp_path / "worker.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-c", _DOOMED_WORKER], cwd=root, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        async with Client(redis_url, prefix="doomed") as client:
+            for _ in range(1200):
+                if len(await client.models()) == 2:
+                    break
+                await asyncio.sleep(0.1)
+            with pytest.raises(JobFailed) as a:
+                await client.generate(model="a", prompt="hi", max_tokens=4, timeout=60)
+            assert proc.poll() is None  # one engine dead: the process serves on
+            with pytest.raises(JobFailed) as b:
+                await client.generate(model="b", prompt="hi", max_tokens=4, timeout=60)
+        assert a.value.code is b.value.code is ErrorCode.ENGINE_ERROR
+        assert await asyncio.to_thread(proc.wait, 60) == ENGINE_DEAD_EXIT
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert f"every engine is dead; exiting with {ENGINE_DEAD_EXIT}" in (tmp_path / "worker.log").read_text()
