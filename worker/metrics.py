@@ -110,7 +110,13 @@ class Metrics:
         return out
 
     def stats_line(self) -> str:
-        return " ".join(f"{k}={v:g}" for k, v in self.totals().items())
+        """The counters, and the memory gauges an operator reads beside them."""
+        values = self.totals()
+        for family in self.registry.collect():
+            name = family.name.removeprefix("mlxq:")
+            if family.type == "gauge" and name in _STATS_GAUGES:
+                values[name] = sum(s.value for s in family.samples)
+        return " ".join(f"{k}={v:g}" for k, v in values.items())
 
 
 class _HostCollector(Collector):
@@ -167,6 +173,7 @@ _ENGINE_COUNTERS = (  # name, EngineStats field(s) summed, help
      "Requests that outranked a running one: prefilled alone, first token before the next decode step."),
     ("mlxq:requests_too_large", ("rejected_too_large",), "Requests that could never fit (context or headroom)."),
 )
+_STATS_GAUGES = ("kv_cache_peak_bytes", "prefix_cache_bytes", "prefix_cache_entries")
 _ENGINE_GAUGES = (
     ("mlxq:kv_cache_usage_bytes", "kv_bytes", "KV-cache bytes in use (the batch's, and preempted ones held)."),
     ("mlxq:kv_cache_peak_bytes", "kv_bytes_peak", "Most KV-cache bytes in use since the start."),

@@ -38,3 +38,6 @@ async def test_chat_jobs_sharing_a_system_prompt_reuse_its_cache(worker: Running
     totals = worker.host.metrics.totals()  # what /metrics and the stats line show
     assert totals["prefix_cache_hits"] == 1 and totals["prefix_cache_queries"] == 2
     assert totals["prefix_cache_tokens_saved"] == engine.stats.prefix_tokens_saved
+    line = worker.host.stats_line()
+    assert "prefix_cache_hits=1 " in line and f"prefix_cache_bytes={engine.stats.prefix_cache_bytes:g}" in line
+    assert engine.stats.prefix_cache_bytes > 0
