@@ -370,13 +370,20 @@ class Scheduler:
             seq = self._waiting.peek()
             assert seq is not None
             urgent = self._outranks_running(seq)
+            plan = None
             if not self._fits(seq):
                 plan = self._plan_preemption(seq)
                 if plan is None:
                     return at_once
-                self._preempt(seq, *plan)
+                if not (urgent and self._fits(seq, slots=False)):
+                    self._preempt(seq, *plan)
+                    plan = None
             self._waiting.remove(seq.req.rid)  # not pop(): a preempted sequence may share its key
             at_once += self._launch(seq, outs, urgent)
+            if plan is not None and seq.req.rid in self._uid_of:
+                # Only a slot was short: the victims leave after its first token, which so does not wait for
+                # their caches to be copied out of the batch (the batch takes it at the next step, once they left).
+                self._preempt(seq, *plan)
         return at_once
 
     def _outranks_running(self, seq: _Sequence) -> bool:
@@ -386,10 +393,12 @@ class Scheduler:
         return (self._caching is not None and not seq.admitted and seq.req.images is None
                 and bool(self._priorities) and min(self._priorities) < seq.req.priority)
 
-    def _fits(self, seq: _Sequence, victims: Sequence[_Sequence] = (), hold: bool = False) -> bool:
-        """Whether ``seq`` can join once ``victims`` left (holding their caches if ``hold``)."""
+    def _fits(self, seq: _Sequence, victims: Sequence[_Sequence] = (), hold: bool = False, slots: bool = True
+              ) -> bool:
+        """Whether ``seq`` can join once ``victims`` left (holding their caches if ``hold``); ``slots=False``:
+        whether the KV headroom has room for it beside every running sequence, whatever the slots."""
         rows = len(self._running) - len(victims)
-        if rows >= self.capacity:
+        if slots and rows >= self.capacity:
             return False
         mem = self.memory
         if mem is None:

@@ -76,6 +76,7 @@ class ToyBatch:
     rows: dict[int, _Row] = field(default_factory=dict)
     inserted: list[dict[str, Any]] = field(default_factory=list)
     started: list[dict[str, Any]] = field(default_factory=list)  # start() calls
+    calls: list[str] = field(default_factory=list)  # "start" and "take" (take_caches), in order
     steps: int = 0
     next_uid: int = 100
     checkpoints: list[SequenceCache] = field(default_factory=list)
@@ -108,6 +109,7 @@ class ToyBatch:
         if cache is not None:
             assert cache[0].offset == len(before), "the cache must hold exactly the tokens said to be in it"
         self.started.append({"prompt": list(prompt), "cached": len(before), "at_step": self.steps})
+        self.calls.append("start")
         tokens = before + list(prompt)
         return Started(toy_next(tokens), None, [ToyCache(len(tokens), self.trimmable)])
 
@@ -117,6 +119,7 @@ class ToyBatch:
 
     def take_caches(self, uids: Iterable[int]) -> dict[int, SequenceCache]:
         assert self.caches
+        self.calls.append("take")
         out = {}
         for uid in uids:
             row = self.rows.pop(uid, None)

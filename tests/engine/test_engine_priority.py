@@ -275,3 +275,34 @@ def test_an_urgent_request_of_one_token_ends_with_it_and_leaves_nothing_in_the_b
     assert len(batch.rows) == 1 and s.request_ids() == ["low"]
     run.drain(s)
     assert run.tokens("low") == toy_generate([1, 2, 3], 20)
+
+
+def test_when_only_a_slot_is_short_the_urgent_request_starts_before_its_victim_leaves() -> None:
+    # Taking a cache out copies the batch's: the urgent request's first token does not wait for that.
+    batch = ToyBatch()
+    s = scheduler(batch, capacity=2, headroom=10_000)
+    run = Run()
+    s.add(req("a", [1, 1], max_tokens=30))
+    s.add(req("b", [2, 2], max_tokens=30))
+    run.step(s, 3)
+    s.add(req("urgent", [3, 3, 3], max_tokens=5, priority=1))
+    run.step(s)
+    assert batch.calls == ["start", "take"] and s.stats.preemptions == 1
+    assert run.tokens("urgent") == toy_generate([3, 3, 3], 1) and s.num_running == 2
+    assert s.stats.kv_bytes <= 10_000
+    run.drain(s)
+    for rid, prompt in (("a", [1, 1]), ("b", [2, 2])):
+        assert run.tokens(rid) == toy_generate(prompt, 30)
+    assert run.tokens("urgent") == toy_generate([3, 3, 3], 5)
+
+
+def test_when_memory_is_short_the_victims_leave_before_the_urgent_request_starts() -> None:
+    batch = ToyBatch()
+    s = scheduler(batch, capacity=4, headroom=450)
+    run = Run()
+    s.add(req("low", 8, max_tokens=8))
+    run.step(s, 5)
+    s.add(req("urgent", 4, max_tokens=32, priority=1))  # does not fit beside "low"
+    run.step(s)
+    assert batch.calls == ["take", "start"]
+    assert max(batch.kv_seen) <= 450 and s.stats.kv_bytes <= 450
