@@ -156,10 +156,12 @@ class Scheduler:
         self._measured = 0  # the backend's KV bytes at the last reading
         self._measured_stale = True
         self._finished: list[SequenceCache] = []  # caches of sequences that ended this step, for the prefix cache
+        # A preemption left for the start of the next step: (the request it made room for, victims, hold).
+        self._deferred: tuple[_Sequence, list[_Sequence], bool] | None = None
         self._typical_end = 0.0  # running mean of admitted requests' ``end`` (for Room)
-        self._room_dirty = True
-        self.room = Room(capacity, 0, capacity)
         self.backend = backend
+        self.room = Room(capacity, 0, capacity)
+        self._update_room()  # what the KV headroom allows, before the first step
 
     # --- state -------------------------------------------------------------------------------------
     @property
@@ -237,6 +239,7 @@ class Scheduler:
         self._running.clear()
         self._uid_of.clear()
         self._waiting.clear()
+        self._deferred = None
         self._rejected = []
         self._priorities.clear()
         self._longest, self._held_bytes, self._finished = 0, 0, []
@@ -258,6 +261,8 @@ class Scheduler:
                 outs.by_rid[out.rid] = out
             self._rejected = []
         self._expire(outs)
+        if self._deferred is not None:
+            self._preempt_deferred()
         started_at_once = self._admit(outs)
         if self._running:
             # A request started at once (see _admit) has its first token: it goes out now, not after a decode.
@@ -381,10 +386,19 @@ class Scheduler:
             self._waiting.remove(seq.req.rid)  # not pop(): a preempted sequence may share its key
             at_once += self._launch(seq, outs, urgent)
             if plan is not None and seq.req.rid in self._uid_of:
-                # Only a slot was short: the victims leave after its first token, which so does not wait for
-                # their caches to be copied out of the batch (the batch takes it at the next step, once they left).
-                self._preempt(seq, *plan)
+                # Only a slot was short: the victims leave at the start of the next step, so its first token,
+                # out with this step's outputs, does not wait for their caches to be copied out of the batch.
+                self._deferred = (seq, *plan)
+                return at_once
         return at_once
+
+    def _preempt_deferred(self) -> None:
+        assert self._deferred is not None
+        top, victims, hold = self._deferred
+        self._deferred = None
+        still = [v for v in victims if self._running.get(v.uid) is v]  # none ended in between, but may be aborted
+        if still:
+            self._preempt(top, still, hold)
 
     def _outranks_running(self, seq: _Sequence) -> bool:
         """Whether ``seq`` starts at once: a new request of higher priority than some running sequence is
@@ -624,7 +638,9 @@ class Scheduler:
         if mem is None:
             kv_rows = free
         else:
-            typical = int(self._typical_end) or mem.layout.step
+            # Before its first request, a typical one is taken to fill the context: a cold worker claims what
+            # it can surely start, and learns the typical size from what it admits.
+            typical = int(self._typical_end) or self.context_length or mem.layout.step
             fit = mem.rows_that_fit(max(self._max_end(), typical), self._held_bytes + self._excess())
             # An idle engine takes one whatever the estimate of a typical request says: alone, a request
             # either fits or is refused with a clear error, and a worker that claims nothing serves nobody.

@@ -50,7 +50,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 CACHE_ENV_VAR = "MLXQ_MODEL_CACHE"
 DEFAULT_CACHE_ROOT = Path("~/.cache/mlxq/models")
 
@@ -129,7 +129,7 @@ SIZES: dict[str, ModelSpec] = {
         num_key_value_heads=4,
         intermediate_size=1536,
         vocab_size=1024,
-        max_position_embeddings=2048,
+        max_position_embeddings=4096,  # room for the bench's 2,000-token system prompt and long jobs beside it
         ascii_only=True,
     ),
 }

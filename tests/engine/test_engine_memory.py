@@ -128,7 +128,7 @@ def test_a_stale_reading_never_rejects_everything() -> None:
 def test_room_is_free_slots_bounded_by_kv_minus_waiting() -> None:
     batch = ToyBatch()
     s = scheduler(batch, capacity=6, headroom=950)
-    assert s.room == Room(6, 0, 6)
+    assert s.room.free_slots == s.room.admissible == 6
     run = Run()
     for i in range(3):
         s.add(req(f"r{i}", 4, max_tokens=12))  # 16 tokens: up to 190 bytes a row; 950 bytes: 5 such rows
@@ -142,6 +142,16 @@ def test_room_is_free_slots_bounded_by_kv_minus_waiting() -> None:
     run.drain(s)
     assert s.room == Room(6, 0, 5)
     assert Room(4, 1, 9).admissible == 3 and Room(4, 9, 9).admissible == 0
+
+
+def test_before_its_first_request_an_engine_counts_on_requests_that_fill_the_context() -> None:
+    # A cold worker claims only what it can surely start; what it admits then teaches it the typical size.
+    s = scheduler(ToyBatch(), capacity=8, headroom=950, context_length=40)
+    assert s.memory is not None and s.room.kv_rows == s.memory.rows_that_fit(40, 0) == 2
+    run = Run()
+    s.add(req("short", 4, max_tokens=4))
+    run.drain(s)
+    assert s.room.kv_rows == s.memory.rows_that_fit(8, 0) > 2
 
 
 # --- the real tiny model ---------------------------------------------------------------------------------

@@ -93,6 +93,8 @@ def test_a_higher_priority_request_preempts_the_latest_lowest_and_everyone_conti
     s.add(req("new", [4, 5], max_tokens=12, arrival=50.2))
     run.step(s, 4)
     s.add(req("vip", [6], max_tokens=5, priority=3, arrival=50.5))
+    run.step(s)  # vip starts at once; "new" leaves at the start of the next step
+    assert run.tokens("vip") == toy_generate([6], 1) and s.stats.preemptions == 0
     run.step(s)
     assert run.started_order == ["old", "new", "vip"]
     assert s.stats.preemptions == 1 and s.num_waiting == 1 and s.request_ids()[0] == "new"
@@ -189,7 +191,7 @@ def test_a_held_cache_counts_against_the_headroom() -> None:
     s.add(req("low", 10, max_tokens=10))
     run.step(s, 4)
     s.add(req("high", 2, max_tokens=4, priority=1))
-    run.step(s)
+    run.step(s, 2)  # "high" starts at once, "low" leaves at the start of the next step
     held = (10 + 4) * 10  # its prompt and 4 tokens, 10 bytes each
     assert s.stats.kv_bytes == batch.kv_bytes() + held
     assert s.stats.kv_reserved_bytes == s.memory.batch_bytes(1, 6) + held  # type: ignore[union-attr]
@@ -278,7 +280,7 @@ def test_an_urgent_request_of_one_token_ends_with_it_and_leaves_nothing_in_the_b
 
 
 def test_when_only_a_slot_is_short_the_urgent_request_starts_before_its_victim_leaves() -> None:
-    # Taking a cache out copies the batch's: the urgent request's first token does not wait for that.
+    # Taking a cache out copies the batch's caches: the urgent request's first token does not wait for that.
     batch = ToyBatch()
     s = scheduler(batch, capacity=2, headroom=10_000)
     run = Run()
@@ -286,9 +288,12 @@ def test_when_only_a_slot_is_short_the_urgent_request_starts_before_its_victim_l
     s.add(req("b", [2, 2], max_tokens=30))
     run.step(s, 3)
     s.add(req("urgent", [3, 3, 3], max_tokens=5, priority=1))
-    run.step(s)
-    assert batch.calls == ["start", "take"] and s.stats.preemptions == 1
-    assert run.tokens("urgent") == toy_generate([3, 3, 3], 1) and s.num_running == 2
+    steps = batch.steps
+    run.step(s)  # its first token goes out with this step's outputs, before any cache is taken out
+    assert batch.calls == ["start"] and run.tokens("urgent") == toy_generate([3, 3, 3], 1)
+    run.step(s)  # the victim leaves before the batch's next decode step
+    assert batch.calls == ["start", "take"] and s.stats.preemptions == 1 and s.num_running == 2
+    assert batch.steps == steps + 1
     assert s.stats.kv_bytes <= 10_000
     run.drain(s)
     for rid, prompt in (("a", [1, 1]), ("b", [2, 2])):

@@ -60,3 +60,41 @@ async def test_a_job_that_can_never_fit_the_kv_headroom_ends_at_once_saying_by_h
         assert running.service.engine.stats.rejected_too_large == 1
     finally:
         await running.close()
+
+
+async def test_a_worker_claims_only_what_its_kv_headroom_can_start_and_another_takes_the_rest(
+        worker_config: Any, client: Client) -> None:
+    from tests.worker.test_worker_queue import slow_steps
+
+    # 1 MiB of KV holds a few of these jobs on the tiny model: the worker with it must leave the rest in Redis
+    # for the other worker on the same queue, instead of holding them while its batch cannot start them.
+    narrow = await start_worker(config_with(worker_config, kv_headroom_gb=0.001, worker_id="narrow"))
+    wide = await start_worker(config_with(worker_config, worker_id="wide"))
+    try:
+        for w in (narrow, wide):
+            slow_steps(w, 0.01)
+        memory = narrow.service.engine.scheduler.memory
+        assert memory is not None
+        room = memory.rows_that_fit(12 + 400, 0)  # a job's prompt and max_tokens, as the engine charges it
+        assert 0 < room < worker_config.capacity
+        held: list[int] = []
+
+        async def watch() -> None:
+            while True:
+                held.append(len(narrow.host.runs))
+                await asyncio.sleep(0.002)
+
+        watcher = asyncio.ensure_future(watch())
+        rids = [await client.submit(model="tiny", prompt=f"job {i}", max_tokens=400) for i in range(12)]
+        starts = [next(e for e in await _events(client, rid) if e.type == "start") for rid in rids]
+        watcher.cancel()
+        ran_on = [s.worker for s in starts]
+        assert max(held) <= room, (max(held), room)  # never more than it could start (arq's slots would allow 10)
+        assert ran_on.count("narrow") >= 1 and ran_on.count("wide") >= 1
+    finally:
+        await narrow.close()
+        await wide.close()
+
+
+async def _events(client: Client, rid: str) -> list[Any]:
+    return [ev async for ev in client.events(rid, timeout=120)]
