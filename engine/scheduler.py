@@ -379,8 +379,9 @@ class Scheduler:
             if not self._fits(seq):
                 plan = self._plan_preemption(seq)
                 if plan is None:
-                    return at_once
-                if not (urgent and self._fits(seq, slots=False)):
+                    if not self._drop_held_caches(seq):
+                        return at_once
+                elif not (urgent and self._fits(seq, slots=False)):
                     self._preempt(seq, *plan)
                     plan = None
             self._waiting.remove(seq.req.rid)  # not pop(): a preempted sequence may share its key
@@ -396,9 +397,27 @@ class Scheduler:
         assert self._deferred is not None
         top, victims, hold = self._deferred
         self._deferred = None
+        if self._running.get(top.uid) is not top:  # aborted since it started: the batch has its slot back
+            return
         still = [v for v in victims if self._running.get(v.uid) is v]  # none ended in between, but may be aborted
         if still:
             self._preempt(top, still, hold)
+
+    def _drop_held_caches(self, top: _Sequence) -> bool:
+        """Let ``top`` join by dropping caches held by other waiting sequences (they resume by recomputing
+        instead), lowest priority and latest first; whether it can join now. Without this, caches held for
+        sequences queued behind ``top`` could keep it out of an idle batch for good."""
+        if self._held_bytes == top.held_bytes or not self._fits(top, drop_held=True):
+            return False
+        others = sorted((s for s in self._waiting if s.held is not None and s is not top),
+                        key=lambda s: (s.req.priority, -s.key, -s.order))
+        for s in others:
+            log.info("request %s drops its held cache (%d bytes; it will recompute) for request %s",
+                     s.req.rid, s.held_bytes, top.req.rid)
+            self._release(s)
+            if self._fits(top):
+                return True
+        return self._fits(top)
 
     def _outranks_running(self, seq: _Sequence) -> bool:
         """Whether ``seq`` starts at once: a new request of higher priority than some running sequence is
@@ -407,10 +426,11 @@ class Scheduler:
         return (self._caching is not None and not seq.admitted and seq.req.images is None
                 and bool(self._priorities) and min(self._priorities) < seq.req.priority)
 
-    def _fits(self, seq: _Sequence, victims: Sequence[_Sequence] = (), hold: bool = False, slots: bool = True
-              ) -> bool:
+    def _fits(self, seq: _Sequence, victims: Sequence[_Sequence] = (), hold: bool = False, slots: bool = True,
+              drop_held: bool = False) -> bool:
         """Whether ``seq`` can join once ``victims`` left (holding their caches if ``hold``); ``slots=False``:
-        whether the KV headroom has room for it beside every running sequence, whatever the slots."""
+        whether the KV headroom has room for it beside every running sequence, whatever the slots;
+        ``drop_held``: whether it could once the other waiting sequences' held caches were dropped."""
         rows = len(self._running) - len(victims)
         if slots and rows >= self.capacity:
             return False
@@ -418,7 +438,7 @@ class Scheduler:
         if mem is None:
             return True
         longest = max(seq.end, self._max_end(victims))
-        held = self._held_bytes - seq.held_bytes
+        held = 0 if drop_held else self._held_bytes - seq.held_bytes
         if hold:
             held += sum(self._cache_estimate(v) for v in victims)
         return mem.batch_bytes(rows + 1, longest) + held + self._excess() <= mem.headroom

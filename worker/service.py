@@ -164,11 +164,11 @@ class ModelService:
         if not tokens:
             raise BadRequest("the prompt is empty after tokenization")
         if len(tokens) > limit:
-            raise BadRequest(f"prompt has {len(tokens)} tokens; the limit is {limit}")
+            raise BadRequest(f"prompt has {len(tokens)} tokens; the limit is {limit} (by {len(tokens) - limit})")
         if ctx is not None and len(tokens) + req.max_tokens > ctx:
-            raise BadRequest(
-                f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the context ({ctx})"
-            )
+            over = len(tokens) + req.max_tokens - ctx
+            raise BadRequest(f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the context "
+                             f"({ctx}) by {over} tokens")
         return encoded
 
 

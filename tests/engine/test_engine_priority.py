@@ -311,3 +311,38 @@ def test_when_memory_is_short_the_victims_leave_before_the_urgent_request_starts
     run.step(s)
     assert batch.calls == ["take", "start"]
     assert max(batch.kv_seen) <= 450 and s.stats.kv_bytes <= 450
+
+
+def test_caches_held_behind_the_first_waiting_request_never_keep_it_out_of_an_idle_batch() -> None:
+    # "low" is preempted holding its cache; "top" then waits first and fits the headroom alone but not beside
+    # that held cache, with nothing running to preempt: the held cache goes (low recomputes), top runs.
+    batch = ToyBatch()
+    s = scheduler(batch, capacity=1, headroom=400)
+    run = Run()
+    s.add(req("low", 10, max_tokens=10))
+    run.step(s, 4)
+    s.add(req("high", 2, max_tokens=2, priority=1))
+    run.step(s, 2)
+    assert s.stats.preemptions == 1 and s.stats.kv_reserved_bytes > s.memory.batch_bytes(1, 4)  # type: ignore[union-attr]
+    s.add(req("top", 20, max_tokens=15, priority=5))
+    run.drain(s)
+    assert run.final("top").finish is FinishReason.LENGTH and run.tokens("top") == toy_generate(list(range(1, 21)), 15)
+    assert run.tokens("low") == toy_generate(list(range(1, 11)), 10) and s.stats.recomputes == 1
+    assert max(batch.kv_seen) <= 400 and not s.has_work
+
+
+def test_an_urgent_request_aborted_before_its_victim_leaves_preempts_nobody() -> None:
+    batch = ToyBatch()
+    s = scheduler(batch, capacity=2, headroom=10_000)
+    run = Run()
+    s.add(req("a", [1, 1], max_tokens=30))
+    s.add(req("b", [2, 2], max_tokens=30))
+    run.step(s, 3)
+    s.add(req("urgent", [3, 3, 3], max_tokens=5, priority=1))
+    run.step(s)  # it starts at once; its victim would leave at the start of the next step
+    assert s.abort("urgent") is not None
+    run.step(s)
+    assert s.stats.preemptions == 0 and s.num_running == 2 and "take" not in batch.calls
+    run.drain(s)
+    for rid, prompt in (("a", [1, 1]), ("b", [2, 2])):
+        assert run.tokens(rid) == toy_generate(prompt, 30)

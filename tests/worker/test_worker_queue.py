@@ -239,8 +239,8 @@ async def test_cancel_after_the_end_changes_nothing(worker: RunningWorker, clien
         ({"model": "tiny", "prompt": "hi", "bogus": 1}, "bogus"),
         ({"model": "other", "prompt": "hi"}, "unknown model 'other'"),
         ({"model": "tiny", "prompt": "hi", "max_tokens": 100000}, "exceeds this worker's limit"),
-        ({"model": "tiny", "prompt": "word " * 600}, "limit is 512"),
-        ({"model": "tiny", "prompt": "word " * 400, "max_tokens": 200}, "exceeds the context"),
+        ({"model": "tiny", "prompt": "word " * 600}, "the limit is 512 (by "),
+        ({"model": "tiny", "prompt": "word " * 400, "max_tokens": 200}, "exceeds the context (512) by "),
         ({"model": "tiny", "messages": []}, "messages"),
     ],
 )
