@@ -191,7 +191,7 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
         )
 
     backend = await thread.call(make_backend)
-    memory, prefix = memory_plan(loaded, await thread.call(measure_layout, loaded.model), opts)
+    memory, prefix = memory_plan(loaded, await thread.call(measure_layout, loaded.model, opts.prefill_step_size), opts)
     scheduler = Scheduler(
         backend,
         capacity=opts.capacity,
@@ -223,6 +223,7 @@ def memory_plan(loaded: LoadedModel, layout: KVLayout, opts: EngineOptions) -> t
     if loaded.context_length and full > headroom:
         log.warning("a full-context sequence (%d tokens) needs %s of KV cache, more than the headroom %s: longer "
                     "requests will be refused", loaded.context_length, mib(full), mib(headroom))
-    log.info("KV cache: %d bytes per token (%d-token steps); headroom %s; prefix cache %s", layout.bytes_per_token,
-             layout.step, mib(headroom), mib(prefix_bytes) if prefix_bytes > 0 else "off")
+    log.info("KV cache: %d bytes per token (%d-token steps), %s of fixed state per sequence; headroom %s; prefix "
+             "cache %s", layout.per_token_bytes, layout.step, mib(layout.fixed_bytes), mib(headroom),
+             mib(prefix_bytes) if prefix_bytes > 0 else "off")
     return KVBudget(headroom, layout), PrefixCache(prefix_bytes) if prefix_bytes > 0 else None

@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, make_prompt_cache
 
 __all__ = [
     "KV_STEP",
@@ -49,16 +49,32 @@ _PREFIX_MAX = 4 << 30  # ...and at most 4 GiB
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """What one sequence's KV caches allocate: ``bytes_per_token`` over every layer (keys and values),
-    in buffers that grow ``step`` tokens at a time."""
+    """What one sequence's caches allocate: ``bytes_per_token`` over the layers whose KV grows with the
+    sequence (keys and values), in buffers that grow ``step`` tokens at a time; ``fixed_bytes`` of state that
+    does not grow (recurrent layers: mlx-lm's ``ArraysCache``); and ``windows``, sliding-window layers
+    (``RotatingKVCache``) as (bytes per token, the most tokens their buffer holds: the window plus a prefill
+    chunk, which such a cache keeps whole until the next step)."""
 
     bytes_per_token: int
     step: int = KV_STEP
+    fixed_bytes: int = 0
+    windows: tuple[tuple[int, int], ...] = ()
 
     def row_bytes(self, tokens: int) -> int:
-        """The most one batch row may allocate while it grows to ``tokens`` tokens: its buffer runs up to a
-        step, less one token, past its contents."""
-        return (max(tokens, 1) + self.step - 1) * self.bytes_per_token
+        """The most one batch row may allocate while it grows to ``tokens`` tokens: its buffers run up to a
+        step, less one token, past their contents."""
+        span = max(tokens, 1) + self.step - 1
+        return self.fixed_bytes + span * self.bytes_per_token + sum(min(span, cap) * b for b, cap in self.windows)
+
+    def cache_bytes(self, tokens: int) -> int:
+        """What one sequence's cache of ``tokens`` tokens holds once copied out of a batch (exact lengths)."""
+        return (self.fixed_bytes + tokens * self.bytes_per_token
+                + sum(min(tokens, cap) * b for b, cap in self.windows))
+
+    @property
+    def per_token_bytes(self) -> int:
+        """What one more token costs while every layer still grows (for messages)."""
+        return self.bytes_per_token + sum(b for b, _ in self.windows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,15 +94,35 @@ class KVBudget:
         return max(0, (self.headroom - held) // self.layout.row_bytes(longest))
 
 
-def measure_layout(model: Any) -> KVLayout:
-    """Run one token through a fresh prompt cache of ``model`` and read what its buffers allocated (on the
-    model's MLX thread). Fixed-size state (recurrent layers, sliding windows) is charged as if it grew with
-    the sequence: an overestimate, never an under-one."""
+def measure_layout(model: Any, prefill_step: int = 2048) -> KVLayout:
+    """Run one token through a fresh prompt cache of ``model`` and read what each layer's buffers allocated
+    (on the model's MLX thread): growing KV, fixed recurrent state and sliding windows apart, so a hybrid
+    model's fixed state is not charged as if it grew with every token. A cache of a kind not known here is
+    charged as growing: an overestimate, never an under-one. ``prefill_step``: the batch's prefill chunk."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
-    total = sum(int(c.nbytes) for c in cache)
-    return KVLayout(max(1, -(-total // KV_STEP)), KV_STEP)
+    growing = fixed = 0
+    windows: dict[int, int] = {}
+    for c in _leaves(cache):
+        n = int(c.nbytes)
+        if isinstance(c, ArraysCache):
+            fixed += n
+        elif isinstance(c, RotatingKVCache):
+            cap = int(c.max_size) + prefill_step - 1
+            windows[cap] = windows.get(cap, 0) + -(-n // max(1, min(int(c.step), int(c.max_size))))
+        else:
+            growing += -(-n // int(getattr(c, "step", KV_STEP)))
+    return KVLayout(max(1, growing) if not (fixed or windows) else growing, KV_STEP, fixed,
+                    tuple(sorted((b, cap) for cap, b in windows.items())))
+
+
+def _leaves(caches: list[Any]) -> list[Any]:
+    """The caches of ``caches``, with mlx-lm's ``CacheList`` (several caches for one layer) opened."""
+    out: list[Any] = []
+    for c in caches:
+        out.extend(_leaves(list(c.caches)) if isinstance(c, CacheList) else [c])
+    return out
 
 
 def model_bytes(model: Any) -> int:

@@ -453,7 +453,7 @@ class Scheduler:
     def _cache_estimate(self, seq: _Sequence) -> int:
         """Bytes of ``seq``'s cache once taken out of the batch (an exact-length copy)."""
         assert self.memory is not None
-        return (len(seq.req.prompt_tokens) + seq.generated) * self.memory.layout.bytes_per_token
+        return self.memory.layout.cache_bytes(len(seq.req.prompt_tokens) + seq.generated)
 
     def _excess(self) -> int:
         """How far the caches' measured bytes exceed the estimate for the running sequences (0 normally)."""
