@@ -21,9 +21,9 @@ from mlx_lm.sample_utils import greedy_sampler
 from .mlx_process import unwired
 from .request import ImageInputs
 
-_GENERATE = importlib.import_module("mlx_lm.generate")  # the module: the package's ``generate`` is a function
-
 __all__ = ["BatchBackend", "BatchToken", "CachingBackend", "GeneratedToken", "MLXBatch", "SequenceCache", "Started"]
+
+_GENERATE = importlib.import_module("mlx_lm.generate")  # the module: the package's ``generate`` is a function
 
 
 class GeneratedToken(Protocol):
