@@ -8,6 +8,7 @@ Every method must be called on the model's MLX thread.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -17,9 +18,12 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from .mlx_process import unwired
 from .request import ImageInputs
 
 __all__ = ["BatchBackend", "BatchToken", "CachingBackend", "GeneratedToken", "MLXBatch", "SequenceCache", "Started"]
+
+_GENERATE = importlib.import_module("mlx_lm.generate")  # the module: the package's ``generate`` is a function
 
 
 class GeneratedToken(Protocol):
@@ -168,13 +172,17 @@ class MLXBatch:
         self._watch: dict[int, None] = {}  # uids with a checkpoint not reached yet
         self._checkpoints: list[SequenceCache] = []
         self._stops = StopSequences([(t,) for t in sorted(self._eos)])
-        self._gen = BatchGenerator(
-            model,
-            completion_batch_size=capacity,
-            prefill_batch_size=min(prefill_batch_size, capacity),
-            prefill_step_size=prefill_step_size,
-            stream=stream,
-        )
+        # mlx-lm's generator sets the wired limit in __init__ (``maybe_set_recommended_wired_limit``) and puts
+        # back the one it found in close(): out of order with several generators (engine/mlx_process.py,
+        # which sets it once per process). Made unwired, it saves None and its close() restores nothing.
+        with unwired(_GENERATE, "maybe_set_recommended_wired_limit", _no_wired_limit):
+            self._gen = BatchGenerator(
+                model,
+                completion_batch_size=capacity,
+                prefill_batch_size=min(prefill_batch_size, capacity),
+                prefill_step_size=prefill_step_size,
+                stream=stream,
+            )
 
     @property
     def supports_caches(self) -> bool:
@@ -281,3 +289,8 @@ class MLXBatch:
 
     def close(self) -> None:
         self._gen.close()
+
+
+def _no_wired_limit() -> None:
+    """``maybe_set_recommended_wired_limit`` when the process owns the limit: sets nothing, found nothing."""
+    return None

@@ -218,6 +218,10 @@ class Engine:
         self._emit(self.scheduler.fail_all("engine_error", f"engine step failed: {exc!r}"))
         if self._make_backend is None:
             return
+        try:  # closed before its replacement is made, not left to the GC: one open generator at a time
+            self.scheduler.backend.close()
+        except Exception:
+            log.warning("could not close the failed batch", exc_info=True)
         try:
             self.scheduler.backend = self._make_backend()
         except Exception:

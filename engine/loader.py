@@ -25,6 +25,7 @@ from .memory import (
     model_bytes,
     usable_memory_bytes,
 )
+from .mlx_process import mlx_process
 from .mlx_thread import MLXThread
 from .prefix_cache import PrefixCache
 from .prompt import PromptEncoder
@@ -173,6 +174,7 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
                        ) -> Engine:
     """The engine of a model loaded on ``thread``: scheduler, batch, detokenizers, sampling."""
     opts = options or EngineOptions()
+    mlx_process()  # the process's wired limit, set once before any batch runs (a worker made it first)
 
     def make_backend() -> BatchBackend:
         if loaded.vision is not None:  # image and text rows in one mlx-vlm batch (see engine/vlm.py)
@@ -191,7 +193,9 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
         )
 
     backend = await thread.call(make_backend)
-    memory, prefix = memory_plan(loaded, await thread.call(measure_layout, loaded.model, opts.prefill_step_size), opts)
+    caches = bool(getattr(backend, "supports_caches", False))
+    layout = await thread.call(measure_layout, loaded.model, opts.prefill_step_size)
+    memory, prefix = memory_plan(loaded, layout, opts, caches=caches)
     scheduler = Scheduler(
         backend,
         capacity=opts.capacity,
@@ -207,11 +211,16 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
                   prefill_batch=opts.prefill_batch_size)
 
 
-def memory_plan(loaded: LoadedModel, layout: KVLayout, opts: EngineOptions) -> tuple[KVBudget, PrefixCache | None]:
-    """The KV budget and the prefix cache of an engine, from its options or the defaults of engine/memory.py."""
+def memory_plan(loaded: LoadedModel, layout: KVLayout, opts: EngineOptions, *, caches: bool = True
+                ) -> tuple[KVBudget, PrefixCache | None]:
+    """The KV budget and the prefix cache of an engine, from its options or the defaults of engine/memory.py.
+    A backend that cannot hand caches out (``caches=False``, mlx-vlm's) has no prefix cache, so the default
+    headroom reserves nothing for one."""
     usable = int(usable_memory_bytes() * opts.memory_share)
     prefix_bytes = opts.prefix_cache_bytes
-    if prefix_bytes is None:
+    if not caches:
+        prefix_bytes = 0
+    elif prefix_bytes is None:
         prefix_bytes = default_prefix_cache_bytes(usable)
     headroom = opts.kv_headroom_bytes
     if headroom is None:

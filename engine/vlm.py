@@ -26,6 +26,7 @@ It cannot hand a sequence's KV cache back (``supports_caches`` is False): mlx-vl
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -40,6 +41,7 @@ from mlx_vlm.utils import load as vlm_load
 from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
 
 from .batch import GeneratedToken
+from .mlx_process import unwired
 from .request import ImageInputs
 
 __all__ = ["RowSampler", "VLMBatch", "Vision", "load_vision_model"]
@@ -49,6 +51,7 @@ if not importlib.metadata.version("mlx-vlm").startswith(SUPPORTED + "."):
     raise ImportError(f"mlxq needs mlx-vlm {SUPPORTED}.x; mlx-vlm {importlib.metadata.version('mlx-vlm')} is "
                       f"installed: pip install 'mlx-vlm=={SUPPORTED}.*'")
 
+_AR = importlib.import_module("mlx_vlm.generate.ar")  # the module (``mlx_vlm.generate`` is also a function)
 _TOKEN_KEYS = ("input_ids", "attention_mask")  # the processor's outputs the prompt tokens stand for
 
 
@@ -142,16 +145,20 @@ class VLMBatch:
         self._model = model
         self._doomed: set[int] = set()  # removed by the scheduler, left in mlx-vlm's prefill (see remove)
         prefill = min(prefill_batch_size, capacity)
-        self._gen = BatchGenerator(
-            model.language_model,
-            processor,
-            stop_tokens=set(eos_token_ids),
-            completion_batch_size=capacity + prefill,  # see the module docstring: admission up to capacity
-            prefill_batch_size=prefill,
-            prefill_step_size=prefill_step_size,
-            compute_logprobs=False,  # nothing reads them
-            stream=stream,
-        )
+        # mlx-vlm's generator enters ``wired_limit()`` in __init__ (setting the wired limit) and leaves it in
+        # close(), restoring the limit it found: out of order with several generators (engine/mlx_process.py,
+        # which sets it once per process). Made unwired, it enters a context that does nothing.
+        with unwired(_AR, "wired_limit", _no_wired_limit):
+            self._gen = BatchGenerator(
+                model.language_model,
+                processor,
+                stop_tokens=set(eos_token_ids),
+                completion_batch_size=capacity + prefill,  # see the module docstring: admission up to capacity
+                prefill_batch_size=prefill,
+                prefill_step_size=prefill_step_size,
+                compute_logprobs=False,  # nothing reads them
+                stream=stream,
+            )
 
     @property
     def supports_caches(self) -> bool:
@@ -218,4 +225,9 @@ class VLMBatch:
 
     def close(self) -> None:
         self._gen.close()
+
+
+def _no_wired_limit(model: Any, streams: Any = None) -> contextlib.AbstractContextManager[None]:
+    """mlx-vlm's ``wired_limit(model, streams)`` when the process owns the limit: a context doing nothing."""
+    return contextlib.nullcontext()
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -37,23 +38,60 @@ def references(tiny_model: Path, small_model: Path) -> dict[str, tuple[Any, Any]
     return {"tiny": mlx_lm.load(str(tiny_model)), "small": mlx_lm.load(str(small_model))}
 
 
-@pytest.fixture
-def evals() -> Iterator[list[int]]:
-    """The thread of every explicit MLX evaluation (mx.eval, mx.async_eval) while the test runs."""
-    seen: list[int] = []
-    eval_, async_eval = mx.eval, mx.async_eval
+# Every way Python code makes MLX evaluate that can be wrapped in mlx 0.32: the explicit calls, and the array
+# methods that evaluate implicitly. (The buffer protocol -- memoryview, np.asarray -- is C-level: not here.)
+_EVALUATING_FUNCTIONS = ("eval", "async_eval", "synchronize")
+_EVALUATING_METHODS = ("item", "tolist", "__array__", "__bool__", "__int__", "__float__", "__index__", "__repr__")
 
-    def recording(fn: Any) -> Any:
+
+@pytest.fixture
+def evals(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """The thread of every MLX evaluation while the test runs, and what evaluated."""
+    seen: list[tuple[int, str]] = []
+
+    def recording(fn: Any, name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            seen.append(threading.get_ident())
+            seen.append((threading.get_ident(), name))
             return fn(*args, **kwargs)
         return call
 
-    mx.eval, mx.async_eval = recording(eval_), recording(async_eval)  # type: ignore[assignment]
-    try:
-        yield seen
-    finally:
-        mx.eval, mx.async_eval = eval_, async_eval  # type: ignore[assignment]
+    for name in _EVALUATING_FUNCTIONS:
+        monkeypatch.setattr(mx, name, recording(getattr(mx, name), "mx." + name))
+    for name in _EVALUATING_METHODS:
+        monkeypatch.setattr(mx.array, name, recording(getattr(mx.array, name), "array." + name))
+    return seen
+
+
+def engine_threads(host: Any) -> dict[str, int]:
+    """Each model's MLX thread."""
+    return {name: s.engine.thread._thread_id for name, s in host.services.items()}
+
+
+def assert_evaluated_only_on(seen: list[tuple[int, str]], threads: dict[str, int]) -> None:
+    """Every evaluation ran on an engine's thread, and each engine's thread evaluated."""
+    stray = sorted({what for thread, what in seen if thread not in threads.values()})
+    assert not stray, f"MLX evaluated outside the engines' threads: {stray}"
+    assert {thread for thread, _ in seen} == set(threads.values())
+
+
+def record_steps(host: Any) -> dict[str, list[tuple[float, float]]]:
+    """Each engine's steps as (start, end) on one clock, from its step hook (the worker's own hook still runs)."""
+    steps: dict[str, list[tuple[float, float]]] = {}
+    for name, service in host.services.items():
+        spans = steps.setdefault(name, [])
+
+        def on_step(seconds: float, hook: Any = service.engine.on_step, spans: Any = spans) -> None:
+            end = time.perf_counter()  # the hook runs on the engine's thread, right after the step
+            spans.append((end - seconds, end))
+            hook(seconds)
+
+        service.engine.on_step = on_step
+    return steps
+
+
+def overlapped(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> bool:
+    """Whether a step of ``a`` and a step of ``b`` ran at the same time."""
+    return any(s1 < e2 and s2 < e1 for s1, e1 in a for s2, e2 in b)
 
 
 @pytest.fixture
@@ -74,24 +112,54 @@ def test_mlxq_models_names_each_model_by_its_alias_or_its_path() -> None:
 
 
 async def test_two_engines_generating_at_once_match_each_model_alone_on_their_own_threads(
-        two_models: RunningWorker, client: Client, references: dict[str, tuple[Any, Any]], evals: list[int]
+        evals: list[tuple[int, str]], two_models: RunningWorker, client: Client,
+        references: dict[str, tuple[Any, Any]]
 ) -> None:
     host = two_models.host
     assert [s.name for s in host.services.values()] == ["tiny", "small"]
-    threads = {s.engine.thread._thread_id for s in host.services.values()}
-    assert len(threads) == 2  # an MLX thread (and stream) each
+    threads = engine_threads(host)
+    assert len(set(threads.values())) == 2  # an MLX thread (and stream) each
+    steps = record_steps(host)
     jobs = [(model, prompt, 6 + i) for i, prompt in enumerate(PROMPTS) for model in ("tiny", "small")]
     results = await asyncio.gather(*(client.generate(model=m, prompt=p, max_tokens=n, timeout=120)
                                      for m, p, n in jobs))
-    evaluated_on = set(evals)  # (the references below evaluate on this thread)
-    assert evaluated_on and evaluated_on <= threads, "an MLX evaluation ran outside the engines' threads"
+    assert_evaluated_only_on(list(evals), threads)  # from loading on (the references below evaluate here)
+    assert overlapped(steps["tiny"], steps["small"]), "the two engines never stepped at the same time"
     for (model, prompt, n), result in zip(jobs, results):
         model_, tokenizer = references[model]
         assert result.token_ids == reference(references[model], encode_prompt(tokenizer, prompt, None), n), model
-    steps = [s.engine.stats.steps for s in host.services.values()]
-    assert all(n > 0 for n in steps)
     (status,) = await client.workers()
     assert [(m.name, m.state) for m in status.models] == [("tiny", ModelState.SERVING), ("small", ModelState.SERVING)]
+
+
+async def test_a_vision_engine_beside_a_text_engine_evaluates_only_on_its_own_thread(
+        evals: list[tuple[int, str]], worker_config: WorkerConfig, tiny_vlm: Path, client: Client,
+        references: dict[str, tuple[Any, Any]]
+) -> None:
+    from tests.vlm_support import Oracle, chat, data_url
+
+    models = f"{worker_config.model}=tiny,{tiny_vlm}=vl"
+    running = await start_worker(config_with(worker_config, model="", model_name="", models=models, capacity=4))
+    try:
+        host = running.host
+        threads = engine_threads(host)
+        steps = record_steps(host)
+        looks = [chat("What is in this picture?", data_url(64, 40, 1)), chat("And this?", data_url(48, 64, 2)),
+                 [{"role": "user", "content": "Tell me about the queue."}]]
+        texts = PROMPTS[:3]
+        results = await asyncio.gather(
+            *(client.generate(model="vl", messages=m, max_tokens=8, timeout=120) for m in looks),
+            *(client.generate(model="tiny", prompt=p, max_tokens=8, timeout=120) for p in texts))
+        assert_evaluated_only_on(list(evals), threads)
+        assert overlapped(steps["tiny"], steps["vl"]), "the two engines never stepped at the same time"
+    finally:
+        await running.close()
+    oracle = Oracle(tiny_vlm)
+    for messages, result in zip(looks, results[:3]):
+        assert result.token_ids == oracle.tokens(messages, 8)
+    tokenizer = references["tiny"][1]
+    for prompt, result in zip(texts, results[3:]):
+        assert result.token_ids == reference(references["tiny"], encode_prompt(tokenizer, prompt, None), 8)
 
 
 async def test_a_dead_engine_takes_only_its_model_down(two_models: RunningWorker, client: Client) -> None:
