@@ -93,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     st.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
                     help="refresh in place every SECONDS (2 when given alone) until interrupted")
+    st.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N refreshes")
 
     h = sub.add_parser("health", **fmt,
                        help="exit 0 if a live worker serves the model (any model without --model), else 1")
@@ -217,7 +218,7 @@ async def _producer_command(args: argparse.Namespace, config: ClientConfig) -> i
                 print(ev.model_dump_json(), flush=True)
             return EXIT_OK
         if args.command == "status":
-            return await _status(client, args.json, args.watch)
+            return await _status(client, args.json, args.watch, args.count)
         if args.command == "health":
             return await _health(client, args.model)
         return await _submit(client, args)
@@ -231,9 +232,10 @@ async def _cancel(client: Client, rid: str) -> int:
     return EXIT_OK
 
 
-async def _status(client: Client, as_json: bool, watch: float | None) -> int:
+async def _status(client: Client, as_json: bool, watch: float | None, count: int | None) -> int:
     from .status import collect, render
 
+    shown = 0
     while True:
         report = await collect(client)
         text = json.dumps(report.to_json(), indent=2) if as_json else render(report)
@@ -242,6 +244,9 @@ async def _status(client: Client, as_json: bool, watch: float | None) -> int:
             return EXIT_OK
         sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")  # home, clear: refresh in place
         sys.stdout.flush()
+        shown += 1
+        if count is not None and shown >= count:
+            return EXIT_OK
         await asyncio.sleep(watch)
 
 

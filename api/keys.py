@@ -97,7 +97,8 @@ class Keys:
 def queue_score(enqueue_ms: int, priority: int, aging_ms: int) -> int:
     """A queued job's score: lower runs first. Each priority level is worth ``aging_ms`` of waiting, so a job
     waits at most that long per level behind later jobs of higher priority. Offset so that every score lies
-    in the past: a queue entry is due at once whatever its priority (a future score means deferred)."""
+    in the past: a queue entry is due at once whatever its priority (a future score means deferred). Never
+    above ``enqueue_ms``: ``mlxq status`` relies on it to find the oldest waiting job without reading them all."""
     return enqueue_ms - (priority - PRIORITY_MIN) * aging_ms
 
 

@@ -24,17 +24,33 @@ __all__ = ["ModelInfo", "QueueInfo", "live_workers", "models_of", "queues"]
 log = logging.getLogger(__name__)
 
 _STALE_S = 3600.0  # set members this old are pruned by readers (their records expired long ago)
-_OLDEST_OF = 50  # the oldest waiting job is looked for among this many first in queue order
+_SCAN_CHUNK = 100  # queue entries read per ZRANGE while looking for the oldest waiting job
 
-# A queue's depth, and the enqueue time of the oldest of its first ARGV[2] entries (job records end with
-# "et":<ms>}, read in Redis: a record may hold a megabyte of prompt). KEYS: queue. ARGV: prefix, how many.
+# A queue's depth and the enqueue time of its oldest waiting job. Entries are read in score order, each job's
+# enqueue time from the tail of its record (records end with "et":<ms>}; GETRANGE reads only that, though a
+# record may hold a megabyte of prompt). A score never exceeds its job's enqueue time (``api.keys.queue_score``
+# moves higher priorities earlier, never later), so once a score reaches the oldest time found no later entry
+# can be older: the scan reads only the jobs priority put ahead of the oldest one (at most the queue's depth).
+# The exception, an entry a worker deferred (its lease was still held) to a due time ahead of now, is read too.
+# KEYS: queue. ARGV: prefix, entries per read, now (ms).
 _QUEUE_STATS = """
 local depth = redis.call('ZCARD', KEYS[1])
 local oldest = false
-for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)) do
-  local job = redis.call('GET', ARGV[1] .. ':{' .. id .. '}:job')
-  local et = job and tonumber(string.match(job, '"et":(%d+)}$'))
+local chunk = tonumber(ARGV[2])
+local function read(id)
+  local tail = redis.call('GETRANGE', ARGV[1] .. ':{' .. id .. '}:job', -32, -1)
+  local et = tonumber(string.match(tail, '"et":(%d+)}$'))
   if et and (not oldest or et < oldest) then oldest = et end
+end
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[3], '+inf', 'LIMIT', 0, chunk)) do
+  read(id)
+end
+for from = 0, depth - 1, chunk do
+  local entries = redis.call('ZRANGE', KEYS[1], from, from + chunk - 1, 'WITHSCORES')
+  for i = 1, #entries, 2 do
+    if oldest and tonumber(entries[i + 1]) >= oldest then return {depth, oldest} end
+    read(entries[i])
+  end
 end
 return {depth, oldest}
 """
@@ -57,7 +73,7 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class QueueInfo:
-    """A model's queue: jobs waiting, and how long the oldest of them (among the first few) has waited."""
+    """A model's queue: jobs waiting, and how long the oldest of them has waited (None: no job record left)."""
 
     model: str
     depth: int
@@ -71,10 +87,10 @@ async def queues(redis: Redis, keys: Keys) -> list[QueueInfo]:
                     async for k in redis.scan_iter(match=_glob_escape(start) + "*", count=1000)})
     if not names:
         return []
+    now = time.time()
     pipe = redis.pipeline(transaction=False)
     for name in names:  # the script's text each time: a status read, not a hot path
-        pipe.eval(_QUEUE_STATS, 1, name, keys.prefix, str(_OLDEST_OF))
-    now = time.time()
+        pipe.eval(_QUEUE_STATS, 1, name, keys.prefix, str(_SCAN_CHUNK), str(int(now * 1000)))
     found = []
     for name, reply in zip(names, await pipe.execute(raise_on_error=False)):
         if isinstance(reply, Exception):  # not a queue (a key of another kind under the same name)

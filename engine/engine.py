@@ -57,6 +57,7 @@ class Engine:
         make_backend: Callable[[], BatchBackend] | None = None,
         stream_interval_s: float = 0.0,
         prefill_batch: int = 8,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.thread = thread
         self.scheduler = scheduler
@@ -79,6 +80,7 @@ class Engine:
         self._gap_s = 0.0  # after the announced ones are in, wait while arrivals come closer than this
         self._last_arrival = 0.0
         self._arrived = threading.Event()
+        self._clock = clock  # of the admission window (tests drive it by hand)
 
     def add(self, req: EngineRequest) -> None:
         """Queue a request (thread-safe); a dead engine fails it at once."""
@@ -89,7 +91,7 @@ class Engine:
         with self._lock:
             self._expected = max(0, self._expected - 1)
             self._inbox_requests += 1
-            self._last_arrival = time.monotonic()
+            self._last_arrival = self._clock()
         self._post(req)
         self._arrived.set()
 
@@ -98,7 +100,7 @@ class Engine:
         for them before its first step."""
         with self._lock:
             self._expected += n
-            self._last_arrival = time.monotonic()
+            self._last_arrival = self._clock()
             self._expect_until = self._last_arrival + within_s
             self._gap_s = within_s / 5
 
@@ -118,7 +120,7 @@ class Engine:
         with self._lock:
             # Announced requests count only within their window: a claimed job that never comes (refused
             # before it reached the engine) must not hold a slot for ever.
-            announced = self._expected if time.monotonic() < self._expect_until else 0
+            announced = self._expected if self._clock() < self._expect_until else 0
             pending = self._inbox_requests + announced
         return max(0, room.admissible - pending)
 
@@ -171,7 +173,7 @@ class Engine:
     def _await_expected(self) -> None:
         while True:
             with self._lock:
-                now = time.monotonic()
+                now = self._clock()
                 left = self._expect_until - now
                 full = len(self._inbox) >= self._prefill_batch  # the inbox holds requests (and maybe aborts)
                 if left <= 0 or self._closed or full:

@@ -29,13 +29,29 @@ def sink(outs: list[RequestOutput]) -> None:
     pass
 
 
+class ManualClock:
+    """An engine's admission clock that moves only when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 async def test_free_slots_minus_waiting_added_and_announced_requests() -> None:
-    engine = Engine(MLXThread("claim"), scheduler(SlowToyBatch(), capacity=4), sink)
+    clock = ManualClock()
+    engine = Engine(MLXThread("claim"), scheduler(SlowToyBatch(), capacity=4), sink, clock=clock)
     try:
         assert engine.claim_capacity() == 4
         engine.expect(2, within_s=0.05)  # claimed, on their way
         assert engine.claim_capacity() == 2
-        engine.add(req("a", max_tokens=10_000))
+        engine.add(req("a", max_tokens=10_000))  # one came: it counts as added, the other as announced
+        assert engine.claim_capacity() == 2
+        clock.advance(0.05)  # the window closes: the engine steps without waiting for the other
         engine.add(req("b", max_tokens=10_000))
         await until(lambda: engine.scheduler.num_running == 2)
         await until(lambda: engine.claim_capacity() == 2)
@@ -84,10 +100,14 @@ async def test_an_idle_engine_claims_one_even_when_a_typical_request_would_not_f
 async def test_announced_requests_that_never_come_stop_counting_after_their_window() -> None:
     # A claimed job refused before it reaches the engine (bad request, cancelled while queued) is never added:
     # it must not hold a slot for ever, or a worker refusing many jobs would end up claiming none.
-    engine = Engine(MLXThread("claim-window"), scheduler(SlowToyBatch(), capacity=4), sink)
+    clock = ManualClock()
+    engine = Engine(MLXThread("claim-window"), scheduler(SlowToyBatch(), capacity=4), sink, clock=clock)
     try:
         engine.expect(3, within_s=0.05)
         assert engine.claim_capacity() == 1
-        await until(lambda: engine.claim_capacity() == 4)
+        clock.advance(0.04)  # still within the window
+        assert engine.claim_capacity() == 1
+        clock.advance(0.02)
+        assert engine.claim_capacity() == 4
     finally:
         await engine.aclose()

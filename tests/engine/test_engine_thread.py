@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import mlx.core as mx
@@ -17,6 +17,7 @@ from engine.engine import Engine
 from engine.mlx_thread import MLXThread
 from engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from engine.scheduler import Scheduler
+from tests.engine.test_engine_claim import ManualClock
 
 
 class EntryCounter:
@@ -129,14 +130,22 @@ class Outputs:
         await asyncio.wait_for(all_done(), timeout)
 
 
-def make_engine(delay: float = 0.05, stream_interval_s: float = 0.0
+def make_engine(delay: float = 0.05, stream_interval_s: float = 0.0, clock: Callable[[], float] = time.monotonic
                 ) -> tuple[Engine, SlowBackend, EntryCounter, Outputs]:
     counter = EntryCounter()
     backend = SlowBackend(counter, delay)
     outputs = Outputs(asyncio.get_running_loop())
     scheduler = Scheduler(backend, capacity=4, new_detokenizer=Detok)
-    engine = Engine(MLXThread("test-mlx"), scheduler, outputs.sink, stream_interval_s=stream_interval_s)
+    engine = Engine(MLXThread("test-mlx"), scheduler, outputs.sink, stream_interval_s=stream_interval_s, clock=clock)
     return engine, backend, counter, outputs
+
+
+async def waiting_for_arrivals(engine: Engine) -> None:
+    """Until the idle engine's thread has seen every request added so far and chose to wait for more (it
+    clears the arrival signal just before it waits; an engine that stepped instead never does)."""
+    async with asyncio.timeout(20):  # a safety timeout only
+        while engine._arrived.is_set():
+            await asyncio.sleep(0.002)
 
 
 def request(rid: str, max_tokens: int = 1000) -> EngineRequest:
@@ -315,7 +324,7 @@ async def test_idle_engine_waits_for_announced_requests_and_admits_them_together
     try:
         engine.expect(3, within_s=30.0)
         engine.add(request("a", max_tokens=5))
-        await asyncio.sleep(0.05)  # the engine must not step meanwhile: two more are announced
+        await waiting_for_arrivals(engine)  # two more are announced: it waits instead of stepping
         assert backend.steps == 0
         engine.add(request("b", max_tokens=5))
         engine.add(request("c", max_tokens=5))
@@ -353,15 +362,20 @@ async def test_idle_engine_waits_for_no_more_than_one_prefill_batch() -> None:
 
 
 async def test_idle_engine_keeps_waiting_while_a_burst_keeps_arriving() -> None:
-    engine, backend, _, outputs = make_engine(delay=0.001)
+    clock = ManualClock()
+    engine, backend, _, outputs = make_engine(delay=0.001, clock=clock)
     try:
         engine.expect(2, within_s=5.0)  # a lull of a fifth of that (1 s) ends the wait
         engine.add(request("a", max_tokens=3))
         engine.add(request("b", max_tokens=3))
-        for rid in ("c", "d"):  # claimed later, but still part of the burst
-            await asyncio.sleep(0.05)
+        await waiting_for_arrivals(engine)
+        for rid in ("c", "d"):  # claimed later, each less than a lull after the last: still part of the burst
+            clock.advance(0.9)
             engine.expect(1, within_s=5.0)
             engine.add(request(rid, max_tokens=3))
+            await waiting_for_arrivals(engine)
+        assert backend.steps == 0  # 1.8 s since the first arrival, but never a lull
+        clock.advance(1.0)  # a lull: the wait ends (its thread sees it within the 1 s it sleeps at most)
         await outputs.wait_finished(["a", "b", "c", "d"])
         assert backend.inserted_at_step == [0, 0, 0, 0]
     finally:

@@ -98,3 +98,71 @@ async def test_a_worker_claims_only_what_its_kv_headroom_can_start_and_another_t
 
 async def _events(client: Client, rid: str) -> list[Any]:
     return [ev async for ev in client.events(rid, timeout=120)]
+
+
+async def test_priority_moves_a_job_in_its_queue_without_shortening_its_keys_ttls(client: Client,
+                                                                               redis_url: str) -> None:
+    import json
+    import time
+
+    import redis.asyncio as aredis
+
+    from api.client import JOB_TTL_MS
+    from api.keys import Keys, queue_score
+
+    keys, queue = Keys(), Keys().queue("ghost")  # nobody serves it: the jobs stay queued
+    t0 = time.monotonic()
+    rids = {p: await client.submit(model="ghost", prompt=f"priority {p}", priority=p) for p in (-100, 0, 100)}
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        ttls = [await r.pttl(keys.job(rid)) for rid in rids.values()]
+        elapsed_ms = (time.monotonic() - t0) * 1000
+        for ttl in [*ttls, await r.pttl(queue)]:  # what the job record was given, less the time since
+            assert JOB_TTL_MS - elapsed_ms - 1 <= ttl <= JOB_TTL_MS
+        assert [m.decode() for m in await r.zrange(queue, 0, -1)] == [rids[100], rids[0], rids[-100]]
+        aging_ms = int(client.config.priority_aging_s * 1000)
+        for p, rid in rids.items():
+            enqueued = json.loads(await r.get(keys.job(rid)))["et"]
+            score = await r.zscore(queue, rid)
+            assert score == queue_score(enqueued, p, aging_ms) <= enqueued  # due at once, whatever the priority
+    finally:
+        await r.aclose()
+
+
+async def test_a_preempted_job_streams_through_redis_with_no_gap_duplicate_or_reset(
+        worker_config: Any, client: Client, tiny_model: Any) -> None:
+    from mlx_lm import load
+
+    from engine.memory import measure_layout
+    from tests.worker.test_worker_queue import slow_steps
+
+    # A worker claims only what its batch can start, so the urgent job must look as if it fits when claimed
+    # and be short of KV when admitted: the headroom holds two rows of the low job (~110 tokens, each row
+    # padded up to a 256-token step: about 360 tokens' worth) but not the low job beside the urgent one
+    # (~410 tokens: two rows padded to it), and the urgent one alone.
+    bytes_per_token = measure_layout(load(str(tiny_model))[0]).bytes_per_token
+    headroom_gb = 800 * bytes_per_token / (1 << 30)
+    running = await start_worker(config_with(worker_config, capacity=4, kv_headroom_gb=headroom_gb))
+    slow_steps(running, 0.01)  # the low job is still decoding when the urgent one comes
+    try:
+        prompt = "a job of low priority"
+        low = await client.submit(model="tiny", prompt=prompt, max_tokens=100, priority=-5)
+        events: list[Any] = []
+        urgent: str | None = None
+        async for ev in client.events(low, timeout=120):
+            events.append(ev)
+            if ev.type == "token" and urgent is None:
+                urgent = await client.submit(model="tiny", prompt="urgent", max_tokens=400, priority=100)
+        assert urgent is not None
+        assert (await client.result(urgent, timeout=120)).usage.completion_tokens == 400
+        stats = running.service.engine.stats
+        assert stats.preemptions >= 1 and stats.resumes + stats.recomputes >= 1
+        types = [e.type for e in events]
+        assert types.count("start") == 1 and types[0] == "start" and "reset" not in types
+        assert types[-1] == "done" and types.count("done") == 1
+        assert [e.seq for e in events] == list(range(len(events)))  # no gap, no duplicate
+        text = "".join(e.text for e in events if e.type == "token")
+        alone = await client.generate(model="tiny", prompt=prompt, max_tokens=100, timeout=120)
+        assert text == alone.text and alone.usage.completion_tokens == 100
+    finally:
+        await running.close()

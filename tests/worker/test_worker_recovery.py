@@ -116,21 +116,16 @@ async def test_sigkill_mid_decode_jobs_reset_and_finish_on_another_worker(spawn:
     followers, tasks = await submit_and_follow(client, 5, max_tokens=120)
     await wait_until(lambda: all(f.tokens() >= 3 for f in followers), 60, "every job decoding")
     first.kill()
-    killed_at = time.monotonic()
     spawn("b")
     await asyncio.wait_for(tasks, 120)
-    recovery = []
     for f in followers:
         end = check_one_terminal(f)
         assert isinstance(end, DoneEvent) and end.finish_reason is FinishReason.LENGTH
-        reset_at = f.first_time("reset")
-        assert reset_at is not None, f"{f.rid}: no reset after its worker died"
-        recovery.append(reset_at - killed_at)
+        assert [e.type for e in f.events].count("reset") == 1, f"{f.rid}: not one reset after its worker died"
+        assert starts(f) == [1, 2]  # the dead worker's run, then b's
         before, *_, final = f.runs()
         assert len(before) > 0 and final.startswith(before)  # the re-run continues what was seen
         assert end.usage.completion_tokens == 120
-    print(f"SIGKILL recovery (kill -> reset): max {max(recovery):.2f}s")
-    assert max(recovery) < 15
 
 
 async def test_sigterm_drains_short_jobs_and_requeues_long_ones(spawn: Any, client: Client) -> None:

@@ -4,7 +4,7 @@ workers on the tiny model."""
 
 from __future__ import annotations
 
-import asyncio
+import json
 import time
 from typing import Any
 
@@ -14,7 +14,7 @@ import redis.asyncio as aredis
 from api.client import Client
 from api.config import ClientConfig
 from api.errors import NoWorker, QueueFull
-from api.keys import Keys
+from api.keys import Keys, deadline_member
 from api.schema import DoneEvent, ErrorCode, ErrorEvent, FinishReason, ModelState
 from tests.support import RunningWorker, config_with, start_worker
 
@@ -71,32 +71,38 @@ async def test_a_full_queue_refuses_submits_until_it_drains(redis_url: str) -> N
 
 
 async def test_a_job_still_queued_at_its_expiry_ends_with_error_expired(worker_config: Any, redis_url: str) -> None:
-    # A worker of another model sweeps every queue under the prefix: the job's queue has no worker at all.
-    running = await start_worker(config_with(worker_config, reap_interval_s=0.1))
+    # A worker of another model sweeps every queue under the prefix: the job's queue has no worker at all. The
+    # test sweeps by hand (the worker's own sweeps are an hour apart) and moves deadlines as time would.
+    running = await start_worker(config_with(worker_config, reap_interval_s=3600))
+    reaper, keys, queue = running.host.reaper, Keys(), Keys().queue("ghost")
+    r = aredis.Redis.from_url(redis_url)
     try:
         async with Client(redis_url) as client:
-            lapsing = await client.submit(model="ghost", prompt="hi", expires_in=0.3)
-            cancelled = await client.submit(model="ghost", prompt="hi", expires_in=0.3)
+            lapsing = await client.submit(model="ghost", prompt="hi", expires_in=600)
+            cancelled = await client.submit(model="ghost", prompt="hi", expires_in=600)
             await client.cancel(cancelled)
             lasting = await client.submit(model="ghost", prompt="hi", expires_in=0)
-            t0 = time.monotonic()
-            events = [ev async for ev in client.events(lapsing, timeout=30)]
-            assert time.monotonic() - t0 > 0.2
-            (end,) = events
+            for rid in (lapsing, cancelled):  # each deadline is its enqueue time plus its expires_in
+                enqueued = json.loads(await r.get(keys.job(rid)))["et"]
+                assert await r.zscore(keys.deadlines(), deadline_member(rid, queue)) == enqueued + 600_000
+            assert await r.zscore(keys.deadlines(), deadline_member(lasting, queue)) is None  # never expires
+            assert await reaper.lapse() == []  # before their deadlines: nothing ends
+            assert await r.zcard(queue) == 3
+            past = int(time.time() * 1000) - 1
+            await r.zadd(keys.deadlines(), {deadline_member(rid, queue): past for rid in (lapsing, cancelled)},
+                         xx=True)
+            assert sorted(await reaper.lapse()) == sorted([lapsing, cancelled])
+            (end,) = [ev async for ev in client.events(lapsing, timeout=30)]
             assert isinstance(end, ErrorEvent) and end.code is ErrorCode.EXPIRED and end.retryable
             assert "no worker took the job before it expired" in end.message and "ghost" in end.message
             (done,) = [ev async for ev in client.events(cancelled, timeout=30)]
             assert isinstance(done, DoneEvent) and done.finish_reason is FinishReason.CANCELLED
-            await asyncio.sleep(0.5)  # several sweeps
-            assert running.host.reaper.expired == 2
-            r = aredis.Redis.from_url(redis_url)
-            try:
-                keys = Keys()
-                assert await r.zrange(keys.queue("ghost"), 0, -1) == [lasting.encode()]
-                assert not await r.exists(keys.job(lapsing), keys.job(cancelled), keys.deadlines())
-            finally:
-                await r.aclose()
+            assert await reaper.lapse() == []  # each ends once
+            assert reaper.expired == 2
+            assert await r.zrange(queue, 0, -1) == [lasting.encode()]
+            assert not await r.exists(keys.job(lapsing), keys.job(cancelled), keys.deadlines())
     finally:
+        await r.aclose()
         await running.close()
 
 

@@ -263,9 +263,9 @@ def _md_cancel(result: BenchResult) -> list[str]:
 
 def _md_round_trips(result: BenchResult) -> list[str]:
     lines = ["## Redis round trips per engine step", "",
-             "From each worker's `stats:` line (its whole life: warm-up, runs, probes, cancels): "
-             "event-publishing pipelines / engine steps. Commands: Redis `INFO commandstats` deltas over the "
-             "queue path's throughput runs (every client: worker, arq, producer).", "",
+             "From each worker's metrics endpoint, scraped after its last run (its whole life: warm-up, runs, "
+             "probes, cancels): event-publishing pipelines / engine steps. Commands: Redis `INFO commandstats` "
+             "deltas over the queue path's throughput runs (every client: worker, arq, producer).", "",
              "| size | worker | engine steps | redis writes | events | other counters | writes/step "
              "| publish | xadd | all commands | top commands |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
