@@ -80,6 +80,7 @@ class WorkerHost:
         self.queue_depths: dict[str, int] = {}  # jobs waiting in each served queue, read every heartbeat
         self.dead_lettered = 0
         self.data_lost = 0
+        self.lease_losses = 0  # runs stopped because their lease was gone, however that was found
         self.handed_back = 0
         self.draining = False
         self.started_at = time.time()
@@ -305,6 +306,7 @@ class WorkerHost:
         """Runs whose lease is gone: stop them. Each writes nothing more, unless Redis lost the job's data,
         when nobody else could end it: then it ends with ``error(data_lost)`` (the LOST write checks that)."""
         runs = [run for run in runs if run.state is State.RUNNING]  # the lease keeper and a write may both see it
+        self.lease_losses += len(runs)
         for run in runs:
             run.state = State.FENCED  # until the LOST write says otherwise
             self.runs.pop(run.rid, None)

@@ -139,7 +139,7 @@ class _HostCollector(Collector):
                      p.other_writes)
         yield _plain("mlxq:events", "Events written.", p.events)
         yield _plain("mlxq:lease_losses", "Runs fenced: their lease was gone (taken over, reaped, or Redis lost).",
-                     p.fenced)
+                     h.lease_losses)
         yield _plain("mlxq:resets", "Jobs this worker handed back to their queue (shutdown).", h.handed_back)
         yield _plain("mlxq:reaped", "Jobs of lost workers this worker re-queued or ended.", h.reaper.reaped)
         yield _plain("mlxq:expired", "Queued jobs this worker ended at their expiry.", h.reaper.expired)
