@@ -124,6 +124,21 @@ class Engine:
             pending = self._inbox_requests + announced
         return max(0, room.admissible - pending)
 
+    def outranked_priority(self) -> int | None:
+        """When this engine has no room (:meth:`claim_capacity` is 0): the priority a new request must exceed
+        to start at once anyway, by preempting (the lowest running); None when it has room, runs nothing, or
+        a request it has not started is already on its way (thread-safe; as of the last step)."""
+        if self.dead or self._closed:
+            return None
+        room = self.scheduler.room
+        if room.outranked is None or room.admissible > 0:
+            return None
+        with self._lock:
+            announced = self._expected if self._clock() < self._expect_until else 0
+            if self._inbox_requests + announced:
+                return None
+        return room.outranked
+
     async def aclose(self) -> None:
         """Stop ticking and join the MLX thread; returns only once no MLX call is running."""
         with self._lock:

@@ -72,6 +72,9 @@ class Room:
     free_slots: int  # sequence slots not running
     waiting: int  # requests waiting for one (preempted ones included)
     kv_rows: int  # more typical requests the KV headroom has room for beside the running ones
+    # The lowest priority running, while no request that has not started yet waits: a new request of higher
+    # priority would start at once (preempting) even with no room. None otherwise.
+    outranked: int | None = None
 
     @property
     def admissible(self) -> int:
@@ -665,7 +668,10 @@ class Scheduler:
             # An idle engine takes one whatever the estimate of a typical request says: alone, a request
             # either fits or is refused with a clear error, and a worker that claims nothing serves nobody.
             kv_rows = max(fit - running, 1 if running == 0 else 0)
-        self.room = Room(free, len(self._waiting), kv_rows)
+        outranked = None
+        if self._priorities and all(s.admitted for s in self._waiting):
+            outranked = min(self._priorities)
+        self.room = Room(free, len(self._waiting), kv_rows, outranked)
 
     def _keep_final_cache(self, tok: GeneratedToken) -> None:
         # mlx-lm's last response of a sequence carries its cache and every token in it. Kept only after a

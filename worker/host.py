@@ -36,7 +36,7 @@ from .cancels import CancelWatcher
 from .config import WorkerConfig
 from .health import HealthReporter, TokenRate, package_version
 from .leases import LeaseKeeper
-from .lifecycle import Claim, Lifecycle, LogTTL, Record, Run, Start, Starts, State, Wire, Write
+from .lifecycle import Claim, Lifecycle, LogTTL, Outranking, Record, Run, Start, Starts, State, Wire, Write
 from .media import Prompt
 from .metrics import Metrics
 from .publisher import Publisher
@@ -175,8 +175,7 @@ class WorkerHost:
     # --- arq's seam: claims --------------------------------------------------------------------------
     async def claim(self, free: int) -> Claims:
         """Start up to ``free`` due jobs across the served models' queues, each up to its engine's room."""
-        quotas = {s.queue: min(free, s.room()) for s in self.services.values()}
-        starts = await self.lifecycle.start(quotas, free)
+        starts = await self.lifecycle.start(*self._quotas(free))
         await self._put_aside(starts)
         claimed = []
         for s in starts.rows:
@@ -189,6 +188,17 @@ class WorkerHost:
             if n and service.engine is not None:
                 service.engine.expect(n, self.config.admit_wait_ms / 1000)
         return Claims(claimed, starts.left)
+
+    def _quotas(self, free: int) -> tuple[dict[str, int], int, dict[str, Outranking]]:
+        """START's arguments: each queue up to its engine's room, and a full engine one job that outranks its
+        running sequences (it starts at once, preempting one of them: priority is no use if it waits in Redis)."""
+        quotas = {service.queue: min(free, service.room()) for service in self.services.values()}
+        outranking: dict[str, Outranking] = {}
+        for service in self.services.values():
+            need = service.outranking() if quotas[service.queue] == 0 and free > 0 else None
+            if need is not None:
+                quotas[service.queue], outranking[service.queue] = 1, need
+        return quotas, free, outranking
 
     async def _put_aside(self, starts: Starts) -> None:
         for s in starts.rows:

@@ -46,6 +46,7 @@ from redis.asyncio import Redis
 from api.arqseam import result_record
 from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
 from api.schema import (
+    PRIORITY_MIN,
     DoneEvent,
     ErrorCode,
     ErrorEvent,
@@ -61,8 +62,8 @@ from api.schema import (
 
 from .scripts import EMIT, LAPSE, REFRESH, REJECT, START, SWEEP, Script
 
-__all__ = ["Claim", "Lapsed", "Lifecycle", "LogTTL", "Lost", "Record", "Run", "Start", "Starts", "State", "TokenLine",
-           "Wire", "Write"]
+__all__ = ["Claim", "Lapsed", "Lifecycle", "LogTTL", "Lost", "Outranking", "Record", "Run", "Start", "Starts", "State",
+           "TokenLine", "Wire", "Write"]
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,19 @@ class Start:
 
 
 @dataclass(frozen=True, slots=True)
+class Outranking:
+    """What a queued job needs for a full engine to take it: at least ``priority`` (it then starts at once,
+    preempting a running sequence of lower priority), or to have waited as long as that is worth."""
+
+    priority: int
+    aging_ms: int
+
+    def arg(self) -> str:
+        """As START takes it (it recovers a queued job's priority from its score: ``api.keys.queue_score``)."""
+        return f"{self.priority} {self.aging_ms} {PRIORITY_MIN}"
+
+
+@dataclass(frozen=True, slots=True)
 class Starts:
     """What one START call did: a row per due entry it looked at, and whether it left due jobs queued."""
 
@@ -276,11 +290,16 @@ class Lifecycle:
         """Set the deployment's epoch unless Redis has one (a fresh or emptied server); START keeps it."""
         await self.redis.set(self.keys.epoch(), uuid.uuid4().hex, nx=True, ex=_EPOCH_TTL_S)
 
-    async def start(self, quotas: dict[str, int], most: int) -> Starts:
-        """Start up to ``most`` due jobs, lowest score first across the queues, each queue up to its quota."""
+    async def start(self, quotas: dict[str, int], most: int, outranking: dict[str, Outranking] | None = None
+                    ) -> Starts:
+        """Start up to ``most`` due jobs, lowest score first across the queues, each queue up to its quota;
+        from a queue in ``outranking``, only one job of at least its priority."""
         queues = list(quotas)
-        args = [int(time.time() * 1000), most, self.worker_id, self.lease_ms, self.keys.prefix, uuid.uuid4().hex,
-                _EPOCH_TTL_S, _TRIES_TTL_S, max(_READ_MIN, 2 * most), *(quotas[q] for q in queues)]
+        now = int(time.time() * 1000)
+        outranking = outranking or {}
+        needs = [outranking[q].arg() if q in outranking else "" for q in queues]
+        args = [now, most, self.worker_id, self.lease_ms, self.keys.prefix, uuid.uuid4().hex,
+                _EPOCH_TTL_S, _TRIES_TTL_S, max(_READ_MIN, 2 * most), *(quotas[q] for q in queues), *needs]
         keys = [self.keys.running(), self.keys.epoch(), self.keys.deadlines(), *queues]
         epoch, left, *rows = await self._start.run(self.redis, keys, args)
         return Starts([_start_row(row, epoch.decode()) for row in rows], bool(left))

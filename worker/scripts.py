@@ -33,17 +33,42 @@ __all__ = ["EMIT", "LAPSE", "REFRESH", "REJECT", "START", "SWEEP", "Script"]
 # started job's last logged event, and whether a cancel is pending; and whether due jobs were left queued
 # (for lack of quota, or beyond the read limit).
 # KEYS: running, epoch, deadlines, then the queues. ARGV: now ms, most, worker id, lease ms, prefix, a new epoch,
-# epoch TTL s, tries TTL s, read limit per queue, then one quota per queue.
+# epoch TTL s, tries TTL s, read limit per queue, then one quota per queue, then per queue "" or what a job needs
+# to outrank a full engine's running sequences, "<priority> <aging ms> <PRIORITY_MIN>": from such a queue only
+# the first job of at least that priority is read, its priority recovered from its score and its record's
+# enqueue time (records end with "et":<ms>}: api.arqseam.job_record; GETRANGE reads only that tail), among
+# the first _OUTRANK_READ entries that could have it (api.keys.queue_score: never above enqueue time).
 # Returns {epoch, left 0|1, {id, queue, "started", score, job, try, last event or false, cancelled 0|1} |
 # {id, queue, "deferred" | "gone" | "poison"}, ...}.
+_OUTRANK_READ = 128  # queue entries START looks through for a job that outranks a full engine
+
 START = """
 local epoch = redis.call('GET', KEYS[2])
 if not epoch then epoch = ARGV[6] end
 redis.call('SET', KEYS[2], epoch, 'EX', ARGV[7])
 local now, most, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[9])
-local left, due = 0, {}
+local left, due, queues = 0, {}, #KEYS - 3
+local function outranking(q, need, aging, pmin)
+  -- the first queued job of priority >= need, or nil; score = enqueue - (priority - pmin) * aging
+  local top = now - (need - pmin) * aging
+  local entries = redis.call('ZRANGEBYSCORE', KEYS[q], '-inf', top, 'WITHSCORES', 'LIMIT', 0, OUTRANK_READ)
+  for i = 1, #entries, 2 do
+    local id, score = entries[i], tonumber(entries[i + 1])
+    if #id <= 64 and string.match(id, '^[%w_.:%-]+$') then
+      local tail = redis.call('GETRANGE', ARGV[5] .. ':{' .. id .. '}:job', -32, -1)
+      local et = tonumber(string.match(tail, '"et":(%d+)}$'))
+      if et and et - score >= (need - pmin) * aging then return {id, score, q} end
+    end
+  end
+  return nil
+end
 for q = 4, #KEYS do
-  if tonumber(ARGV[6 + q]) > 0 then
+  local need, aging, pmin = string.match(ARGV[6 + q + queues], '^(%-?%d+) (%d+) (%-?%d+)$')
+  if need and tonumber(ARGV[6 + q]) > 0 then
+    local entry = outranking(q, tonumber(need), tonumber(aging), tonumber(pmin))
+    if entry then due[#due + 1] = entry end
+    if redis.call('ZCOUNT', KEYS[q], '-inf', now) > (entry and 1 or 0) then left = 1 end
+  elseif tonumber(ARGV[6 + q]) > 0 then
     local entries = redis.call('ZRANGEBYSCORE', KEYS[q], '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit)
     if #entries >= 2 * limit then left = 1 end
     for i = 1, #entries, 2 do due[#due + 1] = {entries[i], tonumber(entries[i + 1]), q} end
@@ -91,7 +116,7 @@ for _, entry in ipairs(due) do
 end
 out[2] = left
 return out
-"""
+""".replace("OUTRANK_READ", str(_OUTRANK_READ))
 
 # running -> running | ended | queued, and queued -> ended (expired), for several jobs in one call (one round
 # trip per engine step).

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from api.errors import describe
-from api.schema import GenerateRequest, ModelState, ModelStatus
+from api.schema import PRIORITY_MAX, GenerateRequest, ModelState, ModelStatus
 from engine.engine import Engine, Sink
 from engine.loader import EngineOptions, LoadedModel, start_engine
 from engine.prompt import EncodedPrompt, encode_prompt_with_boundary
@@ -22,6 +22,7 @@ from engine.request import EngineRequest
 
 from . import media
 from .config import ServedModel, WorkerConfig
+from .lifecycle import Outranking
 
 __all__ = ["BadRequest", "ModelService"]
 
@@ -87,6 +88,16 @@ class ModelService:
         if self.state is not ModelState.SERVING or self.engine is None:
             return 0
         return max(0, min(self.engine.claim_capacity(), self.config.jobs_per_model - self.active))
+
+    def outranking(self) -> Outranking | None:
+        """What a queued job needs for this model's full engine to take it now (it starts at once, preempting a
+        running sequence of lower priority); None when the engine has room, or no such job could start now."""
+        if self.state is not ModelState.SERVING or self.engine is None or self.active >= self.config.jobs_per_model:
+            return None
+        lowest = self.engine.outranked_priority()
+        if lowest is None or lowest >= PRIORITY_MAX:
+            return None
+        return Outranking(lowest + 1, int(self.config.priority_aging_s * 1000))
 
     def status(self, tokens_per_s: float) -> ModelStatus:
         """Its part of the worker's health record."""

@@ -111,3 +111,27 @@ async def test_announced_requests_that_never_come_stop_counting_after_their_wind
         assert engine.claim_capacity() == 4
     finally:
         await engine.aclose()
+
+
+async def test_a_full_engine_names_the_priority_a_request_must_exceed_to_start_at_once() -> None:
+    clock = ManualClock()
+    engine = Engine(MLXThread("claim-outranked"), scheduler(SlowToyBatch(), capacity=2), sink, clock=clock)
+    try:
+        engine.add(req("low", max_tokens=10_000, priority=-3))
+        assert engine.outranked_priority() is None  # not started yet: it has room anyway
+        await until(lambda: engine.scheduler.num_running == 1)
+        assert engine.claim_capacity() == 1 and engine.outranked_priority() is None  # room: no need to outrank
+        engine.add(req("mid", max_tokens=10_000, priority=2))
+        await until(lambda: engine.scheduler.num_running == 2 and engine.claim_capacity() == 0)
+        await until(lambda: engine.outranked_priority() == -3)  # the lowest running
+        engine.expect(1, within_s=0.05)  # one claimed on that ground, on its way: no second one
+        assert engine.outranked_priority() is None
+        clock.advance(0.05)
+        assert engine.outranked_priority() == -3
+        engine.add(req("vip", max_tokens=10_000, priority=5))  # preempts "low", which waits, started
+        await until(lambda: engine.scheduler.stats.preemptions == 1 and engine.scheduler.num_waiting == 1)
+        await until(lambda: engine.outranked_priority() == 2)
+        engine.dead = True
+        assert engine.outranked_priority() is None
+    finally:
+        await engine.aclose()

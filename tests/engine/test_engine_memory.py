@@ -133,12 +133,13 @@ def test_room_is_free_slots_bounded_by_kv_minus_waiting() -> None:
     for i in range(3):
         s.add(req(f"r{i}", 4, max_tokens=12))  # 16 tokens: up to 190 bytes a row; 950 bytes: 5 such rows
     run.step(s)
-    assert s.room == Room(free_slots=3, waiting=0, kv_rows=2) and s.room.admissible == 2
+    assert s.room == Room(free_slots=3, waiting=0, kv_rows=2, outranked=0) and s.room.admissible == 2
     s.add(req("w0", 4, max_tokens=12))
     s.add(req("w1", 4, max_tokens=12))
     s.add(req("w2", 4, max_tokens=12))
     run.step(s)
     assert s.num_running == 5 and s.room.waiting == 1 and s.room.admissible == 0
+    assert s.room.outranked is None  # a request that has not started waits: a newcomer would wait too
     run.drain(s)
     assert s.room == Room(6, 0, 5)
     assert Room(4, 1, 9).admissible == 3 and Room(4, 9, 9).admissible == 0

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import redis.asyncio as aredis
 
 from api.arqseam import JOB_FUNCTION, job_record, read_job
-from api.keys import Keys
+from api.keys import Keys, queue_score
 from api.schema import DoneEvent, ErrorCode, Event, FinishReason, StartEvent, TokenEvent, decode_event
-from worker.lifecycle import Claim, Lifecycle, LogTTL, Record, Run, Write
+from worker.lifecycle import Claim, Lifecycle, LogTTL, Outranking, Record, Run, Write
 
 KEYS = Keys("lc-test")
 QUEUE = KEYS.queue("m")
@@ -228,6 +229,28 @@ async def test_start_takes_the_lowest_scores_across_queues_each_within_its_quota
                                                             ("a3", QUEUE)]
         assert starts.left  # b1, b2: over the other queue's quota
         assert await r.zrange(other, 0, -1) == [b"b1", b"b2"]
+    finally:
+        await r.aclose()
+
+
+async def test_start_from_a_full_engines_queue_takes_only_a_job_that_outranks_its_running_ones(
+        redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    now = int(time.time() * 1000)
+    try:
+        for rid, priority, waited_ms in (("normal", 0, 100), ("old-normal", 0, 9_000), ("urgent", 3, 50)):
+            await r.set(KEYS.job(rid), job_record({"n": rid}, now - waited_ms))
+            await r.zadd(QUEUE, {rid: queue_score(now - waited_ms, priority, 1000)})
+        need = Outranking(priority=2, aging_ms=1000)  # the engine runs priority 1 at the lowest
+        starts = await lifecycle(r).start({QUEUE: 1}, 4, {QUEUE: need})
+        # "old-normal" comes first by score (it waited as long as two levels are worth), but would not preempt
+        # anything once claimed (the engine preempts for a higher priority only): the full engine leaves it.
+        assert [s.rid for s in starts.rows] == ["urgent"] and starts.left
+        starts = await lifecycle(r).start({QUEUE: 1}, 4, {QUEUE: need})
+        assert starts.rows == [] and starts.left
+        assert await r.zrange(QUEUE, 0, -1) == [b"old-normal", b"normal"]
+        starts = await lifecycle(r).start({QUEUE: 2}, 4)  # room again: by score, as ever
+        assert [s.rid for s in starts.rows] == ["old-normal", "normal"] and not starts.left
     finally:
         await r.aclose()
 

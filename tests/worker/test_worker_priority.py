@@ -166,3 +166,34 @@ async def test_a_preempted_job_streams_through_redis_with_no_gap_duplicate_or_re
         assert text == alone.text and alone.usage.completion_tokens == 100
     finally:
         await running.close()
+
+
+async def test_a_worker_whose_batch_is_full_still_claims_a_job_that_outranks_its_running_ones(
+        worker_config: Any, client: Client) -> None:
+    from tests.worker.test_worker_queue import slow_steps
+
+    # Every slot is busy with long low-priority jobs, so the worker has no room to claim by: an urgent job must
+    # not wait in Redis until one ends. It is claimed, starts at once (a low job steps aside, holding its
+    # cache) and ends long before them; the low jobs' text is what they make alone.
+    running = await start_worker(config_with(worker_config, capacity=2))
+    slow_steps(running, 0.01)
+    try:
+        prompts = {"low 1": "a long job of low priority", "low 2": "another long job of low priority"}
+        lows = {await client.submit(model="tiny", prompt=p, max_tokens=300, priority=-1): p for p in prompts.values()}
+        engine = running.service.engine
+        async with asyncio.timeout(60):
+            while engine.scheduler.num_running < 2 or engine.stats.steps < 5:
+                await asyncio.sleep(0.01)
+        assert running.service.room() == 0
+        urgent = await client.submit(model="tiny", prompt="urgent", max_tokens=20, priority=5)
+        order = await _ends_in_order(client, [urgent, *lows])
+        assert order[0] == urgent and engine.stats.preemptions >= 1
+        for rid, prompt in lows.items():
+            events = [ev async for ev in client.events(rid, timeout=60)]
+            types = [e.type for e in events]
+            assert types.count("start") == 1 and "reset" not in types
+            assert [e.seq for e in events] == list(range(len(events)))
+            alone = await client.generate(model="tiny", prompt=prompt, max_tokens=300, timeout=120)
+            assert "".join(e.text for e in events if e.type == "token") == alone.text
+    finally:
+        await running.close()
