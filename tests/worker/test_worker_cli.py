@@ -215,6 +215,70 @@ def test_a_worker_that_cannot_start_says_why_in_one_line_and_exits_78(setting: d
     assert one_line(proc).startswith(message.format(tmp=tmp_path)), proc.stderr
 
 
+def arq_worker_run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``arq worker.Settings`` run to its end with only these ``MLXQ_*`` variables."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}
+    full.update(env)
+    return subprocess.run([sys.executable, "-m", "arq", "worker.Settings"], cwd=ROOT, env=full, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("content,problem", [
+    ('{"model_type": llama', "is not valid JSON: Expecting value: line 1 column 16 (char 15)"),
+    ("[1, 2]", "is not a JSON object (it holds a list)"),
+], ids=["not_json", "not_an_object"])
+def test_a_model_whose_config_json_is_broken_is_one_line_and_exit_78(content: str, problem: str,
+                                                                      tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(content)
+    proc = arq_worker_run({"MLXQ_MODEL": str(tmp_path), "MLXQ_REDIS_URL": "redis://127.0.0.1:1"})
+    assert proc.returncode == 78
+    assert one_line(proc) == f"mlxq worker: {tmp_path / 'config.json'} {problem}"
+    debug = arq_worker_run({"MLXQ_MODEL": str(tmp_path), "MLXQ_REDIS_URL": "redis://127.0.0.1:1",
+                            "MLXQ_LOG_LEVEL": "DEBUG"})
+    assert debug.returncode == 78  # at DEBUG the traceback comes first, then the same line
+    assert "Traceback" in debug.stderr and debug.stderr.endswith(f"mlxq worker: {tmp_path / 'config.json'} {problem}\n")
+
+
+@pytest.mark.parametrize("breakage,problem", [
+    ("no_weights", "FileNotFoundError: No safetensors found in {model}"),
+    ("corrupt_weights", "RuntimeError: [load_safetensors] Invalid json header length file {model}/model.safetensors"),
+])
+def test_a_model_directory_that_fails_to_load_is_one_error_line_and_exit_78(breakage: str, problem: str,
+                                                                           tiny_model: Path, tmp_path: Path,
+                                                                           redis_url: str) -> None:
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    if breakage == "no_weights":
+        (model / "model.safetensors").unlink()
+    else:
+        (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    env = {"MLXQ_MODEL": str(model), "MLXQ_REDIS_URL": redis_url}
+    proc = arq_worker_run(env)  # the config passes; loading it, after Redis answered, does not
+    assert proc.returncode == 78, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    (error,) = [ln for ln in proc.stderr.splitlines() if " ERROR " in ln]  # beside arq's start-up lines
+    assert error.endswith(f"worker cannot start: cannot load the model at {model}: {problem.format(model=model)}")
+    if breakage == "corrupt_weights":
+        debug = arq_worker_run({**env, "MLXQ_LOG_LEVEL": "DEBUG"})
+        assert debug.returncode == 78 and "Traceback" in debug.stderr and "load_safetensors" in debug.stderr
+
+
+@pytest.mark.parametrize("peer", ["refuses", *PEERS])
+def test_a_worker_whose_redis_never_answers_says_so_once_at_its_deadline_and_exits_69(peer: str,
+                                                                                      tiny_model: Path) -> None:
+    # Was: arq's "retries remaining" lines, then the error, after ~31 s. MLXQ_CONNECT_DEADLINE bounds the wait.
+    with contextlib.ExitStack() as stack:
+        url = "redis://127.0.0.1:1" if peer == "refuses" else stack.enter_context(silent_peer(peer))
+        proc = arq_worker_run({"MLXQ_MODEL": str(tiny_model), "MLXQ_REDIS_URL": url, "MLXQ_CONNECT_DEADLINE": "0.7"})
+    assert proc.returncode == 69
+    line = one_line(proc)
+    assert f" ERROR api.arqseam: worker cannot start: Redis at {url} unreachable within the 0.7s deadline " \
+           "(MLXQ_CONNECT_DEADLINE; " in line, line
+    assert line.split("): ", 1)[1], line  # the cause
+
+
 def test_a_bad_setting_or_a_missing_extra_is_one_line_not_a_traceback(redis_url: str) -> None:
     bad = mlxq(redis_url, "status", env={"MLXQ_RETRY_DEADLINE": "soon"})
     assert bad.returncode == 2 and one_line(bad) == "mlxq: MLXQ_RETRY_DEADLINE='soon': expected a number"
