@@ -37,7 +37,8 @@ from arq.connections import RedisSettings
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from .connection import CONNECT_TIMEOUT_S, RETRY_ON, redact, retry
+from .connection import CONNECT_TIMEOUT_S, RETRY_ON, RetryPolicy, client_redis, redact, retry, with_retries
+from .errors import MlxqError
 from .keys import Keys
 
 __all__ = [
@@ -240,6 +241,7 @@ class WorkerSpec:
     health_key: str
     on_stop_signal: Callable[[float], None] = lambda drain_s: None  # SIGTERM/SIGINT, given the drain
     on_closed: Callable[[], None] = lambda: None
+    connect_deadline_s: float = 30.0  # at start, how long to wait for Redis to answer (MLXQ_CONNECT_DEADLINE)
 
 
 def worker_settings(spec: WorkerSpec) -> dict[str, Any]:
@@ -262,7 +264,7 @@ def worker_settings(spec: WorkerSpec) -> dict[str, Any]:
     settings.retry = retry()
     settings.retry_on_error = list(RETRY_ON)
     settings.conn_timeout = int(CONNECT_TIMEOUT_S)
-    settings.conn_retries = 2  # each try retries inside redis-py too: ~25 s of outage at start, then exit 69
+    settings.conn_retries = 0  # Redis answered already (_await_redis): no "retries remaining" lines of arq's
     return {
         "functions": [arq.worker.func(generate, name=JOB_FUNCTION, timeout=spec.job_timeout_s, max_tries=1)],
         "queue_name": spec.queue,
@@ -405,16 +407,36 @@ _arq_main = arq.worker.Worker.main
 
 
 async def _main(self: arq.worker.Worker) -> None:
-    """arq's main loop; for an mlxq worker, Redis staying unreachable (at start, or past the retries later)
-    ends it with one line and exit status 69 for the supervisor, instead of a traceback."""
+    """arq's main loop; for an mlxq worker, Redis staying unreachable (at start past ``connect_deadline_s``, or
+    past the retries later) ends it with one line and exit status 69 for the supervisor, instead of a traceback
+    (at DEBUG, with it)."""
     spec: WorkerSpec | None = self.ctx.get(_SPEC)
     if spec is None:
         return await _arq_main(self)
+    debug = log.isEnabledFor(logging.DEBUG)
+    if self._pool is None:
+        try:
+            await _await_redis(spec)
+        except MlxqError as exc:  # unreachable past the deadline, or refusing our credentials
+            log.error("worker cannot start: %s", exc, exc_info=debug)
+            raise SystemExit(REDIS_UNAVAILABLE_EXIT) from None
     try:
         await _arq_main(self)
     except (RedisError, OSError) as exc:
-        log.error("worker stopping: Redis at %s unreachable: %s", redact(spec.redis_url), exc)
+        log.error("worker stopping: Redis at %s unreachable: %s", redact(spec.redis_url), exc, exc_info=debug)
         raise SystemExit(REDIS_UNAVAILABLE_EXIT) from None
+
+
+async def _await_redis(spec: WorkerSpec) -> None:
+    """Ping Redis until it answers, within ``spec.connect_deadline_s`` from now: the client's retry policy (each
+    try cut short at the deadline), so a worker started before Redis waits for it, and one whose Redis never
+    answers says so once, at the deadline."""
+    policy = RetryPolicy(deadline_s=spec.connect_deadline_s, cap_s=1.0, setting="MLXQ_CONNECT_DEADLINE")
+    probe = client_redis(spec.redis_url, policy)
+    try:
+        await with_retries(probe.ping, policy, redact(spec.redis_url))
+    finally:
+        await probe.aclose()
 
 
 _arq_close = arq.worker.Worker.close

@@ -26,43 +26,96 @@ from pydantic import ValidationError
 from .client import Client
 from .config import ClientConfig
 from .errors import BadRequest, ConfigError, JobFailed, MlxqError, NoWorker, describe
+from .gateway.config import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_PORT
 from .schema import ChatMessage, DoneEvent, ErrorEvent, GenerateRequest
 
 __all__ = ["EXIT_FAILED", "EXIT_NO_WORKER", "EXIT_OK", "EXIT_USAGE", "main"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the job failed or timed out, an unknown job, Redis unreachable or refusing, unhealthy
-EXIT_USAGE = 2  # a bad request, option or configuration value
+EXIT_USAGE = 2  # a bad request, option or configuration value; a missing extra or tool
 EXIT_NO_WORKER = 3  # no live worker serves the model
 EXIT_INTERRUPTED = 130
 
-_ENVIRONMENT = """\
-environment:
+_CLIENT_ENV = """\
   MLXQ_REDIS_URL       Redis to use (default redis://127.0.0.1:6379; also unix:///path/redis.sock)
   MLXQ_PREFIX          namespace of every key under one Redis (default mlxq)
-  MLXQ_RETRY_DEADLINE  seconds to retry an unreachable Redis before giving up (default 5)
+  MLXQ_RETRY_DEADLINE  seconds an operation retries an unreachable Redis, from its start (default 5)
   MLXQ_MAX_QUEUED      jobs one model's queue may hold before submits are refused (default 10000; 0: no cap)
   MLXQ_JOB_EXPIRY      seconds a job may wait queued before it ends error(expired) (default 300; 0: never)
   MLXQ_PRIORITY_AGING  seconds of waiting one priority level is worth (default 1)
-
-exit status:
-  0    success
-  1    the job ended with an error or timed out; an unknown job; Redis unreachable or refusing; unhealthy
-  2    a bad request, option or configuration value
-  3    no live worker serves the model (submit, unless --queue-anyway)
-  130  interrupted
 """
+_GATEWAY_ENV = f"""\
+  MLXQ_GATEWAY_HOST        address to listen on (default {DEFAULT_HOST}; --host wins)
+  MLXQ_GATEWAY_PORT        port to listen on (default {DEFAULT_PORT}; --port wins)
+  MLXQ_API_KEYS            comma-separated keys a request must bear (default: none, no authentication)
+  MLXQ_GATEWAY_MAX_BODY    largest request body in bytes (default {DEFAULT_MAX_BODY_BYTES}: the largest job workers
+                           read with their default limits)
+  MLXQ_GATEWAY_MAX_TOKENS  max_tokens of a request that names none (default {DEFAULT_MAX_TOKENS})
+ and its queue client's:
+{_CLIENT_ENV}"""
+_DEMO_ENV = """\
+  MLXQ_REDIS_URL    a Redis to use instead of the embedded redis-server (default: embed one)
+  MLXQ_MODEL_CACHE  where the generated models are kept between runs (default ~/.cache/mlxq/models)
+"""
+_BENCH_ENV = """\
+  MLXQ_*             the worker variables (e.g. MLXQ_STREAM_INTERVAL_MS, MLXQ_ADMIT_WAIT_MS, MLXQ_PREFILL_BATCH)
+                     apply to its workers, which inherit them; the results record the ones in effect
+  MLXQ_MODEL_CACHE   where the generated models are kept between runs (default ~/.cache/mlxq/models)
+  OPENBLAS_CORETYPE  the OpenBLAS core on Linux (default: the one it picks for this CPU)
+"""
+
+_BAD_CONFIG = "2    a bad request, option or configuration value"
+_REDIS_DOWN = "Redis unreachable or refusing"
+_EXITS = {
+    "mlxq": [
+        "0    success",
+        f"1    the job ended with an error or timed out; an unknown job; {_REDIS_DOWN}; unhealthy",
+        f"{_BAD_CONFIG}; a missing extra or tool (demo: no redis-server)",
+        "3    no live worker serves the model (submit, unless --queue-anyway)",
+    ],
+    "submit": [
+        "0    the job ended done (stop, length or cancelled); with --no-wait, it was queued",
+        f"1    the job ended with an error, or no end within --timeout; {_REDIS_DOWN}",
+        _BAD_CONFIG,
+        "3    no live worker serves the model (unless --queue-anyway); nothing was queued",
+    ],
+    "cancel": ["0    cancel requested, or the job had ended already", f"1    an unknown job; {_REDIS_DOWN}",
+               _BAD_CONFIG],
+    "events": ["0    every event up to the terminal one (done or error) was printed",
+               f"1    an unknown job, or no terminal event within --timeout; {_REDIS_DOWN}", _BAD_CONFIG],
+    "status": ["0    the report was printed", f"1    {_REDIS_DOWN}", _BAD_CONFIG],
+    "health": ["0    a live worker serves the model (any model without --model)",
+               f"1    none does (unhealthy); {_REDIS_DOWN}", _BAD_CONFIG],
+    "demo": ["0    the demo ran", "1    a job or the worker failed (the worker's log is kept; its path is printed)",
+             "2    a bad option; the worker extra is missing; no redis-server to embed (macOS: brew install redis)"],
+    "gateway": ["0    stopped by SIGINT/SIGTERM after a clean shutdown (uvicorn then re-raises the signal: a shell "
+                "sees 130 or 143)",
+                "2    a bad option or configuration value; the gateway extra is missing",
+                "3    it could not start (e.g. the address is in use)"],
+    "bench": ["0    the results were written", "1    a run failed (the line says which)",
+              "2    a bad option; the worker or bench extra is missing"],
+}
+_ENV = {"demo": _DEMO_ENV, "gateway": _GATEWAY_ENV, "bench": _BENCH_ENV}
+
+
+def _epilog(command: str) -> str:
+    """A command's environment variables and exit statuses, for the end of its ``--help``."""
+    exits = "\n".join(f"  {line}" for line in [*_EXITS[command], "130  interrupted"])
+    return f"environment:\n{_ENV.get(command, _CLIENT_ENV)}\nexit status:\n{exits}\n"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlxq", description="MLX language models behind a Redis job queue.",
-                                epilog=_ENVIRONMENT, formatter_class=_Formatter)
+                                epilog=_epilog("mlxq"), formatter_class=_Formatter)
     p.add_argument("--debug", action="store_true", help="log at DEBUG and show tracebacks")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    fmt: dict[str, Any] = {"formatter_class": _Formatter, "epilog": _ENVIRONMENT}
 
-    s = sub.add_parser("submit", help="submit a job and stream its text to stdout", **fmt,
-                       description="Submit a job; its text goes to stdout, status to stderr.")
+    def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, formatter_class=_Formatter, epilog=_epilog(name), **kwargs)
+
+    s = command("submit", help="submit a job and stream its text to stdout",
+                description="Submit a job; its text goes to stdout, status to stderr.")
     s.add_argument("prompt", nargs="?", default=None,
                    help="the prompt (a raw prompt, or the user message with --chat); '-' reads standard input")
     s.add_argument("--file", type=Path, default=None, help="read the prompt from this file")
@@ -82,39 +135,38 @@ def _parser() -> argparse.ArgumentParser:
                    help="queue it even when no live worker serves the model (one may start before it expires)")
     s.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
 
-    c = sub.add_parser("cancel", help="cancel a job", **fmt)
+    c = command("cancel", help="cancel a job")
     c.add_argument("job_id")
 
-    e = sub.add_parser("events", help="print a job's events as JSON lines (replayed, then live)", **fmt)
+    e = command("events", help="print a job's events as JSON lines (replayed, then live)")
     e.add_argument("job_id")
     e.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
 
-    st = sub.add_parser("status", help="queues and live workers, from Redis", **fmt)
+    st = command("status", help="queues and live workers, from Redis")
     st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     st.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
                     help="refresh in place every SECONDS (2 when given alone) until interrupted")
     st.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N refreshes")
 
-    h = sub.add_parser("health", **fmt,
-                       help="exit 0 if a live worker serves the model (any model without --model), else 1")
+    h = command("health", help="exit 0 if a live worker serves the model (any model without --model), else 1")
     h.add_argument("--model", default=None, help="the model to check")
 
-    d = sub.add_parser("demo", help="embedded Redis + tiny model + worker + concurrent jobs, no setup", **fmt)
+    d = command("demo", help="embedded Redis + tiny model + worker + concurrent jobs, no setup")
     d.add_argument("--jobs", type=int, default=8, help="concurrent jobs in the batch phase")
-    d.add_argument("--max-tokens", type=int, default=64)
+    d.add_argument("--max-tokens", type=int, default=64, help="most tokens each job generates")
     d.add_argument("--size", choices=["tiny", "small"], default="tiny", help="generated model size")
     d.add_argument("--gateway", action="store_true",
                    help="then serve the HTTP gateway in front of the worker and print a curl line (until Ctrl-C)")
     d.add_argument("--port", type=int, default=8000, help="the gateway's port with --gateway (0: any free one)")
 
-    g = sub.add_parser("gateway", help="OpenAI- and Anthropic-compatible HTTP API over the queue", **fmt)
+    g = command("gateway", help="OpenAI- and Anthropic-compatible HTTP API over the queue")
     g.add_argument("--host", default=None, help="address to listen on (default: MLXQ_GATEWAY_HOST or 127.0.0.1)")
     g.add_argument("--port", type=int, default=None, help="port (default: MLXQ_GATEWAY_PORT or 8000)")
     g.add_argument("--workers", type=int, default=1, help="gateway processes sharing the port")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="debug logs one line per request")
 
-    b = sub.add_parser("bench", help="raw mlx-lm vs the queue vs serial, side by side in one run", **fmt)
+    b = command("bench", help="raw mlx-lm vs the queue vs serial, side by side in one run")
     b.add_argument("--out", default="bench-out", help="directory for results.json, results.md, chart.png")
     b.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     b.add_argument("--sizes", default=None, help="comma-separated model sizes (default: tiny,small)")
@@ -205,7 +257,8 @@ def _gateway(args: argparse.Namespace) -> int:
             raise
         raise _MissingTool(f"'gateway' needs the gateway extra ({exc}): pip install 'mlxq[gateway]'") from None
     config = GatewayConfig.from_env()
-    config = replace(config, host=args.host or config.host, port=args.port or config.port)
+    config = replace(config, host=config.host if args.host is None else args.host,
+                     port=config.port if args.port is None else args.port)  # --port 0: any free port
     return serve(config, workers=args.workers, log_level=args.log_level)
 
 

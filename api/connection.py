@@ -4,7 +4,9 @@ Workers retry inside redis-py (``retry()``): they must outlive a Redis restart. 
 of its own, :class:`RetryPolicy`, applied around each of its operations (:func:`with_retries`): transient
 errors are retried with backoff until a deadline, then raise :class:`QueueUnavailable`; a refusal of the
 credentials or of a command raises :class:`AccessDenied` at once (redis-py files a wrong password under
-its ``ConnectionError``, which retrying would only repeat).
+its ``ConnectionError``, which retrying would only repeat). The deadline runs from the operation's start, and
+each try is cut short at it: a host that drops packets, or a peer that accepts and never answers, ends the
+operation at its deadline, not a connect or read timeout later.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import random
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from redis.asyncio import ConnectionPool, Redis
@@ -61,11 +63,13 @@ def redis_client(url: str, **kwargs: Any) -> Redis:
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """The client's retries: backoff from ``base_s`` doubling up to ``cap_s``, for at most ``deadline_s``."""
+    """The client's retries: backoff from ``base_s`` doubling up to ``cap_s``, for at most ``deadline_s`` from the
+    operation's start; ``setting`` names the variable that sets the deadline (for the message on giving up)."""
 
     deadline_s: float = 5.0
     base_s: float = 0.05
     cap_s: float = 1.0
+    setting: str = "MLXQ_RETRY_DEADLINE"
 
 
 def client_redis(url: str, policy: RetryPolicy) -> Redis:
@@ -97,17 +101,42 @@ def denied(exc: BaseException, where: str) -> AccessDenied:
     return AccessDenied(f"Redis at {where} refused {what}: {exc}")
 
 
+_MIN_TRY_S = 0.1  # a try gets at least this long, so a deadline of 0 (or one nearly spent) still makes one
+
+
 @dataclass(slots=True)
 class Failures:
-    """Consecutive failures of one operation under a policy: when to give up, how long to wait."""
+    """The tries of one operation under a policy: how long the next may take, when to give up, how long to wait.
+
+    The deadline runs from ``since``: the operation's start, or its first failure after Redis last answered
+    (:meth:`ok`, for a long-lived operation such as following a job)."""
 
     policy: RetryPolicy
     where: str
-    since: float | None = None
+    since: float | None = field(default_factory=time.monotonic)
     count: int = 0
 
     def ok(self) -> None:
         self.since, self.count = None, 0
+
+    def time_left(self) -> float:
+        """How long the next try may take: what is left of the deadline (the whole of it after a success)."""
+        if self.since is None:
+            return max(_MIN_TRY_S, self.policy.deadline_s)
+        return max(_MIN_TRY_S, self.since + self.policy.deadline_s - time.monotonic())
+
+    async def attempt(self, op: Callable[[], Awaitable[T]]) -> T:
+        """``await op()``, cut short at the deadline: a connect or a reply that never comes raises
+        ``redis.exceptions.TimeoutError`` then, whatever the socket's own timeouts."""
+        bound = self.time_left()
+        timer = asyncio.timeout(bound)
+        try:
+            async with timer:
+                return await op()
+        except TimeoutError:
+            if timer.expired():
+                raise RedisTimeoutError(f"no answer within {bound:.1f}s") from None
+            raise
 
     async def failed(self, exc: BaseException) -> None:
         """Raise what ``exc`` means to the caller, or wait out the backoff before the next try."""
@@ -119,19 +148,25 @@ class Failures:
             raise exc
         now = time.monotonic()
         self.since = self.since if self.since is not None else now
-        if now - self.since >= self.policy.deadline_s:
-            raise QueueUnavailable(f"Redis at {self.where} unreachable for {now - self.since:.1f}s "
-                                   f"({self.count + 1} tries): {exc}") from exc
-        delay = min(self.policy.cap_s, self.policy.base_s * 2**self.count) * random.uniform(0.5, 1.0)
         self.count += 1
-        await asyncio.sleep(min(delay, max(0.0, self.since + self.policy.deadline_s - now)))
+        left = self.since + self.policy.deadline_s - now
+        if left <= 0:
+            p, tries = self.policy, "1 try" if self.count == 1 else f"{self.count} tries"
+            raise QueueUnavailable(f"Redis at {self.where} unreachable within the {p.deadline_s:g}s deadline "
+                                   f"({p.setting}; {tries}): {_cause(exc)}") from exc
+        delay = min(self.policy.cap_s, self.policy.base_s * 2 ** (self.count - 1)) * random.uniform(0.5, 1.0)
+        await asyncio.sleep(min(delay, left))
+
+
+def _cause(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
 
 
 async def with_retries(op: Callable[[], Awaitable[T]], policy: RetryPolicy, where: str) -> T:
-    """``await op()``, retried on transient errors within ``policy``."""
+    """``await op()``, retried on transient errors within ``policy``'s deadline from now."""
     failures = Failures(policy, where)
     while True:
         try:
-            return await op()
+            return await failures.attempt(op)
         except Exception as exc:
             await failures.failed(exc)

@@ -66,6 +66,7 @@ class Enqueuer:
         self.sha = hashlib.sha1(ENQUEUE.encode()).hexdigest()
         self.round_trips = 0  # pipelines sent (tests and benchmarks read it)
         self._pending: list[_Call] = []
+        self._sending: list[_Call] = []  # the calls of the pipeline in flight
         self._sender: asyncio.Task[None] | None = None
         self._conn: AbstractConnection | None = None
 
@@ -80,8 +81,11 @@ class Enqueuer:
         return await call.done
 
     async def aclose(self) -> None:
-        """Wait for the sends in flight (their callers are waiting for them), then close the connection."""
+        """Wait for the sends in flight whose callers still wait for them, then close the connection. A send
+        nobody waits for any more (its callers gave up on an unresponsive Redis) is cancelled, not awaited."""
         if self._sender is not None:
+            if all(c.done.done() for c in self._sending + self._pending):
+                self._sender.cancel()
             await asyncio.gather(self._sender, return_exceptions=True)
         if self._conn is not None:
             conn, self._conn = self._conn, None
@@ -94,14 +98,16 @@ class Enqueuer:
                 self._pending = []
                 if not calls:
                     return
+                self._sending = calls
                 await self._send(calls)
+                self._sending = []
         except BaseException:  # cancelled (the loop is closing): so are the calls that were still to go
             for c in self._pending:
                 c.done.cancel()
             self._pending = []
             raise
         finally:
-            self._sender = None
+            self._sender, self._sending = None, []
 
     async def _send(self, calls: list[_Call]) -> None:
         try:

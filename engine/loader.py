@@ -92,7 +92,7 @@ def locate_model(path: str) -> str:
             raise ModelLoadError(f"{path} is a file, not a model directory")
         if not (local / "config.json").is_file():
             raise ModelLoadError(f"{path} is not an mlx-lm model directory (it has no config.json)")
-        model_type = json.loads((local / "config.json").read_text()).get("model_type")
+        model_type = _local_config(local / "config.json").get("model_type")
         if not model_type:
             raise ModelLoadError(f"{path} is not an mlx-lm model directory (its config.json names no model_type)")
         return str(local)
@@ -100,6 +100,19 @@ def locate_model(path: str) -> str:
     if looks_local:
         raise ModelLoadError(f"no model directory at {path}")
     return path  # org/name: mlx-lm fetches it from the hub (where the machine may download)
+
+
+def _local_config(file: Path) -> dict[str, Any]:
+    """A local config.json, or ModelLoadError naming the file and what is wrong with it."""
+    try:
+        config = json.loads(file.read_bytes())
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {file}: {exc.strerror or exc}") from exc
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise ModelLoadError(f"{file} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{file} is not a JSON object (it holds a {type(config).__name__})")
+    return config
 
 
 def load_model(path: str) -> LoadedModel:

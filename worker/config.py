@@ -9,10 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from api.config import DEFAULT_REDIS_URL, EnvReader
+from api.errors import ConfigError
 from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
 from api.schema import job_bytes_limit
 
-__all__ = ["ServedModel", "WorkerConfig"]
+__all__ = ["LOG_LEVELS", "ServedModel", "WorkerConfig"]
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def _worker_id() -> str:
@@ -86,6 +89,10 @@ class WorkerConfig:
     max_image_pixels: int = 4096 * 4096  # MLXQ_MAX_IMAGE_PIXELS: width x height of one image, read before decoding
     image_urls: bool = False  # MLXQ_IMAGE_URLS: fetch http(s) image URLs (else data: URLs only)
     image_fetch_timeout_s: float = 10.0  # MLXQ_IMAGE_FETCH_TIMEOUT: one http(s) image's whole fetch
+    # MLXQ_CONNECT_DEADLINE: a starting worker waits this long for Redis to answer, then exits 69 with one line
+    # (a supervisor restarts it); once started, redis-py's retries ride out a restart of Redis
+    connect_deadline_s: float = 30.0
+    log_level: str = "INFO"  # MLXQ_LOG_LEVEL: DEBUG, INFO, WARNING or ERROR; DEBUG adds start-up failures' tracebacks
     worker_id: str = field(default_factory=_worker_id)
 
     @property
@@ -163,5 +170,14 @@ class WorkerConfig:
             max_image_pixels=e.integer("MLXQ_MAX_IMAGE_PIXELS", d.max_image_pixels, minimum=1),
             image_urls=e.flag("MLXQ_IMAGE_URLS", d.image_urls),
             image_fetch_timeout_s=e.number("MLXQ_IMAGE_FETCH_TIMEOUT", d.image_fetch_timeout_s, minimum=0.001),
+            connect_deadline_s=e.number("MLXQ_CONNECT_DEADLINE", d.connect_deadline_s, minimum=0),
+            log_level=_log_level(e.text("MLXQ_LOG_LEVEL", d.log_level)),
         )
+
+
+def _log_level(raw: str) -> str:
+    level = raw.strip().upper() or "INFO"
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"MLXQ_LOG_LEVEL={raw!r}: expected one of {', '.join(LOG_LEVELS)}")
+    return level
 

@@ -4,6 +4,11 @@ from the environment.
 One queue per model (``<prefix>:queue:<name>``), a short poll backed by producers' wake-ups, ``max_jobs``
 above the models' batch capacity and a health record per worker. Each model loads at start-up on its own MLX
 thread.
+
+Exit status: 0 stopped by SIGTERM/SIGINT (after the drain); 1 a shutdown hung past ``MLXQ_SHUTDOWN_GRACE``; 69
+Redis unreachable (at start for ``MLXQ_CONNECT_DEADLINE``, or later past redis-py's retries); 70 every model's
+engine died; 78 a configuration it cannot run with (a bad ``MLXQ_*`` value, a model that is missing, not a
+model, or fails to load). Each failure is one line; ``MLXQ_LOG_LEVEL=DEBUG`` adds its traceback.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import logging
 import socket
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from api.arqseam import Host, WorkerSpec
 from api.arqseam import worker_settings as arq_worker_settings
@@ -51,7 +56,7 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
         try:
             host = await WorkerHost.start(config)
         except (ConfigError, ModelLoadError) as exc:
-            log.error("worker cannot start: %s", exc)
+            log.error("worker cannot start: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
             raise SystemExit(CONFIG_ERROR_EXIT) from None
         return host
 
@@ -74,32 +79,43 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
         health_key=config.keys.arq_health(socket.gethostname(), first),
         on_stop_signal=on_stop_signal,
         on_closed=watchdog.disarm,
+        connect_deadline_s=config.connect_deadline_s,
     ))
 
 
-def _configure_logging() -> None:
-    # arq's CLI configures only the "arq" logger; give ours the same treatment unless the host app did (tests
-    # starting a Worker themselves log through pytest).
+def _configure_logging(level: str) -> None:
+    # arq's CLI configures only the "arq" logger; give ours the same treatment (at MLXQ_LOG_LEVEL) unless the host
+    # app did (tests starting a Worker themselves log through pytest).
     for name in ("worker", "engine", "api"):
         logger = logging.getLogger(name)
         if not logger.handlers and not logging.getLogger().handlers:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
             logger.addHandler(handler)
-            logger.setLevel(logging.INFO)
+            logger.setLevel(level)
 
 
 def _settings_class() -> type:
     """``arq worker.Settings``: the worker for ``MLXQ_MODEL`` or ``MLXQ_MODELS``, its attributes read from the
-    environment; a bad configuration exits 78 with one line, not a traceback."""
-    _configure_logging()
+    environment; a bad configuration exits 78 with one line, not a traceback (at ``MLXQ_LOG_LEVEL=DEBUG``, after
+    it)."""
     try:
         config = WorkerConfig.from_env()
+    except ConfigError as exc:
+        _configure_logging("INFO")
+        _cannot_start(exc)
+    _configure_logging(config.log_level)
+    try:
         check_config(config)
     except (ConfigError, ModelLoadError) as exc:
-        print(f"mlxq worker: {exc}", file=sys.stderr)
-        raise SystemExit(CONFIG_ERROR_EXIT) from None
+        _cannot_start(exc)
     return type("Settings", (), dict(worker_settings(config)))
+
+
+def _cannot_start(exc: Exception) -> NoReturn:
+    log.debug("worker cannot start", exc_info=exc)
+    print(f"mlxq worker: {exc}", file=sys.stderr)
+    raise SystemExit(CONFIG_ERROR_EXIT) from None
 
 
 _settings: type | None = None

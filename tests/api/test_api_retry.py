@@ -22,6 +22,7 @@ from api.connection import is_denied, is_transient, redact
 from api.errors import AccessDenied, QueueUnavailable
 from api.keys import Keys, log_entry_id
 from api.schema import DoneEvent, FinishReason, StartEvent, Timings, Usage
+from tests.peers import PEERS, silent_peer
 from worker.tools.redis_server import RedisServer, find_redis_server
 
 
@@ -123,6 +124,23 @@ async def test_a_follower_rides_out_a_redis_restart_and_gives_up_on_an_outage(tm
             assert "unreachable" in str(gone.value)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("kind", PEERS)
+async def test_a_peer_that_never_answers_ends_each_operation_at_its_deadline(kind: str) -> None:
+    # No socket timeout bounds a reply that never comes (and a connect timeout may outlast the deadline): the
+    # operation's deadline does, and the message names it.
+    with silent_peer(kind) as url:
+        async with Client(url, retry_deadline=0.3) as client:  # its close ends too (the enqueuer's send is dropped)
+            operations = {"workers": client.workers, "cancel": lambda: client.cancel("j"),
+                          "submit": lambda: client.submit(model="m", prompt="hi")}
+            for name, op in operations.items():
+                with pytest.raises(QueueUnavailable) as gone:
+                    await op()
+                message = str(gone.value)
+                assert message.startswith(f"Redis at {url} unreachable within the 0.3s deadline "
+                                          "(MLXQ_RETRY_DEADLINE; "), (name, message)
+                assert message.split("): ", 1)[1], (name, message)  # and the cause
 
 
 def write(url: str, keys: Keys, event: Any) -> None:

