@@ -82,6 +82,10 @@ class WorkerConfig:
     # 0: off
     prefix_cache_gb: float | None = None
     priority_aging_s: float = 1.0  # MLXQ_PRIORITY_AGING: waiting one priority level is worth (as producers')
+    # MLXQ_MLX_MEMORY_GB, MLXQ_MLX_CACHE_GB: MLX's process-wide memory limit and the freed buffers it keeps for
+    # reuse (engine/mlx_process.py; one value for the whole process, whatever the models); unset: MLX's default
+    mlx_memory_gb: float | None = None
+    mlx_cache_gb: float | None = None
     metrics_port: int = 0  # MLXQ_METRICS_PORT: serve Prometheus metrics on this port (0: off)
     metrics_addr: str = "0.0.0.0"  # MLXQ_METRICS_ADDR: the address it listens on
     max_images: int = 4  # MLXQ_MAX_IMAGES: images in one job
@@ -94,6 +98,14 @@ class WorkerConfig:
     connect_deadline_s: float = 30.0
     log_level: str = "INFO"  # MLXQ_LOG_LEVEL: DEBUG, INFO, WARNING or ERROR; DEBUG adds start-up failures' tracebacks
     worker_id: str = field(default_factory=_worker_id)
+
+    @property
+    def mlx_limits(self) -> tuple[int | None, int | None]:
+        """MLX's process-wide memory and cache limits in bytes (None: MLX's default)."""
+        def gib(v: float | None) -> int | None:
+            return None if v is None else int(v * (1 << 30))
+
+        return gib(self.mlx_memory_gb), gib(self.mlx_cache_gb)
 
     @property
     def served(self) -> tuple[ServedModel, ...]:
@@ -163,6 +175,8 @@ class WorkerConfig:
             kv_headroom_gb=e.optional_number("MLXQ_KV_HEADROOM_GB", minimum=0.001),
             prefix_cache_gb=e.optional_number("MLXQ_PREFIX_CACHE_GB", minimum=0),
             priority_aging_s=e.number("MLXQ_PRIORITY_AGING", d.priority_aging_s, minimum=0),
+            mlx_memory_gb=e.optional_number("MLXQ_MLX_MEMORY_GB", minimum=0.001),
+            mlx_cache_gb=e.optional_number("MLXQ_MLX_CACHE_GB", minimum=0),
             metrics_port=e.integer("MLXQ_METRICS_PORT", d.metrics_port, minimum=0),
             metrics_addr=e.text("MLXQ_METRICS_ADDR", d.metrics_addr),
             max_images=e.integer("MLXQ_MAX_IMAGES", d.max_images, minimum=0),

@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from api.arqseam import Claimed, Claims, Envelope, Outcome, read_job
 from api.connection import redis_client
 from api.schema import ErrorCode, FinishReason, GenerateRequest, ModelState, WorkerStatus, is_terminal
-from engine.mlx_process import mlx_process
+from engine.mlx_process import MLXLimits, mlx_process
 from engine.request import RequestOutput
 
 from . import waker
@@ -100,7 +100,8 @@ class WorkerHost:
         def sink(outs: list[RequestOutput]) -> None:  # runs on an MLX thread
             loop.call_soon_threadsafe(host.publisher.feed, outs)
 
-        mlx_process()  # MLX's process-global limits, set once before any engine exists (engine/mlx_process.py)
+        # MLX's process-global limits, set once before any engine exists (engine/mlx_process.py)
+        mlx_process(MLXLimits(*host.config.mlx_limits))
         for service in host.services.values():  # one at a time: each materializes its arrays on its own thread
             await service.load(sink)
             service.on_dead = host._on_model_dead

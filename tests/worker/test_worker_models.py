@@ -244,3 +244,22 @@ async def test_the_process_exits_70_for_its_supervisor_once_every_engine_is_dead
             proc.kill()
         log.close()
     assert f"every engine is dead; exiting with {ENGINE_DEAD_EXIT}" in (tmp_path / "worker.log").read_text()
+
+
+async def test_the_workers_mlx_memory_and_cache_limits_reach_the_process_owner(
+        worker_config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker.host
+    from engine.mlx_process import MLXLimits
+    from worker.config import WorkerConfig
+
+    env = WorkerConfig.from_env({"MLXQ_MODEL": "x", "MLXQ_MLX_MEMORY_GB": "2", "MLXQ_MLX_CACHE_GB": "0.25"})
+    assert env.mlx_limits == (2 << 30, 1 << 28)
+    assert WorkerConfig.from_env({"MLXQ_MODEL": "x"}).mlx_limits == (None, None)
+    seen: list[MLXLimits] = []
+    real = worker.host.mlx_process
+    monkeypatch.setattr(worker.host, "mlx_process", lambda limits=None: seen.append(limits) or real())
+    running = await start_worker(config_with(worker_config, mlx_memory_gb=2.0, mlx_cache_gb=0.25))
+    try:
+        assert seen == [MLXLimits(memory_bytes=2 << 30, cache_bytes=1 << 28)]
+    finally:
+        await running.close()
