@@ -8,6 +8,7 @@ event exactly once and in order. Silence or a gap in seq triggers another read o
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -258,13 +259,13 @@ class Client:
         """Replay, then live events; a job with neither a record nor a log is unknown (a patient follower
         asks only after its first wait for live events)."""
         fresh = sub is not None  # subscribed before the job was enqueued: nothing to replay yet
-        if sub is None:
-            sub = await self._hub().open(self.keys.events(rid))
+        if sub is None:  # each call cut short at the deadline: a Redis that never answers must not hang here
+            sub = await failures.attempt(lambda: self._hub().open(self.keys.events(rid)))
         try:
             while True:
-                replayed = [] if fresh else await self._replay(rid, next_seq)
+                replayed = [] if fresh else await failures.attempt(functools.partial(self._replay, rid, next_seq))
                 failures.ok()  # Redis answers again: a later failure starts a new deadline
-                if not replayed and not patient and await self._vanished(rid):
+                if not replayed and not patient and await failures.attempt(lambda: self._vanished(rid)):
                     raise JobNotFound(f"job {rid} is unknown, or its events expired (they are kept "
                                       "a few minutes after its end)")
                 fresh = patient = False

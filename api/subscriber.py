@@ -257,6 +257,10 @@ class Subscriber:
 
     async def aclose(self) -> None:
         """Stop reading and close the connection."""
+        sender = self._sender
+        if sender is not None and not sender.done():  # it holds the lock, maybe on a Redis that never answers
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
         async with self._lock:
             await self._close()
 

@@ -441,6 +441,18 @@ def test_submit_with_no_redis_reachable_prints_one_line_at_the_retry_deadline(pe
     assert line.split("): ", 1)[1], line  # the cause
 
 
+@pytest.mark.parametrize("command", ["events", "cancel", "status"])
+@pytest.mark.parametrize("peer", ["refuses", *PEERS])
+def test_every_command_with_no_redis_reachable_prints_one_line_at_the_retry_deadline(peer: str, command: str) -> None:
+    with contextlib.ExitStack() as stack:
+        url = "redis://127.0.0.1:1" if peer == "refuses" else stack.enter_context(silent_peer(peer))
+        args = [command] if command == "status" else [command, "0123456789abcdef0123456789abcdef"]
+        done = mlxq(url, *args, timeout=60, env={"MLXQ_RETRY_DEADLINE": "0.7"})
+    assert done.returncode == 1, done.stderr
+    line = one_line(done)
+    assert line.startswith(f"mlxq: Redis at {url} unreachable within the 0.7s deadline (MLXQ_RETRY_DEADLINE; "), line
+
+
 def test_the_demo_runs_and_leaves_no_temporary_folder_nor_library_noise(tmp_path: Path, tiny_model: Path) -> None:
     scratch = tmp_path / "tmp"
     scratch.mkdir()
