@@ -3,9 +3,11 @@
 Mapped: ``model``, ``messages`` (``developer`` is a system turn; text content parts are joined) or ``prompt``,
 ``max_completion_tokens``/``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``presence_penalty``,
 ``frequency_penalty``, ``metadata``, ``stream`` and ``stream_options.include_usage``; mlx-lm's and vLLM's
-extensions ``top_k``, ``min_p``, ``repetition_penalty`` and mlxq's ``priority``. Refused with a 400 that names
-them: ``n`` other than 1, ``logprobs``, tools and functions, structured ``response_format``, ``logit_bias``, audio,
-images, ``echo``, ``suffix``, ``best_of`` > 1 and token-id prompts. ``user`` goes into the job's metadata.
+extensions ``top_k``, ``min_p``, ``repetition_penalty`` and mlxq's ``priority``. ``image_url`` content parts
+become the job's image parts (a model that takes no images refuses them: a 400 from its worker). Refused with a
+400 that names them: ``n`` other than 1, ``logprobs``, tools and functions, structured ``response_format``,
+``logit_bias``, audio, ``echo``, ``suffix``, ``best_of`` > 1 and token-id prompts. ``user`` goes into the job's
+metadata.
 """
 
 from __future__ import annotations

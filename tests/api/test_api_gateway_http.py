@@ -138,7 +138,6 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
     (USER, {"logprobs": True}, "logprobs"),
     (USER, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (USER, {"response_format": {"type": "json_object"}}, "response_format"),
-    ([{"role": "user", "content": [IMAGE]}], {}, "image parts"),
     (USER, {"temperature": 3}, "temperature"),
     (USER, {"frobnicate": 1}, "frobnicate: Extra inputs are not permitted"),
     ([], {}, "messages: List should have at least 1 item"),
@@ -149,6 +148,20 @@ async def test_chat_requests_the_gateway_refuses_are_400s_that_say_why(
     with pytest.raises(openai.BadRequestError) as caught:
         await oai.chat.completions.create(model="tiny", messages=messages, extra_body=extra)
     assert says in caught.value.message and caught.value.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"logprobs": 2}, "logprobs"),
+    ({"echo": True}, "echo"),
+    ({"suffix": "end"}, "suffix"),
+    ({"best_of": 2}, "best_of"),
+])
+async def test_completion_requests_the_gateway_refuses_are_400s_that_say_why(
+        oai: openai.AsyncOpenAI, extra: dict[str, Any], says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await oai.completions.create(model="tiny", prompt="hi", max_tokens=4, **extra)
+    assert caught.value.type == "invalid_request_error" and caught.value.code == "unsupported_parameter"
+    assert f"not supported by this server: {says}" in caught.value.message
 
 
 async def test_completion_and_malformed_requests_are_400s(gw: ServedGateway) -> None:
@@ -164,8 +177,6 @@ async def test_completion_and_malformed_requests_are_400s(gw: ServedGateway) -> 
 
 
 @pytest.mark.parametrize(("body", "says"), [
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
-        "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, "image parts"),
     ({"messages": [*USER, {"role": "assistant", "content": "The answer is"}]}, "prefill"),
     ({"messages": USER, "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
     ({"messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
@@ -177,6 +188,20 @@ async def test_messages_the_gateway_refuses_are_400s_that_say_why(claude: anthro
         await claude.messages.create(model="tiny", max_tokens=8, **body)
     error = caught.value.body["error"]  # type: ignore[index]
     assert error["type"] == "invalid_request_error" and says in error["message"]
+
+
+async def test_images_for_a_text_only_model_are_refused_by_its_worker(oai: openai.AsyncOpenAI,
+                                                                    claude: anthropic.AsyncAnthropic) -> None:
+    # The gateway passes image parts on as the job's; the worker of a model that takes none refuses the job.
+    refusal = "the model 'tiny' does not accept images (a text-only model)"
+    with pytest.raises(openai.BadRequestError) as caught:
+        await oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [IMAGE]}])
+    assert caught.value.code == "bad_request" and refusal in caught.value.message
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await claude.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+    error = refused.value.body["error"]  # type: ignore[index]
+    assert error["code"] == "bad_request" and refusal in error["message"]
 
 
 async def test_what_only_the_worker_can_judge_is_a_400_with_its_code(oai: openai.AsyncOpenAI,

@@ -17,7 +17,7 @@ from api.gateway.auth import Auth
 from api.gateway.content import chat_content
 from api.gateway.errors import GatewayError
 from api.gateway.openai_api import CHAT, COMPLETIONS
-from api.schema import ImagePart, ImageURL, TextPart
+from api.schema import DoneEvent, FinishReason, ImagePart, ImageURL, TextPart, Timings, Usage, decode_event
 
 CONFIG = GatewayConfig(default_max_tokens=77)
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,3 +132,13 @@ def test_the_gateways_public_names() -> None:
 
     assert api.gateway.__all__ == ["Gateway", "GatewayConfig", "create_app"]
     assert all(getattr(api.gateway, name) is not None for name in api.gateway.__all__)
+
+
+def test_a_done_event_carries_the_stop_sequence_that_ended_it_and_only_then() -> None:
+    timings = Timings(queue_ms=0.0, ttft_ms=None, total_ms=1.0, tokens_per_s=None)
+    plain = DoneEvent(id="r", seq=3, finish_reason=FinishReason.STOP, usage=Usage(prompt_tokens=1, completion_tokens=2),
+                      timings=timings)
+    assert "stop_sequence" not in plain.model_dump_json()  # so a producer of an earlier release reads it
+    stopped = DoneEvent(**{**plain.model_dump(), "stop_sequence": "END"})
+    assert decode_event(stopped.model_dump_json()) == stopped and stopped.stop_sequence == "END"
+    assert decode_event(plain.model_dump_json()).stop_sequence is None
