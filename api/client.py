@@ -84,15 +84,19 @@ class Client:
     """Async client for one mlxq deployment. Use as ``async with Client(url) as client:``."""
 
     def __init__(self, redis_url: str | None = None, *, prefix: str | None = None,
-                 max_payload_bytes: int = 1 << 20, retry_deadline: float | None = None,
-                 max_images: int = 4, max_image_bytes: int = 4 << 20, config: ClientConfig | None = None) -> None:
+                 max_payload_bytes: int | None = None, retry_deadline: float | None = None,
+                 max_images: int | None = None, max_image_bytes: int | None = None,
+                 config: ClientConfig | None = None) -> None:
         env = config or ClientConfig.from_env()
         self.config = env
         url = redis_url or env.redis_url
         self.keys = Keys(prefix or env.prefix)
-        self.max_payload_bytes = max_payload_bytes  # as the workers' MLXQ_MAX_PAYLOAD_BYTES
+        # As the workers' MLXQ_MAX_PAYLOAD_BYTES (the config's, unless given).
+        self.max_payload_bytes = env.max_payload_bytes if max_payload_bytes is None else max_payload_bytes
         # An image job may be larger by the workers' image allowance (MLXQ_MAX_IMAGES x MLXQ_MAX_IMAGE_BYTES).
-        self.max_image_job_bytes = job_bytes_limit(max_payload_bytes, max_images, max_image_bytes)
+        self.max_image_job_bytes = job_bytes_limit(
+            self.max_payload_bytes, env.max_images if max_images is None else max_images,
+            env.max_image_bytes if max_image_bytes is None else max_image_bytes)
         # Every operation retries an unreachable Redis for this long (QueueUnavailable), and never a refusal
         # of its credentials or commands (AccessDenied).
         self.retry = RetryPolicy(deadline_s=env.retry_deadline_s if retry_deadline is None else retry_deadline)

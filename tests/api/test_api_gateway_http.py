@@ -24,8 +24,9 @@ import pytest
 import redis.asyncio as aredis
 
 from api.client import Client
+from api.gateway import GatewayConfig
 from api.keys import Keys
-from api.schema import ModelState, ModelStatus, WorkerStatus
+from api.schema import ModelState, ModelStatus, WorkerStatus, image_data_url
 from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, deployment, post
 from worker.tools.redis_server import RedisServer
 
@@ -202,6 +203,22 @@ async def test_images_for_a_text_only_model_are_refused_by_its_worker(oai: opena
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
     error = refused.value.body["error"]  # type: ignore[index]
     assert error["code"] == "bad_request" and refusal in error["message"]
+
+
+async def test_the_gateway_checks_jobs_against_the_workers_limits_it_is_given(d: Deployment) -> None:
+    # MLXQ_MAX_PAYLOAD_BYTES, MLXQ_MAX_IMAGES and MLXQ_MAX_IMAGE_BYTES, read as the workers read them: a job
+    # within them goes on to the worker (a text-only one, which refuses images), a larger one is refused here.
+    env = {"MLXQ_MAX_PAYLOAD_BYTES": "2000", "MLXQ_MAX_IMAGES": "1", "MLXQ_MAX_IMAGE_BYTES": "3000"}
+    limits = GatewayConfig.from_env(env).client
+    with d.gateway(client={"max_payload_bytes": limits.max_payload_bytes, "max_images": limits.max_images,
+                           "max_image_bytes": limits.max_image_bytes}) as small:
+        async with openai.AsyncOpenAI(base_url=f"{small.url}/v1", api_key="unused", max_retries=0) as oai:
+            for size, says in ((2900, "does not accept images"), (6000, f"the limit is {limits.max_job_bytes}")):
+                url = image_data_url(bytes(size))
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await oai.chat.completions.create(model="tiny", max_tokens=4, messages=[
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+                assert says in caught.value.message
 
 
 async def test_what_only_the_worker_can_judge_is_a_400_with_its_code(oai: openai.AsyncOpenAI,

@@ -142,3 +142,20 @@ def test_a_done_event_carries_the_stop_sequence_that_ended_it_and_only_then() ->
     stopped = DoneEvent(**{**plain.model_dump(), "stop_sequence": "END"})
     assert decode_event(stopped.model_dump_json()) == stopped and stopped.stop_sequence == "END"
     assert decode_event(plain.model_dump_json()).stop_sequence is None
+
+
+@pytest.mark.parametrize("env", [
+    {},
+    {"MLXQ_MAX_IMAGES": "9", "MLXQ_MAX_IMAGE_BYTES": str(16 << 20), "MLXQ_MAX_PAYLOAD_BYTES": str(2 << 20)},
+    {"MLXQ_MAX_IMAGES": "0", "MLXQ_MAX_PAYLOAD_BYTES": "4096"},
+])
+async def test_the_gateways_job_limits_are_the_workers_for_the_same_variables(env: dict[str, str]) -> None:
+    from api.client import Client
+    from worker.config import WorkerConfig
+
+    worker = WorkerConfig.from_env(env)
+    cfg = GatewayConfig.from_env(env)
+    assert cfg.client.max_job_bytes == worker.max_job_bytes == cfg.max_body_bytes
+    async with Client(config=cfg.client) as queue:  # the gateway's queue client checks jobs against them
+        assert (queue.max_payload_bytes, queue.max_image_job_bytes) == (worker.max_payload_bytes,
+                                                                         worker.max_job_bytes)
