@@ -23,6 +23,7 @@ from .content import chat_content
 from .dialect import Ask, dumps, sse
 from .errors import GatewayError, Kind, Problem, invalid, validation_problem
 from .job import JobStream
+from .sse import Last
 
 __all__ = ["MESSAGES", "MessagesDialect", "anthropic_error"]
 
@@ -153,17 +154,16 @@ class MessagesDialect:
         async for text in job.deltas():
             yield f"{_DELTA_HEAD}{encode_basestring(text)}}}}}\n\n".encode()
         assert job.done is not None
-        yield (_event("content_block_stop", {"type": "content_block_stop", "index": 0})
-               + _event("message_delta", {"type": "message_delta",
-                                          "delta": _stop(job.done),
-                                          "usage": {"output_tokens": job.done.usage.completion_tokens}})
-               + _event("message_stop", {"type": "message_stop"}))
+        usage = {"output_tokens": job.done.usage.completion_tokens}
+        yield Last(_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+                   + _event("message_delta", {"type": "message_delta", "delta": _stop(job.done), "usage": usage})
+                   + _event("message_stop", {"type": "message_stop"}))
 
     def error_body(self, problem: Problem) -> dict[str, Any]:
         return anthropic_error(problem)
 
     def error_frame(self, problem: Problem) -> bytes:
-        return _event("error", anthropic_error(problem))
+        return Last(_event("error", anthropic_error(problem)))
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:

@@ -25,6 +25,7 @@ from .content import chat_content
 from .dialect import Ask, dumps, sse
 from .errors import GatewayError, Kind, Problem, invalid, validation_problem
 from .job import JobStream
+from .sse import Last
 
 __all__ = ["CHAT", "COMPLETIONS", "ChatDialect", "CompletionDialect", "openai_error"]
 
@@ -216,7 +217,7 @@ class _OpenAI:
         return openai_error(problem)
 
     def error_frame(self, problem: Problem) -> bytes:
-        return sse(dumps(openai_error(problem))) + _DONE
+        return Last(sse(dumps(openai_error(problem))) + _DONE)
 
     def _head(self, ask: Ask, job: JobStream, created: int) -> str:
         """A chunk's JSON up to its ``choices`` (and after them, ``usage: null`` when usage comes last)."""
@@ -249,7 +250,7 @@ class _OpenAI:
         closing = [opening, f"data: {head}{self._last(_finish(job.done.finish_reason))}{tail}\n\n"]
         if ask.include_usage:
             closing.append(f'data: {head}[],"usage":{dumps(_usage(job))}}}\n\n')
-        yield "".join(closing).encode() + _DONE
+        yield Last("".join(closing).encode() + _DONE)
 
 
 class ChatDialect(_OpenAI):

@@ -18,11 +18,18 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-__all__ = ["EventStream", "Streams"]
+__all__ = ["EventStream", "Last", "Streams"]
 
 PING_S = 15.0  # a comment line after this long without a frame (sse-starlette's interval)
 _PING = {"type": "http.response.body", "body": b": ping\n\n", "more_body": True}
 _END = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+class Last(bytes):
+    """A stream's last frame: it goes out with the end of the body, in one write (each write is a system call,
+    and a wake-up of the reader)."""
+
+    __slots__ = ()
 
 
 class Streams:
@@ -48,8 +55,9 @@ class Streams:
 
 
 class EventStream(Response):
-    """``text/event-stream``: ``frames`` written one ``send`` each, then the end of the body. ``background``
-    runs after the stream, however it ended (also when its frames never started)."""
+    """``text/event-stream``: ``frames`` written one ``send`` each, then the end of the body (with a :class:`Last`
+    frame, if one comes; nothing after it is sent). ``background`` runs after the stream, however it ended (also
+    when its frames never started)."""
 
     media_type = "text/event-stream"
 
@@ -64,16 +72,23 @@ class EventStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        self._ended = False
         writer = asyncio.ensure_future(self._write(send))
         watcher = asyncio.ensure_future(_watch(receive, send))
         self.streams.add(writer)
         try:
             await asyncio.wait((writer, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if self._ended:  # the body is whole (which the watcher sees as a disconnect): the frames may finish
+                watcher.cancel()
+                await asyncio.wait((writer,))
         finally:
             self.streams.discard(writer)
             watcher.cancel()
-            writer.cancel()  # the client went away (or this task was cancelled): close the frames
+            writer.cancel()  # the client went away, or the server shuts down: close the frames
             await asyncio.gather(writer, watcher, return_exceptions=True)
+            if not self._ended:  # the body ends here (a no-op for a client that went away)
+                with contextlib.suppress(OSError):
+                    await send(_END)
             if self.background is not None:
                 await self.background()
         if not writer.cancelled() and (exc := writer.exception()) is not None and not isinstance(exc, OSError):
@@ -81,9 +96,14 @@ class EventStream(Response):
 
     async def _write(self, send: Send) -> None:
         async with contextlib.aclosing(self.frames) as frames:
-            async for frame in frames:
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
-        await send(_END)
+            async for frame in frames:  # after the last frame, to the iterator's end
+                if not self._ended:
+                    last = isinstance(frame, Last)
+                    await send({"type": "http.response.body", "body": frame, "more_body": not last})
+                    self._ended = last
+        if not self._ended:
+            await send(_END)
+            self._ended = True
 
 
 async def _watch(receive: Receive, send: Send) -> None:

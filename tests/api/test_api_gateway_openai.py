@@ -216,3 +216,26 @@ async def _completion(sdk: openai.AsyncOpenAI, prompt: str, *, stream: bool) -> 
         return resp.choices[0].text
     chunks = await sdk.completions.create(model="tiny", prompt=prompt, max_tokens=12, stream=True)
     return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+
+async def test_a_gateway_shutting_down_ends_its_open_streams_and_cancels_their_jobs(
+        served: tuple[Deployment, ServedGateway], queue: Client, tmp_path: Path) -> None:
+    gateway = GatewayProcess({"MLXQ_REDIS_URL": served[0].redis.url, "MLXQ_PREFIX": PREFIX},
+                             tmp_path / "gateway.log").start()
+    try:
+        await asyncio.to_thread(gateway.wait_ready)
+        async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as oai:
+            stream = await oai.completions.create(model="tiny", prompt="Count:", max_tokens=LONG, stream=True)
+            first = await anext(aiter(stream))
+            assert gateway.proc is not None
+            gateway.proc.send_signal(signal.SIGTERM)  # the stream ends now, not when its job would
+            with contextlib.suppress(openai.APIError, httpx.HTTPError):
+                rest = [chunk async for chunk in stream]
+                assert not any(c.choices and c.choices[0].finish_reason for c in rest)  # it was cut short
+    finally:
+        status = gateway.stop()
+    end = await terminal(queue, first.id.removeprefix("cmpl-"))
+    assert isinstance(end, DoneEvent) and end.finish_reason is FinishReason.CANCELLED
+    # Cancelled short of its end: the stream was ended at the SIGTERM (waiting out the server's graceful period,
+    # the job would have had the time to finish).
+    assert end.usage.completion_tokens < LONG and status in (0, -signal.SIGTERM)
