@@ -105,6 +105,7 @@ class Client:
         self._enqueuer = Enqueuer(self._redis)
         self._subscriber: Subscriber | None = None  # created on first use
         self._served: dict[str, float] = {}  # model -> when a live worker was last seen serving it
+        self._checking: dict[str, asyncio.Task[None]] = {}  # model -> the read of the health records under way
         self._cancel = self._redis.register_script(_CANCEL)
 
     async def __aenter__(self) -> Client:
@@ -161,10 +162,23 @@ class Client:
         seen = self._served.get(model)
         if seen is not None and time.monotonic() - seen < _SERVED_FOR_S:
             return
+        # Submits that arrive together (a burst of requests) share one read of the health records.
+        check = self._checking.get(model)
+        if check is None:
+            check = self._checking[model] = asyncio.ensure_future(self._check_served(model))
+            check.add_done_callback(lambda done: self._checked(model, done))
+        await asyncio.shield(check)
+
+    async def _check_served(self, model: str) -> None:
         models = await self.models()
         if model not in models or models[model].workers == 0:
             raise NoWorker(model, [name for name, m in models.items() if m.workers > 0])
         self._served[model] = time.monotonic()
+
+    def _checked(self, model: str, check: asyncio.Task[None]) -> None:
+        self._checking.pop(model, None)
+        if not check.cancelled():
+            check.exception()  # retrieved here too: every submit that awaited it may have gone
 
     async def cancel(self, rid: str) -> bool:
         """Ask for the job to stop: it ends with ``done(cancelled)`` wherever it is (queued, prefill, decode).

@@ -24,6 +24,7 @@ import pytest
 import redis.asyncio as aredis
 
 from api.client import Client
+from api.errors import NoWorker
 from api.gateway import GatewayConfig
 from api.keys import Keys
 from api.schema import ModelState, ModelStatus, WorkerStatus, image_data_url
@@ -357,6 +358,31 @@ async def test_unknown_routes_and_methods_answer_in_json(gw: ServedGateway) -> N
         assert openai_error(await http.get("/v1/nothing"))["code"] == "unknown_route"
         wrong = await http.get("/v1/chat/completions")
         assert wrong.status_code == 405 and openai_error(wrong)["type"] == "invalid_request_error"
+
+
+async def test_a_burst_of_requests_reads_the_workers_health_records_once(d: Deployment,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # The gateway's queue client checks that a live worker serves the model before it queues a job; requests
+    # that arrive together share one read of the records (each would cost Redis reads and parsing).
+    import api.client
+
+    reads = 0
+    real = api.client.live_workers
+
+    async def counted(*args: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        return await real(*args)
+
+    monkeypatch.setattr(api.client, "live_workers", counted)
+    async with Client(config=d.config.client) as queue:
+        rids = await asyncio.gather(*(queue.submit(model="tiny", prompt="hi", max_tokens=1, require_worker=True)
+                                      for _ in range(16)))
+        with pytest.raises(NoWorker):
+            await queue.submit(model="ghost", prompt="hi", require_worker=True)
+        results = [await queue.result(rid, timeout=60) for rid in rids]
+    assert len(set(rids)) == 16 and all(r.usage.completion_tokens == 1 for r in results)
+    assert reads == 2  # one for the burst, one for the unknown model
 
 
 # --- the command ------------------------------------------------------------------------------------------
