@@ -40,7 +40,7 @@ from .runs import (
 
 __all__ = ["gateway_phase"]
 
-_NEEDS = ("starlette", "sse_starlette", "uvicorn")
+_NEEDS = ("starlette", "uvicorn")
 
 
 async def gateway_phase(ctx: _DriveContext, client: Client) -> GatewayResult | None:
