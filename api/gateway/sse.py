@@ -1,7 +1,7 @@
 """A server-sent event stream as a Starlette response: frames (whole events, bytes) written as they come.
 
 Each frame is one ASGI ``send``; a stream costs two tasks: its writer, and a watcher that waits for the client
-to go away (and writes a comment line after a long silence, so proxies keep the connection). sse-starlette's
+to go away (and writes a comment line every ``PING_S``, so proxies keep a quiet connection). sse-starlette's
 ``EventSourceResponse`` runs four tasks per stream and a cancel scope per send, which a gateway streaming many
 short answers pays on every one. What the gateway needs of it stays: the stream ends when its frames end, and
 its frames' iterator is closed (its job cancelled) when the client disconnects or the server shuts down
@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 __all__ = ["EventStream", "Last", "Streams"]
 
-PING_S = 15.0  # a comment line after this long without a frame (sse-starlette's interval)
+PING_S = 15.0  # a comment line this often (sse-starlette's interval)
 _PING = {"type": "http.response.body", "body": b": ping\n\n", "more_body": True}
 _END = {"type": "http.response.body", "body": b"", "more_body": False}
 
