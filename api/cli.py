@@ -242,7 +242,7 @@ def _worker_tool(module: str, name: str) -> Callable[..., Any]:
     return tool
 
 
-_GATEWAY_NEEDS = frozenset({"starlette", "sse_starlette", "uvicorn", "anyio"})
+_GATEWAY_NEEDS = frozenset({"starlette", "uvicorn", "anyio"})
 
 
 def _gateway(args: argparse.Namespace) -> int:

@@ -85,15 +85,19 @@ class Client:
     """Async client for one mlxq deployment. Use as ``async with Client(url) as client:``."""
 
     def __init__(self, redis_url: str | None = None, *, prefix: str | None = None,
-                 max_payload_bytes: int = 1 << 20, retry_deadline: float | None = None,
-                 max_images: int = 4, max_image_bytes: int = 4 << 20, config: ClientConfig | None = None) -> None:
+                 max_payload_bytes: int | None = None, retry_deadline: float | None = None,
+                 max_images: int | None = None, max_image_bytes: int | None = None,
+                 config: ClientConfig | None = None) -> None:
         env = config or ClientConfig.from_env()
         self.config = env
         url = redis_url or env.redis_url
         self.keys = Keys(prefix or env.prefix)
-        self.max_payload_bytes = max_payload_bytes  # as the workers' MLXQ_MAX_PAYLOAD_BYTES
+        # As the workers' MLXQ_MAX_PAYLOAD_BYTES (the config's, unless given).
+        self.max_payload_bytes = env.max_payload_bytes if max_payload_bytes is None else max_payload_bytes
         # An image job may be larger by the workers' image allowance (MLXQ_MAX_IMAGES x MLXQ_MAX_IMAGE_BYTES).
-        self.max_image_job_bytes = job_bytes_limit(max_payload_bytes, max_images, max_image_bytes)
+        self.max_image_job_bytes = job_bytes_limit(
+            self.max_payload_bytes, env.max_images if max_images is None else max_images,
+            env.max_image_bytes if max_image_bytes is None else max_image_bytes)
         # Every operation retries an unreachable Redis for this long (QueueUnavailable), and never a refusal
         # of its credentials or commands (AccessDenied).
         self.retry = RetryPolicy(deadline_s=env.retry_deadline_s if retry_deadline is None else retry_deadline)
@@ -102,6 +106,7 @@ class Client:
         self._enqueuer = Enqueuer(self._redis)
         self._subscriber: Subscriber | None = None  # created on first use
         self._served: dict[str, float] = {}  # model -> when a live worker was last seen serving it
+        self._checking: dict[str, asyncio.Task[None]] = {}  # model -> the read of the health records under way
         self._cancel = self._redis.register_script(_CANCEL)
 
     async def __aenter__(self) -> Client:
@@ -158,10 +163,23 @@ class Client:
         seen = self._served.get(model)
         if seen is not None and time.monotonic() - seen < _SERVED_FOR_S:
             return
+        # Submits that arrive together (a burst of requests) share one read of the health records.
+        check = self._checking.get(model)
+        if check is None:
+            check = self._checking[model] = asyncio.ensure_future(self._check_served(model))
+            check.add_done_callback(lambda done: self._checked(model, done))
+        await asyncio.shield(check)
+
+    async def _check_served(self, model: str) -> None:
         models = await self.models()
         if model not in models or models[model].workers == 0:
             raise NoWorker(model, [name for name, m in models.items() if m.workers > 0])
         self._served[model] = time.monotonic()
+
+    def _checked(self, model: str, check: asyncio.Task[None]) -> None:
+        self._checking.pop(model, None)
+        if not check.cancelled():
+            check.exception()  # retrieved here too: every submit that awaited it may have gone
 
     async def cancel(self, rid: str) -> bool:
         """Ask for the job to stop: it ends with ``done(cancelled)`` wherever it is (queued, prefill, decode).

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .schema import job_bytes_limit
 
 __all__ = ["ClientConfig", "EnvReader"]
 
@@ -15,6 +16,12 @@ DEFAULT_RETRY_DEADLINE_S = 5.0
 DEFAULT_MAX_QUEUED = 10_000
 DEFAULT_JOB_EXPIRY_S = 300.0
 DEFAULT_PRIORITY_AGING_S = 1.0
+# What workers accept (the worker's config reads the same variables with these defaults): the producer checks
+# a job against them before queueing it, so it never queues a job every worker would refuse, nor refuses one
+# they take.
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
+DEFAULT_MAX_IMAGES = 4
+DEFAULT_MAX_IMAGE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +79,15 @@ class ClientConfig:
     max_queued: int = DEFAULT_MAX_QUEUED  # jobs one model's queue may hold before submits raise QueueFull (0: no cap)
     job_expiry_s: float = DEFAULT_JOB_EXPIRY_S  # a job still queued this long ends error(expired) (0: never)
     priority_aging_s: float = DEFAULT_PRIORITY_AGING_S  # waiting time one priority level is worth
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES  # a job's JSON without images, as workers read it
+    max_images: int = DEFAULT_MAX_IMAGES  # images in one job
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # one image file
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClientConfig:
         """``MLXQ_REDIS_URL``, ``MLXQ_PREFIX``, ``MLXQ_RETRY_DEADLINE``, ``MLXQ_MAX_QUEUED``, ``MLXQ_JOB_EXPIRY``
-        and ``MLXQ_PRIORITY_AGING`` (seconds)."""
+        and ``MLXQ_PRIORITY_AGING`` (seconds); and the workers' job limits ``MLXQ_MAX_PAYLOAD_BYTES``,
+        ``MLXQ_MAX_IMAGES`` and ``MLXQ_MAX_IMAGE_BYTES``."""
         e = EnvReader(os.environ if env is None else env)
         return cls(
             redis_url=e.text("MLXQ_REDIS_URL", DEFAULT_REDIS_URL),
@@ -85,4 +96,12 @@ class ClientConfig:
             max_queued=e.integer("MLXQ_MAX_QUEUED", DEFAULT_MAX_QUEUED, minimum=0),
             job_expiry_s=e.number("MLXQ_JOB_EXPIRY", DEFAULT_JOB_EXPIRY_S, minimum=0),
             priority_aging_s=e.number("MLXQ_PRIORITY_AGING", DEFAULT_PRIORITY_AGING_S, minimum=0),
+            max_payload_bytes=e.integer("MLXQ_MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES, minimum=1),
+            max_images=e.integer("MLXQ_MAX_IMAGES", DEFAULT_MAX_IMAGES, minimum=0),
+            max_image_bytes=e.integer("MLXQ_MAX_IMAGE_BYTES", DEFAULT_MAX_IMAGE_BYTES, minimum=1),
         )
+
+    @property
+    def max_job_bytes(self) -> int:
+        """The largest job (JSON) workers read: the payload limit and room for the most and largest images."""
+        return job_bytes_limit(self.max_payload_bytes, self.max_images, self.max_image_bytes)

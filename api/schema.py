@@ -269,12 +269,15 @@ class ResetEvent(_EventBase):
 
 
 class DoneEvent(_EventBase):
-    """Terminal: the job finished. Exactly one terminal event (done or error) ends every job."""
+    """Terminal: the job finished. Exactly one terminal event (done or error) ends every job.
+    ``stop_sequence``: the stop string (one of the request's ``stop``) that ended it, if one did."""
 
     type: Literal["done"] = "done"
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
+    # Left out of the JSON when None, so a producer of an earlier release reads a new worker's event.
+    stop_sequence: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ErrorEvent(_EventBase):

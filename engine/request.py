@@ -88,7 +88,8 @@ class RequestOutput:
     """What one engine step reports about one request.
 
     ``text`` is the new text (held back while it could be the start of a stop string); ``token_ids``
-    the tokens generated this step. ``finish`` is set exactly once, on the request's last output.
+    the tokens generated this step. ``finish`` is set exactly once, on the request's last output;
+    ``stop_sequence`` with it, when a stop string (that one) ended the request.
     """
 
     rid: str
@@ -100,6 +101,7 @@ class RequestOutput:
     finish: FinishReason | None = None
     error_code: str | None = None  # with FinishReason.ERROR: "bad_request", "timeout", "engine_error"
     error_message: str | None = None
+    stop_sequence: str | None = None
 
 
 def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -116,7 +118,7 @@ def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
         if acc is None:
             merged[out.rid] = RequestOutput(
                 out.rid, list(out.token_ids), out.text, out.started, out.prompt_tokens,
-                out.completion_tokens, out.finish, out.error_code, out.error_message,
+                out.completion_tokens, out.finish, out.error_code, out.error_message, out.stop_sequence,
             )
         else:
             merge_into(acc, out)
@@ -135,3 +137,4 @@ def merge_into(acc: RequestOutput, out: RequestOutput) -> None:
     acc.started = acc.started or out.started
     acc.prompt_tokens = acc.prompt_tokens or out.prompt_tokens
     acc.finish, acc.error_code, acc.error_message = out.finish, out.error_code, out.error_message
+    acc.stop_sequence = out.stop_sequence

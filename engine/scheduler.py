@@ -701,12 +701,13 @@ class Scheduler:
 
 def _take_text(seq: _Sequence, out: RequestOutput) -> bool:
     """Add the detokenizer's new text to ``out`` (held back while it may start a stop string); whether a stop
-    string appeared. Runs per token: without stop strings it is one append."""
+    string appeared (``out.stop_sequence`` names it). Runs per token: without stop strings it is one append."""
     if seq.stops is None:
         out.text += seq.detok.last_segment
         return False
     result = seq.stops.feed(seq.detok.last_segment)
     out.text += result.text
+    out.stop_sequence = result.stop
     return result.stopped
 
 

@@ -1,7 +1,7 @@
 """Stop strings matched on decoded text, so they work whatever the tokenization.
 
 Text that might be the start of a stop string is held back until the next delta settles it; when a stop
-string appears, the output is cut right before it.
+string appears, the output is cut right before it, and the result names the stop string that ended it.
 """
 
 from __future__ import annotations
@@ -13,10 +13,15 @@ __all__ = ["StopMatcher", "StopResult"]
 
 @dataclass(frozen=True, slots=True)
 class StopResult:
-    """Text that is safe to emit now, and whether a stop string was found."""
+    """Text that is safe to emit now, and the stop string found (None: none yet)."""
 
     text: str
-    stopped: bool
+    stop: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether generation must stop."""
+        return self.stop is not None
 
 
 class StopMatcher:
@@ -32,24 +37,30 @@ class StopMatcher:
     def feed(self, delta: str) -> StopResult:
         """Add ``delta``; return what can be emitted and whether generation must stop."""
         if not self._stops:
-            return StopResult(delta, False)
+            return StopResult(delta)
         text = self._held + delta
-        cut = self._first_stop(text)
-        if cut is not None:
+        hit = self._first_stop(text)
+        if hit is not None:
             self._held = ""
-            return StopResult(text[:cut], True)
+            cut, stop = hit
+            return StopResult(text[:cut], stop)
         keep = self._partial_suffix(text)
         self._held = text[len(text) - keep :] if keep else ""
-        return StopResult(text[: len(text) - keep], False)
+        return StopResult(text[: len(text) - keep])
 
     def flush(self) -> str:
         """Release held-back text at the end of a sequence that did not stop on a string."""
         text, self._held = self._held, ""
         return text
 
-    def _first_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
-        return min(hits) if hits else None
+    def _first_stop(self, text: str) -> tuple[int, str] | None:
+        """Where the earliest stop string starts, and which (of two starting there, the shorter: it ended
+        first)."""
+        hits = [(i, len(s), s) for s in self._stops if (i := text.find(s)) >= 0]
+        if not hits:
+            return None
+        i, _, stop = min(hits)
+        return i, stop
 
     def _partial_suffix(self, text: str) -> int:
         # Longest suffix of text that is a proper prefix of some stop string.

@@ -8,7 +8,13 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from api.config import DEFAULT_REDIS_URL, EnvReader
+from api.config import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGES,
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_REDIS_URL,
+    EnvReader,
+)
 from api.errors import ConfigError
 from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
 from api.schema import job_bytes_limit
@@ -60,7 +66,9 @@ class WorkerConfig:
     job_timeout_s: float = 600.0  # MLXQ_JOB_TIMEOUT: a job's deadline inside the engine
     max_tokens_limit: int = 8192  # MLXQ_MAX_TOKENS: largest max_tokens accepted
     max_prompt_tokens: int = 32768  # MLXQ_MAX_PROMPT_TOKENS
-    max_payload_bytes: int = 1 << 20  # MLXQ_MAX_PAYLOAD_BYTES: a job's JSON, checked before decoding it
+    # MLXQ_MAX_PAYLOAD_BYTES: a job's JSON, checked before decoding it (the defaults of the job limits are the
+    # producer's, api/config.py, so both sides check the same)
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     max_stop_strings: int = 16  # MLXQ_MAX_STOP_STRINGS
     max_stop_chars: int = 256  # MLXQ_MAX_STOP_CHARS: length of one stop string
     max_tries: int = 3  # MLXQ_MAX_TRIES: runs of one job (after worker loss or shutdown)
@@ -88,8 +96,8 @@ class WorkerConfig:
     mlx_cache_gb: float | None = None
     metrics_port: int = 0  # MLXQ_METRICS_PORT: serve Prometheus metrics on this port (0: off)
     metrics_addr: str = "0.0.0.0"  # MLXQ_METRICS_ADDR: the address it listens on
-    max_images: int = 4  # MLXQ_MAX_IMAGES: images in one job
-    max_image_bytes: int = 4 << 20  # MLXQ_MAX_IMAGE_BYTES: one image file (decoded from base64, or fetched)
+    max_images: int = DEFAULT_MAX_IMAGES  # MLXQ_MAX_IMAGES: images in one job
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # MLXQ_MAX_IMAGE_BYTES: one image file (decoded, or fetched)
     max_image_pixels: int = 4096 * 4096  # MLXQ_MAX_IMAGE_PIXELS: width x height of one image, read before decoding
     image_urls: bool = False  # MLXQ_IMAGE_URLS: fetch http(s) image URLs (else data: URLs only)
     image_fetch_timeout_s: float = 10.0  # MLXQ_IMAGE_FETCH_TIMEOUT: one http(s) image's whole fetch

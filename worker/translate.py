@@ -53,5 +53,8 @@ def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
         code = _ERROR_CODES.get(out.error_code or "", ErrorCode.INTERNAL)
         events.append(run.error(code, out.error_message or code.value))
     elif out.finish is not None:
-        events.append(run.done(FinishReason(out.finish.value)))
+        done = run.done(FinishReason(out.finish.value))
+        if out.stop_sequence is not None:
+            done = done.model_copy(update={"stop_sequence": out.stop_sequence})
+        events.append(done)
     return events

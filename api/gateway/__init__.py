@@ -2,9 +2,9 @@
 
 Any number of workers behind one endpoint, any stock client unchanged. The gateway is producer-side code: it
 submits jobs and follows their events through :class:`api.client.Client`, and keeps nothing of its own, so
-several gateway processes may serve side by side. Its app needs Starlette, sse-starlette and uvicorn, loaded
-on first use of :func:`create_app` or :class:`Gateway` (its config is plain, so a command can read it
-first); nothing else in ``api`` imports this package.
+several gateway processes may serve side by side. Its app needs Starlette and uvicorn (its event streams are
+its own, ``sse.py``), loaded on first use of :func:`create_app` or :class:`Gateway` (its config is plain, so a
+command can read it first); nothing else in ``api`` imports this package.
 """
 
 from __future__ import annotations

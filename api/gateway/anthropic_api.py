@@ -3,8 +3,10 @@
 Mapped: ``model``, ``max_tokens``, ``system`` (a string or text blocks: the first turn, a system message),
 ``messages`` (text blocks are joined), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``,
 ``metadata.user_id`` (into the job's metadata) and ``stream``. Refused with a 400 that names them: tools,
-extended thinking, images and documents, and a final assistant turn (a prefill to continue). A job that stops
-on end of text or on a stop sequence reports ``stop_reason`` ``end_turn`` (the job's end does not say which).
+extended thinking, documents, and a final assistant turn (a prefill to continue). Image blocks become the
+job's image parts (a model that takes no images refuses them: a 400 from its worker). A job that ends on one of
+its ``stop_sequences`` reports ``stop_reason`` ``stop_sequence`` and that ``stop_sequence``; on end of text,
+``end_turn``; on ``max_tokens``, ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..schema import ChatMessage, FinishReason, GenerateRequest
+from ..schema import ChatMessage, DoneEvent, FinishReason, GenerateRequest
 from .config import GatewayConfig
 from .content import chat_content
 from .dialect import Ask, dumps, sse
 from .errors import GatewayError, Kind, Problem, invalid, validation_problem
 from .job import JobStream
+from .sse import Last
 
 __all__ = ["MESSAGES", "MessagesDialect", "anthropic_error"]
 
@@ -94,8 +97,13 @@ def _messages(body: MessagesRequest) -> list[ChatMessage]:
     return out
 
 
-def _stop_reason(reason: FinishReason) -> str:
-    return "max_tokens" if reason is FinishReason.LENGTH else "end_turn"
+def _stop(done: DoneEvent) -> dict[str, str | None]:
+    """``stop_reason`` and ``stop_sequence`` of a job's end."""
+    if done.finish_reason is FinishReason.LENGTH:
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if done.stop_sequence is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": done.stop_sequence}
+    return {"stop_reason": "end_turn", "stop_sequence": None}
 
 
 def anthropic_error(problem: Problem) -> dict[str, Any]:
@@ -129,8 +137,7 @@ class MessagesDialect:
     def response(self, ask: Ask, job: JobStream, text: str) -> dict[str, Any]:
         assert job.done is not None
         usage = job.done.usage
-        return {**self._message(ask, job), "content": [{"type": "text", "text": text}],
-                "stop_reason": _stop_reason(job.done.finish_reason),
+        return {**self._message(ask, job), "content": [{"type": "text", "text": text}], **_stop(job.done),
                 "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}}
 
     def _message(self, ask: Ask, job: JobStream) -> dict[str, Any]:
@@ -147,18 +154,16 @@ class MessagesDialect:
         async for text in job.deltas():
             yield f"{_DELTA_HEAD}{encode_basestring(text)}}}}}\n\n".encode()
         assert job.done is not None
-        yield (_event("content_block_stop", {"type": "content_block_stop", "index": 0})
-               + _event("message_delta", {"type": "message_delta",
-                                          "delta": {"stop_reason": _stop_reason(job.done.finish_reason),
-                                                    "stop_sequence": None},
-                                          "usage": {"output_tokens": job.done.usage.completion_tokens}})
-               + _event("message_stop", {"type": "message_stop"}))
+        usage = {"output_tokens": job.done.usage.completion_tokens}
+        yield Last(_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+                   + _event("message_delta", {"type": "message_delta", "delta": _stop(job.done), "usage": usage})
+                   + _event("message_stop", {"type": "message_stop"}))
 
     def error_body(self, problem: Problem) -> dict[str, Any]:
         return anthropic_error(problem)
 
     def error_frame(self, problem: Problem) -> bytes:
-        return _event("error", anthropic_error(problem))
+        return Last(_event("error", anthropic_error(problem)))
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:

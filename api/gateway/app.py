@@ -1,5 +1,5 @@
 """The gateway's ASGI app: OpenAI's and Anthropic's HTTP APIs in front of the queue (Starlette; streams are
-sse-starlette's ``EventSourceResponse``).
+:class:`~api.gateway.sse.EventStream` responses).
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI) and ``POST /v1/messages`` (Anthropic);
 - ``GET /v1/models`` (and ``/v1/models/{model}``): the models live workers serve now, with their worker
@@ -9,7 +9,8 @@ sse-starlette's ``EventSourceResponse``).
 A generation request is authenticated, its body read (bounded) and parsed by its API's dialect into one job,
 which is submitted (refused at once when no live worker serves the model) and followed to its start; then
 the response is either the whole text once the job ends, or an SSE stream of it. A client that goes away,
-while waiting or mid-stream, cancels its job. Every failure is answered in the API's own error format.
+while waiting or mid-stream, cancels its job; so does the server's shutdown (SIGTERM) for every open stream.
+Every failure is answered in the API's own error format.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -39,6 +40,7 @@ from .dialect import Ask, Dialect
 from .errors import GatewayError, Kind, Problem, problem_of
 from .job import JobStream
 from .openai_api import CHAT, COMPLETIONS, openai_error
+from .sse import EventStream, Streams
 
 __all__ = ["Gateway", "create_app"]
 
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _GONE = 499  # the status logged for a client that went away before its answer (nginx's)
+_EXIT_POLL_S = 0.25  # how often the server's shutdown flag is read
 
 
 class _Gone(Exception):
@@ -60,6 +63,7 @@ class Gateway:
         self.auth = Auth(config.api_keys)
         self._client = client
         self._owns_client = client is None
+        self.streams = Streams()
 
     @property
     def client(self) -> Client:
@@ -70,13 +74,28 @@ class Gateway:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         if self._owns_client:
             self._client = Client(config=self.config.client)
-        log.info("gateway serving the queue at %s (prefix %s; %s)", self.client.where, self.client.keys.prefix,
-                 "API keys required" if self.auth.required else "no API keys")
+        log.info("gateway serving the queue at %s (prefix %s; %s; event loop %s)", self.client.where,
+                 self.client.keys.prefix, "API keys required" if self.auth.required else "no API keys",
+                 type(asyncio.get_running_loop()).__module__.split(".")[0])
+        exiting = asyncio.ensure_future(self._end_streams_on_exit())
         try:
             yield
         finally:
+            exiting.cancel()
             if self._owns_client and self._client is not None:
                 await self._client.aclose()
+
+    async def _end_streams_on_exit(self) -> None:
+        """Once the server is shutting down, end open streams (their jobs cancelled) rather than wait for them
+        to end: the server's graceful period is for the requests that end soon. Under uvicorn in its main
+        thread (``mlxq gateway``), whose SIGTERM handler is its server's: the one way to read its shutdown."""
+        server: Any = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+        if not hasattr(server, "should_exit"):
+            return
+        while True:  # streams a kept-alive connection starts during the shutdown are ended too
+            if server.should_exit and (n := self.streams.close_all()):
+                log.info("shutting down: %d open stream(s) ended, their jobs cancelled", n)
+            await asyncio.sleep(_EXIT_POLL_S)
 
     # --- generation ---------------------------------------------------------------------------------
     async def generate(self, request: Request, dialect: Dialect) -> Response:
@@ -90,8 +109,8 @@ class Gateway:
             await _unless_gone(request, job.open())
             if ask.stream:  # the stream closes the job; so does the task after it, should it never start
                 stream, closing, job = self._stream(request, dialect, ask, job, t0), BackgroundTask(job.close), None
-                return EventSourceResponse(stream, headers={"x-mlxq-job-id": ask.request.id}, sep="\n",
-                                           background=closing)
+                return EventStream(stream, self.streams, headers={"x-mlxq-job-id": ask.request.id},
+                                   background=closing)
             text = await _unless_gone(request, job.whole())
             _log_done(request, dialect, job, t0)
             return JSONResponse(dialect.response(ask, job, text), headers={"x-mlxq-job-id": job.rid})
@@ -106,12 +125,13 @@ class Gateway:
                 await job.close()
 
     async def _stream(self, request: Request, dialect: Dialect, ask: Ask, job: JobStream, t0: float
-                      ) -> AsyncIterator[bytes]:
+                      ) -> AsyncGenerator[bytes, None]:
         try:
             async for frame in dialect.frames(ask, job):
                 yield frame
             _log_done(request, dialect, job, t0)
-        except asyncio.CancelledError:  # the client went away (or the server stops): its job is cancelled
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (or the server stops): its job
+            # is cancelled (GeneratorExit: it went while a frame was being written)
             log.debug("%s %s: the client left the stream of job %s", request.method, request.url.path, job.rid)
             raise
         except Exception as exc:

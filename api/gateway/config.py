@@ -7,15 +7,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..config import ClientConfig
-from ..schema import job_bytes_limit
 
 __all__ = ["GatewayConfig"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 # The largest job workers read with their default limits (MLXQ_MAX_PAYLOAD_BYTES, and room for MLXQ_MAX_IMAGES
-# images of MLXQ_MAX_IMAGE_BYTES each): a bigger body could not be queued.
-DEFAULT_MAX_BODY_BYTES = job_bytes_limit(1 << 20, 4, 4 << 20)
+# images of MLXQ_MAX_IMAGE_BYTES each): a bigger body could not be queued. From the environment, the limits set.
+DEFAULT_MAX_BODY_BYTES = ClientConfig().max_job_bytes
 DEFAULT_MAX_TOKENS = 512  # when a request names none (OpenAI's may not): mlx_lm.server's default
 
 
@@ -33,14 +32,17 @@ class GatewayConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GatewayConfig:
         """``MLXQ_GATEWAY_HOST``, ``MLXQ_GATEWAY_PORT``, ``MLXQ_API_KEYS`` (comma-separated),
-        ``MLXQ_GATEWAY_MAX_BODY`` (bytes), ``MLXQ_GATEWAY_MAX_TOKENS``, and the client's variables."""
+        ``MLXQ_GATEWAY_MAX_BODY`` (bytes; unset: the largest job the workers' limits let through, which the
+        client's variables ``MLXQ_MAX_PAYLOAD_BYTES``, ``MLXQ_MAX_IMAGES`` and ``MLXQ_MAX_IMAGE_BYTES`` set, as
+        on the workers), ``MLXQ_GATEWAY_MAX_TOKENS``, and the client's variables."""
         env = os.environ if env is None else env
         keys = frozenset(k.strip() for k in env.get("MLXQ_API_KEYS", "").split(",") if k.strip())
+        client = ClientConfig.from_env(env)
         return cls(
             host=env.get("MLXQ_GATEWAY_HOST", DEFAULT_HOST),
             port=int(env.get("MLXQ_GATEWAY_PORT", DEFAULT_PORT)),
             api_keys=keys,
-            max_body_bytes=int(env.get("MLXQ_GATEWAY_MAX_BODY", DEFAULT_MAX_BODY_BYTES)),
+            max_body_bytes=int(env.get("MLXQ_GATEWAY_MAX_BODY", client.max_job_bytes)),
             default_max_tokens=int(env.get("MLXQ_GATEWAY_MAX_TOKENS", DEFAULT_MAX_TOKENS)),
-            client=ClientConfig.from_env(env),
+            client=client,
         )

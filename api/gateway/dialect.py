@@ -42,7 +42,7 @@ class Dialect(Protocol):
         ...
 
     def frames(self, ask: Ask, job: JobStream) -> AsyncIterator[bytes]:
-        """The SSE frames of a streamed response, from the job's start to its end."""
+        """The SSE frames of a streamed response, from the job's start to its end (the end a ``sse.Last``)."""
         ...
 
     def error_body(self, problem: Problem) -> dict[str, Any]:
@@ -50,7 +50,7 @@ class Dialect(Protocol):
         ...
 
     def error_frame(self, problem: Problem) -> bytes:
-        """The API's error event, ending a stream that failed after it started."""
+        """The API's error event, ending a stream that failed after it started (a ``sse.Last``)."""
         ...
 
 

@@ -3,9 +3,11 @@
 Mapped: ``model``, ``messages`` (``developer`` is a system turn; text content parts are joined) or ``prompt``,
 ``max_completion_tokens``/``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``presence_penalty``,
 ``frequency_penalty``, ``metadata``, ``stream`` and ``stream_options.include_usage``; mlx-lm's and vLLM's
-extensions ``top_k``, ``min_p``, ``repetition_penalty`` and mlxq's ``priority``. Refused with a 400 that names
-them: ``n`` other than 1, ``logprobs``, tools and functions, structured ``response_format``, ``logit_bias``, audio,
-images, ``echo``, ``suffix``, ``best_of`` > 1 and token-id prompts. ``user`` goes into the job's metadata.
+extensions ``top_k``, ``min_p``, ``repetition_penalty`` and mlxq's ``priority``. ``image_url`` content parts
+become the job's image parts (a model that takes no images refuses them: a 400 from its worker). Refused with a
+400 that names them: ``n`` other than 1, ``logprobs``, tools and functions, structured ``response_format``,
+``logit_bias``, audio, ``echo``, ``suffix``, ``best_of`` > 1 and token-id prompts. ``user`` goes into the job's
+metadata.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .content import chat_content
 from .dialect import Ask, dumps, sse
 from .errors import GatewayError, Kind, Problem, invalid, validation_problem
 from .job import JobStream
+from .sse import Last
 
 __all__ = ["CHAT", "COMPLETIONS", "ChatDialect", "CompletionDialect", "openai_error"]
 
@@ -214,7 +217,7 @@ class _OpenAI:
         return openai_error(problem)
 
     def error_frame(self, problem: Problem) -> bytes:
-        return sse(dumps(openai_error(problem))) + _DONE
+        return Last(sse(dumps(openai_error(problem))) + _DONE)
 
     def _head(self, ask: Ask, job: JobStream, created: int) -> str:
         """A chunk's JSON up to its ``choices`` (and after them, ``usage: null`` when usage comes last)."""
@@ -247,7 +250,7 @@ class _OpenAI:
         closing = [opening, f"data: {head}{self._last(_finish(job.done.finish_reason))}{tail}\n\n"]
         if ask.include_usage:
             closing.append(f'data: {head}[],"usage":{dumps(_usage(job))}}}\n\n')
-        yield "".join(closing).encode() + _DONE
+        yield Last("".join(closing).encode() + _DONE)
 
 
 class ChatDialect(_OpenAI):

@@ -86,7 +86,26 @@ async def test_system_blocks_text_blocks_and_stop_sequences(claude: anthropic.As
         messages=[{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello"}]}],
     )
     assert msg.content[0].text == greedy.text[: greedy.text.index(stop)]  # type: ignore[union-attr]
-    assert msg.stop_reason == "end_turn"
+    assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", stop)
+
+
+async def test_a_stream_a_stop_sequence_ends_says_which(claude: anthropic.AsyncAnthropic, queue: Client) -> None:
+    greedy = await queue.generate(model="tiny", messages=AS_QUEUE, max_tokens=40, timeout=60)
+    stop = greedy.text[12:15]
+    async with claude.messages.stream(model="tiny", system=SYSTEM, messages=USER, max_tokens=40,  # type: ignore[arg-type]
+                                      stop_sequences=["never in this text", stop]) as stream:
+        events = [ev async for ev in stream]
+        final = await stream.get_final_message()
+    (delta,) = [ev for ev in events if ev.type == "message_delta"]
+    assert (delta.delta.stop_reason, delta.delta.stop_sequence) == ("stop_sequence", stop)
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+    assert final.content[0].text == greedy.text[: greedy.text.index(stop)]  # type: ignore[union-attr]
+
+
+async def test_a_message_that_ends_otherwise_names_no_stop_sequence(claude: anthropic.AsyncAnthropic) -> None:
+    msg = await claude.messages.create(model="tiny", system=SYSTEM, messages=USER, max_tokens=8,  # type: ignore[arg-type]
+                                       stop_sequences=["never in this text"])
+    assert (msg.stop_reason, msg.stop_sequence) == ("max_tokens", None)
 
 
 async def test_temperature_top_p_and_top_k_are_mapped(claude: anthropic.AsyncAnthropic, queue: Client) -> None:

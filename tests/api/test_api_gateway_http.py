@@ -24,8 +24,10 @@ import pytest
 import redis.asyncio as aredis
 
 from api.client import Client
+from api.errors import NoWorker
+from api.gateway import GatewayConfig
 from api.keys import Keys
-from api.schema import ModelState, ModelStatus, WorkerStatus
+from api.schema import ModelState, ModelStatus, WorkerStatus, image_data_url
 from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, deployment, post
 from worker.tools.redis_server import RedisServer
 
@@ -138,7 +140,6 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
     (USER, {"logprobs": True}, "logprobs"),
     (USER, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (USER, {"response_format": {"type": "json_object"}}, "response_format"),
-    ([{"role": "user", "content": [IMAGE]}], {}, "image parts"),
     (USER, {"temperature": 3}, "temperature"),
     (USER, {"frobnicate": 1}, "frobnicate: Extra inputs are not permitted"),
     ([], {}, "messages: List should have at least 1 item"),
@@ -149,6 +150,20 @@ async def test_chat_requests_the_gateway_refuses_are_400s_that_say_why(
     with pytest.raises(openai.BadRequestError) as caught:
         await oai.chat.completions.create(model="tiny", messages=messages, extra_body=extra)
     assert says in caught.value.message and caught.value.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"logprobs": 2}, "logprobs"),
+    ({"echo": True}, "echo"),
+    ({"suffix": "end"}, "suffix"),
+    ({"best_of": 2}, "best_of"),
+])
+async def test_completion_requests_the_gateway_refuses_are_400s_that_say_why(
+        oai: openai.AsyncOpenAI, extra: dict[str, Any], says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await oai.completions.create(model="tiny", prompt="hi", max_tokens=4, **extra)
+    assert caught.value.type == "invalid_request_error" and caught.value.code == "unsupported_parameter"
+    assert f"not supported by this server: {says}" in caught.value.message
 
 
 async def test_completion_and_malformed_requests_are_400s(gw: ServedGateway) -> None:
@@ -164,8 +179,6 @@ async def test_completion_and_malformed_requests_are_400s(gw: ServedGateway) -> 
 
 
 @pytest.mark.parametrize(("body", "says"), [
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
-        "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, "image parts"),
     ({"messages": [*USER, {"role": "assistant", "content": "The answer is"}]}, "prefill"),
     ({"messages": USER, "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
     ({"messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
@@ -177,6 +190,36 @@ async def test_messages_the_gateway_refuses_are_400s_that_say_why(claude: anthro
         await claude.messages.create(model="tiny", max_tokens=8, **body)
     error = caught.value.body["error"]  # type: ignore[index]
     assert error["type"] == "invalid_request_error" and says in error["message"]
+
+
+async def test_images_for_a_text_only_model_are_refused_by_its_worker(oai: openai.AsyncOpenAI,
+                                                                    claude: anthropic.AsyncAnthropic) -> None:
+    # The gateway passes image parts on as the job's; the worker of a model that takes none refuses the job.
+    refusal = "the model 'tiny' does not accept images (a text-only model)"
+    with pytest.raises(openai.BadRequestError) as caught:
+        await oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [IMAGE]}])
+    assert caught.value.code == "bad_request" and refusal in caught.value.message
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await claude.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+    error = refused.value.body["error"]  # type: ignore[index]
+    assert error["code"] == "bad_request" and refusal in error["message"]
+
+
+async def test_the_gateway_checks_jobs_against_the_workers_limits_it_is_given(d: Deployment) -> None:
+    # MLXQ_MAX_PAYLOAD_BYTES, MLXQ_MAX_IMAGES and MLXQ_MAX_IMAGE_BYTES, read as the workers read them: a job
+    # within them goes on to the worker (a text-only one, which refuses images), a larger one is refused here.
+    env = {"MLXQ_MAX_PAYLOAD_BYTES": "2000", "MLXQ_MAX_IMAGES": "1", "MLXQ_MAX_IMAGE_BYTES": "3000"}
+    limits = GatewayConfig.from_env(env).client
+    with d.gateway(client={"max_payload_bytes": limits.max_payload_bytes, "max_images": limits.max_images,
+                           "max_image_bytes": limits.max_image_bytes}) as small:
+        async with openai.AsyncOpenAI(base_url=f"{small.url}/v1", api_key="unused", max_retries=0) as oai:
+            for size, says in ((2900, "does not accept images"), (6000, f"the limit is {limits.max_job_bytes}")):
+                url = image_data_url(bytes(size))
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await oai.chat.completions.create(model="tiny", max_tokens=4, messages=[
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+                assert says in caught.value.message
 
 
 async def test_what_only_the_worker_can_judge_is_a_400_with_its_code(oai: openai.AsyncOpenAI,
@@ -315,6 +358,31 @@ async def test_unknown_routes_and_methods_answer_in_json(gw: ServedGateway) -> N
         assert openai_error(await http.get("/v1/nothing"))["code"] == "unknown_route"
         wrong = await http.get("/v1/chat/completions")
         assert wrong.status_code == 405 and openai_error(wrong)["type"] == "invalid_request_error"
+
+
+async def test_a_burst_of_requests_reads_the_workers_health_records_once(d: Deployment,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # The gateway's queue client checks that a live worker serves the model before it queues a job; requests
+    # that arrive together share one read of the records (each would cost Redis reads and parsing).
+    import api.client
+
+    reads = 0
+    real = api.client.live_workers
+
+    async def counted(*args: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        return await real(*args)
+
+    monkeypatch.setattr(api.client, "live_workers", counted)
+    async with Client(config=d.config.client) as queue:
+        rids = await asyncio.gather(*(queue.submit(model="tiny", prompt="hi", max_tokens=1, require_worker=True)
+                                      for _ in range(16)))
+        with pytest.raises(NoWorker):
+            await queue.submit(model="ghost", prompt="hi", require_worker=True)
+        results = [await queue.result(rid, timeout=60) for rid in rids]
+    assert len(set(rids)) == 16 and all(r.usage.completion_tokens == 1 for r in results)
+    assert reads == 2  # one for the burst, one for the unknown model
 
 
 # --- the command ------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ for the same request; a client that goes away cancels its job."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,8 @@ import pytest
 
 from api.client import Client, Result
 from api.schema import DoneEvent, Event, FinishReason
-from tests.api.gateway_support import Deployment, ServedGateway, deployment
+from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, deployment
+from worker.tools.process import GatewayProcess
 
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Say hello"}]
 LONG = 400  # tokens: a job still decoding long after its first chunk (the context is 512)
@@ -182,3 +185,57 @@ async def running_job(d: Deployment, queue: Client, before: set[str]) -> str:
         if ev.type == "token":
             return rid
     raise AssertionError(f"job {rid} ended before making a token")
+
+
+# --- several gateways -------------------------------------------------------------------------------
+async def test_two_gateway_processes_serve_one_queue_side_by_side(served: tuple[Deployment, ServedGateway],
+                                                                  queue: Client, tmp_path: Path) -> None:
+    # Two `mlxq gateway` processes, each with its own queue client, in front of the same Redis and worker: the
+    # requests of both, all in flight at once, each get their own job's greedy text.
+    env = {"MLXQ_REDIS_URL": served[0].redis.url, "MLXQ_PREFIX": PREFIX}
+    gateways = [GatewayProcess(env, tmp_path / f"gateway-{i}.log").start() for i in range(2)]
+    try:
+        await asyncio.gather(*(asyncio.to_thread(g.wait_ready) for g in gateways))
+        prompts = [f"Count to {k}:" for k in range(8)]
+        wants = await asyncio.gather(*(queue.generate(model="tiny", prompt=p, max_tokens=12, timeout=60)
+                                       for p in prompts))
+        async with contextlib.AsyncExitStack() as stack:
+            sdks = [await stack.enter_async_context(openai.AsyncOpenAI(base_url=f"{g.url}/v1", api_key="unused",
+                                                                       max_retries=0)) for g in gateways]
+            got = await asyncio.gather(*(_completion(sdks[k % 2], p, stream=k % 4 < 2) for k, p in enumerate(prompts)))
+        assert got == [w.text for w in wants] and all(got)
+        assert all(g.proc is not None and g.proc.poll() is None for g in gateways)
+    finally:
+        ended = [g.stop() for g in gateways]
+    assert all(status in (0, -signal.SIGTERM) for status in ended)  # uvicorn re-raises the SIGTERM it handled
+
+
+async def _completion(sdk: openai.AsyncOpenAI, prompt: str, *, stream: bool) -> str:
+    if not stream:
+        resp = await sdk.completions.create(model="tiny", prompt=prompt, max_tokens=12)
+        return resp.choices[0].text
+    chunks = await sdk.completions.create(model="tiny", prompt=prompt, max_tokens=12, stream=True)
+    return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+
+async def test_a_gateway_shutting_down_ends_its_open_streams_and_cancels_their_jobs(
+        served: tuple[Deployment, ServedGateway], queue: Client, tmp_path: Path) -> None:
+    gateway = GatewayProcess({"MLXQ_REDIS_URL": served[0].redis.url, "MLXQ_PREFIX": PREFIX},
+                             tmp_path / "gateway.log").start()
+    try:
+        await asyncio.to_thread(gateway.wait_ready)
+        async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as oai:
+            stream = await oai.completions.create(model="tiny", prompt="Count:", max_tokens=LONG, stream=True)
+            first = await anext(aiter(stream))
+            assert gateway.proc is not None
+            gateway.proc.send_signal(signal.SIGTERM)  # the stream ends now, not when its job would
+            with contextlib.suppress(openai.APIError, httpx.HTTPError):
+                rest = [chunk async for chunk in stream]
+                assert not any(c.choices and c.choices[0].finish_reason for c in rest)  # it was cut short
+    finally:
+        status = gateway.stop()
+    end = await terminal(queue, first.id.removeprefix("cmpl-"))
+    assert isinstance(end, DoneEvent) and end.finish_reason is FinishReason.CANCELLED
+    # Cancelled short of its end: the stream was ended at the SIGTERM (waiting out the server's graceful period,
+    # the job would have had the time to finish).
+    assert end.usage.completion_tokens < LONG and status in (0, -signal.SIGTERM)

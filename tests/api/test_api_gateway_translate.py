@@ -17,7 +17,7 @@ from api.gateway.auth import Auth
 from api.gateway.content import chat_content
 from api.gateway.errors import GatewayError
 from api.gateway.openai_api import CHAT, COMPLETIONS
-from api.schema import ImagePart, ImageURL, TextPart
+from api.schema import DoneEvent, FinishReason, ImagePart, ImageURL, TextPart, Timings, Usage, decode_event
 
 CONFIG = GatewayConfig(default_max_tokens=77)
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +121,7 @@ def test_keys_are_taken_as_bearer_tokens_or_x_api_key() -> None:
 def test_the_producer_side_never_loads_the_web_stack() -> None:
     # `pip install mlxq` has no Starlette: the client and the CLI must import without it.
     code = ("import sys, api.client, api.cli, api.gateway.config; "
-            "web = sorted(m for m in sys.modules if m.split('.')[0] in {'starlette', 'sse_starlette', 'uvicorn', "
+            "web = sorted(m for m in sys.modules if m.split('.')[0] in {'starlette', 'uvicorn', "
             "'fastapi'}); print(web); sys.exit(1 if web else 0)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -132,3 +132,30 @@ def test_the_gateways_public_names() -> None:
 
     assert api.gateway.__all__ == ["Gateway", "GatewayConfig", "create_app"]
     assert all(getattr(api.gateway, name) is not None for name in api.gateway.__all__)
+
+
+def test_a_done_event_carries_the_stop_sequence_that_ended_it_and_only_then() -> None:
+    timings = Timings(queue_ms=0.0, ttft_ms=None, total_ms=1.0, tokens_per_s=None)
+    plain = DoneEvent(id="r", seq=3, finish_reason=FinishReason.STOP, usage=Usage(prompt_tokens=1, completion_tokens=2),
+                      timings=timings)
+    assert "stop_sequence" not in plain.model_dump_json()  # so a producer of an earlier release reads it
+    stopped = DoneEvent(**{**plain.model_dump(), "stop_sequence": "END"})
+    assert decode_event(stopped.model_dump_json()) == stopped and stopped.stop_sequence == "END"
+    assert decode_event(plain.model_dump_json()).stop_sequence is None
+
+
+@pytest.mark.parametrize("env", [
+    {},
+    {"MLXQ_MAX_IMAGES": "9", "MLXQ_MAX_IMAGE_BYTES": str(16 << 20), "MLXQ_MAX_PAYLOAD_BYTES": str(2 << 20)},
+    {"MLXQ_MAX_IMAGES": "0", "MLXQ_MAX_PAYLOAD_BYTES": "4096"},
+])
+async def test_the_gateways_job_limits_are_the_workers_for_the_same_variables(env: dict[str, str]) -> None:
+    from api.client import Client
+    from worker.config import WorkerConfig
+
+    worker = WorkerConfig.from_env(env)
+    cfg = GatewayConfig.from_env(env)
+    assert cfg.client.max_job_bytes == worker.max_job_bytes == cfg.max_body_bytes
+    async with Client(config=cfg.client) as queue:  # the gateway's queue client checks jobs against them
+        assert (queue.max_payload_bytes, queue.max_image_job_bytes) == (worker.max_payload_bytes,
+                                                                         worker.max_job_bytes)

@@ -6,6 +6,7 @@ No wall-clock thresholds: the numbers depend on the machine; only their presence
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import io
 import json
@@ -18,6 +19,8 @@ import pytest
 
 from api.cli import _parser
 from worker.tools import bench, blas
+from worker.tools.bench.gateway import _stream
+from worker.tools.bench.http import SseClient
 
 
 def _args(out: Path, **over: Any) -> argparse.Namespace:
@@ -145,6 +148,64 @@ def test_the_gateway_path_is_measured_beside_the_client_on_the_same_worker(resul
     assert ratio["value"] == gateway["rows"][1]["gateway_over_queue_paired"]
     out, _, stdout = quick_run
     assert "## HTTP gateway" in stdout and (out / "logs" / "gateway-tiny.log").exists()
+
+
+class SseServer:
+    """A loopback server that answers every POST as the gateway streams a completion (chunked SSE, then
+    [DONE]), on keep-alive connections; ``close_after`` responses, it closes the connection (as a server does
+    with one idle past its keep-alive timeout)."""
+
+    def __init__(self, close_after: int = 0) -> None:
+        self.connections = 0
+        self.requests = 0
+        self.close_after = close_after
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        served = 0
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                self.requests += 1
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for data in (b'{"choices":[{"text":"hi"}]}', b'{"choices":[],"usage":{"completion_tokens":1}}',
+                             b"[DONE]"):
+                    frame = b"data: %s\n\n" % data
+                    writer.write(b"%x\r\n%s\r\n" % (len(frame), frame))
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+                served += 1
+                if served == self.close_after:
+                    break
+        writer.close()
+
+
+async def _two_streams(server: SseServer) -> SseClient:
+    listening = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    http = SseClient("127.0.0.1", listening.sockets[0].getsockname()[1])
+    try:
+        for _ in range(2):
+            trace = await _stream(http, "tiny", "hello", 1)
+            assert trace.tokens == 1 and trace.first_token is not None and trace.ended is not None
+    finally:
+        await http.aclose()
+        listening.close()
+        await listening.wait_closed()
+    return http
+
+
+async def test_the_bench_http_client_reuses_its_connection_for_the_next_request() -> None:
+    server = SseServer()
+    http = await _two_streams(server)
+    assert (server.requests, server.connections, http.opened) == (2, 1, 1)
+
+
+async def test_the_bench_http_client_opens_a_new_connection_when_the_server_closed_the_idle_one() -> None:
+    server = SseServer(close_after=1)
+    http = await _two_streams(server)
+    assert (server.requests, server.connections, http.opened) == (2, 2, 2)
 
 
 def test_targets_are_judged_from_the_reported_numbers(results: dict[str, Any]) -> None:

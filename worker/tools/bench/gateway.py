@@ -40,7 +40,7 @@ from .runs import (
 
 __all__ = ["gateway_phase"]
 
-_NEEDS = ("starlette", "sse_starlette", "uvicorn")
+_NEEDS = ("starlette", "uvicorn")
 
 
 async def gateway_phase(ctx: _DriveContext, client: Client) -> GatewayResult | None:
@@ -136,9 +136,12 @@ async def _stream(http: SseClient, model: str, prompt: str, max_tokens: int) -> 
     trace = _Trace(time.perf_counter())
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "stream_options": {"include_usage": True}}).encode()
+    # Read to the response's end, past [DONE] (the chunked body's last chunk follows it at once): a stream left
+    # unfinished cannot hand its connection back, and each request would open a new one inside its TTFT.
     async for data in http.events("/v1/completions", body):
         if data == b"[DONE]":
-            break
+            trace.ended = time.perf_counter()
+            continue
         chunk = json.loads(data)
         if "error" in chunk:
             raise RuntimeError(f"the gateway's stream failed: {chunk['error']}")
@@ -146,5 +149,5 @@ async def _stream(http: SseClient, model: str, prompt: str, max_tokens: int) -> 
             trace.first_token = time.perf_counter()
         if chunk.get("usage"):
             trace.tokens = chunk["usage"]["completion_tokens"]
-    trace.ended = time.perf_counter()
+    trace.ended = trace.ended or time.perf_counter()
     return trace

@@ -26,22 +26,23 @@ class _Connection:
 
 
 class SseClient:
-    """POSTs JSON to one server and yields the ``data:`` payloads of its event-stream answers."""
+    """POSTs JSON to one server and yields the ``data:`` payloads of its event-stream answers. A response read
+    to its end hands its connection back for the next request (``opened`` counts the connections made)."""
 
     def __init__(self, host: str, port: int) -> None:
         self.host = host
         self.port = port
+        self.opened = 0
         self._idle: list[_Connection] = []
 
     async def events(self, path: str, body: bytes) -> AsyncIterator[bytes]:
-        """The ``data:`` payloads of one streamed response, in order; raises on a status other than 200."""
-        conn = self._idle.pop() if self._idle else await self._connect()
+        """The ``data:`` payloads of one streamed response, in order; raises on a status other than 200. Read
+        it to its end: a response left unfinished closes its connection."""
+        request = (b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), self.port, len(body), body))
+        conn, (status, chunked, length, keep) = await self._send(request)
         reusable = False
         try:
-            conn.writer.write(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                              b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), self.port,
-                                                                len(body), body))
-            status, chunked, length, keep = await _head(conn.reader)
             if status != 200:
                 raw = await conn.reader.read(2000)
                 raise RuntimeError(f"the gateway answered {status}: {raw[:500]!r}")
@@ -60,8 +61,27 @@ class SseClient:
             else:
                 conn.close()
 
+    async def _send(self, request: bytes) -> tuple[_Connection, tuple[int, bool, int | None, bool]]:
+        """Write ``request`` and read its response's head: on an idle connection if one is still open (the
+        server closes those idle past its keep-alive timeout: then the request goes on a new one)."""
+        while self._idle:
+            conn = self._idle.pop()
+            try:
+                conn.writer.write(request)
+                return conn, await _head(conn.reader)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                conn.close()
+        conn = await self._connect()
+        try:
+            conn.writer.write(request)
+            return conn, await _head(conn.reader)
+        except BaseException:
+            conn.close()
+            raise
+
     async def _connect(self) -> _Connection:
         reader, writer = await asyncio.open_connection(self.host, self.port)
+        self.opened += 1
         return _Connection(reader, writer)
 
     async def aclose(self) -> None:
@@ -74,7 +94,10 @@ class SseClient:
 
 async def _head(reader: asyncio.StreamReader) -> tuple[int, bool, int | None, bool]:
     """Status, chunked, content length and keep-alive of a response, its head read."""
-    status = int((await reader.readline()).split(b" ", 2)[1])
+    line = await reader.readline()
+    if not line:
+        raise ConnectionResetError("the server closed the connection")
+    status = int(line.split(b" ", 2)[1])
     chunked, length, keep = False, None, True
     while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
         name, _, value = line.partition(b":")
