@@ -44,6 +44,8 @@ _CLIENT_ENV = """\
   MLXQ_MAX_QUEUED      jobs one model's queue may hold before submits are refused (default 10000; 0: no cap)
   MLXQ_JOB_EXPIRY      seconds a job may wait queued before it ends error(expired) (default 300; 0: never)
   MLXQ_PRIORITY_AGING  seconds of waiting one priority level is worth (default 1)
+  MLXQ_MAX_PAYLOAD_BYTES, MLXQ_MAX_IMAGES, MLXQ_MAX_IMAGE_BYTES
+                       a job's limits, as the workers' (defaults 1 MiB, 4, 4 MiB): a larger job is refused
 """
 _GATEWAY_ENV = f"""\
   MLXQ_GATEWAY_HOST        address to listen on (default {DEFAULT_HOST}; --host wins)
