@@ -194,7 +194,7 @@ class Engine:
                 self._arrived.clear()  # under the lock: add() decrements under it before setting
                 arrived = len(self._inbox)
             if ahead is not None and looked < arrived:  # the first step's work on the new arrivals, now; look again
-                for i in range(looked, arrived):
+                for i in range(looked, min(arrived, self._prefill_batch)):  # what the first step can take
                     cmd = self._inbox[i]  # others only append: the entries before ``arrived`` stay put
                     if isinstance(cmd, EngineRequest):
                         ahead(cmd.prompt_tokens, cmd.images)

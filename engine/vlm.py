@@ -144,10 +144,11 @@ class VLMBatch:
         self._model = model
         self._doomed: set[int] = set()  # removed by the scheduler, left in mlx-vlm's prefill (see remove)
         prefill = min(prefill_batch_size, capacity)
-        # Rows embedded before their insert, by id of their prompt list (held here, so the id stays theirs);
-        # a bounded few: a row whose entry was dropped (its request aborted, say) is embedded at its insert.
+        # Rows embedded before their insert, by id of their prompt list (held here, so the id stays theirs):
+        # at most a prefill batch, kept until the next step; a row whose entry is gone (not admitted then, its
+        # request aborted) is embedded at its insert.
         self._ahead: dict[int, tuple[list[int], ImageInputs | None, dict[str, Any]]] = {}
-        self._ahead_max = capacity + prefill
+        self._ahead_max = prefill
         self._gen = BatchGenerator(
             model.language_model,
             processor,
@@ -233,6 +234,7 @@ class VLMBatch:
         return int(batch._left_padding_per_row[other]) > int(batch._processed_prompt_columns)
 
     def step(self) -> Sequence[GeneratedToken]:
+        self._ahead.clear()  # the scheduler has inserted what it admits: the rest are not soon
         _, generated = self._gen.next()
         if self._doomed:
             self._drop_prefilled()
