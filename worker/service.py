@@ -75,7 +75,7 @@ class ModelService:
 
     async def aclose(self) -> None:
         """Stop the engine, joining its MLX thread (returns once no MLX call runs)."""
-        self._images.shutdown(wait=False, cancel_futures=True)
+        self._images.shutdown(wait=False)  # what is queued still ends (quickly), as its jobs expect
         if self.engine is not None:
             await self.engine.aclose()
 
