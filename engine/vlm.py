@@ -183,8 +183,6 @@ class VLMBatch:
         """Embed a row now and evaluate it, for its insert to take (the engine calls this while it waits for
         the rest of a burst, when its thread would idle). A row that cannot be embedded is left to its insert,
         which reports why."""
-        from engine._tl import mark
-        mark("ahead", str(len(prompt)))
         try:
             kwargs = self._embed(prompt, images)
             mx.eval([v for v in kwargs.values() if isinstance(v, mx.array)])
