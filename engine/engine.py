@@ -9,7 +9,9 @@ Requests claimed together (:meth:`Engine.expect`) reach an idle engine a fractio
 its first step waits for the rest of them, then for as long as more keep arriving less than a fifth of the
 admission window apart (a burst still being enqueued and claimed), until a full prefill batch is in or the
 window closes. So a burst's prompts prefill as one batch instead of the first few alone (a whole prefill
-step) and then the others; a lone request does not linger.
+step) and then the others; a lone request does not linger. While it waits, the thread is not idle: a
+backend that embeds its rows (mlx-vlm's, ``engine/vlm.py``) embeds each arrival then (``embed_ahead``), so
+the burst's first step no longer runs every image's vision tower after the last one came.
 
 :meth:`Engine.claim_capacity` tells the worker how many more requests this engine has room for soon, so it
 claims no more than that from Redis and other hosts take the rest.
@@ -186,6 +188,8 @@ class Engine:
                 return
 
     def _await_expected(self) -> None:
+        ahead = getattr(self.scheduler.backend, "embed_ahead", None)  # only a backend that embeds its rows
+        looked = 0  # inbox entries handed to it so far (only this thread pops the inbox)
         while True:
             with self._lock:
                 now = self._clock()
@@ -205,6 +209,14 @@ class Engine:
                 if wait <= 0:
                     return
                 self._arrived.clear()  # under the lock: add() decrements under it before setting
+                arrived = len(self._inbox)
+            if ahead is not None and looked < arrived:  # the first step's work on the new arrivals, now; look again
+                for i in range(looked, min(arrived, self._prefill_batch)):  # what the first step can take
+                    cmd = self._inbox[i]  # others only append: the entries before ``arrived`` stay put
+                    if isinstance(cmd, EngineRequest):
+                        ahead(cmd.prompt_tokens, cmd.images)
+                looked = arrived
+                continue
             self._arrived.wait(wait)
 
     def _drain_inbox(self) -> list[RequestOutput]:

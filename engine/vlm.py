@@ -6,7 +6,9 @@ moves between minors; mlx-vlm is pinned).
   it returns the token ids and numpy arrays (:class:`~engine.request.ImageInputs`).
 - :class:`VLMBatch` is mlx-vlm's ``BatchGenerator`` behind the scheduler's ``BatchBackend``. Every row
   carries input embeddings (``get_input_embeddings``, on the model's MLX thread), so image rows and text
-  rows share one continuous batch.
+  rows share one continuous batch. An idle engine waiting for the rest of a burst has each arrival embedded
+  and evaluated meanwhile (:meth:`VLMBatch.embed_ahead`): the vision tower then runs while the others are
+  still being prepared, not in the burst's first step.
 
 What mlx-vlm 0.7 does not do is done here:
 
@@ -145,6 +147,11 @@ class VLMBatch:
         self._model = model
         self._doomed: set[int] = set()  # removed by the scheduler, left in mlx-vlm's prefill (see remove)
         prefill = min(prefill_batch_size, capacity)
+        # Rows embedded before their insert, by id of their prompt list (held here, so the id stays theirs):
+        # at most a prefill batch, kept until the next step; a row whose entry is gone (not admitted then, its
+        # request aborted) is embedded at its insert.
+        self._ahead: dict[int, tuple[list[int], ImageInputs | None, dict[str, Any]]] = {}
+        self._ahead_max = prefill
         # mlx-vlm's generator enters ``wired_limit()`` in __init__ (setting the wired limit) and leaves it in
         # close(), restoring the limit it found: out of order with several generators (engine/mlx_process.py,
         # which sets it once per process). Made unwired, it enters a context that does nothing.
@@ -175,9 +182,29 @@ class VLMBatch:
         images: ImageInputs | None = None,
     ) -> int:
         processors = [*logits_processors, RowSampler(sampler)] if sampler is not None else list(logits_processors)
-        (uid,) = self._gen.insert([prompt], max_tokens=[max_tokens], prompt_kwargs=[self._embed(prompt, images)],
+        (uid,) = self._gen.insert([prompt], max_tokens=[max_tokens], prompt_kwargs=[self._embedded(prompt, images)],
                                   logits_processors=[processors])
         return int(uid)
+
+    def embed_ahead(self, prompt: list[int], images: ImageInputs | None) -> None:
+        """Embed a row now and evaluate it, for its insert to take (the engine calls this while it waits for
+        the rest of a burst, when its thread would idle). A row that cannot be embedded is left to its insert,
+        which reports why."""
+        try:
+            kwargs = self._embed(prompt, images)
+            mx.eval([v for v in kwargs.values() if isinstance(v, mx.array)])
+        except Exception:  # the insert embeds it again and fails the request with the reason
+            return
+        self._ahead[id(prompt)] = (prompt, images, kwargs)
+        while len(self._ahead) > self._ahead_max:
+            del self._ahead[next(iter(self._ahead))]  # the oldest
+
+    def _embedded(self, prompt: list[int], images: ImageInputs | None) -> dict[str, Any]:
+        """The row's prompt kwargs: embedded ahead for this very prompt and images, or now."""
+        entry = self._ahead.pop(id(prompt), None)
+        if entry is not None and entry[0] is prompt and entry[1] is images:
+            return entry[2]
+        return self._embed(prompt, images)
 
     def _embed(self, prompt: list[int], images: ImageInputs | None) -> dict[str, Any]:
         """The row's prompt kwargs: its input embeddings (and the model's extras, e.g. mrope positions), lazy.
@@ -212,6 +239,7 @@ class VLMBatch:
         return int(batch._left_padding_per_row[other]) > int(batch._processed_prompt_columns)
 
     def step(self) -> Sequence[GeneratedToken]:
+        self._ahead.clear()  # the scheduler has inserted what it admits: the rest are not soon
         _, generated = self._gen.next()
         if self._doomed:
             self._drop_prefilled()

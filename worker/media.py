@@ -7,9 +7,12 @@ so an oversized one costs no decode. Only the formats in :data:`FORMATS` are par
 :class:`ImageError` naming the image (1-based, in prompt order, with its place in the request) and the
 problem; the worker ends the job with ``error(bad_request)`` carrying that message.
 
-Decoding, fetching and the model's CPU preprocessing (``engine.vlm.Vision.prepare``: resize, normalise,
-patch, expand the image tokens) run in a worker thread; embedding the images is the engine's, on its own
-MLX thread, when the request joins the batch.
+Fetching runs in asyncio's default thread pool (it waits on the network). Decoding and the model's CPU
+preprocessing (``engine.vlm.Vision.prepare``: resize, normalise, patch, expand the image tokens) run on the
+executor the caller gives, one thread per model (``worker/service.py``): that work holds the GIL most of
+the time, so several threads at it only slow each other, the event loop and the engine thread down, and one
+thread hands a burst's images to the engine in arrival order, the first soonest, for the engine to embed
+each while the next is prepared (on its own MLX thread: ``engine/engine.py``, ``embed_ahead``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,9 +80,11 @@ def has_images(req: GenerateRequest) -> bool:
     return bool(req.image_parts)
 
 
-async def prepare(req: GenerateRequest, model: LoadedModel, config: WorkerConfig) -> Prompt:
+async def prepare(req: GenerateRequest, model: LoadedModel, config: WorkerConfig, executor: Executor | None = None
+                  ) -> Prompt:
     """The prompt of a request with images: its images read and checked, then prepared by the model's
-    processor, in a worker thread; its length checked as a text prompt's. Raises :class:`ImageError`."""
+    processor on ``executor`` (None: asyncio's default); its length checked as a text prompt's. Raises
+    :class:`ImageError`."""
     n = len(req.image_parts)
     if model.vision is None:
         raise ImageError(f"the model {req.model!r} does not accept images (a text-only model): send the job "
@@ -86,7 +92,9 @@ async def prepare(req: GenerateRequest, model: LoadedModel, config: WorkerConfig
     limits = ImageLimits.of(config)
     if n > limits.max_images:
         raise ImageError(f"the job has {n} images; the limit is {limits.max_images}")
-    tokens, images = await asyncio.to_thread(_prepare, req, model, limits)
+    fetched = await asyncio.to_thread(_fetch_all, req, limits) if limits.urls and _has_urls(req) else {}
+    loop = asyncio.get_running_loop()
+    tokens, images = await loop.run_in_executor(executor, _prepare, req, model, limits, fetched)
     ctx = model.context_length
     limit = min(config.max_prompt_tokens, ctx or config.max_prompt_tokens)
     if len(tokens) > limit:
@@ -97,10 +105,25 @@ async def prepare(req: GenerateRequest, model: LoadedModel, config: WorkerConfig
     return Prompt(tokens, images)
 
 
-def _prepare(req: GenerateRequest, model: LoadedModel, limits: ImageLimits) -> tuple[list[int], ImageInputs]:
+def _has_urls(req: GenerateRequest) -> bool:
+    return any(_is_http(part.image_url.url) for _, part in _image_parts(req))
+
+
+def _fetch_all(req: GenerateRequest, limits: ImageLimits) -> dict[int, bytes]:
+    """The bytes of the request's http(s) images, by their 1-based place among its images."""
+    return {i: _fetch(part.image_url.url, f"image {i} ({where})", limits)
+            for i, (where, part) in enumerate(_image_parts(req), 1) if _is_http(part.image_url.url)}
+
+
+def _prepare(req: GenerateRequest, model: LoadedModel, limits: ImageLimits, fetched: dict[int, bytes]
+             ) -> tuple[list[int], ImageInputs]:
     assert model.vision is not None
-    decoded = [decode_image(part.image_url.url, f"image {i} ({where})", limits)
-               for i, (where, part) in enumerate(_image_parts(req), 1)]
+    decoded = []
+    for i, (where, part) in enumerate(_image_parts(req), 1):
+        name = f"image {i} ({where})"
+        data = fetched.get(i)
+        decoded.append(decode_image(part.image_url.url, name, limits) if data is None
+                       else _open(data, name, limits.max_pixels))
     try:
         return model.vision.prepare(_template_messages(req), decoded)
     except Exception as exc:  # the processor's own checks (an extreme aspect ratio, say): the job's images
@@ -131,7 +154,7 @@ def _template_messages(req: GenerateRequest) -> list[dict[str, Any]]:
 # --- one image -------------------------------------------------------------------------------------------
 def decode_image(url: str, name: str, limits: ImageLimits) -> Image.Image:
     """An image URL's picture, RGB and upright (EXIF), within ``limits``; ``name`` heads every error message."""
-    if url.startswith(("http://", "https://")):
+    if _is_http(url):
         data = _fetch(url, name, limits)
     elif url.startswith("data:"):
         data = _data_url_bytes(url, name, limits.max_bytes)
@@ -140,6 +163,10 @@ def decode_image(url: str, name: str, limits: ImageLimits) -> Image.Image:
         raise ImageError(f"{name}: unsupported URL scheme {scheme!r}: send a data:image/...;base64 URL"
                          + (" or an http(s) URL" if limits.urls else ""))
     return _open(data, name, limits.max_pixels)
+
+
+def _is_http(url: str) -> bool:
+    return url.startswith(("http://", "https://"))
 
 
 def _data_url_bytes(url: str, name: str, max_bytes: int) -> bytes:

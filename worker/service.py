@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import ValidationError
@@ -47,6 +48,9 @@ class ModelService:
         self.active = 0  # its jobs in this worker: claimed and not ended
         self.error: str | None = None  # why its engine died
         self.on_dead: Callable[[ModelService], None] = lambda service: None  # called on the event loop
+        # Its jobs' images are prepared one at a time, in arrival order (see worker/media.py); started with
+        # the first image job.
+        self._images = ThreadPoolExecutor(1, thread_name_prefix=f"mlxq-images-{served.name}")
 
     async def load(self, sink: Sink) -> None:
         """Load the model on a new MLX thread of its own and start its engine."""
@@ -72,6 +76,7 @@ class ModelService:
 
     async def aclose(self) -> None:
         """Stop the engine, joining its MLX thread (returns once no MLX call runs)."""
+        self._images.shutdown(wait=False)  # what is queued still ends (quickly), as its jobs expect
         if self.engine is not None:
             await self.engine.aclose()
 
@@ -141,10 +146,10 @@ class ModelService:
         chars = len(req.prompt or "") + sum(len(m.text) for m in req.messages or [])
         if chars > self.config.max_payload_bytes:
             raise BadRequest(f"the prompt has {chars} characters; the limit is {self.config.max_payload_bytes}")
-        if media.has_images(req):  # worker/media.py, in a worker thread
+        if media.has_images(req):  # worker/media.py, on the model's image thread
             assert self.model is not None and self.engine is not None
             try:
-                prompt = await media.prepare(req, self.model, self.config)
+                prompt = await media.prepare(req, self.model, self.config, self._images)
             except media.ImageError as exc:
                 raise BadRequest(str(exc)) from None
             # Images take a few ms to prepare: an idle engine waits on for the rest of their claimed burst.

@@ -3,7 +3,9 @@
 The oracle: greedy output through the engine equals mlx-vlm's own single-request output, for image, text and
 mixed batches and for requests joining while others decode. Sampling stays per request in a shared batch.
 An image job cancelled mid-prefill leaves the batch and the rows beside it intact. Images are prepared off
-the engine thread (numpy only) and embedded on it: a lazy MLX array crossing threads would raise here.
+the engine thread (numpy only) and embedded on it: a lazy MLX array crossing threads would raise here. A
+burst's rows embedded one by one while the idle engine waits for the rest of it still prefill as one batch
+and equal single runs.
 """
 
 from __future__ import annotations
@@ -187,6 +189,70 @@ async def test_sampling_stays_per_request_in_a_shared_batch(
     assert alone["greedy"] == oracle.tokens(JOBS["img-bc"], N)
     assert alone["hot"] != oracle.tokens(JOBS["text-b"], N)  # it really sampled (argmax would match the oracle)
     assert alone["warm"] != oracle.tokens(JOBS["img-a"], N)
+
+
+async def test_a_burst_embedded_while_the_engine_waits_prefills_as_one_batch_equal_to_single_runs(
+    engine: tuple[Engine, Collected], loaded: LoadedModel, oracle: Oracle
+) -> None:
+    # The requests come one by one, well apart, into a long admission window: the engine embeds each as it
+    # comes (all but the last, whose arrival fills the prefill batch and closes the window), then inserts them
+    # with those embeddings.
+    eng, got = engine
+    backend = eng.scheduler.backend
+    embedded_ahead: list[list[int]] = []
+    first_tokens: dict[int, int] = {}  # mlx-vlm uid -> the step that gave its first token
+    steps = [0]
+    embed_ahead, step = backend.embed_ahead, backend.step  # type: ignore[attr-defined]
+
+    def spy_embed(prompt: list[int], images: ImageInputs | None) -> None:
+        embedded_ahead.append(prompt)
+        embed_ahead(prompt, images)
+
+    def spy_step() -> Any:
+        generated = step()
+        steps[0] += 1
+        for g in generated:
+            first_tokens.setdefault(g.uid, steps[0])
+        return generated
+
+    backend.embed_ahead, backend.step = spy_embed, spy_step  # type: ignore[attr-defined]
+    reqs = [await request(loaded, rid, msgs) for rid, msgs in JOBS.items()]
+    eng.expect(len(reqs), 30.0)
+    for req in reqs:
+        eng.add(req)
+        await asyncio.sleep(0.05)
+    await got.until(lambda: len(got.ends) == len(reqs))
+    assert [p for p in embedded_ahead if p is not reqs[-1].prompt_tokens] == [r.prompt_tokens for r in reqs[:-1]]
+    assert not backend._ahead  # type: ignore[attr-defined]  # each row's insert took its embeddings
+    assert len(first_tokens) == len(reqs) and len(set(first_tokens.values())) == 1  # one prompt batch
+    for rid, msgs in JOBS.items():
+        assert got.tokens[rid] == oracle.tokens(msgs, N), rid
+
+
+async def test_a_row_that_cannot_be_embedded_ahead_fails_at_its_insert(
+    engine: tuple[Engine, Collected], loaded: LoadedModel
+) -> None:
+    eng, got = engine
+    good, two = await request(loaded, "good", JOBS["img-a"]), await request(loaded, "two", JOBS["img-bc"])
+    bad = EngineRequest("bad", two.prompt_tokens, SamplingParams(max_tokens=N), images=good.images)  # one short
+    backend = eng.scheduler.backend
+    tried: list[list[int]] = []
+    embed_ahead = backend.embed_ahead  # type: ignore[attr-defined]
+
+    def spy(prompt: list[int], images: ImageInputs | None) -> None:
+        tried.append(prompt)
+        embed_ahead(prompt, images)
+
+    backend.embed_ahead = spy  # type: ignore[attr-defined]
+    eng.expect(2, 1.0)
+    eng.add(bad)
+    await asyncio.sleep(0.05)
+    eng.add(good)
+    await got.until(lambda: len(got.ends) == 2)
+    assert got.ends["bad"].finish is FinishReason.ERROR and got.ends["bad"].error_code == "bad_request"
+    assert "could not embed the prompt" in (got.ends["bad"].error_message or "")
+    assert tried and tried[0] is bad.prompt_tokens  # it was tried while the engine waited
+    assert got.ends["good"].finish is FinishReason.LENGTH and len(got.tokens["good"]) == N
 
 
 @pytest.mark.parametrize("dropped", ["img-bc", "img-a"])

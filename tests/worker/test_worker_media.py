@@ -1,5 +1,6 @@
 """worker/media.py: every way an image can be refused names the image and the problem; good images decode
-(data URLs, and http(s) URLs from a local server when enabled, within byte and time limits)."""
+(data URLs, and http(s) URLs from a local server when enabled, within byte and time limits); a job's images
+reach its model's processor in prompt order, on the executor the worker gives."""
 
 from __future__ import annotations
 
@@ -9,16 +10,23 @@ import io
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from PIL import Image
 
-from api.schema import image_data_url
-from tests.vlm_support import png
+from api.schema import GenerateRequest, image_data_url
+from engine.request import ImageInputs
+from tests.vlm_support import chat, png
+from worker import media
+from worker.config import WorkerConfig
 from worker.media import ImageError, ImageLimits, decode_image
 
 LIMITS = ImageLimits(max_images=4, max_bytes=64 * 1024, max_pixels=100 * 100)
 URLS = ImageLimits(max_images=4, max_bytes=64 * 1024, max_pixels=100 * 100, urls=True, fetch_timeout_s=1.0)
+IMG = image_data_url(png(10, 10, 3))
 
 
 def encoded(fmt: str, size: tuple[int, int] = (20, 10), **save: object) -> bytes:
@@ -129,3 +137,32 @@ def test_a_data_url_at_the_byte_limit_is_read() -> None:
     assert decode_image("data:image/png;base64," + base64.b64encode(body).decode(), "image 1", limits).size == (50, 50)
     with pytest.raises(ImageError, match=f"{len(body)} bytes; the limit is {len(body) - 1} bytes"):
         decode_image(image_data_url(body), "image 1", ImageLimits(max_bytes=len(body) - 1))
+
+
+class _Processor:
+    """What ``media.prepare`` needs of a model's ``Vision``: it records where it ran and what it was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[tuple[int, int]], list[dict[str, Any]]]] = []
+
+    def prepare(self, messages: list[dict[str, Any]], images: list[Any]) -> tuple[list[int], ImageInputs]:
+        self.calls.append((threading.current_thread().name, [im.size for im in images], messages))
+        return [1, 2, 3], ImageInputs({}, len(images))
+
+
+async def test_a_jobs_images_reach_the_processor_in_order_on_the_executor_given(server: str) -> None:
+    processor = _Processor()
+    model: Any = SimpleNamespace(vision=processor, context_length=None)
+    config = WorkerConfig(image_urls=True, image_fetch_timeout_s=1.0, max_image_pixels=100 * 100)
+    fetched_then_inline = chat("Compare", f"{server}/ok.png", image_data_url(png(40, 30, 2)), text_after=".")
+    with ThreadPoolExecutor(1, thread_name_prefix="mlxq-images-test") as pool:
+        prompt = await media.prepare(GenerateRequest(model="m", messages=fetched_then_inline), model, config, pool)
+        with pytest.raises(ImageError) as err:  # a fetch that fails names its image, as a decode does
+            await media.prepare(GenerateRequest(model="m", messages=chat("x", IMG, f"{server}/404")), model, config,
+                                pool)
+    assert prompt.tokens == [1, 2, 3] and prompt.images is not None and prompt.images.count == 2
+    [(thread, sizes, messages)] = processor.calls
+    assert thread.startswith("mlxq-images-test") and sizes == [(30, 20), (40, 30)]
+    assert messages == [{"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image"},
+                                                     {"type": "image"}, {"type": "text", "text": "."}]}]
+    assert str(err.value).startswith("image 2 (messages[0].content[2]): fetching it failed: HTTP 404")
