@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -61,6 +62,17 @@ def load_vision_model(path: str | Path) -> tuple[Any, Vision]:
     """``mlx_vlm.load``: the model and the :class:`Vision` around its processor. Run on the MLX thread."""
     model, processor = vlm_load(str(path))
     return model, Vision(model, processor)
+
+
+class _ProcessorKwargsNotice(logging.Filter):
+    """mlx-vlm 0.7.10 renders chat prompts passing the processor keyword arguments transformers 5 warns about
+    on every call: a line per image job in a worker's log about nothing its operator can change."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "have to be in `processor_kwargs`" not in record.getMessage()
+
+
+logging.getLogger("transformers.processing_utils").addFilter(_ProcessorKwargsNotice())
 
 
 class Vision:

@@ -11,6 +11,7 @@ and equal single runs.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,22 @@ async def test_images_are_prepared_as_numpy_off_the_engine_thread(loaded: Loaded
     image_token = loaded.model.config.image_token_id
     grid = req.images.arrays["image_grid_thw"]
     assert req.prompt_tokens.count(image_token) == int(grid.prod(axis=1).sum()) // 4  # merge 2x2 patches
+
+
+async def test_preparing_an_image_prompt_logs_no_library_notice(loaded: LoadedModel) -> None:
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    notices, library = logging.getLogger("transformers.processing_utils"), logging.getLogger("transformers")
+    level = library.level
+    library.setLevel(logging.WARNING)  # as in a worker (the tests' environment mutes transformers)
+    notices.addHandler(handler)
+    try:
+        await request(loaded, "x", JOBS["img-bc"])
+    finally:
+        notices.removeHandler(handler)
+        library.setLevel(level)
+    assert not [r for r in seen if r.levelno >= logging.WARNING], [r.getMessage() for r in seen]
 
 
 async def test_greedy_image_text_and_mixed_batch_equals_single_runs(
