@@ -101,6 +101,9 @@ class WorkerConfig:
     max_image_pixels: int = 4096 * 4096  # MLXQ_MAX_IMAGE_PIXELS: width x height of one image, read before decoding
     image_urls: bool = False  # MLXQ_IMAGE_URLS: fetch http(s) image URLs (else data: URLs only)
     image_fetch_timeout_s: float = 10.0  # MLXQ_IMAGE_FETCH_TIMEOUT: one http(s) image's whole fetch
+    # MLXQ_IMAGE_URL_PRIVATE: fetch image URLs from loopback, private and link-local addresses too (else only
+    # public ones: a job must not reach the worker's own network)
+    image_url_private: bool = False
     # MLXQ_CONNECT_DEADLINE: a starting worker waits this long for Redis to answer, then exits 69 with one line
     # (a supervisor restarts it); once started, redis-py's retries ride out a restart of Redis
     connect_deadline_s: float = 30.0
@@ -192,6 +195,7 @@ class WorkerConfig:
             max_image_pixels=e.integer("MLXQ_MAX_IMAGE_PIXELS", d.max_image_pixels, minimum=1),
             image_urls=e.flag("MLXQ_IMAGE_URLS", d.image_urls),
             image_fetch_timeout_s=e.number("MLXQ_IMAGE_FETCH_TIMEOUT", d.image_fetch_timeout_s, minimum=0.001),
+            image_url_private=e.flag("MLXQ_IMAGE_URL_PRIVATE", d.image_url_private),
             connect_deadline_s=e.number("MLXQ_CONNECT_DEADLINE", d.connect_deadline_s, minimum=0),
             log_level=_log_level(e.text("MLXQ_LOG_LEVEL", d.log_level)),
         )

@@ -2,8 +2,9 @@
 
 Images come as OpenAI content parts (``api.schema.ImagePart``): ``data:image/...;base64,...`` URLs, or
 http(s) URLs when the deployment enables them (``MLXQ_IMAGE_URLS``), fetched with a byte limit and one
-time limit for the whole fetch. Each image's size is read from its header before its pixels are decoded,
-so an oversized one costs no decode. Only the formats in :data:`FORMATS` are parsed. Every refusal is an
+time limit for the whole fetch, from public addresses only (``MLXQ_IMAGE_URL_PRIVATE`` allows the rest).
+Each image's size is read from its header before its pixels are decoded, so an oversized one costs no
+decode. Only the formats in :data:`FORMATS` are parsed. Every refusal is an
 :class:`ImageError` naming the image (1-based, in prompt order, with its place in the request) and the
 problem; the worker ends the job with ``error(bad_request)`` carrying that message.
 
@@ -20,7 +21,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import http.client
 import io
+import ipaddress
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -68,11 +72,12 @@ class ImageLimits:
     max_pixels: int = 4096 * 4096
     urls: bool = False
     fetch_timeout_s: float = 10.0
+    private_urls: bool = False  # fetch from loopback, private and link-local addresses too
 
     @classmethod
     def of(cls, config: WorkerConfig) -> ImageLimits:
         return cls(config.max_images, config.max_image_bytes, config.max_image_pixels, config.image_urls,
-                   config.image_fetch_timeout_s)
+                   config.image_fetch_timeout_s, config.image_url_private)
 
 
 def has_images(req: GenerateRequest) -> bool:
@@ -221,7 +226,48 @@ class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-_OPENER = urllib.request.build_opener(_HttpOnlyRedirects)
+class NotPublic(OSError):
+    """An image URL's host is not a public address (a job must not reach the worker's own network)."""
+
+
+def _connect_public(address: tuple[str, int], timeout: Any = socket._GLOBAL_DEFAULT_TIMEOUT,  # type: ignore[attr-defined]
+                    source_address: Any = None) -> socket.socket:
+    """Connect only if every address the host resolves to is public, and to the address checked: a redirect,
+    or a DNS answer that changes between two lookups, cannot lead to the worker's own network."""
+    host, port = address
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    for info in infos:
+        ip = str(info[4][0])
+        if not ipaddress.ip_address(ip.split("%")[0]).is_global:
+            what = ip if ip == host else f"{host} ({ip})"
+            raise NotPublic(f"{what} is not a public address (MLXQ_IMAGE_URL_PRIVATE=1 allows it)")
+    return socket.create_connection((str(infos[0][4][0]), port), timeout, source_address)
+
+
+class _PublicHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._create_connection = _connect_public
+
+
+class _PublicHTTPSConnection(http.client.HTTPSConnection):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._create_connection = _connect_public  # TCP only: TLS is set up on the checked connection
+
+
+class _PublicHTTP(urllib.request.HTTPHandler):
+    def do_open(self, http_class: Any, req: Any, **kwargs: Any) -> Any:
+        return super().do_open(_PublicHTTPConnection, req, **kwargs)
+
+
+class _PublicHTTPS(urllib.request.HTTPSHandler):
+    def do_open(self, http_class: Any, req: Any, **kwargs: Any) -> Any:
+        return super().do_open(_PublicHTTPSConnection, req, **kwargs)
+
+
+_OPENER = urllib.request.build_opener(_HttpOnlyRedirects)  # with MLXQ_IMAGE_URL_PRIVATE
+_PUBLIC_OPENER = urllib.request.build_opener(_HttpOnlyRedirects, _PublicHTTP, _PublicHTTPS)
 
 
 def _fetch(url: str, name: str, limits: ImageLimits) -> bytes:
@@ -232,7 +278,8 @@ def _fetch(url: str, name: str, limits: ImageLimits) -> bytes:
     deadline = time.monotonic() + limits.fetch_timeout_s
     request = urllib.request.Request(url, headers={"Accept": "image/*", "User-Agent": "mlxq"})
     try:
-        with _OPENER.open(request, timeout=limits.fetch_timeout_s) as resp:
+        opener = _OPENER if limits.private_urls else _PUBLIC_OPENER
+        with opener.open(request, timeout=limits.fetch_timeout_s) as resp:
             declared = resp.headers.get("Content-Length")
             if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
                 raise ImageError(f"{name}: {declared} bytes; the limit is {limits.max_bytes} bytes")

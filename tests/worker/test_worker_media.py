@@ -25,7 +25,8 @@ from worker.config import WorkerConfig
 from worker.media import ImageError, ImageLimits, decode_image
 
 LIMITS = ImageLimits(max_images=4, max_bytes=64 * 1024, max_pixels=100 * 100)
-URLS = ImageLimits(max_images=4, max_bytes=64 * 1024, max_pixels=100 * 100, urls=True, fetch_timeout_s=1.0)
+URLS = ImageLimits(max_images=4, max_bytes=64 * 1024, max_pixels=100 * 100, urls=True, fetch_timeout_s=1.0,
+                   private_urls=True)  # the test's server is on loopback
 IMG = image_data_url(png(10, 10, 3))
 
 
@@ -118,6 +119,19 @@ def test_http_urls_are_fetched_when_enabled(server: str) -> None:
         decode_image(f"{server}/ok.png", "image 1", LIMITS)
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]", "169.254.169.254", "10.1.2.3"])
+def test_urls_of_the_workers_own_network_are_refused_unless_allowed(server: str, host: str) -> None:
+    # Refused before any connection is made (nothing is sent to those addresses); the loopback server itself
+    # is fetched when allowed, and a redirect to it from a public URL would be refused the same way.
+    port = server.rsplit(":", 1)[1]
+    public_only = ImageLimits(urls=True, fetch_timeout_s=1.0)
+    with pytest.raises(ImageError) as err:
+        decode_image(f"http://{host}:{port}/ok.png", "image 1", public_only)
+    assert str(err.value).startswith("image 1: fetching it failed: ") and "not a public address" in str(err.value)
+    assert "MLXQ_IMAGE_URL_PRIVATE" in str(err.value)
+    assert decode_image(f"{server}/ok.png", "image 1", URLS).size == (30, 20)
+
+
 @pytest.mark.parametrize(("path", "problem"), [
     ("/big", "71680 bytes; the limit is 65536 bytes"),
     ("/endless", "more than 65536 bytes"),
@@ -153,7 +167,8 @@ class _Processor:
 async def test_a_jobs_images_reach_the_processor_in_order_on_the_executor_given(server: str) -> None:
     processor = _Processor()
     model: Any = SimpleNamespace(vision=processor, context_length=None)
-    config = WorkerConfig(image_urls=True, image_fetch_timeout_s=1.0, max_image_pixels=100 * 100)
+    config = WorkerConfig(image_urls=True, image_fetch_timeout_s=1.0, max_image_pixels=100 * 100,
+                          image_url_private=True)  # the test server is on loopback
     fetched_then_inline = chat("Compare", f"{server}/ok.png", image_data_url(png(40, 30, 2)), text_after=".")
     with ThreadPoolExecutor(1, thread_name_prefix="mlxq-images-test") as pool:
         prompt = await media.prepare(GenerateRequest(model="m", messages=fetched_then_inline), model, config, pool)
