@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.request import FinishReason
+from engine.scheduler import Scheduler
 from engine.waiting import WaitingQueue, priority_key
 from tests.engine.fakes import Clock, Run, ToyBatch, req, scheduler, toy_generate
 
@@ -184,14 +185,20 @@ def test_preemption_frees_kv_when_only_dropping_caches_makes_room() -> None:
     assert max(batch.kv_seen) <= 450 and s.stats.kv_bytes_peak <= 450
 
 
-def test_a_held_cache_counts_against_the_headroom() -> None:
+def low_preempted_holding_its_cache(headroom: int, high_tokens: int) -> tuple[ToyBatch, Scheduler, Run]:
+    """One slot: "low" runs 4 steps, then "high" starts at once and "low" leaves, keeping its cache."""
     batch = ToyBatch()
-    s = scheduler(batch, capacity=1, headroom=1000)
+    s = scheduler(batch, capacity=1, headroom=headroom)
     run = Run()
     s.add(req("low", 10, max_tokens=10))
     run.step(s, 4)
-    s.add(req("high", 2, max_tokens=4, priority=1))
+    s.add(req("high", 2, max_tokens=high_tokens, priority=1))
     run.step(s, 2)  # "high" starts at once, "low" leaves at the start of the next step
+    return batch, s, run
+
+
+def test_a_held_cache_counts_against_the_headroom() -> None:
+    batch, s, run = low_preempted_holding_its_cache(1000, 4)
     held = (10 + 4) * 10  # its prompt and 4 tokens, 10 bytes each
     assert s.stats.kv_bytes == batch.kv_bytes() + held
     assert s.stats.kv_reserved_bytes == s.memory.batch_bytes(1, 6) + held  # type: ignore[union-attr]
@@ -279,8 +286,8 @@ def test_an_urgent_request_of_one_token_ends_with_it_and_leaves_nothing_in_the_b
     assert run.tokens("low") == toy_generate([1, 2, 3], 20)
 
 
-def test_when_only_a_slot_is_short_the_urgent_request_starts_before_its_victim_leaves() -> None:
-    # Taking a cache out copies the batch's caches: the urgent request's first token does not wait for that.
+def two_busy_slots_and_an_urgent_request() -> tuple[ToyBatch, Scheduler, Run]:
+    """Both slots decoding ("a", "b"), then "urgent" (priority 1) added: only a slot is short."""
     batch = ToyBatch()
     s = scheduler(batch, capacity=2, headroom=10_000)
     run = Run()
@@ -288,6 +295,12 @@ def test_when_only_a_slot_is_short_the_urgent_request_starts_before_its_victim_l
     s.add(req("b", [2, 2], max_tokens=30))
     run.step(s, 3)
     s.add(req("urgent", [3, 3, 3], max_tokens=5, priority=1))
+    return batch, s, run
+
+
+def test_when_only_a_slot_is_short_the_urgent_request_starts_before_its_victim_leaves() -> None:
+    # Taking a cache out copies the batch's caches: the urgent request's first token does not wait for that.
+    batch, s, run = two_busy_slots_and_an_urgent_request()
     steps = batch.steps
     run.step(s)  # its first token goes out with this step's outputs, before any cache is taken out
     assert batch.calls == ["start"] and run.tokens("urgent") == toy_generate([3, 3, 3], 1)
@@ -316,13 +329,7 @@ def test_when_memory_is_short_the_victims_leave_before_the_urgent_request_starts
 def test_caches_held_behind_the_first_waiting_request_never_keep_it_out_of_an_idle_batch() -> None:
     # "low" is preempted holding its cache; "top" then waits first and fits the headroom alone but not beside
     # that held cache, with nothing running to preempt: the held cache goes (low recomputes), top runs.
-    batch = ToyBatch()
-    s = scheduler(batch, capacity=1, headroom=400)
-    run = Run()
-    s.add(req("low", 10, max_tokens=10))
-    run.step(s, 4)
-    s.add(req("high", 2, max_tokens=2, priority=1))
-    run.step(s, 2)
+    batch, s, run = low_preempted_holding_its_cache(400, 2)
     assert s.stats.preemptions == 1 and s.stats.kv_reserved_bytes > s.memory.batch_bytes(1, 4)  # type: ignore[union-attr]
     s.add(req("top", 20, max_tokens=15, priority=5))
     run.drain(s)
@@ -332,13 +339,7 @@ def test_caches_held_behind_the_first_waiting_request_never_keep_it_out_of_an_id
 
 
 def test_an_urgent_request_aborted_before_its_victim_leaves_preempts_nobody() -> None:
-    batch = ToyBatch()
-    s = scheduler(batch, capacity=2, headroom=10_000)
-    run = Run()
-    s.add(req("a", [1, 1], max_tokens=30))
-    s.add(req("b", [2, 2], max_tokens=30))
-    run.step(s, 3)
-    s.add(req("urgent", [3, 3, 3], max_tokens=5, priority=1))
+    batch, s, run = two_busy_slots_and_an_urgent_request()
     run.step(s)  # it starts at once; its victim would leave at the start of the next step
     assert s.abort("urgent") is not None
     run.step(s)
