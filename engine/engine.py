@@ -119,12 +119,15 @@ class Engine:
         if self.dead or self._closed:
             return 0
         room = self.scheduler.room  # a frozen record, replaced whole by the engine thread
+        return max(0, room.admissible - self._pending())
+
+    def _pending(self) -> int:
+        """Requests on their way: added but not yet taken in, or announced (:meth:`expect`)."""
         with self._lock:
             # Announced requests count only within their window: a claimed job that never comes (refused
             # before it reached the engine) must not hold a slot for ever.
             announced = self._expected if self._clock() < self._expect_until else 0
-            pending = self._inbox_requests + announced
-        return max(0, room.admissible - pending)
+            return self._inbox_requests + announced
 
     def outranked_priority(self) -> int | None:
         """When this engine has no room (:meth:`claim_capacity` is 0): the priority a new request must exceed
@@ -133,12 +136,8 @@ class Engine:
         if self.dead or self._closed:
             return None
         room = self.scheduler.room
-        if room.outranked is None or room.admissible > 0:
+        if room.outranked is None or room.admissible > 0 or self._pending():
             return None
-        with self._lock:
-            announced = self._expected if self._clock() < self._expect_until else 0
-            if self._inbox_requests + announced:
-                return None
         return room.outranked
 
     async def aclose(self) -> None:

@@ -223,7 +223,8 @@ class Start:
 @dataclass(frozen=True, slots=True)
 class Outranking:
     """What a queued job needs for a full engine to take it: at least ``priority`` (it then starts at once,
-    preempting a running sequence of lower priority), or to have waited as long as that is worth."""
+    preempting a running sequence of lower priority). A job of lower priority that only waited long is left
+    for room: once claimed it would preempt nobody."""
 
     priority: int
     aging_ms: int

@@ -48,13 +48,16 @@ if not epoch then epoch = ARGV[6] end
 redis.call('SET', KEYS[2], epoch, 'EX', ARGV[7])
 local now, most, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[9])
 local left, due, queues = 0, {}, #KEYS - 3
+local function is_job_id(id)  -- what a producer makes; anything else in a queue is poison
+  return #id <= 64 and string.match(id, '^[%w_.:%-]+$') ~= nil
+end
 local function outranking(q, need, aging, pmin)
   -- the first queued job of priority >= need, or nil; score = enqueue - (priority - pmin) * aging
   local top = now - (need - pmin) * aging
   local entries = redis.call('ZRANGEBYSCORE', KEYS[q], '-inf', top, 'WITHSCORES', 'LIMIT', 0, OUTRANK_READ)
   for i = 1, #entries, 2 do
     local id, score = entries[i], tonumber(entries[i + 1])
-    if #id <= 64 and string.match(id, '^[%w_.:%-]+$') then
+    if is_job_id(id) then
       local tail = redis.call('GETRANGE', ARGV[5] .. ':{' .. id .. '}:job', -32, -1)
       local et = tonumber(string.match(tail, '"et":(%d+)}$'))
       if et and et - score >= (need - pmin) * aging then return {id, score, q} end
@@ -88,7 +91,7 @@ for _, entry in ipairs(due) do
   local queue = KEYS[q]
   if started >= most or (taken[q] or 0) >= tonumber(ARGV[6 + q]) then
     left = 1
-  elseif #id > 64 or not string.match(id, '^[%w_.:%-]+$') then
+  elseif not is_job_id(id) then
     out[#out + 1] = {id, queue, 'poison'}
   else
     local base = ARGV[5] .. ':{' .. id .. '}:'
