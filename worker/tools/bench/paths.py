@@ -221,8 +221,10 @@ class _EngineRun:
                 self._tokens += out.completion_tokens
                 del self._left[out.rid]
         if not self._left and self._done is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._done.set_result, now)
-            self._done = None
+            # Taken before its result is set: once set, the loop thread may start the next run (a new future
+            # here) before this thread would get to clear it, and that run would never end.
+            done, self._done = self._done, None
+            self._loop.call_soon_threadsafe(done.set_result, now)
 
 
 def _raw_run(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, capacity: int,
