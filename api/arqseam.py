@@ -338,10 +338,12 @@ async def _run_in_slot(worker: arq.worker.Worker, claimed: Claimed) -> None:
 
 # --- wake-ups: arq polls on a period; producers' and freed slots' wake-ups make it look now -------------
 # Enqueues from several producers arrive as a burst of wake-ups, and polling at the first one claims a job
-# or two, then the rest in pieces, each piece a prefill step of its own. So once woken, the poll waits while
-# wake-ups keep coming less than _BURST_GAP_S apart (at most _BURST_MAX_S) and claims the burst in one call.
+# or two, then the rest in pieces. So once woken, the poll lets the event loop run a few passes, reading the
+# wake-ups already on their way in, and polls once a round of passes brings none (at most _BURST_MAX_S): one
+# claim takes what came together. It does not sleep for stragglers: the loop's timers count whole milliseconds,
+# so any sleep adds a millisecond to every job's start; an idle engine waits for a burst claimed in pieces.
 _wakes: dict[asyncio.AbstractEventLoop, asyncio.Event] = {}
-_BURST_GAP_S = 0.0005
+_BURST_PASSES = 3  # a wake-up in the socket takes two passes to reach wake(): the read, then the listener
 _BURST_MAX_S = 0.005
 
 
@@ -379,11 +381,12 @@ async def _wakeable_poll(step: float = 0.5) -> AsyncGenerator[float, None]:
 
 
 async def _burst_settled(event: asyncio.Event, until: float) -> None:
-    """Return once no wake-up came for ``_BURST_GAP_S``, or at ``until``."""
+    """Return once ``_BURST_PASSES`` passes of the event loop bring no wake-up, or at ``until``."""
     loop = asyncio.get_running_loop()
     while True:
         event.clear()
-        await asyncio.sleep(_BURST_GAP_S)
+        for _ in range(_BURST_PASSES):
+            await asyncio.sleep(0)
         if not event.is_set() or loop.time() >= until:
             return
 
