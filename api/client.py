@@ -290,9 +290,9 @@ class Client:
                 for ev in replayed:
                     next_seq = ev.seq + 1
                     yield ev
-                async for ev in self._live(sub, next_seq, deadline, rid):
-                    next_seq = ev.seq + 1
-                    yield ev
+                while (live := await self._live(sub, next_seq, deadline, rid)) is not None:
+                    next_seq += 1
+                    yield live
         finally:
             await sub.close()
 
@@ -301,23 +301,22 @@ class Client:
             self._subscriber = Subscriber(self._redis)
         return self._subscriber
 
-    async def _live(self, sub: Subscription, next_seq: int, deadline: float | None, rid: str
-                    ) -> AsyncIterator[Event]:
-        """Events from the channel while they arrive in order; returns on silence or a gap."""
+    async def _live(self, sub: Subscription, next_seq: int, deadline: float | None, rid: str) -> Event | None:
+        """The next event from the channel, if it is the one due (``next_seq``); None on silence or a gap.
+        A coroutine per event, not a generator: one level less for every event to pass through."""
         while True:
             _check_deadline(deadline, rid)
             wait = _RESYNC_S if deadline is None else max(0.0, min(_RESYNC_S, deadline - time.monotonic()))
             data = await sub.get(wait)
             if data is None:
                 _check_deadline(deadline, rid)
-                return  # silence: re-read the log (a message may have been lost)
+                return None  # silence: re-read the log (a message may have been lost)
             ev = decode_event(data)
-            if ev.seq < next_seq:
-                continue
+            if ev.seq == next_seq:
+                return ev
             if ev.seq > next_seq:
-                return
-            next_seq += 1
-            yield ev
+                return None  # a gap: re-read the log
+            # an event already had (read from the log, then published): skip it
 
     async def _vanished(self, rid: str) -> bool:
         """Neither queued/running (its job record) nor logged: nothing will ever come."""

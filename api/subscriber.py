@@ -48,6 +48,8 @@ class Subscription:
     def __init__(self, hub: Subscriber, channel: str) -> None:
         self.channel = channel
         self._hub = hub
+        # Made on the loop it is read on: asking for the running loop at every wait costs a system call (getpid).
+        self._loop = asyncio.get_running_loop()
         self._items: deque[Any] = deque()
         self._waiter: asyncio.Future[None] | None = None
         # One lazily re-armed timer instead of one per event: a timer scheduled and cancelled per message
@@ -64,11 +66,10 @@ class Subscription:
     async def get(self, timeout: float) -> bytes | None:
         """The next message, or None after ``timeout`` seconds; raises if the connection broke."""
         if not self._items:
-            loop = asyncio.get_running_loop()
-            self._waiter = waiter = loop.create_future()
-            self._deadline = loop.time() + timeout
+            self._waiter = waiter = self._loop.create_future()
+            self._deadline = self._loop.time() + timeout
             if self._timer is None or self._timer.when() > self._deadline:
-                self._arm(loop)
+                self._arm()
             try:
                 await waiter
             finally:
@@ -80,21 +81,20 @@ class Subscription:
             raise RedisConnectionError("the shared pub/sub connection was lost")
         return bytes(data)
 
-    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _arm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = loop.call_at(self._deadline, self._expire)
+        self._timer = self._loop.call_at(self._deadline, self._expire)
 
     def _expire(self) -> None:
         self._timer = None
         waiter = self._waiter
         if waiter is None or waiter.done():
             return
-        loop = asyncio.get_running_loop()
-        if loop.time() >= self._deadline:
+        if self._loop.time() >= self._deadline:
             waiter.set_result(None)
         else:
-            self._arm(loop)  # the reader waited again since: wait for its own deadline
+            self._arm()  # the reader waited again since: wait for its own deadline
 
     async def close(self) -> None:
         if self._timer is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -29,6 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from ..client import Client
 from ..errors import MlxqError, NoWorker
@@ -78,6 +80,9 @@ class Gateway:
                  self.client.keys.prefix, "API keys required" if self.auth.required else "no API keys",
                  type(asyncio.get_running_loop()).__module__.split(".")[0])
         exiting = asyncio.ensure_future(self._end_streams_on_exit())
+        # What exists now (modules, schemas, the app) lives as long as the process: the collector's full passes,
+        # which streams' objects trigger every few hundred requests, need not walk it each time.
+        gc.freeze()
         try:
             yield
         finally:
@@ -215,19 +220,27 @@ def _card(m: ModelInfo, anthropic: bool) -> dict[str, Any]:
 
 
 async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
-    """``await work``, unless the client disconnects first: then it is cancelled and :class:`_Gone` raised."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
+    """``await work``, unless the client disconnects first: then it is cancelled and :class:`_Gone` raised. The
+    work runs in this task; a watcher task cancels it."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        await _disconnected(request)
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if gone and task.uncancel() == 0:  # the watcher's cancellation, and nobody else's
+            raise _Gone from None
+        raise
     finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise _Gone
-    return task.result()
+        watcher.cancel()
 
 
 async def _disconnected(request: Request) -> None:
@@ -265,6 +278,31 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(body, status)
 
 
+class _App(Starlette):
+    """Starlette, but a generation request (a POST to one of their paths) goes straight to the gateway: not
+    through Starlette's router and middleware, which would also wrap every frame a stream sends in three more
+    calls. The middleware has nothing to do for these requests: the gateway answers their every failure itself,
+    in its API's format. Other methods on these paths still take the router's way (a 405)."""
+
+    def __init__(self, gw: Gateway, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gateway = gw
+        self.state.gateway = gw
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        dialect = _GENERATION.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if dialect is None:
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self  # as Starlette's own call sets it
+        response = await self.gateway.generate(Request(scope, receive, send), dialect)
+        await response(scope, receive, send)
+
+
+_GENERATION: dict[str, Dialect] = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS,
+                                   "/v1/messages": MESSAGES}
+
+
 def create_app(config: GatewayConfig | None = None, *, client: Client | None = None) -> Starlette:
     """The gateway's ASGI app. ``client``: a queue client of the caller's (else it opens its own, from
     ``config.client``, for the app's lifetime)."""
@@ -276,13 +314,9 @@ def create_app(config: GatewayConfig | None = None, *, client: Client | None = N
         return route
 
     routes = [
-        Route("/v1/chat/completions", post(CHAT), methods=["POST"]),
-        Route("/v1/completions", post(COMPLETIONS), methods=["POST"]),
-        Route("/v1/messages", post(MESSAGES), methods=["POST"]),
+        *(Route(path, post(dialect), methods=["POST"]) for path, dialect in _GENERATION.items()),
         Route("/v1/models", gw.models, methods=["GET"]),
         Route("/v1/models/{model:path}", gw.models, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})
-    app.state.gateway = gw
-    return app
+    return _App(gw, routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})

@@ -60,6 +60,9 @@ def sse(data: str, event: str | None = None) -> bytes:
     return f"{head}data: {data}\n\n".encode()
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # json.dumps makes one per call given options
+
+
 def dumps(obj: Any) -> str:
     """Compact JSON, as the APIs send it."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return _JSON.encode(obj)

@@ -8,11 +8,10 @@ event, never text that no longer holds, and the job is cancelled. A whole respon
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import cast
-
-import anyio
 
 from ..client import Client
 from ..errors import AccessDenied, JobFailed, MlxqError, QueueUnavailable, WaitTimeout
@@ -130,13 +129,15 @@ class JobStream:
         return False
 
     async def close(self) -> None:
-        """Stop following; cancel the job unless it ended (the client went away, or the text diverged)."""
-        with anyio.move_on_after(_CANCEL_WAIT_S, shield=True):
-            if self._events is not None:
-                await self._events.aclose()
-            if not self._settled:
-                self._settled = True
-                with contextlib.suppress(MlxqError):
+        """Stop following; cancel the job unless it ended (the client went away, or the text diverged). Closing
+        again does nothing."""
+        events, self._events = self._events, None
+        if events is not None:
+            await events.aclose()  # it unsubscribes, which waits for nothing
+        if not self._settled:
+            self._settled = True
+            with contextlib.suppress(MlxqError, TimeoutError):
+                async with asyncio.timeout(_CANCEL_WAIT_S):
                     await self.client.cancel(self.rid)
 
     @property

@@ -1,11 +1,11 @@
 """A server-sent event stream as a Starlette response: frames (whole events, bytes) written as they come.
 
-Each frame is one ASGI ``send``; a stream costs two tasks: its writer, and a watcher that waits for the client
-to go away (and writes a comment line every ``PING_S``, so proxies keep a quiet connection). sse-starlette's
-``EventSourceResponse`` runs four tasks per stream and a cancel scope per send, which a gateway streaming many
-short answers pays on every one. What the gateway needs of it stays: the stream ends when its frames end, and
-its frames' iterator is closed (its job cancelled) when the client disconnects or the server shuts down
-(:meth:`Streams.close_all`).
+Each frame is one ASGI ``send``. A stream runs in its request's task and costs one task more: a watcher that
+waits for the client to go away (and writes a comment line every ``PING_S``, so proxies keep a quiet
+connection). sse-starlette's ``EventSourceResponse`` runs four tasks per stream and a cancel scope per send,
+which a gateway streaming many short answers pays on every one. What the gateway needs of it stays: the stream
+ends when its frames end, and its frames' iterator is closed (its job cancelled) when the client disconnects or
+the server shuts down (:meth:`Streams.close_all`).
 """
 
 from __future__ import annotations
@@ -36,22 +36,22 @@ class Streams:
     """The open streams of one gateway process, so a shutdown can end them all at once."""
 
     def __init__(self) -> None:
-        self._writers: set[asyncio.Task[None]] = set()
+        self._open: set[EventStream] = set()
 
-    def add(self, writer: asyncio.Task[None]) -> None:
-        self._writers.add(writer)
+    def add(self, stream: EventStream) -> None:
+        self._open.add(stream)
 
-    def discard(self, writer: asyncio.Task[None]) -> None:
-        self._writers.discard(writer)
+    def discard(self, stream: EventStream) -> None:
+        self._open.discard(stream)
 
     def close_all(self) -> int:
-        """Cancel every open stream's writer (its frames' iterator is closed); how many there were."""
-        for writer in self._writers:
-            writer.cancel()
-        return len(self._writers)
+        """End every open stream (its frames' iterator is closed); how many there were."""
+        for stream in self._open:
+            stream.cut()
+        return len(self._open)
 
     def __len__(self) -> int:
-        return len(self._writers)
+        return len(self._open)
 
 
 class EventStream(Response):
@@ -67,32 +67,40 @@ class EventStream(Response):
         self.streams = streams
         self.status_code = 200
         self.background = background
+        self._task: asyncio.Task[object] | None = None
+        self._ended = False  # the body's end was sent
+        self._cut = False  # ended early (cut): the client went away, or the server shuts down
         # As sse-starlette sends them: no cache may keep the stream, no proxy may buffer it.
         self.init_headers({"cache-control": "no-store", "x-accel-buffering": "no", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        self._ended = False
-        writer = asyncio.ensure_future(self._write(send))
-        watcher = asyncio.ensure_future(_watch(receive, send))
-        self.streams.add(writer)
+        task = self._task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.ensure_future(self._watch(receive, send))
+        self.streams.add(self)
         try:
-            await asyncio.wait((writer, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if self._ended:  # the body is whole (which the watcher sees as a disconnect): the frames may finish
-                watcher.cancel()
-                await asyncio.wait((writer,))
+            await self._write(send)
+        except asyncio.CancelledError:
+            if not self._cut or task.uncancel() > 0:  # cancelled by another (the server) too
+                raise
+        except OSError:  # the client went away mid-write
+            pass
         finally:
-            self.streams.discard(writer)
+            self.streams.discard(self)
             watcher.cancel()
-            writer.cancel()  # the client went away, or the server shuts down: close the frames
-            await asyncio.gather(writer, watcher, return_exceptions=True)
             if not self._ended:  # the body ends here (a no-op for a client that went away)
                 with contextlib.suppress(OSError):
                     await send(_END)
             if self.background is not None:
                 await self.background()
-        if not writer.cancelled() and (exc := writer.exception()) is not None and not isinstance(exc, OSError):
-            raise exc  # a bug; an OSError is a client gone mid-write
+
+    def cut(self) -> None:
+        """End the stream now: its frames' iterator is closed where it waits (its job cancelled). Once its body
+        has ended, the frames may finish."""
+        if self._task is not None and not self._ended and not self._cut:
+            self._cut = True
+            self._task.cancel()
 
     async def _write(self, send: Send) -> None:
         async with contextlib.aclosing(self.frames) as frames:
@@ -105,14 +113,15 @@ class EventStream(Response):
             await send(_END)
             self._ended = True
 
-
-async def _watch(receive: Receive, send: Send) -> None:
-    """Returns when the client disconnects (the request body was read: nothing else can arrive); a comment
-    line goes out after each ``PING_S`` of waiting."""
-    while True:
-        try:
-            async with asyncio.timeout(PING_S):
-                if (await receive())["type"] == "http.disconnect":
-                    return
-        except TimeoutError:
-            await send(_PING)
+    async def _watch(self, receive: Receive, send: Send) -> None:
+        """Cuts the stream when the client disconnects (the request body was read: nothing else can arrive;
+        after the body's end, the server reports a disconnect too); a comment line goes out after each
+        ``PING_S`` of waiting."""
+        while True:
+            try:
+                async with asyncio.timeout(PING_S):
+                    if (await receive())["type"] == "http.disconnect":
+                        break
+            except TimeoutError:
+                await send(_PING)
+        self.cut()
