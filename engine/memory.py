@@ -63,8 +63,7 @@ class KVLayout:
     def row_bytes(self, tokens: int) -> int:
         """The most one batch row may allocate while it grows to ``tokens`` tokens: its buffers run up to a
         step, less one token, past their contents."""
-        span = max(tokens, 1) + self.step - 1
-        return self.fixed_bytes + span * self.bytes_per_token + sum(min(span, cap) * b for b, cap in self.windows)
+        return self.cache_bytes(max(tokens, 1) + self.step - 1)
 
     def cache_bytes(self, tokens: int) -> int:
         """What one sequence's cache of ``tokens`` tokens holds once copied out of a batch (exact lengths)."""

@@ -420,7 +420,7 @@ class Scheduler:
             self._release(s)
             if self._fits(top):
                 return True
-        return self._fits(top)
+        return False
 
     def _outranks_running(self, seq: _Sequence) -> bool:
         """Whether ``seq`` starts at once: a new request of higher priority than some running sequence is

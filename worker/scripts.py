@@ -53,14 +53,14 @@ local function is_job_id(id)  -- what a producer makes; anything else in a queue
 end
 local function outranking(q, need, aging, pmin)
   -- the first queued job of priority >= need, or nil; score = enqueue - (priority - pmin) * aging
-  local top = now - (need - pmin) * aging
-  local entries = redis.call('ZRANGEBYSCORE', KEYS[q], '-inf', top, 'WITHSCORES', 'LIMIT', 0, OUTRANK_READ)
+  local lead = (need - pmin) * aging  -- how far below its enqueue time such a job's score is, at least
+  local entries = redis.call('ZRANGEBYSCORE', KEYS[q], '-inf', now - lead, 'WITHSCORES', 'LIMIT', 0, OUTRANK_READ)
   for i = 1, #entries, 2 do
     local id, score = entries[i], tonumber(entries[i + 1])
     if is_job_id(id) then
       local tail = redis.call('GETRANGE', ARGV[5] .. ':{' .. id .. '}:job', -32, -1)
       local et = tonumber(string.match(tail, '"et":(%d+)}$'))
-      if et and et - score >= (need - pmin) * aging then return {id, score, q} end
+      if et and et - score >= lead then return {id, score, q} end
     end
   end
   return nil

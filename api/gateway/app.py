@@ -287,7 +287,6 @@ class _App(Starlette):
     def __init__(self, gw: Gateway, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.gateway = gw
-        self.state.gateway = gw
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         dialect = _GENERATION.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
