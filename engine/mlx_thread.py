@@ -7,6 +7,14 @@ model -- load, prefill, decode step, cache work -- is submitted here and runs in
 :meth:`MLXThread.call` is cancel-safe: if the awaiting task is cancelled (arq job timeout, worker
 shutdown), it still waits for the call to leave MLX before it lets the cancellation through, so whoever
 runs next never overlaps it.
+
+On Linux, MLX runs a CPU stream's kernels on a thread of its own (its ``StreamThread``, started by the
+stream's first evaluation), woken for every kernel the MLX thread enqueues. Under the default scheduling
+policy each of those wake-ups preempts the enqueuing thread whenever the two share a core, which is where
+the scheduler puts them after the process has idled a moment: a small model's step then pays thousands of
+context switches until load balancing parts them. So the stream's thread runs under ``SCHED_BATCH``, whose
+wake-ups do not preempt: a kernel waits for the other core, or for the MLX thread's next wait on MLX. Its
+share of the CPU is unchanged (same nice level); ``mlxq bench`` measures the policy side by side.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -24,12 +34,18 @@ __all__ = ["MLXThread"]
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
+_spawn_lock = threading.Lock()  # one MLXThread starts its stream's thread at a time: the new thread is its own
+
 
 class MLXThread:
     """A single-thread executor with its own MLX stream."""
 
-    def __init__(self, name: str = "mlx") -> None:
+    def __init__(self, name: str = "mlx", *, batch_policy: bool = True) -> None:
         self.name = name
+        self.batch_policy = batch_policy  # the stream's kernel thread under SCHED_BATCH (see the module docstring)
+        self.kernel_thread: int | None = None  # its native id, once set to SCHED_BATCH
         self._ready = threading.Event()
         self._stream: mx.Stream | None = None
         self._thread_id: int | None = None
@@ -42,6 +58,8 @@ class MLXThread:
     def _init(self) -> None:
         self._stream = mx.new_stream(mx.default_device())
         self._thread_id = threading.get_ident()
+        if self.batch_policy and self._stream.device == mx.cpu and hasattr(os, "SCHED_BATCH"):
+            self.kernel_thread = _batch_kernel_thread(self._stream)
         self._ready.set()
 
     @property
@@ -50,6 +68,12 @@ class MLXThread:
         if self._stream is None:
             raise RuntimeError("MLX thread has not started; submit a call first")
         return self._stream
+
+    def set_kernel_policy(self, batch: bool) -> None:
+        """Put the stream's kernel thread under SCHED_BATCH or back under the default policy (the bench
+        measures both); a no-op when it was not identified."""
+        if self.kernel_thread is not None:
+            os.sched_setscheduler(self.kernel_thread, os.SCHED_BATCH if batch else os.SCHED_OTHER, os.sched_param(0))
 
     def on_thread(self) -> bool:
         """Whether the caller is this MLX thread."""
@@ -99,6 +123,29 @@ class MLXThread:
     async def aclose(self) -> None:
         """:meth:`shutdown` without blocking the event loop; cancel-safe like :meth:`call`."""
         await wait_shielded(asyncio.ensure_future(asyncio.to_thread(self.shutdown)))
+
+
+def _batch_kernel_thread(stream: mx.Stream) -> int | None:
+    """Start ``stream``'s kernel thread (its first evaluation does) and put it under ``SCHED_BATCH``; its
+    native thread id, or None when it cannot be told apart (another thread started meanwhile) or set."""
+    with _spawn_lock:
+        before = _native_threads()
+        mx.eval(mx.add(mx.array(0), 1, stream=stream))
+        new = _native_threads() - before
+    if len(new) != 1:
+        log.debug("MLX stream thread not identified (%d new threads): left under the default policy", len(new))
+        return None
+    tid = new.pop()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+    except OSError as exc:
+        log.warning("could not set MLX's stream thread %d to SCHED_BATCH: %s", tid, exc)
+        return None
+    return tid
+
+
+def _native_threads() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
 
 
 async def wait_shielded(fut: asyncio.Future[T]) -> T:

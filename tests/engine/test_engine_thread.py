@@ -4,6 +4,7 @@ first is still running. A deliberately slow fake step counts concurrent entries:
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -406,3 +407,44 @@ async def test_a_lull_after_a_burst_starts_the_engine() -> None:
         assert backend.inserted_at_step[:2] == [0, 0] and backend.inserted_at_step[2] > 0
     finally:
         await engine.aclose()
+
+
+def _thread_stat(tid: int) -> tuple[int, int]:
+    """(voluntary context switches, CPU clock ticks) of one of this process's threads."""
+    with open(f"/proc/self/task/{tid}/status") as f:
+        switches = int(f.read().split("\nvoluntary_ctxt_switches:")[1].split()[0])
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return switches, int(fields[11]) + int(fields[12])
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_the_streams_kernel_thread_runs_under_sched_batch() -> None:
+    """The thread MLX runs the stream's kernels on (not the MLX thread itself) is found and set to SCHED_BATCH:
+    it is the one the stream's evaluations wake and keep busy."""
+    batched = MLXThread(name="mlx-batch")
+    before = set(os.listdir("/proc/self/task"))
+    plain = MLXThread(name="mlx-plain", batch_policy=False)
+    try:
+        batched.submit(lambda: None).result()
+        plain.submit(lambda: mx.eval(mx.ones(2) + 1)).result()  # its stream's kernel thread starts too
+        tid = batched.kernel_thread
+        assert tid is not None and plain.kernel_thread is None
+        assert tid != batched.submit(threading.get_native_id).result()
+        assert os.sched_getscheduler(tid) == os.SCHED_BATCH
+        plains = set(os.listdir("/proc/self/task")) - before - {str(tid)}
+        assert len(plains) >= 2 and all(os.sched_getscheduler(int(t)) == os.SCHED_OTHER for t in plains)
+
+        def evaluate() -> None:
+            a = mx.random.normal((256, 256))
+            for _ in range(200):  # one evaluation at a time: each wakes the kernel thread
+                a = mx.tanh(a @ a)
+                mx.eval(a)
+
+        before = _thread_stat(tid)
+        batched.submit(evaluate).result()
+        after = _thread_stat(tid)
+        assert after[0] - before[0] >= 100 and after[1] > before[1]
+    finally:
+        batched.shutdown()
+        plain.shutdown()

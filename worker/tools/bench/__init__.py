@@ -62,6 +62,7 @@ from .runs import (
     BenchConfig,
     BenchResult,
     BlasThreads,
+    KernelPolicy,
     PathResult,
     RoundTrips,
     Row,
@@ -146,6 +147,7 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
     try:
         threads = asyncio.run(_calibrate_blas(raw, cfg)) if _openblas() is not None else None
         env = {"OPENBLAS_NUM_THREADS": str(threads.chosen)} if threads is not None else {}
+        policy = asyncio.run(_measure_policy(raw, cfg, size))
         queue = _worker_phase("queue", size, model, cfg, site, raw, env, gateway_phase)
         scheduling = asyncio.run(run_scheduling(raw, cfg, size))
     finally:
@@ -159,7 +161,7 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
                        queue.driven.commandstats)
     return SizeResult(size, model, rows, _probe(rw.probe_ttft_ms, q.probe_ttft_ms), queue.driven.cancel,
                       trips, {"raw": rw.cpu, "queue": q.cpu, "serial": sr.cpu}, queue.blas,
-                      time.perf_counter() - t0, threads, scheduling, queue.driven.gateway)
+                      time.perf_counter() - t0, threads, policy, scheduling, queue.driven.gateway)
 
 
 def _row(size: str, n: int, raw: PathResult, queue: PathResult, serial: PathResult,
@@ -216,6 +218,29 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
         if value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+async def _measure_policy(raw: RawPath, cfg: BenchConfig, size: str) -> KernelPolicy | None:
+    """Raw runs at N=1 and the largest N with the MLX stream's kernel thread under the default policy and
+    under SCHED_BATCH, in turn (engine/mlx_thread.py says why mlxq sets it)."""
+    if raw.thread.kernel_thread is None:
+        return None
+    ns = sorted({1, cfg.capacity})
+    runs: dict[str, dict[int, list[float]]] = {"default": {n: [] for n in ns}, "batch": {n: [] for n in ns}}
+    try:
+        for n in ns:
+            prompts = _prompts(n)
+            for _ in range(cfg.policy_repeats):
+                for policy, on in (("default", False), ("batch", True)):
+                    raw.thread.set_kernel_policy(on)
+                    time.sleep(_SETTLE_S)
+                    runs[policy][n].append((await raw.run(prompts, cfg.max_tokens)).tok_s)
+    finally:
+        raw.thread.set_kernel_policy(True)
+    paired = {n: _paired(runs["batch"][n], runs["default"][n]) for n in ns}
+    _say(f"[{size}] MLX kernel thread, SCHED_BATCH / default policy (raw, paired): "
+         + ", ".join(f"N={n} {r:.2f}" for n, r in paired.items()))
+    return KernelPolicy(runs, paired)
 
 
 def _machine() -> dict[str, Any]:

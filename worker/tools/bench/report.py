@@ -21,6 +21,7 @@ from .runs import (
     _fmt,
     _fmt_list,
     _num,
+    _pct,
 )
 from .vision import md_vision
 
@@ -102,6 +103,7 @@ def render_markdown(result: BenchResult) -> str:
     """``results.md``: a header, the main table, then one section per measurement and the targets."""
     return "\n".join([*_md_header(result), *_md_table(result), *_md_engine(result), *_md_gateway(result),
                       *_md_blas(result),
+                      *_md_policy(result),
                       *_md_ttft(result), *_md_cancel(result), *_md_round_trips(result), *_md_cpu(result),
                       *_md_scheduling(result), *md_vision(result.vision, result.config), *md_models(result.models),
                       *_md_enqueue(result), *_md_targets(result)])
@@ -228,6 +230,24 @@ def _md_blas(result: BenchResult) -> list[str]:
     for size, t in rows:
         runs = "; ".join(f"{k}: {_fmt_list(v)}" for k, v in sorted(t.raw_tok_s.items()))
         lines.append(f"| {size} | {t.chosen} | {runs} |")
+    return [*lines, ""]
+
+
+def _md_policy(result: BenchResult) -> list[str]:
+    rows = [(s.size, s.kernel_policy) for s in result.sizes if s.kernel_policy is not None]
+    if not rows:
+        return []
+    lines = ["## MLX's kernel thread: SCHED_BATCH", "",
+             "On Linux MLX runs a CPU stream's kernels on a thread of its own, woken for each kernel; mlxq's MLX "
+             "threads (the worker's engines and this bench's raw path alike) put it under SCHED_BATCH, whose "
+             "wake-ups do not preempt the thread enqueuing them (engine/mlx_thread.py). Raw runs under each "
+             "policy, in turn, each after the same idle pause:", "",
+             "| size | N | default tok/s (median) | SCHED_BATCH tok/s (median) | SCHED_BATCH / default (paired) |",
+             "|---|---:|---:|---:|---:|"]
+    for size, p in rows:
+        for n, ratio in p.batch_over_default_paired.items():
+            lines.append(f"| {size} | {n} | {_pct(p.raw_tok_s['default'][n], 50):.0f} "
+                         f"| {_pct(p.raw_tok_s['batch'][n], 50):.0f} | {ratio:.2f} |")
     return [*lines, ""]
 
 

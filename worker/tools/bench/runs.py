@@ -53,6 +53,7 @@ class BenchConfig:
     tiny_repeats: int = 15  # the tiny model's runs take under a second: more pairs cost little, steady the medians
     serial_repeats: int = 1  # serial runs are N jobs back to back: already an average
     blas_repeats: int = 3  # raw runs per OpenBLAS thread count when choosing it
+    policy_repeats: int = 5  # raw run pairs per N measuring MLX's kernel thread policy (engine/mlx_thread.py)
     warmup_tokens: int = 8
     ttft_probes: int = 20  # sequential N=1 requests per path for the TTFT targets
     cancel_max_tokens: int = 400  # fits the tiny model's 512-token context with the prompt
@@ -91,6 +92,7 @@ class BenchConfig:
     @classmethod
     def quick_config(cls) -> BenchConfig:
         return cls(sizes=("tiny",), concurrency=(1, 4), max_tokens=16, repeats=1, tiny_repeats=1, blas_repeats=1,
+                   policy_repeats=1,
                    warmup_tokens=4, ttft_probes=5, cancel_max_tokens=128, cancel_wait=(2, 8), enqueue_jobs=200,
                    vision_concurrency=(1, 2), vision_repeats=1, models_n=2, models_repeats=1, scheduling_probes=2,
                    scheduling_repeats=1, quick=True)
@@ -226,6 +228,15 @@ class BlasThreads:
 
 
 @dataclass(frozen=True, slots=True)
+class KernelPolicy:
+    """Raw runs with the MLX stream's kernel thread under SCHED_BATCH (as every mlxq MLX thread runs it,
+    engine/mlx_thread.py) and under the default policy, in turn, at N=1 and the largest N."""
+
+    raw_tok_s: dict[str, dict[int, list[float]]]  # "batch" / "default" -> N -> runs
+    batch_over_default_paired: dict[int, float]
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayRow:
     """One N on the same queue worker: the in-process client and the HTTP gateway, streaming, run by run in turn."""
 
@@ -277,6 +288,7 @@ class SizeResult:
     worker_blas: str
     seconds: float
     blas_threads: BlasThreads | None = None  # None: no OpenBLAS to tune
+    kernel_policy: KernelPolicy | None = None  # None: no kernel thread to set (not Linux, or not the CPU)
     scheduling: SchedulingResult | None = None  # prefix cache, KV over-subscription, priority (scheduling.py)
     gateway: GatewayResult | None = None  # None: the gateway extra is not installed
 
