@@ -414,7 +414,7 @@ async def _drive(url: str, prefix: str, cfg: BenchConfig, worker: WorkerProcess,
             await _queue_run(client, raw.name, jobs, cfg.warmup_tokens)
             raws: list[Run] = []
             queues: list[Run] = []
-            for _ in range(cfg.vision_repeats):
+            for _ in range(cfg.vision_repeats_for(raw.name)):
                 with _frozen(worker):
                     raws.append(await raw.images(jobs, cfg.max_tokens))
                 queues.append(await _queue_run(client, raw.name, jobs, cfg.max_tokens))
@@ -472,8 +472,8 @@ def _md_model(result: VisionResult, cfg: BenchConfig) -> list[str]:
              f"One {w}x{h} PNG per job (a data URL) plus a line of text, greedy, max_tokens {cfg.max_tokens}; "
              f"{blas} on both paths. raw = mlx-vlm's BatchGenerator in this process, each request's image decoded, "
              "processed and embedded before its insert (what serving it takes), then stepped to the end; queue = "
-             "client -> Redis -> the worker -> the client. Best of "
-             f"{cfg.vision_repeats} alternating runs; paired = median of each queue run / the raw run before it.", "",
+             f"client -> Redis -> the worker -> the client. Best of {cfg.vision_repeats_for(result.name)} "
+             "alternating runs; paired = median of each queue run / the raw run before it.", "",
              "| N | raw tok/s | queue tok/s | queue/raw | queue/raw paired | TTFT p50 ms raw / queue |",
              "|---:|---:|---:|---:|---:|---:|"]
     for r in result.rows:
