@@ -131,7 +131,8 @@ def _batch_kernel_thread(stream: mx.Stream) -> int | None:
     with _spawn_lock:
         before = _native_threads()
         mx.eval(mx.add(mx.array(0), 1, stream=stream))
-        new = _native_threads() - before
+        python = {t.native_id for t in threading.enumerate()}  # a Python thread started meanwhile is not it
+        new = _native_threads() - before - python
     if len(new) != 1:
         log.debug("MLX stream thread not identified (%d new threads): left under the default policy", len(new))
         return None
