@@ -436,7 +436,7 @@ def test_the_streams_kernel_thread_runs_under_sched_batch() -> None:
         assert len(plains) >= 2 and all(os.sched_getscheduler(int(t)) == os.SCHED_OTHER for t in plains)
 
         def evaluate() -> None:
-            a = mx.random.normal((256, 256))
+            a = mx.random.normal((128, 128))
             for _ in range(200):  # one evaluation at a time: each wakes the kernel thread
                 a = mx.tanh(a @ a)
                 mx.eval(a)
