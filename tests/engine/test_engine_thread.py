@@ -423,7 +423,7 @@ def test_the_streams_kernel_thread_runs_under_sched_batch() -> None:
     """The thread MLX runs the stream's kernels on (not the MLX thread itself) is found and set to SCHED_BATCH:
     it is the one the stream's evaluations wake and keep busy."""
     batched = MLXThread(name="mlx-batch")
-    before = set(os.listdir("/proc/self/task"))
+    tasks_before = set(os.listdir("/proc/self/task"))
     plain = MLXThread(name="mlx-plain", batch_policy=False)
     try:
         batched.submit(lambda: None).result()
@@ -432,7 +432,7 @@ def test_the_streams_kernel_thread_runs_under_sched_batch() -> None:
         assert tid is not None and plain.kernel_thread is None
         assert tid != batched.submit(threading.get_native_id).result()
         assert os.sched_getscheduler(tid) == os.SCHED_BATCH
-        plains = set(os.listdir("/proc/self/task")) - before - {str(tid)}
+        plains = set(os.listdir("/proc/self/task")) - tasks_before - {str(tid)}
         assert len(plains) >= 2 and all(os.sched_getscheduler(int(t)) == os.SCHED_OTHER for t in plains)
 
         def evaluate() -> None:

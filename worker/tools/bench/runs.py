@@ -62,7 +62,6 @@ class BenchConfig:
     enqueue_batch: int = 64
     vision_concurrency: tuple[int, ...] = (1, 8)  # image jobs at once (the generated qwen2_vl models, vision.py)
     vision_repeats: int = 7  # measured raw/queue pairs per N of image jobs
-    tiny_vision_repeats: int = 15  # the tiny qwen2_vl's runs take a fraction of a second, as the tiny model's
     models_n: int = 8  # jobs per model in the two-models phase (models.py)
     models_repeats: int = 9  # sequential/concurrent pairs there (tiny models: each pair takes under a second)
     scheduling_probes: int = 5  # TTFT probes per side of the prefix-cache and priority measurements
@@ -74,8 +73,9 @@ class BenchConfig:
         return self.tiny_repeats if size == "tiny" else self.repeats
 
     def vision_repeats_for(self, name: str) -> int:
-        """Measured raw/queue pairs per N of image jobs on a generated qwen2_vl (``tiny-vl``, ``small-vl``)."""
-        return self.tiny_vision_repeats if name.startswith("tiny") else self.vision_repeats
+        """Measured raw/queue pairs per N of image jobs on a generated qwen2_vl (``tiny-vl``, ``small-vl``): the
+        tiny one's runs take a fraction of a second, as the tiny text model's, and get as many pairs."""
+        return self.tiny_repeats if name.startswith("tiny") else self.vision_repeats
 
     @property
     def capacity(self) -> int:
@@ -99,7 +99,7 @@ class BenchConfig:
         return cls(sizes=("tiny",), concurrency=(1, 4), max_tokens=16, repeats=1, tiny_repeats=1, blas_repeats=1,
                    policy_repeats=1,
                    warmup_tokens=4, ttft_probes=5, cancel_max_tokens=128, cancel_wait=(2, 8), enqueue_jobs=200,
-                   vision_concurrency=(1, 2), vision_repeats=1, tiny_vision_repeats=1, models_n=2, models_repeats=1,
+                   vision_concurrency=(1, 2), vision_repeats=1, models_n=2, models_repeats=1,
                    scheduling_probes=2, scheduling_repeats=1, quick=True)
 
 
