@@ -229,19 +229,23 @@ def test_image_jobs_are_measured_on_mlx_vlm_and_through_the_queue(results: dict[
     assert cfg["vision_concurrency"] == [1, 2]
     assert [r["n"] for r in vision["rows"]] == [1, 2]
     for row in vision["rows"]:
-        for path in ("raw", "queue"):
+        for path in ("raw", "engine", "queue"):
             p = row[path]
             assert p["tok_s"] == pytest.approx(p["tokens"] / p["seconds"]) and p["tok_s"] == max(p["runs_tok_s"])
-            assert p["tokens"] == row["n"] * cfg["max_tokens"]  # every image job runs to max_tokens on both paths
+            assert p["tokens"] == row["n"] * cfg["max_tokens"]  # every image job runs to max_tokens on every path
+            runs = cfg["tiny_repeats"]  # the tiny qwen2_vl's pairs (BenchConfig.vision_repeats_for)
+            assert len(p["runs_tok_s"]) == runs and p["ttft_samples"] == row["n"] * runs
         assert row["queue_over_raw"] == pytest.approx(row["queue"]["tok_s"] / row["raw"]["tok_s"])
+        assert row["engine_over_raw_paired"] == pytest.approx(row["engine"]["tok_s"] / row["raw"]["tok_s"])  # one run
+        assert row["queue_over_engine_paired"] == pytest.approx(row["queue"]["tok_s"] / row["engine"]["tok_s"])
     for row in vision["text_rows"]:
         assert row["vlm"]["tokens"] == row["lm"]["tokens"] == row["n"] * cfg["max_tokens"]
         assert row["vlm_over_lm_paired"] == pytest.approx(row["vlm"]["tok_s"] / row["lm"]["tok_s"])  # one run
     mixed = vision["mixed"]
     assert mixed["n"] == 2 and mixed["one_batch"]["tokens"] == mixed["split"]["tokens"] == 2 * cfg["max_tokens"]
     targets = {t["name"]: t for t in results["targets"]}
-    t = targets["queue/raw images tiny-vl N=2 (median of pairs)"]
-    assert t["value"] == vision["rows"][1]["queue_over_raw_paired"] and t["passed"] is (t["value"] >= 0.9)
+    t = targets["queue/raw images tiny-vl N=2 (median of pairs)"]  # the tiny model's floor (the small one: 0.9)
+    assert t["value"] == vision["rows"][1]["queue_over_raw_paired"] and t["passed"] is (t["value"] >= 0.8)
 
 
 # --- fast: configuration, the re-exec, the stats line ----------------------------------------------
@@ -404,7 +408,10 @@ def test_two_engines_in_one_worker_process_were_timed_side_by_side(results: dict
         assert len(models[pair]["sequential_s"]) == len(models[pair]["concurrent_s"]) == 1
         assert all(s > 0 for s in models[pair]["sequential_s"] + models[pair]["concurrent_s"])
     (target,) = [t for t in results["targets"] if t["name"].startswith("two models in one process")]
-    assert target["value"] == round(models["speedup"], 3) and target["passed"] is (models["speedup"] >= 1.2)
+    threads = models["threads"]  # mlx-lm alone as two threads: what one process allows (one pair here)
+    bound = threads["sequential_s"][0] / threads["concurrent_s"][0]
+    assert target["value"] == round(models["speedup"], 3)
+    assert target["passed"] is (models["speedup"] >= 1.2 or models["speedup"] >= 0.95 * bound)
     out, _, _ = quick_run
     assert "## Two models in one worker process" in (out / "results.md").read_text()
     assert "| two processes |" in (out / "results.md").read_text()

@@ -170,46 +170,33 @@ class RawPath:
         self.thread.shutdown()
 
 
-class _EngineRun:
-    """The worker's ``Engine`` (scheduler, detokenizers, pacer, admission wait) with the worker's defaults,
-    outputs timed where they leave it (on the MLX thread): what the queue path adds to raw, minus the
-    transport."""
+class EngineClock:
+    """Times a run's requests where their outputs leave an engine (its sink, on the MLX thread): first output
+    with tokens, and the run's end once every request has finished."""
 
-    def __init__(self, admit_wait_s: float) -> None:
-        self.engine: Engine
-        self._admit_wait_s = admit_wait_s
-        self._left: dict[str, int] = {}  # rid -> prompt index, while it runs
+    def __init__(self) -> None:
+        self._left: dict[str, int] = {}  # rid -> request index, while it runs
         self._first: dict[int, float] = {}
         self._tokens = 0
         self._done: asyncio.Future[float] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    @classmethod
-    async def start(cls, loaded: LoadedModel, capacity: int, thread: Any) -> _EngineRun:
-        from engine.loader import EngineOptions, build_engine
-
-        d = WorkerConfig()
-        opts = EngineOptions(capacity, d.prefill_batch_size, d.prefill_step_size, d.stream_interval_ms / 1000)
-        run = cls(d.admit_wait_ms / 1000)
-        run.engine = await build_engine(loaded, thread, run._sink, opts)
-        return run
-
-    async def run(self, tokens: list[list[int]], max_tokens: int) -> Run:
-        from engine.request import EngineRequest, SamplingParams
-
+    def begin(self, n: int) -> list[str]:
+        """A new run of ``n`` requests (on the event loop): their ids, in order."""
         self._loop = asyncio.get_running_loop()
         self._done = self._loop.create_future()
         self._first, self._tokens = {}, 0
         tag = uuid.uuid4().hex[:8]
-        self._left = {f"{tag}-{i}": i for i in range(len(tokens))}
-        t0 = time.perf_counter()
-        self.engine.expect(len(tokens), self._admit_wait_s)  # as the worker announces a claimed burst
-        for rid, i in self._left.items():
-            self.engine.add(EngineRequest(rid, tokens[i], SamplingParams(max_tokens=max_tokens)))
-        end = await self._done
-        return Run(self._tokens, end - t0, [(self._first.get(i, end) - t0) * 1000 for i in range(len(tokens))])
+        self._left = {f"{tag}-{i}": i for i in range(n)}
+        return list(self._left)
 
-    def _sink(self, outs: list[RequestOutput]) -> None:  # on the MLX thread
+    async def end(self, t0: float, n: int) -> Run:
+        """The run, once its last request has finished."""
+        assert self._done is not None
+        end = await self._done
+        return Run(self._tokens, end - t0, [(self._first.get(i, end) - t0) * 1000 for i in range(n)])
+
+    def sink(self, outs: list[RequestOutput]) -> None:  # on the MLX thread
         now = time.perf_counter()
         for out in outs:
             i = self._left.get(out.rid)
@@ -225,6 +212,37 @@ class _EngineRun:
             # here) before this thread would get to clear it, and that run would never end.
             done, self._done = self._done, None
             self._loop.call_soon_threadsafe(done.set_result, now)
+
+
+class _EngineRun:
+    """The worker's ``Engine`` (scheduler, detokenizers, pacer, admission wait) with the worker's defaults,
+    outputs timed where they leave it (on the MLX thread): what the queue path adds to raw, minus the
+    transport."""
+
+    def __init__(self, admit_wait_s: float) -> None:
+        self.engine: Engine
+        self.clock = EngineClock()
+        self._admit_wait_s = admit_wait_s
+
+    @classmethod
+    async def start(cls, loaded: LoadedModel, capacity: int, thread: Any) -> _EngineRun:
+        from engine.loader import EngineOptions, build_engine
+
+        d = WorkerConfig()
+        opts = EngineOptions(capacity, d.prefill_batch_size, d.prefill_step_size, d.stream_interval_ms / 1000)
+        run = cls(d.admit_wait_ms / 1000)
+        run.engine = await build_engine(loaded, thread, run.clock.sink, opts)
+        return run
+
+    async def run(self, tokens: list[list[int]], max_tokens: int) -> Run:
+        from engine.request import EngineRequest, SamplingParams
+
+        rids = self.clock.begin(len(tokens))
+        t0 = time.perf_counter()
+        self.engine.expect(len(tokens), self._admit_wait_s)  # as the worker announces a claimed burst
+        for rid, prompt in zip(rids, tokens):
+            self.engine.add(EngineRequest(rid, prompt, SamplingParams(max_tokens=max_tokens)))
+        return await self.clock.end(t0, len(tokens))
 
 
 def _raw_run(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, capacity: int,
