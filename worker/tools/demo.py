@@ -8,13 +8,17 @@ queue, and cancels one mid-decode. Weights are random, so the text is gibberish;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +61,25 @@ def run_demo(jobs: int = 8, max_tokens: int = 64, size: str = "tiny", gateway_po
     """Run the demo; returns the exit status. ``gateway_port``: then serve the gateway there until Ctrl-C. It
     leaves nothing behind but the generated model (cached for the next run), and the logs only if something
     failed."""
+    with _sigterm_as_interrupt():
+        return _demo(jobs, max_tokens, size, gateway_port)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """A SIGTERM (``kill``, a supervisor) ends the demo as Ctrl-C does, so its Redis, worker and gateway stop
+    with it instead of living on as orphans."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _demo(jobs: int, max_tokens: int, size: str, gateway_port: int | None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its no-PyTorch notice is not ours to print
     url = os.environ.get("MLXQ_REDIS_URL")
     try:
@@ -185,7 +208,7 @@ def _serve_gateway(url: str, prefix: str, model: str, workdir: Path, port: int) 
               f"-d '{json.dumps(chat)}'", flush=True)
         print(f"curl {gateway.url}/v1/messages -H 'Content-Type: application/json' -d '{json.dumps(message)}'",
               flush=True)
-        _say("serving until Ctrl-C")
+        _say("serving until Ctrl-C (or SIGTERM)")
         assert gateway.proc is not None
         gateway.proc.wait()
         _say(f"the gateway exited ({gateway.proc.returncode}); log:\n{gateway.log_path.read_text(errors='replace')}")
