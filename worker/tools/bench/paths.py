@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import random
 import signal
@@ -411,26 +412,41 @@ async def _drive_batched(ctx: _DriveContext, raw: RawPath, gateway: GatewayPhase
     return _Driven(queue, cancel, commands, raw_measured, {n: e for n, (_, e, _) in runs.items()}, via_http)
 
 
+PathRun = Callable[[int], Awaitable[Run]]  # one run of a path at some N, given max_tokens
+
+
+async def alternate_runs(worker: WorkerProcess, cfg: BenchConfig, repeats: int, raw: PathRun, engine: PathRun,
+                         queue: PathRun) -> tuple[PathResult, PathResult, PathResult]:
+    """Warm the three paths, then alternate measured runs: raw, engine (both with the worker stopped), queue."""
+    with _frozen(worker):
+        await raw(cfg.warmup_tokens)
+        await engine(cfg.warmup_tokens)
+    await queue(cfg.warmup_tokens)
+    runs: tuple[list[Run], list[Run], list[Run]] = ([], [], [])
+    for _ in range(repeats):
+        with _frozen(worker):
+            runs[0].append(await raw(cfg.max_tokens))
+            time.sleep(_SETTLE_S)  # every run after the same idle pause (see _frozen)
+            runs[1].append(await engine(cfg.max_tokens))
+        runs[2].append(await queue(cfg.max_tokens))
+    return PathResult.of(runs[0]), PathResult.of(runs[1]), PathResult.of(runs[2])
+
+
 async def _measure_at(ctx: _DriveContext, client: Client, raw: RawPath, n: int
                       ) -> tuple[PathResult, PathResult, PathResult]:
-    """Warm the paths at N, then alternate measured runs: raw, engine (both with the worker stopped), queue."""
-    prompts, cfg = _prompts(n), ctx.cfg
-    with _frozen(ctx.worker):
-        await raw.run(prompts, cfg.warmup_tokens)
-        await raw.engine_run(prompts, cfg.warmup_tokens)
-    await _queue_run(client, ctx.model, prompts, cfg.warmup_tokens)
-    raw_runs: list[Run] = []
-    engine_runs: list[Run] = []
-    queue_runs: list[Run] = []
-    for _ in range(cfg.repeats_for(ctx.model)):
-        with _frozen(ctx.worker):
-            with raw.meter.running():
-                raw_runs.append(await raw.run(prompts, cfg.max_tokens))
-            time.sleep(_SETTLE_S)  # every run after the same idle pause (see _frozen)
-            engine_runs.append(await raw.engine_run(prompts, cfg.max_tokens))
+    """Raw, engine and queue runs at N, alternating (the raw and queue runs metered)."""
+    prompts = _prompts(n)
+
+    async def raw_run(max_tokens: int) -> Run:
+        with raw.meter.running():
+            return await raw.run(prompts, max_tokens)
+
+    async def queue_run(max_tokens: int) -> Run:
         with ctx.meter.running():
-            queue_runs.append(await _queue_run(client, ctx.model, prompts, cfg.max_tokens))
-    r, e, q = PathResult.of(raw_runs), PathResult.of(engine_runs), PathResult.of(queue_runs)
+            return await _queue_run(client, ctx.model, prompts, max_tokens)
+
+    r, e, q = await alternate_runs(ctx.worker, ctx.cfg, ctx.cfg.repeats_for(ctx.model), raw_run,
+                                   functools.partial(raw.engine_run, prompts), queue_run)
     _say(f"[{ctx.model}] N={n:<3} raw {r.tok_s:8.1f} tok/s (runs {_fmt_runs(r)}); "
          f"engine {e.tok_s:8.1f} tok/s (runs {_fmt_runs(e)}); queue {q.tok_s:8.1f} tok/s (runs {_fmt_runs(q)})")
     return r, e, q

@@ -23,6 +23,7 @@ would be faster.
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import time
 import uuid
@@ -33,7 +34,7 @@ from api.client import Client
 from api.schema import DoneEvent, ErrorEvent
 
 from ..process import WorkerProcess
-from .paths import EngineClock, _frozen, _openblas
+from .paths import EngineClock, _openblas, alternate_runs
 from .runs import (
     _SETTLE_S,
     _TIMEOUT_S,
@@ -466,22 +467,11 @@ async def _drive(url: str, prefix: str, cfg: BenchConfig, worker: WorkerProcess,
 
 async def _measure_at(client: Client, worker: WorkerProcess, raw: _RawVision, engine: _EngineVision,
                       cfg: BenchConfig, n: int) -> VisionRow:
-    """Warm the paths at N, then alternate measured runs: raw, engine (both with the worker stopped), queue."""
+    """Raw, engine and queue runs of N image jobs, alternating."""
     jobs = _jobs(n)
-    with _frozen(worker):
-        await raw.images(jobs, cfg.warmup_tokens)
-        await engine.run(jobs, cfg.warmup_tokens)
-    await _queue_run(client, raw.name, jobs, cfg.warmup_tokens)
-    raws: list[Run] = []
-    engines: list[Run] = []
-    queues: list[Run] = []
-    for _ in range(cfg.vision_repeats_for(raw.name)):
-        with _frozen(worker):
-            raws.append(await raw.images(jobs, cfg.max_tokens))
-            time.sleep(_SETTLE_S)  # every run after the same idle pause (see _frozen)
-            engines.append(await engine.run(jobs, cfg.max_tokens))
-        queues.append(await _queue_run(client, raw.name, jobs, cfg.max_tokens))
-    r, e, q = PathResult.of(raws), PathResult.of(engines), PathResult.of(queues)
+    r, e, q = await alternate_runs(worker, cfg, cfg.vision_repeats_for(raw.name), functools.partial(raw.images, jobs),
+                                   functools.partial(engine.run, jobs),
+                                   functools.partial(_queue_run, client, raw.name, jobs))
     _say(f"[{raw.name}] images N={n:<3} raw {r.tok_s:8.1f} tok/s (runs {_fmt_runs(r)}); "
          f"engine {e.tok_s:8.1f} tok/s (runs {_fmt_runs(e)}); queue {q.tok_s:8.1f} tok/s (runs {_fmt_runs(q)})")
     return VisionRow(n, r, e, q, _ratio(q.tok_s, r.tok_s), _paired(q.runs_tok_s, r.runs_tok_s),
