@@ -56,7 +56,9 @@ def test_demo_serves_the_gateway_and_its_curl_line_works(stop: signal.Signals) -
         _, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"left running: {[c.pid for c in alive]}"
     finally:  # a failed test leaves nothing running behind it
-        for p in [*children, psutil.Process(proc.pid)] if proc.poll() is None else children:
+        if proc.poll() is None:
+            proc.kill()
+        for child in children:
             with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
+                child.kill()
         proc.wait()

@@ -413,7 +413,6 @@ class _EngineVision:
         return cls(service, clock)
 
     async def run(self, jobs: list[tuple[str, str]], max_tokens: int) -> Run:
-        from api.schema import GenerateRequest
         from worker.translate import to_engine_request
 
         service = self.service
@@ -422,10 +421,9 @@ class _EngineVision:
         t0 = time.perf_counter()
         service.engine.expect(len(jobs), service.config.admit_wait_ms / 1000)  # as the worker's claim does
 
-        async def one(rid: str, text: str, url: str) -> None:
-            payload = GenerateRequest.model_validate({"id": rid, "model": service.name,
-                                                      "messages": _messages(text, url), "max_tokens": max_tokens})
-            req = service.validate(payload.model_dump(mode="json", exclude_defaults=True), rid)
+        async def one(rid: str, text: str, url: str) -> None:  # a job's payload as the worker reads it
+            payload = {"id": rid, "model": service.name, "messages": _messages(text, url), "max_tokens": max_tokens}
+            req = service.validate(payload, rid)
             prompt = await service.prepare(req)
             service.add(to_engine_request(req, prompt.tokens, None, images=prompt.images))
 
