@@ -8,10 +8,11 @@ sequence number ``seq`` (0, 1, 2, ...) so subscribers can merge live pub/sub wit
 from __future__ import annotations
 
 import base64
+import json
 import uuid
 from enum import Enum
 from json.encoder import encode_basestring  # type: ignore[attr-defined]  # the C string escaper
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
@@ -27,12 +28,19 @@ __all__ = [
     "Event",
     "FinishReason",
     "GenerateRequest",
+    "GrammarFormat",
     "ImagePart",
     "ImageURL",
+    "JSONObjectFormat",
+    "JSONSchemaFormat",
+    "JSONSchemaSpec",
     "ModelState",
     "ModelStatus",
+    "RegexFormat",
     "ResetEvent",
+    "ResponseFormat",
     "StartEvent",
+    "TextFormat",
     "TextPart",
     "Timings",
     "TokenEvent",
@@ -58,6 +66,7 @@ MAX_CONTENT_PARTS = 256  # per message
 MAX_IMAGES = 64  # per request
 MAX_IMAGE_URL_CHARS = 48 << 20  # a data URL of a ~36 MiB image
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
+MAX_FORMAT_CHARS = 64 << 10  # a response format's schema (as JSON), regex or grammar
 
 
 def new_request_id() -> str:
@@ -149,6 +158,80 @@ class ChatMessage(BaseModel):
         return self
 
 
+class TextFormat(BaseModel):
+    """Free text (the default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text"]
+
+
+class JSONObjectFormat(BaseModel):
+    """Any JSON object (OpenAI's JSON mode)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["json_object"]
+
+
+class JSONSchemaSpec(BaseModel):
+    """A JSON schema the output must validate against (OpenAI's ``json_schema`` object). The output is always
+    constrained to the schema, whatever ``strict`` says."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True, validate_by_name=True)
+
+    name: str = Field(default="response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(default=None, max_length=4096)
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class JSONSchemaFormat(BaseModel):
+    """Output that validates against ``json_schema.schema``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+    @model_validator(mode="after")
+    def _bounded(self) -> JSONSchemaFormat:
+        if len(self.schema_text) > MAX_FORMAT_CHARS:
+            raise ValueError(f"the JSON schema is {len(self.schema_text)} characters as JSON; at most "
+                             f"{MAX_FORMAT_CHARS}")
+        return self
+
+    @property
+    def schema_text(self) -> str:
+        """The schema as compact JSON with sorted keys: one text per schema, whatever the order it came in."""
+        return json.dumps(self.json_schema.schema_, sort_keys=True, separators=(",", ":"))
+
+
+class RegexFormat(BaseModel):
+    """Output that matches a regular expression (whole)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["regex"]
+    regex: str = Field(min_length=1, max_length=MAX_FORMAT_CHARS)
+
+
+class GrammarFormat(BaseModel):
+    """Output that a grammar accepts: Lark syntax (llguidance's dialect, which may embed ``%json`` schemas)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["grammar"]
+    grammar: str = Field(min_length=1, max_length=MAX_FORMAT_CHARS)
+    syntax: Literal["lark"] = "lark"
+
+
+ResponseFormat = Annotated[
+    Union[TextFormat, JSONObjectFormat, JSONSchemaFormat, RegexFormat, GrammarFormat],  # noqa: UP007
+    Field(discriminator="type"),
+]
+
+
 class GenerateRequest(BaseModel):
     """A generation job as enqueued: exactly one of ``prompt`` or ``messages``."""
 
@@ -179,6 +262,9 @@ class GenerateRequest(BaseModel):
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=dict, max_length=MAX_METADATA_ITEMS
     )
+    # What the output must match (None or text: free text); a worker compiles it, or ends the job with
+    # error(bad_request) saying why it cannot.
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> GenerateRequest:

@@ -15,9 +15,10 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from .constrain import RowMask, apply_bitmask, fill_masks
 from .mlx_process import unwired
 from .request import ImageInputs
 
@@ -62,6 +63,25 @@ class SequenceCache:
     def nbytes(self) -> int:
         """Bytes of the caches' buffers (allocated, not only used)."""
         return sum(int(c.nbytes) for c in self.cache)
+
+    @property
+    def trimmable(self) -> bool:
+        """Whether tokens can be taken off its end (not a sliding window that moved, nor recurrent state)."""
+        return bool(can_trim_prompt_cache(self.cache))
+
+    def keep(self, n: int) -> None:
+        """Trim it to its first ``n`` tokens (it must be :attr:`trimmable`)."""
+        if n < len(self.tokens):
+            trim_prompt_cache(self.cache, len(self.tokens) - n)
+            del self.tokens[n:]
+
+    def resume_point(self, tokens: list[int]) -> int:
+        """Ready it to go on as the sequence ``tokens`` (which start with its own): how many of them it
+        holds. At least one token is left to feed (an empty prompt kills mlx-lm's batch): when it holds them
+        all it gives the last one back, to be fed again."""
+        n = min(len(self.tokens), len(tokens) - 1)
+        self.keep(n)
+        return n
 
 
 @dataclass(slots=True)
@@ -202,6 +222,7 @@ class MLXBatch:
     ) -> int:
         if images is not None:  # the worker rejects these first; a ValueError fails only this request
             raise ValueError("this model does not accept images")
+        _fresh(logits_processors)
         # A segment boundary makes mlx-lm stop the prefill there, where take_checkpoints copies the cache.
         segments = [prompt[:checkpoint], prompt[checkpoint:]] if 0 < checkpoint < len(prompt) else [prompt]
         (uid,) = self._gen.insert_segments(
@@ -235,6 +256,7 @@ class MLXBatch:
                 mx.eval([c.state for c in cache])
             logits = self._model(mx.array(prompt[-1:])[None], cache=cache)[:, -1, :]
             if logits_processors:
+                _fresh(logits_processors)  # its mask starts at the prompt's end
                 context = mx.array(list(cache_tokens or ()) + prompt)
                 for processor in logits_processors:
                     logits = processor(context, logits)
@@ -242,6 +264,9 @@ class MLXBatch:
             token = (sampler or greedy_sampler)(logprobs)
             mx.eval(token, [c.state for c in cache])
         first = int(token.reshape(-1)[0].item())  # type: ignore[arg-type]  # an integer array
+        for p in logits_processors:  # the row is inserted with its first token, which its mask has seen then
+            if isinstance(p, RowMask):
+                p.matcher.consume_token(first)
         return Started(first, "stop" if first in self._eos else None, cache)
 
     def remove(self, uids: Iterable[int]) -> None:
@@ -294,3 +319,59 @@ class MLXBatch:
 def _no_wired_limit() -> None:
     """``maybe_set_recommended_wired_limit`` when the process owns the limit: sets nothing, found nothing."""
     return None
+
+
+def _fresh(processors: list[Any]) -> None:
+    """A row (re)enters the batch: its first input is its prompt's last token, or a token its mask consumed."""
+    for p in processors:
+        if isinstance(p, RowMask):
+            p.fresh = True
+
+
+_ORIGINAL_STEP = _GENERATE.GenerationBatch._step
+
+
+def _step(self: Any) -> Any:
+    """mlx-lm's ``GenerationBatch._step``, unchanged unless a row is constrained (its logits processors hold a
+    :class:`RowMask`): then the batch's masks are filled while MLX computes the logits and applied to every
+    row in one operation, and only the rows' other processors run one row at a time (as mlx-lm runs them)."""
+    procs = self.logits_processors
+    if not procs or not any(isinstance(p, RowMask) for ps in procs if ps for p in ps):
+        return _ORIGINAL_STEP(self)
+    self._current_tokens = self._next_tokens
+    self._current_logprobs = self._next_logprobs
+    inputs = self._current_tokens
+    logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+    mx.async_eval(logits)  # the forward pass runs while the matchers advance and fill their masks
+    fed = inputs.tolist()
+    masks = [(e, p) for e, ps in enumerate(procs) for p in ps or () if isinstance(p, RowMask)]
+    logits = apply_bitmask(logits, fill_masks(masks, fed, len(self.uids), logits.shape[-1]))
+    token_context = []
+    others = [[p for p in ps or () if not isinstance(p, RowMask)] for ps in procs]
+    if any(others):
+        rows = []
+        for e, processors in enumerate(others):
+            row = logits[e : e + 1]
+            if processors:
+                context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
+                token_context.append(context)
+                for processor in processors:
+                    row = processor(context, row)
+            rows.append(row)
+        logits = mx.concatenate(rows, axis=0)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    samplers = [self.fallback_sampler if s is None else s for s in (self.samplers or [None] * len(self.uids))]
+    if not samplers or all(s is samplers[0] for s in samplers):
+        sampled = (samplers[0] if samplers else self.fallback_sampler)(logprobs)
+    else:
+        sampled = mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0)
+    self._next_tokens = sampled
+    self._next_logprobs = list(logprobs)
+    mx.async_eval(self._next_tokens, self._next_logprobs, token_context)
+    mx.eval(inputs, self._current_logprobs)
+    for sti, ti in zip(self.tokens, fed):
+        sti.append(ti)
+    return fed, self._current_logprobs
+
+
+_GENERATE.GenerationBatch._step = _step

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from .batch import BatchBackend
 from .mlx_thread import MLXThread
 from .pacer import Pacer
-from .request import EngineRequest, FinishReason, RequestOutput
+from .request import EngineRequest, ErrorCode, FinishReason, RequestOutput, terminal
 from .scheduler import Scheduler, StepFailed
 from .stats import EngineStats
 
@@ -44,7 +44,7 @@ Sink = Callable[[list[RequestOutput]], None]
 class _Abort:
     rid: str
     reason: FinishReason
-    code: str | None
+    code: ErrorCode | None
     message: str
 
 
@@ -87,8 +87,8 @@ class Engine:
     def add(self, req: EngineRequest) -> None:
         """Queue a request (thread-safe); a dead engine fails it at once."""
         if self.dead:
-            self._sink([RequestOutput(req.rid, finish=FinishReason.ERROR, error_code="engine_error",
-                                      error_message="the engine is dead; the worker is restarting")])
+            self._sink([terminal(req.rid, FinishReason.ERROR, 0, ErrorCode.ENGINE_ERROR,
+                                 "the engine is dead; the worker is restarting")])
             return
         with self._lock:
             self._expected = max(0, self._expected - 1)
@@ -107,7 +107,7 @@ class Engine:
             self._gap_s = within_s / 5
 
     def abort(
-        self, rid: str, reason: FinishReason = FinishReason.CANCELLED, code: str | None = None, message: str = ""
+        self, rid: str, reason: FinishReason = FinishReason.CANCELLED, code: ErrorCode | None = None, message: str = ""
     ) -> None:
         """Remove a request between steps (thread-safe); unknown ids are ignored."""
         self._post(_Abort(rid, reason, code, message))
@@ -243,7 +243,7 @@ class Engine:
         if isinstance(exc, StepFailed):
             self._emit(exc.outputs)
             exc = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
-        self._emit(self.scheduler.fail_all("engine_error", f"engine step failed: {exc!r}"))
+        self._emit(self.scheduler.fail_all(ErrorCode.ENGINE_ERROR, f"engine step failed: {exc!r}"))
         if self._make_backend is None:
             return
         try:  # closed before its replacement is made, not left to the GC: one open generator at a time

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache
 
 from .batch import SequenceCache
 
@@ -75,14 +75,12 @@ class PrefixCache:
         if cache is None or n < self.min_tokens:
             self.misses += 1
             return None
-        if not rest:
-            # An exact hit leaves nothing to feed, which kills mlx-lm's batch ("empty prompt"): give back the
-            # last token, or prefill the whole prompt when the cache cannot be trimmed.
-            if not can_trim_prompt_cache(cache):
+        if not rest:  # an exact hit gives its last token back to feed, or is no hit if it cannot
+            held = SequenceCache(cache, tokens[:n])
+            if not held.trimmable:
                 self.misses += 1
                 return None
-            trim_prompt_cache(cache, 1)
-            n -= 1
+            n = held.resume_point(tokens)
         self.hits += 1
         self.tokens_saved += n
         return PrefixHit(cache, n)

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["EngineRequest", "FinishReason", "ImageInputs", "RequestOutput", "SamplingParams", "Status", "coalesce",
-           "merge_into"]
+__all__ = ["EngineRequest", "ErrorCode", "FinishReason", "Format", "ImageInputs", "RequestOutput", "SamplingParams",
+           "Status", "coalesce", "merge_into", "terminal"]
 
 
 class Status(str, Enum):
@@ -30,6 +30,14 @@ class FinishReason(str, Enum):
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
+
+
+class ErrorCode(str, Enum):
+    """Why the engine ended a request with ``FinishReason.ERROR`` (the worker maps each to a wire code)."""
+
+    BAD_REQUEST = "bad_request"  # it can never run here as sent (too long for the context or the KV headroom)
+    TIMEOUT = "timeout"  # it ran past its deadline
+    ENGINE_ERROR = "engine_error"  # the batch failed while it was in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +70,12 @@ class ImageInputs:
     count: int  # images in the prompt
 
 
+class Format(Protocol):
+    """A compiled output format (``engine/constrain.py``'s ``Grammar``): each row it constrains gets its own mask."""
+
+    def row(self) -> Any: ...
+
+
 @dataclass(slots=True)
 class EngineRequest:
     """One sequence to generate. ``arrival`` and ``deadline`` are ``time.monotonic()`` values (an arrival of
@@ -70,7 +84,8 @@ class EngineRequest:
     ``priority``: higher goes first, with aging (``engine/waiting.py``), and may preempt lower-priority
     sequences. ``cache_boundary``: how many leading prompt tokens are a reusable prefix (the chat template's
     system prompt, see ``engine/prompt.py``); the engine caches their KV there. 0: none. ``images``: the
-    prompt's images, for a model that accepts them (None: a text prompt).
+    prompt's images, for a model that accepts them (None: a text prompt). ``format``: what its output must
+    match (None: free text).
     """
 
     rid: str
@@ -81,6 +96,7 @@ class EngineRequest:
     priority: int = 0
     cache_boundary: int = 0
     images: ImageInputs | None = None
+    format: Format | None = None
 
 
 @dataclass(slots=True)
@@ -99,9 +115,16 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # tokens generated so far, this step's included
     finish: FinishReason | None = None
-    error_code: str | None = None  # with FinishReason.ERROR: "bad_request", "timeout", "engine_error"
+    error_code: ErrorCode | None = None  # with FinishReason.ERROR
     error_message: str | None = None
     stop_sequence: str | None = None
+
+
+def terminal(rid: str, reason: FinishReason, generated: int, code: ErrorCode | None = None,
+             message: str = "") -> RequestOutput:
+    """The last output of a request ended outside a decode step (aborted, refused, failed)."""
+    return RequestOutput(rid, finish=reason, completion_tokens=generated, error_code=code,
+                         error_message=message or None)
 
 
 def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:

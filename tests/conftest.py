@@ -35,15 +35,15 @@ def redis_url(redis_server: Any) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tinymodel import ensure_model
+    from worker.tools.tinymodel import ensure_model
 
     return ensure_model("tiny", root=tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A generated tiny qwen2_vl in mlx-vlm's format (engine/tinyvlm.py)."""
-    from engine.tinyvlm import ensure_vlm
+    """A generated tiny qwen2_vl in mlx-vlm's format (worker/tools/tinyvlm.py)."""
+    from worker.tools.tinyvlm import ensure_vlm
 
     return ensure_vlm(root=tmp_path_factory.mktemp("vlm"))
 

@@ -75,3 +75,16 @@ def test_the_runtime_imports_none_of_its_tools() -> None:
         if any(n == "tools" or n.startswith(("tools.", "worker.tools")) for n in names):
             offenders[str(f.relative_to(ROOT))] = names
     assert offenders == {}
+
+
+def test_the_scheduler_imports_no_mlx() -> None:
+    # Admit, preempt, expire and step: what is mlx-lm's about caches lives behind the backend (engine/batch.py),
+    # so the scheduler runs on fakes anywhere.
+    imported = imported_roots(ROOT / "engine" / "scheduler.py")
+    for name in ("sequence", "admission", "cache_strategy", "waiting", "stops", "request"):
+        imported |= imported_roots(ROOT / "engine" / f"{name}.py")
+    assert imported & {"mlx", "mlx_lm", "mlx_vlm"} == set()
+
+
+def test_the_generated_models_live_with_the_tools() -> None:
+    assert not list((ROOT / "engine").glob("tiny*.py"))

@@ -284,7 +284,7 @@ class WorkerHost:
         self.runs[run.rid] = run
         deadline = time.monotonic() + self.config.job_timeout_s
         service.add(to_engine_request(req, prompt.tokens, deadline, cache_boundary=prompt.cache_boundary,
-                                      images=prompt.images, enqueue_ms=run.enqueue_ms))
+                                      images=prompt.images, format=prompt.format, enqueue_ms=run.enqueue_ms))
         try:
             return await run.finished
         except asyncio.CancelledError:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from api.schema import GenerateRequest, ImagePart, TextPart
-from engine.request import ImageInputs
+from engine.request import Format, ImageInputs
 
 if TYPE_CHECKING:
     from engine.loader import LoadedModel
@@ -55,12 +55,14 @@ class ImageError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """A job's prompt as the engine takes it: its tokens, its images (None for a text prompt), and how many of
-    its tokens are a system prompt the engine may cache (``EngineRequest.cache_boundary``; 0: none)."""
+    """A job's prompt as the engine takes it: its tokens, its images (None for a text prompt), how many of its
+    tokens are a system prompt the engine may cache (``EngineRequest.cache_boundary``; 0: none), and the
+    compiled format its output must match (None: free text)."""
 
     tokens: list[int]
     images: ImageInputs | None = None
     cache_boundary: int = 0
+    format: Format | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ Nothing here touches Redis; ``worker/host.py`` runs the jobs and hands each to i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from pydantic import ValidationError
 
 from api.errors import describe
 from api.schema import PRIORITY_MAX, GenerateRequest, ModelState, ModelStatus
+from engine.constrain import Grammar, GrammarError, Grammars, vocab_size
 from engine.engine import Engine, Sink
 from engine.loader import EngineOptions, LoadedModel, start_engine
 from engine.prompt import EncodedPrompt, encode_prompt_with_boundary
@@ -24,6 +26,7 @@ from engine.request import EngineRequest
 from . import media
 from .config import ServedModel, WorkerConfig
 from .lifecycle import Outranking
+from .translate import to_engine_format
 
 __all__ = ["BadRequest", "ModelService"]
 
@@ -51,6 +54,8 @@ class ModelService:
         # Its jobs' images are prepared one at a time, in arrival order (see worker/media.py); started with
         # the first image job.
         self._images = ThreadPoolExecutor(1, thread_name_prefix=f"mlxq-images-{served.name}")
+        self._grammars: Grammars | None = None  # built for the first job with a response format
+        self._grammars_lock = asyncio.Lock()
 
     async def load(self, sink: Sink) -> None:
         """Load the model on a new MLX thread of its own and start its engine."""
@@ -159,7 +164,38 @@ class ModelService:
             encoded = self.encode(req, inline=True)
         else:
             encoded = await asyncio.to_thread(self.encode, req, False)
-        return media.Prompt(encoded.tokens, cache_boundary=encoded.cache_boundary)
+        prompt = media.Prompt(encoded.tokens, cache_boundary=encoded.cache_boundary)
+        if req.response_format is None or req.response_format.type == "text":
+            return prompt
+        return dataclasses.replace(prompt, format=await self.compile_format(req))
+
+    async def compile_format(self, req: GenerateRequest) -> Grammar | None:
+        """The request's response format compiled for this model (a format seen before: from the cache, at
+        once; a new one: compiled off the event loop); :class:`BadRequest` if it cannot be."""
+        fmt = to_engine_format(req)
+        if fmt is None:
+            return None
+        assert self.model is not None
+        if self.model.accepts_images:
+            raise BadRequest(f"response_format is not supported by the vision-language model {self.name!r}")
+        grammars = self._grammars or await self._build_grammars()
+        grammar = grammars.cached(fmt)
+        if grammar is not None:
+            return grammar
+        try:
+            return await asyncio.to_thread(grammars.compile, fmt)
+        except GrammarError as exc:
+            raise BadRequest(str(exc)) from None
+
+    async def _build_grammars(self) -> Grammars:
+        async with self._grammars_lock:
+            grammars = self._grammars
+            if grammars is None:
+                model = self.model
+                assert model is not None
+                grammars = self._grammars = await asyncio.to_thread(
+                    Grammars, model.tokenizer._tokenizer, vocab_size(model.model, model.tokenizer), model.eos_token_ids)
+            return grammars
 
     def encode(self, req: GenerateRequest, inline: bool) -> EncodedPrompt:
         """The prompt's tokens and its system-prompt boundary (where the engine caches a prefix). Inline:

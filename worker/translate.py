@@ -4,20 +4,34 @@ from __future__ import annotations
 
 import time
 
-from api.schema import ErrorCode, FinishReason, GenerateRequest
-from engine.request import EngineRequest, ImageInputs, RequestOutput, SamplingParams
+from api.schema import (
+    ErrorCode,
+    FinishReason,
+    GenerateRequest,
+    GrammarFormat,
+    JSONObjectFormat,
+    JSONSchemaFormat,
+    RegexFormat,
+)
+from engine.constrain import FormatKind, ResponseFormat
+from engine.request import EngineRequest, Format, ImageInputs, RequestOutput, SamplingParams
+from engine.request import ErrorCode as EngineError
 from engine.request import FinishReason as EngineFinish
 
 from .lifecycle import Run, Wire
 
-__all__ = ["output_events", "to_engine_request"]
+__all__ = ["output_events", "to_engine_format", "to_engine_request"]
 
-_ERROR_CODES = {c.value: c for c in ErrorCode}
+_ERROR_CODES = {
+    EngineError.BAD_REQUEST: ErrorCode.BAD_REQUEST,
+    EngineError.TIMEOUT: ErrorCode.TIMEOUT,
+    EngineError.ENGINE_ERROR: ErrorCode.ENGINE_ERROR,
+}
 
 
 def to_engine_request(
     req: GenerateRequest, tokens: list[int], deadline: float | None, *, cache_boundary: int = 0,
-    images: ImageInputs | None = None, enqueue_ms: int = 0,
+    images: ImageInputs | None = None, format: Format | None = None, enqueue_ms: int = 0,
 ) -> EngineRequest:
     """A validated wire request and its prompt tokens (the first ``cache_boundary`` of them its system prompt:
     see engine/prompt.py; its images prepared: see worker/media.py), as the engine takes them. It arrived when
@@ -38,7 +52,21 @@ def to_engine_request(
     now = time.monotonic()
     arrival = now - max(0.0, time.time() - enqueue_ms / 1000) if enqueue_ms else now
     return EngineRequest(req.id, tokens, params, arrival=arrival, deadline=deadline, priority=req.priority,
-                         cache_boundary=cache_boundary, images=images)
+                         cache_boundary=cache_boundary, images=images, format=format)
+
+
+def to_engine_format(req: GenerateRequest) -> ResponseFormat | None:
+    """What the request's output must match, as the engine compiles it; None for free text."""
+    fmt = req.response_format
+    if isinstance(fmt, JSONSchemaFormat):
+        return ResponseFormat(FormatKind.JSON_SCHEMA, fmt.schema_text)
+    if isinstance(fmt, JSONObjectFormat):
+        return ResponseFormat(FormatKind.JSON_OBJECT)
+    if isinstance(fmt, RegexFormat):
+        return ResponseFormat(FormatKind.REGEX, fmt.regex)
+    if isinstance(fmt, GrammarFormat):
+        return ResponseFormat(FormatKind.LARK, fmt.grammar)
+    return None
 
 
 def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
@@ -50,7 +78,7 @@ def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
         events.append(run.tokens(out.text, out.token_ids, out.completion_tokens))
     run.completion_tokens = max(run.completion_tokens, out.completion_tokens)
     if out.finish is EngineFinish.ERROR:
-        code = _ERROR_CODES.get(out.error_code or "", ErrorCode.INTERNAL)
+        code = _ERROR_CODES[out.error_code] if out.error_code is not None else ErrorCode.INTERNAL
         events.append(run.error(code, out.error_message or code.value))
     elif out.finish is not None:
         done = run.done(FinishReason(out.finish.value))

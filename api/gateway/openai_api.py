@@ -3,9 +3,10 @@
 Mapped: ``model``, ``messages`` (``developer`` is a system turn; text content parts are joined) or ``prompt``,
 ``max_completion_tokens``/``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``presence_penalty``,
 ``frequency_penalty``, ``metadata``, ``stream`` and ``stream_options.include_usage``; mlx-lm's and vLLM's
-extensions ``top_k``, ``min_p``, ``repetition_penalty`` and mlxq's ``priority``. ``image_url`` content parts
-become the job's image parts (a model that takes no images refuses them: a 400 from its worker). Refused with a
-400 that names them: ``n`` other than 1, ``logprobs``, tools and functions, structured ``response_format``,
+extensions ``top_k``, ``min_p``, ``repetition_penalty`` and mlxq's ``priority``; ``response_format``
+(``json_object``, ``json_schema``, and mlxq's ``regex`` and ``grammar``: the output is constrained to it).
+``image_url`` content parts become the job's image parts (a model that takes no images refuses them: a 400 from
+its worker). Refused with a 400 that names them: ``n`` other than 1, ``logprobs``, tools and functions,
 ``logit_bias``, audio, ``echo``, ``suffix``, ``best_of`` > 1 and token-id prompts. ``user`` goes into the job's
 metadata.
 """
@@ -124,8 +125,6 @@ def _refusals(body: _Common) -> list[str]:
             out.append("logprobs")
         if body.tools or body.functions or body.tool_choice not in (None, "none") or body.function_call:
             out.append("tools and function calling")
-        if body.response_format and body.response_format.get("type") not in (None, "text"):
-            out.append(f"response_format {body.response_format.get('type')!r}")
         if (body.modalities and set(body.modalities) != {"text"}) or body.audio:
             out.append("audio output")
         if body.prediction:
@@ -262,7 +261,10 @@ class ChatDialect(_OpenAI):
 
     def parse(self, body: bytes, config: GatewayConfig) -> Ask:
         req: ChatRequest = _parse(ChatRequest, body)
-        return _job(req, config, req.max_completion_tokens or req.max_tokens, messages=_messages(req.messages))
+        fmt = req.response_format
+        extra = {"response_format": fmt} if fmt and fmt.get("type") != "text" else {}
+        return _job(req, config, req.max_completion_tokens or req.max_tokens, messages=_messages(req.messages),
+                    **extra)
 
     def response(self, ask: Ask, job: JobStream, text: str) -> dict[str, Any]:
         assert job.done is not None

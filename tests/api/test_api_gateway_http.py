@@ -139,7 +139,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
     (USER, {"n": 2}, "n other than 1"),
     (USER, {"logprobs": True}, "logprobs"),
     (USER, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (USER, {"response_format": {"type": "json_object"}}, "response_format"),
+    (USER, {"response_format": {"type": "json_schema"}}, "response_format"),
     (USER, {"temperature": 3}, "temperature"),
     (USER, {"frobnicate": 1}, "frobnicate: Extra inputs are not permitted"),
     ([], {}, "messages: List should have at least 1 item"),

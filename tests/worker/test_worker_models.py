@@ -26,7 +26,7 @@ PROMPTS = ["Hello world", "Once upon a time", "the quick brown fox", "x y", "Wha
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tinymodel import ensure_model
+    from worker.tools.tinymodel import ensure_model
 
     return ensure_model("small", root=tmp_path_factory.mktemp("models"))
 

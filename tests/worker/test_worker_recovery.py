@@ -74,7 +74,7 @@ async def wait_until(predicate: Any, timeout: float, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tinymodel import ensure_model
+    from worker.tools.tinymodel import ensure_model
 
     return ensure_model("small", root=tmp_path_factory.mktemp("small"))
 

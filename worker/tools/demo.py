@@ -104,7 +104,7 @@ def _demo(jobs: int, max_tokens: int, size: str, gateway_port: int | None) -> in
 
 def _run(url: str, embedded: bool, workdir: Path, jobs: int, max_tokens: int, size: str,
          gateway_port: int | None) -> int:
-    from engine.tinymodel import ensure_model
+    from worker.tools.tinymodel import ensure_model
 
     prefix = f"mlxq-demo-{uuid.uuid4().hex[:6]}"
     _say(f"redis: {url} ({'embedded redis-server' if embedded else 'MLXQ_REDIS_URL'})")

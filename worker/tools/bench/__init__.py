@@ -138,7 +138,7 @@ def _run(cfg: BenchConfig, out: Path) -> BenchResult:
 
 
 def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
-    from engine.tinymodel import ensure_model
+    from worker.tools.tinymodel import ensure_model
 
     t0 = time.perf_counter()
     model = str(ensure_model(size))

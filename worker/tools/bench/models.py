@@ -65,7 +65,7 @@ class RawPair:
 
 def run_models(cfg: BenchConfig, site: _Site) -> ModelsResult:
     """Start a worker serving one generated model twice and time its runs; then the pair without the queue."""
-    from engine.tinymodel import ensure_model
+    from worker.tools.tinymodel import ensure_model
 
     size = "small" if "small" in cfg.sizes else cfg.sizes[0]
     path = str(ensure_model(size))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 from ..blas import OPENBLAS
 from .chart import _chart
@@ -65,7 +66,18 @@ def _scheduling_targets(s: SizeResult) -> list[Target]:
             _at_least(f"over-subscribed jobs completed {s.size}", o.completed / o.expected if o.expected else 0, 1.0),
             _at_least(f"over-subscribed tok/s / unlimited {s.size} (best runs)", o.best_ratio, 0.9),
             _at_most(f"priority TTFT / (prefill + 2 decode steps) {s.size}",
-                     p.ttft_p50_ms / p.budget_ms if p.budget_ms else 0.0, 1.0, "")]
+                     p.ttft_p50_ms / p.budget_ms if p.budget_ms else 0.0, 1.0, ""),
+            *_structured_targets(s)]
+
+
+def _structured_targets(s: SizeResult) -> list[Target]:
+    """Issue #27's: half the batch constrained keeps 0.9 of its tok/s free; a seen schema adds <= 5 ms TTFT."""
+    st = s.scheduling.structured if s.scheduling is not None else None
+    if st is None:
+        return []
+    return [_at_least(f"half constrained / free tok/s {s.size} N={st.jobs} (median of pairs)", st.paired_ratio, 0.9),
+            _at_most(f"constrained-added TTFT p50 {s.size} N=1", st.ttft_p50_ms - st.free_ttft_p50_ms, 5.0, " ms"),
+            _at_least(f"constrained outputs valid {s.size}", st.valid / st.checked if st.checked else 0.0, 1.0)]
 
 
 def _gateway_targets(s: SizeResult) -> list[Target]:
@@ -374,6 +386,25 @@ def _md_scheduling(result: BenchResult) -> list[str]:
         q = sch.priority
         lines.append(f"| {size} | {q.background} | {q.ttft_p50_ms:.1f} | {q.idle_ttft_ms:.1f} | {q.step_ms:.1f} "
                      f"| {q.budget_ms:.1f} | {q.join_ttft_p50_ms:.1f} | {q.preemptions} |")
+    return [*lines, "", *_md_structured(sizes, c)]
+
+
+def _md_structured(sizes: list[tuple[str, Any]], c: Any) -> list[str]:
+    rows = [(size, sch.structured) for size, sch in sizes if sch.structured is not None]
+    if not rows:
+        return []
+    lines = ["**Structured output**: a full batch (max_tokens as above) with every other row constrained to a JSON "
+             "schema whose string runs to max_tokens (so every row makes as many tokens), against the same batch "
+             f"free, {c.scheduling_repeats * 2} pairs alternating; then N = 1 TTFT probes (max_tokens 2) "
+             "alternating free and constrained (the schema compiled before); and a new schema's compile time "
+             "(llguidance, off the engine thread in a worker).", "",
+             "| size | jobs | constrained | tok/s half constrained | tok/s free | paired ratio "
+             "| TTFT p50 constrained ms | free ms | compile ms | valid |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, st in rows:
+        lines.append(f"| {size} | {st.jobs} | {st.constrained} | {_fmt_list(st.tok_s)} | {_fmt_list(st.free_tok_s)} "
+                     f"| {st.paired_ratio:.2f} | {st.ttft_p50_ms:.1f} | {st.free_ttft_p50_ms:.1f} "
+                     f"| {st.compile_ms:.1f} | {st.valid}/{st.checked} |")
     return [*lines, ""]
 
 

@@ -7,7 +7,10 @@ engine path does, on the raw path's MLX thread and loaded model):
   all at once; the peak of the caches' measured bytes, that every job completes, and the throughput against
   the same jobs with no KV limit (same slots), runs alternating; peak RSS and MLX's peak memory;
 - **priority**: with the batch full of long jobs, the time to first token of a high-priority job, against
-  what one prefill of it (its TTFT on an idle engine) plus two decode steps of the full batch take.
+  what one prefill of it (its TTFT on an idle engine) plus two decode steps of the full batch take;
+- **structured output**: a full batch with half its rows constrained to a JSON schema against the same batch
+  free, runs alternating; a constrained job's TTFT at N = 1 (its schema compiled before) against a free one's,
+  probes alternating; and what compiling a new schema takes.
 """
 
 from __future__ import annotations
@@ -88,12 +91,29 @@ class PriorityTtft:
 
 
 @dataclass(frozen=True, slots=True)
+class Structured:
+    """Constrained rows in the batch: throughput, TTFT, and a new schema's compile time."""
+
+    jobs: int
+    constrained: int  # of them
+    tok_s: list[float]  # half constrained
+    free_tok_s: list[float]  # none constrained
+    paired_ratio: float  # median over the run pairs
+    ttft_p50_ms: float  # N = 1, constrained (schema seen before)
+    free_ttft_p50_ms: float
+    compile_ms: float  # a schema never seen
+    valid: int  # constrained outputs of the measured runs that parse as JSON
+    checked: int
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulingResult:
-    """The three measurements on one model size."""
+    """The four measurements on one model size."""
 
     prefix: PrefixTtft
     oversubscribed: Oversubscribed
     priority: PriorityTtft
+    structured: Structured | None = None
 
 
 class _Driver:
@@ -105,11 +125,14 @@ class _Driver:
         self.first: dict[str, float] = {}
         self.ended: dict[str, RequestOutput] = {}
         self.finished_at: dict[str, float] = {}
+        self.texts: dict[str, str] = {}
         self._futures: dict[str, asyncio.Future[None]] = {}
 
     def sink(self, outs: list[RequestOutput]) -> None:  # on the MLX thread
         now = time.perf_counter()
         for out in outs:
+            if out.text:
+                self.texts[out.rid] = self.texts.get(out.rid, "") + out.text
             if out.token_ids:
                 self.first.setdefault(out.rid, now)
             if out.finish is not None:
@@ -144,7 +167,8 @@ async def run_scheduling(raw: RawPath, cfg: BenchConfig, size: str) -> Schedulin
     prefix = await _prefix_ttft(raw, cfg, driver, size)
     over = await _oversubscribed(raw, cfg, driver, size)
     prio = await _priority_ttft(raw, cfg, driver, size)
-    return SchedulingResult(prefix, over, prio)
+    structured = await _structured(raw, cfg, driver, size)
+    return SchedulingResult(prefix, over, prio, structured)
 
 
 async def _engine(raw: RawPath, driver: _Driver, capacity: int, **options: Any) -> Engine:
@@ -343,3 +367,67 @@ async def _decoding(engine: Engine, driver: _Driver, jobs: list[EngineRequest]) 
     while engine.stats.steps < steps0 + 20:
         await asyncio.sleep(0.005)
     return (time.perf_counter() - t0) * 1000 / (engine.stats.steps - steps0)
+
+
+# --- (d) structured output ----------------------------------------------------------------------------------
+# A string that runs to max_tokens: constrained rows make as many tokens as free ones, so tok/s compares alike.
+_OPEN_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+
+async def _structured(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: str) -> Structured:
+    """Alternating runs of a full batch, half constrained or all free; then alternating N = 1 TTFT probes."""
+    import json
+
+    from engine.constrain import FormatKind, Grammars, ResponseFormat, vocab_size
+    from engine.request import EngineRequest, SamplingParams
+
+    loaded = raw.loaded
+    grammars = Grammars(loaded.tokenizer._tokenizer, vocab_size(loaded.model, loaded.tokenizer),
+                        loaded.eos_token_ids)
+    t0 = time.perf_counter()
+    grammar = grammars.compile(ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(_OPEN_SCHEMA)))
+    compile_ms = (time.perf_counter() - t0) * 1000
+    n = cfg.capacity
+    engine = await _engine(raw, driver, n, prefix_cache_bytes=0)
+    prompts = raw._encode([PROMPT.format(i=5000 + i) for i in range(n)])
+
+    async def batch(tag: str, constrained: bool) -> float:
+        jobs = [EngineRequest(f"json-{tag}-{i}", p, SamplingParams(max_tokens=cfg.max_tokens),
+                              format=grammar if constrained and i % 2 else None) for i, p in enumerate(prompts)]
+        gc.collect()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(driver.add(engine, q) for q in jobs))
+        tokens = sum(driver.ended[q.rid].completion_tokens for q in jobs)
+        return tokens / (time.perf_counter() - t0)
+
+    await batch("warm", True)
+    mixed: list[float] = []
+    free: list[float] = []
+    for k in range(cfg.scheduling_repeats * 2):
+        free.append(await batch(f"free-{k}", False))
+        mixed.append(await batch(f"mixed-{k}", True))
+    checked = [f"json-mixed-{k}-{i}" for k in range(len(mixed)) for i in range(1, n, 2)]
+    valid = sum(_is_json_prefix(driver.texts.get(rid, "")) for rid in checked)
+    ttft: list[float] = []
+    free_ttft: list[float] = []
+    for k in range(cfg.scheduling_probes * 2):
+        for fmt, out in ((None, free_ttft), (grammar, ttft)):
+            rid = f"json-ttft-{'c' if fmt else 'f'}-{k}"
+            await asyncio.sleep(0.05)
+            await driver.add(engine, EngineRequest(rid, prompts[k % n], SamplingParams(max_tokens=2), format=fmt),
+                             collect=True)
+            out.append(driver.ttft_ms(rid))
+    _close(raw, engine)
+    ratios = [m / f for m, f in zip(mixed, free)]
+    result = Structured(n, n // 2, mixed, free, _pct(ratios, 50), _pct(ttft, 50), _pct(free_ttft, 50), compile_ms,
+                        valid, len(checked))
+    _say(f"[{size}] structured output: N={n}, half under a JSON schema: {_pct(mixed, 50):.1f} against "
+         f"{_pct(free, 50):.1f} tok/s all free ({result.paired_ratio:.2f}x paired); TTFT p50 at N=1 "
+         f"{result.ttft_p50_ms:.1f} ms constrained, {result.free_ttft_p50_ms:.1f} ms free; a new schema compiled in "
+         f"{compile_ms:.1f} ms; {valid}/{len(checked)} constrained outputs valid")
+    return result
+
+
+def _is_json_prefix(text: str) -> bool:
+    """Whether ``text`` starts the JSON object of ``_OPEN_SCHEMA`` (max_tokens cuts it inside its string)."""
+    return text.startswith('{"answer":"')

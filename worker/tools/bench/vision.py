@@ -1,6 +1,6 @@
 """The benchmark's image phase: how much of mlx-vlm's own batching survives the queue, for image jobs.
 
-On the generated qwen2_vl models (``engine/tinyvlm.py``: the tiny one, and with the small text model the small
+On the generated qwen2_vl models (``worker/tools/tinyvlm.py``: the tiny one, and with the small text model the small
 one, whose steps take tens of ms as a real model's do), one image per job, greedy, ``max_tokens`` each:
 
 - **raw**: mlx-vlm's ``BatchGenerator`` driven in this process on its own MLX thread, with what any server
@@ -54,8 +54,8 @@ if TYPE_CHECKING:
 
     from engine.loader import LoadedModel
     from engine.mlx_thread import MLXThread
-    from engine.tinyvlm import VLMSpec
     from worker.service import ModelService
+    from worker.tools.tinyvlm import VLMSpec
 
 __all__ = ["MixedRows", "TextRows", "VisionResult", "VisionRow", "md_vision", "run_vision", "vision_targets"]
 
@@ -118,13 +118,13 @@ class VisionResult:
 def run_vision(cfg: BenchConfig, site: _Site) -> list[VisionResult]:
     """Measure the image phase (see the module docstring) on the tiny qwen2_vl, and on the small one when the
     small text model is measured too."""
-    from engine.tinyvlm import SMALL_VLM, TINY_VLM
+    from worker.tools.tinyvlm import SMALL_VLM, TINY_VLM
 
     return [_run_model(spec, cfg, site) for spec in (TINY_VLM, SMALL_VLM) if spec is TINY_VLM or "small" in cfg.sizes]
 
 
 def _run_model(spec: VLMSpec, cfg: BenchConfig, site: _Site) -> VisionResult:
-    from engine.tinyvlm import ensure_vlm
+    from worker.tools.tinyvlm import ensure_vlm
 
     t0 = time.perf_counter()
     model = str(ensure_vlm(spec=spec))

@@ -1,4 +1,4 @@
-"""Tests for engine.tinymodel: generated models load in the real mlx_lm and behave."""
+"""Tests for worker.tools.tinymodel: generated models load in the real mlx_lm and behave."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
-from engine import tinymodel
-from engine.tinymodel import EOS_TOKEN, SIZES, ensure_model, model_dir
+from worker.tools import tinymodel
+from worker.tools.tinymodel import EOS_TOKEN, SIZES, ensure_model, model_dir
 
 SIZE_NAMES = sorted(SIZES)
 PROMPTS = ["Hello there", "The water is cold.", "Write a poem about the sea", "1 2 3 4"]
@@ -177,8 +177,8 @@ def test_lost_race_with_incomplete_target_raises(tmp_path: Path) -> None:
 
 
 def test_concurrent_processes(tmp_path: Path) -> None:
-    code = "import sys; from engine.tinymodel import ensure_model; print(ensure_model('tiny', sys.argv[1]))"
-    env = {**os.environ, "PYTHONPATH": str(Path(tinymodel.__file__).parents[1])}
+    code = "import sys; from worker.tools.tinymodel import ensure_model; print(ensure_model('tiny', sys.argv[1]))"
+    env = {**os.environ, "PYTHONPATH": str(Path(tinymodel.__file__).parents[2])}
     procs = [
         subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, env=env)
         for _ in range(3)

@@ -1,0 +1,190 @@
+"""Constrained decoding with llguidance: the one file that imports it.
+
+A request's format (a JSON schema, any JSON object, a regex, a Lark grammar) is compiled once per model into
+a matcher template (:meth:`Grammars.compile`, off the MLX thread, cached by its source); each row gets a copy
+(:class:`RowMask`). Every step, the batch (``engine/batch.py``) advances each constrained row's matcher by
+the token the row is fed, fills all their token masks at once into one bitmask (llguidance's Rust threads,
+without the GIL, while MLX computes the logits) and applies it to the whole batch's logits in one operation.
+A complete grammar allows only an end-of-sequence token, so a constrained row ends as any other does.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import mlx.core as mx
+import numpy as np
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+
+__all__ = ["FormatKind", "Grammar", "GrammarError", "Grammars", "ResponseFormat", "RowMask", "apply_bitmask",
+           "fill_masks", "vocab_size"]
+
+MAX_SOURCE_CHARS = 64 << 10  # a schema, regex or grammar larger than this is refused
+_CACHED = 128  # compiled grammars kept per model
+# Compact JSON: no whitespace between tokens, so output under a bounded schema has a bounded length.
+_JSON_OPTIONS: Any = {"whitespace_flexible": False}
+_EXECUTOR: llguidance.LLExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+class FormatKind(str, Enum):
+    """What a request's output must match."""
+
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"
+    REGEX = "regex"
+    LARK = "lark"  # a Lark grammar (llguidance's dialect, which may embed JSON schemas)
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """A request's output format, as the engine takes it: ``source`` is the schema's JSON text, the regex or
+    the grammar (empty for ``JSON_OBJECT``)."""
+
+    kind: FormatKind
+    source: str = ""
+
+
+class GrammarError(ValueError):
+    """A format that cannot be compiled (the message says why): the request is refused as sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A compiled format: copies of its matcher template constrain rows."""
+
+    format: ResponseFormat
+    template: llguidance.LLMatcher
+
+    def row(self) -> RowMask:
+        """The mask of one row, at the start of its output."""
+        return RowMask(self.template.deep_copy())
+
+
+class RowMask:
+    """One row's matcher, in mlx-lm's logits-processor form. The batch recognises it and masks every
+    constrained row at once (:func:`fill_masks`); called as a processor, it masks its own row alone."""
+
+    __slots__ = ("fresh", "matcher")
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+        self.fresh = True  # the row's next input is the last token of what it was inserted with: not consumed
+
+    def feed(self, token: int) -> None:
+        """The row is fed ``token`` (it was sampled under this mask), unless it is the row's first input."""
+        if self.fresh:
+            self.fresh = False
+        else:
+            self.matcher.consume_token(token)
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self.feed(int(tokens[-1].item()))  # type: ignore[arg-type]  # an integer array
+        bitmask = allocate_token_bitmask(1, logits.shape[-1])
+        fill_next_token_bitmask_par(_executor(), [(self.matcher, 0)], bitmask)
+        return apply_bitmask(logits, bitmask)
+
+
+class Grammars:
+    """One model's compiler of formats: its llguidance tokenizer, and the grammars compiled so far (LRU).
+    Thread-safe: compile on any thread; a compile of a large schema runs without the GIL."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                                      eos_token=sorted(eos_token_ids) or None)
+        self.vocab_size = vocab_size
+        self._cache: OrderedDict[ResponseFormat, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiled = 0  # compiles (cache misses)
+
+    def cached(self, fmt: ResponseFormat) -> Grammar | None:
+        """The grammar of ``fmt`` if it was compiled before (and is still cached)."""
+        with self._lock:
+            hit = self._cache.get(fmt)
+            if hit is not None:
+                self._cache.move_to_end(fmt)
+            return hit
+
+    def compile(self, fmt: ResponseFormat) -> Grammar:
+        """The grammar of ``fmt``, compiled or from the cache; :class:`GrammarError` if it cannot be."""
+        hit = self.cached(fmt)
+        if hit is not None:
+            return hit
+        grammar = Grammar(fmt, self._matcher(fmt))
+        with self._lock:
+            self.compiled += 1
+            self._cache[fmt] = grammar
+            while len(self._cache) > _CACHED:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _matcher(self, fmt: ResponseFormat) -> llguidance.LLMatcher:
+        if len(fmt.source) > MAX_SOURCE_CHARS:
+            raise GrammarError(f"the {fmt.kind.value} is {len(fmt.source)} characters; at most {MAX_SOURCE_CHARS}")
+        text = _grammar_text(fmt)
+        matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"the {fmt.kind.value} does not compile: {_first_line(matcher.get_error())}")
+        return matcher
+
+
+def vocab_size(model: Any, tokenizer: Any) -> int:
+    """The width of the model's logits (its config's vocabulary, which may exceed the tokenizer's)."""
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None) if args is not None else None
+    return int(size) if size else len(tokenizer.vocab)
+
+
+def _grammar_text(fmt: ResponseFormat) -> str:
+    try:
+        if fmt.kind is FormatKind.JSON_OBJECT:
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        if fmt.kind is FormatKind.JSON_SCHEMA:
+            schema = json.loads(fmt.source)
+            if not isinstance(schema, dict):
+                raise GrammarError("the JSON schema is not a JSON object")
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        if fmt.kind is FormatKind.REGEX:
+            return llguidance.LLMatcher.grammar_from_regex(fmt.source)
+        return llguidance.LLMatcher.grammar_from_lark(fmt.source)
+    except ValueError as exc:  # json.JSONDecodeError included
+        if isinstance(exc, GrammarError):
+            raise
+        raise GrammarError(f"the {fmt.kind.value} is not valid: {_first_line(str(exc))}") from exc
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "unknown error"
+
+
+def _executor() -> llguidance.LLExecutor:
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor()
+        return _EXECUTOR
+
+
+def fill_masks(rows: list[tuple[int, RowMask]], fed: list[int], batch: int, vocab: int) -> np.ndarray:
+    """The bitmask of a batch of ``batch`` rows: each constrained row (index, mask) first advanced by the token
+    it is fed now (``fed``), every other row unmasked."""
+    for i, mask in rows:
+        mask.feed(fed[i])
+    bitmask = allocate_token_bitmask(batch, vocab)
+    fill_next_token_bitmask_par(_executor(), [(m.matcher, i) for i, m in rows], bitmask)
+    return bitmask
+
+
+def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
+    """``logits`` (rows x vocab) with every token a row's bitmask forbids set to -inf, in one operation."""
+    bits = (mx.array(bitmask)[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
+    allowed = bits.reshape(bits.shape[0], -1)[:, : logits.shape[-1]].astype(mx.bool_)
+    return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))

@@ -1,0 +1,153 @@
+"""One row of the batch: what happens to its tokens after the model made them.
+
+A :class:`Sequence` accepts one token or several at once (a decode step gives one, a speculative step
+several), feeds them to its streaming detokenizer and stop strings, and writes into the step's
+:class:`~engine.request.RequestOutput` the tokens, the text to emit and, once, how it ended. Each row has two
+hooks: a :class:`Constraint`, the mask its next token is sampled under (the backend applies it), and
+:class:`TextParser` stages that its text passes through after the stop strings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Tokens
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .batch import SequenceCache
+from .request import EngineRequest, FinishReason, RequestOutput
+from .stops import StopMatcher
+
+__all__ = ["Constraint", "Detokenizer", "Sequence", "TextParser"]
+
+EOS = "stop"  # a backend's finish for a token that is the end of sequence (not part of the text)
+LENGTH = "length"  # a backend's finish at max_tokens
+
+
+class Detokenizer(Protocol):
+    """mlx-lm's streaming detokenizer interface (one instance per sequence)."""
+
+    def add_token(self, token: int) -> None: ...
+    def finalize(self) -> None: ...
+    @property
+    def last_segment(self) -> str: ...
+
+
+class Constraint(Protocol):
+    """What a row's next token may be (constrained decoding): a logits processor of mlx-lm's form that the
+    backend recognises, so it masks every constrained row's logits in one operation per step, advancing each
+    by the tokens its row is fed. Once the constraint is complete it allows only an end of sequence."""
+
+    def __call__(self, tokens: Any, logits: Any) -> Any: ...
+
+
+class TextParser(Protocol):
+    """A stage the row's text passes through after its stop strings (reasoning and tool-call parsers)."""
+
+    def feed(self, text: str) -> str: ...
+    def flush(self) -> str: ...
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request's row: its tokens, text and end, and what the scheduler keeps to run and resume it."""
+
+    req: EngineRequest
+    detok: Detokenizer
+    key: float  # waiting-queue key (lower first)
+    order: int  # first come, first served within a key
+    stops: StopMatcher | None = None  # None without stop strings
+    constraint: Constraint | None = None
+    parsers: tuple[TextParser, ...] = ()
+    uid: int = -1  # in the batch; -1 while waiting
+    generated: int = 0
+    admitted: bool = False  # has started (a later admission is a resume)
+    finish: FinishReason | None = None
+    sampler: Any = None
+    processors: list[Any] = field(default_factory=list)
+    history: list[int] | None = None  # the generated tokens, kept once they may be needed for a recompute
+    held: SequenceCache | None = None  # its KV cache while preempted
+    held_bytes: int = 0
+
+    @classmethod
+    def of(cls, req: EngineRequest, detok: Detokenizer, key: float, order: int) -> Sequence:
+        stops = StopMatcher(req.params.stop) if any(req.params.stop) else None
+        return cls(req, detok, key, order, stops)
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    @property
+    def end(self) -> int:
+        """The most tokens its cache can hold: prompt + max_tokens."""
+        return len(self.req.prompt_tokens) + self.req.params.max_tokens
+
+    @property
+    def length(self) -> int:
+        """Tokens in its cache once the last one generated is fed: prompt + generated."""
+        return len(self.req.prompt_tokens) + self.generated
+
+    @property
+    def remaining(self) -> int:
+        return self.req.params.max_tokens - self.generated
+
+    def accept(self, token: int, end: str | None, out: RequestOutput) -> FinishReason | None:
+        """Take one token; ``end`` is the backend's finish for it (:data:`EOS`: it is the end of sequence and
+        no part of the text; :data:`LENGTH`). How the row ended with it, or None while it goes on."""
+        if end == EOS:
+            return self._end(out, FinishReason.STOP)
+        self.generated += 1
+        if self.history is not None:
+            self.history.append(token)
+        out.token_ids.append(token)
+        out.completion_tokens = self.generated
+        self.detok.add_token(token)
+        if self._take_text(out):
+            return self._end(out, FinishReason.STOP, flush=False)
+        if end == LENGTH or self.generated >= self.req.params.max_tokens:
+            return self._end(out, FinishReason.LENGTH)
+        return None
+
+    def accept_many(self, tokens: Tokens[int], end: str | None, out: RequestOutput) -> FinishReason | None:
+        """Take several tokens at once (``end`` is the last one's): the row ends at the first that ends it,
+        and the tokens after that one are dropped."""
+        last = len(tokens) - 1
+        for i, token in enumerate(tokens):
+            finish = self.accept(token, end if i == last else None, out)
+            if finish is not None:
+                return finish
+        return None
+
+    def _take_text(self, out: RequestOutput) -> bool:
+        """Add the detokenizer's new text to ``out`` (held back while it may start a stop string); whether a
+        stop string appeared (``out.stop_sequence`` names it). Per token: without stops or parsers, one append."""
+        if self.stops is None:
+            text = self.detok.last_segment
+            out.text += self._parse(text) if self.parsers else text
+            return False
+        result = self.stops.feed(self.detok.last_segment)
+        out.text += self._parse(result.text) if self.parsers else result.text
+        out.stop_sequence = result.stop
+        return result.stopped
+
+    def _parse(self, text: str) -> str:
+        for parser in self.parsers:
+            text = parser.feed(text)
+        return text
+
+    def _end(self, out: RequestOutput, reason: FinishReason, *, flush: bool = True) -> FinishReason:
+        if flush:
+            self.detok.finalize()
+            if self._take_text(out):
+                reason = FinishReason.STOP
+            elif self.stops is not None:
+                held = self.stops.flush()
+                out.text += self._parse(held) if self.parsers else held
+        for i, parser in enumerate(self.parsers):  # each stage's rest goes through the stages after it
+            rest = parser.flush()
+            for later in self.parsers[i + 1:]:
+                rest = later.feed(rest)
+            out.text += rest
+        self.finish = out.finish = reason
+        out.completion_tokens = self.generated
+        return reason
