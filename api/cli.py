@@ -89,7 +89,8 @@ _EXITS = {
     "status": ["0    the report was printed", f"1    {_REDIS_DOWN}", _BAD_CONFIG],
     "health": ["0    a live worker serves the model (any model without --model)",
                f"1    none does (unhealthy); {_REDIS_DOWN}", _BAD_CONFIG],
-    "demo": ["0    the demo ran", "1    a job or the worker failed (the worker's log is kept; its path is printed)",
+    "demo": ["0    the demo ran (with --gateway: then Ctrl-C or SIGTERM stopped it cleanly)",
+             "1    a job or the worker failed (the worker's log is kept; its path is printed)",
              "2    a bad option; the worker extra is missing; no redis-server to embed (macOS: brew install redis)"],
     "gateway": ["0    stopped by SIGINT/SIGTERM after a clean shutdown (uvicorn then re-raises the signal: a shell "
                 "sees 130 or 143)",

@@ -40,6 +40,9 @@ __all__ = ["RETRY_ON", "RetryPolicy", "client_redis", "redact", "redis_client", 
 T = TypeVar("T")
 _DENIED = (AuthenticationError, AuthorizationError, AuthenticationWrongNumberOfArgsError, NoPermissionError)
 _DENIED_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM")
+# What Redis answers an unauthenticated client whose first request is large (a pipelined enqueue): no NOAUTH,
+# it refuses to read a long multibulk from a client that has not authenticated.
+_UNAUTHENTICATED = "Protocol error: unauthenticated"
 
 RETRY_ON: list[type[Exception]] = [RedisConnectionError, RedisTimeoutError, OSError]
 CONNECT_TIMEOUT_S = 2.0
@@ -83,7 +86,7 @@ def is_denied(exc: BaseException) -> bool:
     """Redis refused the credentials or the command: retrying repeats the refusal."""
     if isinstance(exc, _DENIED):
         return True
-    return isinstance(exc, ResponseError) and str(exc).startswith(_DENIED_REPLIES)
+    return isinstance(exc, ResponseError) and str(exc).startswith((*_DENIED_REPLIES, _UNAUTHENTICATED))
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -97,6 +100,9 @@ def redact(url: str) -> str:
 
 
 def denied(exc: BaseException, where: str) -> AccessDenied:
+    if str(exc).startswith(_UNAUTHENTICATED):
+        return AccessDenied(f"Redis at {where} requires a password and none was given (put one in the URL: "
+                            f"redis://:PASSWORD@host or redis://USER:PASSWORD@host): {exc}")
     what = "the credentials" if isinstance(exc, RedisConnectionError) else "a command"
     return AccessDenied(f"Redis at {where} refused {what}: {exc}")
 

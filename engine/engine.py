@@ -132,13 +132,22 @@ class Engine:
     def outranked_priority(self) -> int | None:
         """When this engine has no room (:meth:`claim_capacity` is 0): the priority a new request must exceed
         to start at once anyway, by preempting (the lowest running); None when it has room, runs nothing, or
-        a request it has not started is already on its way (thread-safe; as of the last step)."""
+        requests already on their way take every sequence of that priority (thread-safe; as of the last step)."""
+        return self.scheduler.room.outranked if self.outranking_room() else None
+
+    def outranking_room(self) -> int:
+        """How many more requests above :meth:`outranked_priority` would start at once now: one per running
+        sequence of the lowest priority (each preempts one), less the requests already on their way."""
         if self.dead or self._closed:
-            return None
+            return 0
         room = self.scheduler.room
-        if room.outranked is None or room.admissible > 0 or self._pending():
-            return None
-        return room.outranked
+        if room.outranked is None or room.admissible > 0:
+            return 0
+        return max(0, room.outranked_rows - self._pending())
+
+    def paused(self) -> int:
+        """Its preempted requests, waiting to resume (thread-safe; as of the last step)."""
+        return self.scheduler.room.paused
 
     async def aclose(self) -> None:
         """Stop ticking and join the MLX thread; returns only once no MLX call is running."""

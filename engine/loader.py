@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,10 +21,10 @@ from .memory import (
     KVLayout,
     default_headroom,
     default_prefix_cache_bytes,
+    device_memory,
     measure_layout,
     mib,
     model_bytes,
-    usable_memory_bytes,
 )
 from .mlx_process import mlx_process
 from .mlx_thread import MLXThread
@@ -126,6 +127,10 @@ def load_model(path: str) -> LoadedModel:
     except ValueError as exc:  # mlx-lm's "Model type X not supported."
         raise ModelLoadError(f"cannot load the model at {path}: {exc}") from exc
     except Exception as exc:  # a download failing, a broken checkpoint
+        if _not_cached_offline(exc):
+            raise ModelLoadError(f"the model {path} is not in the local Hugging Face cache and the hub is unreachable "
+                                 f"(or HF_HUB_OFFLINE is set): download it where there is a network (`hf download "
+                                 f"{path}`) or set MLXQ_MODEL to a local directory") from exc
         raise ModelLoadError(f"cannot load the model at {path}: {type(exc).__name__}: {exc}") from exc
     text_config = config.get("text_config")
     text_config = text_config if isinstance(text_config, dict) else {}
@@ -136,6 +141,15 @@ def load_model(path: str) -> LoadedModel:
     log.info("loaded %smodel %s in %.2fs (context %s)", "vision-language " if vision else "", path,
              time.perf_counter() - t0, loaded.context_length)
     return loaded
+
+
+def _not_cached_offline(exc: BaseException) -> bool:
+    """Whether a hub id failed to load because it is not cached and the hub cannot be reached."""
+    try:
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        return False
+    return isinstance(exc, LocalEntryNotFoundError) or isinstance(exc.__cause__, LocalEntryNotFoundError)
 
 
 def _load(path: str) -> tuple[Any, Any, dict[str, Any], Vision | None]:
@@ -212,7 +226,7 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
     scheduler = Scheduler(
         backend,
         capacity=opts.capacity,
-        new_detokenizer=lambda: loaded.tokenizer.detokenizer,
+        new_detokenizer=_detokenizers(loaded),
         make_sampler=make_request_sampler,
         make_processors=make_request_logits_processors,
         memory=memory,
@@ -224,12 +238,21 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
                   prefill_batch=opts.prefill_batch_size)
 
 
+def _detokenizers(loaded: LoadedModel) -> Callable[[], Any]:
+    """What makes each sequence's streaming detokenizer: mlx-vlm's own for a vision-language model (so its text
+    is mlx-vlm's), else mlx-lm's."""
+    if loaded.vision is not None:
+        return loaded.vision.new_detokenizer
+    return lambda: loaded.tokenizer.detokenizer
+
+
 def memory_plan(loaded: LoadedModel, layout: KVLayout, opts: EngineOptions, *, caches: bool = True
                 ) -> tuple[KVBudget, PrefixCache | None]:
     """The KV budget and the prefix cache of an engine, from its options or the defaults of engine/memory.py.
     A backend that cannot hand caches out (``caches=False``, mlx-vlm's) has no prefix cache, so the default
     headroom reserves nothing for one."""
-    usable = int(usable_memory_bytes() * opts.memory_share)
+    device = device_memory()
+    usable = int(device.usable * opts.memory_share)
     prefix_bytes = opts.prefix_cache_bytes
     if not caches:
         prefix_bytes = 0
@@ -245,7 +268,7 @@ def memory_plan(loaded: LoadedModel, layout: KVLayout, opts: EngineOptions, *, c
     if loaded.context_length and full > headroom:
         log.warning("a full-context sequence (%d tokens) needs %s of KV cache, more than the headroom %s: longer "
                     "requests will be refused", loaded.context_length, mib(full), mib(headroom))
-    log.info("KV cache: %d bytes per token (%d-token steps), %s of fixed state per sequence; headroom %s; prefix "
-             "cache %s", layout.per_token_bytes, layout.step, mib(layout.fixed_bytes), mib(headroom),
-             mib(prefix_bytes) if prefix_bytes > 0 else "off")
+    log.info("model %s on %s: KV cache %d bytes per token (%d-token steps), %s of fixed state per sequence; "
+             "headroom %s; prefix cache %s", loaded.path, device.describe(), layout.per_token_bytes, layout.step,
+             mib(layout.fixed_bytes), mib(headroom), mib(prefix_bytes) if prefix_bytes > 0 else "off")
     return KVBudget(headroom, layout), PrefixCache(prefix_bytes) if prefix_bytes > 0 else None

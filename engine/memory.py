@@ -10,10 +10,10 @@ max_tokens), so the batch's caches stay under the headroom for as long as it run
 into the decode batch copies its caches for a moment inside one mlx-lm step; the default headroom leaves
 room for that.)
 
-The default headroom (``default_headroom``): 75 % of the memory MLX may use (Metal's recommended working
-set; on the CPU, the smaller of RAM and MLX's memory limit), minus the model's weights and the prefix
-cache's bound; never less than one full-context sequence, so a worker that can serve nothing never passes
-as healthy (it logs a warning instead).
+The default headroom (``default_headroom``): 75 % of the memory MLX may use on its device (Metal's recommended
+working set; the GPU's memory on MLX's CUDA backend; on the CPU, the smaller of RAM and MLX's memory limit),
+minus the model's weights and the prefix cache's bound; never less than one full-context sequence, so a worker
+that can serve nothing never passes as healthy (it logs a warning instead).
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, make_pr
 
 __all__ = [
     "KV_STEP",
+    "DeviceMemory",
     "KVBudget",
     "KVLayout",
     "default_headroom",
     "default_prefix_cache_bytes",
+    "device_memory",
     "measure_layout",
     "mib",
     "model_bytes",
@@ -130,15 +132,39 @@ def model_bytes(model: Any) -> int:
     return sum(int(p.nbytes) for _, p in params)
 
 
-def usable_memory_bytes() -> int:
-    """What MLX may allocate: Metal's recommended working set, else the smaller of RAM and MLX's limit."""
-    info = mx.device_info()
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """The device MLX runs a model on, and the bytes it may allocate there."""
+
+    backend: str  # "metal", "cuda" or "cpu"
+    name: str
+    usable: int
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.backend}, {mib(self.usable)} usable)"
+
+
+def device_memory(info: dict[str, Any] | None = None, device: Any = None) -> DeviceMemory:
+    """Where MLX runs and what it may allocate: Metal's recommended working set on a Mac; on MLX's CUDA backend,
+    the GPU's memory (``mx.device_info()``'s ``total_memory``); on the CPU, the smaller of RAM and MLX's limit.
+    ``info`` and ``device``: what ``mx.device_info()`` and ``mx.default_device()`` say (by default, ask them)."""
+    info = mx.device_info() if info is None else info
+    device = mx.default_device() if device is None else device
+    name = str(info.get("device_name") or info.get("architecture") or device)
     ws = info.get("max_recommended_working_set_size")
     if ws:
-        return int(ws)
+        return DeviceMemory("metal", name, int(ws))
+    total = info.get("total_memory")
+    if total and device.type == mx.DeviceType.gpu:
+        return DeviceMemory("cuda", name, int(total))
     ram = int(info.get("memory_size") or 0) or _physical_memory()
     limit = int(mx.get_memory_limit())
-    return min(v for v in (ram, limit, 1 << 62) if v > 0)
+    return DeviceMemory("cpu", name, min(v for v in (ram, limit, 1 << 62) if v > 0))
+
+
+def usable_memory_bytes() -> int:
+    """What MLX may allocate on the device it runs on (:func:`device_memory`)."""
+    return device_memory().usable
 
 
 def default_prefix_cache_bytes(usable: int) -> int:

@@ -59,6 +59,8 @@ class Room:
     # The lowest priority running, while no request that has not started yet waits: a new request of higher
     # priority would start at once (preempting) even with no room. None otherwise.
     outranked: int | None = None
+    outranked_rows: int = 0  # running sequences of that priority: as many such requests start at once
+    paused: int = 0  # of the waiting, the preempted ones (started, waiting to resume)
 
     @property
     def admissible(self) -> int:
@@ -452,7 +454,10 @@ class Scheduler:
         # Before its first request, a typical one is taken to fill the context: a cold worker claims what it
         # can surely start, and learns the typical size from what it admits.
         typical = int(self._typical_end) or self.context_length or (self.memory.layout.step if self.memory else 1)
-        outranked = None
-        if self._priorities and all(s.admitted for s in self._waiting):
+        paused = sum(1 for s in self._waiting if s.admitted)
+        outranked, rows = None, 0
+        if self._priorities and paused == len(self._waiting):
             outranked = min(self._priorities)
-        self.room = Room(self.capacity - running, len(self._waiting), self.kv.kv_rows(typical), outranked)
+            rows = self._priorities[outranked]
+        self.room = Room(self.capacity - running, len(self._waiting), self.kv.kv_rows(typical), outranked, rows,
+                         paused)

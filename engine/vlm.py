@@ -29,6 +29,7 @@ It cannot hand a sequence's KV cache back (``supports_caches`` is False): mlx-vl
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.metadata
 import logging
 import threading
@@ -88,6 +89,13 @@ class Vision:
         self._image_token_index = getattr(model.config, "image_token_index", None)
         self._add_special = should_add_special_tokens(model.config.model_type, processor)
         self._lock = threading.Lock()
+
+    def new_detokenizer(self) -> Any:
+        """A streaming detokenizer of the kind mlx-vlm renders this model's tokens with (its own, not mlx-lm's:
+        they differ on a first token's leading space, byte 0x00 and incomplete UTF-8)."""
+        detokenizer = copy.copy(self.processor.detokenizer)
+        detokenizer.reset()
+        return detokenizer
 
     def render(self, messages: list[dict[str, Any]], num_images: int) -> str:
         """The chat prompt of ``messages`` (content parts, an image as ``{"type": "image"}``) as mlx-vlm

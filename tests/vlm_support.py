@@ -69,7 +69,7 @@ class Oracle:
 
         self.model, self.processor = mlx_vlm.load(str(path))
         self.vision = Vision(self.model, self.processor)
-        self._memo: dict[tuple[str, tuple[str, ...], int], list[int]] = {}
+        self._memo: dict[tuple[str, tuple[str, ...], int], tuple[list[int], str]] = {}
 
     def prompt(self, messages: list[dict[str, Any]]) -> str:
         """The chat prompt text (text-only messages: the tokenizer's template, as the worker renders them)."""
@@ -83,17 +83,27 @@ class Oracle:
     def tokens(self, messages: list[dict[str, Any]], max_tokens: int) -> list[int]:
         return self.tokens_of(self.prompt(messages), image_urls(messages), max_tokens)
 
+    def text(self, messages: list[dict[str, Any]], max_tokens: int) -> str:
+        """The text mlx-vlm streams for those tokens."""
+        return self._run(self.prompt(messages), image_urls(messages), max_tokens)[1]
+
     def tokens_of(self, prompt: str, urls: list[str], max_tokens: int) -> list[int]:
         """Greedy tokens of a prompt text (a raw prompt, or a rendered chat) with its images' URLs."""
+        return self._run(prompt, urls, max_tokens)[0]
+
+    def text_of(self, prompt: str, urls: list[str], max_tokens: int) -> str:
+        return self._run(prompt, urls, max_tokens)[1]
+
+    def _run(self, prompt: str, urls: list[str], max_tokens: int) -> tuple[list[int], str]:
         import mlx_vlm
 
         key = (prompt, tuple(urls), max_tokens)
         if key not in self._memo:
-            last = None
-            for last in mlx_vlm.stream_generate(self.model, self.processor, key[0],  # noqa: B007
+            last, text = None, ""
+            for last in mlx_vlm.stream_generate(self.model, self.processor, key[0],
                                                 image=list(key[1]) or None,
                                                 max_tokens=max_tokens, temperature=0.0):
-                pass
+                text += last.text
             assert last is not None
-            self._memo[key] = list(last.token_ids)  # the last item repeats the final token: count from token_ids
+            self._memo[key] = (list(last.token_ids), text)  # the last item repeats the final token: its token_ids
         return self._memo[key]

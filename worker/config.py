@@ -61,7 +61,7 @@ class WorkerConfig:
     prefill_step_size: int = 512  # MLXQ_PREFILL_STEP
     admit_wait_ms: float = 10.0  # MLXQ_ADMIT_WAIT_MS: longest an idle engine waits for jobs claimed together
     stream_interval_ms: float = 20.0  # MLXQ_STREAM_INTERVAL_MS: longest a token waits to be sent (0: every step)
-    max_jobs: int = 0  # MLXQ_MAX_JOBS: arq jobs held at once (0: capacity + a few waiting)
+    max_jobs: int = 0  # MLXQ_MAX_JOBS: arq jobs held at once (0: arq_max_jobs)
     poll_delay_s: float = 0.25  # MLXQ_POLL_DELAY: arq's queue poll period when no wake-up comes
     job_timeout_s: float = 600.0  # MLXQ_JOB_TIMEOUT: a job's deadline inside the engine
     max_tokens_limit: int = 8192  # MLXQ_MAX_TOKENS: largest max_tokens accepted
@@ -146,7 +146,9 @@ class WorkerConfig:
 
     @property
     def arq_max_jobs(self) -> int:
-        return self.max_jobs or self.jobs_per_model * max(1, len(self.served))
+        """arq's slots: each model's jobs, and as many again as its batch for jobs preempted and paused (which
+        hold a slot while they wait to resume, and must not keep a job of higher priority in Redis)."""
+        return self.max_jobs or (self.jobs_per_model + self.capacity) * max(1, len(self.served))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerConfig:

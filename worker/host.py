@@ -198,7 +198,7 @@ class WorkerHost:
         for service in self.services.values():
             need = service.outranking() if quotas[service.queue] == 0 and free > 0 else None
             if need is not None:
-                quotas[service.queue], outranking[service.queue] = 1, need
+                quotas[service.queue], outranking[service.queue] = min(free, need.count), need
         return quotas, free, outranking
 
     async def _put_aside(self, starts: Starts) -> None:

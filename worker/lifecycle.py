@@ -228,6 +228,7 @@ class Outranking:
 
     priority: int
     aging_ms: int
+    count: int = 1  # jobs that would start at once: one per running sequence of the lowest priority
 
     def arg(self) -> str:
         """As START takes it (it recovers a queued job's priority from its score: ``api.keys.queue_score``)."""
@@ -294,7 +295,7 @@ class Lifecycle:
     async def start(self, quotas: dict[str, int], most: int, outranking: dict[str, Outranking] | None = None
                     ) -> Starts:
         """Start up to ``most`` due jobs, lowest score first across the queues, each queue up to its quota;
-        from a queue in ``outranking``, only one job of at least its priority."""
+        from a queue in ``outranking``, only jobs of at least its priority (up to its quota)."""
         queues = list(quotas)
         now = int(time.time() * 1000)
         outranking = outranking or {}

@@ -35,9 +35,10 @@ __all__ = ["EMIT", "LAPSE", "REFRESH", "REJECT", "START", "SWEEP", "Script"]
 # KEYS: running, epoch, deadlines, then the queues. ARGV: now ms, most, worker id, lease ms, prefix, a new epoch,
 # epoch TTL s, tries TTL s, read limit per queue, then one quota per queue, then per queue "" or what a job needs
 # to outrank a full engine's running sequences, "<priority> <aging ms> <PRIORITY_MIN>": from such a queue only
-# the first job of at least that priority is read, its priority recovered from its score and its record's
-# enqueue time (records end with "et":<ms>}: api.arqseam.job_record; GETRANGE reads only that tail), among
-# the first _OUTRANK_READ entries that could have it (api.keys.queue_score: never above enqueue time).
+# the first jobs (up to its quota) of at least that priority are read, each one's priority recovered from its
+# score and its record's enqueue time (records end with "et":<ms>}: api.arqseam.job_record; GETRANGE reads only
+# that tail), among the first _OUTRANK_READ entries that could have them (api.keys.queue_score: never above
+# enqueue time).
 # Returns {epoch, left 0|1, {id, queue, "started", score, job, try, last event or false, cancelled 0|1} |
 # {id, queue, "deferred" | "gone" | "poison"}, ...}.
 _OUTRANK_READ = 128  # queue entries START looks through for a job that outranks a full engine
@@ -51,26 +52,28 @@ local left, due, queues = 0, {}, #KEYS - 3
 local function is_job_id(id)  -- what a producer makes; anything else in a queue is poison
   return #id <= 64 and string.match(id, '^[%w_.:%-]+$') ~= nil
 end
-local function outranking(q, need, aging, pmin)
-  -- the first queued job of priority >= need, or nil; score = enqueue - (priority - pmin) * aging
+local function outranking(q, need, aging, pmin, n)
+  -- the first n queued jobs of priority >= need; score = enqueue - (priority - pmin) * aging
   local lead = (need - pmin) * aging  -- how far below its enqueue time such a job's score is, at least
   local entries = redis.call('ZRANGEBYSCORE', KEYS[q], '-inf', now - lead, 'WITHSCORES', 'LIMIT', 0, OUTRANK_READ)
+  local found = {}
   for i = 1, #entries, 2 do
+    if #found >= n then break end
     local id, score = entries[i], tonumber(entries[i + 1])
     if is_job_id(id) then
       local tail = redis.call('GETRANGE', ARGV[5] .. ':{' .. id .. '}:job', -32, -1)
       local et = tonumber(string.match(tail, '"et":(%d+)}$'))
-      if et and et - score >= lead then return {id, score, q} end
+      if et and et - score >= lead then found[#found + 1] = {id, score, q} end
     end
   end
-  return nil
+  return found
 end
 for q = 4, #KEYS do
   local need, aging, pmin = string.match(ARGV[6 + q + queues], '^(%-?%d+) (%d+) (%-?%d+)$')
   if need and tonumber(ARGV[6 + q]) > 0 then
-    local entry = outranking(q, tonumber(need), tonumber(aging), tonumber(pmin))
-    if entry then due[#due + 1] = entry end
-    if redis.call('ZCOUNT', KEYS[q], '-inf', now) > (entry and 1 or 0) then left = 1 end
+    local found = outranking(q, tonumber(need), tonumber(aging), tonumber(pmin), tonumber(ARGV[6 + q]))
+    for _, entry in ipairs(found) do due[#due + 1] = entry end
+    if redis.call('ZCOUNT', KEYS[q], '-inf', now) > #found then left = 1 end
   elseif tonumber(ARGV[6 + q]) > 0 then
     local entries = redis.call('ZRANGEBYSCORE', KEYS[q], '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit)
     if #entries >= 2 * limit then left = 1 end

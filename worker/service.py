@@ -97,17 +97,23 @@ class ModelService:
         not promised to jobs already claimed), so other workers take what it has no room for."""
         if self.state is not ModelState.SERVING or self.engine is None:
             return 0
-        return max(0, min(self.engine.claim_capacity(), self.config.jobs_per_model - self.active))
+        return max(0, min(self.engine.claim_capacity(), self.config.jobs_per_model - self._unpaused()))
 
     def outranking(self) -> Outranking | None:
-        """What a queued job needs for this model's full engine to take it now (it starts at once, preempting a
-        running sequence of lower priority); None when the engine has room, or no such job could start now."""
-        if self.state is not ModelState.SERVING or self.engine is None or self.active >= self.config.jobs_per_model:
+        """What queued jobs need for this model's full engine to take them now (each starts at once, preempting a
+        running sequence of lower priority), and how many it takes; None when the engine has room, or no such
+        job could start now. Preempted jobs waiting to resume do not count against the model's job cap."""
+        engine = self.engine
+        if self.state is not ModelState.SERVING or engine is None or self._unpaused() >= self.config.jobs_per_model:
             return None
-        lowest = self.engine.outranked_priority()
-        if lowest is None or lowest >= PRIORITY_MAX:
+        lowest, count = engine.outranked_priority(), engine.outranking_room()
+        if lowest is None or lowest >= PRIORITY_MAX or count == 0:
             return None
-        return Outranking(lowest + 1, int(self.config.priority_aging_s * 1000))
+        return Outranking(lowest + 1, int(self.config.priority_aging_s * 1000), count)
+
+    def _unpaused(self) -> int:
+        """Its jobs in this worker less those preempted and waiting to resume."""
+        return self.active - (self.engine.paused() if self.engine is not None else 0)
 
     def status(self, tokens_per_s: float) -> ModelStatus:
         """Its part of the worker's health record."""

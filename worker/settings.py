@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 from api.arqseam import Host, WorkerSpec
 from api.arqseam import worker_settings as arq_worker_settings
+from api.connection import redact
 from api.errors import ConfigError
 from engine.loader import ModelLoadError, locate_model
 
@@ -109,6 +110,11 @@ def _settings_class() -> type:
         check_config(config)
     except (ConfigError, ModelLoadError) as exc:
         _cannot_start(exc)
+    if "--check" in sys.argv[1:]:  # arq's health check: say which worker's record it looks for
+        first = config.served[0].name if config.served else ""
+        print(f"mlxq worker: checking for a worker serving {first!r} on host {socket.gethostname()} under prefix "
+              f"{config.keys.prefix!r} at {redact(config.redis_url)} (run the check with the worker's own MLXQ_* "
+              "settings: MLXQ_MODEL, MLXQ_MODEL_NAME, MLXQ_PREFIX, MLXQ_REDIS_URL)", file=sys.stderr)
     return type("Settings", (), dict(worker_settings(config)))
 
 

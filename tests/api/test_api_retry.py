@@ -165,3 +165,16 @@ def test_addresses_in_messages_carry_no_password() -> None:
     assert redact("redis://user:s3cret@host:6379/0") == "redis://user:***@host:6379/0"
     assert redact("redis://:s3cret@host:6379") == "redis://:***@host:6379"
     assert redact("unix:///tmp/r.sock?password=s3cret") == "unix:///tmp/r.sock"
+
+
+def test_redis_7s_answer_to_a_large_unauthenticated_request_is_access_denied() -> None:
+    # Redis 7 answers a client that has not authenticated and sends a long multibulk (a pipelined enqueue) with
+    # this error instead of NOAUTH; retrying would repeat it.
+    from redis.exceptions import ResponseError
+
+    from api.connection import denied, is_denied, is_transient
+
+    exc = ResponseError("Protocol error: unauthenticated multibulk length")
+    assert is_denied(exc) and not is_transient(exc)
+    message = str(denied(exc, "redis://127.0.0.1:6379"))
+    assert "requires a password and none was given" in message and "redis://:PASSWORD@host" in message

@@ -124,8 +124,9 @@ async def test_a_full_engine_names_the_priority_a_request_must_exceed_to_start_a
         engine.add(req("mid", max_tokens=10_000, priority=2))
         await until(lambda: engine.scheduler.num_running == 2 and engine.claim_capacity() == 0)
         await until(lambda: engine.outranked_priority() == -3)  # the lowest running
+        assert engine.outranking_room() == 1  # one sequence of that priority: one request starts at once
         engine.expect(1, within_s=0.05)  # one claimed on that ground, on its way: no second one
-        assert engine.outranked_priority() is None
+        assert engine.outranked_priority() is None and engine.outranking_room() == 0
         clock.advance(0.05)
         assert engine.outranked_priority() == -3
         engine.add(req("vip", max_tokens=10_000, priority=5))  # preempts "low", which waits, started
@@ -133,5 +134,22 @@ async def test_a_full_engine_names_the_priority_a_request_must_exceed_to_start_a
         await until(lambda: engine.outranked_priority() == 2)
         engine.dead = True
         assert engine.outranked_priority() is None
+    finally:
+        await engine.aclose()
+
+
+async def test_a_full_engine_takes_one_outranking_request_per_sequence_of_the_lowest_priority() -> None:
+    clock = ManualClock()
+    engine = Engine(MLXThread("claim-outranking-room"), scheduler(SlowToyBatch(), capacity=3), sink, clock=clock)
+    try:
+        for rid in ("a", "b", "c"):
+            engine.add(req(rid, max_tokens=10_000, priority=0))
+        await until(lambda: engine.scheduler.num_running == 3 and engine.outranking_room() == 3)
+        engine.expect(2, within_s=0.05)  # two claimed on that ground: one more may come
+        assert engine.outranking_room() == 1 and engine.outranked_priority() == 0
+        clock.advance(0.05)
+        engine.add(req("vip", max_tokens=10_000, priority=5))  # preempts one: two of priority 0 still run
+        await until(lambda: engine.scheduler.stats.preemptions == 1 and engine.paused() == 1)
+        await until(lambda: engine.outranking_room() == 2)
     finally:
         await engine.aclose()

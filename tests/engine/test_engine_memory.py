@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 from engine.batch import MLXBatch
-from engine.memory import KVBudget, KVLayout, default_headroom, measure_layout, usable_memory_bytes
+from engine.memory import DeviceMemory, KVBudget, KVLayout, default_headroom, measure_layout, usable_memory_bytes
 from engine.request import EngineRequest, FinishReason, SamplingParams
 from engine.scheduler import Room, Scheduler
 from tests.engine.fakes import Run, ToyBatch, req, scheduler, toy_generate
@@ -34,6 +34,25 @@ def test_default_headroom_rule_and_its_floor() -> None:
     # A machine too small by the rule still admits one full-context sequence (and says so in the log).
     assert default_headroom(1_000_000, 900_000, 0, layout, 2048) == layout.row_bytes(2048)
     assert usable_memory_bytes() > 0
+
+
+def test_the_usable_memory_is_the_devices_mlx_runs_on() -> None:
+    import mlx.core as mx
+
+    from engine.memory import device_memory
+
+    gpu, cpu = mx.Device(mx.gpu), mx.Device(mx.cpu)
+    cuda = {"device_name": "NVIDIA H100 80GB HBM3", "architecture": "sm_90", "total_memory": 85_000_000_000,
+            "free_memory": 84_000_000_000}
+    assert device_memory(cuda, gpu) == DeviceMemory("cuda", "NVIDIA H100 80GB HBM3", 85_000_000_000)
+    metal = {"device_name": "Apple M3 Max", "memory_size": 128 << 30, "max_recommended_working_set_size": 96 << 30}
+    assert device_memory(metal, gpu) == DeviceMemory("metal", "Apple M3 Max", 96 << 30)
+    here = device_memory(mx.device_info(), cpu)  # this machine's CPU: the smaller of RAM and MLX's limit
+    assert here.backend == "cpu" and 0 < here.usable <= max(mx.get_memory_limit(), 1)
+    assert "85,000" not in device_memory(cuda, gpu).describe() and "cuda" in device_memory(cuda, gpu).describe()
+    # The defaults follow: a Linux GPU box's KV headroom is 75 % of its GPU's memory, less weights and prefix cache.
+    usable = device_memory(cuda, gpu).usable
+    assert default_headroom(usable, 16 << 30, 4 << 30, KVLayout(1000, 256), 8192) == int(usable * 0.75) - (20 << 30)
 
 
 # --- the scheduler over the toy batch --------------------------------------------------------------------
@@ -133,7 +152,7 @@ def test_room_is_free_slots_bounded_by_kv_minus_waiting() -> None:
     for i in range(3):
         s.add(req(f"r{i}", 4, max_tokens=12))  # 16 tokens: up to 190 bytes a row; 950 bytes: 5 such rows
     run.step(s)
-    assert s.room == Room(free_slots=3, waiting=0, kv_rows=2, outranked=0) and s.room.admissible == 2
+    assert s.room == Room(free_slots=3, waiting=0, kv_rows=2, outranked=0, outranked_rows=3) and s.room.admissible == 2
     s.add(req("w0", 4, max_tokens=12))
     s.add(req("w1", 4, max_tokens=12))
     s.add(req("w2", 4, max_tokens=12))

@@ -198,6 +198,9 @@ def test_health_and_arqs_own_check_fail_without_a_worker(redis_url: str, tiny_mo
     check = subprocess.run([sys.executable, "-m", "arq", "--check", "worker.Settings"], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 1, check.stderr
+    # What it looked for, so a check run without the worker's own settings says so.
+    assert f"mlxq worker: checking for a worker serving {str(tiny_model)!r} on host " in check.stderr
+    assert "under prefix 'mlxq'" in check.stderr and "MLXQ_MODEL_NAME" in check.stderr
 
 
 def test_arqs_own_health_check_passes_for_a_live_worker_on_this_host(arq_worker: WorkerProcess) -> None:
@@ -273,6 +276,19 @@ def test_a_model_directory_that_fails_to_load_is_one_error_line_and_exit_78(brea
     if breakage == "corrupt_weights":
         debug = arq_worker_run({**env, "MLXQ_LOG_LEVEL": "DEBUG"})
         assert debug.returncode == 78 and "Traceback" in debug.stderr and "load_safetensors" in debug.stderr
+
+
+def test_a_hub_model_neither_cached_nor_reachable_is_one_line_and_exit_78(tmp_path: Path, redis_url: str) -> None:
+    env = {"MLXQ_MODEL": "someorg/not-cached-here", "MLXQ_REDIS_URL": redis_url}
+    full = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}
+    full.update(env, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")  # an empty cache; the hub out of reach
+    proc = subprocess.run([sys.executable, "-m", "arq", "worker.Settings"], cwd=ROOT, env=full, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 78, proc.stderr
+    (error,) = [ln for ln in proc.stderr.splitlines() if " ERROR " in ln]
+    assert error.endswith("worker cannot start: the model someorg/not-cached-here is not in the local Hugging Face "
+                          "cache and the hub is unreachable (or HF_HUB_OFFLINE is set): download it where there is a "
+                          "network (`hf download someorg/not-cached-here`) or set MLXQ_MODEL to a local directory")
 
 
 @pytest.mark.parametrize("peer", ["refuses", *PEERS])
@@ -495,3 +511,14 @@ def test_submit_to_a_server_that_is_not_redis_says_so_in_one_line() -> None:
         server.close()
     assert done.returncode == 1
     assert one_line(done).startswith(f"mlxq: redis://127.0.0.1:{port} does not answer as Redis does: "), done.stderr
+
+
+def test_the_demo_without_the_worker_extra_says_so_before_it_starts_anything() -> None:
+    # A producer-only install has no MLX: the demo must not start a Redis server first and then fail.
+    code = ("import sys; sys.modules['mlx'] = None; from api.cli import main; sys.exit(main(['demo']))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MLXQ_REDIS_URL": ""})
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "'demo' needs the worker extra" in line and "pip install 'mlxq[worker]'" in line
+    assert "redis:" not in proc.stderr and "Traceback" not in proc.stderr

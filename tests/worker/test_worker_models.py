@@ -108,7 +108,7 @@ def test_mlxq_models_names_each_model_by_its_alias_or_its_path() -> None:
     assert parse_models(" /m/a=alpha, /m/b ,,") == (ServedModel("/m/a", "alpha"), ServedModel("/m/b", "/m/b"))
     assert WorkerConfig(model="/m/x", model_name="x").served == (ServedModel("/m/x", "x"),)
     assert WorkerConfig(model="/m/x", models="/m/y=y").served == (ServedModel("/m/y", "y"),)  # MLXQ_MODELS wins
-    assert WorkerConfig(models="/a=a,/b=b", capacity=8).arq_max_jobs == 2 * (8 + 2)
+    assert WorkerConfig(models="/a=a,/b=b", capacity=8).arq_max_jobs == 2 * (8 + 2 + 8)  # jobs, and paused ones
 
 
 async def test_two_engines_generating_at_once_match_each_model_alone_on_their_own_threads(

@@ -197,3 +197,45 @@ async def test_a_worker_whose_batch_is_full_still_claims_a_job_that_outranks_its
             assert "".join(e.text for e in events if e.type == "token") == alone.text
     finally:
         await running.close()
+
+
+async def test_a_burst_of_jobs_that_outrank_a_full_batch_all_start_before_any_slot_frees(
+        worker_config: Any, client: Client) -> None:
+    from tests.worker.test_worker_queue import slow_steps
+
+    # Four low jobs fill every slot and the model's job cap counts them; four priority-10 jobs come together.
+    # Each would start at once by the engine's own rule (a low one steps aside), so each is claimed at once:
+    # paused jobs do not fill the cap, and a claim takes every such job, not one per poll.
+    running = await start_worker(config_with(worker_config, capacity=4))
+    slow_steps(running, 0.01)
+    try:
+        lows = [await client.submit(model="tiny", prompt=f"a long low job {i}", max_tokens=200) for i in range(4)]
+        engine = running.service.engine
+        async with asyncio.timeout(60):
+            while engine.scheduler.num_running < 4 or engine.stats.steps < 5:
+                await asyncio.sleep(0.01)
+        highs = await asyncio.gather(*(client.submit(model="tiny", prompt=f"urgent {i}", max_tokens=8, priority=10)
+                                       for i in range(4)))
+        firsts: dict[str, float] = {}
+        ends: dict[str, float] = {}
+        events: dict[str, list[Any]] = {}
+
+        async def follow(rid: str) -> None:
+            events[rid] = []
+            async for ev in client.events(rid, timeout=120):
+                events[rid].append(ev)
+                if ev.type == "token":
+                    firsts.setdefault(rid, asyncio.get_running_loop().time())
+            ends[rid] = asyncio.get_running_loop().time()
+
+        await asyncio.gather(*(follow(rid) for rid in [*highs, *lows]))
+        assert max(firsts[h] for h in highs) < min(ends.values())  # every one before any job ended: no slot freed
+        assert engine.stats.preemptions >= 4 and engine.stats.started_at_once >= 4
+        for i, rid in enumerate([*highs, *lows]):
+            evs = events[rid]
+            assert [e.seq for e in evs] == list(range(len(evs))) and evs[-1].type == "done"  # gapless, one end
+            prompt, n = (f"urgent {i}", 8) if i < 4 else (f"a long low job {i - 4}", 200)
+            alone = await client.generate(model="tiny", prompt=prompt, max_tokens=n, timeout=120)
+            assert "".join(e.text for e in evs if e.type == "token") == alone.text
+    finally:
+        await running.close()

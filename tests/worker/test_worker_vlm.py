@@ -77,10 +77,13 @@ async def test_image_and_text_jobs_through_the_queue_equal_single_runs(
     results = {name: await client.result(rid, timeout=60) for name, rid in rids.items()}
     long_result = await client.result(long_rid, timeout=60)
     assert long_result.token_ids == oracle.tokens(first, 3 * N)
+    assert long_result.text == oracle.text(first, 3 * N)  # mlx-vlm's text for those tokens, not only the ids
     for name in ("two-images", "one-image", "chat", "parts"):
         assert results[name].token_ids == oracle.tokens(jobs[name]["messages"], N), name
+        assert results[name].text == oracle.text(jobs[name]["messages"], N), name
     assert results["parts"].text == results["chat"].text  # text parts are the text they join into
     assert results["raw"].token_ids == oracle.tokens_of("Once upon a time the queue", [], N)
+    assert results["raw"].text == oracle.text_of("Once upon a time the queue", [], N)
     assert results["one-image"].usage.prompt_tokens > results["raw"].usage.prompt_tokens
 
 

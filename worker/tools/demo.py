@@ -27,6 +27,7 @@ from api.schema import DoneEvent, ErrorEvent
 
 from .process import GatewayProcess, WorkerProcess
 from .redis_server import NoRedisServer, RedisServer
+from .tinymodel import ensure_model  # imports MLX: a producer-only install fails here, before anything starts
 
 __all__ = ["EXIT_NO_REDIS", "run_demo"]
 
@@ -68,15 +69,18 @@ def run_demo(jobs: int = 8, max_tokens: int = 64, size: str = "tiny", gateway_po
 @contextlib.contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
     """A SIGTERM (``kill``, a supervisor) ends the demo as Ctrl-C does, so its Redis, worker and gateway stop
-    with it instead of living on as orphans."""
+    with it instead of living on as orphans; and so does SIGINT even where it was inherited ignored (a shell
+    script's background job)."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
+    previous = {sig: signal.signal(sig, signal.default_int_handler)  # raises KeyboardInterrupt
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _demo(jobs: int, max_tokens: int, size: str, gateway_port: int | None) -> int:
@@ -104,10 +108,9 @@ def _demo(jobs: int, max_tokens: int, size: str, gateway_port: int | None) -> in
 
 def _run(url: str, embedded: bool, workdir: Path, jobs: int, max_tokens: int, size: str,
          gateway_port: int | None) -> int:
-    from worker.tools.tinymodel import ensure_model
-
     prefix = f"mlxq-demo-{uuid.uuid4().hex[:6]}"
-    _say(f"redis: {url} ({'embedded redis-server' if embedded else 'MLXQ_REDIS_URL'})")
+    _say(f"redis: {url} ({'embedded redis-server' if embedded else 'MLXQ_REDIS_URL'}); to watch it from another "
+         f"shell: MLXQ_REDIS_URL={url} MLXQ_PREFIX={prefix} mlxq status")
     t0 = time.perf_counter()
     model = ensure_model(size)
     _say(f"model: {size} random-weight model at {model} ({time.perf_counter() - t0:.1f}s)")
