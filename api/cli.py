@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
+import importlib.metadata
 import json
 import logging
 import sys
@@ -221,27 +221,34 @@ def _fail(args: argparse.Namespace, exc: Exception, status: int) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
-        run_demo = _worker_tool("demo", "run_demo")
+        run_demo = _worker_tool("demo")
         return int(run_demo(jobs=args.jobs, max_tokens=args.max_tokens, size=args.size,
                             gateway_port=args.port if args.gateway else None))
     if args.command == "bench":
-        return int(_worker_tool("bench", "run_bench")(args))
+        return int(_worker_tool("bench")(args))
     if args.command == "gateway":
         return _gateway(args)
     config = ClientConfig.from_env()  # a bad MLXQ_* value: one line, before anything connects
     return asyncio.run(_producer_command(args, config))
 
 
+TOOLS = "mlxq.tools"  # the entry-point group of the worker side's tools (demo, bench)
+
+
 class _MissingTool(Exception):
     pass
 
 
-def _worker_tool(module: str, name: str) -> Callable[..., Any]:
-    """A tool of the worker side, which a producer-only install lacks."""
+def _worker_tool(name: str) -> Callable[..., Any]:
+    """A tool of the worker side, declared as an ``mlxq.tools`` entry point (pyproject.toml), which a
+    producer-only install cannot load."""
+    found = [ep for ep in importlib.metadata.entry_points(group=TOOLS) if ep.name == name]
+    if not found:
+        raise _MissingTool(f"'{name}' is not installed (no {TOOLS} entry point): pip install 'mlxq[worker]'")
     try:
-        tool: Callable[..., Any] = getattr(importlib.import_module(f"worker.tools.{module}"), name)
+        tool: Callable[..., Any] = found[0].load()
     except ImportError as exc:
-        raise _MissingTool(f"'{module}' needs the worker extra ({exc}): pip install 'mlxq[worker]'") from None
+        raise _MissingTool(f"'{name}' needs the worker extra ({exc}): pip install 'mlxq[worker]'") from None
     return tool
 
 

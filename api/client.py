@@ -17,7 +17,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .arqseam import job_record
 from .config import ClientConfig
 from .connection import Failures, RetryPolicy, client_redis, denied, is_denied, redact, with_retries
 from .enqueuer import Enqueuer
@@ -33,6 +32,7 @@ from .errors import (
     WaitTimeout,
     describe,
 )
+from .jobrecord import job_record
 from .keys import CANCEL_TTL_S, Keys, deadline_member, log_entry_id, queue_score
 from .registry import ModelInfo, QueueInfo, live_workers, models_of, queues
 from .schema import (
@@ -71,7 +71,8 @@ return 0
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """A finished job: its text, why it ended, token counts and timings."""
+    """A finished job: its text, why it ended, token counts and timings; ``reasoning``: a reasoning model's
+    thinking, apart from the text (a request with ``reasoning="split"``)."""
 
     id: str
     text: str
@@ -79,6 +80,7 @@ class Result:
     usage: Usage
     timings: Timings
     token_ids: list[int] = field(default_factory=list)
+    reasoning: str = ""
 
 
 class Client:
@@ -381,17 +383,19 @@ async def _text(rid: str, events: AsyncIterator[Event]) -> AsyncIterator[str]:
 
 async def _result(rid: str, events: AsyncIterator[Event]) -> Result:
     text: list[str] = []
+    reasoning: list[str] = []
     ids: list[int] = []
     async for ev in events:
         if ev.type == "reset":
-            text, ids = [], []
+            text, reasoning, ids = [], [], []
         elif ev.type == "token":
             text.append(ev.text)
+            reasoning.append(ev.reasoning)
             ids.extend(ev.token_ids)
         elif isinstance(ev, ErrorEvent):
             raise JobFailed(ev)
         elif isinstance(ev, DoneEvent):
-            return Result(rid, "".join(text), ev.finish_reason, ev.usage, ev.timings, ids)
+            return Result(rid, "".join(text), ev.finish_reason, ev.usage, ev.timings, ids, "".join(reasoning))
     raise AssertionError("unreachable: events() ends with a terminal event")
 
 

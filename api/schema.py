@@ -265,6 +265,11 @@ class GenerateRequest(BaseModel):
     # What the output must match (None or text: free text); a worker compiles it, or ends the job with
     # error(bad_request) saying why it cannot.
     response_format: ResponseFormat | None = None
+    # "split": a reasoning model's thinking goes out as token events' ``reasoning``, apart from the answer's
+    # ``text``; "inline": one text, think markers included (what a client of an earlier release reads).
+    reasoning: Literal["inline", "split"] = "inline"
+    # The chat template's enable_thinking (None: the model's default); only a model that thinks uses it.
+    enable_thinking: bool | None = None
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> GenerateRequest:
@@ -330,20 +335,23 @@ class StartEvent(_EventBase):
 
 
 class TokenEvent(_EventBase):
-    """New text: ``text`` is the delta, ``token_ids`` the tokens behind it, ``index`` the first one's index."""
+    """New text: ``text`` is the delta, ``token_ids`` the tokens behind it, ``index`` the first one's index;
+    ``reasoning``: new reasoning text, apart from the answer's (only for a request with ``reasoning="split"``)."""
 
     type: Literal["token"] = "token"
     text: str
     token_ids: list[int]
     index: int
+    reasoning: str = Field(default="", exclude_if=lambda v: not v)  # left out when empty, as before it was
 
 
-def token_event_json(id: str, seq: int, text: str, token_ids: list[int], index: int) -> str:
+def token_event_json(id: str, seq: int, text: str, token_ids: list[int], index: int, reasoning: str = "") -> str:
     """``TokenEvent(...).model_dump_json()``, byte for byte (a property test holds it to that), without
     building the model: a worker makes one per job per published step."""
     ids = ",".join(map(str, token_ids))
+    tail = f',"reasoning":{encode_basestring(reasoning)}}}' if reasoning else "}"
     return (f'{{"id":{encode_basestring(id)},"seq":{seq},"type":"token","text":{encode_basestring(text)},'
-            f'"token_ids":[{ids}],"index":{index}}}')
+            f'"token_ids":[{ids}],"index":{index}{tail}')
 
 
 class ResetEvent(_EventBase):

@@ -26,20 +26,22 @@ class EncodedPrompt:
     cache_boundary: int = 0
 
 
-def encode_prompt(tokenizer: Any, prompt: str | None, messages: Sequence[dict[str, str]] | None) -> list[int]:
-    """Tokenize a raw prompt as ``mlx_lm.generate`` does, or render chat messages with the chat template."""
+def encode_prompt(tokenizer: Any, prompt: str | None, messages: Sequence[dict[str, str]] | None,
+                  **template: Any) -> list[int]:
+    """Tokenize a raw prompt as ``mlx_lm.generate`` does, or render chat messages with the chat template
+    (``template``: its keyword arguments, e.g. ``enable_thinking``)."""
     if messages is not None:
-        return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True))
+        return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **template))
     if prompt is None:
         raise ValueError("no prompt")
     return list(tokenizer.encode(prompt, add_special_tokens=_add_special(tokenizer, prompt)))
 
 
 def encode_prompt_with_boundary(
-    tokenizer: Any, prompt: str | None, messages: Sequence[dict[str, str]] | None
+    tokenizer: Any, prompt: str | None, messages: Sequence[dict[str, str]] | None, **template: Any
 ) -> EncodedPrompt:
     """:func:`encode_prompt` and the system-prompt boundary of chat messages (:func:`system_boundary`)."""
-    tokens = encode_prompt(tokenizer, prompt, messages)
+    tokens = encode_prompt(tokenizer, prompt, messages, **template)
     return EncodedPrompt(tokens, system_boundary(tokenizer, messages, tokens) if messages is not None else 0)
 
 
@@ -81,15 +83,16 @@ class PromptEncoder:
             log.warning("the Rust tokenizer disagrees with the tokenizer's encode(); encoding through transformers")
             self.direct = None
 
-    def encode(self, prompt: str | None, messages: Sequence[dict[str, str]] | None) -> list[int]:
+    def encode(self, prompt: str | None, messages: Sequence[dict[str, str]] | None, **template: Any) -> list[int]:
         if self.direct is None or messages is not None or prompt is None:
-            return encode_prompt(self.tokenizer, prompt, messages)
+            return encode_prompt(self.tokenizer, prompt, messages, **template)
         ids: list[int] = self.direct.encode(prompt, add_special_tokens=_add_special(self.tokenizer, prompt)).ids
         return ids
 
-    def encode_with_boundary(self, prompt: str | None, messages: Sequence[dict[str, str]] | None) -> EncodedPrompt:
+    def encode_with_boundary(self, prompt: str | None, messages: Sequence[dict[str, str]] | None,
+                             **template: Any) -> EncodedPrompt:
         """:meth:`encode`, and the system-prompt boundary of chat messages."""
-        tokens = self.encode(prompt, messages)
+        tokens = self.encode(prompt, messages, **template)
         return EncodedPrompt(tokens, system_boundary(self.tokenizer, messages, tokens) if messages is not None else 0)
 
     def _agrees(self) -> bool:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
+from .reasoning import ThinkMarkers
+
 __all__ = ["EngineRequest", "ErrorCode", "FinishReason", "Format", "ImageInputs", "RequestOutput", "SamplingParams",
            "Status", "coalesce", "merge_into", "terminal"]
 
@@ -85,7 +87,8 @@ class EngineRequest:
     sequences. ``cache_boundary``: how many leading prompt tokens are a reusable prefix (the chat template's
     system prompt, see ``engine/prompt.py``); the engine caches their KV there. 0: none. ``images``: the
     prompt's images, for a model that accepts them (None: a text prompt). ``format``: what its output must
-    match (None: free text).
+    match (None: free text). ``thinking``: the model's think markers, to report reasoning apart from the answer
+    (None: one text).
     """
 
     rid: str
@@ -97,15 +100,17 @@ class EngineRequest:
     cache_boundary: int = 0
     images: ImageInputs | None = None
     format: Format | None = None
+    thinking: ThinkMarkers | None = None
 
 
 @dataclass(slots=True)
 class RequestOutput:
     """What one engine step reports about one request.
 
-    ``text`` is the new text (held back while it could be the start of a stop string); ``token_ids``
-    the tokens generated this step. ``finish`` is set exactly once, on the request's last output;
-    ``stop_sequence`` with it, when a stop string (that one) ended the request.
+    ``text`` is the new text (held back while it could be the start of a stop string), ``reasoning`` the new
+    reasoning text (with ``EngineRequest.thinking``); ``token_ids`` the tokens generated this step.
+    ``finish`` is set exactly once, on the request's last output; ``stop_sequence`` with it, when a stop
+    string (that one) ended the request.
     """
 
     rid: str
@@ -118,6 +123,7 @@ class RequestOutput:
     error_code: ErrorCode | None = None  # with FinishReason.ERROR
     error_message: str | None = None
     stop_sequence: str | None = None
+    reasoning: str = ""
 
 
 def terminal(rid: str, reason: FinishReason, generated: int, code: ErrorCode | None = None,
@@ -142,6 +148,7 @@ def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
             merged[out.rid] = RequestOutput(
                 out.rid, list(out.token_ids), out.text, out.started, out.prompt_tokens,
                 out.completion_tokens, out.finish, out.error_code, out.error_message, out.stop_sequence,
+                out.reasoning,
             )
         else:
             merge_into(acc, out)
@@ -154,6 +161,8 @@ def merge_into(acc: RequestOutput, out: RequestOutput) -> None:
         return
     acc.token_ids.extend(out.token_ids)
     acc.text += out.text
+    if out.reasoning:
+        acc.reasoning += out.reasoning
     acc.completion_tokens = max(acc.completion_tokens, out.completion_tokens)
     if out.finish is None and not out.started:  # a plain decode step: the common case, per token
         return

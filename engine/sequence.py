@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .batch import SequenceCache
+from .reasoning import ThinkSplitter
 from .request import EngineRequest, FinishReason, RequestOutput
 from .stops import StopMatcher
 
@@ -58,6 +59,7 @@ class Sequence:
     stops: StopMatcher | None = None  # None without stop strings
     constraint: Constraint | None = None
     parsers: tuple[TextParser, ...] = ()
+    thinking: ThinkSplitter | None = None  # the text between think markers goes out as reasoning
     uid: int = -1  # in the batch; -1 while waiting
     generated: int = 0
     admitted: bool = False  # has started (a later admission is a resume)
@@ -71,7 +73,8 @@ class Sequence:
     @classmethod
     def of(cls, req: EngineRequest, detok: Detokenizer, key: float, order: int) -> Sequence:
         stops = StopMatcher(req.params.stop) if any(req.params.stop) else None
-        return cls(req, detok, key, order, stops)
+        thinking = ThinkSplitter(req.thinking) if req.thinking is not None else None
+        return cls(req, detok, key, order, stops, thinking=thinking)
 
     @property
     def rid(self) -> str:
@@ -123,17 +126,34 @@ class Sequence:
         stop string appeared (``out.stop_sequence`` names it). Per token: without stops or parsers, one append."""
         if self.stops is None:
             text = self.detok.last_segment
-            out.text += self._parse(text) if self.parsers else text
+            if self.parsers or self.thinking is not None:
+                self._emit(out, text)
+            else:
+                out.text += text
             return False
         result = self.stops.feed(self.detok.last_segment)
-        out.text += self._parse(result.text) if self.parsers else result.text
+        self._emit(out, result.text)
         out.stop_sequence = result.stop
         return result.stopped
 
-    def _parse(self, text: str) -> str:
+    def _emit(self, out: RequestOutput, text: str) -> None:
+        """Text past the stop strings through the parsers, and split into answer and reasoning."""
         for parser in self.parsers:
             text = parser.feed(text)
-        return text
+        if self.thinking is None:
+            out.text += text
+            return
+        answer, reasoning = self.thinking.feed(text)
+        out.text += answer
+        out.reasoning += reasoning
+
+    def _emit_split(self, out: RequestOutput, text: str) -> None:
+        if self.thinking is None:
+            out.text += text
+        else:
+            answer, reasoning = self.thinking.feed(text)
+            out.text += answer
+            out.reasoning += reasoning
 
     def _end(self, out: RequestOutput, reason: FinishReason, *, flush: bool = True) -> FinishReason:
         if flush:
@@ -141,13 +161,16 @@ class Sequence:
             if self._take_text(out):
                 reason = FinishReason.STOP
             elif self.stops is not None:
-                held = self.stops.flush()
-                out.text += self._parse(held) if self.parsers else held
+                self._emit(out, self.stops.flush())
         for i, parser in enumerate(self.parsers):  # each stage's rest goes through the stages after it
             rest = parser.flush()
             for later in self.parsers[i + 1:]:
                 rest = later.feed(rest)
-            out.text += rest
+            self._emit_split(out, rest)
+        if self.thinking is not None:
+            answer, reasoning = self.thinking.flush()
+            out.text += answer
+            out.reasoning += reasoning
         self.finish = out.finish = reason
         out.completion_tokens = self.generated
         return reason

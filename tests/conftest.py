@@ -41,6 +41,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with think markers and a template that opens a think block (worker/tools/tinymodel.py)."""
+    from worker.tools.tinymodel import ensure_model
+
+    return ensure_model("tiny-think", root=tmp_path_factory.mktemp("think"))
+
+
+@pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A generated tiny qwen2_vl in mlx-vlm's format (worker/tools/tinyvlm.py)."""
     from worker.tools.tinyvlm import ensure_vlm

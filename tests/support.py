@@ -17,7 +17,7 @@ class RunningWorker:
     @property
     def host(self) -> Any:
         """The worker's host (worker/host.py): claims, runs, the shared loops."""
-        from api.arqseam import host_of
+        from worker.arqseam import host_of
 
         return host_of(self.worker)
 
@@ -47,7 +47,7 @@ async def start_worker(config: Any, **overrides: Any) -> RunningWorker:
 
     worker = Worker(**{**worker_settings(config), "handle_signals": False, **overrides})
     task = asyncio.create_task(worker.async_run())
-    from api.arqseam import host_of
+    from worker.arqseam import host_of
 
     for _ in range(600):
         if host_of(worker) is not None:
@@ -68,7 +68,7 @@ async def enqueue_raw(redis_url: str, payload: Any, job_id: str, model: str = "t
 
     import redis.asyncio as aredis
 
-    from api.arqseam import job_record
+    from api.jobrecord import job_record
     from api.keys import Keys
 
     keys, now = Keys(prefix), int(time.time() * 1000)

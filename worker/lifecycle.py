@@ -43,7 +43,7 @@ from typing import Literal
 
 from redis.asyncio import Redis
 
-from api.arqseam import result_record
+from api.jobrecord import result_record
 from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
 from api.schema import (
     PRIORITY_MIN,
@@ -125,10 +125,11 @@ class TokenLine:
     text: str
     token_ids: list[int]
     index: int
+    reasoning: str = ""
     type: Literal["token"] = "token"
 
     def model_dump_json(self) -> str:
-        return token_event_json(self.id, self.seq, self.text, self.token_ids, self.index)
+        return token_event_json(self.id, self.seq, self.text, self.token_ids, self.index, self.reasoning)
 
 
 Wire = Event | TokenLine  # what a run writes
@@ -175,12 +176,12 @@ class Run:
         return StartEvent(id=self.rid, seq=self._next(), model=self.model, worker=worker,
                           prompt_tokens=prompt_tokens, attempt=self.attempt)
 
-    def tokens(self, text: str, token_ids: list[int], completion_tokens: int) -> TokenLine:
-        """New text: ``completion_tokens`` counts every token so far, ``token_ids`` included."""
+    def tokens(self, text: str, token_ids: list[int], completion_tokens: int, reasoning: str = "") -> TokenLine:
+        """New text (and reasoning): ``completion_tokens`` counts every token so far, ``token_ids`` included."""
         if self.first_token_at is None:
             self.first_token_at = time.time()
         self.completion_tokens = max(self.completion_tokens, completion_tokens)
-        return TokenLine(self.rid, self._next(), text, token_ids, completion_tokens - len(token_ids))
+        return TokenLine(self.rid, self._next(), text, token_ids, completion_tokens - len(token_ids), reasoning)
 
     def done(self, reason: FinishReason) -> DoneEvent:
         return DoneEvent(id=self.rid, seq=self._next(), finish_reason=reason, timings=self.timings(),

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from api.schema import GenerateRequest, ImagePart, TextPart
+from engine.reasoning import ThinkMarkers
 from engine.request import Format, ImageInputs
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ class Prompt:
     images: ImageInputs | None = None
     cache_boundary: int = 0
     format: Format | None = None
+    thinking: ThinkMarkers | None = None  # to split reasoning from the answer (a request asking, a model that thinks)
 
 
 @dataclass(frozen=True, slots=True)

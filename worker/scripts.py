@@ -36,7 +36,7 @@ __all__ = ["EMIT", "LAPSE", "REFRESH", "REJECT", "START", "SWEEP", "Script"]
 # epoch TTL s, tries TTL s, read limit per queue, then one quota per queue, then per queue "" or what a job needs
 # to outrank a full engine's running sequences, "<priority> <aging ms> <PRIORITY_MIN>": from such a queue only
 # the first jobs (up to its quota) of at least that priority are read, each one's priority recovered from its
-# score and its record's enqueue time (records end with "et":<ms>}: api.arqseam.job_record; GETRANGE reads only
+# score and its record's enqueue time (records end with "et":<ms>}: api.jobrecord.job_record; GETRANGE reads only
 # that tail), among the first _OUTRANK_READ entries that could have them (api.keys.queue_score: never above
 # enqueue time).
 # Returns {epoch, left 0|1, {id, queue, "started", score, job, try, last event or false, cancelled 0|1} |

@@ -21,6 +21,7 @@ from engine.constrain import Grammar, GrammarError, Grammars, vocab_size
 from engine.engine import Engine, Sink
 from engine.loader import EngineOptions, LoadedModel, start_engine
 from engine.prompt import EncodedPrompt, encode_prompt_with_boundary
+from engine.reasoning import ThinkMarkers
 from engine.request import EngineRequest
 
 from . import media
@@ -32,6 +33,7 @@ __all__ = ["BadRequest", "ModelService"]
 
 log = logging.getLogger(__name__)
 _INLINE_TOKENIZE_CHARS = 16_384  # longer prompts are tokenized off the event loop
+_THINK_TAIL = 32  # prompt tokens looked at for an opened think block
 
 
 class BadRequest(Exception):
@@ -170,10 +172,22 @@ class ModelService:
             encoded = self.encode(req, inline=True)
         else:
             encoded = await asyncio.to_thread(self.encode, req, False)
-        prompt = media.Prompt(encoded.tokens, cache_boundary=encoded.cache_boundary)
+        prompt = media.Prompt(encoded.tokens, cache_boundary=encoded.cache_boundary,
+                              thinking=self.think_markers(req, encoded.tokens))
         if req.response_format is None or req.response_format.type == "text":
             return prompt
         return dataclasses.replace(prompt, format=await self.compile_format(req))
+
+    def think_markers(self, req: GenerateRequest, tokens: list[int]) -> ThinkMarkers | None:
+        """The model's think markers when the request wants reasoning apart (None: one text), and whether its
+        prompt leaves the output inside reasoning (a template that opens it)."""
+        tokenizer = self.model.tokenizer if self.model is not None else None
+        if req.reasoning != "split" or tokenizer is None or not getattr(tokenizer, "has_thinking", False):
+            return None
+        tail = tokens[-_THINK_TAIL:]  # a template that opens reasoning does so in its generation prompt
+        opened = _rfind(tail, tuple(tokenizer.think_start_tokens))
+        return ThinkMarkers(tokenizer.think_start, tokenizer.think_end,
+                            inside=opened >= 0 and opened > _rfind(tail, tuple(tokenizer.think_end_tokens)))
 
     async def compile_format(self, req: GenerateRequest) -> Grammar | None:
         """The request's response format compiled for this model (a format seen before: from the cache, at
@@ -209,11 +223,12 @@ class ModelService:
         a long prompt encodes."""
         assert self.model is not None
         messages = [{"role": m.role, "content": m.text} for m in req.messages] if req.messages is not None else None
+        template = {} if req.enable_thinking is None else {"enable_thinking": req.enable_thinking}
         try:
             if inline:
-                encoded = self.model.prompts.encode_with_boundary(req.prompt, messages)
+                encoded = self.model.prompts.encode_with_boundary(req.prompt, messages, **template)
             else:
-                encoded = encode_prompt_with_boundary(self.model.tokenizer, req.prompt, messages)
+                encoded = encode_prompt_with_boundary(self.model.tokenizer, req.prompt, messages, **template)
         except Exception as exc:  # a template or tokenizer error is the request's fault
             raise BadRequest(f"could not tokenize the prompt: {exc}") from None
         tokens = encoded.tokens
@@ -228,6 +243,17 @@ class ModelService:
             raise BadRequest(f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the context "
                              f"({ctx}) by {over} tokens")
         return encoded
+
+
+def _rfind(tokens: list[int], needle: tuple[int, ...]) -> int:
+    """Where ``needle`` last starts in ``tokens`` (-1: nowhere)."""
+    n = len(needle)
+    if not n:
+        return -1
+    for i in range(len(tokens) - n, -1, -1):
+        if tuple(tokens[i:i + n]) == needle:
+            return i
+    return -1
 
 
 def _bytes(gigabytes: float | None, share: float) -> int | None:

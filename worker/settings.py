@@ -18,13 +18,13 @@ import socket
 import sys
 from typing import Any, NoReturn
 
-from api.arqseam import Host, WorkerSpec
-from api.arqseam import worker_settings as arq_worker_settings
 from api.connection import redact
 from api.errors import ConfigError
 from engine.loader import ModelLoadError, locate_model
 
 from . import watchdog
+from .arqseam import Host, WorkerSpec
+from .arqseam import worker_settings as arq_worker_settings
 from .config import WorkerConfig
 from .host import WorkerHost
 

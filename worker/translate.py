@@ -14,6 +14,7 @@ from api.schema import (
     RegexFormat,
 )
 from engine.constrain import FormatKind, ResponseFormat
+from engine.reasoning import ThinkMarkers
 from engine.request import EngineRequest, Format, ImageInputs, RequestOutput, SamplingParams
 from engine.request import ErrorCode as EngineError
 from engine.request import FinishReason as EngineFinish
@@ -31,7 +32,8 @@ _ERROR_CODES = {
 
 def to_engine_request(
     req: GenerateRequest, tokens: list[int], deadline: float | None, *, cache_boundary: int = 0,
-    images: ImageInputs | None = None, format: Format | None = None, enqueue_ms: int = 0,
+    images: ImageInputs | None = None, format: Format | None = None, thinking: ThinkMarkers | None = None,
+    enqueue_ms: int = 0,
 ) -> EngineRequest:
     """A validated wire request and its prompt tokens (the first ``cache_boundary`` of them its system prompt:
     see engine/prompt.py; its images prepared: see worker/media.py), as the engine takes them. It arrived when
@@ -52,7 +54,7 @@ def to_engine_request(
     now = time.monotonic()
     arrival = now - max(0.0, time.time() - enqueue_ms / 1000) if enqueue_ms else now
     return EngineRequest(req.id, tokens, params, arrival=arrival, deadline=deadline, priority=req.priority,
-                         cache_boundary=cache_boundary, images=images, format=format)
+                         cache_boundary=cache_boundary, images=images, format=format, thinking=thinking)
 
 
 def to_engine_format(req: GenerateRequest) -> ResponseFormat | None:
@@ -74,8 +76,8 @@ def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
     events: list[Wire] = []
     if out.started:
         events.append(run.start(out.prompt_tokens, worker))
-    if out.token_ids or out.text:
-        events.append(run.tokens(out.text, out.token_ids, out.completion_tokens))
+    if out.token_ids or out.text or out.reasoning:
+        events.append(run.tokens(out.text, out.token_ids, out.completion_tokens, out.reasoning))
     run.completion_tokens = max(run.completion_tokens, out.completion_tokens)
     if out.finish is EngineFinish.ERROR:
         code = _ERROR_CODES[out.error_code] if out.error_code is not None else ErrorCode.INTERNAL

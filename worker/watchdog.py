@@ -8,7 +8,7 @@ its supervisor's SIGKILL and nothing would say where. ``faulthandler``'s timer r
 dumps the stacks) even while a thread holds the GIL inside a native call. Jobs left running are recovered
 as after a crash: the reaper re-queues them when their leases expire.
 
-arq's stop signals arm it and its ``close`` disarms it (``api.arqseam``), so a Worker embedded in a
+arq's stop signals arm it and its ``close`` disarms it (``worker.arqseam``), so a Worker embedded in a
 longer-lived process is not killed after it closed.
 """
 

@@ -151,8 +151,8 @@ class MessagesDialect:
                + _event("content_block_start", {"type": "content_block_start", "index": 0,
                                                 "content_block": {"type": "text", "text": ""}})
                + _event("ping", {"type": "ping"}))
-        async for text in job.deltas():
-            yield f"{_DELTA_HEAD}{encode_basestring(text)}}}}}\n\n".encode()
+        async for delta in job.deltas():  # Messages requests ask for no reasoning apart: text only
+            yield f"{_DELTA_HEAD}{encode_basestring(delta.text)}}}}}\n\n".encode()
         assert job.done is not None
         usage = {"output_tokens": job.done.usage.completion_tokens}
         yield Last(_event("content_block_stop", {"type": "content_block_stop", "index": 0})

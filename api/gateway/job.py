@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import cast
 
 from ..client import Client
@@ -18,10 +19,49 @@ from ..errors import AccessDenied, JobFailed, MlxqError, QueueUnavailable, WaitT
 from ..schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, GenerateRequest, StartEvent
 from .errors import GatewayError, Kind, Problem
 
-__all__ = ["JobStream"]
+__all__ = ["Delta", "JobStream"]
 
 _CANCEL_WAIT_S = 2.0  # a cancel on the way out gives up after this (Redis unreachable): the job still ends
 _UNSURE = (QueueUnavailable, AccessDenied, WaitTimeout)  # raised with the job perhaps queued: cancel it
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New text of a streamed job, and new reasoning (a reasoning model's, when asked apart)."""
+
+    text: str
+    reasoning: str = ""
+
+
+class _Sent:
+    """One channel of what a stream sent, against which a re-run's repeat is matched."""
+
+    __slots__ = ("_pos", "_sent")
+
+    def __init__(self) -> None:
+        self._sent = ""
+        self._pos = 0  # how far into what was sent the current run has come
+
+    def rerun(self) -> None:
+        self._pos = 0
+
+    def take(self, piece: str) -> str | None:
+        """What of ``piece`` is new; None when it contradicts what was sent."""
+        if not piece:
+            return ""
+        if self._pos < len(self._sent):  # a re-run repeating what was sent: it must match
+            overlap = self._sent[self._pos : self._pos + len(piece)]
+            if not piece.startswith(overlap):
+                return None
+            self._pos += len(overlap)
+            piece = piece[len(overlap) :]
+        self._sent += piece
+        self._pos += len(piece)
+        return piece
+
+    @property
+    def short(self) -> bool:
+        return self._pos < len(self._sent)
 
 
 class JobStream:
@@ -37,6 +77,7 @@ class JobStream:
         self._events: AsyncGenerator[Event, None] | None = None
         self._held: list[Event] = []  # read by open() past the start
         self._settled = False  # ended, or never queued: nothing to cancel
+        self.reasoning = ""  # the whole reasoning of the last run, once whole() read it
 
     async def open(self) -> None:
         """Submit the job and wait for its start. Raises what submitting raises (``NoWorker``, ``QueueFull``,
@@ -61,43 +102,36 @@ class JobStream:
             self._settled = not unsure  # refused, or ended: nothing queued to cancel
             raise
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """The text as it is made, each piece once: a re-run's repeat of text already sent is skipped."""
-        sent: list[str] = []
-        sent_len = 0
-        pos = 0  # how far into the text sent the current run has come
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """The text (and reasoning) as it is made, each piece once: a re-run's repeat of what was sent is
+        skipped, and a re-run that diverges from it raises :class:`JobFailed`."""
+        text, reasoning = _Sent(), _Sent()
         async for ev in self._rest():
             if ev.type == "reset":
-                pos = 0
+                text.rerun()
+                reasoning.rerun()
                 continue
-            if ev.type != "token" or not ev.text:
+            if ev.type != "token" or not (ev.text or ev.reasoning):
                 continue
-            text = ev.text
-            if pos < sent_len:  # a re-run repeating what was sent: it must match
-                sent_text = "".join(sent)
-                sent = [sent_text]
-                overlap = sent_text[pos : pos + len(text)]
-                if not text.startswith(overlap):
-                    raise JobFailed(_diverged(self.rid, ev.seq))
-                pos += len(overlap)
-                text = text[len(overlap) :]
-                if not text:
-                    continue
-            sent.append(text)
-            sent_len += len(text)
-            pos += len(text)
-            yield text
-        if pos < sent_len:  # the re-run ended short of what was sent
+            new_reasoning, new_text = reasoning.take(ev.reasoning), text.take(ev.text)
+            if new_reasoning is None or new_text is None:
+                raise JobFailed(_diverged(self.rid, ev.seq))
+            if new_text or new_reasoning:
+                yield Delta(new_text, new_reasoning)
+        if text.short or reasoning.short:  # the re-run ended short of what was sent
             raise JobFailed(_diverged(self.rid, self.done.seq if self.done else 0))
 
     async def whole(self) -> str:
-        """The whole text of the job's last run."""
+        """The whole text of the job's last run (its reasoning in :attr:`reasoning`)."""
         parts: list[str] = []
+        thought: list[str] = []
         async for ev in self._rest():
             if ev.type == "reset":
-                parts = []
+                parts, thought = [], []
             elif ev.type == "token":
                 parts.append(ev.text)
+                thought.append(ev.reasoning)
+        self.reasoning = "".join(thought)
         return "".join(parts)
 
     async def _rest(self) -> AsyncIterator[Event]:

@@ -4,7 +4,9 @@ Mapped: ``model``, ``messages`` (``developer`` is a system turn; text content pa
 ``max_completion_tokens``/``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``presence_penalty``,
 ``frequency_penalty``, ``metadata``, ``stream`` and ``stream_options.include_usage``; mlx-lm's and vLLM's
 extensions ``top_k``, ``min_p``, ``repetition_penalty`` and mlxq's ``priority``; ``response_format``
-(``json_object``, ``json_schema``, and mlxq's ``regex`` and ``grammar``: the output is constrained to it).
+(``json_object``, ``json_schema``, and mlxq's ``regex`` and ``grammar``: the output is constrained to it); a
+reasoning model's thinking goes out as ``reasoning_content`` (``chat_template_kwargs.enable_thinking`` switches
+it, as vLLM takes it).
 ``image_url`` content parts become the job's image parts (a model that takes no images refuses them: a 400 from
 its worker). Refused with a 400 that names them: ``n`` other than 1, ``logprobs``, tools and functions,
 ``logit_bias``, audio, ``echo``, ``suffix``, ``best_of`` > 1 and token-id prompts. ``user`` goes into the job's
@@ -101,6 +103,7 @@ class ChatRequest(_Common):
     prediction: Any = None
     reasoning_effort: str | None = None
     web_search_options: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's; enable_thinking is the one taken
 
 
 class CompletionRequest(_Common):
@@ -129,6 +132,9 @@ def _refusals(body: _Common) -> list[str]:
             out.append("audio output")
         if body.prediction:
             out.append("prediction")
+        unknown = sorted(set(body.chat_template_kwargs or {}) - {"enable_thinking"})
+        if unknown:
+            out.append(f"chat_template_kwargs {', '.join(unknown)} (only enable_thinking)")
     if isinstance(body, CompletionRequest):
         if body.logprobs:
             out.append("logprobs")
@@ -229,7 +235,7 @@ class _OpenAI:
     def _start(self) -> str | None:
         return None
 
-    def _text(self, text: str) -> str:
+    def _text(self, text: str, reasoning: str = "") -> str:
         raise NotImplementedError
 
     def _last(self, reason: str) -> str:
@@ -242,8 +248,8 @@ class _OpenAI:
         head, tail = self._head(ask, job, created), self._tail(ask)
         start = self._start()
         opening = f"data: {head}{start}{tail}\n\n" if start is not None else ""  # goes with the first text
-        async for text in job.deltas():
-            yield f"{opening}data: {head}{self._text(text)}{tail}\n\n".encode()
+        async for delta in job.deltas():
+            yield f"{opening}data: {head}{self._text(delta.text, delta.reasoning)}{tail}\n\n".encode()
             opening = ""
         assert job.done is not None
         closing = [opening, f"data: {head}{self._last(_finish(job.done.finish_reason))}{tail}\n\n"]
@@ -262,22 +268,32 @@ class ChatDialect(_OpenAI):
     def parse(self, body: bytes, config: GatewayConfig) -> Ask:
         req: ChatRequest = _parse(ChatRequest, body)
         fmt = req.response_format
-        extra = {"response_format": fmt} if fmt and fmt.get("type") != "text" else {}
+        extra: dict[str, Any] = {"response_format": fmt} if fmt and fmt.get("type") != "text" else {}
+        extra["reasoning"] = "split"  # a reasoning model's thinking goes out as reasoning_content
+        thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
+        if thinking is not None:
+            extra["enable_thinking"] = thinking
         return _job(req, config, req.max_completion_tokens or req.max_tokens, messages=_messages(req.messages),
                     **extra)
 
     def response(self, ask: Ask, job: JobStream, text: str) -> dict[str, Any]:
         assert job.done is not None
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": None, "finish_reason": _finish(job.done.finish_reason)}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if job.reasoning:
+            message["reasoning_content"] = job.reasoning
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish(job.done.finish_reason)}
         return {"id": f"chatcmpl-{job.rid}", "object": "chat.completion", "created": int(time.time()),
                 "model": ask.request.model, "system_fingerprint": None, "choices": [choice], "usage": _usage(job)}
 
     def _start(self) -> str:
         return '[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
 
-    def _text(self, text: str) -> str:
-        return f'[{{"index":0,"delta":{{"content":{encode_basestring(text)}}},"logprobs":null,"finish_reason":null}}]'
+    def _text(self, text: str, reasoning: str = "") -> str:
+        if reasoning:  # vLLM's and DeepSeek's field for a reasoning model's thinking
+            delta = f'"reasoning_content":{encode_basestring(reasoning)},"content":{encode_basestring(text)}'
+        else:
+            delta = f'"content":{encode_basestring(text)}'
+        return f'[{{"index":0,"delta":{{{delta}}},"logprobs":null,"finish_reason":null}}]'
 
     def _last(self, reason: str) -> str:
         return f'[{{"index":0,"delta":{{}},"logprobs":null,"finish_reason":"{reason}"}}]'
@@ -300,7 +316,7 @@ class CompletionDialect(_OpenAI):
         return {"id": f"cmpl-{job.rid}", "object": "text_completion", "created": int(time.time()),
                 "model": ask.request.model, "system_fingerprint": None, "choices": [choice], "usage": _usage(job)}
 
-    def _text(self, text: str) -> str:
+    def _text(self, text: str, reasoning: str = "") -> str:
         return f'[{{"index":0,"text":{encode_basestring(text)},"logprobs":null,"finish_reason":null}}]'
 
     def _last(self, reason: str) -> str:

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aredis
 
-from api.arqseam import read_job
 from api.client import Client
 from api.errors import DuplicateJob
+from api.jobrecord import read_job
 
 MODEL = "m"
 

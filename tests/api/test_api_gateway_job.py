@@ -98,7 +98,7 @@ async def streamed(job: JobStream, out: list[str] | None = None) -> list[str]:
     out = [] if out is None else out
     try:
         async for delta in job.deltas():
-            out.append(delta)
+            out.append(delta.text)
     finally:
         await job.close()
     return out
@@ -159,8 +159,23 @@ async def test_a_job_cancelled_by_someone_else_is_an_error_not_a_short_answer(cl
 async def test_closing_a_job_still_running_cancels_it(client: Client) -> None:
     job = await run(client, [start(0), *tokens(0, "Hel")])
     deltas = job.deltas()
-    assert await anext(deltas) == "Hel"
+    assert (await anext(deltas)).text == "Hel"
     await deltas.aclose()
     await job.close()
     assert await client._redis.exists(client.keys.cancel(RID))
     assert job.ended
+
+
+async def test_a_rerun_repeating_reasoning_and_text_in_other_pieces_continues_seamlessly(client: Client) -> None:
+    def thought(seq: int, reasoning: str, text: str = "") -> TokenEvent:
+        return TokenEvent(id=RID, seq=seq, text=text, token_ids=[seq], index=seq, reasoning=reasoning)
+
+    job = await run(client, [start(0), thought(1, "let "), thought(2, "me", "A"), reset(3), start(4),
+                             thought(5, "le"), thought(6, "t me see", "An"), thought(7, "", "swer"), done(8)])
+    out: list[tuple[str, str]] = []
+    try:
+        async for delta in job.deltas():
+            out.append((delta.reasoning, delta.text))
+    finally:
+        await job.close()
+    assert "".join(r for r, _ in out) == "let me see" and "".join(t for _, t in out) == "Answer"

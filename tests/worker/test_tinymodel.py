@@ -75,7 +75,7 @@ def test_load_config_and_eos_agree(loaded: Loaded, size: str) -> None:
     assert config["eos_token_id"] == eos_id == tokenizer.eos_token_id
     assert tokenizer.eos_token_ids == {eos_id}
     assert tokenizer.bos_token_id is None
-    assert config["vocab_size"] == len(tokenizer) == spec.vocab_size
+    assert config["vocab_size"] == len(tokenizer) == spec.vocab_size + (2 if spec.thinking else 0)  # think markers
     assert model.model.embed_tokens.weight.shape == (len(tokenizer), spec.hidden_size)
 
 
@@ -97,11 +97,17 @@ def test_byte_alphabet(loaded: Loaded, size: str) -> None:
         assert roundtrip == text
 
 
-def test_chat_template_renders(loaded: Loaded) -> None:
+def test_chat_template_renders(loaded: Loaded, size: str) -> None:
     _, tokenizer, _ = loaded
     messages = [{"role": "user", "content": "hi"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    opened = "<think>\n" if SIZES[size].thinking else ""  # a thinking template opens the think block
+    assert text == f"<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n{opened}"
+    if SIZES[size].thinking:
+        assert tokenizer.has_thinking and (tokenizer.think_start, tokenizer.think_end) == ("<think>", "</think>")
+        off = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                            enable_thinking=False)
+        assert off.endswith("assistant\n<think>\n\n</think>\n\n")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert tokenizer.convert_tokens_to_ids(EOS_TOKEN) in ids

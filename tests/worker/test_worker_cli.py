@@ -300,7 +300,7 @@ def test_a_worker_whose_redis_never_answers_says_so_once_at_its_deadline_and_exi
         proc = arq_worker_run({"MLXQ_MODEL": str(tiny_model), "MLXQ_REDIS_URL": url, "MLXQ_CONNECT_DEADLINE": "0.7"})
     assert proc.returncode == 69
     line = one_line(proc)
-    assert f" ERROR api.arqseam: worker cannot start: Redis at {url} unreachable within the 0.7s deadline " \
+    assert f" ERROR worker.arqseam: worker cannot start: Redis at {url} unreachable within the 0.7s deadline " \
            "(MLXQ_CONNECT_DEADLINE; " in line, line
     assert line.split("): ", 1)[1], line  # the cause
 
@@ -372,7 +372,7 @@ def test_help_shows_defaults_environment_and_exit_status(capsys: pytest.CaptureF
 _WATCHED_WORKER = """
 import asyncio, logging, sys, time
 from arq.worker import Worker
-from api.arqseam import Claims, WorkerSpec, worker_settings
+from worker.arqseam import Claims, WorkerSpec, worker_settings
 from worker import watchdog
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)

@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from api.arqseam import JOB_FUNCTION, job_record, read_job
 from api.client import Client
 from api.errors import BadRequest as ClientBadRequest
+from api.jobrecord import JOB_FUNCTION, job_record, read_job
 from api.schema import (
     MAX_MESSAGES,
     MAX_PROMPT_CHARS,

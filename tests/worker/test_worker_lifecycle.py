@@ -9,7 +9,7 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from api.arqseam import JOB_FUNCTION, job_record, read_job
+from api.jobrecord import JOB_FUNCTION, job_record, read_job
 from api.keys import Keys, queue_score
 from api.schema import DoneEvent, ErrorCode, Event, FinishReason, StartEvent, TokenEvent, decode_event
 from worker.lifecycle import Claim, Lifecycle, LogTTL, Outranking, Record, Run, Write
@@ -87,7 +87,7 @@ async def test_events_go_live_on_the_documented_channel_and_duplicates_are_not_r
 
 
 async def test_end_finishes_the_job_keeps_arqs_result_record_and_shortens_the_log_ttl(redis_url: str) -> None:
-    from api.arqseam import arq_job
+    from worker.arqseam import arq_job
 
     r = aredis.Redis.from_url(redis_url)
     try:

@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from api import arqseam
 from api.client import Client
 from api.config import ClientConfig
 from api.errors import JobFailed
 from api.schema import ErrorCode
 from tests.support import config_with, start_worker
+from worker import arqseam
 
 
 async def _ends_in_order(client: Client, rids: list[str]) -> list[str]:

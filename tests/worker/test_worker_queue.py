@@ -315,7 +315,7 @@ async def wait_for(predicate: Callable[[], bool], timeout: float = 30) -> None:
         await asyncio.sleep(0.002)
 
 
-# --- the arq job around each run (worker/lifecycle.py, api/arqseam.py) ----------------------------
+# --- the arq job around each run (worker/lifecycle.py, worker/arqseam.py) ----------------------------
 QUEUE = "mlxq:queue:tiny"
 
 
@@ -330,8 +330,9 @@ async def test_arq_sees_a_finished_job_as_complete_with_its_terminal_event(worke
     from arq.jobs import Job as ArqJob
     from arq.jobs import JobStatus
 
-    from api.arqseam import JOB_FUNCTION, arq_job
+    from api.jobrecord import JOB_FUNCTION
     from api.keys import Keys
+    from worker.arqseam import arq_job
 
     result = await client.generate(model="tiny", prompt="Hello world", max_tokens=6, timeout=60)
     pool = aredis.Redis.from_url(redis_url)
@@ -605,8 +606,8 @@ async def test_two_deployments_share_one_redis_without_sharing_ids_or_keys(worke
     # submit(id=X) raised DuplicateJob because the other had used X.
     from arq.jobs import JobStatus
 
-    from api.arqseam import arq_job
     from api.keys import Keys
+    from worker.arqseam import arq_job
 
     workers = [await start_worker(config_with(worker_config, prefix=p)) for p in ("alpha", "beta")]
     r = aredis.Redis.from_url(redis_url)

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aredis
 
-from api.arqseam import arq_job
 from api.client import Client
 from api.keys import Keys
 from api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, StartEvent
+from worker.arqseam import arq_job
 from worker.tools.process import WorkerProcess
 from worker.tools.redis_server import RedisServer
 

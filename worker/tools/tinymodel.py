@@ -68,6 +68,20 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# ChatML with thinking, as Qwen3's thinking models render it: the generation prompt opens a think block
+# (the output starts inside reasoning), or with enable_thinking false holds an empty one.
+THINK_START, THINK_END = "<think>", "</think>"
+THINK_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
 # Init scales, chosen empirically: with mlx's defaults (embedding std
 # 1/sqrt(d), matrix bound 1/sqrt(fan_in)) greedy decoding of a random model
 # collapses into one repeated token; these keep it varied.
@@ -102,6 +116,7 @@ class ModelSpec:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     seed: int = 0
+    thinking: bool = False  # think markers in the vocabulary and a template that opens a think block
 
     @property
     def head_dim(self) -> int:
@@ -119,6 +134,18 @@ SIZES: dict[str, ModelSpec] = {
         intermediate_size=128,
         vocab_size=512,
         max_position_embeddings=512,
+    ),
+    "tiny-think": ModelSpec(
+        name="tiny-think",
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=512,
+        thinking=True,
     ),
     "small": ModelSpec(
         name="small",
@@ -222,6 +249,9 @@ def build_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:
         additional_special_tokens=[IM_START],
     )
     wrapped.chat_template = CHAT_TEMPLATE
+    if spec.thinking:
+        wrapped.add_tokens([THINK_START, THINK_END])  # added, not special: decoded as text, as Qwen3's are
+        wrapped.chat_template = THINK_TEMPLATE
     return wrapped
 
 

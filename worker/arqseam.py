@@ -5,8 +5,9 @@ key, signals and the SIGTERM drain. How a job is claimed, run and ended is mlxq'
 What crosses this seam:
 
 - **Records.** A job is stored as arq's job record (a JSON envelope: function, arguments, enqueue time), and
-  an ended job's terminal event as arq's result record, both under the deployment's prefix (``api.keys``),
-  so :func:`arq_job` gives an ``arq.jobs.Job`` whose ``status()``, ``info()`` and ``result()`` work.
+  an ended job's terminal event as arq's result record, both under the deployment's prefix (``api.keys``;
+  the formats are ``api/jobrecord.py``'s, which a producer writes without arq), so :func:`arq_job` gives an
+  ``arq.jobs.Job`` whose ``status()``, ``info()`` and ``result()`` work.
 - **Claims.** arq's poll loop calls ``Worker._poll_iteration``. For a worker whose context holds a
   :class:`Host`, the iteration asks ``Host.claim`` for up to the free slots instead of reading arq's one
   queue: the host reads its own queues (one per model it serves) and starts, in one call, what its engines
@@ -21,13 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
 import logging
 import signal
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from json.encoder import encode_basestring  # type: ignore[attr-defined]  # the C string escaper
 from typing import Any, Protocol
 
 import arq.jobs
@@ -37,22 +36,18 @@ from arq.connections import RedisSettings
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from .connection import CONNECT_TIMEOUT_S, RETRY_ON, RetryPolicy, client_redis, redact, retry, with_retries
-from .errors import MlxqError
-from .keys import Keys
+from api.connection import CONNECT_TIMEOUT_S, RETRY_ON, RetryPolicy, client_redis, redact, retry, with_retries
+from api.errors import MlxqError
+from api.jobrecord import JOB_FUNCTION, load_record
+from api.keys import Keys
 
 __all__ = [
-    "JOB_FUNCTION",
     "Claimed",
     "Claims",
-    "Envelope",
     "Host",
     "Outcome",
     "WorkerSpec",
     "arq_job",
-    "job_record",
-    "read_job",
-    "result_record",
     "wake",
     "worker_settings",
 ]
@@ -64,70 +59,9 @@ if not arq.version.VERSION.startswith(SUPPORTED + "."):
 
 log = logging.getLogger(__name__)
 
-JOB_FUNCTION = "generate"  # the arq function name of every mlxq job
 _HOST = "mlxq_host"  # arq ctx keys
 _SPEC = "mlxq_spec"
 _BACKLOG = "mlxq_backlog"
-
-
-# --- records ---------------------------------------------------------------------------------------------
-def job_record(payload: dict[str, Any], enqueue_ms: int) -> bytes:
-    """arq's job record for a job of ours: JSON, never pickle."""
-    envelope: dict[str, Any] = {"t": None, "f": JOB_FUNCTION, "a": [payload], "k": {}, "et": enqueue_ms}
-    return json.dumps(envelope, separators=(",", ":")).encode()
-
-
-@dataclass(frozen=True, slots=True)
-class Envelope:
-    """A job record as read back: its one payload, or why it cannot be run (``problem``)."""
-
-    payload: Any
-    enqueue_ms: int
-    problem: str = ""
-
-
-def read_job(data: bytes, max_bytes: int) -> Envelope:
-    """Parse a job record; never raises (a malformed one comes back with a ``problem``)."""
-    now = int(time.time() * 1000)
-    if len(data) > max_bytes:
-        return Envelope(None, now, f"the job has {len(data)} bytes; the limit is {max_bytes}")
-    try:
-        d = json.loads(data)
-        _check_envelope(d)
-    except (ValueError, TypeError, RecursionError) as exc:
-        reason = str(exc) if len(str(exc)) <= 300 else str(exc)[:300] + "..."
-        return Envelope(None, now, f"undecodable job: {reason}")
-    args, kwargs = d["a"], d["k"]
-    if len(args) != 1 or kwargs:
-        return Envelope(None, d["et"], "undecodable job: the job must carry one payload")
-    return Envelope(args[0], d["et"])
-
-
-def _check_envelope(d: Any) -> None:
-    if not isinstance(d, dict):
-        raise ValueError("the job is not a JSON object")
-    checks = {"f": (str,), "a": (list,), "k": (dict,), "t": (int, type(None)), "et": (int,)}
-    for key, types in checks.items():
-        value = d.get(key)
-        if not isinstance(value, types) or isinstance(value, bool):
-            raise ValueError(f"malformed job envelope: {key!r} is {type(value).__name__}")
-    if d["f"] != JOB_FUNCTION:
-        raise ValueError(f"unknown job function {d['f'][:64]!r}")
-
-
-def result_record(rid: str, *, attempt: int, ok: bool, event_json: str, enqueue_ms: int, start_ms: int,
-                  queue: str) -> bytes:
-    """arq's result record of an ended job (what ``Job.result()`` reads): its terminal event as the result,
-    without the job's arguments (arq would keep the whole prompt again for the result's TTL). Written around
-    the event's own JSON rather than dumping a dict: one is written per job, on the event loop."""
-    return (f'{{"t":{attempt},"f":{encode_basestring(JOB_FUNCTION)},"a":[],"k":{{}},"et":{enqueue_ms},'
-            f'"s":{"true" if ok else "false"},"r":{event_json},"st":{start_ms},"ft":{int(time.time() * 1000)},'
-            f'"q":{encode_basestring(queue)},"id":{encode_basestring(rid)}}}').encode()
-
-
-def _loads(data: bytes) -> dict[str, Any]:
-    d: dict[str, Any] = json.loads(data)
-    return d
 
 
 class _Job(arq.jobs.Job):
@@ -136,7 +70,7 @@ class _Job(arq.jobs.Job):
     __slots__ = ("_keys",)
 
     def __init__(self, rid: str, redis: Redis, queue: str, keys: Keys) -> None:
-        super().__init__(rid, redis, _queue_name=queue, _deserializer=_loads)
+        super().__init__(rid, redis, _queue_name=queue, _deserializer=load_record)
         self._keys = keys
 
     async def result(self, timeout: float | None = None, *, poll_delay: float = 0.5,
@@ -160,7 +94,7 @@ class _Job(arq.jobs.Job):
         if info is None:
             raw = await self._redis.get(self._keys.job(self.job_id))
             if raw:
-                info = arq.jobs.deserialize_job(raw, deserializer=_loads)
+                info = arq.jobs.deserialize_job(raw, deserializer=load_record)
         if info is not None:
             score = await self._redis.zscore(self._queue_name, self.job_id)
             info.score = None if score is None else int(score)
@@ -168,7 +102,7 @@ class _Job(arq.jobs.Job):
 
     async def result_info(self) -> arq.jobs.JobResult | None:
         raw = await self._redis.get(self._keys.result(self.job_id))
-        return arq.jobs.deserialize_result(raw, deserializer=_loads) if raw else None
+        return arq.jobs.deserialize_result(raw, deserializer=load_record) if raw else None
 
     async def status(self) -> arq.jobs.JobStatus:
         k = self._keys

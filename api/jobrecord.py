@@ -1,0 +1,78 @@
+"""The job and result records, as arq stores them: JSON envelopes (never pickle) under the deployment's prefix.
+
+A producer writes a job record (:func:`job_record`); a worker reads it (:func:`read_job`) and writes the ended
+job's result record (:func:`result_record`), which ``arq.jobs.Job.result()`` reads. Nothing here imports arq:
+a producer installs without it (the worker's seam to arq itself is ``worker/arqseam.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from json.encoder import encode_basestring  # type: ignore[attr-defined]  # the C string escaper
+from typing import Any
+
+__all__ = ["JOB_FUNCTION", "Envelope", "job_record", "load_record", "read_job", "result_record"]
+
+JOB_FUNCTION = "generate"  # the arq function name of every mlxq job
+
+
+def job_record(payload: dict[str, Any], enqueue_ms: int) -> bytes:
+    """arq's job record for a job of ours: JSON, never pickle."""
+    envelope: dict[str, Any] = {"t": None, "f": JOB_FUNCTION, "a": [payload], "k": {}, "et": enqueue_ms}
+    return json.dumps(envelope, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """A job record as read back: its one payload, or why it cannot be run (``problem``)."""
+
+    payload: Any
+    enqueue_ms: int
+    problem: str = ""
+
+
+def read_job(data: bytes, max_bytes: int) -> Envelope:
+    """Parse a job record; never raises (a malformed one comes back with a ``problem``)."""
+    now = int(time.time() * 1000)
+    if len(data) > max_bytes:
+        return Envelope(None, now, f"the job has {len(data)} bytes; the limit is {max_bytes}")
+    try:
+        d = json.loads(data)
+        _check_envelope(d)
+    except (ValueError, TypeError, RecursionError) as exc:
+        reason = str(exc) if len(str(exc)) <= 300 else str(exc)[:300] + "..."
+        return Envelope(None, now, f"undecodable job: {reason}")
+    args, kwargs = d["a"], d["k"]
+    if len(args) != 1 or kwargs:
+        return Envelope(None, d["et"], "undecodable job: the job must carry one payload")
+    return Envelope(args[0], d["et"])
+
+
+def _check_envelope(d: Any) -> None:
+    if not isinstance(d, dict):
+        raise ValueError("the job is not a JSON object")
+    checks = {"f": (str,), "a": (list,), "k": (dict,), "t": (int, type(None)), "et": (int,)}
+    for key, types in checks.items():
+        value = d.get(key)
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise ValueError(f"malformed job envelope: {key!r} is {type(value).__name__}")
+    if d["f"] != JOB_FUNCTION:
+        raise ValueError(f"unknown job function {d['f'][:64]!r}")
+
+
+def result_record(rid: str, *, attempt: int, ok: bool, event_json: str, enqueue_ms: int, start_ms: int,
+                  queue: str) -> bytes:
+    """arq's result record of an ended job (what ``Job.result()`` reads): its terminal event as the result,
+    without the job's arguments (arq would keep the whole prompt again for the result's TTL). Written around
+    the event's own JSON rather than dumping a dict: one is written per job, on the event loop."""
+    return (f'{{"t":{attempt},"f":{encode_basestring(JOB_FUNCTION)},"a":[],"k":{{}},"et":{enqueue_ms},'
+            f'"s":{"true" if ok else "false"},"r":{event_json},"st":{start_ms},"ft":{int(time.time() * 1000)},'
+            f'"q":{encode_basestring(queue)},"id":{encode_basestring(rid)}}}').encode()
+
+
+def load_record(data: bytes) -> dict[str, Any]:
+    """A record's JSON, as arq's deserializer hands it back."""
+    d: dict[str, Any] = json.loads(data)
+    return d
