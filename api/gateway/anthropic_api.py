@@ -2,8 +2,10 @@
 
 Mapped: ``model``, ``max_tokens``, ``system`` (a string or text blocks: the first turn, a system message),
 ``messages`` (text blocks are joined), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``,
-``metadata.user_id`` (into the job's metadata) and ``stream``. Refused with a 400 that names them: tools,
-extended thinking, documents, and a final assistant turn (a prefill to continue). Image blocks become the
+``metadata.user_id`` (into the job's metadata), ``stream`` and ``thinking`` (``enabled``/``disabled``: the chat
+template's enable_thinking; a reasoning model's thinking comes as a thinking block before the text, streamed
+as ``thinking_delta``s; ``budget_tokens`` is not enforced apart from ``max_tokens``). Refused with a 400 that
+names them: tools, documents, and a final assistant turn (a prefill to continue). Image blocks become the
 job's image parts (a model that takes no images refuses them: a 400 from its worker). A job that ends on one of
 its ``stop_sequences`` reports ``stop_reason`` ``stop_sequence`` and that ``stop_sequence``; on end of text,
 ``end_turn``; on ``max_tokens``, ``max_tokens``.
@@ -31,8 +33,7 @@ _ERROR_TYPES = {Kind.INVALID: "invalid_request_error", Kind.UNAUTHORIZED: "authe
                 Kind.NOT_FOUND: "not_found_error", Kind.TOO_LARGE: "request_too_large",
                 Kind.RATE_LIMITED: "rate_limit_error", Kind.UPSTREAM: "api_error",
                 Kind.UNAVAILABLE: "overloaded_error"}
-_DELTA_HEAD = 'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,' \
-              '"delta":{"type":"text_delta","text":'
+_DELTAS = {"text": ("text_delta", "text"), "thinking": ("thinking_delta", "thinking")}
 
 
 class MessageIn(BaseModel):
@@ -80,8 +81,8 @@ def _refusals(body: MessagesRequest) -> list[str]:
     out = []
     if body.tools or body.tool_choice is not None:
         out.append("tools")
-    if body.thinking and body.thinking.get("type") != "disabled":
-        out.append("extended thinking")
+    if body.thinking and body.thinking.get("type") not in ("enabled", "disabled"):
+        out.append(f"thinking of type {body.thinking.get('type')!r}")
     if body.messages[-1].role == "assistant":
         out.append("a final assistant turn (prefill)")
     return out
@@ -127,9 +128,12 @@ class MessagesDialect:
             raise invalid(f"not supported by this server: {', '.join(refused)}", "unsupported_parameter")
         sampling = {k: v for k in ("temperature", "top_p", "top_k") if (v := getattr(req, k)) is not None}
         metadata = {"user_id": req.metadata.user_id} if req.metadata and req.metadata.user_id else {}
+        thinking = req.thinking.get("type") == "enabled" if req.thinking else None
         try:
+            # A reasoning model's thinking goes out as thinking blocks, apart from the text.
             job = GenerateRequest(model=req.model, messages=_messages(req), max_tokens=req.max_tokens,
-                                  stop=[s for s in req.stop_sequences or [] if s], metadata=metadata, **sampling)
+                                  stop=[s for s in req.stop_sequences or [] if s], metadata=metadata,
+                                  reasoning="split", enable_thinking=thinking, **sampling)
         except ValidationError as exc:
             raise GatewayError(validation_problem(exc)) from None
         return Ask(job, req.stream)
@@ -137,7 +141,9 @@ class MessagesDialect:
     def response(self, ask: Ask, job: JobStream, text: str) -> dict[str, Any]:
         assert job.done is not None
         usage = job.done.usage
-        return {**self._message(ask, job), "content": [{"type": "text", "text": text}], **_stop(job.done),
+        content = [{"type": "thinking", "thinking": job.reasoning, "signature": ""}] if job.reasoning else []
+        content.append({"type": "text", "text": text})
+        return {**self._message(ask, job), "content": content, **_stop(job.done),
                 "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}}
 
     def _message(self, ask: Ask, job: JobStream) -> dict[str, Any]:
@@ -148,14 +154,14 @@ class MessagesDialect:
     async def frames(self, ask: Ask, job: JobStream) -> AsyncIterator[bytes]:
         # Events that go out together are joined into one write (one send each, as in the OpenAI dialect).
         yield (_event("message_start", {"type": "message_start", "message": self._message(ask, job)})
-               + _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                "content_block": {"type": "text", "text": ""}})
                + _event("ping", {"type": "ping"}))
-        async for delta in job.deltas():  # Messages requests ask for no reasoning apart: text only
-            yield f"{_DELTA_HEAD}{encode_basestring(delta.text)}}}}}\n\n".encode()
+        blocks = _Blocks()
+        async for delta in job.deltas():
+            out = blocks.add("thinking", delta.reasoning) if delta.reasoning else b""
+            yield out + blocks.add("text", delta.text) if delta.text else out
         assert job.done is not None
         usage = {"output_tokens": job.done.usage.completion_tokens}
-        yield Last(_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        yield Last(blocks.add("text", "") + blocks.close()  # a message has a text block, empty or not
                    + _event("message_delta", {"type": "message_delta", "delta": _stop(job.done), "usage": usage})
                    + _event("message_stop", {"type": "message_stop"}))
 
@@ -164,6 +170,36 @@ class MessagesDialect:
 
     def error_frame(self, problem: Problem) -> bytes:
         return Last(_event("error", anthropic_error(problem)))
+
+
+class _Blocks:
+    """A streamed message's content blocks: a thinking block (a reasoning model's), then the text block."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+
+    def add(self, kind: str, text: str) -> bytes:
+        """``text`` as a delta of a block of ``kind``, opening it (and closing the one before) when it is new."""
+        out = b""
+        if kind != self.kind:
+            out = self.close()
+            self.index, self.kind = self.index + 1, kind
+            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                {"type": "text", "text": ""}
+            out += _event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                  "content_block": block})
+        if not text:
+            return out
+        delta_type, field = _DELTAS[kind]
+        return out + (f'event: content_block_delta\ndata: {{"type":"content_block_delta","index":{self.index},'
+                      f'"delta":{{"type":"{delta_type}","{field}":{encode_basestring(text)}}}}}\n\n').encode()
+
+    def close(self) -> bytes:
+        if self.kind is None:
+            return b""
+        self.kind = None
+        return _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:

@@ -1,6 +1,7 @@
-"""A reasoning model's thinking through the gateway, with the official ``openai`` SDK: ``reasoning_content`` in
-the message and in the stream's deltas, apart from ``content``; ``chat_template_kwargs.enable_thinking`` off
-leaves none. A real gateway, Redis and worker process on a generated model with think markers."""
+"""A reasoning model's thinking through the gateway, with the official SDKs: OpenAI's ``reasoning_content`` in
+the message and in the stream's deltas, apart from ``content`` (``chat_template_kwargs.enable_thinking`` off
+leaves none); Anthropic's thinking block before the text block, whole and streamed. A real gateway, Redis and
+worker process on a generated model with think markers."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 
+from api.client import Client
 from tests.api.gateway_support import Deployment, ServedGateway, deployment
 from tests.worker.test_worker_reasoning import thought_then_answer
 
@@ -55,3 +58,27 @@ async def test_thinking_switched_off_leaves_no_reasoning(oai: openai.AsyncOpenAI
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
         await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8,  # type: ignore[arg-type]
                                           extra_body={"chat_template_kwargs": {"tools_in_user": True}})
+
+
+@pytest.fixture
+async def claude(served: tuple[Deployment, ServedGateway]) -> AsyncIterator[anthropic.AsyncAnthropic]:
+    async with anthropic.AsyncAnthropic(base_url=served[1].url, api_key="unused", max_retries=0) as c:
+        yield c
+
+
+async def test_thinking_is_a_thinking_block_before_the_text_whole_and_streamed(
+        claude: anthropic.AsyncAnthropic, served: tuple[Deployment, ServedGateway]) -> None:
+    # The template opens the think block and the random weights never close it: all of it is thinking.
+    async with Client(config=served[0].config.client) as queue:
+        want = await queue.generate(model="tiny", messages=MESSAGES, max_tokens=24, reasoning="split",
+                                    enable_thinking=True, timeout=60)
+    whole = await claude.messages.create(model="tiny", max_tokens=24, messages=MESSAGES,  # type: ignore[arg-type]
+                                         thinking={"type": "enabled", "budget_tokens": 1024})
+    thinking, text = whole.content
+    assert thinking.type == "thinking" and thinking.thinking == want.reasoning and want.reasoning
+    assert text.type == "text" and text.text == want.text
+    async with claude.messages.stream(model="tiny", max_tokens=24, messages=MESSAGES,  # type: ignore[arg-type]
+                                      thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+        streamed = await stream.get_final_message()
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in whole.content]
+    assert streamed.stop_reason == whole.stop_reason == "max_tokens"

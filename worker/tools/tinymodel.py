@@ -14,6 +14,7 @@ Bump ``FORMAT_VERSION`` whenever anything that changes the generated files
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -135,18 +136,6 @@ SIZES: dict[str, ModelSpec] = {
         vocab_size=512,
         max_position_embeddings=512,
     ),
-    "tiny-think": ModelSpec(
-        name="tiny-think",
-        model_type="qwen3",
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=512,
-        max_position_embeddings=512,
-        thinking=True,
-    ),
     "small": ModelSpec(
         name="small",
         model_type="llama",
@@ -160,6 +149,9 @@ SIZES: dict[str, ModelSpec] = {
         ascii_only=True,
     ),
 }
+
+
+SIZES["tiny-think"] = dataclasses.replace(SIZES["tiny"], name="tiny-think", thinking=True)  # a reasoning model's
 
 
 def model_dir(size: str = "tiny", root: Path | None = None) -> Path:
