@@ -79,6 +79,12 @@ class RowMask:
         self.matcher = matcher
         self.fresh = True  # the row's next input is the last token of what it was inserted with: not consumed
 
+    @property
+    def error(self) -> str:
+        """Why the matcher cannot go on ("" while it can): a token it refused (llguidance may allow an added
+        token by its text in a mask and then refuse it as special)."""
+        return _first_line(self.matcher.get_error()) if self.matcher.is_error() else ""
+
     def feed(self, token: int) -> None:
         """The row is fed ``token`` (it was sampled under this mask), unless it is the row's first input."""
         if self.fresh:

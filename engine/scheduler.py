@@ -274,7 +274,14 @@ class Scheduler:
         end = tok.finish_reason  # the backend ended the row: it has left the batch
         if end is not None:
             self._cache.ended(seq, tok)
-        if seq.accept(tok.token, end, outs.get(seq.rid)) is not None:
+        out = outs.get(seq.rid)
+        finish = seq.accept(tok.token, end, out)
+        if finish is None and seq.constraint is not None and seq.constraint.error:
+            # Its format could not take a token its own mask allowed: what follows would not match it.
+            out.finish, out.error_code = FinishReason.ERROR, ErrorCode.BAD_REQUEST
+            out.error_message = f"the output could not go on in its format: {seq.constraint.error}"
+            finish = FinishReason.ERROR
+        if finish is not None:
             if end is None:
                 self._cache.retire(seq)
             self._pop_running(seq.rid)

@@ -39,6 +39,8 @@ class Constraint(Protocol):
     by the tokens its row is fed. Once the constraint is complete it allows only an end of sequence."""
 
     def __call__(self, tokens: Any, logits: Any) -> Any: ...
+    @property
+    def error(self) -> str: ...  # why it cannot go on ("" while it can)
 
 
 class TextParser(Protocol):

@@ -172,3 +172,19 @@ def test_a_grammar_is_compiled_once_and_cached(grammars: Grammars) -> None:
 def test_a_format_that_cannot_compile_is_refused_with_why(grammars: Grammars, fmt: ResponseFormat, says: str) -> None:
     with pytest.raises(GrammarError, match=says):
         grammars.compile(fmt)
+
+
+def test_a_format_the_matcher_cannot_follow_ends_the_row_with_bad_request(tiny_think_model: Path,
+                                                                          stream: mx.Stream) -> None:
+    # llguidance takes an added token (here the think end) as special: a regex that spells its text gets it in
+    # the mask, then refuses it. The row ends with an error, not with text that stops matching its format.
+    import mlx_lm
+
+    lm = mlx_lm.load(str(tiny_think_model))
+    model, tokenizer = lm
+    grammars = Grammars(tokenizer._tokenizer, vocab_size(model, tokenizer), tokenizer.eos_token_ids)
+    grammar = grammars.compile(ResponseFormat(FormatKind.REGEX, "[a-z]{3,8}</think>[a-z]{3,8}"))
+    run = generate(lm, stream, [request(lm, "r", grammar, max_tokens=30)])
+    last = run.final("r")
+    assert last.finish is FinishReason.ERROR and last.error_code == "bad_request"
+    assert last.error_message is not None and "could not go on in its format" in last.error_message
