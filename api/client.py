@@ -42,6 +42,7 @@ from .schema import (
     FinishReason,
     GenerateRequest,
     Timings,
+    TokenLogprob,
     Usage,
     WorkerStatus,
     decode_event,
@@ -81,6 +82,7 @@ class Result:
     timings: Timings
     token_ids: list[int] = field(default_factory=list)
     reasoning: str = ""
+    logprobs: list[TokenLogprob] | None = None  # one per token, for a request with ``logprobs``
 
 
 class Client:
@@ -385,17 +387,22 @@ async def _result(rid: str, events: AsyncIterator[Event]) -> Result:
     text: list[str] = []
     reasoning: list[str] = []
     ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
     async for ev in events:
         if ev.type == "reset":
-            text, reasoning, ids = [], [], []
+            text, reasoning, ids, logprobs = [], [], [], None
         elif ev.type == "token":
             text.append(ev.text)
             reasoning.append(ev.reasoning)
             ids.extend(ev.token_ids)
+            if ev.logprobs is not None:
+                logprobs = [] if logprobs is None else logprobs
+                logprobs.extend(ev.logprobs)
         elif isinstance(ev, ErrorEvent):
             raise JobFailed(ev)
         elif isinstance(ev, DoneEvent):
-            return Result(rid, "".join(text), ev.finish_reason, ev.usage, ev.timings, ids, "".join(reasoning))
+            return Result(rid, "".join(text), ev.finish_reason, ev.usage, ev.timings, ids, "".join(reasoning),
+                          logprobs)
     raise AssertionError("unreachable: events() ends with a terminal event")
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "TextPart",
     "Timings",
     "TokenEvent",
+    "TokenLogprob",
     "Usage",
     "WorkerStatus",
     "decode_event",
@@ -67,6 +68,7 @@ MAX_IMAGES = 64  # per request
 MAX_IMAGE_URL_CHARS = 48 << 20  # a data URL of a ~36 MiB image
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
 MAX_FORMAT_CHARS = 64 << 10  # a response format's schema (as JSON), regex or grammar
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound)
 
 
 def new_request_id() -> str:
@@ -270,6 +272,8 @@ class GenerateRequest(BaseModel):
     reasoning: Literal["inline", "split"] = "inline"
     # The chat template's enable_thinking (None: the model's default); only a model that thinks uses it.
     enable_thinking: bool | None = None
+    # Each token's log-probability in its token event, with this many most likely alternatives (None: none).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> GenerateRequest:
@@ -334,6 +338,17 @@ class StartEvent(_EventBase):
     attempt: int = 1
 
 
+class TokenLogprob(BaseModel):
+    """A generated token's log-probability, and the most likely tokens at its place as ``[id, logprob]``
+    pairs, most likely first."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list)
+
+
 class TokenEvent(_EventBase):
     """New text: ``text`` is the delta, ``token_ids`` the tokens behind it, ``index`` the first one's index;
     ``reasoning``: new reasoning text, apart from the answer's (only for a request with ``reasoning="split"``)."""
@@ -343,6 +358,8 @@ class TokenEvent(_EventBase):
     token_ids: list[int]
     index: int
     reasoning: str = Field(default="", exclude_if=lambda v: not v)  # left out when empty, as before it was
+    # One per token of ``token_ids``, for a request with ``logprobs`` (left out otherwise).
+    logprobs: list[TokenLogprob] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 def token_event_json(id: str, seq: int, text: str, token_ids: list[int], index: int, reasoning: str = "") -> str:

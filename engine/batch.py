@@ -9,9 +9,10 @@ Every method must be called on the model's MLX thread.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -20,9 +21,10 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from .constrain import RowMask, apply_bitmask, fill_masks
 from .mlx_process import unwired
-from .request import ImageInputs
+from .request import ImageInputs, RequestOutput, TokenLogprob
 
-__all__ = ["BatchBackend", "BatchToken", "CachingBackend", "GeneratedToken", "MLXBatch", "SequenceCache", "Started"]
+__all__ = ["BatchBackend", "BatchToken", "CachingBackend", "GeneratedToken", "MLXBatch", "SequenceCache", "Started",
+           "attach_logprobs"]
 
 _GENERATE = importlib.import_module("mlx_lm.generate")  # the module: the package's ``generate`` is a function
 
@@ -50,6 +52,7 @@ class BatchToken:
     finish_reason: str | None
     prompt_cache: list[Any] | None = None
     all_tokens: list[int] | None = None
+    logprobs: Any = None  # the log-probabilities it was sampled from (an MLX array over the vocabulary)
 
 
 @dataclass(slots=True)
@@ -92,6 +95,7 @@ class Started:
     token: int
     finish_reason: str | None
     cache: list[Any]
+    logprobs: Any = None  # what the first token was sampled from (an MLX array over the vocabulary)
 
 
 class BatchBackend(Protocol):
@@ -267,7 +271,7 @@ class MLXBatch:
         for p in logits_processors:  # the row is inserted with its first token, which its mask has seen then
             if isinstance(p, RowMask):
                 p.matcher.consume_token(first)
-        return Started(first, "stop" if first in self._eos else None, cache)
+        return Started(first, "stop" if first in self._eos else None, cache, logprobs.reshape(-1))
 
     def remove(self, uids: Iterable[int]) -> None:
         uids = list(uids)
@@ -319,6 +323,25 @@ class MLXBatch:
 def _no_wired_limit() -> None:
     """``maybe_set_recommended_wired_limit`` when the process owns the limit: sets nothing, found nothing."""
     return None
+
+
+def attach_logprobs(asked: list[tuple[RequestOutput, int, Any, int]]) -> None:
+    """Each asked-for token's log-probability and its row's ``top`` alternatives, appended to its output: one
+    batched top-k over the rows of a step (``asked``: output, token, the vector it was sampled from, top)."""
+    vectors = mx.stack([vector.reshape(-1) for _, _, vector, _ in asked])
+    chosen = mx.take_along_axis(vectors, mx.array([[token] for _, token, _, _ in asked]), axis=-1)
+    k = min(max(top for *_, top in asked), vectors.shape[-1])
+    top_ids: list[list[int]] = [[] for _ in asked]
+    top_values: list[list[float]] = [[] for _ in asked]
+    if k:
+        ids = mx.argpartition(-vectors, kth=k - 1, axis=-1)[:, :k]
+        values = mx.take_along_axis(vectors, ids, axis=-1).astype(mx.float32)
+        mx.eval(chosen, ids, values)
+        top_ids, top_values = cast(list[list[int]], ids.tolist()), cast(list[list[float]], values.tolist())
+    picked = cast(list[list[float]], chosen.astype(mx.float32).tolist())
+    for (out, token, _, top), lp, row_ids, row_values in zip(asked, picked, top_ids, top_values):
+        pairs = sorted(((i, v) for i, v in zip(row_ids, row_values) if v > -math.inf), key=lambda p: -p[1])
+        out.logprobs.append(TokenLogprob(token, float(lp[0]), tuple(pairs[:top])))
 
 
 def _fresh(processors: list[Any]) -> None:

@@ -170,7 +170,7 @@ class ReuseCaches:
         uid = self.backend.insert([started.token], max(more, 1), seq.sampler, seq.processors, cache=started.cache,
                                   cache_tokens=prompt)
         self.stats.started_at_once += 1
-        return uid, BatchToken(uid, started.token, finish)
+        return uid, BatchToken(uid, started.token, finish, logprobs=started.logprobs)
 
     def take(self, seqs: list[Sequence]) -> dict[int, SequenceCache]:
         return self.backend.take_caches([s.uid for s in seqs])

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from .reasoning import ThinkMarkers
 
 __all__ = ["EngineRequest", "ErrorCode", "FinishReason", "Format", "ImageInputs", "RequestOutput", "SamplingParams",
-           "Status", "coalesce", "merge_into", "terminal"]
+           "Status", "TokenLogprob", "coalesce", "merge_into", "terminal"]
 
 
 class Status(str, Enum):
@@ -56,6 +56,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # report each token's log-probability and this many top alternatives (None: none)
 
     @property
     def greedy(self) -> bool:
@@ -103,6 +104,16 @@ class EngineRequest:
     thinking: ThinkMarkers | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability, and the ``top`` most likely tokens at its place (id, log-probability),
+    most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What one engine step reports about one request.
@@ -124,6 +135,7 @@ class RequestOutput:
     error_message: str | None = None
     stop_sequence: str | None = None
     reasoning: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token of ``token_ids``, when asked
 
 
 def terminal(rid: str, reason: FinishReason, generated: int, code: ErrorCode | None = None,
@@ -148,7 +160,7 @@ def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
             merged[out.rid] = RequestOutput(
                 out.rid, list(out.token_ids), out.text, out.started, out.prompt_tokens,
                 out.completion_tokens, out.finish, out.error_code, out.error_message, out.stop_sequence,
-                out.reasoning,
+                out.reasoning, list(out.logprobs),
             )
         else:
             merge_into(acc, out)
@@ -163,6 +175,8 @@ def merge_into(acc: RequestOutput, out: RequestOutput) -> None:
     acc.text += out.text
     if out.reasoning:
         acc.reasoning += out.reasoning
+    if out.logprobs:
+        acc.logprobs.extend(out.logprobs)
     acc.completion_tokens = max(acc.completion_tokens, out.completion_tokens)
     if out.finish is None and not out.started:  # a plain decode step: the common case, per token
         return

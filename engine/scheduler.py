@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .admission import KVAdmission
-from .batch import BatchBackend, GeneratedToken, SequenceCache
+from .batch import BatchBackend, GeneratedToken, SequenceCache, attach_logprobs
 from .cache_strategy import CacheStrategy, strategy_for
 from .memory import KVBudget
 from .prefix_cache import PrefixCache
@@ -70,9 +70,10 @@ class Room:
 
 @dataclass(slots=True)
 class _StepOutputs:
-    """Outputs of one step, one record per request."""
+    """Outputs of one step, one record per request; the tokens whose log-probabilities are asked for."""
 
     by_rid: dict[str, RequestOutput] = field(default_factory=dict)
+    logprobs: list[tuple[RequestOutput, int, Any, int]] = field(default_factory=list)  # out, token, vector, top
 
     def get(self, rid: str) -> RequestOutput:
         out = self.by_rid.get(rid)
@@ -243,6 +244,8 @@ class Scheduler:
                     raise StepFailed(list(outs.by_rid.values())) from exc
                 for tok in tokens:
                     self._on_token(tok, outs)
+            if outs.logprobs:
+                attach_logprobs(outs.logprobs)
             self._cache.after_step()
             self.kv.read()
         if self._room_dirty:
@@ -275,7 +278,13 @@ class Scheduler:
         if end is not None:
             self._cache.ended(seq, tok)
         out = outs.get(seq.rid)
+        emitted = len(out.token_ids)
         finish = seq.accept(tok.token, end, out)
+        top = seq.req.params.logprobs
+        if top is not None and len(out.token_ids) > emitted:  # it is one of the row's tokens: its logprob too
+            vector = getattr(tok, "logprobs", None)
+            if vector is not None:
+                outs.logprobs.append((out, tok.token, vector, top))
         if finish is None and seq.constraint is not None and seq.constraint.error:
             # Its format could not take a token its own mask allowed: what follows would not match it.
             out.finish, out.error_code = FinishReason.ERROR, ErrorCode.BAD_REQUEST
@@ -468,3 +477,4 @@ class Scheduler:
             rows = self._priorities[outranked]
         self.room = Room(self.capacity - running, len(self._waiting), self.kv.kv_rows(typical), outranked, rows,
                          paused)
+

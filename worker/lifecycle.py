@@ -55,6 +55,8 @@ from api.schema import (
     ResetEvent,
     StartEvent,
     Timings,
+    TokenEvent,
+    TokenLogprob,
     Usage,
     decode_event,
     token_event_json,
@@ -126,9 +128,13 @@ class TokenLine:
     token_ids: list[int]
     index: int
     reasoning: str = ""
+    logprobs: list[TokenLogprob] | None = None
     type: Literal["token"] = "token"
 
     def model_dump_json(self) -> str:
+        if self.logprobs is not None:  # rare: pydantic's own JSON, floats as it writes them
+            return TokenEvent(id=self.id, seq=self.seq, text=self.text, token_ids=self.token_ids, index=self.index,
+                              reasoning=self.reasoning, logprobs=self.logprobs).model_dump_json()
         return token_event_json(self.id, self.seq, self.text, self.token_ids, self.index, self.reasoning)
 
 
@@ -156,6 +162,7 @@ class Run:
     started_at: float = field(default_factory=time.time)  # epoch seconds, as the timings below
     admitted_at: float | None = None
     first_token_at: float | None = None
+    logprobs: bool = False  # its request asked for log-probabilities: its token events carry them
     finished: asyncio.Future[State] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def _next(self) -> int:
@@ -176,12 +183,15 @@ class Run:
         return StartEvent(id=self.rid, seq=self._next(), model=self.model, worker=worker,
                           prompt_tokens=prompt_tokens, attempt=self.attempt)
 
-    def tokens(self, text: str, token_ids: list[int], completion_tokens: int, reasoning: str = "") -> TokenLine:
-        """New text (and reasoning): ``completion_tokens`` counts every token so far, ``token_ids`` included."""
+    def tokens(self, text: str, token_ids: list[int], completion_tokens: int, reasoning: str = "",
+               logprobs: list[TokenLogprob] | None = None) -> TokenLine:
+        """New text (and reasoning, log-probabilities): ``completion_tokens`` counts every token so far,
+        ``token_ids`` included."""
         if self.first_token_at is None:
             self.first_token_at = time.time()
         self.completion_tokens = max(self.completion_tokens, completion_tokens)
-        return TokenLine(self.rid, self._next(), text, token_ids, completion_tokens - len(token_ids), reasoning)
+        return TokenLine(self.rid, self._next(), text, token_ids, completion_tokens - len(token_ids), reasoning,
+                         logprobs)
 
     def done(self, reason: FinishReason) -> DoneEvent:
         return DoneEvent(id=self.rid, seq=self._next(), finish_reason=reason, timings=self.timings(),

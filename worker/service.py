@@ -159,6 +159,8 @@ class ModelService:
         chars = len(req.prompt or "") + sum(len(m.text) for m in req.messages or [])
         if chars > self.config.max_payload_bytes:
             raise BadRequest(f"the prompt has {chars} characters; the limit is {self.config.max_payload_bytes}")
+        if req.logprobs is not None and self.model is not None and self.model.accepts_images:
+            raise BadRequest(f"logprobs are not supported by the vision-language model {self.name!r}")
         if media.has_images(req):  # worker/media.py, on the model's image thread
             assert self.model is not None and self.engine is not None
             try:

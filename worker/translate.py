@@ -12,6 +12,7 @@ from api.schema import (
     JSONObjectFormat,
     JSONSchemaFormat,
     RegexFormat,
+    TokenLogprob,
 )
 from engine.constrain import FormatKind, ResponseFormat
 from engine.reasoning import ThinkMarkers
@@ -50,6 +51,7 @@ def to_engine_request(
         frequency_penalty=req.frequency_penalty,
         seed=req.seed,
         stop=tuple(req.stop),
+        logprobs=req.logprobs,
     )
     now = time.monotonic()
     arrival = now - max(0.0, time.time() - enqueue_ms / 1000) if enqueue_ms else now
@@ -77,7 +79,9 @@ def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
     if out.started:
         events.append(run.start(out.prompt_tokens, worker))
     if out.token_ids or out.text or out.reasoning:
-        events.append(run.tokens(out.text, out.token_ids, out.completion_tokens, out.reasoning))
+        logprobs = [TokenLogprob(token=lp.token, logprob=lp.logprob, top=list(lp.top)) for lp in out.logprobs] \
+            if run.logprobs else None
+        events.append(run.tokens(out.text, out.token_ids, out.completion_tokens, out.reasoning, logprobs))
     run.completion_tokens = max(run.completion_tokens, out.completion_tokens)
     if out.finish is EngineFinish.ERROR:
         code = _ERROR_CODES[out.error_code] if out.error_code is not None else ErrorCode.INTERNAL

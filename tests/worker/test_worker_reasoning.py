@@ -54,3 +54,19 @@ async def test_a_model_without_think_markers_has_no_reasoning(worker: Any, clien
     split = await client.generate(model="tiny", prompt="Hello", max_tokens=12, reasoning="split", timeout=60)
     inline = await client.generate(model="tiny", prompt="Hello", max_tokens=12, timeout=60)
     assert split.reasoning == "" and split.text == inline.text
+
+
+async def test_logprobs_come_with_each_token_through_the_queue(worker: Any, client: Client) -> None:
+    from tests.engine.test_engine_logprobs import reference
+
+    model = worker.service.model
+    result = await client.generate(model="tiny", prompt="Hello there", max_tokens=12, logprobs=3, timeout=60)
+    assert result.logprobs is not None and [lp.token for lp in result.logprobs] == result.token_ids
+    prompt = model.prompts.encode("Hello there", None)
+    want = await worker.service.engine.thread.call(reference, model.model, prompt, 12)
+    for got, (token, vector) in zip(result.logprobs, want):
+        assert got.token == token and abs(got.logprob - vector[token]) < 1e-3
+        assert len(got.top) == 3 and got.top[0][0] == token
+        assert [v for _, v in got.top] == sorted((v for _, v in got.top), reverse=True)
+    plain = await client.generate(model="tiny", prompt="Hello there", max_tokens=12, timeout=60)
+    assert plain.logprobs is None and plain.token_ids == result.token_ids
