@@ -45,6 +45,7 @@ __all__ = [
     "Timings",
     "TokenEvent",
     "TokenLogprob",
+    "TopLogprob",
     "Usage",
     "WorkerStatus",
     "decode_event",
@@ -338,15 +339,25 @@ class StartEvent(_EventBase):
     attempt: int = 1
 
 
-class TokenLogprob(BaseModel):
-    """A generated token's log-probability, and the most likely tokens at its place as ``[id, logprob]``
-    pairs, most likely first."""
+class TopLogprob(BaseModel):
+    """One of the most likely tokens at a generated token's place: its id, log-probability and text."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     token: int
     logprob: float
-    top: list[tuple[int, float]] = Field(default_factory=list)
+    text: str = ""
+
+
+class TokenLogprob(BaseModel):
+    """A generated token's log-probability and text, and the most likely tokens at its place, most likely first."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token: int
+    logprob: float
+    text: str = ""
+    top: list[TopLogprob] = Field(default_factory=list)
 
 
 class TokenEvent(_EventBase):

@@ -283,7 +283,8 @@ class WorkerHost:
 
     async def _generate(self, service: ModelService, run: Run, req: GenerateRequest, prompt: Prompt) -> State:
         self.runs[run.rid] = run
-        run.logprobs = req.logprobs is not None
+        if req.logprobs is not None:
+            run.token_text = service.token_text
         deadline = time.monotonic() + self.config.job_timeout_s
         service.add(to_engine_request(req, prompt.tokens, deadline, cache_boundary=prompt.cache_boundary,
                                       images=prompt.images, format=prompt.format, thinking=prompt.thinking,

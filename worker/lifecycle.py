@@ -37,7 +37,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -162,7 +162,8 @@ class Run:
     started_at: float = field(default_factory=time.time)  # epoch seconds, as the timings below
     admitted_at: float | None = None
     first_token_at: float | None = None
-    logprobs: bool = False  # its request asked for log-probabilities: its token events carry them
+    # Its request asked for log-probabilities: its token events carry them, with each token's text from this
+    token_text: Callable[[int], str] | None = None
     finished: asyncio.Future[State] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def _next(self) -> int:

@@ -58,6 +58,7 @@ class ModelService:
         self._images = ThreadPoolExecutor(1, thread_name_prefix=f"mlxq-images-{served.name}")
         self._grammars: Grammars | None = None  # built for the first job with a response format
         self._grammars_lock = asyncio.Lock()
+        self._token_texts: dict[int, str] = {}
 
     async def load(self, sink: Sink) -> None:
         """Load the model on a new MLX thread of its own and start its engine."""
@@ -179,6 +180,14 @@ class ModelService:
         if req.response_format is None or req.response_format.type == "text":
             return prompt
         return dataclasses.replace(prompt, format=await self.compile_format(req))
+
+    def token_text(self, token: int) -> str:
+        """One token's text, as the tokenizer decodes it alone (memoized: a vocabulary is finite)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            assert self.model is not None
+            text = self._token_texts[token] = str(self.model.tokenizer.decode([token]))
+        return text
 
     def think_markers(self, req: GenerateRequest, tokens: list[int]) -> ThinkMarkers | None:
         """The model's think markers when the request wants reasoning apart (None: one text), and whether its

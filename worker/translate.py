@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from api.schema import (
     ErrorCode,
@@ -13,6 +14,7 @@ from api.schema import (
     JSONSchemaFormat,
     RegexFormat,
     TokenLogprob,
+    TopLogprob,
 )
 from engine.constrain import FormatKind, ResponseFormat
 from engine.reasoning import ThinkMarkers
@@ -79,8 +81,7 @@ def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
     if out.started:
         events.append(run.start(out.prompt_tokens, worker))
     if out.token_ids or out.text or out.reasoning:
-        logprobs = [TokenLogprob(token=lp.token, logprob=lp.logprob, top=list(lp.top)) for lp in out.logprobs] \
-            if run.logprobs else None
+        logprobs = _logprobs(out, run.token_text) if run.token_text is not None else None
         events.append(run.tokens(out.text, out.token_ids, out.completion_tokens, out.reasoning, logprobs))
     run.completion_tokens = max(run.completion_tokens, out.completion_tokens)
     if out.finish is EngineFinish.ERROR:
@@ -92,3 +93,8 @@ def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
             done = done.model_copy(update={"stop_sequence": out.stop_sequence})
         events.append(done)
     return events
+
+
+def _logprobs(out: RequestOutput, text: Callable[[int], str]) -> list[TokenLogprob]:
+    return [TokenLogprob(token=lp.token, logprob=lp.logprob, text=text(lp.token),
+                         top=[TopLogprob(token=t, logprob=v, text=text(t)) for t, v in lp.top]) for lp in out.logprobs]

@@ -16,7 +16,16 @@ from typing import cast
 
 from ..client import Client
 from ..errors import AccessDenied, JobFailed, MlxqError, QueueUnavailable, WaitTimeout
-from ..schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, GenerateRequest, StartEvent
+from ..schema import (
+    DoneEvent,
+    ErrorCode,
+    ErrorEvent,
+    Event,
+    FinishReason,
+    GenerateRequest,
+    StartEvent,
+    TokenLogprob,
+)
 from .errors import GatewayError, Kind, Problem
 
 __all__ = ["Delta", "JobStream"]
@@ -31,6 +40,7 @@ class Delta:
 
     text: str
     reasoning: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()  # its new tokens' log-probabilities, when the request asked for them
 
 
 class _Sent:
@@ -78,6 +88,7 @@ class JobStream:
         self._held: list[Event] = []  # read by open() past the start
         self._settled = False  # ended, or never queued: nothing to cancel
         self.reasoning = ""  # the whole reasoning of the last run, once whole() read it
+        self.logprobs: list[TokenLogprob] = []  # and its tokens' log-probabilities (when asked for)
 
     async def open(self) -> None:
         """Submit the job and wait for its start. Raises what submitting raises (``NoWorker``, ``QueueFull``,
@@ -106,18 +117,25 @@ class JobStream:
         """The text (and reasoning) as it is made, each piece once: a re-run's repeat of what was sent is
         skipped, and a re-run that diverges from it raises :class:`JobFailed`."""
         text, reasoning = _Sent(), _Sent()
+        logprobs_sent = logprobs_seen = 0  # tokens with log-probabilities sent, and seen of the current run
         async for ev in self._rest():
             if ev.type == "reset":
                 text.rerun()
                 reasoning.rerun()
+                logprobs_seen = 0
                 continue
-            if ev.type != "token" or not (ev.text or ev.reasoning):
+            if ev.type != "token" or not (ev.text or ev.reasoning or ev.logprobs):
                 continue
             new_reasoning, new_text = reasoning.take(ev.reasoning), text.take(ev.text)
             if new_reasoning is None or new_text is None:
                 raise JobFailed(_diverged(self.rid, ev.seq))
-            if new_text or new_reasoning:
-                yield Delta(new_text, new_reasoning)
+            new_logprobs: tuple[TokenLogprob, ...] = ()
+            if ev.logprobs:  # a re-run's repeat of tokens already sent is skipped here too
+                new_logprobs = tuple(ev.logprobs[max(0, logprobs_sent - logprobs_seen):])
+                logprobs_seen += len(ev.logprobs)
+                logprobs_sent = max(logprobs_sent, logprobs_seen)
+            if new_text or new_reasoning or new_logprobs:
+                yield Delta(new_text, new_reasoning, new_logprobs)
         if text.short or reasoning.short:  # the re-run ended short of what was sent
             raise JobFailed(_diverged(self.rid, self.done.seq if self.done else 0))
 
@@ -125,13 +143,16 @@ class JobStream:
         """The whole text of the job's last run (its reasoning in :attr:`reasoning`)."""
         parts: list[str] = []
         thought: list[str] = []
+        logprobs: list[TokenLogprob] = []
         async for ev in self._rest():
             if ev.type == "reset":
-                parts, thought = [], []
+                parts, thought, logprobs = [], [], []
             elif ev.type == "token":
                 parts.append(ev.text)
                 thought.append(ev.reasoning)
+                logprobs.extend(ev.logprobs or ())
         self.reasoning = "".join(thought)
+        self.logprobs = logprobs
         return "".join(parts)
 
     async def _rest(self) -> AsyncIterator[Event]:

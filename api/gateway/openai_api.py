@@ -8,7 +8,8 @@ extensions ``top_k``, ``min_p``, ``repetition_penalty`` and mlxq's ``priority``;
 reasoning model's thinking goes out as ``reasoning_content`` (``chat_template_kwargs.enable_thinking`` switches
 it, as vLLM takes it).
 ``image_url`` content parts become the job's image parts (a model that takes no images refuses them: a 400 from
-its worker). Refused with a 400 that names them: ``n`` other than 1, ``logprobs``, tools and functions,
+its worker); chat's ``logprobs`` and ``top_logprobs`` (each token's text, log-probability and bytes). Refused
+with a 400 that names them: ``n`` other than 1, the completions API's ``logprobs``, tools and functions,
 ``logit_bias``, audio, ``echo``, ``suffix``, ``best_of`` > 1 and token-id prompts. ``user`` goes into the job's
 metadata.
 """
@@ -16,13 +17,13 @@ metadata.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from json.encoder import encode_basestring  # type: ignore[attr-defined]  # the C string escaper
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..schema import ChatMessage, FinishReason, GenerateRequest
+from ..schema import ChatMessage, FinishReason, GenerateRequest, TokenLogprob
 from .config import GatewayConfig
 from .content import chat_content
 from .dialect import Ask, dumps, sse
@@ -91,7 +92,7 @@ class ChatRequest(_Common):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -124,8 +125,8 @@ def _refusals(body: _Common) -> list[str]:
     if body.logit_bias:
         out.append("logit_bias")
     if isinstance(body, ChatRequest):
-        if body.logprobs or body.top_logprobs:
-            out.append("logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            out.append("top_logprobs without logprobs: true")
         if body.tools or body.functions or body.tool_choice not in (None, "none") or body.function_call:
             out.append("tools and function calling")
         if (body.modalities and set(body.modalities) != {"text"}) or body.audio:
@@ -205,6 +206,15 @@ def _usage(job: JobStream) -> dict[str, int]:
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
+def _logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """A choice's ``logprobs``: each token's text, log-probability, UTF-8 bytes and its top alternatives."""
+    def one(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**one(lp.text, lp.logprob), "top_logprobs": [one(t.text, t.logprob) for t in lp.top]}
+                        for lp in entries], "refusal": None}
+
+
 def openai_error(problem: Problem) -> dict[str, Any]:
     """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": problem.message, "type": _ERROR_TYPES[problem.kind], "param": None,
@@ -235,7 +245,7 @@ class _OpenAI:
     def _start(self) -> str | None:
         return None
 
-    def _text(self, text: str, reasoning: str = "") -> str:
+    def _text(self, text: str, reasoning: str = "", logprobs: tuple[TokenLogprob, ...] = ()) -> str:
         raise NotImplementedError
 
     def _last(self, reason: str) -> str:
@@ -249,7 +259,7 @@ class _OpenAI:
         start = self._start()
         opening = f"data: {head}{start}{tail}\n\n" if start is not None else ""  # goes with the first text
         async for delta in job.deltas():
-            yield f"{opening}data: {head}{self._text(delta.text, delta.reasoning)}{tail}\n\n".encode()
+            yield f"{opening}data: {head}{self._text(delta.text, delta.reasoning, delta.logprobs)}{tail}\n\n".encode()
             opening = ""
         assert job.done is not None
         closing = [opening, f"data: {head}{self._last(_finish(job.done.finish_reason))}{tail}\n\n"]
@@ -273,6 +283,8 @@ class ChatDialect(_OpenAI):
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
         if thinking is not None:
             extra["enable_thinking"] = thinking
+        if req.logprobs:
+            extra["logprobs"] = req.top_logprobs or 0
         return _job(req, config, req.max_completion_tokens or req.max_tokens, messages=_messages(req.messages),
                     **extra)
 
@@ -281,19 +293,22 @@ class ChatDialect(_OpenAI):
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         if job.reasoning:
             message["reasoning_content"] = job.reasoning
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish(job.done.finish_reason)}
+        logprobs = _logprobs(job.logprobs) if ask.request.logprobs is not None else None
+        choice = {"index": 0, "message": message, "logprobs": logprobs,
+                  "finish_reason": _finish(job.done.finish_reason)}
         return {"id": f"chatcmpl-{job.rid}", "object": "chat.completion", "created": int(time.time()),
                 "model": ask.request.model, "system_fingerprint": None, "choices": [choice], "usage": _usage(job)}
 
     def _start(self) -> str:
         return '[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
 
-    def _text(self, text: str, reasoning: str = "") -> str:
+    def _text(self, text: str, reasoning: str = "", logprobs: tuple[TokenLogprob, ...] = ()) -> str:
         if reasoning:  # vLLM's and DeepSeek's field for a reasoning model's thinking
             delta = f'"reasoning_content":{encode_basestring(reasoning)},"content":{encode_basestring(text)}'
         else:
             delta = f'"content":{encode_basestring(text)}'
-        return f'[{{"index":0,"delta":{{{delta}}},"logprobs":null,"finish_reason":null}}]'
+        lps = dumps(_logprobs(logprobs)) if logprobs else "null"
+        return f'[{{"index":0,"delta":{{{delta}}},"logprobs":{lps},"finish_reason":null}}]'
 
     def _last(self, reason: str) -> str:
         return f'[{{"index":0,"delta":{{}},"logprobs":null,"finish_reason":"{reason}"}}]'
@@ -316,7 +331,7 @@ class CompletionDialect(_OpenAI):
         return {"id": f"cmpl-{job.rid}", "object": "text_completion", "created": int(time.time()),
                 "model": ask.request.model, "system_fingerprint": None, "choices": [choice], "usage": _usage(job)}
 
-    def _text(self, text: str, reasoning: str = "") -> str:
+    def _text(self, text: str, reasoning: str = "", logprobs: tuple[TokenLogprob, ...] = ()) -> str:
         return f'[{{"index":0,"text":{encode_basestring(text)},"logprobs":null,"finish_reason":null}}]'
 
     def _last(self, reason: str) -> str:

@@ -137,7 +137,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
 
 @pytest.mark.parametrize(("messages", "extra", "says"), [
     (USER, {"n": 2}, "n other than 1"),
-    (USER, {"logprobs": True}, "logprobs"),
+    (USER, {"top_logprobs": 2}, "top_logprobs without logprobs"),
     (USER, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (USER, {"response_format": {"type": "json_schema"}}, "response_format"),
     (USER, {"temperature": 3}, "temperature"),

@@ -179,3 +179,21 @@ async def test_a_rerun_repeating_reasoning_and_text_in_other_pieces_continues_se
     finally:
         await job.close()
     assert "".join(r for r, _ in out) == "let me see" and "".join(t for _, t in out) == "Answer"
+
+
+async def test_a_rerun_repeating_tokens_sends_their_logprobs_once(client: Client) -> None:
+    from api.schema import TokenLogprob
+
+    def tok(seq: int, text: str, *ids: int) -> TokenEvent:
+        return TokenEvent(id=RID, seq=seq, text=text, token_ids=list(ids), index=ids[0],
+                          logprobs=[TokenLogprob(token=i, logprob=-float(i)) for i in ids])
+
+    job = await run(client, [start(0), tok(1, "ab", 0, 1), reset(2), start(3), tok(4, "a", 0), tok(5, "bc", 1, 2),
+                             done(6)])
+    sent: list[int] = []
+    try:
+        async for delta in job.deltas():
+            sent.extend(lp.token for lp in delta.logprobs)
+    finally:
+        await job.close()
+    assert sent == [0, 1, 2]

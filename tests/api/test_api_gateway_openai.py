@@ -239,3 +239,25 @@ async def test_a_gateway_shutting_down_ends_its_open_streams_and_cancels_their_j
     # Cancelled short of its end: the stream was ended at the SIGTERM (waiting out the server's graceful period,
     # the job would have had the time to finish).
     assert end.usage.completion_tokens < LONG and status in (0, -signal.SIGTERM)
+
+
+async def test_logprobs_are_each_tokens_text_logprob_and_top_alternatives(oai: openai.AsyncOpenAI,
+                                                                          queue: Client) -> None:
+    whole = await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12,  # type: ignore[arg-type]
+                                             logprobs=True, top_logprobs=3)
+    want = await queue.generate(model="tiny", messages=MESSAGES, max_tokens=12, logprobs=3, timeout=60)
+    choice = whole.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert want.logprobs is not None and len(content) == len(want.logprobs) == 12
+    for got, lp in zip(content, want.logprobs):
+        assert (got.token, got.logprob, got.bytes) == (lp.text, lp.logprob, list(lp.text.encode()))
+        assert [(t.token, t.logprob) for t in got.top_logprobs] == [(t.text, t.logprob) for t in lp.top]
+        assert got.top_logprobs[0].token == got.token  # greedy: the most likely
+    stream = await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12,  # type: ignore[arg-type]
+                                               logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e for c in [c async for c in stream] if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content or []]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
+    assert plain.choices[0].logprobs is None

@@ -66,7 +66,8 @@ async def test_logprobs_come_with_each_token_through_the_queue(worker: Any, clie
     want = await worker.service.engine.thread.call(reference, model.model, prompt, 12)
     for got, (token, vector) in zip(result.logprobs, want):
         assert got.token == token and abs(got.logprob - vector[token]) < 1e-3
-        assert len(got.top) == 3 and got.top[0][0] == token
-        assert [v for _, v in got.top] == sorted((v for _, v in got.top), reverse=True)
+        assert got.text == model.tokenizer.decode([token])
+        assert len(got.top) == 3 and got.top[0].token == token and got.top[0].text == got.text
+        assert [t.logprob for t in got.top] == sorted((t.logprob for t in got.top), reverse=True)
     plain = await client.generate(model="tiny", prompt="Hello there", max_tokens=12, timeout=60)
     assert plain.logprobs is None and plain.token_ids == result.token_ids
