@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -24,11 +25,19 @@ def _as_from_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_demo_serves_the_gateway_and_its_curl_line_works(stop: signal.Signals) -> None:
+def _as_a_scripts_background_job() -> None:
+    # `some-script &` from a non-interactive shell: SIGINT arrives ignored.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(("stop", "started"), [(signal.SIGINT, _as_from_a_terminal),
+                                               (signal.SIGTERM, _as_from_a_terminal),
+                                               (signal.SIGINT, _as_a_scripts_background_job)],
+                         ids=["ctrl-c", "sigterm", "sigint-to-a-background-job"])
+def test_demo_serves_the_gateway_and_its_curl_line_works(stop: signal.Signals, started: Any) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "api.cli", "demo", "--gateway", "--port", "0", "--jobs", "2",
                              "--max-tokens", "8"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, preexec_fn=_as_from_a_terminal)
+                            text=True, start_new_session=True, preexec_fn=started)
     children: list[psutil.Process] = []
     try:
         assert proc.stdout is not None
