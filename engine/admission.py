@@ -11,7 +11,7 @@ these victims gone, holding these caches; could it ever fit; how many typical re
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from .memory import KVBudget, mib
@@ -115,12 +115,11 @@ class KVAdmission:
                         f"more than this worker's KV headroom ({mib(room)})")
         return None
 
-    def fits(self, row: Row, victims: Iterable[Row] = (), *, hold: bool = False, slots: bool = True,
+    def fits(self, row: Row, victims: Sequence[Row] = (), *, hold: bool = False, slots: bool = True,
              drop_held: bool = False) -> bool:
         """Whether ``row`` can join once ``victims`` left (holding their caches if ``hold``); ``slots=False``:
         whether the KV headroom has room for it beside every running row, whatever the slots;
         ``drop_held``: whether it could once the other held caches were dropped."""
-        victims = list(victims)
         rows = self.rows - len(victims)
         if slots and rows >= self.capacity:
             return False
@@ -142,10 +141,10 @@ class KVAdmission:
         # with a clear error, and a worker that claims nothing serves nobody.
         return max(fit - self.rows, 1 if self.rows == 0 else 0)
 
-    def longest(self, without: Iterable[Row] = ()) -> int:
+    def longest(self, without: Sequence[Row] = ()) -> int:
         """The largest end among the running rows (less ``without``)."""
-        gone = Counter(v.end for v in without)
-        if gone:
+        if without:
+            gone = Counter(v.end for v in without)
             return max((end for end, n in self._ends.items() if n > gone[end]), default=0)
         if self._longest is None:
             self._longest = max(self._ends, default=0)

@@ -270,7 +270,7 @@ class MLXBatch:
         first = int(token.reshape(-1)[0].item())  # type: ignore[arg-type]  # an integer array
         for p in logits_processors:  # the row is inserted with its first token, which its mask has seen then
             if isinstance(p, RowMask):
-                p.matcher.consume_token(first)
+                p.feed(first)
         return Started(first, "stop" if first in self._eos else None, cache, logprobs.reshape(-1))
 
     def remove(self, uids: Iterable[int]) -> None:

@@ -93,10 +93,8 @@ class RowMask:
             self.matcher.consume_token(token)
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        self.feed(int(tokens[-1].item()))  # type: ignore[arg-type]  # an integer array
-        bitmask = allocate_token_bitmask(1, logits.shape[-1])
-        fill_next_token_bitmask_par(_executor(), [(self.matcher, 0)], bitmask)
-        return apply_bitmask(logits, bitmask)
+        fed = int(tokens[-1].item())  # type: ignore[arg-type]  # an integer array
+        return apply_bitmask(logits, fill_masks([(0, self)], [fed], 1, logits.shape[-1]))
 
 
 class Grammars:
@@ -106,7 +104,6 @@ class Grammars:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                       eos_token=sorted(eos_token_ids) or None)
-        self.vocab_size = vocab_size
         self._cache: OrderedDict[ResponseFormat, Grammar] = OrderedDict()
         self._lock = threading.Lock()
         self.compiled = 0  # compiles (cache misses)

@@ -37,7 +37,7 @@ class FinishReason(str, Enum):
 class ErrorCode(str, Enum):
     """Why the engine ended a request with ``FinishReason.ERROR`` (the worker maps each to a wire code)."""
 
-    BAD_REQUEST = "bad_request"  # it can never run here as sent (too long for the context or the KV headroom)
+    BAD_REQUEST = "bad_request"  # it cannot run here as sent (beyond the context or KV headroom; its format)
     TIMEOUT = "timeout"  # it ran past its deadline
     ENGINE_ERROR = "engine_error"  # the batch failed while it was in flight
 

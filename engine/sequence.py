@@ -138,24 +138,15 @@ class Sequence:
         out.stop_sequence = result.stop
         return result.stopped
 
-    def _emit(self, out: RequestOutput, text: str) -> None:
-        """Text past the stop strings through the parsers, and split into answer and reasoning."""
-        for parser in self.parsers:
+    def _emit(self, out: RequestOutput, text: str, stages: tuple[TextParser, ...] | None = None) -> None:
+        """Text past the stop strings through the parsers (``stages``: from a later one on), then split into
+        answer and reasoning."""
+        for parser in self.parsers if stages is None else stages:
             text = parser.feed(text)
         if self.thinking is None:
             out.text += text
-            return
-        answer, reasoning = self.thinking.feed(text)
-        out.text += answer
-        out.reasoning += reasoning
-
-    def _emit_split(self, out: RequestOutput, text: str) -> None:
-        if self.thinking is None:
-            out.text += text
         else:
-            answer, reasoning = self.thinking.feed(text)
-            out.text += answer
-            out.reasoning += reasoning
+            _put(out, *self.thinking.feed(text))
 
     def _end(self, out: RequestOutput, reason: FinishReason, *, flush: bool = True) -> FinishReason:
         if flush:
@@ -165,14 +156,14 @@ class Sequence:
             elif self.stops is not None:
                 self._emit(out, self.stops.flush())
         for i, parser in enumerate(self.parsers):  # each stage's rest goes through the stages after it
-            rest = parser.flush()
-            for later in self.parsers[i + 1:]:
-                rest = later.feed(rest)
-            self._emit_split(out, rest)
+            self._emit(out, parser.flush(), self.parsers[i + 1:])
         if self.thinking is not None:
-            answer, reasoning = self.thinking.flush()
-            out.text += answer
-            out.reasoning += reasoning
+            _put(out, *self.thinking.flush())
         self.finish = out.finish = reason
         out.completion_tokens = self.generated
         return reason
+
+
+def _put(out: RequestOutput, answer: str, reasoning: str) -> None:
+    out.text += answer
+    out.reasoning += reasoning

@@ -195,10 +195,10 @@ class ModelService:
         tokenizer = self.model.tokenizer if self.model is not None else None
         if req.reasoning != "split" or tokenizer is None or not getattr(tokenizer, "has_thinking", False):
             return None
-        tail = tokens[-_THINK_TAIL:]  # a template that opens reasoning does so in its generation prompt
-        opened = _rfind(tail, tuple(tokenizer.think_start_tokens))
+        tail = len(tokens) - _THINK_TAIL  # a template that opens reasoning does so in its generation prompt
+        opened = tokenizer.rfind_think_start(tokens, start=tail)
         return ThinkMarkers(tokenizer.think_start, tokenizer.think_end,
-                            inside=opened >= 0 and opened > _rfind(tail, tuple(tokenizer.think_end_tokens)))
+                            inside=opened >= 0 and opened > tokenizer.rfind_think_end(tokens, start=tail))
 
     async def compile_format(self, req: GenerateRequest) -> Grammar | None:
         """The request's response format compiled for this model (a format seen before: from the cache, at
@@ -254,17 +254,6 @@ class ModelService:
             raise BadRequest(f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the context "
                              f"({ctx}) by {over} tokens")
         return encoded
-
-
-def _rfind(tokens: list[int], needle: tuple[int, ...]) -> int:
-    """Where ``needle`` last starts in ``tokens`` (-1: nowhere)."""
-    n = len(needle)
-    if not n:
-        return -1
-    for i in range(len(tokens) - n, -1, -1):
-        if tuple(tokens[i:i + n]) == needle:
-            return i
-    return -1
 
 
 def _bytes(gigabytes: float | None, share: float) -> int | None:

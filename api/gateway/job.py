@@ -44,12 +44,14 @@ class Delta:
 
 
 class _Sent:
-    """One channel of what a stream sent, against which a re-run's repeat is matched."""
+    """One channel of what a stream sent, against which a re-run's repeat is matched. The pieces are joined
+    only when a re-run needs them: a stream appends one per event."""
 
-    __slots__ = ("_pos", "_sent")
+    __slots__ = ("_len", "_parts", "_pos")
 
     def __init__(self) -> None:
-        self._sent = ""
+        self._parts: list[str] = []
+        self._len = 0
         self._pos = 0  # how far into what was sent the current run has come
 
     def rerun(self) -> None:
@@ -59,19 +61,24 @@ class _Sent:
         """What of ``piece`` is new; None when it contradicts what was sent."""
         if not piece:
             return ""
-        if self._pos < len(self._sent):  # a re-run repeating what was sent: it must match
-            overlap = self._sent[self._pos : self._pos + len(piece)]
+        if self._pos < self._len:  # a re-run repeating what was sent: it must match
+            sent = "".join(self._parts)
+            self._parts = [sent]
+            overlap = sent[self._pos : self._pos + len(piece)]
             if not piece.startswith(overlap):
                 return None
             self._pos += len(overlap)
             piece = piece[len(overlap) :]
-        self._sent += piece
+            if not piece:
+                return ""
+        self._parts.append(piece)
+        self._len += len(piece)
         self._pos += len(piece)
         return piece
 
     @property
     def short(self) -> bool:
-        return self._pos < len(self._sent)
+        return self._pos < self._len
 
 
 class JobStream:
