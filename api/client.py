@@ -43,6 +43,7 @@ from .schema import (
     GenerateRequest,
     Timings,
     TokenLogprob,
+    ToolCall,
     Usage,
     WorkerStatus,
     decode_event,
@@ -73,7 +74,8 @@ return 0
 @dataclass(frozen=True, slots=True)
 class Result:
     """A finished job: its text, why it ended, token counts and timings; ``reasoning``: a reasoning model's
-    thinking, apart from the text (a request with ``reasoning="split"``)."""
+    thinking, apart from the text (a request with ``reasoning="split"``); ``tool_calls``: the calls the model
+    made of the request's tools (``finish_reason`` is then ``tool_calls``)."""
 
     id: str
     text: str
@@ -83,6 +85,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     reasoning: str = ""
     logprobs: list[TokenLogprob] | None = None  # one per token, for a request with ``logprobs``
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class Client:
@@ -402,7 +405,7 @@ async def _result(rid: str, events: AsyncIterator[Event]) -> Result:
             raise JobFailed(ev)
         elif isinstance(ev, DoneEvent):
             return Result(rid, "".join(text), ev.finish_reason, ev.usage, ev.timings, ids, "".join(reasoning),
-                          logprobs)
+                          logprobs, list(ev.tool_calls or ()))
     raise AssertionError("unreachable: events() ends with a terminal event")
 
 

@@ -27,6 +27,8 @@ __all__ = [
     "ErrorEvent",
     "Event",
     "FinishReason",
+    "FunctionCall",
+    "FunctionDef",
     "GenerateRequest",
     "GrammarFormat",
     "ImagePart",
@@ -36,6 +38,7 @@ __all__ = [
     "JSONSchemaSpec",
     "ModelState",
     "ModelStatus",
+    "NamedToolChoice",
     "RegexFormat",
     "ResetEvent",
     "ResponseFormat",
@@ -45,6 +48,9 @@ __all__ = [
     "Timings",
     "TokenEvent",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
     "TopLogprob",
     "Usage",
     "WorkerStatus",
@@ -70,6 +76,10 @@ MAX_IMAGE_URL_CHARS = 48 << 20  # a data URL of a ~36 MiB image
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
 MAX_FORMAT_CHARS = 64 << 10  # a response format's schema (as JSON), regex or grammar
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound)
+MAX_TOOLS = 128  # OpenAI's bound
+MAX_TOOLS_CHARS = 256 << 10  # the tools' definitions as JSON
+MAX_TOOL_CALLS = 64  # in one assistant message
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 
 
 def new_request_id() -> str:
@@ -83,6 +93,7 @@ class FinishReason(str, Enum):
     STOP = "stop"  # EOS token or a stop string
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"  # a client cancelled it
+    TOOL_CALLS = "tool_calls"  # the model called tools (the done event's tool_calls), then stopped
 
 
 class ErrorCode(str, Enum):
@@ -128,16 +139,39 @@ class ImagePart(BaseModel):
 ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]  # noqa: UP007
 
 
+class FunctionCall(BaseModel):
+    """A call of a function: its name and its arguments as JSON text (OpenAI's shape)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = Field(default="{}", max_length=MAX_PROMPT_CHARS)
+
+
+class ToolCall(BaseModel):
+    """One tool call a model made (an assistant message's, a done event's)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     """One chat turn, rendered with the model's own chat template: a string, or a list of text and image
-    parts in order (images in user turns only)."""
+    parts in order (images in user turns only). An assistant turn may carry the ``tool_calls`` it made; a
+    ``tool`` turn is one call's result (``tool_call_id`` names the call)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Literal["system", "user", "assistant", "tool"]
     content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[
         list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)
-    ]
+    ] = ""
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    name: str | None = Field(default=None, max_length=256)  # a tool turn's function (some templates show it)
 
     @property
     def text(self) -> str:
@@ -158,7 +192,59 @@ class ChatMessage(BaseModel):
                 raise ValueError("images are allowed in user messages only")
             if sum(len(p.text) for p in self.content if isinstance(p, TextPart)) > MAX_PROMPT_CHARS:
                 raise ValueError(f"at most {MAX_PROMPT_CHARS} characters of text in a message")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls are allowed in assistant messages only")
         return self
+
+
+class FunctionDef(BaseModel):
+    """A function the model may call: its name, what it does, and its arguments as a JSON schema."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = Field(default=None, max_length=MAX_FORMAT_CHARS)
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None  # accepted; a call the output is constrained to always follows the schema
+
+    @model_validator(mode="after")
+    def _object_schema(self) -> FunctionDef:
+        kind = self.parameters.get("type", "object")
+        if kind != "object":
+            raise ValueError(f"function {self.name!r}: parameters must be a JSON schema of an object, "
+                             f"not of type {kind!r}")
+        if not isinstance(self.parameters.get("properties", {}), dict):
+            raise ValueError(f"function {self.name!r}: parameters' properties must be an object")
+        return self
+
+
+class Tool(BaseModel):
+    """A tool the model may call (OpenAI's shape; functions only)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+
+
+class NamedToolChoice(BaseModel):
+    """Call this function (OpenAI's ``{"type": "function", "function": {"name": ...}}``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+# auto: the model chooses; none: no call (the tools are not shown to it); required: one call or more;
+# named: a call of that function.
+ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
 
 
 class TextFormat(BaseModel):
@@ -275,6 +361,12 @@ class GenerateRequest(BaseModel):
     enable_thinking: bool | None = None
     # Each token's log-probability in its token event, with this many most likely alternatives (None: none).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Tools the model may call (chat messages only), rendered by its chat template; its calls come parsed in
+    # the token and done events' ``tool_calls``. ``required`` or a named function constrains the output to
+    # valid calls (at most one unless ``parallel_tool_calls``).
+    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> GenerateRequest:
@@ -282,7 +374,37 @@ class GenerateRequest(BaseModel):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if len(self.image_parts) > MAX_IMAGES:
             raise ValueError(f"at most {MAX_IMAGES} images in a request")
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        choice = self.tool_choice
+        if self.tools is None:
+            if choice == "required" or isinstance(choice, NamedToolChoice):
+                raise ValueError("tool_choice requires tools")
+            return
+        if self.messages is None:
+            raise ValueError("tools need chat messages (the chat template renders them), not a prompt")
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is none of the tools")
+        if len(self.tools_json) > MAX_TOOLS_CHARS:
+            raise ValueError(f"the tools are {len(self.tools_json)} characters as JSON; at most {MAX_TOOLS_CHARS}")
+        if self.response_format is not None and self.response_format.type != "text" and choice not in ("auto", "none"):
+            raise ValueError("a response_format and a tool_choice that constrains the calls cannot both hold")
+
+    @property
+    def tools_json(self) -> str:
+        """The tools as compact JSON with sorted keys (one text per set of tools)."""
+        return json.dumps([t.model_dump(exclude_none=True) for t in self.tools or []], sort_keys=True,
+                          separators=(",", ":"))
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the model is shown tools and its calls are parsed (tools given, tool_choice not none)."""
+        return self.tools is not None and self.tool_choice != "none"
 
     @property
     def image_parts(self) -> list[ImagePart]:
@@ -371,6 +493,8 @@ class TokenEvent(_EventBase):
     reasoning: str = Field(default="", exclude_if=lambda v: not v)  # left out when empty, as before it was
     # One per token of ``token_ids``, for a request with ``logprobs`` (left out otherwise).
     logprobs: list[TokenLogprob] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # The tool calls the model completed with these tokens (for a request with tools; left out otherwise).
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 def token_event_json(id: str, seq: int, text: str, token_ids: list[int], index: int, reasoning: str = "") -> str:
@@ -400,6 +524,8 @@ class DoneEvent(_EventBase):
     timings: Timings
     # Left out of the JSON when None, so a producer of an earlier release reads a new worker's event.
     stop_sequence: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    # Every tool call of the job, in order (finish_reason tool_calls when it stopped after them).
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ErrorEvent(_EventBase):

@@ -25,7 +25,7 @@ import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 __all__ = ["FormatKind", "Grammar", "GrammarError", "Grammars", "ResponseFormat", "RowMask", "apply_bitmask",
-           "fill_masks", "vocab_size"]
+           "fill_masks", "tool_call_grammar", "vocab_size"]
 
 MAX_SOURCE_CHARS = 64 << 10  # a schema, regex or grammar larger than this is refused
 _CACHED = 128  # compiled grammars kept per model
@@ -191,3 +191,20 @@ def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
     bits = (mx.array(bitmask)[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
     allowed = bits.reshape(bits.shape[0], -1)[:, : logits.shape[-1]].astype(mx.bool_)
     return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+MAX_PARALLEL_CALLS = 4  # calls in one constrained answer with parallel calls allowed
+
+
+def tool_call_grammar(tools: Iterable[tuple[str, dict[str, Any]]], start: str, end: str, *, parallel: bool) -> str:
+    """A Lark grammar of one tool call (or up to :data:`MAX_PARALLEL_CALLS` with ``parallel``) of ``tools`` (name,
+    parameters' JSON schema) in the JSON format mlx-lm's ``json_tools`` parser reads: each call
+    ``{"name": ..., "arguments": {...}}`` on a line of its own between the markers ``start`` and ``end`` (Lark
+    items: a quoted string, or ``<[id]>`` for a marker that is one token)."""
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+              "required": ["name", "arguments"], "additionalProperties": False} for name, params in tools]
+    schema = {"x-guidance": _JSON_OPTIONS, "anyOf": calls}
+    repeat = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+    return (f"start: call{repeat}\n"
+            f'call: {start} "\\n" body "\\n" {end}\n'
+            f"body: %json {json.dumps(schema)}\n")

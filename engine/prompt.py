@@ -26,7 +26,7 @@ class EncodedPrompt:
     cache_boundary: int = 0
 
 
-def encode_prompt(tokenizer: Any, prompt: str | None, messages: Sequence[dict[str, str]] | None,
+def encode_prompt(tokenizer: Any, prompt: str | None, messages: Sequence[dict[str, Any]] | None,
                   **template: Any) -> list[int]:
     """Tokenize a raw prompt as ``mlx_lm.generate`` does, or render chat messages with the chat template
     (``template``: its keyword arguments, e.g. ``enable_thinking``)."""
@@ -38,25 +38,27 @@ def encode_prompt(tokenizer: Any, prompt: str | None, messages: Sequence[dict[st
 
 
 def encode_prompt_with_boundary(
-    tokenizer: Any, prompt: str | None, messages: Sequence[dict[str, str]] | None, **template: Any
+    tokenizer: Any, prompt: str | None, messages: Sequence[dict[str, Any]] | None, **template: Any
 ) -> EncodedPrompt:
     """:func:`encode_prompt` and the system-prompt boundary of chat messages (:func:`system_boundary`)."""
     tokens = encode_prompt(tokenizer, prompt, messages, **template)
-    return EncodedPrompt(tokens, system_boundary(tokenizer, messages, tokens) if messages is not None else 0)
+    boundary = system_boundary(tokenizer, messages, tokens, **template) if messages is not None else 0
+    return EncodedPrompt(tokens, boundary)
 
 
-def system_boundary(tokenizer: Any, messages: Sequence[dict[str, str]], tokens: list[int]) -> int:
+def system_boundary(tokenizer: Any, messages: Sequence[dict[str, Any]], tokens: list[int], **template: Any) -> int:
     """Where the leading system messages of ``messages`` end in their rendered ``tokens``, as mlx-lm's server
     finds it: render those messages with an empty user turn after them; the tokens both renderings share are
     the prefix every conversation with that system prompt starts with. 0 without a system message (or when
-    the template renders it differently in the two)."""
+    the template renders it differently in the two). ``template``: the keyword arguments the prompt was rendered
+    with (its tools are part of the system prompt in most templates)."""
     n = 0
     while n < len(messages) and messages[n].get("role") == "system":
         n += 1
     if n == 0 or n == len(messages):
         return 0
     probe = list(tokenizer.apply_chat_template([*messages[:n], {"role": "user", "content": ""}],
-                                               add_generation_prompt=False))
+                                               add_generation_prompt=False, **template))
     shared = 0
     for a, b in zip(probe, tokens):
         if a != b:
@@ -83,17 +85,18 @@ class PromptEncoder:
             log.warning("the Rust tokenizer disagrees with the tokenizer's encode(); encoding through transformers")
             self.direct = None
 
-    def encode(self, prompt: str | None, messages: Sequence[dict[str, str]] | None, **template: Any) -> list[int]:
+    def encode(self, prompt: str | None, messages: Sequence[dict[str, Any]] | None, **template: Any) -> list[int]:
         if self.direct is None or messages is not None or prompt is None:
             return encode_prompt(self.tokenizer, prompt, messages, **template)
         ids: list[int] = self.direct.encode(prompt, add_special_tokens=_add_special(self.tokenizer, prompt)).ids
         return ids
 
-    def encode_with_boundary(self, prompt: str | None, messages: Sequence[dict[str, str]] | None,
+    def encode_with_boundary(self, prompt: str | None, messages: Sequence[dict[str, Any]] | None,
                              **template: Any) -> EncodedPrompt:
         """:meth:`encode`, and the system-prompt boundary of chat messages."""
         tokens = self.encode(prompt, messages, **template)
-        return EncodedPrompt(tokens, system_boundary(self.tokenizer, messages, tokens) if messages is not None else 0)
+        boundary = system_boundary(self.tokenizer, messages, tokens, **template) if messages is not None else 0
+        return EncodedPrompt(tokens, boundary)
 
     def _agrees(self) -> bool:
         bos = getattr(self.tokenizer, "bos_token", None) or ""

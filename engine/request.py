@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
-from .reasoning import ThinkMarkers
+from .parts import PartMarkers
 
 __all__ = ["EngineRequest", "ErrorCode", "FinishReason", "Format", "ImageInputs", "RequestOutput", "SamplingParams",
            "Status", "TokenLogprob", "coalesce", "merge_into", "terminal"]
@@ -88,8 +88,8 @@ class EngineRequest:
     sequences. ``cache_boundary``: how many leading prompt tokens are a reusable prefix (the chat template's
     system prompt, see ``engine/prompt.py``); the engine caches their KV there. 0: none. ``images``: the
     prompt's images, for a model that accepts them (None: a text prompt). ``format``: what its output must
-    match (None: free text). ``thinking``: the model's think markers, to report reasoning apart from the answer
-    (None: one text).
+    match (None: free text). ``parts``: the model's think and tool-call markers, to report reasoning and tool calls
+    apart from the answer (None: one text).
     """
 
     rid: str
@@ -101,7 +101,7 @@ class EngineRequest:
     cache_boundary: int = 0
     images: ImageInputs | None = None
     format: Format | None = None
-    thinking: ThinkMarkers | None = None
+    parts: PartMarkers | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +119,8 @@ class RequestOutput:
     """What one engine step reports about one request.
 
     ``text`` is the new text (held back while it could be the start of a stop string), ``reasoning`` the new
-    reasoning text (with ``EngineRequest.thinking``); ``token_ids`` the tokens generated this step.
+    reasoning text and ``calls`` the text of each tool call completed (with ``EngineRequest.parts``);
+    ``token_ids`` the tokens generated this step.
     ``finish`` is set exactly once, on the request's last output; ``stop_sequence`` with it, when a stop
     string (that one) ended the request.
     """
@@ -136,6 +137,7 @@ class RequestOutput:
     stop_sequence: str | None = None
     reasoning: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token of ``token_ids``, when asked
+    calls: list[str] = field(default_factory=list)
 
 
 def terminal(rid: str, reason: FinishReason, generated: int, code: ErrorCode | None = None,
@@ -160,7 +162,7 @@ def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
             merged[out.rid] = RequestOutput(
                 out.rid, list(out.token_ids), out.text, out.started, out.prompt_tokens,
                 out.completion_tokens, out.finish, out.error_code, out.error_message, out.stop_sequence,
-                out.reasoning, list(out.logprobs),
+                out.reasoning, list(out.logprobs), list(out.calls),
             )
         else:
             merge_into(acc, out)
@@ -177,6 +179,8 @@ def merge_into(acc: RequestOutput, out: RequestOutput) -> None:
         acc.reasoning += out.reasoning
     if out.logprobs:
         acc.logprobs.extend(out.logprobs)
+    if out.calls:
+        acc.calls.extend(out.calls)
     acc.completion_tokens = max(acc.completion_tokens, out.completion_tokens)
     if out.finish is None and not out.started:  # a plain decode step: the common case, per token
         return

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .batch import SequenceCache
-from .reasoning import ThinkSplitter
+from .parts import Parts, PartSplitter
 from .request import EngineRequest, FinishReason, RequestOutput
 from .stops import StopMatcher
 
@@ -61,7 +61,7 @@ class Sequence:
     stops: StopMatcher | None = None  # None without stop strings
     constraint: Constraint | None = None
     parsers: tuple[TextParser, ...] = ()
-    thinking: ThinkSplitter | None = None  # the text between think markers goes out as reasoning
+    splitter: PartSplitter | None = None  # reasoning and tool calls apart from the answer
     uid: int = -1  # in the batch; -1 while waiting
     generated: int = 0
     admitted: bool = False  # has started (a later admission is a resume)
@@ -75,8 +75,8 @@ class Sequence:
     @classmethod
     def of(cls, req: EngineRequest, detok: Detokenizer, key: float, order: int) -> Sequence:
         stops = StopMatcher(req.params.stop) if any(req.params.stop) else None
-        thinking = ThinkSplitter(req.thinking) if req.thinking is not None else None
-        return cls(req, detok, key, order, stops, thinking=thinking)
+        splitter = PartSplitter(req.parts) if req.parts is not None else None
+        return cls(req, detok, key, order, stops, splitter=splitter)
 
     @property
     def rid(self) -> str:
@@ -128,7 +128,7 @@ class Sequence:
         stop string appeared (``out.stop_sequence`` names it). Per token: without stops or parsers, one append."""
         if self.stops is None:
             text = self.detok.last_segment
-            if self.parsers or self.thinking is not None:
+            if self.parsers or self.splitter is not None:
                 self._emit(out, text)
             else:
                 out.text += text
@@ -140,13 +140,13 @@ class Sequence:
 
     def _emit(self, out: RequestOutput, text: str, stages: tuple[TextParser, ...] | None = None) -> None:
         """Text past the stop strings through the parsers (``stages``: from a later one on), then split into
-        answer and reasoning."""
+        its parts (answer, reasoning, tool calls)."""
         for parser in self.parsers if stages is None else stages:
             text = parser.feed(text)
-        if self.thinking is None:
+        if self.splitter is None:
             out.text += text
         else:
-            _put(out, *self.thinking.feed(text))
+            _put(out, self.splitter.feed(text))
 
     def _end(self, out: RequestOutput, reason: FinishReason, *, flush: bool = True) -> FinishReason:
         if flush:
@@ -157,13 +157,15 @@ class Sequence:
                 self._emit(out, self.stops.flush())
         for i, parser in enumerate(self.parsers):  # each stage's rest goes through the stages after it
             self._emit(out, parser.flush(), self.parsers[i + 1:])
-        if self.thinking is not None:
-            _put(out, *self.thinking.flush())
+        if self.splitter is not None:
+            _put(out, self.splitter.flush())
         self.finish = out.finish = reason
         out.completion_tokens = self.generated
         return reason
 
 
-def _put(out: RequestOutput, answer: str, reasoning: str) -> None:
-    out.text += answer
-    out.reasoning += reasoning
+def _put(out: RequestOutput, parts: Parts) -> None:
+    out.text += parts.answer
+    out.reasoning += parts.reasoning
+    if parts.calls:
+        out.calls.extend(parts.calls)

@@ -49,6 +49,15 @@ def tiny_think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_tools_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with tool-call markers and a template that renders tools (mlx-lm parses its calls with its
+    json_tools parser)."""
+    from worker.tools.tinymodel import ensure_model
+
+    return ensure_model("tiny-tools", root=tmp_path_factory.mktemp("tools"))
+
+
+@pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A generated tiny qwen2_vl in mlx-vlm's format (worker/tools/tinyvlm.py)."""
     from worker.tools.tinyvlm import ensure_vlm

@@ -285,9 +285,10 @@ class WorkerHost:
         self.runs[run.rid] = run
         if req.logprobs is not None:
             run.token_text = service.token_text
+        run.tools = service.tool_calls(req)
         deadline = time.monotonic() + self.config.job_timeout_s
         service.add(to_engine_request(req, prompt.tokens, deadline, cache_boundary=prompt.cache_boundary,
-                                      images=prompt.images, format=prompt.format, thinking=prompt.thinking,
+                                      images=prompt.images, format=prompt.format, parts=prompt.parts,
                                       enqueue_ms=run.enqueue_ms))
         try:
             return await run.finished

@@ -39,7 +39,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from redis.asyncio import Redis
 
@@ -57,12 +57,16 @@ from api.schema import (
     Timings,
     TokenEvent,
     TokenLogprob,
+    ToolCall,
     Usage,
     decode_event,
     token_event_json,
 )
 
 from .scripts import EMIT, LAPSE, REFRESH, REJECT, START, SWEEP, Script
+
+if TYPE_CHECKING:
+    from .toolcalls import ToolCalls
 
 __all__ = ["Claim", "Lapsed", "Lifecycle", "LogTTL", "Lost", "Outranking", "Record", "Run", "Start", "Starts", "State",
            "TokenLine", "Wire", "Write"]
@@ -129,12 +133,14 @@ class TokenLine:
     index: int
     reasoning: str = ""
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] | None = None
     type: Literal["token"] = "token"
 
     def model_dump_json(self) -> str:
-        if self.logprobs is not None:  # rare: pydantic's own JSON, floats as it writes them
+        if self.logprobs is not None or self.tool_calls is not None:  # rare: pydantic's own JSON
             return TokenEvent(id=self.id, seq=self.seq, text=self.text, token_ids=self.token_ids, index=self.index,
-                              reasoning=self.reasoning, logprobs=self.logprobs).model_dump_json()
+                              reasoning=self.reasoning, logprobs=self.logprobs,
+                              tool_calls=self.tool_calls).model_dump_json()
         return token_event_json(self.id, self.seq, self.text, self.token_ids, self.index, self.reasoning)
 
 
@@ -164,6 +170,7 @@ class Run:
     first_token_at: float | None = None
     # Its request asked for log-probabilities: its token events carry them, with each token's text from this
     token_text: Callable[[int], str] | None = None
+    tools: ToolCalls | None = None  # its request gave tools: its calls, parsed as they complete
     finished: asyncio.Future[State] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def _next(self) -> int:
@@ -185,18 +192,23 @@ class Run:
                           prompt_tokens=prompt_tokens, attempt=self.attempt)
 
     def tokens(self, text: str, token_ids: list[int], completion_tokens: int, reasoning: str = "",
-               logprobs: list[TokenLogprob] | None = None) -> TokenLine:
-        """New text (and reasoning, log-probabilities): ``completion_tokens`` counts every token so far,
-        ``token_ids`` included."""
+               logprobs: list[TokenLogprob] | None = None, tool_calls: list[ToolCall] | None = None) -> TokenLine:
+        """New text (and reasoning, log-probabilities, tool calls): ``completion_tokens`` counts every token so
+        far, ``token_ids`` included."""
         if self.first_token_at is None:
             self.first_token_at = time.time()
         self.completion_tokens = max(self.completion_tokens, completion_tokens)
         return TokenLine(self.rid, self._next(), text, token_ids, completion_tokens - len(token_ids), reasoning,
-                         logprobs)
+                         logprobs, tool_calls)
 
     def done(self, reason: FinishReason) -> DoneEvent:
+        """The job's end; one that stopped after tool calls ends ``tool_calls``, with every call."""
+        calls = self.tools.calls if self.tools is not None and self.tools.calls else None
+        if calls and reason is FinishReason.STOP:
+            reason = FinishReason.TOOL_CALLS
         return DoneEvent(id=self.rid, seq=self._next(), finish_reason=reason, timings=self.timings(),
-                         usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens))
+                         usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens),
+                         tool_calls=list(calls) if calls else None)
 
     def error(self, code: ErrorCode, message: str) -> ErrorEvent:
         if len(message) > _MAX_MESSAGE:

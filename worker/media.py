@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from api.schema import GenerateRequest, ImagePart, TextPart
-from engine.reasoning import ThinkMarkers
+from engine.parts import PartMarkers
 from engine.request import Format, ImageInputs
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class Prompt:
     images: ImageInputs | None = None
     cache_boundary: int = 0
     format: Format | None = None
-    thinking: ThinkMarkers | None = None  # to split reasoning from the answer (a request asking, a model that thinks)
+    parts: PartMarkers | None = None  # to split reasoning and tool calls from the answer
 
 
 @dataclass(frozen=True, slots=True)

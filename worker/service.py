@@ -17,16 +17,17 @@ from pydantic import ValidationError
 
 from api.errors import describe
 from api.schema import PRIORITY_MAX, GenerateRequest, ModelState, ModelStatus
-from engine.constrain import Grammar, GrammarError, Grammars, vocab_size
+from engine.constrain import FormatKind, Grammar, GrammarError, Grammars, ResponseFormat, vocab_size
 from engine.engine import Engine, Sink
 from engine.loader import EngineOptions, LoadedModel, start_engine
+from engine.parts import PartMarkers
 from engine.prompt import EncodedPrompt, encode_prompt_with_boundary
-from engine.reasoning import ThinkMarkers
 from engine.request import EngineRequest
 
 from . import media
 from .config import ServedModel, WorkerConfig
 from .lifecycle import Outranking
+from .toolcalls import CallGrammarError, ToolCalls, call_grammar, template_messages, template_tools
 from .translate import to_engine_format
 
 __all__ = ["BadRequest", "ModelService"]
@@ -160,8 +161,10 @@ class ModelService:
         chars = len(req.prompt or "") + sum(len(m.text) for m in req.messages or [])
         if chars > self.config.max_payload_bytes:
             raise BadRequest(f"the prompt has {chars} characters; the limit is {self.config.max_payload_bytes}")
-        if req.logprobs is not None and self.model is not None and self.model.accepts_images:
-            raise BadRequest(f"logprobs are not supported by the vision-language model {self.name!r}")
+        if self.model is not None and self.model.accepts_images:
+            for asked, what in ((req.logprobs is not None, "logprobs"), (req.calls_tools, "tools")):
+                if asked:
+                    raise BadRequest(f"{what} are not supported by the vision-language model {self.name!r}")
         if media.has_images(req):  # worker/media.py, on the model's image thread
             assert self.model is not None and self.engine is not None
             try:
@@ -176,10 +179,11 @@ class ModelService:
         else:
             encoded = await asyncio.to_thread(self.encode, req, False)
         prompt = media.Prompt(encoded.tokens, cache_boundary=encoded.cache_boundary,
-                              thinking=self.think_markers(req, encoded.tokens))
-        if req.response_format is None or req.response_format.type == "text":
+                              parts=self.part_markers(req, encoded.tokens))
+        fmt = to_engine_format(req) if req.response_format is not None else self.call_format(req)
+        if fmt is None:
             return prompt
-        return dataclasses.replace(prompt, format=await self.compile_format(req))
+        return dataclasses.replace(prompt, format=await self.compile_format(fmt))
 
     def token_text(self, token: int) -> str:
         """One token's text, as the tokenizer decodes it alone (memoized: a vocabulary is finite)."""
@@ -189,23 +193,46 @@ class ModelService:
             text = self._token_texts[token] = str(self.model.tokenizer.decode([token]))
         return text
 
-    def think_markers(self, req: GenerateRequest, tokens: list[int]) -> ThinkMarkers | None:
-        """The model's think markers when the request wants reasoning apart (None: one text), and whether its
-        prompt leaves the output inside reasoning (a template that opens it)."""
+    def part_markers(self, req: GenerateRequest, tokens: list[int]) -> PartMarkers | None:
+        """The markers the request's text is split by (None: one text): the model's think markers when the request
+        wants reasoning apart, and whether its prompt leaves the output inside reasoning (a template that opens
+        it); its tool-call markers when the request gives tools and the model has a tool-call format."""
         tokenizer = self.model.tokenizer if self.model is not None else None
-        if req.reasoning != "split" or tokenizer is None or not getattr(tokenizer, "has_thinking", False):
+        if tokenizer is None:
             return None
-        tail = len(tokens) - _THINK_TAIL  # a template that opens reasoning does so in its generation prompt
-        opened = tokenizer.rfind_think_start(tokens, start=tail)
-        return ThinkMarkers(tokenizer.think_start, tokenizer.think_end,
-                            inside=opened >= 0 and opened > tokenizer.rfind_think_end(tokens, start=tail))
+        think: tuple[str, str] | None = None
+        inside = False
+        if req.reasoning == "split" and getattr(tokenizer, "has_thinking", False):
+            think = (tokenizer.think_start, tokenizer.think_end)
+            tail = len(tokens) - _THINK_TAIL  # a template that opens reasoning does so in its generation prompt
+            opened = tokenizer.rfind_think_start(tokens, start=tail)
+            inside = opened >= 0 and opened > tokenizer.rfind_think_end(tokens, start=tail)
+        tool: tuple[str, str] | None = None
+        if req.calls_tools and getattr(tokenizer, "has_tool_calling", False) and tokenizer.tool_call_end:
+            tool = (tokenizer.tool_call_start, tokenizer.tool_call_end)
+        return PartMarkers(think, tool, inside) if think is not None or tool is not None else None
 
-    async def compile_format(self, req: GenerateRequest) -> Grammar | None:
-        """The request's response format compiled for this model (a format seen before: from the cache, at
-        once; a new one: compiled off the event loop); :class:`BadRequest` if it cannot be."""
-        fmt = to_engine_format(req)
-        if fmt is None:
+    def tool_calls(self, req: GenerateRequest) -> ToolCalls | None:
+        """The parser of a job's tool calls (None: the request gives no tools, or the model has no tool-call
+        format, so what it writes is all answer)."""
+        tokenizer = self.model.tokenizer if self.model is not None else None
+        if not req.calls_tools or tokenizer is None or not getattr(tokenizer, "has_tool_calling", False):
             return None
+        return ToolCalls(req.id, tokenizer.tool_parser, template_tools(req),
+                         (tokenizer.tool_call_start, tokenizer.tool_call_end))
+
+    def call_format(self, req: GenerateRequest) -> ResponseFormat | None:
+        """The grammar a job's tool_choice (required, or a named function) constrains its output to."""
+        assert self.model is not None
+        try:
+            grammar = call_grammar(req, self.model.tokenizer)
+        except CallGrammarError as exc:
+            raise BadRequest(f"model {self.name!r}: {exc}") from None
+        return ResponseFormat(FormatKind.LARK, grammar) if grammar is not None else None
+
+    async def compile_format(self, fmt: ResponseFormat) -> Grammar:
+        """A response format compiled for this model (a format seen before: from the cache, at once; a new one:
+        compiled off the event loop); :class:`BadRequest` if it cannot be."""
         assert self.model is not None
         if self.model.accepts_images:
             raise BadRequest(f"response_format is not supported by the vision-language model {self.name!r}")
@@ -233,8 +260,10 @@ class ModelService:
         without releasing the GIL (see ``PromptEncoder``); else through transformers, which releases it while
         a long prompt encodes."""
         assert self.model is not None
-        messages = [{"role": m.role, "content": m.text} for m in req.messages] if req.messages is not None else None
-        template = {} if req.enable_thinking is None else {"enable_thinking": req.enable_thinking}
+        messages = template_messages(req) if req.messages is not None else None
+        template: dict[str, Any] = {} if req.enable_thinking is None else {"enable_thinking": req.enable_thinking}
+        if req.calls_tools:
+            template["tools"] = template_tools(req)
         try:
             if inline:
                 encoded = self.model.prompts.encode_with_boundary(req.prompt, messages, **template)

@@ -17,7 +17,7 @@ from api.schema import (
     TopLogprob,
 )
 from engine.constrain import FormatKind, ResponseFormat
-from engine.reasoning import ThinkMarkers
+from engine.parts import PartMarkers
 from engine.request import EngineRequest, Format, ImageInputs, RequestOutput, SamplingParams
 from engine.request import ErrorCode as EngineError
 from engine.request import FinishReason as EngineFinish
@@ -35,7 +35,7 @@ _ERROR_CODES = {
 
 def to_engine_request(
     req: GenerateRequest, tokens: list[int], deadline: float | None, *, cache_boundary: int = 0,
-    images: ImageInputs | None = None, format: Format | None = None, thinking: ThinkMarkers | None = None,
+    images: ImageInputs | None = None, format: Format | None = None, parts: PartMarkers | None = None,
     enqueue_ms: int = 0,
 ) -> EngineRequest:
     """A validated wire request and its prompt tokens (the first ``cache_boundary`` of them its system prompt:
@@ -58,7 +58,7 @@ def to_engine_request(
     now = time.monotonic()
     arrival = now - max(0.0, time.time() - enqueue_ms / 1000) if enqueue_ms else now
     return EngineRequest(req.id, tokens, params, arrival=arrival, deadline=deadline, priority=req.priority,
-                         cache_boundary=cache_boundary, images=images, format=format, thinking=thinking)
+                         cache_boundary=cache_boundary, images=images, format=format, parts=parts)
 
 
 def to_engine_format(req: GenerateRequest) -> ResponseFormat | None:
@@ -80,9 +80,13 @@ def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
     events: list[Wire] = []
     if out.started:
         events.append(run.start(out.prompt_tokens, worker))
-    if out.token_ids or out.text or out.reasoning:
+    if out.token_ids or out.text or out.reasoning or out.calls:
         logprobs = _logprobs(out, run.token_text) if run.token_text is not None else None
-        events.append(run.tokens(out.text, out.token_ids, out.completion_tokens, out.reasoning, logprobs))
+        text, calls = out.text, None
+        if out.calls and run.tools is not None:
+            calls, unparsed = run.tools.take(out.calls)
+            text += unparsed
+        events.append(run.tokens(text, out.token_ids, out.completion_tokens, out.reasoning, logprobs, calls or None))
     run.completion_tokens = max(run.completion_tokens, out.completion_tokens)
     if out.finish is EngineFinish.ERROR:
         code = _ERROR_CODES[out.error_code] if out.error_code is not None else ErrorCode.INTERNAL

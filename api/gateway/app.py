@@ -40,7 +40,7 @@ from .auth import Auth
 from .config import GatewayConfig
 from .dialect import Ask, Dialect
 from .errors import GatewayError, Kind, Problem, problem_of
-from .job import JobStream
+from .job import Choices
 from .openai_api import CHAT, COMPLETIONS, openai_error
 from .sse import EventStream, Streams
 
@@ -106,19 +106,19 @@ class Gateway:
     async def generate(self, request: Request, dialect: Dialect) -> Response:
         """One generation request, in ``dialect``'s formats."""
         t0 = time.perf_counter()
-        job: JobStream | None = None
+        job: Choices | None = None
         try:
             self.auth.check(request.headers)
             ask = dialect.parse(await self._body(request), self.config)
-            job = JobStream(self.client, ask.request)
+            job = Choices(self.client, ask.requests())
             await _unless_gone(request, job.open())
             if ask.stream:  # the stream closes the job; so does the task after it, should it never start
                 stream, closing, job = self._stream(request, dialect, ask, job, t0), BackgroundTask(job.close), None
                 return EventStream(stream, self.streams, headers={"x-mlxq-job-id": ask.request.id},
                                    background=closing)
-            text = await _unless_gone(request, job.whole())
+            texts = await _unless_gone(request, job.whole())
             _log_done(request, dialect, job, t0)
-            return JSONResponse(dialect.response(ask, job, text), headers={"x-mlxq-job-id": job.rid})
+            return JSONResponse(dialect.response(ask, job, texts), headers={"x-mlxq-job-id": job.rid})
         except _Gone:
             log.debug("%s %s: the client went away (job %s) -> %d", request.method, request.url.path,
                       job.rid if job else "-", _GONE)
@@ -129,7 +129,7 @@ class Gateway:
             if job is not None:
                 await job.close()
 
-    async def _stream(self, request: Request, dialect: Dialect, ask: Ask, job: JobStream, t0: float
+    async def _stream(self, request: Request, dialect: Dialect, ask: Ask, job: Choices, t0: float
                       ) -> AsyncGenerator[bytes, None]:
         try:
             async for frame in dialect.frames(ask, job):
@@ -159,7 +159,7 @@ class Gateway:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _failed(self, request: Request, dialect: Dialect, exc: Exception, job: JobStream | None) -> Response:
+    async def _failed(self, request: Request, dialect: Dialect, exc: Exception, job: Choices | None) -> Response:
         problem = await self._problem(exc)
         rid = job.rid if job is not None and job.submitted else None  # a refused request queued no job
         _log_problem(request, problem, rid, "", exc)
@@ -254,10 +254,10 @@ def _too_large(limit: int) -> GatewayError:
                                 "MLXQ_GATEWAY_MAX_BODY)", "request_too_large"))
 
 
-def _log_done(request: Request, dialect: Dialect, job: JobStream, t0: float) -> None:
+def _log_done(request: Request, dialect: Dialect, job: Choices, t0: float) -> None:
     if log.isEnabledFor(logging.DEBUG):
-        done = job.done
-        tokens = done.usage.completion_tokens if done else 0
+        done = job.first.done
+        tokens = job.completion_tokens
         log.debug("%s %s (%s) job %s model %s -> 200: %d tokens, %s, %.1f ms", request.method, request.url.path,
                   dialect.name, job.rid, job.request.model, tokens,
                   done.finish_reason.value if done else "-", (time.perf_counter() - t0) * 1000)

@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..schema import GenerateRequest
+from ..schema import GenerateRequest, new_request_id
 from .config import GatewayConfig
 from .errors import Problem
-from .job import JobStream
+from .job import Choices
 
 __all__ = ["Ask", "Dialect", "sse"]
 
@@ -26,6 +26,15 @@ class Ask:
     request: GenerateRequest
     stream: bool
     include_usage: bool = False  # OpenAI's stream_options.include_usage
+    n: int = 1  # choices: one job each
+
+    def requests(self) -> list[GenerateRequest]:
+        """The job of each choice: the request, then copies under new ids (a seed, if given, one up for each)."""
+        out = [self.request]
+        for i in range(1, self.n):
+            seed = None if self.request.seed is None else (self.request.seed + i) % 2**63
+            out.append(self.request.model_copy(update={"id": new_request_id(), "seed": seed}))
+        return out
 
 
 class Dialect(Protocol):
@@ -37,12 +46,12 @@ class Dialect(Protocol):
         """The job a request body asks for; raises a 400 ``GatewayError`` for what the gateway refuses."""
         ...
 
-    def response(self, ask: Ask, job: JobStream, text: str) -> dict[str, Any]:
-        """The whole (non-streamed) response to a job that ended with ``text``."""
+    def response(self, ask: Ask, jobs: Choices, texts: list[str]) -> dict[str, Any]:
+        """The whole (non-streamed) response to jobs that ended with ``texts`` (one per choice)."""
         ...
 
-    def frames(self, ask: Ask, job: JobStream) -> AsyncIterator[bytes]:
-        """The SSE frames of a streamed response, from the job's start to its end (the end a ``sse.Last``)."""
+    def frames(self, ask: Ask, jobs: Choices) -> AsyncIterator[bytes]:
+        """The SSE frames of a streamed response, from the jobs' start to their end (the end a ``sse.Last``)."""
         ...
 
     def error_body(self, problem: Problem) -> dict[str, Any]:

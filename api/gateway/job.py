@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Generic, TypeVar, cast
 
 from ..client import Client
 from ..errors import AccessDenied, JobFailed, MlxqError, QueueUnavailable, WaitTimeout
@@ -25,12 +25,14 @@ from ..schema import (
     GenerateRequest,
     StartEvent,
     TokenLogprob,
+    ToolCall,
 )
 from .errors import GatewayError, Kind, Problem
 
-__all__ = ["Delta", "JobStream"]
+__all__ = ["Choices", "Delta", "JobStream"]
 
 _CANCEL_WAIT_S = 2.0  # a cancel on the way out gives up after this (Redis unreachable): the job still ends
+T = TypeVar("T")
 _UNSURE = (QueueUnavailable, AccessDenied, WaitTimeout)  # raised with the job perhaps queued: cancel it
 
 
@@ -41,6 +43,7 @@ class Delta:
     text: str
     reasoning: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()  # its new tokens' log-probabilities, when the request asked for them
+    tool_calls: tuple[ToolCall, ...] = ()  # the tool calls completed (for a request with tools)
 
 
 class _Sent:
@@ -81,6 +84,25 @@ class _Sent:
         return self._pos < self._len
 
 
+class _Counted(Generic[T]):
+    """A channel of items (log-probabilities, tool calls) a stream sent, counted: a re-run's first items repeat
+    those sent (greedy decoding) and are skipped."""
+
+    __slots__ = ("_seen", "_sent")
+
+    def __init__(self) -> None:
+        self._sent = self._seen = 0  # items sent, and seen of the current run
+
+    def rerun(self) -> None:
+        self._seen = 0
+
+    def take(self, items: Sequence[T]) -> tuple[T, ...]:
+        new = tuple(items[max(0, self._sent - self._seen):])
+        self._seen += len(items)
+        self._sent = max(self._sent, self._seen)
+        return new
+
+
 class JobStream:
     """One job followed for one HTTP request. ``open``, then ``deltas`` (a stream) or ``whole``; ``close`` always."""
 
@@ -96,6 +118,7 @@ class JobStream:
         self._settled = False  # ended, or never queued: nothing to cancel
         self.reasoning = ""  # the whole reasoning of the last run, once whole() read it
         self.logprobs: list[TokenLogprob] = []  # and its tokens' log-probabilities (when asked for)
+        self.tool_calls: list[ToolCall] = []  # and its tool calls
 
     async def open(self) -> None:
         """Submit the job and wait for its start. Raises what submitting raises (``NoWorker``, ``QueueFull``,
@@ -124,25 +147,22 @@ class JobStream:
         """The text (and reasoning) as it is made, each piece once: a re-run's repeat of what was sent is
         skipped, and a re-run that diverges from it raises :class:`JobFailed`."""
         text, reasoning = _Sent(), _Sent()
-        logprobs_sent = logprobs_seen = 0  # tokens with log-probabilities sent, and seen of the current run
+        # A re-run's repeat of tokens and calls already sent is skipped.
+        logprobs: _Counted[TokenLogprob] = _Counted()
+        calls: _Counted[ToolCall] = _Counted()
         async for ev in self._rest():
             if ev.type == "reset":
-                text.rerun()
-                reasoning.rerun()
-                logprobs_seen = 0
+                for sent in (text, reasoning, logprobs, calls):
+                    sent.rerun()
                 continue
-            if ev.type != "token" or not (ev.text or ev.reasoning or ev.logprobs):
+            if ev.type != "token" or not (ev.text or ev.reasoning or ev.logprobs or ev.tool_calls):
                 continue
             new_reasoning, new_text = reasoning.take(ev.reasoning), text.take(ev.text)
             if new_reasoning is None or new_text is None:
                 raise JobFailed(_diverged(self.rid, ev.seq))
-            new_logprobs: tuple[TokenLogprob, ...] = ()
-            if ev.logprobs:  # a re-run's repeat of tokens already sent is skipped here too
-                new_logprobs = tuple(ev.logprobs[max(0, logprobs_sent - logprobs_seen):])
-                logprobs_seen += len(ev.logprobs)
-                logprobs_sent = max(logprobs_sent, logprobs_seen)
-            if new_text or new_reasoning or new_logprobs:
-                yield Delta(new_text, new_reasoning, new_logprobs)
+            new_logprobs, new_calls = logprobs.take(ev.logprobs or ()), calls.take(ev.tool_calls or ())
+            if new_text or new_reasoning or new_logprobs or new_calls:
+                yield Delta(new_text, new_reasoning, new_logprobs, new_calls)
         if text.short or reasoning.short:  # the re-run ended short of what was sent
             raise JobFailed(_diverged(self.rid, self.done.seq if self.done else 0))
 
@@ -160,6 +180,7 @@ class JobStream:
                 logprobs.extend(ev.logprobs or ())
         self.reasoning = "".join(thought)
         self.logprobs = logprobs
+        self.tool_calls = list(self.done.tool_calls or ()) if self.done is not None else []
         return "".join(parts)
 
     async def _rest(self) -> AsyncIterator[Event]:
@@ -212,3 +233,81 @@ def _diverged(rid: str, seq: int) -> ErrorEvent:
     return ErrorEvent(id=rid, seq=seq, code=ErrorCode.INTERNAL, retryable=True,
                       message="the job restarted on another worker and its new text differs from the text "
                               "already streamed (sampling without a seed does not repeat)")
+
+
+class Choices:
+    """The jobs of one HTTP request, one per choice (OpenAI's ``n``; one for every other request), each followed
+    by its own :class:`JobStream`: opened together, read together, closed together."""
+
+    def __init__(self, client: Client, requests: Sequence[GenerateRequest]) -> None:
+        self.jobs = [JobStream(client, r) for r in requests]
+        self.first = self.jobs[0]
+        self.rid = self.first.rid  # names the request in headers and logs
+        self.request = self.first.request
+
+    @property
+    def submitted(self) -> bool:
+        return any(job.submitted for job in self.jobs)
+
+    async def open(self) -> None:
+        """Submit every job and wait for each to start; when one fails, the others are closed (cancelled)."""
+        if len(self.jobs) == 1:
+            return await self.first.open()
+        try:
+            async with asyncio.TaskGroup() as group:
+                for job in self.jobs:
+                    group.create_task(job.open())
+        except BaseExceptionGroup as failed:
+            await self.close()
+            raise failed.exceptions[0] from None
+
+    async def whole(self) -> list[str]:
+        """Each choice's whole text (see :meth:`JobStream.whole`)."""
+        if len(self.jobs) == 1:
+            return [await self.first.whole()]
+        try:
+            async with asyncio.TaskGroup() as group:
+                texts = [group.create_task(job.whole()) for job in self.jobs]
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+        return [t.result() for t in texts]
+
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
+        """Each choice's deltas (see :meth:`JobStream.deltas`) with its index, as they come."""
+        if len(self.jobs) == 1:
+            async for delta in self.first.deltas():
+                yield 0, delta
+            return
+        queue: asyncio.Queue[tuple[int, Delta] | BaseException | None] = asyncio.Queue()
+
+        async def follow(i: int, job: JobStream) -> None:
+            try:
+                async for delta in job.deltas():
+                    queue.put_nowait((i, delta))
+            except BaseException as exc:
+                queue.put_nowait(exc)
+                raise
+            queue.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(follow(i, job)) for i, job in enumerate(self.jobs)]
+        try:
+            ended = 0
+            while ended < len(tasks):
+                item = await queue.get()
+                if item is None:
+                    ended += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(job.done.usage.completion_tokens for job in self.jobs if job.done is not None)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(job.close() for job in self.jobs))

@@ -6,10 +6,14 @@ Mapped: ``model``, ``messages`` (``developer`` is a system turn; text content pa
 extensions ``top_k``, ``min_p``, ``repetition_penalty`` and mlxq's ``priority``; ``response_format``
 (``json_object``, ``json_schema``, and mlxq's ``regex`` and ``grammar``: the output is constrained to it); a
 reasoning model's thinking goes out as ``reasoning_content`` (``chat_template_kwargs.enable_thinking`` switches
-it, as vLLM takes it).
+it, as vLLM takes it); ``tools``, ``tool_choice`` and ``parallel_tool_calls``, with assistant turns' ``tool_calls``
+and ``tool`` turns (the model's calls come as the message's ``tool_calls``, streamed one whole call per delta
+with its index and id, and finish ``tool_calls``).
 ``image_url`` content parts become the job's image parts (a model that takes no images refuses them: a 400 from
-its worker); chat's ``logprobs`` and ``top_logprobs`` (each token's text, log-probability and bytes). Refused
-with a 400 that names them: ``n`` other than 1, the completions API's ``logprobs``, tools and functions,
+its worker); chat's ``logprobs`` and ``top_logprobs`` (each token's text, log-probability and bytes), the
+completions API's ``logprobs`` (its legacy form: tokens, token_logprobs, top_logprobs, text_offset); ``n`` up to 8
+(one job per choice, the same prompt, so the workers' prefix cache serves the others; a ``seed`` is ``seed + i``
+for choice i). Refused with a 400 that names them: the legacy ``functions`` and ``function_call``,
 ``logit_bias``, audio, ``echo``, ``suffix``, ``best_of`` > 1 and token-id prompts. ``user`` goes into the job's
 metadata.
 """
@@ -23,12 +27,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..schema import ChatMessage, FinishReason, GenerateRequest, TokenLogprob
+from ..errors import describe
+from ..schema import ChatMessage, FinishReason, GenerateRequest, TokenLogprob, ToolCall
 from .config import GatewayConfig
 from .content import chat_content
 from .dialect import Ask, dumps, sse
 from .errors import GatewayError, Kind, Problem, invalid, validation_problem
-from .job import JobStream
+from .job import Choices, Delta, JobStream
 from .sse import Last
 
 __all__ = ["CHAT", "COMPLETIONS", "ChatDialect", "CompletionDialect", "openai_error"]
@@ -38,6 +43,7 @@ _ERROR_TYPES = {Kind.INVALID: "invalid_request_error", Kind.UNAUTHORIZED: "authe
                 Kind.NOT_FOUND: "invalid_request_error", Kind.TOO_LARGE: "invalid_request_error",
                 Kind.RATE_LIMITED: "rate_limit_error", Kind.UPSTREAM: "server_error",
                 Kind.UNAVAILABLE: "service_unavailable_error"}
+MAX_CHOICES = 8  # n: one job per choice
 _SAMPLING = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
              "repetition_penalty", "priority")
 
@@ -60,7 +66,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
@@ -79,11 +85,13 @@ class _Common(BaseModel):
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # name, refusal, audio: nothing to map them to
+    model_config = ConfigDict(extra="ignore")  # refusal, audio: nothing to map them to
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[Any] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatRequest(_Common):
@@ -111,7 +119,7 @@ class CompletionRequest(_Common):
     """``POST /v1/completions``."""
 
     prompt: str | list[Any]
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
@@ -120,15 +128,13 @@ class CompletionRequest(_Common):
 def _refusals(body: _Common) -> list[str]:
     """What the request asks for that the gateway does not do."""
     out = []
-    if body.n not in (None, 1):
-        out.append("n other than 1 (one choice per request)")
     if body.logit_bias:
         out.append("logit_bias")
     if isinstance(body, ChatRequest):
         if body.top_logprobs is not None and not body.logprobs:
             out.append("top_logprobs without logprobs: true")
-        if body.tools or body.functions or body.tool_choice not in (None, "none") or body.function_call:
-            out.append("tools and function calling")
+        if body.functions or body.function_call:
+            out.append("functions and function_call (use tools and tool_choice)")
         if (body.modalities and set(body.modalities) != {"text"}) or body.audio:
             out.append("audio output")
         if body.prediction:
@@ -137,8 +143,6 @@ def _refusals(body: _Common) -> list[str]:
         if unknown:
             out.append(f"chat_template_kwargs {', '.join(unknown)} (only enable_thinking)")
     if isinstance(body, CompletionRequest):
-        if body.logprobs:
-            out.append("logprobs")
         if body.echo:
             out.append("echo")
         if body.suffix:
@@ -172,17 +176,22 @@ def _job(body: _Common, config: GatewayConfig, max_tokens: int | None, **prompt:
     except ValidationError as exc:
         raise GatewayError(validation_problem(exc)) from None
     usage = body.stream_options is not None and body.stream_options.include_usage
-    return Ask(req, body.stream, usage)
+    return Ask(req, body.stream, usage, body.n or 1)
 
 
 def _messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if m.role == "function" or m.tool_calls:
-            raise invalid(f"{where}: function and tool calls are not supported", "unsupported_parameter")
+        if m.role == "function":
+            raise invalid(f"{where}: the legacy function role is not supported (use tool)", "unsupported_parameter")
         role = "system" if m.role == "developer" else m.role
-        out.append(ChatMessage(role=role, content=chat_content(m.content, where)))
+        try:
+            calls = [ToolCall.model_validate(c) for c in m.tool_calls] if m.tool_calls else None
+            out.append(ChatMessage(role=role, content=chat_content(m.content, where), tool_calls=calls,
+                                   tool_call_id=m.tool_call_id, name=m.name if role == "tool" else None))
+        except ValidationError as exc:
+            raise invalid(f"{where}: {describe(exc)}", "invalid_request_error") from None
     return out
 
 
@@ -196,14 +205,24 @@ def _prompt(prompt: str | list[Any]) -> str:
 
 # --- responses -------------------------------------------------------------------------------------
 def _finish(reason: FinishReason) -> str:
+    if reason is FinishReason.TOOL_CALLS:
+        return "tool_calls"
     return "length" if reason is FinishReason.LENGTH else "stop"
 
 
-def _usage(job: JobStream) -> dict[str, int]:
-    assert job.done is not None
-    u = job.done.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
+def _calls(calls: Sequence[ToolCall], first: int | None = None) -> list[dict[str, Any]]:
+    """A message's ``tool_calls`` (a stream's delta numbers them from ``first``)."""
+    out = [c.model_dump() for c in calls]
+    if first is not None:
+        out = [{"index": first + i, **c} for i, c in enumerate(out)]
+    return out
+
+
+def _usage(jobs: Choices) -> dict[str, int]:
+    """The request's usage: its prompt once, every choice's completion."""
+    assert jobs.first.done is not None
+    prompt, completion = jobs.first.done.usage.prompt_tokens, jobs.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
@@ -213,6 +232,17 @@ def _logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
 
     return {"content": [{**one(lp.text, lp.logprob), "top_logprobs": [one(t.text, t.logprob) for t in lp.top]}
                         for lp in entries], "refusal": None}
+
+
+def _text_logprobs(entries: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
+    """A completion choice's ``logprobs`` (the legacy form): tokens, their log-probabilities, each place's top
+    alternatives and each token's offset in the text (from ``offset``)."""
+    offsets = []
+    for lp in entries:
+        offsets.append(offset)
+        offset += len(lp.text)
+    return {"tokens": [lp.text for lp in entries], "token_logprobs": [lp.logprob for lp in entries],
+            "top_logprobs": [{t.text: t.logprob for t in lp.top} for lp in entries], "text_offset": offsets}
 
 
 def openai_error(problem: Problem) -> dict[str, Any]:
@@ -234,38 +264,55 @@ class _OpenAI:
     def error_frame(self, problem: Problem) -> bytes:
         return Last(sse(dumps(openai_error(problem))) + _DONE)
 
-    def _head(self, ask: Ask, job: JobStream, created: int) -> str:
+    def _head(self, ask: Ask, jobs: Choices, created: int) -> str:
         """A chunk's JSON up to its ``choices`` (and after them, ``usage: null`` when usage comes last)."""
-        return (f'{{"id":"{self.object_prefix}{job.rid}","object":"{self.chunk_object}","created":{created},'
+        return (f'{{"id":"{self.object_prefix}{jobs.rid}","object":"{self.chunk_object}","created":{created},'
                 f'"model":{encode_basestring(ask.request.model)},"system_fingerprint":null,"choices":')
 
     def _tail(self, ask: Ask) -> str:
         return ',"usage":null}' if ask.include_usage else "}"
 
-    def _start(self) -> str | None:
+    def _start(self, index: int) -> str | None:
         return None
 
-    def _text(self, text: str, reasoning: str = "", logprobs: tuple[TokenLogprob, ...] = ()) -> str:
+    def _text(self, index: int, delta: Delta, sent: _Sent) -> str:
         raise NotImplementedError
 
-    def _last(self, reason: str) -> str:
+    def _last(self, index: int, reason: str) -> str:
         raise NotImplementedError
 
-    async def frames(self, ask: Ask, job: JobStream) -> AsyncIterator[bytes]:
+    async def frames(self, ask: Ask, jobs: Choices) -> AsyncIterator[bytes]:
         # Frames that go out together are joined into one write: each write is a send (a system call, and a
         # wake-up of the reader) and a pass through the HTTP stack.
         created = int(time.time())
-        head, tail = self._head(ask, job, created), self._tail(ask)
-        start = self._start()
-        opening = f"data: {head}{start}{tail}\n\n" if start is not None else ""  # goes with the first text
-        async for delta in job.deltas():
-            yield f"{opening}data: {head}{self._text(delta.text, delta.reasoning, delta.logprobs)}{tail}\n\n".encode()
+        head, tail = self._head(ask, jobs, created), self._tail(ask)
+        starts = [self._start(i) for i in range(len(jobs.jobs))]
+        opening = "".join(f"data: {head}[{start}]{tail}\n\n" for start in starts if start is not None)
+        sent = [_Sent() for _ in jobs.jobs]
+        async for i, delta in jobs.deltas():
+            yield f"{opening}data: {head}[{self._text(i, delta, sent[i])}]{tail}\n\n".encode()
             opening = ""
-        assert job.done is not None
-        closing = [opening, f"data: {head}{self._last(_finish(job.done.finish_reason))}{tail}\n\n"]
+            sent[i].add(delta)
+        closing = [opening]
+        for i, job in enumerate(jobs.jobs):
+            assert job.done is not None
+            closing.append(f"data: {head}[{self._last(i, _finish(job.done.finish_reason))}]{tail}\n\n")
         if ask.include_usage:
-            closing.append(f'data: {head}[],"usage":{dumps(_usage(job))}}}\n\n')
+            closing.append(f'data: {head}[],"usage":{dumps(_usage(jobs))}}}\n\n')
         yield Last("".join(closing).encode() + _DONE)
+
+
+class _Sent:
+    """What a stream sent of one choice: its tool calls (numbered across the choice) and text (logprobs' offsets)."""
+
+    __slots__ = ("calls", "chars")
+
+    def __init__(self) -> None:
+        self.calls = self.chars = 0
+
+    def add(self, delta: Delta) -> None:
+        self.calls += len(delta.tool_calls)
+        self.chars += len(delta.text)
 
 
 class ChatDialect(_OpenAI):
@@ -285,33 +332,50 @@ class ChatDialect(_OpenAI):
             extra["enable_thinking"] = thinking
         if req.logprobs:
             extra["logprobs"] = req.top_logprobs or 0
+        if req.tools:
+            extra["tools"] = req.tools
+            if req.tool_choice is not None:
+                extra["tool_choice"] = req.tool_choice
+            if req.parallel_tool_calls is not None:
+                extra["parallel_tool_calls"] = req.parallel_tool_calls
+        elif req.tool_choice not in (None, "none", "auto"):
+            raise invalid("tool_choice requires tools", "invalid_request_error")
         return _job(req, config, req.max_completion_tokens or req.max_tokens, messages=_messages(req.messages),
                     **extra)
 
-    def response(self, ask: Ask, job: JobStream, text: str) -> dict[str, Any]:
+    def response(self, ask: Ask, jobs: Choices, texts: list[str]) -> dict[str, Any]:
+        choices = [self._choice(ask, i, job, text) for i, (job, text) in enumerate(zip(jobs.jobs, texts))]
+        return {"id": f"chatcmpl-{jobs.rid}", "object": "chat.completion", "created": int(time.time()),
+                "model": ask.request.model, "system_fingerprint": None, "choices": choices, "usage": _usage(jobs)}
+
+    def _choice(self, ask: Ask, index: int, job: JobStream, text: str) -> dict[str, Any]:
         assert job.done is not None
-        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text or (None if job.tool_calls else ""),
+                                   "refusal": None}
         if job.reasoning:
             message["reasoning_content"] = job.reasoning
+        if job.tool_calls:
+            message["tool_calls"] = _calls(job.tool_calls)
         logprobs = _logprobs(job.logprobs) if ask.request.logprobs is not None else None
-        choice = {"index": 0, "message": message, "logprobs": logprobs,
-                  "finish_reason": _finish(job.done.finish_reason)}
-        return {"id": f"chatcmpl-{job.rid}", "object": "chat.completion", "created": int(time.time()),
-                "model": ask.request.model, "system_fingerprint": None, "choices": [choice], "usage": _usage(job)}
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": _finish(job.done.finish_reason)}
 
-    def _start(self) -> str:
-        return '[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+    def _start(self, index: int) -> str:
+        return f'{{"index":{index},"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}'
 
-    def _text(self, text: str, reasoning: str = "", logprobs: tuple[TokenLogprob, ...] = ()) -> str:
-        if reasoning:  # vLLM's and DeepSeek's field for a reasoning model's thinking
-            delta = f'"reasoning_content":{encode_basestring(reasoning)},"content":{encode_basestring(text)}'
-        else:
-            delta = f'"content":{encode_basestring(text)}'
-        lps = dumps(_logprobs(logprobs)) if logprobs else "null"
-        return f'[{{"index":0,"delta":{{{delta}}},"logprobs":{lps},"finish_reason":null}}]'
+    def _text(self, index: int, delta: Delta, sent: _Sent) -> str:
+        fields = []
+        if delta.reasoning:  # vLLM's and DeepSeek's field for a reasoning model's thinking
+            fields.append(f'"reasoning_content":{encode_basestring(delta.reasoning)}')
+        if delta.text or not delta.tool_calls:
+            fields.append(f'"content":{encode_basestring(delta.text)}')
+        if delta.tool_calls:
+            fields.append(f'"tool_calls":{dumps(_calls(delta.tool_calls, sent.calls))}')
+        lps = dumps(_logprobs(delta.logprobs)) if delta.logprobs else "null"
+        return f'{{"index":{index},"delta":{{{",".join(fields)}}},"logprobs":{lps},"finish_reason":null}}'
 
-    def _last(self, reason: str) -> str:
-        return f'[{{"index":0,"delta":{{}},"logprobs":null,"finish_reason":"{reason}"}}]'
+    def _last(self, index: int, reason: str) -> str:
+        return f'{{"index":{index},"delta":{{}},"logprobs":null,"finish_reason":"{reason}"}}'
 
 
 class CompletionDialect(_OpenAI):
@@ -323,19 +387,25 @@ class CompletionDialect(_OpenAI):
 
     def parse(self, body: bytes, config: GatewayConfig) -> Ask:
         req: CompletionRequest = _parse(CompletionRequest, body)
-        return _job(req, config, req.max_tokens, prompt=_prompt(req.prompt))
+        extra = {"logprobs": req.logprobs} if req.logprobs is not None else {}
+        return _job(req, config, req.max_tokens, prompt=_prompt(req.prompt), **extra)
 
-    def response(self, ask: Ask, job: JobStream, text: str) -> dict[str, Any]:
-        assert job.done is not None
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(job.done.finish_reason)}
-        return {"id": f"cmpl-{job.rid}", "object": "text_completion", "created": int(time.time()),
-                "model": ask.request.model, "system_fingerprint": None, "choices": [choice], "usage": _usage(job)}
+    def response(self, ask: Ask, jobs: Choices, texts: list[str]) -> dict[str, Any]:
+        choices = []
+        for i, (job, text) in enumerate(zip(jobs.jobs, texts)):
+            assert job.done is not None
+            logprobs = _text_logprobs(job.logprobs, 0) if ask.request.logprobs is not None else None
+            choices.append({"index": i, "text": text, "logprobs": logprobs,
+                            "finish_reason": _finish(job.done.finish_reason)})
+        return {"id": f"cmpl-{jobs.rid}", "object": "text_completion", "created": int(time.time()),
+                "model": ask.request.model, "system_fingerprint": None, "choices": choices, "usage": _usage(jobs)}
 
-    def _text(self, text: str, reasoning: str = "", logprobs: tuple[TokenLogprob, ...] = ()) -> str:
-        return f'[{{"index":0,"text":{encode_basestring(text)},"logprobs":null,"finish_reason":null}}]'
+    def _text(self, index: int, delta: Delta, sent: _Sent) -> str:
+        lps = dumps(_text_logprobs(delta.logprobs, sent.chars)) if delta.logprobs else "null"
+        return f'{{"index":{index},"text":{encode_basestring(delta.text)},"logprobs":{lps},"finish_reason":null}}'
 
-    def _last(self, reason: str) -> str:
-        return f'[{{"index":0,"text":"","logprobs":null,"finish_reason":"{reason}"}}]'
+    def _last(self, index: int, reason: str) -> str:
+        return f'{{"index":{index},"text":"","logprobs":null,"finish_reason":"{reason}"}}'
 
 
 CHAT = ChatDialect()

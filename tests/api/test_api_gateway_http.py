@@ -136,9 +136,11 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
 
 
 @pytest.mark.parametrize(("messages", "extra", "says"), [
-    (USER, {"n": 2}, "n other than 1"),
+    (USER, {"n": 9}, "n: Input should be less than or equal to 8"),
     (USER, {"top_logprobs": 2}, "top_logprobs without logprobs"),
-    (USER, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (USER, {"functions": [{"name": "f"}]}, "functions and function_call (use tools and tool_choice)"),
+    (USER, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+     "parameters must be a JSON schema of an object"),
     (USER, {"response_format": {"type": "json_schema"}}, "response_format"),
     (USER, {"temperature": 3}, "temperature"),
     (USER, {"frobnicate": 1}, "frobnicate: Extra inputs are not permitted"),
@@ -153,7 +155,6 @@ async def test_chat_requests_the_gateway_refuses_are_400s_that_say_why(
 
 
 @pytest.mark.parametrize(("extra", "says"), [
-    ({"logprobs": 2}, "logprobs"),
     ({"echo": True}, "echo"),
     ({"suffix": "end"}, "suffix"),
     ({"best_of": 2}, "best_of"),
@@ -180,7 +181,7 @@ async def test_completion_and_malformed_requests_are_400s(gw: ServedGateway) -> 
 
 @pytest.mark.parametrize(("body", "says"), [
     ({"messages": [*USER, {"role": "assistant", "content": "The answer is"}]}, "prefill"),
-    ({"messages": USER, "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
+    ({"messages": USER, "tools": [{"type": "bash_20250124", "name": "bash"}]}, "server tools (bash_20250124)"),
     ({"messages": USER, "thinking": {"type": "adaptive"}}, "thinking"),
     ({"messages": []}, "messages"),
 ])

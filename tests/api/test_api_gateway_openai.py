@@ -261,3 +261,50 @@ async def test_logprobs_are_each_tokens_text_logprob_and_top_alternatives(oai: o
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     plain = await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
     assert plain.choices[0].logprobs is None
+
+
+async def test_completions_logprobs_in_the_legacy_form(oai: openai.AsyncOpenAI, queue: Client) -> None:
+    whole = await oai.completions.create(model="tiny", prompt="Hello there", max_tokens=10, logprobs=2)
+    want = await queue.generate(model="tiny", prompt="Hello there", max_tokens=10, logprobs=2, timeout=60)
+    lps = whole.choices[0].logprobs
+    assert lps is not None and want.logprobs is not None
+    assert lps.tokens == [lp.text for lp in want.logprobs] and "".join(lps.tokens) == whole.choices[0].text
+    assert lps.token_logprobs == [lp.logprob for lp in want.logprobs]
+    assert lps.top_logprobs == [{t.text: t.logprob for t in lp.top} for lp in want.logprobs]
+    assert lps.text_offset == [sum(len(t) for t in lps.tokens[:i]) for i in range(len(lps.tokens))]
+    stream = await oai.completions.create(model="tiny", prompt="Hello there", max_tokens=10, logprobs=2, stream=True)
+    chunks = [c.choices[0].logprobs for c in [c async for c in stream] if c.choices and c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.tokens or []] == lps.tokens
+    assert [o for c in chunks for o in c.text_offset or []] == lps.text_offset
+
+
+async def test_n_choices_are_n_jobs_of_one_prompt(oai: openai.AsyncOpenAI, queue: Client) -> None:
+    greedy = await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, n=3)  # type: ignore[arg-type]
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert len({c.message.content for c in greedy.choices}) == 1  # greedy: each choice the same text
+    assert greedy.usage is not None and greedy.usage.completion_tokens == 3 * 8
+    one = await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
+    assert greedy.usage.prompt_tokens == one.usage.prompt_tokens if one.usage else False
+    # Sampled with a seed: choice i is the job seeded seed + i, so the choices differ and repeat.
+    ask: Any = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "temperature": 1.5, "seed": 7, "n": 4}
+    sampled = await oai.chat.completions.create(**ask)
+    texts = [c.message.content for c in sampled.choices]
+    again = await oai.chat.completions.create(**ask)
+    assert len(set(texts)) > 1 and texts == [c.message.content for c in again.choices]
+    for i in (0, 3):
+        alone = await queue.generate(model="tiny", messages=MESSAGES, max_tokens=8, temperature=1.5, seed=7 + i,
+                                     timeout=60)
+        assert alone.text == texts[i]
+    # Streamed: each chunk names its choice; the choices' texts are the whole response's.
+    stream = await oai.chat.completions.create(**ask, stream=True)
+    parts: dict[int, str] = {}
+    finished: dict[int, str | None] = {}
+    async for chunk in stream:
+        for c in chunk.choices:
+            parts[c.index] = parts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert [parts[i] for i in range(4)] == texts and finished == dict.fromkeys(range(4), "length")
+    completions = await oai.completions.create(model="tiny", prompt="Hello", max_tokens=5, n=2)
+    assert [c.index for c in completions.choices] == [0, 1]
+    assert completions.choices[0].text == completions.choices[1].text

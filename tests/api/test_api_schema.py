@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -27,6 +28,7 @@ from api.schema import (
     StartEvent,
     Timings,
     TokenEvent,
+    ToolCall,
     Usage,
     decode_event,
     is_terminal,
@@ -204,7 +206,7 @@ def test_unknown_field_rejected() -> None:
 
 def test_unknown_field_in_message_rejected() -> None:
     with pytest.raises(ValidationError):
-        GenerateRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]})
+        GenerateRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x", "nick": "b"}]})
 
 
 @pytest.mark.parametrize("rid", ["a", "abc-123_X.y:z", "x" * 64, new_request_id()])
@@ -369,3 +371,39 @@ def test_token_event_json_is_pydantics_own_json(rid: str, seq: int, text: str, t
     assert decode_event(fast) == event
     if not reasoning:  # what a client of an earlier release reads, byte for byte
         assert '"reasoning"' not in fast
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"tools": [TOOL], "prompt": "hi", "messages": None}, "tools need chat messages"),
+    ({"tools": [TOOL, TOOL]}, "tool names must be unique"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "none of the tools"),
+    ({"tool_choice": "required"}, "tool_choice requires tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+     "JSON schema of an object"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "string_pattern_mismatch"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot both hold"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "assistant messages only"),
+])
+def test_bad_tools_are_refused_with_what_is_wrong(fields: dict[str, Any], says: str) -> None:
+    base: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(ValidationError) as exc:
+        GenerateRequest.model_validate({**base, **fields})
+    assert says in str(exc.value)
+
+
+def test_tools_and_a_tool_loop_round_trip() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    req = GenerateRequest.model_validate({"model": "m", "tools": [TOOL], "tool_choice": "auto", "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "2"}]})
+    assert req.calls_tools and GenerateRequest.model_validate_json(req.model_dump_json()) == req
+    assert req.messages is not None and req.messages[1].content == ""
+    assert not req.model_copy(update={"tool_choice": "none"}).calls_tools
+    done = DoneEvent(id="r", seq=3, finish_reason=FinishReason.TOOL_CALLS, usage=Usage(prompt_tokens=1,
+                     completion_tokens=2), timings=Timings(queue_ms=0, ttft_ms=1, total_ms=2, tokens_per_s=None),
+                     tool_calls=[ToolCall.model_validate(call)])
+    assert decode_event(done.model_dump_json()) == done
+    assert '"tool_calls":' not in done.model_copy(update={"tool_calls": None}).model_dump_json()

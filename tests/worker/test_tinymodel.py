@@ -75,7 +75,7 @@ def test_load_config_and_eos_agree(loaded: Loaded, size: str) -> None:
     assert config["eos_token_id"] == eos_id == tokenizer.eos_token_id
     assert tokenizer.eos_token_ids == {eos_id}
     assert tokenizer.bos_token_id is None
-    assert config["vocab_size"] == len(tokenizer) == spec.vocab_size + (2 if spec.thinking else 0)  # think markers
+    assert config["vocab_size"] == len(tokenizer) == spec.vocab_size + 2 * (spec.thinking + spec.tools)  # markers
     assert model.model.embed_tokens.weight.shape == (len(tokenizer), spec.hidden_size)
 
 

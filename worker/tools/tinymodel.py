@@ -83,6 +83,42 @@ THINK_TEMPLATE = (
     "{%- endif %}"
 )
 
+# ChatML with tools, in the Hermes format mlx-lm parses as ``json_tools``: the tools' JSON signatures in the
+# system turn; each call a JSON object {"name", "arguments"} between <tool_call> markers; each result a
+# <tool_response> in a user turn.
+TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
+TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nFunction signatures within <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nCall a function with a JSON object {\\\"name\\\": ..., \\\"arguments\\\": ...}"
+    " between <tool_call></tool_call> tags.<|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\\\"name\\\": \\\"' + tool_call.name + '\\\", \\\"arguments\\\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}"
+    "{%- endif %}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 # Init scales, chosen empirically: with mlx's defaults (embedding std
 # 1/sqrt(d), matrix bound 1/sqrt(fan_in)) greedy decoding of a random model
 # collapses into one repeated token; these keep it varied.
@@ -118,6 +154,7 @@ class ModelSpec:
     rms_norm_eps: float = 1e-6
     seed: int = 0
     thinking: bool = False  # think markers in the vocabulary and a template that opens a think block
+    tools: bool = False  # tool-call markers in the vocabulary and a template that renders tools and calls
 
     @property
     def head_dim(self) -> int:
@@ -152,6 +189,8 @@ SIZES: dict[str, ModelSpec] = {
 
 
 SIZES["tiny-think"] = dataclasses.replace(SIZES["tiny"], name="tiny-think", thinking=True)  # a reasoning model's
+SIZES["tiny-tools"] = dataclasses.replace(SIZES["tiny"], name="tiny-tools", tools=True,  # a tool-calling model's
+                                         max_position_embeddings=4096)  # tools take room in the prompt
 
 
 def model_dir(size: str = "tiny", root: Path | None = None) -> Path:
@@ -244,6 +283,9 @@ def build_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:
     if spec.thinking:
         wrapped.add_tokens([THINK_START, THINK_END])  # added, not special: decoded as text, as Qwen3's are
         wrapped.chat_template = THINK_TEMPLATE
+    if spec.tools:
+        wrapped.add_tokens([TOOL_START, TOOL_END])  # added, not special, as Qwen's are
+        wrapped.chat_template = TOOLS_TEMPLATE
     return wrapped
 
 

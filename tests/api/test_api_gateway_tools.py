@@ -1,0 +1,127 @@
+"""Tool calls through the gateway with the official SDKs: OpenAI's tools, tool_choice and streamed tool_calls,
+Anthropic's tools, tool_choice, tool_use blocks (streamed as input_json_delta) and tool_result turns; a two-turn
+tool loop with each. A real gateway, Redis and worker process on a generated model whose template renders
+tools in the Hermes format (mlx-lm's json_tools parser)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from tests.api.gateway_support import Deployment, ServedGateway, deployment, post
+from tests.worker.test_worker_tools import CLOCK, WEATHER, valid, valid_call
+
+MESSAGES: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS: Any = [WEATHER, CLOCK]
+ANTHROPIC_TOOLS: Any = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
+                         "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_tools_model: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[Deployment, ServedGateway]]:
+    with deployment(tiny_tools_model, tmp_path_factory.mktemp("gw-tools")) as running:
+        yield running
+
+
+@pytest.fixture
+async def oai(served: tuple[Deployment, ServedGateway]) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=f"{served[1].url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+async def claude(served: tuple[Deployment, ServedGateway]) -> AsyncIterator[anthropic.AsyncAnthropic]:
+    async with anthropic.AsyncAnthropic(base_url=served[1].url, api_key="unused", max_retries=0) as c:
+        yield c
+
+
+async def test_openai_required_and_named_calls_whole_and_streamed(oai: openai.AsyncOpenAI) -> None:
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        resp = await oai.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                                 max_tokens=400)
+        choice0 = resp.choices[0]
+        assert choice0.finish_reason == "tool_calls" and choice0.message.tool_calls
+        for call in choice0.message.tool_calls:
+            assert call.type == "function" and call.id and valid_call(call, TOOLS)
+        if isinstance(choice, dict):
+            assert {c.function.name for c in choice0.message.tool_calls} == {"get_weather"}
+
+        # Streamed: the SDK's own accumulator rebuilds the same calls from the deltas.
+        async with oai.chat.completions.stream(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                               max_tokens=400) as stream:
+            async for _ in stream:
+                pass
+            final = await stream.get_final_completion()
+        streamed = final.choices[0]
+        assert streamed.finish_reason == "tool_calls"
+        assert [(c.id, c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] != []
+        assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == [
+            (c.function.name, c.function.arguments) for c in choice0.message.tool_calls]  # greedy: the same calls
+
+
+async def test_openai_two_turn_tool_loop(oai: openai.AsyncOpenAI) -> None:
+    first = await oai.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                              parallel_tool_calls=False, max_tokens=400)
+    message = first.choices[0].message
+    assert message.tool_calls is not None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    follow: Any = [*MESSAGES, message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    second = await oai.chat.completions.create(model="tiny", messages=follow, tools=TOOLS, max_tokens=8)
+    assert second.choices[0].finish_reason == "length" and second.choices[0].message.content
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result were rendered
+
+
+async def test_anthropic_any_and_named_tool_use_whole_and_streamed(claude: anthropic.AsyncAnthropic) -> None:
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_time"}):
+        msg = await claude.messages.create(model="tiny", messages=MESSAGES, tools=ANTHROPIC_TOOLS,
+                                           tool_choice=choice, max_tokens=400)  # type: ignore[arg-type]
+        uses = [b for b in msg.content if b.type == "tool_use"]
+        assert msg.stop_reason == "tool_use" and uses
+        assert all(valid(b.name, b.input, TOOLS) for b in uses)  # type: ignore[arg-type]
+        if choice["type"] == "tool":
+            assert {b.name for b in uses} == {"get_time"}
+        async with claude.messages.stream(model="tiny", messages=MESSAGES, tools=ANTHROPIC_TOOLS,
+                                          tool_choice=choice, max_tokens=400) as stream:  # type: ignore[arg-type]
+            final = await stream.get_final_message()
+        assert final.stop_reason == "tool_use"
+        assert [(b.id, b.name, b.input) for b in final.content if b.type == "tool_use"] == [
+            (b.id.replace(msg.id.removeprefix("msg_"), final.id.removeprefix("msg_")), b.name, b.input) for b in uses]
+
+
+async def test_anthropic_two_turn_tool_loop(claude: anthropic.AsyncAnthropic) -> None:
+    first = await claude.messages.create(model="tiny", messages=MESSAGES, tools=ANTHROPIC_TOOLS,
+                                         tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                         max_tokens=400)
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    follow: Any = [*MESSAGES, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"},
+                                                {"type": "text", "text": "And tomorrow?"}]}]
+    second = await claude.messages.create(model="tiny", messages=follow, tools=ANTHROPIC_TOOLS, max_tokens=8)
+    assert second.stop_reason == "max_tokens" and second.content[0].type == "text"
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+
+async def test_bad_tools_are_refused_before_queueing(served: tuple[Deployment, ServedGateway]) -> None:
+    url = served[1].url
+    bad = [
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},  # names no tool
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+        {"tool_choice": "required"},  # no tools
+        {"functions": [{"name": "f"}]},  # the legacy form
+    ]
+    for fields in bad:
+        resp = await post(url, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 4,
+                                                        **fields})
+        assert resp.status_code == 400, (fields, resp.text)
+        assert resp.json()["error"]["message"]
+    resp = await post(url, "/v1/messages", {"model": "tiny", "messages": MESSAGES, "max_tokens": 4,
+                                            "tools": [{"type": "web_search_20250305", "name": "web_search"}]})
+    assert resp.status_code == 400 and "server tools" in resp.json()["error"]["message"]

@@ -1,0 +1,140 @@
+"""A job's tool calls: the text of each call the engine split out (``engine/parts.py``), parsed with the model's
+own mlx-lm tool parser (``mlx_lm/tool_parsers``, chosen by mlx-lm's tokenizer wrapper for the model family) into
+the wire's :class:`~api.schema.ToolCall` records; and the grammar that constrains a job's output to calls of
+its tools (``tool_choice`` required or named).
+
+A call that does not parse (a model that wrote a malformed call under ``auto``, or one cut off by
+``max_tokens``) is not lost: its text, markers included, goes back into the answer's text, as a model without
+tools would have said it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from api.schema import FunctionCall, GenerateRequest, NamedToolChoice, ToolCall
+from engine.constrain import tool_call_grammar
+
+__all__ = ["CallGrammarError", "ToolCalls", "call_grammar", "template_messages", "template_tools"]
+
+log = logging.getLogger(__name__)
+
+Parser = Callable[[str, Any], Any]  # mlx-lm's parse_tool_call(text, tools): a dict {name, arguments} or a list
+_CONSTRAINABLE = "json_tools"  # the tool-call formats whose calls a grammar can constrain (one, for now)
+
+
+class CallGrammarError(ValueError):
+    """The job's tool_choice needs a constrained call this model's tool-call format cannot give."""
+
+
+@dataclass(slots=True)
+class ToolCalls:
+    """One run's tool calls: parsed as the engine completes them, numbered for their ids."""
+
+    rid: str
+    parse: Parser
+    tools: list[dict[str, Any]]  # as the chat template got them (the parser may read their types)
+    markers: tuple[str, str]
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def take(self, texts: list[str]) -> tuple[list[ToolCall], str]:
+        """The calls in ``texts`` (each one call's text), and the text of those that do not parse."""
+        calls: list[ToolCall] = []
+        rest: list[str] = []
+        for text in texts:
+            parsed = self._parse(text)
+            if parsed is None:
+                rest.append(self.markers[0] + text + self.markers[1])
+                continue
+            for name, arguments in parsed:
+                calls.append(ToolCall(id=f"call_{self.rid}_{len(self.calls) + len(calls)}",
+                                      function=FunctionCall(name=name, arguments=arguments)))
+        self.calls.extend(calls)
+        return calls, "".join(rest)
+
+    def _parse(self, text: str) -> list[tuple[str, str]] | None:
+        try:
+            parsed = self.parse(text, self.tools)
+        except Exception as exc:  # a parser's error is the model's text's fault, whatever its type
+            log.info("job %s: a tool call did not parse (%s: %s); its text stays in the answer", self.rid,
+                     type(exc).__name__, exc)
+            return None
+        calls = parsed if isinstance(parsed, list) else [parsed]
+        out: list[tuple[str, str]] = []
+        for call in calls:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+                log.info("job %s: a tool call without a function name; its text stays in the answer", self.rid)
+                return None
+            arguments = call.get("arguments", {})
+            if isinstance(arguments, str):  # a parser that leaves them as text: they must be a JSON object
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    arguments = None
+            if not isinstance(arguments, dict):
+                log.info("job %s: a tool call's arguments are not a JSON object; its text stays in the answer",
+                         self.rid)
+                return None
+            out.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
+        return out
+
+
+def template_tools(req: GenerateRequest) -> list[dict[str, Any]]:
+    """The request's tools as chat templates take them (OpenAI's shape)."""
+    return [t.model_dump(exclude_none=True) for t in req.tools or []]
+
+
+def template_messages(req: GenerateRequest) -> list[dict[str, Any]]:
+    """The request's messages as chat templates take them: text content, and an assistant turn's calls with
+    their arguments as objects (what templates render with ``tojson``), as mlx-lm's server passes them."""
+    out: list[dict[str, Any]] = []
+    for m in req.messages or []:
+        message: dict[str, Any] = {"role": m.role, "content": m.text}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                      "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+def call_grammar(req: GenerateRequest, tokenizer: Any) -> str | None:
+    """The Lark grammar a job's output is constrained to (None: ``auto``, the model chooses); raises
+    :class:`CallGrammarError` for a model whose tool-call format cannot be constrained."""
+    choice = req.tool_choice
+    if req.tools is None or choice in ("auto", "none"):
+        return None
+    parser = getattr(tokenizer, "tool_parser", None)
+    family = getattr(parser, "__module__", "").rpartition(".")[2]
+    if family != _CONSTRAINABLE:
+        raise CallGrammarError(f"tool_choice {_describe(choice)} needs calls in the {_CONSTRAINABLE} format; this "
+                               f"model's is {family or 'none'} (use tool_choice 'auto')")
+    tools = [(t.function.name, t.function.parameters) for t in req.tools
+             if not isinstance(choice, NamedToolChoice) or t.function.name == choice.function.name]
+    start = _marker(tokenizer, tokenizer.tool_call_start, tokenizer.tool_call_start_tokens)
+    end = _marker(tokenizer, tokenizer.tool_call_end, tokenizer.tool_call_end_tokens)
+    return tool_call_grammar(tools, start, end, parallel=req.parallel_tool_calls and choice == "required")
+
+
+def _marker(tokenizer: Any, text: str, tokens: tuple[int, ...] | None) -> str:
+    """A marker as a Lark item: the token itself when it is one (an added token the grammar's text cannot
+    spell), else its text."""
+    return f"<[{tokens[0]}]>" if tokens is not None and len(tokens) == 1 else json.dumps(text)
+
+
+def _describe(choice: object) -> str:
+    return f"naming {choice.function.name!r}" if isinstance(choice, NamedToolChoice) else repr(choice)
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
