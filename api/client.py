@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from .config import ClientConfig
 from .connection import Failures, RetryPolicy, client_redis, denied, is_denied, redact, with_retries
+from .deltas import Delta, Deltas
 from .enqueuer import Enqueuer
 from .errors import (
     BadRequest,
@@ -342,6 +343,13 @@ class Client:
         async for delta in _text(rid, self.events(rid, timeout=timeout)):
             yield delta
 
+    async def stream_deltas(self, rid: str, *, timeout: float | None = None) -> AsyncIterator[Delta]:
+        """What job ``rid`` makes, as :class:`~api.deltas.Delta` s: its text, and apart from it its reasoning
+        (``reasoning="split"``), log-probabilities (``logprobs``) and tool calls (``tools``), each piece once
+        across re-runs as :meth:`stream_text` gives text; raises :class:`JobFailed` on an error event."""
+        async for delta in _deltas(rid, self.events(rid, timeout=timeout)):
+            yield delta
+
     async def result(self, rid: str, *, timeout: float | None = None) -> Result:
         """Wait for job ``rid`` to end; its :class:`Result`, or :class:`JobFailed`."""
         return await _result(rid, self.events(rid, timeout=timeout))
@@ -367,23 +375,23 @@ class Client:
                 await asyncio.shield(self.cancel(req.id))
 
 
-async def _text(rid: str, events: AsyncIterator[Event]) -> AsyncIterator[str]:
-    sent = ""  # text yielded so far
-    run = ""  # text of the current run
+async def _deltas(rid: str, events: AsyncIterator[Event]) -> AsyncIterator[Delta]:
+    deltas = Deltas(rid)
     async for ev in events:
-        if ev.type == "reset":
-            run = ""
-        elif ev.type == "token":
-            run += ev.text
-            if not (run.startswith(sent) or sent.startswith(run)):
-                raise JobFailed(_diverged(rid, ev.seq))
-            if len(run) > len(sent):
-                delta, sent = run[len(sent) :], run
-                yield delta
-        elif isinstance(ev, ErrorEvent):
+        if isinstance(ev, ErrorEvent):
             raise JobFailed(ev)
-        elif ev.type == "done" and len(run) < len(sent):  # the new run ended short of what was sent
-            raise JobFailed(_diverged(rid, ev.seq))
+        if ev.type == "done":
+            deltas.end(ev.seq)
+            return
+        delta = deltas.feed(ev)
+        if delta is not None:
+            yield delta
+
+
+async def _text(rid: str, events: AsyncIterator[Event]) -> AsyncIterator[str]:
+    async for delta in _deltas(rid, events):
+        if delta.text:
+            yield delta.text
 
 
 async def _result(rid: str, events: AsyncIterator[Event]) -> Result:
@@ -425,12 +433,3 @@ def _request(request: Any, fields: dict[str, Any]) -> GenerateRequest:
 def _check_deadline(deadline: float | None, rid: str) -> None:
     if deadline is not None and time.monotonic() >= deadline:
         raise WaitTimeout(f"no terminal event for job {rid} in time")
-
-
-def _diverged(rid: str, seq: int) -> ErrorEvent:
-    from .schema import ErrorCode
-
-    return ErrorEvent(
-        id=rid, seq=seq, code=ErrorCode.INTERNAL,
-        message="the job restarted and its new text differs from what was already streamed", retryable=True,
-    )

@@ -1,9 +1,8 @@
 """The job an HTTP request waits on: submitted, its start awaited, then its text and its end.
 
-A reset (the job re-runs after its worker was lost or shut down) must not corrupt what a client receives.
-A streamed response skips the text the new run repeats (greedy decoding repeats it exactly), and ends with
-:class:`JobFailed` as soon as the new run diverges from what was sent (sampling): the client gets an error
-event, never text that no longer holds, and the job is cancelled. A whole response keeps the last run's text.
+A streamed response is the job's deltas (``api/deltas.py``: a re-run's repeat of what was sent is skipped;
+one that diverges ends the stream with :class:`JobFailed`, and the job is cancelled). A whole response keeps
+the last run's text.
 """
 
 from __future__ import annotations
@@ -11,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import Generic, TypeVar, cast
+from typing import cast
 
 from ..client import Client
+from ..deltas import Delta, Deltas
 from ..errors import AccessDenied, JobFailed, MlxqError, QueueUnavailable, WaitTimeout
 from ..schema import (
     DoneEvent,
-    ErrorCode,
     ErrorEvent,
     Event,
     FinishReason,
@@ -32,75 +30,7 @@ from .errors import GatewayError, Kind, Problem
 __all__ = ["Choices", "Delta", "JobStream"]
 
 _CANCEL_WAIT_S = 2.0  # a cancel on the way out gives up after this (Redis unreachable): the job still ends
-T = TypeVar("T")
 _UNSURE = (QueueUnavailable, AccessDenied, WaitTimeout)  # raised with the job perhaps queued: cancel it
-
-
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """New text of a streamed job, and new reasoning (a reasoning model's, when asked apart)."""
-
-    text: str
-    reasoning: str = ""
-    logprobs: tuple[TokenLogprob, ...] = ()  # its new tokens' log-probabilities, when the request asked for them
-    tool_calls: tuple[ToolCall, ...] = ()  # the tool calls completed (for a request with tools)
-
-
-class _Sent:
-    """One channel of what a stream sent, against which a re-run's repeat is matched. The pieces are joined
-    only when a re-run needs them: a stream appends one per event."""
-
-    __slots__ = ("_len", "_parts", "_pos")
-
-    def __init__(self) -> None:
-        self._parts: list[str] = []
-        self._len = 0
-        self._pos = 0  # how far into what was sent the current run has come
-
-    def rerun(self) -> None:
-        self._pos = 0
-
-    def take(self, piece: str) -> str | None:
-        """What of ``piece`` is new; None when it contradicts what was sent."""
-        if not piece:
-            return ""
-        if self._pos < self._len:  # a re-run repeating what was sent: it must match
-            sent = "".join(self._parts)
-            self._parts = [sent]
-            overlap = sent[self._pos : self._pos + len(piece)]
-            if not piece.startswith(overlap):
-                return None
-            self._pos += len(overlap)
-            piece = piece[len(overlap) :]
-            if not piece:
-                return ""
-        self._parts.append(piece)
-        self._len += len(piece)
-        self._pos += len(piece)
-        return piece
-
-    @property
-    def short(self) -> bool:
-        return self._pos < self._len
-
-
-class _Counted(Generic[T]):
-    """A channel of items (log-probabilities, tool calls) a stream sent, counted: a re-run's first items repeat
-    those sent (greedy decoding) and are skipped."""
-
-    __slots__ = ("_seen", "_sent")
-
-    def __init__(self) -> None:
-        self._sent = self._seen = 0  # items sent, and seen of the current run
-
-    def rerun(self) -> None:
-        self._seen = 0
-
-    def take(self, items: Sequence[T]) -> tuple[T, ...]:
-        new = tuple(items[max(0, self._sent - self._seen):])
-        self._seen += len(items)
-        self._sent = max(self._sent, self._seen)
-        return new
 
 
 class JobStream:
@@ -144,27 +74,14 @@ class JobStream:
             raise
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """The text (and reasoning) as it is made, each piece once: a re-run's repeat of what was sent is
-        skipped, and a re-run that diverges from it raises :class:`JobFailed`."""
-        text, reasoning = _Sent(), _Sent()
-        # A re-run's repeat of tokens and calls already sent is skipped.
-        logprobs: _Counted[TokenLogprob] = _Counted()
-        calls: _Counted[ToolCall] = _Counted()
+        """What the job makes, as it is made, each piece once: a re-run's repeat of what was sent is skipped,
+        and a re-run that diverges from it raises :class:`JobFailed`."""
+        deltas = Deltas(self.rid)
         async for ev in self._rest():
-            if ev.type == "reset":
-                for sent in (text, reasoning, logprobs, calls):
-                    sent.rerun()
-                continue
-            if ev.type != "token" or not (ev.text or ev.reasoning or ev.logprobs or ev.tool_calls):
-                continue
-            new_reasoning, new_text = reasoning.take(ev.reasoning), text.take(ev.text)
-            if new_reasoning is None or new_text is None:
-                raise JobFailed(_diverged(self.rid, ev.seq))
-            new_logprobs, new_calls = logprobs.take(ev.logprobs or ()), calls.take(ev.tool_calls or ())
-            if new_text or new_reasoning or new_logprobs or new_calls:
-                yield Delta(new_text, new_reasoning, new_logprobs, new_calls)
-        if text.short or reasoning.short:  # the re-run ended short of what was sent
-            raise JobFailed(_diverged(self.rid, self.done.seq if self.done else 0))
+            delta = deltas.feed(ev)
+            if delta is not None:
+                yield delta
+        deltas.end(self.done.seq if self.done else 0)
 
     async def whole(self) -> str:
         """The whole text of the job's last run (its reasoning in :attr:`reasoning`)."""
@@ -227,12 +144,6 @@ class JobStream:
     def ended(self) -> bool:
         """Whether the job reached its end (or was never queued)."""
         return self._settled
-
-
-def _diverged(rid: str, seq: int) -> ErrorEvent:
-    return ErrorEvent(id=rid, seq=seq, code=ErrorCode.INTERNAL, retryable=True,
-                      message="the job restarted on another worker and its new text differs from the text "
-                              "already streamed (sampling without a seed does not repeat)")
 
 
 class Choices:

@@ -76,6 +76,8 @@ async def test_required_and_named_tool_choice_give_valid_calls(tools_worker: Any
     streamed = [c for ev in events if ev.type == "token" for c in ev.tool_calls or ()]
     done = events[-1]
     assert done.type == "done" and len(streamed) == 1 and done.tool_calls == streamed
+    deltas = [d async for d in client.stream_deltas(rid, timeout=60)]  # the client's own reader of the parts
+    assert [c for d in deltas for c in d.tool_calls] == streamed
 
 
 async def test_a_two_turn_tool_loop(tools_worker: Any, client: Client) -> None:
