@@ -18,7 +18,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[Any]:
-    from worker.tools.redis_server import RedisServer
+    from mlxq.worker.tools.redis_server import RedisServer
 
     with RedisServer() as server:
         yield server
@@ -35,7 +35,7 @@ def redis_url(redis_server: Any) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tools.tinymodel import ensure_model
+    from mlxq.worker.tools.tinymodel import ensure_model
 
     return ensure_model("tiny", root=tmp_path_factory.mktemp("models"))
 
@@ -43,7 +43,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with think markers and a template that opens a think block (worker/tools/tinymodel.py)."""
-    from worker.tools.tinymodel import ensure_model
+    from mlxq.worker.tools.tinymodel import ensure_model
 
     return ensure_model("tiny-think", root=tmp_path_factory.mktemp("think"))
 
@@ -52,7 +52,7 @@ def tiny_think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_tools_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with tool-call markers and a template that renders tools (mlx-lm parses its calls with its
     json_tools parser)."""
-    from worker.tools.tinymodel import ensure_model
+    from mlxq.worker.tools.tinymodel import ensure_model
 
     return ensure_model("tiny-tools", root=tmp_path_factory.mktemp("tools"))
 
@@ -60,14 +60,14 @@ def tiny_tools_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A generated tiny qwen2_vl in mlx-vlm's format (worker/tools/tinyvlm.py)."""
-    from worker.tools.tinyvlm import ensure_vlm
+    from mlxq.worker.tools.tinyvlm import ensure_vlm
 
     return ensure_vlm(root=tmp_path_factory.mktemp("vlm"))
 
 
 @pytest.fixture
 def worker_config(redis_url: str, tiny_model: Path) -> Any:
-    from worker.config import WorkerConfig
+    from mlxq.worker.config import WorkerConfig
 
     return WorkerConfig(
         model=str(tiny_model), model_name="tiny", redis_url=redis_url, capacity=8,
@@ -86,7 +86,7 @@ async def worker(worker_config: Any) -> AsyncIterator[RunningWorker]:
 
 @pytest.fixture
 async def client(redis_url: str) -> AsyncIterator[Any]:
-    from api.client import Client
+    from mlxq.api.client import Client
 
     async with Client(redis_url) as c:
         yield c

@@ -17,7 +17,7 @@ class RunningWorker:
     @property
     def host(self) -> Any:
         """The worker's host (worker/host.py): claims, runs, the shared loops."""
-        from worker.arqseam import host_of
+        from mlxq.worker.arqseam import host_of
 
         return host_of(self.worker)
 
@@ -43,11 +43,11 @@ class RunningWorker:
 async def start_worker(config: Any, **overrides: Any) -> RunningWorker:
     from arq.worker import Worker
 
-    from worker.settings import worker_settings
+    from mlxq.worker.settings import worker_settings
 
     worker = Worker(**{**worker_settings(config), "handle_signals": False, **overrides})
     task = asyncio.create_task(worker.async_run())
-    from worker.arqseam import host_of
+    from mlxq.worker.arqseam import host_of
 
     for _ in range(600):
         if host_of(worker) is not None:
@@ -68,8 +68,8 @@ async def enqueue_raw(redis_url: str, payload: Any, job_id: str, model: str = "t
 
     import redis.asyncio as aredis
 
-    from api.jobrecord import job_record
-    from api.keys import Keys
+    from mlxq.api.jobrecord import job_record
+    from mlxq.api.keys import Keys
 
     keys, now = Keys(prefix), int(time.time() * 1000)
     r = aredis.Redis.from_url(redis_url)

@@ -16,11 +16,11 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
-from api.client import Client
-from api.errors import AccessDenied
-from api.status import collect
+from mlxq.api.client import Client
+from mlxq.api.errors import AccessDenied
+from mlxq.api.status import collect
+from mlxq.worker.tools.redis_server import find_redis_server
 from tests.support import config_with, start_worker
-from worker.tools.redis_server import find_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "s3cret-for-the-test"

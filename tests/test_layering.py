@@ -16,13 +16,19 @@ FORBIDDEN = {
 }
 
 
+def _root(module: str) -> str:
+    """A module's package: the project's own by its folder (``mlxq.api.schema`` -> ``api``), others by name."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "mlxq" and len(parts) > 1 else parts[0]
+
+
 def imported_roots(path: Path) -> set[str]:
     roots = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            roots.update(alias.name.split(".")[0] for alias in node.names)
+            roots.update(_root(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            roots.add(node.module.split(".")[0])
+            roots.add(_root(node.module))
     return roots
 
 
@@ -39,9 +45,11 @@ def test_package_imports_respect_the_layering(package: str) -> None:
 def test_producer_side_runs_without_mlx_or_arq_loaded() -> None:
     # Import the whole producer surface (the CLI a web host runs, the gateway) in a fresh interpreter.
     code = (
-        "import sys, api.client, api.schema, api.keys, api.errors, api.cli, api.gateway.app; "
-        "api.cli._parser().parse_args(['submit', '--model', 'm', 'hi']); "
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm', 'engine', 'worker', 'arq'}); "
+        "import sys, mlxq.api.client, mlxq.api.schema, mlxq.api.keys, mlxq.api.errors, mlxq.api.cli, "
+        "mlxq.api.gateway.app; "
+        "mlxq.api.cli._parser().parse_args(['submit', '--model', 'm', 'hi']); "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm', 'arq'} "
+        "or m.startswith(('mlxq.engine', 'mlxq.worker'))); "
         "print(bad); sys.exit(1 if bad else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -72,7 +80,7 @@ def test_the_runtime_imports_none_of_its_tools() -> None:
         tree = ast.parse(f.read_text(), str(f))
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-        if any(n == "tools" or n.startswith(("tools.", "worker.tools")) for n in names):
+        if any(n == "tools" or n.startswith(("tools.", "mlxq.worker.tools")) for n in names):
             offenders[str(f.relative_to(ROOT))] = names
     assert offenders == {}
 
@@ -100,7 +108,7 @@ def test_the_cli_finds_the_worker_tools_by_their_declared_entry_points() -> None
     assert set(declared) == {"demo", "bench"}
     for target in declared.values():
         module, _, name = target.partition(":")
-        assert module.startswith("worker.tools.")
-        path = ROOT.joinpath(*module.split("."))
+        assert module.startswith("mlxq.worker.tools.")
+        path = ROOT.joinpath(*module.split(".")[1:])
         source = (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
         assert f"def {name}(" in source, target

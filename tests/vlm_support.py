@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from api.schema import image_data_url
+from mlxq.api.schema import image_data_url
 
 
 def png(width: int, height: int, seed: int) -> bytes:
@@ -65,7 +65,7 @@ class Oracle:
     def __init__(self, path: Path) -> None:
         import mlx_vlm
 
-        from engine.vlm import Vision
+        from mlxq.engine.vlm import Vision
 
         self.model, self.processor = mlx_vlm.load(str(path))
         self.vision = Vision(self.model, self.processor)

@@ -1,6 +1,6 @@
 """Everything mlxq knows about arq, in one place (arq 0.28, pinned; checked at import).
 
-arq runs each worker process (``arq worker.Settings``): its poll loop, ``max_jobs`` slots, health-check
+arq runs each worker process (``arq mlxq.worker.Settings``): its poll loop, ``max_jobs`` slots, health-check
 key, signals and the SIGTERM drain. How a job is claimed, run and ended is mlxq's own (worker/lifecycle.py).
 What crosses this seam:
 
@@ -36,10 +36,10 @@ from arq.connections import RedisSettings
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from api.connection import CONNECT_TIMEOUT_S, RETRY_ON, RetryPolicy, client_redis, redact, retry, with_retries
-from api.errors import MlxqError
-from api.jobrecord import JOB_FUNCTION, load_record
-from api.keys import Keys
+from mlxq.api.connection import CONNECT_TIMEOUT_S, RETRY_ON, RetryPolicy, client_redis, redact, retry, with_retries
+from mlxq.api.errors import MlxqError
+from mlxq.api.jobrecord import JOB_FUNCTION, load_record
+from mlxq.api.keys import Keys
 
 __all__ = [
     "Claimed",
@@ -179,7 +179,7 @@ class WorkerSpec:
 
 
 def worker_settings(spec: WorkerSpec) -> dict[str, Any]:
-    """Keyword arguments of ``arq.Worker`` (the attributes of an ``arq worker.Settings`` class)."""
+    """Keyword arguments of ``arq.Worker`` (the attributes of an ``arq mlxq.worker.Settings`` class)."""
     _install()
 
     async def startup(ctx: dict[str, Any]) -> None:

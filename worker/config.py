@@ -8,16 +8,16 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from api.config import (
+from mlxq.api.config import (
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_IMAGES,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_REDIS_URL,
     EnvReader,
 )
-from api.errors import ConfigError
-from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
-from api.schema import job_bytes_limit
+from mlxq.api.errors import ConfigError
+from mlxq.api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
+from mlxq.api.schema import job_bytes_limit
 
 __all__ = ["LOG_LEVELS", "ServedModel", "WorkerConfig"]
 

@@ -25,11 +25,11 @@ from collections.abc import Sequence
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from api.connection import redis_client
-from api.jobrecord import Envelope, read_job
-from api.schema import ErrorCode, FinishReason, GenerateRequest, ModelState, WorkerStatus, is_terminal
-from engine.mlx_process import MLXLimits, mlx_process
-from engine.request import RequestOutput
+from mlxq.api.connection import redis_client
+from mlxq.api.jobrecord import Envelope, read_job
+from mlxq.api.schema import ErrorCode, FinishReason, GenerateRequest, ModelState, WorkerStatus, is_terminal
+from mlxq.engine.mlx_process import MLXLimits, mlx_process
+from mlxq.engine.request import RequestOutput
 
 from . import waker
 from .arqseam import Claimed, Claims, Outcome

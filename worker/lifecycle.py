@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Literal
 
 from redis.asyncio import Redis
 
-from api.jobrecord import result_record
-from api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
-from api.schema import (
+from mlxq.api.jobrecord import result_record
+from mlxq.api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
+from mlxq.api.schema import (
     PRIORITY_MIN,
     DoneEvent,
     ErrorCode,

@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from api.schema import GenerateRequest, ImagePart, TextPart
-from engine.parts import PartMarkers
-from engine.request import Format, ImageInputs
+from mlxq.api.schema import GenerateRequest, ImagePart, TextPart
+from mlxq.engine.parts import PartMarkers
+from mlxq.engine.request import Format, ImageInputs
 
 if TYPE_CHECKING:
-    from engine.loader import LoadedModel
+    from mlxq.engine.loader import LoadedModel
 
     from .config import WorkerConfig
 

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from api.schema import DoneEvent, ErrorEvent
+from mlxq.api.schema import DoneEvent, ErrorEvent
 
 if TYPE_CHECKING:
     from .host import WorkerHost

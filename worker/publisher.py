@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
-from api.schema import TERMINAL_TYPES
-from engine.request import FinishReason, RequestOutput, coalesce
+from mlxq.api.schema import TERMINAL_TYPES
+from mlxq.engine.request import FinishReason, RequestOutput, coalesce
 
 from .lifecycle import Lifecycle, Record, Run, State, Wire, Write
 from .translate import output_events

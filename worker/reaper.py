@@ -18,7 +18,7 @@ import time
 
 from redis.exceptions import RedisError
 
-from api.schema import ErrorCode, FinishReason
+from mlxq.api.schema import ErrorCode, FinishReason
 
 from .lifecycle import Lapsed, Lifecycle, Lost, Record, Write
 

@@ -15,14 +15,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from api.errors import describe
-from api.schema import PRIORITY_MAX, GenerateRequest, ModelState, ModelStatus
-from engine.constrain import FormatKind, Grammar, GrammarError, Grammars, ResponseFormat, vocab_size
-from engine.engine import Engine, Sink
-from engine.loader import EngineOptions, LoadedModel, start_engine
-from engine.parts import PartMarkers
-from engine.prompt import EncodedPrompt, encode_prompt_with_boundary
-from engine.request import EngineRequest
+from mlxq.api.errors import describe
+from mlxq.api.schema import PRIORITY_MAX, GenerateRequest, ModelState, ModelStatus
+from mlxq.engine.constrain import FormatKind, Grammar, GrammarError, Grammars, ResponseFormat, vocab_size
+from mlxq.engine.engine import Engine, Sink
+from mlxq.engine.loader import EngineOptions, LoadedModel, start_engine
+from mlxq.engine.parts import PartMarkers
+from mlxq.engine.prompt import EncodedPrompt, encode_prompt_with_boundary
+from mlxq.engine.request import EngineRequest
 
 from . import media
 from .config import ServedModel, WorkerConfig

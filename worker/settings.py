@@ -1,4 +1,4 @@
-"""``arq worker.Settings``: a worker serving ``MLXQ_MODEL`` (or every model of ``MLXQ_MODELS``), configured
+"""``arq mlxq.worker.Settings``: a worker serving ``MLXQ_MODEL`` (or every model of ``MLXQ_MODELS``), configured
 from the environment.
 
 One queue per model (``<prefix>:queue:<name>``), a short poll backed by producers' wake-ups, ``max_jobs``
@@ -18,9 +18,9 @@ import socket
 import sys
 from typing import Any, NoReturn
 
-from api.connection import redact
-from api.errors import ConfigError
-from engine.loader import ModelLoadError, locate_model
+from mlxq.api.connection import redact
+from mlxq.api.errors import ConfigError
+from mlxq.engine.loader import ModelLoadError, locate_model
 
 from . import watchdog
 from .arqseam import Host, WorkerSpec
@@ -76,7 +76,7 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
         poll_delay_s=config.poll_delay_s,
         job_timeout_s=config.arq_job_timeout_s,
         drain_s=config.drain_timeout_s,
-        # The same on every start on this host, so `arq --check worker.Settings` (same environment) finds it.
+        # The same on every start on this host, so `arq --check mlxq.worker.Settings` (same environment) finds it.
         health_key=config.keys.arq_health(socket.gethostname(), first),
         on_stop_signal=on_stop_signal,
         on_closed=watchdog.disarm,
@@ -87,7 +87,7 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
 def _configure_logging(level: str) -> None:
     # arq's CLI configures only the "arq" logger; give ours the same treatment (at MLXQ_LOG_LEVEL) unless the host
     # app did (tests starting a Worker themselves log through pytest).
-    for name in ("worker", "engine", "api"):
+    for name in ("mlxq",):  # every module of the package logs under it
         logger = logging.getLogger(name)
         if not logger.handlers and not logging.getLogger().handlers:
             handler = logging.StreamHandler()
@@ -97,7 +97,7 @@ def _configure_logging(level: str) -> None:
 
 
 def _settings_class() -> type:
-    """``arq worker.Settings``: the worker for ``MLXQ_MODEL`` or ``MLXQ_MODELS``, its attributes read from the
+    """``arq mlxq.worker.Settings``: the worker for ``MLXQ_MODEL`` or ``MLXQ_MODELS``, its attributes read from the
     environment; a bad configuration exits 78 with one line, not a traceback (at ``MLXQ_LOG_LEVEL=DEBUG``, after
     it)."""
     try:

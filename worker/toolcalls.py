@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.schema import FunctionCall, GenerateRequest, NamedToolChoice, ToolCall
-from engine.constrain import tool_call_grammar
+from mlxq.api.schema import FunctionCall, GenerateRequest, NamedToolChoice, ToolCall
+from mlxq.engine.constrain import tool_call_grammar
 
 __all__ = ["CallGrammarError", "ToolCalls", "call_grammar", "template_messages", "template_tools"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from api.schema import (
+from mlxq.api.schema import (
     ErrorCode,
     FinishReason,
     GenerateRequest,
@@ -16,11 +16,11 @@ from api.schema import (
     TokenLogprob,
     TopLogprob,
 )
-from engine.constrain import FormatKind, ResponseFormat
-from engine.parts import PartMarkers
-from engine.request import EngineRequest, Format, ImageInputs, RequestOutput, SamplingParams
-from engine.request import ErrorCode as EngineError
-from engine.request import FinishReason as EngineFinish
+from mlxq.engine.constrain import FormatKind, ResponseFormat
+from mlxq.engine.parts import PartMarkers
+from mlxq.engine.request import EngineRequest, Format, ImageInputs, RequestOutput, SamplingParams
+from mlxq.engine.request import ErrorCode as EngineError
+from mlxq.engine.request import FinishReason as EngineFinish
 
 from .lifecycle import Run, Wire
 

@@ -23,7 +23,7 @@ def serve(config: GatewayConfig, *, workers: int = 1, log_level: str = "info") -
     common = {"host": config.host, "port": config.port, "log_level": log_level, "access_log": False,
               "timeout_graceful_shutdown": _GRACEFUL_S, "log_config": log_config(log_level)}
     if workers > 1:  # each process builds its app from the environment, as this one read its config
-        uvicorn.run("api.gateway.server:app_from_env", factory=True, workers=workers, **common)  # type: ignore[arg-type]
+        uvicorn.run("mlxq.api.gateway.server:app_from_env", factory=True, workers=workers, **common)  # type: ignore[arg-type]
     else:
         uvicorn.run(create_app(config), **common)  # type: ignore[arg-type]
     return 0
@@ -35,7 +35,7 @@ def log_config(level: str) -> dict[str, Any]:
     config = copy.deepcopy(LOGGING_CONFIG)
     config["formatters"]["mlxq"] = {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}
     config["handlers"]["mlxq"] = {"class": "logging.StreamHandler", "formatter": "mlxq", "stream": "ext://sys.stderr"}
-    config["loggers"]["api"] = {"handlers": ["mlxq"], "level": level.upper(), "propagate": False}
+    config["loggers"]["mlxq"] = {"handlers": ["mlxq"], "level": level.upper(), "propagate": False}
     return config
 
 

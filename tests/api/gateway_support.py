@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import uvicorn
 
-from api.config import ClientConfig
-from api.gateway import GatewayConfig, create_app
-from worker.tools.process import WorkerProcess
-from worker.tools.redis_server import RedisServer
+from mlxq.api.config import ClientConfig
+from mlxq.api.gateway import GatewayConfig, create_app
+from mlxq.worker.tools.process import WorkerProcess
+from mlxq.worker.tools.redis_server import RedisServer
 
 PREFIX = "gw"
 

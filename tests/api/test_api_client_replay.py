@@ -1,4 +1,4 @@
-"""``api.client.Client`` delivery: pub/sub merged with the replay log, exactly once and in seq order.
+"""``mlxq.api.client.Client`` delivery: pub/sub merged with the replay log, exactly once and in seq order.
 
 Redis is fakeredis; a fake worker writes events the way ``worker/publisher.py`` does
 (``PUBLISH <events channel> json`` and ``XADD <log key> {"e": json}`` with id ``<seq>-1``).
@@ -13,11 +13,11 @@ from typing import Any
 import fakeredis
 import pytest
 
-import api.client as client_mod
-from api.client import Client
-from api.errors import JobFailed, JobNotFound, WaitTimeout
-from api.keys import CANCEL_TTL_S, log_entry_id
-from api.schema import (
+import mlxq.api.client as client_mod
+from mlxq.api.client import Client
+from mlxq.api.errors import JobFailed, JobNotFound, WaitTimeout
+from mlxq.api.keys import CANCEL_TTL_S, log_entry_id
+from mlxq.api.schema import (
     DoneEvent,
     ErrorCode,
     ErrorEvent,

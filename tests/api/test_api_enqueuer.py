@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aredis
 
-from api.client import Client
-from api.errors import DuplicateJob
-from api.jobrecord import read_job
+from mlxq.api.client import Client
+from mlxq.api.errors import DuplicateJob
+from mlxq.api.jobrecord import read_job
 
 MODEL = "m"
 
@@ -157,7 +157,7 @@ async def test_a_submit_cancelled_before_the_send_enqueues_nothing(client: Clien
 
 
 async def test_a_failed_send_fails_every_submit_of_the_burst() -> None:
-    from api.errors import QueueUnavailable
+    from mlxq.api.errors import QueueUnavailable
 
     async with Client("redis://127.0.0.1:1", retry_deadline=0.3) as client:  # nothing listens there
         outcomes = await asyncio.gather(*(client.submit(model=MODEL, prompt="p") for _ in range(3)),

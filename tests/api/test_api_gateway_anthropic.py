@@ -10,8 +10,8 @@ from pathlib import Path
 import anthropic
 import pytest
 
-from api.client import Client, Result
-from api.schema import DoneEvent, FinishReason
+from mlxq.api.client import Client, Result
+from mlxq.api.schema import DoneEvent, FinishReason
 from tests.api.gateway_support import Deployment, ServedGateway, deployment
 
 SYSTEM = "Answer briefly."

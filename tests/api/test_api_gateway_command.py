@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def gateway(redis_url: str, *options: str, env: dict[str, str]) -> Iterator[int]:
     """``mlxq gateway`` with these options; yields the port uvicorn says it listens on, then stops it."""
     full = {**os.environ, "MLXQ_REDIS_URL": redis_url, **env}
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "gateway", *options], cwd=ROOT, env=full,
+    proc = subprocess.Popen([sys.executable, "-m", "mlxq.api.cli", "gateway", *options], cwd=ROOT, env=full,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     try:

@@ -23,13 +23,13 @@ import openai
 import pytest
 import redis.asyncio as aredis
 
-from api.client import Client
-from api.errors import NoWorker
-from api.gateway import GatewayConfig
-from api.keys import Keys
-from api.schema import ModelState, ModelStatus, WorkerStatus, image_data_url
+from mlxq.api.client import Client
+from mlxq.api.errors import NoWorker
+from mlxq.api.gateway import GatewayConfig
+from mlxq.api.keys import Keys
+from mlxq.api.schema import ModelState, ModelStatus, WorkerStatus, image_data_url
+from mlxq.worker.tools.redis_server import RedisServer
 from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, deployment, post
-from worker.tools.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = [{"role": "user", "content": "hi"}]
@@ -110,8 +110,8 @@ async def test_models_lists_what_live_workers_serve_in_either_apis_format(oai: o
 
 
 async def test_health_is_ready_only_while_redis_answers(tmp_path: Path) -> None:
-    from api.config import ClientConfig
-    from api.gateway import GatewayConfig, create_app
+    from mlxq.api.config import ClientConfig
+    from mlxq.api.gateway import GatewayConfig, create_app
 
     server = RedisServer().start()
     config = GatewayConfig(client=ClientConfig(redis_url=server.url, prefix=PREFIX, retry_deadline_s=0.5))
@@ -365,17 +365,17 @@ async def test_a_burst_of_requests_reads_the_workers_health_records_once(d: Depl
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # The gateway's queue client checks that a live worker serves the model before it queues a job; requests
     # that arrive together share one read of the records (each would cost Redis reads and parsing).
-    import api.client
+    import mlxq.api.client
 
     reads = 0
-    real = api.client.live_workers
+    real = mlxq.api.client.live_workers
 
     async def counted(*args: Any) -> Any:
         nonlocal reads
         reads += 1
         return await real(*args)
 
-    monkeypatch.setattr(api.client, "live_workers", counted)
+    monkeypatch.setattr(mlxq.api.client, "live_workers", counted)
     async with Client(config=d.config.client) as queue:
         rids = await asyncio.gather(*(queue.submit(model="tiny", prompt="hi", max_tokens=1, require_worker=True)
                                       for _ in range(16)))
@@ -394,8 +394,8 @@ async def test_mlxq_gateway_serves_until_sigterm(d: Deployment) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MLXQ_REDIS_URL": d.redis.url, "MLXQ_PREFIX": PREFIX}
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "gateway", "--port", str(port), "--log-level", "debug"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "mlxq.api.cli", "gateway", "--port", str(port), "--log-level",
+                             "debug"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
             for _ in range(300):
@@ -412,14 +412,14 @@ async def test_mlxq_gateway_serves_until_sigterm(d: Deployment) -> None:
     assert proc.returncode in (0, -signal.SIGTERM), out.decode()
     assert b"Application shutdown complete" in out and b"Traceback" not in out
     log = out.decode()
-    assert f"INFO api.gateway.app: gateway serving the queue at {d.redis.url} (prefix {PREFIX}" in log
+    assert f"INFO mlxq.api.gateway.app: gateway serving the queue at {d.redis.url} (prefix {PREFIX}" in log
     (line,) = [x for x in log.splitlines() if "POST /v1/completions" in x]  # one line per request, at DEBUG
-    assert "DEBUG api.gateway.app:" in line and "model tiny -> 200: 3 tokens, length" in line
+    assert "DEBUG mlxq.api.gateway.app:" in line and "model tiny -> 200: 3 tokens, length" in line
 
 
 def test_mlxq_gateway_without_the_extra_says_so_in_one_line() -> None:
     code = ("import sys; sys.modules['uvicorn'] = None; "  # as if the gateway extra were not installed
-            "from api.cli import main; sys.exit(main(['gateway']))")
+            "from mlxq.api.cli import main; sys.exit(main(['gateway']))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]

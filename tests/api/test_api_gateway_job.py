@@ -14,12 +14,12 @@ from typing import Any
 import fakeredis
 import pytest
 
-from api.client import Client
-from api.errors import JobFailed
-from api.gateway.errors import GatewayError
-from api.gateway.job import JobStream
-from api.keys import log_entry_id
-from api.schema import (
+from mlxq.api.client import Client
+from mlxq.api.errors import JobFailed
+from mlxq.api.gateway.errors import GatewayError
+from mlxq.api.gateway.job import JobStream
+from mlxq.api.keys import log_entry_id
+from mlxq.api.schema import (
     DoneEvent,
     ErrorCode,
     ErrorEvent,
@@ -182,7 +182,7 @@ async def test_a_rerun_repeating_reasoning_and_text_in_other_pieces_continues_se
 
 
 async def test_a_rerun_repeating_tokens_sends_their_logprobs_once(client: Client) -> None:
-    from api.schema import TokenLogprob
+    from mlxq.api.schema import TokenLogprob
 
     def tok(seq: int, text: str, *ids: int) -> TokenEvent:
         return TokenEvent(id=RID, seq=seq, text=text, token_ids=list(ids), index=ids[0],

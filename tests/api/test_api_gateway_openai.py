@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
-from api.client import Client, Result
-from api.schema import DoneEvent, Event, FinishReason
+from mlxq.api.client import Client, Result
+from mlxq.api.schema import DoneEvent, Event, FinishReason
+from mlxq.worker.tools.process import GatewayProcess
 from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, deployment
-from worker.tools.process import GatewayProcess
 
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Say hello"}]
 LONG = 400  # tokens: a job still decoding long after its first chunk (the context is 512)

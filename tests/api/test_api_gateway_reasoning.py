@@ -13,7 +13,7 @@ import anthropic
 import openai
 import pytest
 
-from api.client import Client
+from mlxq.api.client import Client
 from tests.api.gateway_support import Deployment, ServedGateway, deployment
 from tests.worker.test_worker_reasoning import thought_then_answer
 

@@ -16,8 +16,8 @@ import anthropic
 import openai
 import pytest
 
-from api.client import Client
-from api.schema import DoneEvent, Event, FinishReason
+from mlxq.api.client import Client
+from mlxq.api.schema import DoneEvent, Event, FinishReason
 from tests.api.gateway_support import Deployment, ServedGateway, deployment
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story"}]

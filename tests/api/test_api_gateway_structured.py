@@ -14,9 +14,9 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.client import Client
-from api.errors import BadRequest
-from api.schema import ErrorEvent
+from mlxq.api.client import Client
+from mlxq.api.errors import BadRequest
+from mlxq.api.schema import ErrorEvent
 from tests.api.gateway_support import Deployment, ServedGateway, deployment
 
 

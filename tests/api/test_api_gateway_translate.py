@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from api.gateway import GatewayConfig
-from api.gateway.anthropic_api import MESSAGES
-from api.gateway.auth import Auth
-from api.gateway.content import chat_content
-from api.gateway.errors import GatewayError
-from api.gateway.openai_api import CHAT, COMPLETIONS
-from api.schema import DoneEvent, FinishReason, ImagePart, ImageURL, TextPart, Timings, Usage, decode_event
+from mlxq.api.gateway import GatewayConfig
+from mlxq.api.gateway.anthropic_api import MESSAGES
+from mlxq.api.gateway.auth import Auth
+from mlxq.api.gateway.content import chat_content
+from mlxq.api.gateway.errors import GatewayError
+from mlxq.api.gateway.openai_api import CHAT, COMPLETIONS
+from mlxq.api.schema import DoneEvent, FinishReason, ImagePart, ImageURL, TextPart, Timings, Usage, decode_event
 
 CONFIG = GatewayConfig(default_max_tokens=77)
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,10 +128,10 @@ def test_the_producer_side_never_loads_the_web_stack() -> None:
 
 
 def test_the_gateways_public_names() -> None:
-    import api.gateway
+    import mlxq.api.gateway
 
-    assert api.gateway.__all__ == ["Gateway", "GatewayConfig", "create_app"]
-    assert all(getattr(api.gateway, name) is not None for name in api.gateway.__all__)
+    assert mlxq.api.gateway.__all__ == ["Gateway", "GatewayConfig", "create_app"]
+    assert all(getattr(mlxq.api.gateway, name) is not None for name in mlxq.api.gateway.__all__)
 
 
 def test_a_done_event_carries_the_stop_sequence_that_ended_it_and_only_then() -> None:
@@ -150,8 +150,8 @@ def test_a_done_event_carries_the_stop_sequence_that_ended_it_and_only_then() ->
     {"MLXQ_MAX_IMAGES": "0", "MLXQ_MAX_PAYLOAD_BYTES": "4096"},
 ])
 async def test_the_gateways_job_limits_are_the_workers_for_the_same_variables(env: dict[str, str]) -> None:
-    from api.client import Client
-    from worker.config import WorkerConfig
+    from mlxq.api.client import Client
+    from mlxq.worker.config import WorkerConfig
 
     worker = WorkerConfig.from_env(env)
     cfg = GatewayConfig.from_env(env)

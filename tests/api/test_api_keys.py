@@ -7,8 +7,8 @@ import re
 import pytest
 from redis.crc import key_slot
 
-from api.keys import Keys, log_entry_id, seq_of_entry_id
-from api.schema import REQUEST_ID_PATTERN
+from mlxq.api.keys import Keys, log_entry_id, seq_of_entry_id
+from mlxq.api.schema import REQUEST_ID_PATTERN
 
 PER_JOB = ("events", "log", "cancel", "lease", "job", "result", "tries")
 

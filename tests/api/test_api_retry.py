@@ -17,13 +17,13 @@ from redis.exceptions import AuthenticationError, BusyLoadingError, NoPermission
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from api.client import Client
-from api.connection import is_denied, is_transient, redact
-from api.errors import AccessDenied, QueueUnavailable
-from api.keys import Keys, log_entry_id
-from api.schema import DoneEvent, FinishReason, StartEvent, Timings, Usage
+from mlxq.api.client import Client
+from mlxq.api.connection import is_denied, is_transient, redact
+from mlxq.api.errors import AccessDenied, QueueUnavailable
+from mlxq.api.keys import Keys, log_entry_id
+from mlxq.api.schema import DoneEvent, FinishReason, StartEvent, Timings, Usage
+from mlxq.worker.tools.redis_server import RedisServer, find_redis_server
 from tests.peers import PEERS, silent_peer
-from worker.tools.redis_server import RedisServer, find_redis_server
 
 
 def free_port() -> int:
@@ -172,7 +172,7 @@ def test_redis_7s_answer_to_a_large_unauthenticated_request_is_access_denied() -
     # this error instead of NOAUTH; retrying would repeat it.
     from redis.exceptions import ResponseError
 
-    from api.connection import denied, is_denied, is_transient
+    from mlxq.api.connection import denied, is_denied, is_transient
 
     exc = ResponseError("Protocol error: unauthenticated multibulk length")
     assert is_denied(exc) and not is_transient(exc)

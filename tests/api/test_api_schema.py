@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from api.schema import (
+from mlxq.api.schema import (
     EVENTS,
     MAX_METADATA_ITEMS,
     MAX_STOP_CHARS,

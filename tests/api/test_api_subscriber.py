@@ -10,7 +10,7 @@ import pytest
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from api.subscriber import Subscriber, Subscription, own_pubsub
+from mlxq.api.subscriber import Subscriber, Subscription, own_pubsub
 
 
 async def test_each_wait_ends_at_its_own_deadline() -> None:
@@ -166,7 +166,7 @@ async def test_a_break_during_unsubscribes_leaves_the_command_pool_clean(redis_u
     or raced the hub's reader for the socket: 22 of 200 rounds here before the fix)."""
     import redis.asyncio as aredis
 
-    from api.connection import redis_client
+    from mlxq.api.connection import redis_client
 
     redis = redis_client(redis_url)
     admin = aredis.Redis.from_url(redis_url)

@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.batch import BatchToken, SequenceCache, Started
-from engine.memory import KVBudget, KVLayout
-from engine.request import EngineRequest, RequestOutput, SamplingParams
-from engine.scheduler import Scheduler
+from mlxq.engine.batch import BatchToken, SequenceCache, Started
+from mlxq.engine.memory import KVBudget, KVLayout
+from mlxq.engine.request import EngineRequest, RequestOutput, SamplingParams
+from mlxq.engine.scheduler import Scheduler
 
 LAYOUT = KVLayout(bytes_per_token=10, step=4)
 

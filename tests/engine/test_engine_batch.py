@@ -9,10 +9,10 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from engine.batch import MLXBatch
-from engine.memory import KVBudget, measure_layout
-from engine.request import EngineRequest, FinishReason, SamplingParams
-from engine.scheduler import Scheduler
+from mlxq.engine.batch import MLXBatch
+from mlxq.engine.memory import KVBudget, measure_layout
+from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
+from mlxq.engine.scheduler import Scheduler
 from tests.engine.fakes import Run
 from tests.worker.test_worker_queue import reference, reference_text
 
@@ -119,7 +119,7 @@ def test_priority_with_memory_pressure_on_the_real_model(lm: Any, stream: mx.Str
 
 
 def _sampling_scheduler(lm: Any, stream: mx.Stream, prefix: Any = None) -> Scheduler:
-    from engine.sampling import make_request_logits_processors, make_request_sampler
+    from mlxq.engine.sampling import make_request_logits_processors, make_request_sampler
 
     model, tokenizer = lm
     batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=4, prefill_batch_size=8, prefill_step_size=16,
@@ -154,7 +154,7 @@ def test_a_request_started_at_once_generates_what_it_would_have_in_the_batch(lm:
 
 
 def test_a_request_started_at_once_starts_from_a_cached_prefix(lm: Any, stream: mx.Stream) -> None:
-    from engine.prefix_cache import PrefixCache
+    from mlxq.engine.prefix_cache import PrefixCache
 
     tokenizer = lm[1]
     shared = words(tokenizer, 80, 1)

@@ -6,10 +6,10 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from engine.batch import BatchToken
-from engine.engine import Engine
-from engine.mlx_thread import MLXThread
-from engine.request import RequestOutput
+from mlxq.engine.batch import BatchToken
+from mlxq.engine.engine import Engine
+from mlxq.engine.mlx_thread import MLXThread
+from mlxq.engine.request import RequestOutput
 from tests.engine.fakes import ToyBatch, req, scheduler
 
 

@@ -14,10 +14,10 @@ import mlx.core as mx
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.batch import MLXBatch
-from engine.constrain import FormatKind, Grammar, GrammarError, Grammars, ResponseFormat, vocab_size
-from engine.request import EngineRequest, FinishReason, SamplingParams
-from engine.scheduler import Scheduler
+from mlxq.engine.batch import MLXBatch
+from mlxq.engine.constrain import FormatKind, Grammar, GrammarError, Grammars, ResponseFormat, vocab_size
+from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
+from mlxq.engine.scheduler import Scheduler
 from tests.engine.fakes import Run
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from engine.request import EngineRequest, SamplingParams
+from mlxq.engine.request import EngineRequest, SamplingParams
 from tests.engine.fakes import Run
 from tests.engine.test_engine_batch import drive, lm, make, stream, words  # noqa: F401  (fixtures)
 

@@ -12,7 +12,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import gemma3_text, lfm2
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.memory import KV_STEP, KVBudget, measure_layout
+from mlxq.engine.memory import KV_STEP, KVBudget, measure_layout
 
 PREFILL = 64
 

@@ -16,12 +16,18 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-import engine.mlx_process
-from engine.engine import Engine
-from engine.loader import start_engine
-from engine.memory import default_headroom, default_prefix_cache_bytes, measure_layout, model_bytes, usable_memory_bytes
-from engine.mlx_process import MLXLimits, mlx_process
-from engine.request import EngineRequest, RequestOutput, SamplingParams
+import mlxq.engine.mlx_process
+from mlxq.engine.engine import Engine
+from mlxq.engine.loader import start_engine
+from mlxq.engine.memory import (
+    default_headroom,
+    default_prefix_cache_bytes,
+    measure_layout,
+    model_bytes,
+    usable_memory_bytes,
+)
+from mlxq.engine.mlx_process import MLXLimits, mlx_process
+from mlxq.engine.request import EngineRequest, RequestOutput, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 RECOMMENDED = 3 << 30
@@ -49,7 +55,7 @@ def wired(monkeypatch: pytest.MonkeyPatch) -> Iterator[Wired]:
     monkeypatch.setattr(mx, "device_info", lambda: {**info, "max_recommended_working_set_size": RECOMMENDED})
     monkeypatch.setattr(mx, "set_wired_limit", state.set)
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)  # mlx-vlm wires only on Metal
-    monkeypatch.setattr(engine.mlx_process, "_owner", None)
+    monkeypatch.setattr(mlxq.engine.mlx_process, "_owner", None)
     yield state
 
 
@@ -142,7 +148,7 @@ def test_without_a_recommended_working_set_no_wired_limit_is_set(monkeypatch: py
     sets: list[int] = []
     monkeypatch.setattr(mx, "device_info", lambda: {"device_name": "cpu"})  # as on Linux
     monkeypatch.setattr(mx, "set_wired_limit", sets.append)
-    monkeypatch.setattr(engine.mlx_process, "_owner", None)
+    monkeypatch.setattr(mlxq.engine.mlx_process, "_owner", None)
     assert mlx_process().wired_bytes is None and sets == []
 
 

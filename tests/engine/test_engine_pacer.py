@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.pacer import Pacer
-from engine.request import FinishReason, RequestOutput
+from mlxq.engine.pacer import Pacer
+from mlxq.engine.request import FinishReason, RequestOutput
 
 
 class Clock:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.parts import PartMarkers, PartSplitter
-from engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
-from engine.sequence import Sequence
+from mlxq.engine.parts import PartMarkers, PartSplitter
+from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.sequence import Sequence
 from tests.engine.fakes import Detok
 
 THINK = ("<think>", "</think>")

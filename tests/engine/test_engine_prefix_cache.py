@@ -10,12 +10,12 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from engine.batch import MLXBatch, SequenceCache
-from engine.memory import measure_layout
-from engine.prefix_cache import PrefixCache
-from engine.prompt import encode_prompt_with_boundary
-from engine.request import EngineRequest, FinishReason, SamplingParams
-from engine.scheduler import Scheduler
+from mlxq.engine.batch import MLXBatch, SequenceCache
+from mlxq.engine.memory import measure_layout
+from mlxq.engine.prefix_cache import PrefixCache
+from mlxq.engine.prompt import encode_prompt_with_boundary
+from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
+from mlxq.engine.scheduler import Scheduler
 from tests.engine.fakes import Run, ToyCache
 from tests.worker.test_worker_queue import reference
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import FinishReason
-from engine.scheduler import Scheduler
-from engine.waiting import WaitingQueue, priority_key
+from mlxq.engine.request import FinishReason
+from mlxq.engine.scheduler import Scheduler
+from mlxq.engine.waiting import WaitingQueue, priority_key
 from tests.engine.fakes import Clock, Run, ToyBatch, req, scheduler, toy_generate
 
 # --- the waiting queue ----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine.prompt import EncodedPrompt, PromptEncoder, encode_prompt, encode_prompt_with_boundary
+from mlxq.engine.prompt import EncodedPrompt, PromptEncoder, encode_prompt, encode_prompt_with_boundary
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.request import SamplingParams
-from engine.sampling import make_request_logits_processors
+from mlxq.engine.request import SamplingParams
+from mlxq.engine.sampling import make_request_logits_processors
 
 
 def test_no_penalty_means_no_processor() -> None:

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from engine.batch import BatchToken
-from engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
-from engine.scheduler import Scheduler, StepFailed
+from mlxq.engine.batch import BatchToken
+from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.scheduler import Scheduler, StepFailed
 
 # --- fakes ----------------------------------------------------------------------------------------------
 
@@ -661,7 +661,7 @@ def test_request_whose_insert_crashes_gets_terminal_output(backend: FakeBackend)
 
 
 def test_coalesce_merges_steps_per_request_in_order() -> None:
-    from engine.request import coalesce
+    from mlxq.engine.request import coalesce
 
     outs = [
         RequestOutput("a", [1], "x", started=True, prompt_tokens=3, completion_tokens=1),
@@ -678,7 +678,7 @@ def test_coalesce_merges_steps_per_request_in_order() -> None:
 
 
 def test_coalesce_hands_back_one_output_per_request_as_it_is() -> None:
-    from engine.request import coalesce
+    from mlxq.engine.request import coalesce
 
     outs = [RequestOutput("a", [1], "x", completion_tokens=1), RequestOutput("b", [2], "y", completion_tokens=4)]
     merged = coalesce(outs)
@@ -686,7 +686,7 @@ def test_coalesce_hands_back_one_output_per_request_as_it_is() -> None:
 
 
 def test_coalesce_drops_outputs_after_a_requests_end() -> None:
-    from engine.request import coalesce
+    from mlxq.engine.request import coalesce
 
     outs = [
         RequestOutput("a", [1], "x", completion_tokens=1),

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
-from engine.sequence import EOS, LENGTH, Sequence
+from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.sequence import EOS, LENGTH, Sequence
 from tests.engine.fakes import Detok
 
 

@@ -3,8 +3,8 @@ string that ended a request, on the scheduler's last output of it."""
 
 from __future__ import annotations
 
-from engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams, coalesce
-from engine.stops import StopMatcher, StopResult
+from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams, coalesce
+from mlxq.engine.stops import StopMatcher, StopResult
 from tests.engine.fakes import Run, ToyBatch, scheduler, toy_generate
 
 

@@ -13,11 +13,11 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from engine.batch import BatchToken
-from engine.engine import Engine
-from engine.mlx_thread import MLXThread
-from engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
-from engine.scheduler import Scheduler
+from mlxq.engine.batch import BatchToken
+from mlxq.engine.engine import Engine
+from mlxq.engine.mlx_thread import MLXThread
+from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.scheduler import Scheduler
 from tests.engine.test_engine_claim import ManualClock
 
 

@@ -20,12 +20,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.engine import Engine
-from engine.loader import EngineOptions, LoadedModel, build_engine, load_model
-from engine.mlx_thread import MLXThread
-from engine.request import EngineRequest, FinishReason, ImageInputs, RequestOutput, SamplingParams
-from engine.sampling import make_request_logits_processors, make_request_sampler
-from engine.scheduler import Scheduler
+from mlxq.engine.engine import Engine
+from mlxq.engine.loader import EngineOptions, LoadedModel, build_engine, load_model
+from mlxq.engine.mlx_thread import MLXThread
+from mlxq.engine.request import EngineRequest, FinishReason, ImageInputs, RequestOutput, SamplingParams
+from mlxq.engine.sampling import make_request_logits_processors, make_request_sampler
+from mlxq.engine.scheduler import Scheduler
 from tests.vlm_support import Oracle, chat, data_url, picture, template_messages
 
 N = 16  # tokens per request
@@ -279,7 +279,7 @@ async def test_an_image_job_cancelled_mid_prefill_leaves_the_batch_intact(
     # Driven step by step on the MLX thread: 4-token prefill chunks, so each image prompt prefills over
     # several steps and the cancel lands between two of them. Dropping the longer prompt leaves the shorter
     # one alone with padding still to prefill (the case VLMBatch works around), dropping the shorter does not.
-    from engine.vlm import VLMBatch
+    from mlxq.engine.vlm import VLMBatch
 
     assert loaded.vision is not None
     vision = loaded.vision

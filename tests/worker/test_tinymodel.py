@@ -16,8 +16,8 @@ import pytest
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
-from worker.tools import tinymodel
-from worker.tools.tinymodel import EOS_TOKEN, SIZES, ensure_model, model_dir
+from mlxq.worker.tools import tinymodel
+from mlxq.worker.tools.tinymodel import EOS_TOKEN, SIZES, ensure_model, model_dir
 
 SIZE_NAMES = sorted(SIZES)
 PROMPTS = ["Hello there", "The water is cold.", "Write a poem about the sea", "1 2 3 4"]
@@ -183,7 +183,7 @@ def test_lost_race_with_incomplete_target_raises(tmp_path: Path) -> None:
 
 
 def test_concurrent_processes(tmp_path: Path) -> None:
-    code = "import sys; from worker.tools.tinymodel import ensure_model; print(ensure_model('tiny', sys.argv[1]))"
+    code = "import sys; from mlxq.worker.tools.tinymodel import ensure_model; print(ensure_model('tiny', sys.argv[1]))"
     env = {**os.environ, "PYTHONPATH": str(Path(tinymodel.__file__).parents[2])}
     procs = [
         subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, env=env)
@@ -198,8 +198,8 @@ def test_concurrent_processes(tmp_path: Path) -> None:
 
 
 def test_prompt_encoder_calls_rust_directly_and_matches_transformers(tiny_model: Path) -> None:
-    from engine.loader import load_model
-    from engine.prompt import PromptEncoder, encode_prompt
+    from mlxq.engine.loader import load_model
+    from mlxq.engine.prompt import PromptEncoder, encode_prompt
 
     tokenizer = load_model(str(tiny_model)).tokenizer
     encoder = PromptEncoder(tokenizer)
@@ -215,8 +215,8 @@ def test_prompt_encoder_falls_back_when_the_rust_call_would_differ(
 ) -> None:
     from tokenizers import models
 
-    from engine import prompt
-    from engine.loader import load_model
+    from mlxq.engine import prompt
+    from mlxq.engine.loader import load_model
 
     tokenizer = load_model(str(tiny_model)).tokenizer
     rust = tokenizer._tokenizer._tokenizer

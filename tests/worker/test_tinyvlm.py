@@ -1,4 +1,4 @@
-"""worker.tools.tinyvlm: the generated qwen2_vl loads with the real ``mlx_vlm.load`` and generates with images."""
+"""mlxq.worker.tools.tinyvlm: the generated qwen2_vl loads with the real ``mlx_vlm.load`` and generates with images."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import mlx_vlm
 import pytest
 from mlx.utils import tree_flatten
 
+from mlxq.worker.tools import tinyvlm
+from mlxq.worker.tools.tinyvlm import IMAGE_PAD, VISION_END, VISION_START, ensure_vlm, vlm_dir
 from tests.vlm_support import data_url
-from worker.tools import tinyvlm
-from worker.tools.tinyvlm import IMAGE_PAD, VISION_END, VISION_START, ensure_vlm, vlm_dir
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
          "preprocessor_config.json")
@@ -69,8 +69,8 @@ def test_greedy_generation_with_images_is_varied_and_runs_to_max_tokens(loaded: 
 
 
 def test_the_bench_s_small_qwen2_vl_loads_and_generates_with_an_image(tmp_path: Path) -> None:
-    from engine.loader import load_model
-    from worker.tools.tinyvlm import SMALL_VLM
+    from mlxq.engine.loader import load_model
+    from mlxq.worker.tools.tinyvlm import SMALL_VLM
 
     path = ensure_vlm(tmp_path, SMALL_VLM)
     loaded = load_model(str(path))

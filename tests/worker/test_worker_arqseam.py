@@ -14,9 +14,9 @@ import redis.asyncio as aredis
 from arq.connections import RedisSettings, create_pool
 from arq.worker import Worker, func
 
-from api.client import Client
+from mlxq.api.client import Client
+from mlxq.worker import arqseam
 from tests.support import config_with, start_worker
-from worker import arqseam
 
 QUEUE = "plain-arq:queue"
 
@@ -46,7 +46,7 @@ async def test_a_plain_arq_worker_in_the_same_process_keeps_arqs_own_claim_and_r
 
 
 def test_an_unsupported_arq_version_fails_at_import_with_a_clear_message() -> None:
-    code = "import arq.version; arq.version.VERSION = '0.29.1'; import worker.arqseam"
+    code = "import arq.version; arq.version.VERSION = '0.29.1'; import mlxq.worker.arqseam"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "mlxq needs arq 0.28.x" in proc.stderr and "arq 0.29.1 is installed" in proc.stderr

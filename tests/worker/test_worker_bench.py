@@ -17,10 +17,10 @@ from typing import Any, cast
 
 import pytest
 
-from api.cli import _parser
-from worker.tools import bench, blas
-from worker.tools.bench.gateway import _stream
-from worker.tools.bench.http import SseClient
+from mlxq.api.cli import _parser
+from mlxq.worker.tools import bench, blas
+from mlxq.worker.tools.bench.gateway import _stream
+from mlxq.worker.tools.bench.http import SseClient
 
 
 def _args(out: Path, **over: Any) -> argparse.Namespace:
@@ -274,7 +274,7 @@ def test_reexec_runs_the_same_command_with_openblas_preloaded(
     monkeypatch.setenv("LD_PRELOAD", "/other.so")
     bench._maybe_reexec(_args(tmp_path / "o", quick=False, concurrency="1,8", max_tokens=7))
     ((_, argv, env),) = calls
-    assert argv[1:3] == ["-m", "api.cli"]
+    assert argv[1:3] == ["-m", "mlxq.api.cli"]
     parsed = _parser().parse_args(argv[3:])
     assert (parsed.command, parsed.out, parsed.quick, parsed.concurrency, parsed.max_tokens) == (
         "bench", str(tmp_path / "o"), False, "1,8", 7)

@@ -24,13 +24,13 @@ import pytest
 import redis.asyncio as aredis
 from mlx_lm.generate import generate_step
 
-from api.client import Client
-from api.keys import Keys
-from api.schema import DoneEvent, ErrorEvent, Event, FinishReason
-from engine.prompt import encode_prompt
+from mlxq.api.client import Client
+from mlxq.api.keys import Keys
+from mlxq.api.schema import DoneEvent, ErrorEvent, Event, FinishReason
+from mlxq.engine.prompt import encode_prompt
+from mlxq.worker.tools.process import WorkerProcess
+from mlxq.worker.tools.redis_server import RedisServer
 from tests.support import RunningWorker, config_with, start_worker
-from worker.tools.process import WorkerProcess
-from worker.tools.redis_server import RedisServer
 
 PROMPTS = [f"prompt {i}: " + "the quick brown fox " * (i % 4) for i in range(10)]
 

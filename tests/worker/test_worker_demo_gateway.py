@@ -35,7 +35,7 @@ def _as_a_scripts_background_job() -> None:
                                                (signal.SIGINT, _as_a_scripts_background_job)],
                          ids=["ctrl-c", "sigterm", "sigint-to-a-background-job"])
 def test_demo_serves_the_gateway_and_its_curl_line_works(stop: signal.Signals, started: Any) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "demo", "--gateway", "--port", "0", "--jobs", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "mlxq.api.cli", "demo", "--gateway", "--port", "0", "--jobs", "2",
                              "--max-tokens", "8"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, preexec_fn=started)
     children: list[psutil.Process] = []

@@ -27,10 +27,10 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from api.client import Client
-from api.errors import BadRequest as ClientBadRequest
-from api.jobrecord import JOB_FUNCTION, job_record, read_job
-from api.schema import (
+from mlxq.api.client import Client
+from mlxq.api.errors import BadRequest as ClientBadRequest
+from mlxq.api.jobrecord import JOB_FUNCTION, job_record, read_job
+from mlxq.api.schema import (
     MAX_MESSAGES,
     MAX_PROMPT_CHARS,
     MAX_STOP_CHARS,
@@ -42,10 +42,10 @@ from api.schema import (
     Event,
     GenerateRequest,
 )
+from mlxq.worker.config import WorkerConfig
+from mlxq.worker.service import BadRequest, ModelService
+from mlxq.worker.translate import to_engine_request
 from tests.support import RunningWorker, enqueue_raw, start_worker
-from worker.config import WorkerConfig
-from worker.service import BadRequest, ModelService
-from worker.translate import to_engine_request
 
 MODEL = "tiny"
 QUEUE = f"mlxq:queue:{MODEL}"
@@ -251,7 +251,7 @@ class Validator:
 
 @pytest.fixture(scope="module")
 def validator(tiny_model: Path) -> Validator:
-    from engine.loader import load_model
+    from mlxq.engine.loader import load_model
 
     config = WorkerConfig(model=str(tiny_model), model_name=MODEL, redis_url="redis://127.0.0.1:1")
     service = ModelService(config.served[0], config)

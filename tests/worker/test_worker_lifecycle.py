@@ -9,10 +9,10 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from api.jobrecord import JOB_FUNCTION, job_record, read_job
-from api.keys import Keys, queue_score
-from api.schema import DoneEvent, ErrorCode, Event, FinishReason, StartEvent, TokenEvent, decode_event
-from worker.lifecycle import Claim, Lifecycle, LogTTL, Outranking, Record, Run, Write
+from mlxq.api.jobrecord import JOB_FUNCTION, job_record, read_job
+from mlxq.api.keys import Keys, queue_score
+from mlxq.api.schema import DoneEvent, ErrorCode, Event, FinishReason, StartEvent, TokenEvent, decode_event
+from mlxq.worker.lifecycle import Claim, Lifecycle, LogTTL, Outranking, Record, Run, Write
 
 KEYS = Keys("lc-test")
 QUEUE = KEYS.queue("m")
@@ -87,7 +87,7 @@ async def test_events_go_live_on_the_documented_channel_and_duplicates_are_not_r
 
 
 async def test_end_finishes_the_job_keeps_arqs_result_record_and_shortens_the_log_ttl(redis_url: str) -> None:
-    from worker.arqseam import arq_job
+    from mlxq.worker.arqseam import arq_job
 
     r = aredis.Redis.from_url(redis_url)
     try:
@@ -366,7 +366,7 @@ def test_a_run_numbers_its_events_and_builds_each_kind() -> None:
 
 # --- expiry of queued jobs -------------------------------------------------------------------------------
 async def test_a_queued_job_expires_once_and_one_started_meanwhile_does_not(redis_url: str) -> None:
-    from api.keys import deadline_member
+    from mlxq.api.keys import deadline_member
 
     r = aredis.Redis.from_url(redis_url)
     try:

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from api.schema import GenerateRequest, image_data_url
-from engine.request import ImageInputs
+from mlxq.api.schema import GenerateRequest, image_data_url
+from mlxq.engine.request import ImageInputs
+from mlxq.worker import media
+from mlxq.worker.config import WorkerConfig
+from mlxq.worker.media import ImageError, ImageLimits, decode_image
 from tests.vlm_support import chat, png
-from worker import media
-from worker.config import WorkerConfig
-from worker.media import ImageError, ImageLimits, decode_image
 
 LIMITS = ImageLimits(max_images=4, max_bytes=64 * 1024, max_pixels=100 * 100)
 URLS = ImageLimits(max_images=4, max_bytes=64 * 1024, max_pixels=100 * 100, urls=True, fetch_timeout_s=1.0,

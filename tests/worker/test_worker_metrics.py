@@ -14,10 +14,10 @@ import pytest
 import redis.asyncio as aredis
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.client import Client
-from api.errors import JobFailed
-from api.keys import Keys
-from api.schema import ErrorCode, ErrorEvent
+from mlxq.api.client import Client
+from mlxq.api.errors import JobFailed
+from mlxq.api.keys import Keys
+from mlxq.api.schema import ErrorCode, ErrorEvent
 from tests.support import config_with, start_worker
 
 

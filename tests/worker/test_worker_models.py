@@ -13,20 +13,20 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from api.client import Client
-from api.errors import JobFailed, NoWorker
-from api.schema import ErrorCode, ModelState
-from engine.prompt import encode_prompt
+from mlxq.api.client import Client
+from mlxq.api.errors import JobFailed, NoWorker
+from mlxq.api.schema import ErrorCode, ModelState
+from mlxq.engine.prompt import encode_prompt
+from mlxq.worker.config import ServedModel, WorkerConfig, parse_models
 from tests.support import RunningWorker, config_with, start_worker
 from tests.worker.test_worker_queue import reference
-from worker.config import ServedModel, WorkerConfig, parse_models
 
 PROMPTS = ["Hello world", "Once upon a time", "the quick brown fox", "x y", "What is the queue?", "mlxq"]
 
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tools.tinymodel import ensure_model
+    from mlxq.worker.tools.tinymodel import ensure_model
 
     return ensure_model("small", root=tmp_path_factory.mktemp("models"))
 
@@ -193,9 +193,9 @@ async def test_a_dead_engine_takes_only_its_model_down(two_models: RunningWorker
 
 _DOOMED_WORKER = """
 import sys
-import worker.host
+import mlxq.worker.host
 
-start = worker.host.WorkerHost.start.__func__
+start = mlxq.worker.host.WorkerHost.start.__func__
 
 async def doomed(cls, config):  # every engine's steps fail and its batch cannot be rebuilt: each engine dies
     host = await start(cls, config)
@@ -206,9 +206,9 @@ async def doomed(cls, config):  # every engine's steps fail and its batch cannot
         service.engine.scheduler.backend.step = broken
     return host
 
-worker.host.WorkerHost.start = classmethod(doomed)
+mlxq.worker.host.WorkerHost.start = classmethod(doomed)
 from arq.cli import cli
-cli.main(["worker.Settings"])
+cli.main(["mlxq.worker.Settings"])
 """
 
 
@@ -218,7 +218,7 @@ async def test_the_process_exits_70_for_its_supervisor_once_every_engine_is_dead
     import subprocess
     import sys
 
-    from worker.host import ENGINE_DEAD_EXIT
+    from mlxq.worker.host import ENGINE_DEAD_EXIT
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "MLXQ_MODELS": f"{tiny_model}=a,{tiny_model}=b", "MLXQ_REDIS_URL": redis_url,
@@ -248,16 +248,16 @@ async def test_the_process_exits_70_for_its_supervisor_once_every_engine_is_dead
 
 async def test_the_workers_mlx_memory_and_cache_limits_reach_the_process_owner(
         worker_config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.host
-    from engine.mlx_process import MLXLimits
-    from worker.config import WorkerConfig
+    import mlxq.worker.host
+    from mlxq.engine.mlx_process import MLXLimits
+    from mlxq.worker.config import WorkerConfig
 
     env = WorkerConfig.from_env({"MLXQ_MODEL": "x", "MLXQ_MLX_MEMORY_GB": "2", "MLXQ_MLX_CACHE_GB": "0.25"})
     assert env.mlx_limits == (2 << 30, 1 << 28)
     assert WorkerConfig.from_env({"MLXQ_MODEL": "x"}).mlx_limits == (None, None)
     seen: list[MLXLimits] = []
-    real = worker.host.mlx_process
-    monkeypatch.setattr(worker.host, "mlx_process", lambda limits=None: seen.append(limits) or real())
+    real = mlxq.worker.host.mlx_process
+    monkeypatch.setattr(mlxq.worker.host, "mlx_process", lambda limits=None: seen.append(limits) or real())
     running = await start_worker(config_with(worker_config, mlx_memory_gb=2.0, mlx_cache_gb=0.25))
     try:
         assert seen == [MLXLimits(memory_bytes=2 << 30, cache_bytes=1 << 28)]

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from api.client import Client
-from engine.prompt import encode_prompt_with_boundary
+from mlxq.api.client import Client
+from mlxq.engine.prompt import encode_prompt_with_boundary
 from tests.support import RunningWorker
 from tests.worker.test_worker_queue import reference
 

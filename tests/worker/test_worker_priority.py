@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from api.client import Client
-from api.config import ClientConfig
-from api.errors import JobFailed
-from api.schema import ErrorCode
+from mlxq.api.client import Client
+from mlxq.api.config import ClientConfig
+from mlxq.api.errors import JobFailed
+from mlxq.api.schema import ErrorCode
+from mlxq.worker import arqseam
 from tests.support import config_with, start_worker
-from worker import arqseam
 
 
 async def _ends_in_order(client: Client, rids: list[str]) -> list[str]:
@@ -107,8 +107,8 @@ async def test_priority_moves_a_job_in_its_queue_without_shortening_its_keys_ttl
 
     import redis.asyncio as aredis
 
-    from api.client import JOB_TTL_MS
-    from api.keys import Keys, queue_score
+    from mlxq.api.client import JOB_TTL_MS
+    from mlxq.api.keys import Keys, queue_score
 
     keys, queue = Keys(), Keys().queue("ghost")  # nobody serves it: the jobs stay queued
     t0 = time.monotonic()
@@ -133,7 +133,7 @@ async def test_a_preempted_job_streams_through_redis_with_no_gap_duplicate_or_re
         worker_config: Any, client: Client, tiny_model: Any) -> None:
     from mlx_lm import load
 
-    from engine.memory import measure_layout
+    from mlxq.engine.memory import measure_layout
     from tests.worker.test_worker_queue import slow_steps
 
     # A worker claims only what its batch can start, so the urgent job must look as if it fits when claimed

@@ -14,10 +14,10 @@ import pytest
 import redis.asyncio as aredis
 from mlx_lm.generate import generate_step
 
-from api.client import Client
-from api.errors import BadRequest, JobFailed
-from api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, GenerateRequest, decode_event
-from engine.prompt import encode_prompt
+from mlxq.api.client import Client
+from mlxq.api.errors import BadRequest, JobFailed
+from mlxq.api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, GenerateRequest, decode_event
+from mlxq.engine.prompt import encode_prompt
 from tests.support import RunningWorker, config_with, enqueue_raw, start_worker
 
 PROMPTS = [
@@ -330,9 +330,9 @@ async def test_arq_sees_a_finished_job_as_complete_with_its_terminal_event(worke
     from arq.jobs import Job as ArqJob
     from arq.jobs import JobStatus
 
-    from api.jobrecord import JOB_FUNCTION
-    from api.keys import Keys
-    from worker.arqseam import arq_job
+    from mlxq.api.jobrecord import JOB_FUNCTION
+    from mlxq.api.keys import Keys
+    from mlxq.worker.arqseam import arq_job
 
     result = await client.generate(model="tiny", prompt="Hello world", max_tokens=6, timeout=60)
     pool = aredis.Redis.from_url(redis_url)
@@ -353,7 +353,7 @@ async def test_arq_sees_a_finished_job_as_complete_with_its_terminal_event(worke
 
 async def test_a_queued_job_whose_record_vanished_is_moved_aside(worker: RunningWorker, client: Client,
                                                                    redis_url: str) -> None:
-    from api.errors import JobNotFound
+    from mlxq.api.errors import JobNotFound
 
     rid = GenerateRequest(model="tiny", prompt="x").id
     r = aredis.Redis.from_url(redis_url)
@@ -574,7 +574,7 @@ async def test_payload_on_the_wire_is_json(worker: RunningWorker, client: Client
 
 
 async def test_following_an_unknown_job_raises_job_not_found(client: Client) -> None:
-    from api.errors import JobNotFound
+    from mlxq.api.errors import JobNotFound
 
     with pytest.raises(JobNotFound):
         await collect(client, "no-such-job", timeout=30)
@@ -606,8 +606,8 @@ async def test_two_deployments_share_one_redis_without_sharing_ids_or_keys(worke
     # submit(id=X) raised DuplicateJob because the other had used X.
     from arq.jobs import JobStatus
 
-    from api.keys import Keys
-    from worker.arqseam import arq_job
+    from mlxq.api.keys import Keys
+    from mlxq.worker.arqseam import arq_job
 
     workers = [await start_worker(config_with(worker_config, prefix=p)) for p in ("alpha", "beta")]
     r = aredis.Redis.from_url(redis_url)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from api.client import Client
+from mlxq.api.client import Client
 from tests.support import config_with, start_worker
 
 MESSAGES = [{"role": "user", "content": "Think, then answer."}]

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import redis.asyncio as aredis
 
-from api.client import Client
-from api.keys import Keys
-from api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, StartEvent
-from worker.arqseam import arq_job
-from worker.tools.process import WorkerProcess
-from worker.tools.redis_server import RedisServer
+from mlxq.api.client import Client
+from mlxq.api.keys import Keys
+from mlxq.api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, StartEvent
+from mlxq.worker.arqseam import arq_job
+from mlxq.worker.tools.process import WorkerProcess
+from mlxq.worker.tools.redis_server import RedisServer
 
 FAST_RECOVERY = {"MLXQ_LEASE_TTL": "2", "MLXQ_REAP_INTERVAL": "0.5", "MLXQ_CANCEL_POLL": "0.1"}
 
@@ -74,7 +74,7 @@ async def wait_until(predicate: Any, timeout: float, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tools.tinymodel import ensure_model
+    from mlxq.worker.tools.tinymodel import ensure_model
 
     return ensure_model("small", root=tmp_path_factory.mktemp("small"))
 

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import redis.asyncio as aredis
 
-from api.client import Client
-from api.config import ClientConfig
-from api.errors import NoWorker, QueueFull
-from api.keys import Keys, deadline_member
-from api.schema import DoneEvent, ErrorCode, ErrorEvent, FinishReason, ModelState
+from mlxq.api.client import Client
+from mlxq.api.config import ClientConfig
+from mlxq.api.errors import NoWorker, QueueFull
+from mlxq.api.keys import Keys, deadline_member
+from mlxq.api.schema import DoneEvent, ErrorCode, ErrorEvent, FinishReason, ModelState
 from tests.support import RunningWorker, config_with, start_worker
 
 

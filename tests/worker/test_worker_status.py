@@ -1,5 +1,5 @@
 """``mlxq status`` and the health records it reads: real Redis, real arq workers on the tiny model (in this
-process, and as a real ``arq worker.Settings`` process behind the real ``mlxq`` command)."""
+process, and as a real ``arq mlxq.worker.Settings`` process behind the real ``mlxq`` command)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import redis.asyncio as aredis
 
-from api.client import Client
-from api.keys import Keys
-from api.status import collect, render
+from mlxq.api.client import Client
+from mlxq.api.keys import Keys
+from mlxq.api.status import collect, render
+from mlxq.worker.health import package_version
+from mlxq.worker.tools.process import WorkerProcess
 from tests.support import RunningWorker
 from tests.worker.test_worker_cli import arq_worker, mlxq  # noqa: F401 (arq_worker is a fixture)
-from worker.health import package_version
-from worker.tools.process import WorkerProcess
 
 FRAME = "\x1b[H\x1b[2J"  # what --watch writes before each refresh
 

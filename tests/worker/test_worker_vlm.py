@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from api.client import Client
-from api.errors import BadRequest, JobFailed
-from api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, image_data_url
+from mlxq.api.client import Client
+from mlxq.api.errors import BadRequest, JobFailed
+from mlxq.api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, image_data_url
+from mlxq.worker.config import WorkerConfig
 from tests.support import RunningWorker, enqueue_raw, start_worker
 from tests.vlm_support import Oracle, chat, data_url, png
-from worker.config import WorkerConfig
 
 VL = "tiny-vl"
 N = 16
@@ -181,8 +181,8 @@ async def test_the_gateways_chat_endpoints_take_the_same_image_parts(vlm_worker:
     import anthropic
     import openai
 
-    from api.config import ClientConfig
-    from api.gateway import GatewayConfig, create_app
+    from mlxq.api.config import ClientConfig
+    from mlxq.api.gateway import GatewayConfig, create_app
     from tests.api.gateway_support import ServedGateway
 
     served = ServedGateway(create_app(GatewayConfig(client=ClientConfig(redis_url=redis_url)))).start()

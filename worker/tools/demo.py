@@ -1,7 +1,7 @@
 """``mlxq demo``: the whole path on a fresh machine, with no Redis server and no model download.
 
 Starts a private Redis (unless ``MLXQ_REDIS_URL`` is set), generates a tiny random-weight model, runs
-``arq worker.Settings`` in a child process, then streams one job alone and N concurrent jobs through the
+``arq mlxq.worker.Settings`` in a child process, then streams one job alone and N concurrent jobs through the
 queue, and cancels one mid-decode. Weights are random, so the text is gibberish; the timings are real.
 """
 
@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from api.client import Client
-from api.schema import DoneEvent, ErrorEvent
+from mlxq.api.client import Client
+from mlxq.api.schema import DoneEvent, ErrorEvent
 
 from .process import GatewayProcess, WorkerProcess
 from .redis_server import NoRedisServer, RedisServer
@@ -121,7 +121,7 @@ def _run(url: str, embedded: bool, workdir: Path, jobs: int, max_tokens: int, si
     try:
         t0 = time.perf_counter()
         worker.wait_ready()
-        _say(f"worker: `arq worker.Settings` ready in {time.perf_counter() - t0:.1f}s")
+        _say(f"worker: `arq mlxq.worker.Settings` ready in {time.perf_counter() - t0:.1f}s")
         status = asyncio.run(_demo_jobs(url, prefix, size, jobs, max_tokens))
         if gateway_port is not None and status == 0:
             status = _serve_gateway(url, prefix, size, workdir, gateway_port)

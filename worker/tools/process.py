@@ -1,4 +1,4 @@
-"""Run ``arq worker.Settings`` (and ``mlxq gateway``) in a child process, as an operator would: for the demo,
+"""Run ``arq mlxq.worker.Settings`` (and ``mlxq gateway``) in a child process, as an operator would: for the demo,
 benchmarks and tests."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import redis
 
-from api.keys import Keys
-from api.schema import ModelState, WorkerStatus
+from mlxq.api.keys import Keys
+from mlxq.api.schema import ModelState, WorkerStatus
 
 __all__ = ["GatewayProcess", "WorkerProcess"]
 
@@ -36,7 +36,7 @@ class WorkerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "arq", "worker.Settings"],
+                [sys.executable, "-m", "arq", "mlxq.worker.Settings"],
                 env=self.env, cwd=_ROOT, stdout=log, stderr=subprocess.STDOUT,
             )
         return self
@@ -111,7 +111,7 @@ class GatewayProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "api.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
+                [sys.executable, "-m", "mlxq.api.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
                  "--log-level", "warning"],
                 env=self.env, cwd=_ROOT, stdout=log, stderr=subprocess.STDOUT,
             )

@@ -5,7 +5,7 @@ run measures, on the same generated model, prompts and ``max_tokens``:
 
 - **raw**: mlx-lm's ``BatchGenerator`` driven in this process on its own MLX thread (no Redis, no arq):
   the ceiling;
-- **queue**: ``api.client.Client`` -> Redis -> ``arq worker.Settings`` (continuous batching, in a child
+- **queue**: ``mlxq.api.client.Client`` -> Redis -> ``arq mlxq.worker.Settings`` (continuous batching, in a child
   process) -> pub/sub -> the client;
 - **serial**: the same worker with a batch of one and one arq job at a time: what batching buys;
 - **engine** (a decomposition, no target): the worker's own engine (scheduler, detokenizers, pacer) on the
@@ -45,7 +45,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from worker.config import WorkerConfig
+from mlxq.worker.config import WorkerConfig
 
 from ..blas import OPENBLAS, blas_of, coretype_for, cpu_flags, openblas_core
 from ..redis_server import RedisServer
@@ -138,7 +138,7 @@ def _run(cfg: BenchConfig, out: Path) -> BenchResult:
 
 
 def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
-    from worker.tools.tinymodel import ensure_model
+    from mlxq.worker.tools.tinymodel import ensure_model
 
     t0 = time.perf_counter()
     model = str(ensure_model(size))
@@ -206,7 +206,7 @@ def _maybe_reexec(args: argparse.Namespace) -> None:
     _say(f"BLAS: re-executing with LD_PRELOAD={env['LD_PRELOAD']}")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "api.cli", *_argv_of(args)], env)
+    os.execve(sys.executable, [sys.executable, "-m", "mlxq.api.cli", *_argv_of(args)], env)
 
 
 def _argv_of(args: argparse.Namespace) -> list[str]:

@@ -16,7 +16,7 @@ import json
 import time
 from urllib.parse import urlsplit
 
-from api.client import Client
+from mlxq.api.client import Client
 
 from ..process import GatewayProcess
 from .http import SseClient

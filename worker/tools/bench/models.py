@@ -23,8 +23,8 @@ from typing import Any
 
 import psutil
 
-from api.client import Client
-from api.schema import DoneEvent, ErrorEvent
+from mlxq.api.client import Client
+from mlxq.api.schema import DoneEvent, ErrorEvent
 
 from ..process import WorkerProcess
 from .runs import _SETTLE_S, _TIMEOUT_S, BenchConfig, Target, _paired, _prompts, _say, _Site
@@ -65,7 +65,7 @@ class RawPair:
 
 def run_models(cfg: BenchConfig, site: _Site) -> ModelsResult:
     """Start a worker serving one generated model twice and time its runs; then the pair without the queue."""
-    from worker.tools.tinymodel import ensure_model
+    from mlxq.worker.tools.tinymodel import ensure_model
 
     size = "small" if "small" in cfg.sizes else cfg.sizes[0]
     path = str(ensure_model(size))
@@ -140,7 +140,7 @@ class _Child:
     """A process with one raw engine: runs N jobs at each line on its stdin, answers a line when done."""
 
     def __init__(self, path: str, cfg: BenchConfig) -> None:
-        script = f"from worker.tools.bench.models import _child_main; _child_main({path!r}, {cfg.models_n}, " \
+        script = f"from mlxq.worker.tools.bench.models import _child_main; _child_main({path!r}, {cfg.models_n}, " \
                  f"{cfg.max_tokens})"
         self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=_child_env())
@@ -264,7 +264,7 @@ def md_models(result: ModelsResult | None) -> list[str]:
     return [
         "## Two models in one worker process", "",
         f"Two engines (the {result.size} model served as `a` and `b`, {result.blas_threads} OpenBLAS thread each) "
-        f"in one `arq worker.Settings`, N={result.n} jobs per model: the first model's jobs then the second's "
+        f"in one `arq mlxq.worker.Settings`, N={result.n} jobs per model: the first model's jobs then the second's "
         "(sequential), against both at once (concurrent), alternating.", "",
         "| run | wall s (median) | worker cores busy (median) |", "|---|---:|---:|",
         f"| sequential | {_median(result.sequential_s):.2f} | {_median(result.sequential_cores):.2f} |",

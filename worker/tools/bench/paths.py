@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from api.client import Client
-from api.connection import redis_client
-from api.keys import Keys
-from api.schema import DoneEvent, ErrorEvent
-from worker.config import WorkerConfig
+from mlxq.api.client import Client
+from mlxq.api.connection import redis_client
+from mlxq.api.keys import Keys
+from mlxq.api.schema import DoneEvent, ErrorEvent
+from mlxq.worker.config import WorkerConfig
 
 from ..blas import OPENBLAS, blas_of, openblas
 from ..process import WorkerProcess
@@ -31,9 +31,9 @@ from ..process import WorkerProcess
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from engine.engine import Engine
-    from engine.loader import LoadedModel
-    from engine.request import RequestOutput
+    from mlxq.engine.engine import Engine
+    from mlxq.engine.loader import LoadedModel
+    from mlxq.engine.request import RequestOutput
 
 from .runs import (
     _NOBODY,
@@ -133,8 +133,8 @@ class RawPath:
     """The raw path: mlx-lm's ``BatchGenerator`` on this process's own MLX thread, the model loaded once."""
 
     def __init__(self, model: str, capacity: int, redis_pid: int | None = None) -> None:
-        from engine.loader import load_model
-        from engine.mlx_thread import MLXThread
+        from mlxq.engine.loader import load_model
+        from mlxq.engine.mlx_thread import MLXThread
 
         self.thread = MLXThread(name="mlx-bench")
         self.loaded: LoadedModel = self.thread.submit(load_model, model).result()
@@ -155,7 +155,7 @@ class RawPath:
         return await self._engine.run(self._encode(prompts), max_tokens)
 
     def _encode(self, prompts: list[str]) -> list[list[int]]:
-        from engine.prompt import encode_prompt
+        from mlxq.engine.prompt import encode_prompt
 
         return [encode_prompt(self.loaded.tokenizer, p, None) for p in prompts]
 
@@ -227,7 +227,7 @@ class _EngineRun:
 
     @classmethod
     async def start(cls, loaded: LoadedModel, capacity: int, thread: Any) -> _EngineRun:
-        from engine.loader import EngineOptions, build_engine
+        from mlxq.engine.loader import EngineOptions, build_engine
 
         d = WorkerConfig()
         opts = EngineOptions(capacity, d.prefill_batch_size, d.prefill_step_size, d.stream_interval_ms / 1000)
@@ -236,7 +236,7 @@ class _EngineRun:
         return run
 
     async def run(self, tokens: list[list[int]], max_tokens: int) -> Run:
-        from engine.request import EngineRequest, SamplingParams
+        from mlxq.engine.request import EngineRequest, SamplingParams
 
         rids = self.clock.begin(len(tokens))
         t0 = time.perf_counter()
@@ -283,7 +283,7 @@ def _worker_phase(
     kind: str, size: str, model: str, cfg: BenchConfig, site: _Site, raw: RawPath | None,
     extra_env: dict[str, str], gateway: GatewayPhase | None = None,
 ) -> _WorkerRun:
-    """Start ``arq worker.Settings`` and measure it: batched ("queue", interleaved with ``raw``, then the
+    """Start ``arq mlxq.worker.Settings`` and measure it: batched ("queue", interleaved with ``raw``, then the
     ``gateway`` phase on the same worker) or "serial"."""
     batched = raw is not None
     prefix = f"mlxq-bench-{kind}-{uuid.uuid4().hex[:6]}"
@@ -349,7 +349,7 @@ async def _live_sample(ctx: _DriveContext, client: Client, n: int) -> None:
     """While jobs run: ``mlxq status`` and the worker's metrics endpoint as they read then, saved beside the
     results (live-status.txt, live-metrics.txt): both show live numbers, from any host. Waves of 2N jobs (N in
     the batch, more waiting in Redis) until a health record written mid-wave shows sequences running."""
-    from api.status import collect, render
+    from mlxq.api.status import collect, render
 
     t0 = time.time()
 

@@ -25,13 +25,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from worker.config import WorkerConfig
+from mlxq.worker.config import WorkerConfig
 
 from .runs import PROMPT, BenchConfig, _pct, _ratio, _say
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
-    from engine.request import EngineRequest, RequestOutput
+    from mlxq.engine.engine import Engine
+    from mlxq.engine.request import EngineRequest, RequestOutput
 
     from .paths import RawPath
 
@@ -172,7 +172,7 @@ async def run_scheduling(raw: RawPath, cfg: BenchConfig, size: str) -> Schedulin
 
 
 async def _engine(raw: RawPath, driver: _Driver, capacity: int, **options: Any) -> Engine:
-    from engine.loader import EngineOptions, build_engine
+    from mlxq.engine.loader import EngineOptions, build_engine
 
     d = WorkerConfig()
     opts = EngineOptions(capacity, d.prefill_batch_size, d.prefill_step_size, 0.0, **options)
@@ -186,8 +186,8 @@ def _close(raw: RawPath, engine: Engine) -> None:
 # --- (a) the prefix cache ------------------------------------------------------------------------------
 async def _prefix_ttft(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: str) -> PrefixTtft:
     """Cold: an engine without a prefix cache; warm: one whose cache holds the system prompt. Alternating."""
-    from engine.prompt import encode_prompt_with_boundary
-    from engine.request import EngineRequest, SamplingParams
+    from mlxq.engine.prompt import encode_prompt_with_boundary
+    from mlxq.engine.request import EngineRequest, SamplingParams
 
     tokenizer = raw.loaded.tokenizer
     system = _system_prompt(tokenizer, min(_SYSTEM_TOKENS, (raw.loaded.context_length or 4096) - 64))
@@ -231,8 +231,8 @@ def _system_prompt(tokenizer: Any, tokens: int) -> str:
 
 # --- (b) over-subscription ------------------------------------------------------------------------------
 async def _oversubscribed(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: str) -> Oversubscribed:
-    from engine.memory import measure_layout
-    from engine.request import EngineRequest, SamplingParams
+    from mlxq.engine.memory import measure_layout
+    from mlxq.engine.request import EngineRequest, SamplingParams
 
     rng = random.Random(0)
     capacity = cfg.capacity
@@ -317,7 +317,7 @@ def _rss_bytes() -> int:
 async def _priority_ttft(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: str) -> PriorityTtft:
     """Idle TTFT (one prefill); then, with every slot but one decoding, a normal job joining the free slot;
     then, every slot decoding, a priority job (which preempts one)."""
-    from engine.request import EngineRequest, SamplingParams
+    from mlxq.engine.request import EngineRequest, SamplingParams
 
     capacity = cfg.capacity
     engine = await _engine(raw, driver, capacity, prefix_cache_bytes=0)
@@ -378,8 +378,8 @@ async def _structured(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: str
     """Alternating runs of a full batch, half constrained or all free; then alternating N = 1 TTFT probes."""
     import json
 
-    from engine.constrain import FormatKind, Grammars, ResponseFormat, vocab_size
-    from engine.request import EngineRequest, SamplingParams
+    from mlxq.engine.constrain import FormatKind, Grammars, ResponseFormat, vocab_size
+    from mlxq.engine.request import EngineRequest, SamplingParams
 
     loaded = raw.loaded
     grammars = Grammars(loaded.tokenizer._tokenizer, vocab_size(loaded.model, loaded.tokenizer),

@@ -7,7 +7,7 @@ one, whose steps take tens of ms as a real model's do), one image per job, greed
   of these requests does per request before it: decode the image (mlx-vlm's ``load_image``, from the same
   data URL), its processor (``prepare_inputs``) and ``get_input_embeddings``; then every row is inserted
   and the batch stepped until all end: the ceiling;
-- **queue**: ``api.client.Client`` -> Redis -> ``arq worker.Settings`` serving the model (a child process)
+- **queue**: ``mlxq.api.client.Client`` -> Redis -> ``arq mlxq.worker.Settings`` serving the model (a child process)
   -> pub/sub -> the client: image jobs as a web backend sends them (OpenAI content parts).
 
 Raw and queue runs alternate at each N (the idle worker SIGSTOPped during raw runs), as the text phase's.
@@ -30,8 +30,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from api.client import Client
-from api.schema import DoneEvent, ErrorEvent
+from mlxq.api.client import Client
+from mlxq.api.schema import DoneEvent, ErrorEvent
 
 from ..process import WorkerProcess
 from .paths import EngineClock, _openblas, alternate_runs
@@ -52,10 +52,10 @@ from .runs import (
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from engine.loader import LoadedModel
-    from engine.mlx_thread import MLXThread
-    from worker.service import ModelService
-    from worker.tools.tinyvlm import VLMSpec
+    from mlxq.engine.loader import LoadedModel
+    from mlxq.engine.mlx_thread import MLXThread
+    from mlxq.worker.service import ModelService
+    from mlxq.worker.tools.tinyvlm import VLMSpec
 
 __all__ = ["MixedRows", "TextRows", "VisionResult", "VisionRow", "md_vision", "run_vision", "vision_targets"]
 
@@ -118,13 +118,13 @@ class VisionResult:
 def run_vision(cfg: BenchConfig, site: _Site) -> list[VisionResult]:
     """Measure the image phase (see the module docstring) on the tiny qwen2_vl, and on the small one when the
     small text model is measured too."""
-    from worker.tools.tinyvlm import SMALL_VLM, TINY_VLM
+    from mlxq.worker.tools.tinyvlm import SMALL_VLM, TINY_VLM
 
     return [_run_model(spec, cfg, site) for spec in (TINY_VLM, SMALL_VLM) if spec is TINY_VLM or "small" in cfg.sizes]
 
 
 def _run_model(spec: VLMSpec, cfg: BenchConfig, site: _Site) -> VisionResult:
-    from worker.tools.tinyvlm import ensure_vlm
+    from mlxq.worker.tools.tinyvlm import ensure_vlm
 
     t0 = time.perf_counter()
     model = str(ensure_vlm(spec=spec))
@@ -149,7 +149,7 @@ def _jobs(n: int) -> list[tuple[str, str]]:
     import numpy as np
     from PIL import Image  # the worker extra's
 
-    from api.schema import image_data_url
+    from mlxq.api.schema import image_data_url
 
     out = []
     for i in range(n):
@@ -172,8 +172,8 @@ class _RawVision:
     """The model loaded once on this process's own MLX thread, as the worker loads it."""
 
     def __init__(self, name: str, model: str, capacity: int) -> None:
-        from engine.loader import load_model
-        from engine.mlx_thread import MLXThread
+        from mlxq.engine.loader import load_model
+        from mlxq.engine.mlx_thread import MLXThread
 
         self.name = name
         self.path = model
@@ -224,8 +224,8 @@ def _load_lm(path: str) -> LoadedModel:
     """The checkpoint's text model as mlx-lm loads it (its own qwen2_vl module), on the MLX thread."""
     import mlx_lm
 
-    from engine.loader import LoadedModel
-    from engine.prompt import PromptEncoder
+    from mlxq.engine.loader import LoadedModel
+    from mlxq.engine.prompt import PromptEncoder
 
     model, tokenizer = mlx_lm.load(path)[:2]
     return LoadedModel(path, model, tokenizer, None, frozenset(tokenizer.eos_token_ids), PromptEncoder(tokenizer))
@@ -234,7 +234,7 @@ def _load_lm(path: str) -> LoadedModel:
 def _generator(loaded: LoadedModel, capacity: int, stream: mx.Stream) -> Any:
     from mlx_vlm.generate.ar import BatchGenerator
 
-    from worker.config import WorkerConfig
+    from mlxq.worker.config import WorkerConfig
 
     assert loaded.vision is not None
     prefill = min(WorkerConfig().prefill_batch_size, capacity)
@@ -349,7 +349,7 @@ def _drain(gens: list[Any], uids: list[int], t0: float) -> Run:
 
 async def _text_rows(raw: _RawVision, cfg: BenchConfig, n: int) -> TextRows:
     """Text prompts at N on mlx-vlm's batch and on mlx-lm's, run by run in turn."""
-    from engine.prompt import encode_prompt
+    from mlxq.engine.prompt import encode_prompt
 
     prompts = [encode_prompt(raw.loaded.tokenizer, None, [{"role": "user", "content": TEXT.format(i=i)}])
                for i in range(n)]
@@ -371,7 +371,7 @@ async def _text_rows(raw: _RawVision, cfg: BenchConfig, n: int) -> TextRows:
 
 async def _mixed_rows(raw: _RawVision, cfg: BenchConfig, n: int) -> MixedRows:
     """N/2 image jobs and N/2 text prompts at once: one mlx-vlm batch against text rows on mlx-lm."""
-    from engine.prompt import encode_prompt
+    from mlxq.engine.prompt import encode_prompt
 
     jobs = _jobs(max(1, n // 2))
     prompts = [encode_prompt(raw.loaded.tokenizer, None, [{"role": "user", "content": TEXT.format(i=i)}])
@@ -404,8 +404,8 @@ class _EngineVision:
 
     @classmethod
     async def start(cls, name: str, model: str, capacity: int) -> _EngineVision:
-        from worker.config import WorkerConfig
-        from worker.service import ModelService
+        from mlxq.worker.config import WorkerConfig
+        from mlxq.worker.service import ModelService
 
         config = WorkerConfig(model=model, model_name=name, capacity=capacity)
         service, clock = ModelService(config.served[0], config), EngineClock()
@@ -413,7 +413,7 @@ class _EngineVision:
         return cls(service, clock)
 
     async def run(self, jobs: list[tuple[str, str]], max_tokens: int) -> Run:
-        from worker.translate import to_engine_request
+        from mlxq.worker.translate import to_engine_request
 
         service = self.service
         assert service.engine is not None

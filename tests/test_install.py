@@ -1,0 +1,80 @@
+"""The package as a web backend installs it: a wheel built from this checkout, installed into a fresh virtual
+environment, imported by an app that has its own ``api``, ``engine`` and ``worker`` packages (most FastAPI and
+Django layouts have an ``api``). The app's packages and the installed ``mlxq.*`` live side by side, and a job
+submitted from the app runs on a worker of this checkout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+APP = '''
+import asyncio, sys
+import api, engine, worker  # the app's own packages
+from api.schema import WIDGET  # the app's api.schema, not ours
+
+from mlxq.api.client import Client
+import mlxq.api.client
+
+async def main(url: str) -> None:
+    async with Client(url) as client:
+        result = await client.generate(model="tiny", prompt="Hello", max_tokens=5, timeout=60)
+    print(WIDGET, api.NAME, engine.NAME, worker.NAME, result.usage.completion_tokens, result.finish_reason.value)
+    print(mlxq.api.client.__file__)
+    print(sorted(m for m in sys.modules if m.split(".")[0] in {"arq", "mlx", "mlx_lm"}))
+
+asyncio.run(main(sys.argv[1]))
+'''
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh environment holding the wheel (its dependencies from the running environment: no download)."""
+    tmp = tmp_path_factory.mktemp("install")
+    wheels = tmp / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheels), str(ROOT)], check=True, capture_output=True, timeout=300)
+    (wheel,) = wheels.glob("mlxq-*.whl")
+    env = tmp / "env"
+    venv.create(env, system_site_packages=True, with_pip=True)
+    python = env / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    return python
+
+
+def test_the_wheel_installs_everything_under_one_name(installed: Path) -> None:
+    import zipfile
+
+    (wheel,) = (installed.parent.parent.parent / "wheels").glob("mlxq-*.whl")
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert tops == {"mlxq", "mlxq-0.1.0.dist-info"}
+
+
+async def test_an_app_with_its_own_api_package_imports_the_client_and_runs_a_job(
+        installed: Path, worker: Any, redis_url: str, tmp_path: Path) -> None:
+    app = tmp_path / "app"
+    for name in ("api", "engine", "worker"):
+        (app / name).mkdir(parents=True)
+        (app / name / "__init__.py").write_text(f"NAME = 'app-{name}'\n")
+    (app / "api" / "schema.py").write_text("WIDGET = 'widget'\n")
+    (app / "main.py").write_text(APP)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = await asyncio.create_subprocess_exec(str(installed), "main.py", redis_url, cwd=app, env=env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    first, where, loaded = text.strip().splitlines()[-3:]
+    assert first == "widget app-api app-engine app-worker 5 length"
+    assert Path(where).is_relative_to(installed.parent.parent)  # the wheel's copy, not this checkout's
+    assert loaded == "[]"  # a producer: no arq, no MLX
