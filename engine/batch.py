@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -27,6 +28,8 @@ __all__ = ["BatchBackend", "BatchToken", "CachingBackend", "GeneratedToken", "ML
            "attach_logprobs"]
 
 _GENERATE = importlib.import_module("mlx_lm.generate")  # the module: the package's ``generate`` is a function
+# A prompt chunk this long or longer: rows that just joined the batch get their first token before the next chunk.
+_FIRST_TOKEN_FIRST_S = 0.02
 
 
 class GeneratedToken(Protocol):
@@ -194,6 +197,8 @@ class MLXBatch:
         self._prefill_step = prefill_step_size
         self._eos = frozenset(eos_token_ids)
         self._watch: dict[int, None] = {}  # uids with a checkpoint not reached yet
+        self._joined = False  # the last step moved prefilled rows into the decode batch: their first token is next
+        self._prefill_s = 0.0  # how long a step with a prompt chunk takes (moving average)
         self._checkpoints: list[SequenceCache] = []
         self._stops = StopSequences([(t,) for t in sorted(self._eos)])
         # mlx-lm's generator sets the wired limit in __init__ (``maybe_set_recommended_wired_limit``) and puts
@@ -296,10 +301,30 @@ class MLXBatch:
         return int(self._gen.prompt_cache_nbytes)
 
     def step(self) -> Sequence[GeneratedToken]:
-        prompts, generated = self._gen.next()
+        if self._joined and self._prefill_s >= _FIRST_TOKEN_FIRST_S:
+            prompts, generated = self._decode_only()
+        else:
+            t0 = time.perf_counter()
+            prompts, generated = self._gen.next()
+            if prompts:
+                self._prefill_s += (time.perf_counter() - t0 - self._prefill_s) / 4
+        self._joined = any(r.end_of_prompt for r in prompts)
         if self._watch and prompts:
             self._checkpoint(prompts)
         return generated  # type: ignore[no-any-return]
+
+    def _decode_only(self) -> tuple[Any, Any]:
+        """One decode step and no prompt chunk: mlx-lm's step decodes, then prefills the next prompts, and returns
+        the decoded tokens after both, so rows that just joined the batch would wait for the next group's prefill
+        for their first token. Its step returns early once the decode batch is full; a limit of 0 makes it so.
+        Worth a step only where a prompt chunk takes long (:data:`_FIRST_TOKEN_FIRST_S`): where steps take a
+        millisecond or two, the extra step costs more of the batch's time than the first tokens gain."""
+        full = self._gen.completion_batch_size
+        self._gen.completion_batch_size = 0
+        try:
+            return self._gen.next()  # type: ignore[no-any-return]
+        finally:
+            self._gen.completion_batch_size = full
 
     def _checkpoint(self, prompts: Sequence[Any]) -> None:
         # A watched sequence's first segment end is its checkpoint (its later ones are mlx-lm's own split).

@@ -169,3 +169,43 @@ def test_a_request_started_at_once_starts_from_a_cached_prefix(lm: Any, stream: 
     drive(s, run, stream)
     assert s.stats.started_at_once == 1 and s.stats.prefix_hits >= 1 and s.stats.prefix_tokens_saved >= len(shared)
     assert run.tokens("second") == reference(lm, second, 20)
+
+
+def test_rows_that_join_the_batch_get_their_first_token_before_the_next_prompt_chunk(
+        lm: Any, stream: mx.Stream, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A burst of 24 prefilled 8 at a time: each group's first tokens come in the step after it joins the batch,
+    # before the next group's prompt chunk (the threshold forced to 0: the tiny model's chunks are quick), and
+    # every row still makes exactly its greedy tokens.
+    import mlxq.engine.batch
+
+    monkeypatch.setattr(mlxq.engine.batch, "_FIRST_TOKEN_FIRST_S", 0.0)
+    tokenizer = lm[1]
+    s = make(lm, stream, capacity=24)
+    backend: Any = s.backend
+    chunks: list[int] = []  # per step: how many rows' prompts the step advanced
+    real_next = backend._gen.next
+
+    def next_() -> Any:
+        prompts, generated = real_next()
+        chunks.append(len([p for p in prompts if not p.end_of_prompt]))
+        return prompts, generated
+
+    monkeypatch.setattr(backend._gen, "next", next_)
+    prompts = [words(tokenizer, 6 + i % 5, i) for i in range(24)]
+    for i, p in enumerate(prompts):
+        s.add(EngineRequest(f"r{i}", p, SamplingParams(max_tokens=12)))
+    run = Run()
+    firsts: list[int] = []  # the step at which each row's first token came
+    with mx.stream(stream):
+        for step in range(500):
+            if not s.has_work:
+                break
+            before = {rid for rid in run.outputs if run.tokens(rid)}
+            run.step(s)
+            firsts += [step] * len({rid for rid in run.outputs if run.tokens(rid)} - before)
+    assert len(firsts) == 24
+    for group in range(3):  # its first tokens came out of a step that prefilled no prompt
+        (at,) = set(firsts[group * 8:(group + 1) * 8])
+        assert chunks[at] == 0, (group, at, chunks)
+    for i, p in enumerate(prompts):
+        assert run.tokens(f"r{i}") == reference(lm, p, 12), i

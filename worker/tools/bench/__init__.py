@@ -39,6 +39,7 @@ import asyncio
 import importlib.metadata
 import os
 import platform
+import signal
 import sys
 import time
 from datetime import UTC, datetime
@@ -52,6 +53,7 @@ from ..redis_server import RedisServer
 from .gateway import gateway_phase
 from .models import models_targets, run_models
 from .paths import RawPath, _enqueue_phase, _openblas, _worker_phase, scrape_stats
+from .peer import ServerPath
 from .report import _md_blas as _md_blas  # the tests read one table
 from .report import _targets, render_markdown, write_outputs
 from .runs import (
@@ -148,15 +150,20 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
         threads = asyncio.run(_calibrate_blas(raw, cfg)) if _openblas() is not None else None
         env = {"OPENBLAS_NUM_THREADS": str(threads.chosen)} if threads is not None else {}
         policy = asyncio.run(_measure_policy(raw, cfg, size))
-        queue = _worker_phase("queue", size, model, cfg, site, raw, env, gateway_phase)
+        server = _peer(model, cfg, env, site, size)
+        try:
+            queue = _worker_phase("queue", size, model, cfg, site, raw, env, gateway_phase, server)
+        finally:
+            if server is not None:
+                server.close()
         scheduling = asyncio.run(run_scheduling(raw, cfg, size))
     finally:
         raw.close()
     serial = _worker_phase("serial", size, model, cfg, site, None, env)
     q, sr, rw = queue.driven.measured, serial.driven.measured, queue.driven.raw
     assert rw is not None and queue.driven.cancel is not None
-    rows = [_row(size, n, rw.paths[n], q.paths[n], sr.paths[n], queue.driven.engine.get(n))
-            for n in cfg.concurrency]
+    rows = [_row(size, n, rw.paths[n], q.paths[n], sr.paths[n], queue.driven.engine.get(n),
+                 queue.driven.server.get(n)) for n in cfg.concurrency]
     trips = RoundTrips(queue.stats, queue.stats.writes_per_step, serial.stats, serial.stats.writes_per_step,
                        queue.driven.commandstats)
     return SizeResult(size, model, rows, _probe(rw.probe_ttft_ms, q.probe_ttft_ms), queue.driven.cancel,
@@ -164,15 +171,26 @@ def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
                       time.perf_counter() - t0, threads, policy, scheduling, queue.driven.gateway)
 
 
+def _peer(model: str, cfg: BenchConfig, env: dict[str, str], site: _Site, size: str) -> ServerPath | None:
+    """mlx_lm.server on the model, stopped until its runs (None on a quick run)."""
+    if cfg.quick:
+        return None
+    server = ServerPath(model, cfg.capacity, env, site.out / "logs" / f"mlx_lm-server-{size}.log")
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    _say(f"[{size}] mlx_lm.server: ready on port {server.port} (the peer path)")
+    return server
+
+
 def _row(size: str, n: int, raw: PathResult, queue: PathResult, serial: PathResult,
-         engine: PathResult | None = None) -> Row:
+         engine: PathResult | None = None, server: PathResult | None = None) -> Row:
     # Best-of compares each path's luckiest run; the paired median compares runs made seconds apart, so
     # the machine's slow swings (other tenants: ±10 % here) hit both sides of each ratio alike.
     e_runs = engine.runs_tok_s if engine else []
     return Row(size, n, raw, queue, serial, _ratio(queue.tok_s, raw.tok_s), _ratio(queue.tok_s, serial.tok_s),
                queue.ttft_p50_ms - raw.ttft_p50_ms, queue.ttft_p99_ms - raw.ttft_p99_ms,
                _paired(queue.runs_tok_s, raw.runs_tok_s), engine, _paired(e_runs, raw.runs_tok_s),
-               _paired(queue.runs_tok_s, e_runs))
+               _paired(queue.runs_tok_s, e_runs), server,
+               _paired(queue.runs_tok_s, server.runs_tok_s if server else []))
 
 
 def _probe(raw: list[float], queue: list[float]) -> TtftProbe:

@@ -4,7 +4,8 @@ at a time each, reading a server-sent event stream.
 Why not httpx: the client shares the machine's cores with the worker it measures, and httpx (pure-Python h11
 under anyio) takes several times the CPU per streamed request that ``mlxq.api.client.Client`` takes on the queue
 path, so the bench would measure its client library more than the gateway (the numbers are in the report of
-issue 15). This client speaks only what the gateway answers: a status line, headers, a chunked or sized body.
+issue 15). This client speaks only what the gateway and ``mlx_lm.server`` answer: a status line, headers, a chunked
+or sized body, or (HTTP/1.0) a body that ends when the server closes the connection.
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ async def _head(reader: asyncio.StreamReader) -> tuple[int, bool, int | None, bo
     line = await reader.readline()
     if not line:
         raise ConnectionResetError("the server closed the connection")
-    status = int(line.split(b" ", 2)[1])
-    chunked, length, keep = False, None, True
+    version, status_text = line.split(b" ", 2)[:2]
+    status = int(status_text)
+    chunked, length, keep = False, None, version != b"HTTP/1.0"  # HTTP/1.0 closes after each response
     while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
         name, _, value = line.partition(b":")
         name, value = name.strip().lower(), value.strip().lower()
@@ -112,6 +114,10 @@ async def _head(reader: asyncio.StreamReader) -> tuple[int, bool, int | None, bo
 
 
 async def _body(reader: asyncio.StreamReader, chunked: bool, length: int | None) -> AsyncIterator[bytes]:
+    if not chunked and length is None:  # to the end of the connection
+        while data := await reader.read(1 << 16):
+            yield data
+        return
     if not chunked:
         yield await reader.readexactly(length or 0)
         return

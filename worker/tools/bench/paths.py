@@ -27,6 +27,7 @@ from mlxq.worker.config import WorkerConfig
 
 from ..blas import OPENBLAS, blas_of, openblas
 from ..process import WorkerProcess
+from .peer import ServerPath
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -78,6 +79,7 @@ class _Driven:
     raw: _Measured | None = None
     engine: dict[int, PathResult] = field(default_factory=dict)
     gateway: GatewayResult | None = None
+    server: dict[int, PathResult] = field(default_factory=dict)  # mlx_lm.server's runs, when it ran
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,7 @@ class _DriveContext:
     meter: _CpuMeter
     out: Path
     metrics_url: str
+    server: ServerPath | None = None  # mlx_lm.server, the peer path (peer.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +284,7 @@ GatewayPhase = Callable[["_DriveContext", Client], Awaitable[GatewayResult | Non
 
 def _worker_phase(
     kind: str, size: str, model: str, cfg: BenchConfig, site: _Site, raw: RawPath | None,
-    extra_env: dict[str, str], gateway: GatewayPhase | None = None,
+    extra_env: dict[str, str], gateway: GatewayPhase | None = None, server: ServerPath | None = None,
 ) -> _WorkerRun:
     """Start ``arq mlxq.worker.Settings`` and measure it: batched ("queue", interleaved with ``raw``, then the
     ``gateway`` phase on the same worker) or "serial"."""
@@ -303,7 +306,7 @@ def _worker_phase(
         threads = f", {extra_env['OPENBLAS_NUM_THREADS']} BLAS thread(s)" if extra_env else ""
         _say(f"[{size}] {kind}: worker ready (capacity {env['MLXQ_BATCH_CAPACITY']}, {blas}{threads})")
         ctx = _DriveContext(site.url, prefix, size, cfg, worker, _CpuMeter(worker.proc.pid, site.redis_pid),
-                            site.out, metrics_url)
+                            site.out, metrics_url, server)
         driven = asyncio.run(_drive_batched(ctx, raw, gateway) if raw is not None else _drive_serial(ctx))
         stats = scrape_stats(metrics_url)  # the worker's own counters, as its metrics endpoint serves them
     finally:
@@ -407,34 +410,43 @@ async def _drive_batched(ctx: _DriveContext, raw: RawPath, gateway: GatewayPhase
         via_http = await gateway(ctx, client) if gateway is not None else None
         cancel = await _cancel_phase(client, model, cfg)
         await _live_sample(ctx, client, max(cfg.concurrency))
-    queue = _Measured({n: q for n, (_, _, q) in runs.items()}, ctx.meter.stop(), queue_probe)
-    raw_measured = _Measured({n: r for n, (r, _, _) in runs.items()}, raw.meter.stop(), raw_probe)
-    return _Driven(queue, cancel, commands, raw_measured, {n: e for n, (_, e, _) in runs.items()}, via_http)
+    queue = _Measured({n: q for n, (_, _, q, _) in runs.items()}, ctx.meter.stop(), queue_probe)
+    raw_measured = _Measured({n: r for n, (r, _, _, _) in runs.items()}, raw.meter.stop(), raw_probe)
+    return _Driven(queue, cancel, commands, raw_measured, {n: e for n, (_, e, _, _) in runs.items()}, via_http,
+                   {n: sv for n, (_, _, _, sv) in runs.items() if sv is not None})
 
 
 PathRun = Callable[[int], Awaitable[Run]]  # one run of a path at some N, given max_tokens
 
 
 async def alternate_runs(worker: WorkerProcess, cfg: BenchConfig, repeats: int, raw: PathRun, engine: PathRun,
-                         queue: PathRun) -> tuple[PathResult, PathResult, PathResult]:
-    """Warm the three paths, then alternate measured runs: raw, engine (both with the worker stopped), queue."""
+                         queue: PathRun, server: PathRun | None = None
+                         ) -> tuple[PathResult, PathResult, PathResult, PathResult | None]:
+    """Warm the paths, then alternate measured runs: raw, engine (both with the worker stopped), queue, and the
+    peer server (the worker stopped) when there is one."""
     with _frozen(worker):
         await raw(cfg.warmup_tokens)
         await engine(cfg.warmup_tokens)
+        if server is not None:
+            await server(cfg.warmup_tokens)
     await queue(cfg.warmup_tokens)
-    runs: tuple[list[Run], list[Run], list[Run]] = ([], [], [])
+    runs: tuple[list[Run], list[Run], list[Run], list[Run]] = ([], [], [], [])
     for _ in range(repeats):
         with _frozen(worker):
             runs[0].append(await raw(cfg.max_tokens))
             time.sleep(_SETTLE_S)  # every run after the same idle pause (see _frozen)
             runs[1].append(await engine(cfg.max_tokens))
         runs[2].append(await queue(cfg.max_tokens))
-    return PathResult.of(runs[0]), PathResult.of(runs[1]), PathResult.of(runs[2])
+        if server is not None:
+            with _frozen(worker):
+                runs[3].append(await server(cfg.max_tokens))
+    peer = PathResult.of(runs[3]) if runs[3] else None
+    return PathResult.of(runs[0]), PathResult.of(runs[1]), PathResult.of(runs[2]), peer
 
 
 async def _measure_at(ctx: _DriveContext, client: Client, raw: RawPath, n: int
-                      ) -> tuple[PathResult, PathResult, PathResult]:
-    """Raw, engine and queue runs at N, alternating (the raw and queue runs metered)."""
+                      ) -> tuple[PathResult, PathResult, PathResult, PathResult | None]:
+    """Raw, engine, queue (and mlx_lm.server) runs at N, alternating (the raw and queue runs metered)."""
     prompts = _prompts(n)
 
     async def raw_run(max_tokens: int) -> Run:
@@ -445,11 +457,24 @@ async def _measure_at(ctx: _DriveContext, client: Client, raw: RawPath, n: int
         with ctx.meter.running():
             return await _queue_run(client, ctx.model, prompts, max_tokens)
 
-    r, e, q = await alternate_runs(ctx.worker, ctx.cfg, ctx.cfg.repeats_for(ctx.model), raw_run,
-                                   functools.partial(raw.engine_run, prompts), queue_run)
+    peer = ctx.server
+    server_run = functools.partial(_server_run, peer, prompts) if peer is not None else None
+    r, e, q, sv = await alternate_runs(ctx.worker, ctx.cfg, ctx.cfg.repeats_for(ctx.model), raw_run,
+                                       functools.partial(raw.engine_run, prompts), queue_run, server_run)
+    tail = f"; mlx_lm.server {sv.tok_s:8.1f} tok/s (runs {_fmt_runs(sv)})" if sv is not None else ""
     _say(f"[{ctx.model}] N={n:<3} raw {r.tok_s:8.1f} tok/s (runs {_fmt_runs(r)}); "
-         f"engine {e.tok_s:8.1f} tok/s (runs {_fmt_runs(e)}); queue {q.tok_s:8.1f} tok/s (runs {_fmt_runs(q)})")
-    return r, e, q
+         f"engine {e.tok_s:8.1f} tok/s (runs {_fmt_runs(e)}); queue {q.tok_s:8.1f} tok/s (runs {_fmt_runs(q)})"
+         f"{tail}")
+    return r, e, q, sv
+
+
+async def _server_run(server: ServerPath, prompts: list[str], max_tokens: int) -> Run:
+    """One burst on mlx_lm.server, the process running only for it (stopped between its runs)."""
+    os.kill(server.proc.pid, signal.SIGCONT)
+    try:
+        return await server.run(prompts, max_tokens)
+    finally:
+        os.kill(server.proc.pid, signal.SIGSTOP)
 
 
 async def _probe_pair(ctx: _DriveContext, client: Client, raw: RawPath) -> tuple[list[float], list[float]]:

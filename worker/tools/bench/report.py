@@ -48,9 +48,20 @@ def _targets(sizes: list[SizeResult], enqueue: EnqueueResult) -> list[Target]:
             out.append(_at_most(f"cancel p99 {s.size} (step {c.step_ms_mean:.1f} ms + 50)", c.p99_ms,
                                 c.budget_ms, " ms"))
         out.append(_at_most(f"round trips per step {s.size}", s.round_trips.queue_writes_per_step, 1.0, ""))
+        out += _peer_targets(s)
         out += _scheduling_targets(s)
         out += _gateway_targets(s)
     out.append(_at_least("enqueue jobs/s (sequential awaits)", enqueue.sequential_jobs_s, 2000.0))
+    return out
+
+
+def _peer_targets(s: SizeResult) -> list[Target]:
+    """Issue #29's: a burst's TTFT p50 no later than mlx_lm.server's at N = 8 and 32, at >= 0.95 of raw tok/s."""
+    out = []
+    for r in s.rows:
+        if r.server is not None and r.n in (8, 32):
+            out.append(_at_most(f"TTFT p50 queue - mlx_lm.server {s.size} N={r.n}",
+                                r.queue.ttft_p50_ms - r.server.ttft_p50_ms, 0.0, " ms"))
     return out
 
 
@@ -113,7 +124,8 @@ def write_outputs(result: BenchResult, out: Path) -> str:
 
 def render_markdown(result: BenchResult) -> str:
     """``results.md``: a header, the main table, then one section per measurement and the targets."""
-    return "\n".join([*_md_header(result), *_md_table(result), *_md_engine(result), *_md_gateway(result),
+    return "\n".join([*_md_header(result), *_md_table(result), *_md_engine(result), *_md_peer(result),
+                      *_md_gateway(result),
                       *_md_blas(result),
                       *_md_policy(result),
                       *_md_ttft(result), *_md_cancel(result), *_md_round_trips(result), *_md_cpu(result),
@@ -184,6 +196,28 @@ def _md_engine(result: BenchResult) -> list[str]:
                      f"| {r.engine_over_raw_paired:.2f} | {r.queue_over_engine_paired:.2f} "
                      f"| {r.queue_over_raw_paired:.2f} | {r.raw.ttft_p50_ms:.1f} / {r.engine.ttft_p50_ms:.1f} / "
                      f"{r.queue.ttft_p50_ms:.1f} |")
+    return [*lines, ""]
+
+
+def _md_peer(result: BenchResult) -> list[str]:
+    rows = [(s.size, r) for s in result.sizes for r in s.rows if r.server is not None]
+    if not rows:
+        return []
+    lines = ["## mlx_lm.server, the peer", "",
+             "`mlx_lm.server` (mlx-lm's own HTTP server, the same BatchGenerator; `worker/tools/bench/peer.py`) on the "
+             "same model and prompts, with the worker's capacity and prefill batch, its prompt cache off and its "
+             "listen backlog raised to 128 (at its default of 5 a burst's connections beyond it wait a second), "
+             "streamed (`POST /v1/completions`), each run after the queue's run of the same N (the worker stopped "
+             "meanwhile). TTFT: the burst's start -> each request's first text. queue/server: median over the "
+             "run pairs.", "",
+             "| size | N | raw tok/s | queue tok/s | mlx_lm.server tok/s | queue/server | TTFT p50 ms raw / queue / "
+             "server | TTFT p99 ms queue / server |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, r in rows:
+        assert r.server is not None
+        lines.append(f"| {size} | {r.n} | {r.raw.tok_s:.1f} | {r.queue.tok_s:.1f} | {r.server.tok_s:.1f} "
+                     f"| {r.queue_over_server_paired:.2f} | {r.raw.ttft_p50_ms:.1f} / {r.queue.ttft_p50_ms:.1f} / "
+                     f"{r.server.ttft_p50_ms:.1f} | {r.queue.ttft_p99_ms:.1f} / {r.server.ttft_p99_ms:.1f} |")
     return [*lines, ""]
 
 

@@ -154,6 +154,8 @@ class Row:
     engine: PathResult | None = None  # the worker's engine in-process, no Redis (see _EngineRun)
     engine_over_raw_paired: float = 0.0  # median over the runs of engine run i / raw run i
     queue_over_engine_paired: float = 0.0  # median over the runs of queue run i / engine run i
+    server: PathResult | None = None  # mlx_lm.server on the same model and prompts (peer.py)
+    queue_over_server_paired: float = 0.0  # median over the runs of queue run i / server run i
 
 
 @dataclass(frozen=True, slots=True)

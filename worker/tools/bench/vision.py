@@ -467,9 +467,9 @@ async def _measure_at(client: Client, worker: WorkerProcess, raw: _RawVision, en
                       cfg: BenchConfig, n: int) -> VisionRow:
     """Raw, engine and queue runs of N image jobs, alternating."""
     jobs = _jobs(n)
-    r, e, q = await alternate_runs(worker, cfg, cfg.vision_repeats_for(raw.name), functools.partial(raw.images, jobs),
-                                   functools.partial(engine.run, jobs),
-                                   functools.partial(_queue_run, client, raw.name, jobs))
+    r, e, q, _ = await alternate_runs(worker, cfg, cfg.vision_repeats_for(raw.name),
+                                      functools.partial(raw.images, jobs), functools.partial(engine.run, jobs),
+                                      functools.partial(_queue_run, client, raw.name, jobs))
     _say(f"[{raw.name}] images N={n:<3} raw {r.tok_s:8.1f} tok/s (runs {_fmt_runs(r)}); "
          f"engine {e.tok_s:8.1f} tok/s (runs {_fmt_runs(e)}); queue {q.tok_s:8.1f} tok/s (runs {_fmt_runs(q)})")
     return VisionRow(n, r, e, q, _ratio(q.tok_s, r.tok_s), _paired(q.runs_tok_s, r.runs_tok_s),
