@@ -15,6 +15,26 @@ from tests.support import RunningWorker, start_worker
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# Tiers: `pytest -m "not slow"` is the everyday run; the README's test command (and .ci/run) runs them all.
+# e2e: a real Redis server (and workers, gateways, processes) takes part; unit: everything else. slow: the
+# modules of long fault, soak and load runs, and those that build or run whole programs.
+_SLOW_MODULES = frozenset({
+    "test_worker_chaos.py", "test_worker_recovery.py", "test_worker_bench.py", "test_install.py",
+    "test_worker_fuzz.py", "test_worker_priority.py", "test_worker_cli.py", "test_worker_demo_gateway.py",
+})
+_PROCESS_MODULES = frozenset({"test_api_gateway_command.py", "test_api_retry.py", "test_deploy.py", "test_readme.py"})
+_E2E_FIXTURES = frozenset({"redis_server", "served", "gw", "d", "secured"})  # a Redis of the session or their own
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.name
+        if module in _SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        uses = set(getattr(item, "fixturenames", ()))
+        e2e = bool(uses & _E2E_FIXTURES) or module in _SLOW_MODULES | _PROCESS_MODULES
+        item.add_marker(pytest.mark.e2e if e2e else pytest.mark.unit)
+
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[Any]:

@@ -45,6 +45,7 @@ class ServerPath:
                 "--decode-concurrency", str(capacity), "--prompt-concurrency", str(prefill),
                 "--prefill-step-size", str(WorkerConfig().prefill_step_size), "--prompt-cache-size", "0"]
         self.model = model
+        log.parent.mkdir(parents=True, exist_ok=True)
         self._log = log.open("w")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **env})
         self._wait_ready()
