@@ -78,3 +78,79 @@ async def enqueue_raw(redis_url: str, payload: Any, job_id: str, model: str = "t
         await r.zadd(keys.queue(model), {job_id: now})
     finally:
         await r.aclose()
+
+
+# --- helpers the test modules share ----------------------------------------------------------------
+def free_port() -> int:
+    """A free loopback port (for a server the test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_for(predicate: Any, what: str = "the condition", timeout: float = 60) -> None:
+    """Poll ``predicate`` until it holds (the timeout is a safety bound only)."""
+    import time
+
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.002)
+
+
+async def collect(client: Any, rid: str, timeout: float = 60) -> list[Any]:
+    """Every event of job ``rid``, up to its terminal one."""
+    return [ev async for ev in client.events(rid, timeout=timeout)]
+
+
+def terminal(events: list[Any]) -> Any:
+    """The one terminal event of a job's events, which is their last, their seqs 0, 1, 2, ..."""
+    ends = [e for e in events if e.type in ("done", "error")]
+    assert len(ends) == 1, f"expected exactly one terminal event, got {ends}"
+    assert events[-1] is ends[0]
+    assert [e.seq for e in events] == list(range(len(events)))
+    return ends[0]
+
+
+def text_of(events: list[Any]) -> str:
+    return "".join(e.text for e in events if e.type == "token")
+
+
+def slow_steps(running: RunningWorker, delay: float) -> None:
+    """Make every engine step take at least ``delay`` (still real MLX work), to land cancels mid-phase."""
+    import time
+
+    backend = running.service.engine.scheduler.backend
+    step = backend.step
+
+    def slow() -> Any:
+        time.sleep(delay)
+        return step()
+
+    backend.step = slow
+
+
+def reference(lm: Any, prompt_tokens: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of mlx-lm's own single-request generator (the oracle)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = lm
+    out: list[int] = []
+    for tok, _ in generate_step(mx.array(prompt_tokens), model, max_tokens=max_tokens):
+        token = int(tok)
+        if token in tokenizer.eos_token_ids:
+            break
+        out.append(token)
+    return out
+
+
+def reference_text(lm: Any, tokens: list[int]) -> str:
+    """Text as mlx-lm's streaming detokenizer renders it (what mlx_lm.generate prints)."""
+    detok = lm[1].detokenizer
+    for t in tokens:
+        detok.add_token(t)
+    detok.finalize()
+    return str(detok.text)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,16 +19,10 @@ from mlxq.api.client import Client
 from mlxq.api.errors import AccessDenied
 from mlxq.api.status import collect
 from mlxq.worker.tools.redis_server import find_redis_server
-from tests.support import config_with, start_worker
+from tests.support import config_with, free_port, start_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "s3cret-for-the-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -24,12 +23,7 @@ from mlxq.api.keys import Keys, log_entry_id
 from mlxq.api.schema import DoneEvent, FinishReason, StartEvent, Timings, Usage
 from mlxq.worker.tools.redis_server import RedisServer, find_redis_server
 from tests.peers import PEERS, silent_peer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support import free_port
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from mlxq.engine.memory import KVBudget, measure_layout
 from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
 from mlxq.engine.scheduler import Scheduler
 from tests.engine.fakes import Run
-from tests.worker.test_worker_queue import reference, reference_text
+from tests.support import reference, reference_text
 
 
 @pytest.fixture(scope="module")

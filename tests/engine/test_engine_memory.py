@@ -200,7 +200,7 @@ def test_measured_layout_is_what_the_batch_allocates(lm: Any) -> None:
 
 
 def test_real_batch_stays_under_the_headroom_and_matches_mlx_lm(lm: Any) -> None:
-    from tests.worker.test_worker_queue import reference
+    from tests.support import reference
 
     model, tokenizer = lm
     stream = mx.new_stream(mx.cpu)

@@ -17,7 +17,7 @@ from mlxq.engine.prompt import encode_prompt_with_boundary
 from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
 from mlxq.engine.scheduler import Scheduler
 from tests.engine.fakes import Run, ToyCache
-from tests.worker.test_worker_queue import reference
+from tests.support import reference
 
 SYSTEM = {"role": "system", "content": "You are the model queue server. Answer in tokens. " * 8}
 

@@ -39,13 +39,12 @@ from mlxq.api.schema import (
     DoneEvent,
     ErrorCode,
     ErrorEvent,
-    Event,
     GenerateRequest,
 )
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.service import BadRequest, ModelService
 from mlxq.worker.translate import to_engine_request
-from tests.support import RunningWorker, enqueue_raw, start_worker
+from tests.support import RunningWorker, collect, enqueue_raw, start_worker, terminal, text_of
 
 MODEL = "tiny"
 QUEUE = f"mlxq:queue:{MODEL}"
@@ -433,26 +432,10 @@ CONTROLS = [("Once upon a time", 24), ("the quick brown fox jumps over the lazy 
 _control_text: dict[str, str] = {}  # greedy text of each control job run alone (computed once)
 
 
-def terminal(events: list[Event]) -> Event:
-    ends = [e for e in events if e.type in ("done", "error")]
-    assert len(ends) == 1, f"expected exactly one terminal event, got {ends}"
-    assert events[-1] is ends[0]
-    assert [e.seq for e in events] == list(range(len(events)))
-    return ends[0]
-
-
-def text_of(events: list[Event]) -> str:
-    return "".join(e.text for e in events if e.type == "token")
-
-
 def same_message(a: str, b: str) -> bool:
     """Equal up to a default (random) request id the schema made up for a payload without one."""
     generated = re.compile(r"^request id '[0-9a-f]{32}' does not match")
     return generated.sub("request id ? does not match", a) == generated.sub("request id ? does not match", b)
-
-
-async def collect(client: Client, rid: str, timeout: float = 60) -> list[Event]:
-    return [ev async for ev in client.events(rid, timeout=timeout)]
 
 
 def e2e_config(url: str, tiny_model: Path) -> WorkerConfig:

@@ -4,7 +4,6 @@ feeds the endpoint and the stats line."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 import urllib.request
@@ -18,13 +17,7 @@ from mlxq.api.client import Client
 from mlxq.api.errors import JobFailed
 from mlxq.api.keys import Keys
 from mlxq.api.schema import ErrorCode, ErrorEvent
-from tests.support import config_with, start_worker
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support import config_with, free_port, start_worker, wait_for
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -99,13 +92,6 @@ class StepGate:
             return step()
 
         backend.step = gated
-
-
-async def wait_for(predicate: Any, what: str, timeout: float = 60) -> None:
-    end = time.monotonic() + timeout  # a safety timeout only
-    while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 async def test_running_waiting_and_queue_depth_follow_the_batch_and_the_queue(worker_config: Any,

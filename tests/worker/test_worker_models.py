@@ -18,8 +18,7 @@ from mlxq.api.errors import JobFailed, NoWorker
 from mlxq.api.schema import ErrorCode, ModelState
 from mlxq.engine.prompt import encode_prompt
 from mlxq.worker.config import ServedModel, WorkerConfig, parse_models
-from tests.support import RunningWorker, config_with, start_worker
-from tests.worker.test_worker_queue import reference
+from tests.support import RunningWorker, config_with, reference, start_worker
 
 PROMPTS = ["Hello world", "Once upon a time", "the quick brown fox", "x y", "What is the queue?", "mlxq"]
 

@@ -10,8 +10,7 @@ import pytest
 
 from mlxq.api.client import Client
 from mlxq.engine.prompt import encode_prompt_with_boundary
-from tests.support import RunningWorker
-from tests.worker.test_worker_queue import reference
+from tests.support import RunningWorker, reference
 
 SYSTEM = {"role": "system", "content": "You are the model behind a Redis job queue; answer in few tokens. " * 6}
 

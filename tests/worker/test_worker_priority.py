@@ -64,7 +64,7 @@ async def test_a_job_that_can_never_fit_the_kv_headroom_ends_at_once_saying_by_h
 
 async def test_a_worker_claims_only_what_its_kv_headroom_can_start_and_another_takes_the_rest(
         worker_config: Any, client: Client) -> None:
-    from tests.worker.test_worker_queue import slow_steps
+    from tests.support import slow_steps
 
     # 1 MiB of KV holds a few of these jobs on the tiny model: the worker with it must leave the rest in Redis
     # for the other worker on the same queue, instead of holding them while its batch cannot start them.
@@ -134,7 +134,7 @@ async def test_a_preempted_job_streams_through_redis_with_no_gap_duplicate_or_re
     from mlx_lm import load
 
     from mlxq.engine.memory import measure_layout
-    from tests.worker.test_worker_queue import slow_steps
+    from tests.support import slow_steps
 
     # A worker claims only what its batch can start, so the urgent job must look as if it fits when claimed
     # and be short of KV when admitted: the headroom holds two rows of the low job (~110 tokens, each row
@@ -170,7 +170,7 @@ async def test_a_preempted_job_streams_through_redis_with_no_gap_duplicate_or_re
 
 async def test_a_worker_whose_batch_is_full_still_claims_a_job_that_outranks_its_running_ones(
         worker_config: Any, client: Client) -> None:
-    from tests.worker.test_worker_queue import slow_steps
+    from tests.support import slow_steps
 
     # Every slot is busy with long low-priority jobs, so the worker has no room to claim by: an urgent job must
     # not wait in Redis until one ends. It is claimed, starts at once (a low job steps aside, holding its
@@ -201,7 +201,7 @@ async def test_a_worker_whose_batch_is_full_still_claims_a_job_that_outranks_its
 
 async def test_a_burst_of_jobs_that_outrank_a_full_batch_all_start_before_any_slot_frees(
         worker_config: Any, client: Client) -> None:
-    from tests.worker.test_worker_queue import slow_steps
+    from tests.support import slow_steps
 
     # Four low jobs fill every slot and the model's job cap counts them; four priority-10 jobs come together.
     # Each would start at once by the engine's own rule (a low one steps aside), so each is claimed at once:

@@ -5,20 +5,29 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import pytest
 import redis.asyncio as aredis
-from mlx_lm.generate import generate_step
 
 from mlxq.api.client import Client
 from mlxq.api.errors import BadRequest, JobFailed
 from mlxq.api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, GenerateRequest, decode_event
 from mlxq.engine.prompt import encode_prompt
-from tests.support import RunningWorker, config_with, enqueue_raw, start_worker
+from tests.support import (
+    RunningWorker,
+    collect,
+    config_with,
+    enqueue_raw,
+    reference,
+    reference_text,
+    slow_steps,
+    start_worker,
+    terminal,
+    text_of,
+    wait_for,
+)
 
 PROMPTS = [
     "a",
@@ -40,42 +49,6 @@ def reference_model(tiny_model: Path) -> Any:
     import mlx_lm
 
     return mlx_lm.load(str(tiny_model))
-
-
-def reference(lm: Any, prompt_tokens: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens of mlx-lm's own single-request generator (the oracle)."""
-    model, tokenizer = lm
-    out: list[int] = []
-    for tok, _ in generate_step(mx.array(prompt_tokens), model, max_tokens=max_tokens):
-        token = int(tok)
-        if token in tokenizer.eos_token_ids:
-            break
-        out.append(token)
-    return out
-
-
-def reference_text(lm: Any, tokens: list[int]) -> str:
-    """Text as mlx-lm's streaming detokenizer renders it (what mlx_lm.generate prints)."""
-    detok = lm[1].detokenizer
-    for t in tokens:
-        detok.add_token(t)
-    detok.finalize()
-    return str(detok.text)
-
-
-async def collect(client: Client, rid: str, timeout: float = 60) -> list[Event]:
-    return [ev async for ev in client.events(rid, timeout=timeout)]
-
-
-def terminal(events: list[Event]) -> Event:
-    ends = [e for e in events if e.type in ("done", "error")]
-    assert len(ends) == 1, f"expected exactly one terminal event, got {ends}"
-    assert events[-1] is ends[0]
-    return ends[0]
-
-
-def text_of(events: list[Event]) -> str:
-    return "".join(e.text for e in events if e.type == "token")
 
 
 def ids_of(events: list[Event]) -> list[int]:
@@ -170,18 +143,6 @@ async def test_cancel_while_queued_never_enters_the_engine(worker_config: Any, c
         assert running.service.engine.stats.steps == 0
     finally:
         await running.close()
-
-
-def slow_steps(running: RunningWorker, delay: float) -> None:
-    """Make every engine step take at least ``delay`` (still real MLX work), to land cancels mid-phase."""
-    backend = running.service.engine.scheduler.backend
-    step: Callable[[], Any] = backend.step
-
-    def slow() -> Any:
-        time.sleep(delay)
-        return step()
-
-    backend.step = slow
 
 
 async def test_cancel_mid_prefill(worker_config: Any, client: Client) -> None:
@@ -306,13 +267,6 @@ async def test_engine_step_failure_fails_in_flight_jobs_and_keeps_serving(worker
         assert "simulated out of memory" in end.message and end.retryable
     ok = await client.generate(model="tiny", prompt="after the failure", max_tokens=6, timeout=60)
     assert ok.usage.completion_tokens == 6
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float = 30) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, "condition not reached"
-        await asyncio.sleep(0.002)
 
 
 # --- the arq job around each run (worker/lifecycle.py, worker/arqseam.py) ----------------------------
