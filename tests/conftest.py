@@ -26,8 +26,22 @@ _PROCESS_MODULES = frozenset({"test_api_gateway_command.py", "test_api_retry.py"
 _E2E_FIXTURES = frozenset({"redis_server", "served", "gw", "d", "secured"})  # a Redis of the session or their own
 
 
+# A test that needs a model (and so a worker: MLX, mlx-lm and arq, the worker extra) is skipped on a producer-only
+# install, where the rest of tests/api still runs.
+_MODEL_FIXTURES = frozenset({"tiny_model", "tiny_think_model", "tiny_tools_model", "tiny_vlm"})
+
+
+def _worker_installed() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("mlx_lm", "arq"))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    no_worker = None if _worker_installed() else pytest.mark.skip(reason="needs the worker extra (MLX, mlx-lm, arq)")
     for item in items:
+        if no_worker is not None and _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(no_worker)
         module = item.path.name
         if module in _SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
