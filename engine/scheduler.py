@@ -477,4 +477,3 @@ class Scheduler:
             rows = self._priorities[outranked]
         self.room = Room(self.capacity - running, len(self._waiting), self.kv.kv_rows(typical), outranked, rows,
                          paused)
-

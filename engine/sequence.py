@@ -2,9 +2,9 @@
 
 A :class:`Sequence` accepts one token or several at once (a decode step gives one, a speculative step
 several), feeds them to its streaming detokenizer and stop strings, and writes into the step's
-:class:`~engine.request.RequestOutput` the tokens, the text to emit and, once, how it ended. Each row has two
-hooks: a :class:`Constraint`, the mask its next token is sampled under (the backend applies it), and
-:class:`TextParser` stages that its text passes through after the stop strings.
+:class:`~engine.request.RequestOutput` the tokens, the text to emit and, once, how it ended. A row may hold a
+:class:`Constraint`, the mask its next token is sampled under (the backend applies it), and a
+:class:`~engine.parts.PartSplitter` that puts its reasoning and tool calls apart from the answer.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .parts import Parts, PartSplitter
 from .request import EngineRequest, FinishReason, RequestOutput
 from .stops import StopMatcher
 
-__all__ = ["Constraint", "Detokenizer", "Sequence", "TextParser"]
+__all__ = ["Constraint", "Detokenizer", "Sequence"]
 
 EOS = "stop"  # a backend's finish for a token that is the end of sequence (not part of the text)
 LENGTH = "length"  # a backend's finish at max_tokens
@@ -43,13 +43,6 @@ class Constraint(Protocol):
     def error(self) -> str: ...  # why it cannot go on ("" while it can)
 
 
-class TextParser(Protocol):
-    """A stage the row's text passes through after its stop strings (reasoning and tool-call parsers)."""
-
-    def feed(self, text: str) -> str: ...
-    def flush(self) -> str: ...
-
-
 @dataclass(slots=True, eq=False)
 class Sequence:
     """One request's row: its tokens, text and end, and what the scheduler keeps to run and resume it."""
@@ -60,7 +53,6 @@ class Sequence:
     order: int  # first come, first served within a key
     stops: StopMatcher | None = None  # None without stop strings
     constraint: Constraint | None = None
-    parsers: tuple[TextParser, ...] = ()
     splitter: PartSplitter | None = None  # reasoning and tool calls apart from the answer
     uid: int = -1  # in the batch; -1 while waiting
     generated: int = 0
@@ -125,24 +117,17 @@ class Sequence:
 
     def _take_text(self, out: RequestOutput) -> bool:
         """Add the detokenizer's new text to ``out`` (held back while it may start a stop string); whether a
-        stop string appeared (``out.stop_sequence`` names it). Per token: without stops or parsers, one append."""
+        stop string appeared (``out.stop_sequence`` names it). Per token: without stops or parts, one append."""
         if self.stops is None:
-            text = self.detok.last_segment
-            if self.parsers or self.splitter is not None:
-                self._emit(out, text)
-            else:
-                out.text += text
+            self._emit(out, self.detok.last_segment)
             return False
         result = self.stops.feed(self.detok.last_segment)
         self._emit(out, result.text)
         out.stop_sequence = result.stop
         return result.stopped
 
-    def _emit(self, out: RequestOutput, text: str, stages: tuple[TextParser, ...] | None = None) -> None:
-        """Text past the stop strings through the parsers (``stages``: from a later one on), then split into
-        its parts (answer, reasoning, tool calls)."""
-        for parser in self.parsers if stages is None else stages:
-            text = parser.feed(text)
+    def _emit(self, out: RequestOutput, text: str) -> None:
+        """Text past the stop strings, split into its parts (answer, reasoning, tool calls) when asked."""
         if self.splitter is None:
             out.text += text
         else:
@@ -155,8 +140,6 @@ class Sequence:
                 reason = FinishReason.STOP
             elif self.stops is not None:
                 self._emit(out, self.stops.flush())
-        for i, parser in enumerate(self.parsers):  # each stage's rest goes through the stages after it
-            self._emit(out, parser.flush(), self.parsers[i + 1:])
         if self.splitter is not None:
             _put(out, self.splitter.flush())
         self.finish = out.finish = reason

@@ -260,10 +260,8 @@ class _Blocks:
         """A tool_use block per call: opened with the call's id and name, its input as one JSON delta."""
         out = b""
         for call in calls:
-            out += self.close()
-            self.index, self.kind, self.called = self.index + 1, "tool_use", True
-            out += _event("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                  "content_block": {**_tool_use(call), "input": {}}})
+            self.called = True
+            out += self._open("tool_use", {**_tool_use(call), "input": {}})
             out += _event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
                 "type": "input_json_delta", "partial_json": call.function.arguments}})
         return out
@@ -272,17 +270,20 @@ class _Blocks:
         """``text`` as a delta of a block of ``kind``, opening it (and closing the one before) when it is new."""
         out = b""
         if kind != self.kind:
-            out = self.close()
-            self.index, self.kind = self.index + 1, kind
-            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
-                {"type": "text", "text": ""}
-            out += _event("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                  "content_block": block})
+            out = self._open(kind, {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
+                             else {"type": "text", "text": ""})
         if not text:
             return out
         delta_type, field = _DELTAS[kind]
         return out + (f'event: content_block_delta\ndata: {{"type":"content_block_delta","index":{self.index},'
                       f'"delta":{{"type":"{delta_type}","{field}":{encode_basestring(text)}}}}}\n\n').encode()
+
+    def _open(self, kind: str, block: dict[str, Any]) -> bytes:
+        """A new block (the one open before closed)."""
+        out = self.close()
+        self.index, self.kind = self.index + 1, kind
+        return out + _event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                    "content_block": block})
 
     def close(self) -> bytes:
         if self.kind is None:

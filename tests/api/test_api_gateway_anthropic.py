@@ -26,12 +26,6 @@ def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture
-async def claude(served: tuple[Deployment, ServedGateway]) -> AsyncIterator[anthropic.AsyncAnthropic]:
-    async with anthropic.AsyncAnthropic(base_url=served[1].url, api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture
 async def queue(served: tuple[Deployment, ServedGateway]) -> AsyncIterator[Client]:
     async with Client(config=served[0].config.client) as c:
         yield c

@@ -5,7 +5,7 @@ worker process on a generated model with think markers."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,6 @@ def served(tiny_think_model: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[Deployment, ServedGateway]]:
     with deployment(tiny_think_model, tmp_path_factory.mktemp("gw-reasoning")) as running:
         yield running
-
-
-@pytest.fixture
-async def oai(served: tuple[Deployment, ServedGateway]) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"{served[1].url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
 
 
 async def test_thinking_is_reasoning_content_apart_from_the_content(oai: openai.AsyncOpenAI,
@@ -58,12 +52,6 @@ async def test_thinking_switched_off_leaves_no_reasoning(oai: openai.AsyncOpenAI
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
         await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8,  # type: ignore[arg-type]
                                           extra_body={"chat_template_kwargs": {"tools_in_user": True}})
-
-
-@pytest.fixture
-async def claude(served: tuple[Deployment, ServedGateway]) -> AsyncIterator[anthropic.AsyncAnthropic]:
-    async with anthropic.AsyncAnthropic(base_url=served[1].url, api_key="unused", max_retries=0) as c:
-        yield c
 
 
 async def test_thinking_is_a_thinking_block_before_the_text_whole_and_streamed(

@@ -53,12 +53,6 @@ def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture
-async def oai(served: tuple[Deployment, ServedGateway]) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"{served[1].url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture
 async def queue(served: tuple[Deployment, ServedGateway]) -> AsyncIterator[Client]:
     async with Client(config=served[0].config.client) as c:
         yield c

@@ -5,7 +5,7 @@ tools in the Hermes format (mlx-lm's json_tools parser)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +27,6 @@ def served(tiny_tools_model: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[Deployment, ServedGateway]]:
     with deployment(tiny_tools_model, tmp_path_factory.mktemp("gw-tools")) as running:
         yield running
-
-
-@pytest.fixture
-async def oai(served: tuple[Deployment, ServedGateway]) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"{served[1].url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture
-async def claude(served: tuple[Deployment, ServedGateway]) -> AsyncIterator[anthropic.AsyncAnthropic]:
-    async with anthropic.AsyncAnthropic(base_url=served[1].url, api_key="unused", max_retries=0) as c:
-        yield c
 
 
 async def test_openai_required_and_named_calls_whole_and_streamed(oai: openai.AsyncOpenAI) -> None:

@@ -60,35 +60,3 @@ def test_text_held_for_a_possible_stop_string_is_released_at_the_end() -> None:
     assert out.text == "<4><5>" and out.stop_sequence is None
 
 
-class Brackets:
-    def feed(self, text: str) -> str:
-        return text.replace("<", "[")
-
-    def flush(self) -> str:
-        return ""
-
-
-class HoldLast:
-    """Holds its last character until the end (as a parser waiting for a tag to close)."""
-
-    def __init__(self) -> None:
-        self.held = ""
-
-    def feed(self, text: str) -> str:
-        text, self.held = self.held + text, ""
-        if text:
-            text, self.held = text[:-1], text[-1]
-        return text
-
-    def flush(self) -> str:
-        held, self.held = self.held, ""
-        return held
-
-
-def test_text_passes_the_parsers_in_order_and_their_held_text_comes_out_at_the_end() -> None:
-    seq, out = row(max_tokens=2), RequestOutput("r")
-    seq.parsers = (HoldLast(), Brackets())
-    seq.accept(4, None, out)
-    assert out.text == "[4"
-    seq.accept(5, None, out)
-    assert out.text == "[4>[5>" and out.finish is FinishReason.LENGTH
