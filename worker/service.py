@@ -161,10 +161,12 @@ class ModelService:
         chars = len(req.prompt or "") + sum(len(m.text) for m in req.messages or [])
         if chars > self.config.max_payload_bytes:
             raise BadRequest(f"the prompt has {chars} characters; the limit is {self.config.max_payload_bytes}")
-        if self.model is not None and self.model.accepts_images:
-            for asked, what in ((req.logprobs is not None, "logprobs"), (req.calls_tools, "tools")):
+        if self.model is not None and self.model.accepts_images:  # mlx-vlm's batch takes none of these
+            formatted = req.response_format is not None and req.response_format.type != "text"
+            for asked, what in ((req.logprobs is not None, "logprobs are"), (req.calls_tools, "tools are"),
+                                (formatted, "response_format is")):
                 if asked:
-                    raise BadRequest(f"{what} are not supported by the vision-language model {self.name!r}")
+                    raise BadRequest(f"{what} not supported by the vision-language model {self.name!r}")
         if media.has_images(req):  # worker/media.py, on the model's image thread
             assert self.model is not None and self.engine is not None
             try:
@@ -207,19 +209,25 @@ class ModelService:
             tail = len(tokens) - _THINK_TAIL  # a template that opens reasoning does so in its generation prompt
             opened = tokenizer.rfind_think_start(tokens, start=tail)
             inside = opened >= 0 and opened > tokenizer.rfind_think_end(tokens, start=tail)
-        tool: tuple[str, str] | None = None
-        if req.calls_tools and getattr(tokenizer, "has_tool_calling", False) and tokenizer.tool_call_end:
-            tool = (tokenizer.tool_call_start, tokenizer.tool_call_end)
+        tool = self._tool_markers(req)
         return PartMarkers(think, tool, inside) if think is not None or tool is not None else None
 
     def tool_calls(self, req: GenerateRequest) -> ToolCalls | None:
         """The parser of a job's tool calls (None: the request gives no tools, or the model has no tool-call
         format, so what it writes is all answer)."""
+        markers = self._tool_markers(req)
+        if markers is None:
+            return None
+        assert self.model is not None
+        return ToolCalls(req.id, self.model.tokenizer.tool_parser, template_tools(req), markers)
+
+    def _tool_markers(self, req: GenerateRequest) -> tuple[str, str] | None:
+        """The model's tool-call markers, for a request whose tools it is shown (None: no tools, or no format
+        with both markers)."""
         tokenizer = self.model.tokenizer if self.model is not None else None
         if not req.calls_tools or tokenizer is None or not getattr(tokenizer, "has_tool_calling", False):
             return None
-        return ToolCalls(req.id, tokenizer.tool_parser, template_tools(req),
-                         (tokenizer.tool_call_start, tokenizer.tool_call_end))
+        return (tokenizer.tool_call_start, tokenizer.tool_call_end) if tokenizer.tool_call_end else None
 
     def call_format(self, req: GenerateRequest) -> ResponseFormat | None:
         """The grammar a job's tool_choice (required, or a named function) constrains its output to."""
@@ -233,9 +241,6 @@ class ModelService:
     async def compile_format(self, fmt: ResponseFormat) -> Grammar:
         """A response format compiled for this model (a format seen before: from the cache, at once; a new one:
         compiled off the event loop); :class:`BadRequest` if it cannot be."""
-        assert self.model is not None
-        if self.model.accepts_images:
-            raise BadRequest(f"response_format is not supported by the vision-language model {self.name!r}")
         grammars = self._grammars or await self._build_grammars()
         grammar = grammars.cached(fmt)
         if grammar is not None:

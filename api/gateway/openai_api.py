@@ -303,16 +303,18 @@ class _OpenAI:
 
 
 class _Sent:
-    """What a stream sent of one choice: its tool calls (numbered across the choice) and text (logprobs' offsets)."""
+    """What a stream sent of one choice: its tool calls (numbered across the choice) and the length of its tokens'
+    texts (the legacy logprobs' offsets, counted as the whole response counts them: by the tokens, whatever text
+    the detokenizer held back at a chunk's end)."""
 
-    __slots__ = ("calls", "chars")
+    __slots__ = ("calls", "offset")
 
     def __init__(self) -> None:
-        self.calls = self.chars = 0
+        self.calls = self.offset = 0
 
     def add(self, delta: Delta) -> None:
         self.calls += len(delta.tool_calls)
-        self.chars += len(delta.text)
+        self.offset += sum(len(lp.text) for lp in delta.logprobs)
 
 
 class ChatDialect(_OpenAI):
@@ -401,7 +403,7 @@ class CompletionDialect(_OpenAI):
                 "model": ask.request.model, "system_fingerprint": None, "choices": choices, "usage": _usage(jobs)}
 
     def _text(self, index: int, delta: Delta, sent: _Sent) -> str:
-        lps = dumps(_text_logprobs(delta.logprobs, sent.chars)) if delta.logprobs else "null"
+        lps = dumps(_text_logprobs(delta.logprobs, sent.offset)) if delta.logprobs else "null"
         return f'{{"index":{index},"text":{encode_basestring(delta.text)},"logprobs":{lps},"finish_reason":null}}'
 
     def _last(self, index: int, reason: str) -> str:

@@ -137,6 +137,19 @@ async def test_bad_images_end_the_job_with_bad_request_naming_the_image(
     assert (await client.result(good, timeout=60)).token_ids == oracle.tokens(LOOK, N)
 
 
+async def test_what_mlx_vlms_batch_cannot_do_is_refused_for_image_and_text_jobs_alike(
+    vlm_worker: RunningWorker, client: Client
+) -> None:
+    asks = {"response_format is": {"response_format": {"type": "json_object"}}, "logprobs are": {"logprobs": 2},
+            "tools are": {"tools": [{"type": "function", "function": {"name": "f"}}]}}
+    for what, fields in asks.items():
+        for messages in (LOOK, [{"role": "user", "content": "no image"}]):
+            rid = await client.submit(model=VL, messages=messages, max_tokens=N, **fields)
+            (end,) = await events_of(client, rid)
+            assert isinstance(end, ErrorEvent) and end.code is ErrorCode.BAD_REQUEST, (what, end)
+            assert end.message == f"{what} not supported by the vision-language model {VL!r}"
+
+
 async def test_the_payload_limit_makes_room_for_images_only(
     vlm_worker: RunningWorker, vlm_config: WorkerConfig, redis_url: str, oracle: Oracle
 ) -> None:
