@@ -61,10 +61,11 @@ _DEMO_ENV = """\
   MLXQ_MODEL_CACHE  where the generated models are kept between runs (default ~/.cache/mlxq/models)
 """
 _BENCH_ENV = """\
-  MLXQ_*             the worker variables (e.g. MLXQ_STREAM_INTERVAL_MS, MLXQ_ADMIT_WAIT_MS, MLXQ_PREFILL_BATCH)
-                     apply to its workers, which inherit them; the results record the ones in effect
-  MLXQ_MODEL_CACHE   where the generated models are kept between runs (default ~/.cache/mlxq/models)
-  OPENBLAS_CORETYPE  the OpenBLAS core on Linux (default: the one it picks for this CPU)
+  MLXQ_*                the worker variables (e.g. MLXQ_STREAM_INTERVAL_MS, MLXQ_ADMIT_WAIT_MS, MLXQ_PREFILL_BATCH)
+                        apply to its worker, which inherits them
+  MLXQ_MODEL_CACHE      where the generated models are kept between runs (default ~/.cache/mlxq/models)
+  OPENBLAS_CORETYPE     the OpenBLAS core on Linux (default: the one it picks for this CPU)
+  OPENBLAS_NUM_THREADS  OpenBLAS threads of every path (default: one per core)
 """
 
 _BAD_CONFIG = "2    a bad request, option or configuration value"
@@ -169,12 +170,17 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="debug logs one line per request")
 
-    b = command("bench", help="raw mlx-lm vs the queue vs serial, side by side in one run")
-    b.add_argument("--out", default="bench-out", help="directory for results.json, results.md, chart.png")
+    b = command("bench", help="raw mlx-lm vs the queue (vs the gateway) on your model, side by side in one run",
+                description="Raw mlx-lm vs the queue (vs the HTTP gateway, when its extra is installed) on one "
+                            "model: tok/s and TTFT p50 at each N, and their ratios to raw.")
+    b.add_argument("--model", default=None, metavar="PATH_OR_ID",
+                   help="an MLX model directory or Hugging Face id (default: the generated small model; tiny with "
+                        "--quick)")
+    b.add_argument("--concurrency", default=None, metavar="N[,N...]",
+                   help="concurrent requests per burst, comma-separated (default: 1,8,32; 1,4 with --quick)")
+    b.add_argument("--out", default="bench-out", help="directory for results.md, results.json, chart.png")
     b.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
-    b.add_argument("--sizes", default=None, help="comma-separated model sizes (default: tiny,small)")
-    b.add_argument("--concurrency", default=None, help="comma-separated N values (default: 1,8,32)")
-    b.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default: 64)")
+    b.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default: 64; 16 with --quick)")
     return p
 
 

@@ -19,7 +19,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # e2e: a real Redis server (and workers, gateways, processes) takes part; unit: everything else. slow: the
 # modules of long fault, soak and load runs, and those that build or run whole programs.
 _SLOW_MODULES = frozenset({
-    "test_worker_chaos.py", "test_worker_recovery.py", "test_worker_bench.py", "test_install.py",
+    "test_worker_chaos.py", "test_worker_recovery.py", "test_worker_bench.py", "test_perf.py", "test_install.py",
     "test_worker_fuzz.py", "test_worker_priority.py", "test_worker_cli.py", "test_worker_demo_gateway.py",
 })
 _PROCESS_MODULES = frozenset({"test_api_gateway_command.py", "test_api_retry.py", "test_deploy.py", "test_readme.py"})

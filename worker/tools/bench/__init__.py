@@ -1,341 +1,214 @@
-"""``mlxq bench``: how much of mlx-lm's raw batching throughput survives the queue, measured in one run.
+"""``mlxq bench``: how much of raw mlx-lm's batching throughput survives the queue, on your model, in one run.
 
-Why: a queue is worth running only if Redis, arq and a process hop cost little next to the model. So one
-run measures, on the same generated model, prompts and ``max_tokens``:
+At each concurrency N, bursts of N requests at once go, in turn, through:
 
-- **raw**: mlx-lm's ``BatchGenerator`` driven in this process on its own MLX thread (no Redis, no arq):
-  the ceiling;
-- **queue**: ``mlxq.api.client.Client`` -> Redis -> ``arq mlxq.worker.Settings`` (continuous batching, in a child
-  process) -> pub/sub -> the client;
-- **serial**: the same worker with a batch of one and one arq job at a time: what batching buys;
-- **engine** (a decomposition, no target): the worker's own engine (scheduler, detokenizers, pacer) on the
-  raw path's MLX thread, no Redis: queue/raw ~ engine/raw (the engine's bookkeeping) x queue/engine (the
-  transport: client, Redis, arq, event loop);
-- **scheduling** (``scheduling.py``): the engine's prefix cache (TTFT cached against cold), admission under
-  KV over-subscription (peak KV against the headroom, throughput against no KV limit) and a priority job's
-  TTFT with every slot busy;
-- **gateway**: ``mlxq gateway`` (a child process) in front of the same queue worker, streamed over HTTP
-  (OpenAI's ``/v1/completions``), run by run in turn with the in-process client (the queue path);
+- **raw**: mlx-lm's ``BatchGenerator`` driven in this process on its own MLX thread (no Redis, no arq): the
+  ceiling;
+- **queue**: ``mlxq.api.client.Client`` -> an embedded Redis -> ``arq mlxq.worker.Settings`` (a child process,
+  continuous batching) -> pub/sub -> the client;
+- **gateway** (when the gateway extra is installed): ``mlxq gateway`` (a child process) in front of the same
+  worker, streamed over HTTP (``POST /v1/completions``).
 
-plus time to first token (TTFT), cancel -> terminal-event latency, Redis round trips per engine step, CPU
-per process and the enqueue rate of one producer; and image jobs on a tiny vision-language model, raw
-mlx-vlm ``BatchGenerator`` against the queue (``vision.py``); and two models in one worker process, both at
-once against one after the other (``models.py``). Results go to ``results.json``, ``results.md`` and
-``chart.png``.
-
-Machines running this are often shared, so raw and queue runs alternate at each N (the idle worker is
-SIGSTOPped during raw runs so its polling does not tax the ceiling), and throughput is the best of the
-repeats: background load only ever slows a run down.
-
-BLAS: mlx-cpu's bundled reference BLAS is so slow that batching gains nothing on Linux. When Debian's
-OpenBLAS is installed, the command re-executes itself with it in ``LD_PRELOAD``, so the in-process raw path
-and the worker subprocesses (which inherit the environment) both use it. Every result says which BLAS ran.
+It prints tok/s and TTFT p50 per path side by side, with queue/raw and gateway/raw, and writes them to
+``results.md``, ``results.json`` and ``chart.png``. The model is loaded twice (here and in the worker). Paths
+alternate run by run (the idle worker SIGSTOPped during raw runs), and throughput is the best run: background
+load only ever slows a run down. On Linux the command first re-executes itself with Debian's OpenBLAS preloaded
+when it is installed (``preload.py``). The research measurements (scheduling, image jobs, two models, kernel
+thread policies, ``mlx_lm.server``, the README's targets) are ``python3 -m tests.perf`` in the repository.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import signal
-import sys
 import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from mlxq.worker.config import WorkerConfig
+from mlxq.api.client import Client
 
-from ..blas import OPENBLAS, blas_of, coretype_for, cpu_flags, openblas_core
+from ..blas import blas_of
+from ..process import GatewayProcess, WorkerProcess
 from ..redis_server import RedisServer
-from .gateway import gateway_phase
-from .models import models_targets, run_models
-from .paths import RawPath, _enqueue_phase, _openblas, _worker_phase, scrape_stats
-from .peer import ServerPath
-from .report import _md_blas as _md_blas  # the tests read one table
-from .report import _targets, render_markdown, write_outputs
+from .http import SseClient
+from .paths import RawPath, frozen, run_gateway, run_queue
+from .preload import reexec_with_openblas
+from .report import render_markdown, write_outputs
 from .runs import (
-    _BLAS_MARGIN,
-    _REEXEC_MARK,
-    _ROOT,
-    _SETTLE_S,
+    SETTLE_S,
+    TIMEOUT_S,
     BenchConfig,
     BenchResult,
-    BlasThreads,
-    KernelPolicy,
     PathResult,
-    RoundTrips,
     Row,
-    SizeResult,
-    TtftProbe,
-    WorkerStats,
-    _fmt_list,
-    _paired,
-    _pct,
-    _prompts,
-    _ratio,
-    _say,
-    _Site,
+    Run,
+    paired_median,
+    prompt_batch,
+    say,
 )
-from .scheduling import run_scheduling
-from .vision import run_vision, vision_targets
 
-__all__ = [
-    "BenchConfig",
-    "BenchResult",
-    "RawPath",
-    "WorkerStats",
-    "render_markdown",
-    "run_bench",
-    "scrape_stats",
-    "write_outputs",
-]
+__all__ = ["BenchConfig", "BenchResult", "RawPath", "measure", "render_markdown", "run_bench", "write_outputs"]
+
+_NAME = "bench"  # the model's name on the queue
+_GATEWAY_NEEDS = ("starlette", "uvicorn")
 
 
-# --- entry point -----------------------------------------------------------------------------------
 def run_bench(args: argparse.Namespace, *, reexec: bool = True) -> int:
-    """``mlxq bench``: measure, write results.json, results.md and chart.png to ``args.out``, print them.
+    """``mlxq bench``: measure, write results.json, results.md and chart.png to ``args.out``, print the table.
 
     With ``reexec`` (the CLI), first re-executes itself with OpenBLAS preloaded when that helps.
     """
     if reexec:
-        _maybe_reexec(args)
+        reexec_with_openblas(["-m", "mlxq.api.cli", *_argv_of(args)])
     try:
         cfg = BenchConfig.from_args(args)
     except ValueError as exc:
-        _say(f"mlxq bench: {exc}")
+        say(f"mlxq bench: {exc}")
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        result = _run(cfg, out)
+        result = measure(cfg, out)
     except RuntimeError as exc:
-        _say(f"mlxq bench: failed: {exc}")
+        say(f"mlxq bench: failed: {exc}")
         return 1
     print(write_outputs(result, out), flush=True)
     return 0
-
-
-def _run(cfg: BenchConfig, out: Path) -> BenchResult:
-    t0 = time.perf_counter()
-    machine = _machine()
-    _say(f"BLAS: {machine['blas']}; mlx {machine['mlx']}, mlx-lm {machine['mlx_lm']}, "
-         f"{machine['cpus']} cores, load average {machine['loadavg_start']}")
-    with RedisServer() as server:
-        assert server.proc is not None
-        site = _Site(server.url, server.proc.pid, out)
-        machine["redis"] = _redis_version(server.url)
-        sizes = [_bench_size(size, cfg, site) for size in cfg.sizes]
-        vision = run_vision(cfg, site)
-        models = run_models(cfg, site)
-        _say("enqueue: one producer, no worker")
-        enqueue = asyncio.run(_enqueue_phase(server.url, cfg))
-    machine["loadavg_end"] = _loadavg()
-    machine["probe_ms_end"] = _speed_probe_ms()
-    machine["mlx_vlm"] = importlib.metadata.version("mlx-vlm")
-    targets = _targets(sizes, enqueue) + vision_targets(vision) + models_targets(models)
-    return BenchResult(machine, cfg, sizes, enqueue, targets, time.perf_counter() - t0, vision, models)
-
-
-def _bench_size(size: str, cfg: BenchConfig, site: _Site) -> SizeResult:
-    from mlxq.worker.tools.tinymodel import ensure_model
-
-    t0 = time.perf_counter()
-    model = str(ensure_model(size))
-    _say(f"[{size}] model {model}")
-    raw = RawPath(model, cfg.capacity, site.redis_pid)
-    try:
-        threads = asyncio.run(_calibrate_blas(raw, cfg)) if _openblas() is not None else None
-        env = {"OPENBLAS_NUM_THREADS": str(threads.chosen)} if threads is not None else {}
-        policy = asyncio.run(_measure_policy(raw, cfg, size))
-        server = _peer(model, cfg, env, site, size)
-        try:
-            queue = _worker_phase("queue", size, model, cfg, site, raw, env, gateway_phase, server)
-        finally:
-            if server is not None:
-                server.close()
-        scheduling = asyncio.run(run_scheduling(raw, cfg, size))
-    finally:
-        raw.close()
-    serial = _worker_phase("serial", size, model, cfg, site, None, env)
-    q, sr, rw = queue.driven.measured, serial.driven.measured, queue.driven.raw
-    assert rw is not None and queue.driven.cancel is not None
-    rows = [_row(size, n, rw.paths[n], q.paths[n], sr.paths[n], queue.driven.engine.get(n),
-                 queue.driven.server.get(n)) for n in cfg.concurrency]
-    trips = RoundTrips(queue.stats, queue.stats.writes_per_step, serial.stats, serial.stats.writes_per_step,
-                       queue.driven.commandstats)
-    return SizeResult(size, model, rows, _probe(rw.probe_ttft_ms, q.probe_ttft_ms), queue.driven.cancel,
-                      trips, {"raw": rw.cpu, "queue": q.cpu, "serial": sr.cpu}, queue.blas,
-                      time.perf_counter() - t0, threads, policy, scheduling, queue.driven.gateway)
-
-
-def _peer(model: str, cfg: BenchConfig, env: dict[str, str], site: _Site, size: str) -> ServerPath | None:
-    """mlx_lm.server on the model, stopped until its runs (None on a quick run)."""
-    if cfg.quick:
-        return None
-    server = ServerPath(model, cfg.capacity, env, site.out / "logs" / f"mlx_lm-server-{size}.log")
-    os.kill(server.proc.pid, signal.SIGSTOP)
-    _say(f"[{size}] mlx_lm.server: ready on port {server.port} (the peer path)")
-    return server
-
-
-def _row(size: str, n: int, raw: PathResult, queue: PathResult, serial: PathResult,
-         engine: PathResult | None = None, server: PathResult | None = None) -> Row:
-    # Best-of compares each path's luckiest run; the paired median compares runs made seconds apart, so
-    # the machine's slow swings (other tenants: ±10 % here) hit both sides of each ratio alike.
-    e_runs = engine.runs_tok_s if engine else []
-    return Row(size, n, raw, queue, serial, _ratio(queue.tok_s, raw.tok_s), _ratio(queue.tok_s, serial.tok_s),
-               queue.ttft_p50_ms - raw.ttft_p50_ms, queue.ttft_p99_ms - raw.ttft_p99_ms,
-               _paired(queue.runs_tok_s, raw.runs_tok_s), engine, _paired(e_runs, raw.runs_tok_s),
-               _paired(queue.runs_tok_s, e_runs), server,
-               _paired(queue.runs_tok_s, server.runs_tok_s if server else []))
-
-
-def _probe(raw: list[float], queue: list[float]) -> TtftProbe:
-    r50, r99, q50, q99 = _pct(raw, 50), _pct(raw, 99), _pct(queue, 50), _pct(queue, 99)
-    return TtftProbe(min(len(raw), len(queue)), r50, r99, q50, q99, q50 - r50, q99 - r99)
-
-
-# --- BLAS ------------------------------------------------------------------------------------------
-def _maybe_reexec(args: argparse.Namespace) -> None:
-    """Re-execute ``python -m api.cli bench ...`` with OpenBLAS in LD_PRELOAD (Linux, if installed)."""
-    if not sys.platform.startswith("linux") or os.environ.get(_REEXEC_MARK):
-        return
-    if not OPENBLAS.exists():
-        _say(f"BLAS: {OPENBLAS} is missing, so mlx-cpu's slow bundled BLAS runs and batching gains little "
-             "(install it: apt-get install libopenblas0-pthread)")
-        return
-    preload = os.environ.get("LD_PRELOAD", "")
-    core = None if os.environ.get("OPENBLAS_CORETYPE") else openblas_core(OPENBLAS)  # the operator's stands
-    coretype = coretype_for(core, cpu_flags())
-    if str(OPENBLAS) in preload and coretype is None:
-        return
-    env = {**os.environ, _REEXEC_MARK: "1"}
-    if str(OPENBLAS) not in preload:
-        env["LD_PRELOAD"] = " ".join(p for p in (str(OPENBLAS), preload) if p)
-    if coretype is not None:  # the workers inherit it
-        env["OPENBLAS_CORETYPE"] = coretype
-        _say(f"BLAS: OpenBLAS does not know this CPU and chose its generic {core} kernels; "
-             f"setting OPENBLAS_CORETYPE={coretype}, which the CPU's flags allow (on an AVX-512 Xeon the generic "
-             "kernels ran gemm 4-5x slower)")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
-    _say(f"BLAS: re-executing with LD_PRELOAD={env['LD_PRELOAD']}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "mlxq.api.cli", *_argv_of(args)], env)
 
 
 def _argv_of(args: argparse.Namespace) -> list[str]:
     argv = ["bench", "--out", str(args.out)]
     if args.quick:
         argv.append("--quick")
-    for flag, value in (("--sizes", args.sizes), ("--concurrency", args.concurrency),
+    for flag, value in (("--model", args.model), ("--concurrency", args.concurrency),
                         ("--max-tokens", args.max_tokens)):
         if value is not None:
             argv += [flag, str(value)]
     return argv
 
 
-async def _measure_policy(raw: RawPath, cfg: BenchConfig, size: str) -> KernelPolicy | None:
-    """Raw runs at N=1 and the largest N with the MLX stream's kernel thread under the default policy and
-    under SCHED_BATCH, in turn (engine/mlx_thread.py says why mlxq sets it)."""
-    if raw.thread.kernel_thread is None:
-        return None
-    ns = sorted({1, cfg.capacity})
-    runs: dict[str, dict[int, list[float]]] = {"default": {n: [] for n in ns}, "batch": {n: [] for n in ns}}
+def measure(cfg: BenchConfig, out: Path) -> BenchResult:
+    """Raw, queue (and gateway) runs at every N of ``cfg``; workers' and gateways' logs go to ``out/logs``."""
+    from ..tinymodel import ensure_model
+
+    t0 = time.perf_counter()
+    machine = _machine()
+    model = cfg.model or str(ensure_model("tiny" if cfg.quick else "small"))
+    say(f"model {model}; BLAS: {machine['blas']}; mlx {machine['mlx']}, mlx-lm {machine['mlx_lm']}, "
+        f"{machine['cpus']} cores")
+    with RedisServer() as redis, contextlib.ExitStack() as stack:
+        prefix = f"mlxq-bench-{uuid.uuid4().hex[:6]}"
+        raw = _load(model, cfg.capacity)
+        stack.callback(raw.close)
+        worker = stack.enter_context(_worker(model, cfg, redis.url, prefix, out))
+        gateway = stack.enter_context(_gateway(redis.url, prefix, out))
+        rows = asyncio.run(_drive(cfg, raw, worker, redis.url, prefix, gateway))
+    return BenchResult(model, machine, cfg, rows, time.perf_counter() - t0)
+
+
+def _load(model: str, capacity: int) -> RawPath:
+    from mlxq.engine.loader import ModelLoadError
+
     try:
-        for n in ns:
-            prompts = _prompts(n)
-            for _ in range(cfg.policy_repeats):
-                for policy, on in (("default", False), ("batch", True)):
-                    raw.thread.set_kernel_policy(on)
-                    time.sleep(_SETTLE_S)
-                    runs[policy][n].append((await raw.run(prompts, cfg.max_tokens)).tok_s)
+        return RawPath(model, capacity)
+    except ModelLoadError as exc:  # not a model directory, not in the cache, not on the hub
+        raise RuntimeError(str(exc)) from exc
+
+
+@contextlib.contextmanager
+def _worker(model: str, cfg: BenchConfig, url: str, prefix: str, out: Path) -> Iterator[WorkerProcess]:
+    """A queue worker serving ``model`` with the bench's capacity, until the block ends."""
+    env = {"MLXQ_MODEL": model, "MLXQ_MODEL_NAME": _NAME, "MLXQ_REDIS_URL": url, "MLXQ_PREFIX": prefix,
+           "MLXQ_BATCH_CAPACITY": str(cfg.capacity), "MLXQ_MAX_JOBS": "0", "MLXQ_HEARTBEAT": "0.5"}
+    log = out / "logs" / "worker.log"
+    log.unlink(missing_ok=True)
+    worker = WorkerProcess(env, log).start()
+    try:
+        worker.wait_ready()  # RuntimeError, with the log's tail, if it exits or never serves
+        say(f"queue: worker ready (capacity {cfg.capacity}, {blas_of(worker.proc.pid if worker.proc else 'self')})")
+        yield worker
     finally:
-        raw.thread.set_kernel_policy(True)
-    paired = {n: _paired(runs["batch"][n], runs["default"][n]) for n in ns}
-    _say(f"[{size}] MLX kernel thread, SCHED_BATCH / default policy (raw, paired): "
-         + ", ".join(f"N={n} {r:.2f}" for n, r in paired.items()))
-    return KernelPolicy(runs, paired)
+        worker.signal(signal.SIGCONT)  # were it stopped when something failed
+        worker.stop()
+
+
+@contextlib.contextmanager
+def _gateway(url: str, prefix: str, out: Path) -> Iterator[str | None]:
+    """``mlxq gateway`` on the worker's deployment (its URL), or None where the gateway extra is missing."""
+    missing = [m for m in _GATEWAY_NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        say(f"gateway: skipped ({', '.join(missing)} missing: pip install 'mlxq[gateway]')")
+        yield None
+        return
+    gateway = GatewayProcess({"MLXQ_REDIS_URL": url, "MLXQ_PREFIX": prefix}, out / "logs" / "gateway.log").start()
+    try:
+        gateway.wait_ready()
+        yield gateway.url
+    finally:
+        gateway.stop()
+
+
+async def _drive(cfg: BenchConfig, raw: RawPath, worker: WorkerProcess, url: str, prefix: str,
+                 gateway: str | None) -> list[Row]:
+    where = urlsplit(gateway) if gateway else None
+    http = SseClient(where.hostname or "127.0.0.1", where.port or 80) if where else None
+    try:
+        async with Client(url, prefix=prefix) as client:
+            await client.generate(model=_NAME, prompt="warm up", max_tokens=cfg.warmup_tokens, timeout=TIMEOUT_S)
+            return [await _measure_at(cfg, n, raw, worker, client, http) for n in cfg.concurrency]
+    finally:
+        if http is not None:
+            await http.aclose()
+
+
+async def _measure_at(cfg: BenchConfig, n: int, raw: RawPath, worker: WorkerProcess, client: Client,
+                      http: SseClient | None) -> Row:
+    """A warm-up burst on each path, then ``repeats`` rounds of raw, queue and gateway runs in turn."""
+    prompts = prompt_batch(n)
+    paths: dict[str, Callable[[int], Awaitable[Run]]] = {
+        "raw": lambda t: raw.run(prompts, t), "queue": lambda t: run_queue(client, _NAME, prompts, t)}
+    if http is not None:
+        paths["gateway"] = lambda t: run_gateway(http, _NAME, prompts, t)
+    runs: dict[str, list[Run]] = {name: [] for name in paths}
+    for k in range(cfg.repeats + 1):  # round 0 warms each path up at this N
+        for name, path in paths.items():
+            tokens = cfg.max_tokens if k else cfg.warmup_tokens
+            if name == "raw":
+                with frozen(worker):
+                    run = await path(tokens)
+            else:
+                time.sleep(SETTLE_S)  # every run after the same idle pause (see paths.frozen)
+                run = await path(tokens)
+            if k:
+                runs[name].append(run)
+    return _row(n, {name: PathResult.of(r) for name, r in runs.items()})
+
+
+def _row(n: int, res: dict[str, PathResult]) -> Row:
+    raw, queue, gateway = res["raw"], res["queue"], res.get("gateway")
+    row = Row(n, raw, queue, gateway, paired_median(queue.runs_tok_s, raw.runs_tok_s),
+              paired_median(gateway.runs_tok_s, raw.runs_tok_s) if gateway is not None else None)
+    line = f"N={n:<3} raw {raw.tok_s:8.1f} tok/s; queue {queue.tok_s:8.1f} tok/s ({row.queue_over_raw:.2f} of raw)"
+    if gateway is not None:
+        line += f"; gateway {gateway.tok_s:8.1f} tok/s ({row.gateway_over_raw:.2f} of raw)"
+    say(line)
+    return row
 
 
 def _machine() -> dict[str, Any]:
     return {
         "blas": blas_of(), "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "mlx": importlib.metadata.version("mlx"), "mlx_lm": importlib.metadata.version("mlx-lm"),
-        "arq": importlib.metadata.version("arq"), "cpus": os.cpu_count(),
-        "platform": platform.platform(), "python": platform.python_version(),
+        "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "loadavg_start": _loadavg(),  # other processes on the machine skew every number
-        "probe_ms_start": _speed_probe_ms(),
-        "worker_env": _worker_env(),
     }
-
-
-def _worker_env() -> dict[str, str]:
-    """The worker settings in effect (MLXQ_* from this environment, which the workers inherit, or defaults)."""
-    cfg = WorkerConfig.from_env()
-    return {"MLXQ_STREAM_INTERVAL_MS": f"{cfg.stream_interval_ms:g}", "MLXQ_ADMIT_WAIT_MS": f"{cfg.admit_wait_ms:g}",
-            "MLXQ_PREFILL_BATCH": str(cfg.prefill_batch_size)}
-
-
-def _speed_probe_ms() -> float:
-    """Milliseconds a fixed pure-Python loop takes: how fast this machine runs right now.
-
-    On a shared VM other tenants slow the cores by 2-3x for minutes at a time without any steal time or
-    load showing here; comparing this at the start and end of a run says whether its numbers are comparable.
-    """
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        n = 0
-        for i in range(1_000_000):
-            n += i
-        best = min(best, time.perf_counter() - t0)
-    return round(best * 1000, 1)
-
-
-def _loadavg() -> list[float]:
-    return [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else []
-
-
-def _redis_version(url: str) -> str:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        info: dict[str, Any] = client.info("server")  # type: ignore[assignment]
-        return str(info.get("redis_version", "?"))
-    finally:
-        client.close()
-
-
-def pick_threads(raw_tok_s: dict[int, list[float]], margin: float = _BLAS_MARGIN) -> int:
-    """The fewest threads whose median raw throughput is within ``margin`` of the best one.
-
-    More threads must clearly pay: each spins a core between calls that the worker, Redis and the client
-    need, and three runs on a noisy machine cannot tell a few percent apart.
-    """
-    best = max(_pct(v, 50) for v in raw_tok_s.values())
-    return min(n for n, v in raw_tok_s.items() if _pct(v, 50) >= best * (1 - margin))
-
-
-async def _calibrate_blas(raw: RawPath, cfg: BenchConfig) -> BlasThreads:
-    """Raw runs at the largest N with 1 and with all cores' OpenBLAS threads, alternating (see pick_threads)."""
-    counts = sorted({1, os.cpu_count() or 1})
-    prompts = _prompts(cfg.capacity)
-    runs: dict[int, list[float]] = {n: [] for n in counts}
-    for n in counts:  # warm each setting once
-        raw.set_blas_threads(n)
-        await raw.run(prompts, cfg.warmup_tokens)
-    for _ in range(cfg.blas_repeats):
-        for n in counts:
-            raw.set_blas_threads(n)
-            time.sleep(_SETTLE_S)
-            runs[n].append((await raw.run(prompts, cfg.max_tokens)).tok_s)
-    chosen = pick_threads(runs)
-    raw.set_blas_threads(chosen)
-    _say("BLAS threads: " + ", ".join(f"{n}: {_fmt_list(v)} tok/s" for n, v in runs.items()) + f" -> {chosen}")
-    return BlasThreads(chosen, runs)

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mlxq.worker.config import WorkerConfig
+from mlxq.worker.tools.bench.runs import PROMPT, percentile, safe_ratio, say
 
-from .runs import PROMPT, BenchConfig, _pct, _ratio, _say
+from .runs import BenchConfig
 
 if TYPE_CHECKING:
     from mlxq.engine.engine import Engine
@@ -213,9 +214,10 @@ async def _prefix_ttft(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: st
     _close(raw, cached)
     _close(raw, uncached)
     stats = cached.stats
-    result = PrefixTtft(first.cache_boundary, len(first.prompt_tokens), cold, warm, _pct(cold, 50), _pct(warm, 50),
-                        _ratio(_pct(cold, 50), _pct(warm, 50)), stats.prefix_hits, stats.prefix_tokens_saved)
-    _say(f"[{size}] prefix cache: {result.system_tokens}-token system prompt, TTFT p50 cold "
+    cold_p50, warm_p50 = percentile(cold, 50), percentile(warm, 50)
+    result = PrefixTtft(first.cache_boundary, len(first.prompt_tokens), cold, warm, cold_p50, warm_p50,
+                        safe_ratio(cold_p50, warm_p50), stats.prefix_hits, stats.prefix_tokens_saved)
+    say(f"[{size}] prefix cache: {result.system_tokens}-token system prompt, TTFT p50 cold "
          f"{result.cold_p50_ms:.1f} ms, cached {result.warm_p50_ms:.1f} ms ({result.speedup:.1f}x)")
     return result
 
@@ -236,7 +238,7 @@ async def _oversubscribed(raw: RawPath, cfg: BenchConfig, driver: _Driver, size:
 
     rng = random.Random(0)
     capacity = cfg.capacity
-    shapes = [(raw._encode([PROMPT.format(i=5000 + i)])[0], rng.randint(cfg.max_tokens // 2, cfg.max_tokens * 3 // 2))
+    shapes = [(raw.encode([PROMPT.format(i=5000 + i)])[0], rng.randint(cfg.max_tokens // 2, cfg.max_tokens * 3 // 2))
               for i in range(3 * capacity)]
     layout = await raw.thread.call(measure_layout, raw.loaded.model)
     demand = sum(layout.row_bytes(len(p) + m) for p, m in shapes)
@@ -265,12 +267,12 @@ async def _oversubscribed(raw: RawPath, cfg: BenchConfig, driver: _Driver, size:
                 mlx_peak = max(mlx_peak, await raw.thread.call(_mlx_peak))
     _close(raw, limited)
     _close(raw, unlimited)
-    paired = [_ratio(a, b) for a, b in zip(runs["limited"], runs["unlimited"])]
+    paired = [safe_ratio(a, b) for a, b in zip(runs["limited"], runs["unlimited"])]
     result = Oversubscribed(len(shapes), capacity, headroom, demand, peaks["limited"], peaks["unlimited"], completed,
                             len(shapes) * cfg.scheduling_repeats, runs["limited"], runs["unlimited"],
-                            _ratio(max(runs["limited"]), max(runs["unlimited"])), _pct(paired, 50), most, rss,
+                            safe_ratio(max(runs["limited"]), max(runs["unlimited"])), percentile(paired, 50), most, rss,
                             mlx_peak)
-    _say(f"[{size}] KV over-subscription: {result.jobs} jobs, demand {demand / headroom:.1f}x the headroom; peak "
+    say(f"[{size}] KV over-subscription: {result.jobs} jobs, demand {demand / headroom:.1f}x the headroom; peak "
          f"{result.peak_kv_bytes / headroom:.2f} of it (unlimited: {result.unlimited_peak_kv_bytes / headroom:.2f}); "
          f"{completed}/{result.expected} complete; {max(runs['limited']):.0f} against {max(runs['unlimited']):.0f} "
          f"tok/s unlimited ({result.best_ratio:.2f}, paired {result.paired_ratio:.2f}); at most {most} running")
@@ -321,7 +323,7 @@ async def _priority_ttft(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: 
 
     capacity = cfg.capacity
     engine = await _engine(raw, driver, capacity, prefix_cache_bytes=0)
-    urgent = raw._encode([PROMPT.format(i=9000)])[0]
+    urgent = raw.encode([PROMPT.format(i=9000)])[0]
 
     async def probes(tag: str, priority: int, warm_up: bool = False) -> list[float]:
         out = []
@@ -338,7 +340,7 @@ async def _priority_ttft(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: 
     idle = await probes("idle", 0, warm_up=True)
     ctx = raw.loaded.context_length or 4096
     background = [EngineRequest(f"prio-bg-{i}", p, SamplingParams(max_tokens=ctx - len(p) - 8))
-                  for i, p in enumerate(raw._encode([PROMPT.format(i=7000 + i) for i in range(capacity)]))]
+                  for i, p in enumerate(raw.encode([PROMPT.format(i=7000 + i) for i in range(capacity)]))]
     for q in background[:-1]:
         driver.add(engine, q)
     step_ms = await _decoding(engine, driver, background[:-1])
@@ -351,9 +353,9 @@ async def _priority_ttft(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: 
         engine.abort(q.rid)
     await asyncio.gather(*(driver._futures[q.rid] for q in background))
     _close(raw, engine)
-    result = PriorityTtft(capacity, ttft, _pct(ttft, 50), _pct(join, 50), _pct(idle, 50), step_ms,
-                          _pct(idle, 50) + 2 * step_ms, preemptions)
-    _say(f"[{size}] priority: TTFT p50 {result.ttft_p50_ms:.1f} ms with {capacity} long jobs decoding (one "
+    result = PriorityTtft(capacity, ttft, percentile(ttft, 50), percentile(join, 50), percentile(idle, 50), step_ms,
+                          percentile(idle, 50) + 2 * step_ms, preemptions)
+    say(f"[{size}] priority: TTFT p50 {result.ttft_p50_ms:.1f} ms with {capacity} long jobs decoding (one "
          f"prefill {result.idle_ttft_ms:.1f} ms + two steps of {step_ms:.1f} ms: {result.budget_ms:.1f} ms; a job "
          f"joining a free slot: {result.join_ttft_p50_ms:.1f} ms); {preemptions} preemptions")
     return result
@@ -389,7 +391,7 @@ async def _structured(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: str
     compile_ms = (time.perf_counter() - t0) * 1000
     n = cfg.capacity
     engine = await _engine(raw, driver, n, prefix_cache_bytes=0)
-    prompts = raw._encode([PROMPT.format(i=5000 + i) for i in range(n)])
+    prompts = raw.encode([PROMPT.format(i=5000 + i) for i in range(n)])
 
     async def batch(tag: str, constrained: bool) -> float:
         jobs = [EngineRequest(f"json-{tag}-{i}", p, SamplingParams(max_tokens=cfg.max_tokens),
@@ -419,10 +421,10 @@ async def _structured(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: str
             out.append(driver.ttft_ms(rid))
     _close(raw, engine)
     ratios = [m / f for m, f in zip(mixed, free)]
-    result = Structured(n, n // 2, mixed, free, _pct(ratios, 50), _pct(ttft, 50), _pct(free_ttft, 50), compile_ms,
-                        valid, len(checked))
-    _say(f"[{size}] structured output: N={n}, half under a JSON schema: {_pct(mixed, 50):.1f} against "
-         f"{_pct(free, 50):.1f} tok/s all free ({result.paired_ratio:.2f}x paired); TTFT p50 at N=1 "
+    result = Structured(n, n // 2, mixed, free, percentile(ratios, 50), percentile(ttft, 50),
+                        percentile(free_ttft, 50), compile_ms, valid, len(checked))
+    say(f"[{size}] structured output: N={n}, half under a JSON schema: {percentile(mixed, 50):.1f} against "
+         f"{percentile(free, 50):.1f} tok/s all free ({result.paired_ratio:.2f}x paired); TTFT p50 at N=1 "
          f"{result.ttft_p50_ms:.1f} ms constrained, {result.free_ttft_p50_ms:.1f} ms free; a new schema compiled in "
          f"{compile_ms:.1f} ms; {valid}/{len(checked)} constrained outputs valid")
     return result

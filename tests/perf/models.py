@@ -14,23 +14,28 @@ lies: two engines as two MLX threads of this process, and as two processes, each
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
 
 from mlxq.api.client import Client
 from mlxq.api.schema import DoneEvent, ErrorEvent
+from mlxq.worker.tools.bench.runs import SETTLE_S, TIMEOUT_S, paired_median, prompt_batch, say
+from mlxq.worker.tools.process import WorkerProcess
 
-from ..process import WorkerProcess
-from .runs import _SETTLE_S, _TIMEOUT_S, BenchConfig, Target, _paired, _prompts, _say, _Site
+from .paths import RawPath, openblas_in_use
+from .runs import BenchConfig, Site, Target
 
 __all__ = ["ModelsResult", "md_models", "models_targets", "run_models"]
 
+_ROOT = Path(__file__).resolve().parents[2]  # the checkout
 _TARGET = 1.2  # issue 17: concurrent / sequential wall time, or what bounds it:
 _OF_BOUND = 0.95  # the share of the one-process bound (mlx-lm alone as two threads, this run) that meets it
 
@@ -60,10 +65,10 @@ class RawPair:
 
     @property
     def speedup(self) -> float:
-        return _paired(self.sequential_s, self.concurrent_s)
+        return paired_median(self.sequential_s, self.concurrent_s)
 
 
-def run_models(cfg: BenchConfig, site: _Site) -> ModelsResult:
+def run_models(cfg: BenchConfig, site: Site) -> ModelsResult:
     """Start a worker serving one generated model twice and time its runs; then the pair without the queue."""
     from mlxq.worker.tools.tinymodel import ensure_model
 
@@ -80,12 +85,12 @@ def run_models(cfg: BenchConfig, site: _Site) -> ModelsResult:
     try:
         worker.wait_ready()
         assert worker.proc is not None
-        _say(f"[models] worker ready: two engines of the {size} model in one process (1 BLAS thread each)")
+        say(f"[models] worker ready: two engines of the {size} model in one process (1 BLAS thread each)")
         result = asyncio.run(_drive(site.url, prefix, cfg, psutil.Process(worker.proc.pid), size, "1", threads,
                                     processes))
     finally:
         worker.stop()
-    _say(f"[models] N={cfg.models_n} per model: concurrent / sequential {result.speedup:.2f}x; worker cores busy "
+    say(f"[models] N={cfg.models_n} per model: concurrent / sequential {result.speedup:.2f}x; worker cores busy "
          f"{_median(result.concurrent_cores):.2f} concurrent, {_median(result.sequential_cores):.2f} sequential; "
          f"mlx-lm alone: {threads.speedup:.2f}x as two threads, {processes.speedup:.2f}x as two processes")
     return result
@@ -95,12 +100,10 @@ def run_models(cfg: BenchConfig, site: _Site) -> ModelsResult:
 def _raw_pairs(path: str, cfg: BenchConfig) -> tuple[RawPair, RawPair]:
     """Two engines of mlx-lm's BatchGenerator on ``path`` (N jobs each, one BLAS thread): as two MLX threads of
     this process, then as two child processes, sequential and concurrent runs alternating."""
-    from .paths import RawPath, _openblas
-
-    blas = _openblas()
+    blas = openblas_in_use()
     if blas is not None:
         blas.openblas_set_num_threads(1)
-    prompts = _prompts(cfg.models_n)
+    prompts = prompt_batch(cfg.models_n)
     engines = [RawPath(path, cfg.models_n) for _ in range(2)]
     try:
         in_process = _alternate(cfg, lambda sel: _threads_run([engines[i] for i in sel], prompts, cfg.max_tokens))
@@ -120,9 +123,9 @@ def _alternate(cfg: BenchConfig, run: Any) -> RawPair:
     run((0, 1))  # warm-up
     seq, con = [], []
     for _ in range(cfg.models_repeats):
-        time.sleep(_SETTLE_S)
+        time.sleep(SETTLE_S)
         seq.append(run((0,)) + run((1,)))
-        time.sleep(_SETTLE_S)
+        time.sleep(SETTLE_S)
         con.append(run((0, 1)))
     return RawPair(seq, con)
 
@@ -140,8 +143,7 @@ class _Child:
     """A process with one raw engine: runs N jobs at each line on its stdin, answers a line when done."""
 
     def __init__(self, path: str, cfg: BenchConfig) -> None:
-        script = f"from mlxq.worker.tools.bench.models import _child_main; _child_main({path!r}, {cfg.models_n}, " \
-                 f"{cfg.max_tokens})"
+        script = f"from tests.perf.models import _child_main; _child_main({path!r}, {cfg.models_n}, {cfg.max_tokens})"
         self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=_child_env())
         self._line()  # loaded and warmed up
@@ -159,7 +161,7 @@ class _Child:
     def close(self) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
-        self.proc.wait(timeout=_TIMEOUT_S)
+        self.proc.wait(timeout=TIMEOUT_S)
 
 
 def _children_run(children: list[_Child]) -> float:
@@ -172,17 +174,14 @@ def _children_run(children: list[_Child]) -> float:
 
 
 def _child_env() -> dict[str, str]:
-    import os
-
-    return {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": path}  # ``tests.perf`` from any directory
 
 
 def _child_main(path: str, n: int, max_tokens: int) -> None:
     """A raw engine child's loop (see :class:`_Child`)."""
-    from .paths import RawPath
-
     engine = RawPath(path, n)
-    prompts = _prompts(n)
+    prompts = prompt_batch(n)
     asyncio.run(engine.run(prompts, max_tokens))
     print("ready", flush=True)
     while sys.stdin.readline():
@@ -202,15 +201,15 @@ async def _drive(url: str, prefix: str, cfg: BenchConfig, proc: psutil.Process, 
         for model in ("a", "b"):  # warm both engines
             await _jobs(client, [model], n, cfg.warmup_tokens)
         for _ in range(cfg.models_repeats):
-            time.sleep(_SETTLE_S)
+            time.sleep(SETTLE_S)
             s, c = await _timed(proc, _sequential(client, n, cfg.max_tokens))
             seq_s.append(s)
             seq_cores.append(c)
-            time.sleep(_SETTLE_S)
+            time.sleep(SETTLE_S)
             s, c = await _timed(proc, _jobs(client, ["a", "b"], n, cfg.max_tokens))
             con_s.append(s)
             con_cores.append(c)
-    return ModelsResult(size, n, blas_threads, seq_s, con_s, seq_cores, con_cores, _paired(seq_s, con_s), threads,
+    return ModelsResult(size, n, blas_threads, seq_s, con_s, seq_cores, con_cores, paired_median(seq_s, con_s), threads,
                         processes)
 
 
@@ -233,12 +232,12 @@ def _cpu(proc: psutil.Process) -> float:
 
 
 async def _jobs(client: Client, models: list[str], n: int, max_tokens: int) -> None:
-    prompts = _prompts(n)
+    prompts = prompt_batch(n)
     await asyncio.gather(*(_one(client, m, p, max_tokens) for m in models for p in prompts))
 
 
 async def _one(client: Client, model: str, prompt: str, max_tokens: int) -> None:
-    async for ev in client.submit_and_follow(model=model, prompt=prompt, max_tokens=max_tokens, timeout=_TIMEOUT_S):
+    async for ev in client.submit_and_follow(model=model, prompt=prompt, max_tokens=max_tokens, timeout=TIMEOUT_S):
         if isinstance(ev, ErrorEvent):
             raise RuntimeError(f"job {ev.id} failed: {ev.code.value}: {ev.message}")
         if isinstance(ev, DoneEvent):

@@ -21,9 +21,8 @@ import urllib.request
 from pathlib import Path
 
 from mlxq.worker.config import WorkerConfig
-
-from .http import SseClient
-from .runs import _TIMEOUT_S, Run
+from mlxq.worker.tools.bench.http import SseClient
+from mlxq.worker.tools.bench.runs import TIMEOUT_S, Run
 
 __all__ = ["ServerPath"]
 
@@ -69,7 +68,7 @@ class ServerPath:
         t0 = time.perf_counter()
         try:
             traces = await asyncio.wait_for(asyncio.gather(*(self._one(client, p, max_tokens) for p in prompts)),
-                                            _TIMEOUT_S)
+                                            TIMEOUT_S)
         finally:
             await client.aclose()
         end = max(e for _, e, _ in traces)

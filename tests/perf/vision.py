@@ -32,22 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 from mlxq.api.client import Client
 from mlxq.api.schema import DoneEvent, ErrorEvent
+from mlxq.worker.tools.bench.runs import SETTLE_S, TIMEOUT_S, PathResult, Run, paired_median, safe_ratio, say
+from mlxq.worker.tools.process import WorkerProcess
 
-from ..process import WorkerProcess
-from .paths import EngineClock, _openblas, alternate_runs
-from .runs import (
-    _SETTLE_S,
-    _TIMEOUT_S,
-    BenchConfig,
-    PathResult,
-    Run,
-    Target,
-    _fmt_runs,
-    _paired,
-    _ratio,
-    _say,
-    _Site,
-)
+from .paths import EngineClock, alternate_runs, openblas_in_use
+from .runs import BenchConfig, Site, Target, fmt_runs
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -115,7 +104,7 @@ class VisionResult:
     seconds: float
 
 
-def run_vision(cfg: BenchConfig, site: _Site) -> list[VisionResult]:
+def run_vision(cfg: BenchConfig, site: Site) -> list[VisionResult]:
     """Measure the image phase (see the module docstring) on the tiny qwen2_vl, and on the small one when the
     small text model is measured too."""
     from mlxq.worker.tools.tinyvlm import SMALL_VLM, TINY_VLM
@@ -123,12 +112,12 @@ def run_vision(cfg: BenchConfig, site: _Site) -> list[VisionResult]:
     return [_run_model(spec, cfg, site) for spec in (TINY_VLM, SMALL_VLM) if spec is TINY_VLM or "small" in cfg.sizes]
 
 
-def _run_model(spec: VLMSpec, cfg: BenchConfig, site: _Site) -> VisionResult:
+def _run_model(spec: VLMSpec, cfg: BenchConfig, site: Site) -> VisionResult:
     from mlxq.worker.tools.tinyvlm import ensure_vlm
 
     t0 = time.perf_counter()
     model = str(ensure_vlm(spec=spec))
-    _say(f"[{spec.name}] model {model}")
+    say(f"[{spec.name}] model {model}")
     raw = _RawVision(spec.name, model, max(cfg.vision_concurrency))
     try:
         blas = raw.set_blas_threads(_BLAS_THREADS)
@@ -183,7 +172,7 @@ class _RawVision:
         self._lm: Any = None
 
     def set_blas_threads(self, n: int) -> bool:
-        blas = _openblas()
+        blas = openblas_in_use()
         if blas is None:
             return False
         self.thread.submit(blas.openblas_set_num_threads, n).result()
@@ -198,9 +187,9 @@ class _RawVision:
         return await asyncio.wrap_future(fut)
 
     async def text_lm(self, prompts: list[list[int]], max_tokens: int) -> Run:
-        from .paths import _raw_run
+        from mlxq.worker.tools.bench.paths import raw_run
 
-        fut = self.thread.submit(_raw_run, await self._lm_model(), prompts, max_tokens, self.capacity,
+        fut = self.thread.submit(raw_run, await self._lm_model(), prompts, max_tokens, self.capacity,
                                  self.thread.stream)
         return await asyncio.wrap_future(fut)
 
@@ -358,14 +347,14 @@ async def _text_rows(raw: _RawVision, cfg: BenchConfig, n: int) -> TextRows:
     vlm: list[Run] = []
     lm: list[Run] = []
     for _ in range(cfg.vision_repeats):
-        time.sleep(_SETTLE_S)
+        time.sleep(SETTLE_S)
         vlm.append(await raw.text_vlm(prompts, cfg.max_tokens))
-        time.sleep(_SETTLE_S)
+        time.sleep(SETTLE_S)
         lm.append(await raw.text_lm(prompts, cfg.max_tokens))
     v, m = PathResult.of(vlm), PathResult.of(lm)
-    row = TextRows(n, v, m, _paired(v.runs_tok_s, m.runs_tok_s))
-    _say(f"[{raw.name}] text rows N={n:<3} mlx-vlm {v.tok_s:8.1f} tok/s (runs {_fmt_runs(v)}); "
-         f"mlx-lm {m.tok_s:8.1f} tok/s (runs {_fmt_runs(m)}); paired {row.vlm_over_lm_paired:.2f}")
+    row = TextRows(n, v, m, paired_median(v.runs_tok_s, m.runs_tok_s))
+    say(f"[{raw.name}] text rows N={n:<3} mlx-vlm {v.tok_s:8.1f} tok/s (runs {fmt_runs(v)}); "
+         f"mlx-lm {m.tok_s:8.1f} tok/s (runs {fmt_runs(m)}); paired {row.vlm_over_lm_paired:.2f}")
     return row
 
 
@@ -381,14 +370,14 @@ async def _mixed_rows(raw: _RawVision, cfg: BenchConfig, n: int) -> MixedRows:
     one: list[Run] = []
     two: list[Run] = []
     for _ in range(cfg.vision_repeats):
-        time.sleep(_SETTLE_S)
+        time.sleep(SETTLE_S)
         one.append(await raw.mixed(jobs, prompts, cfg.max_tokens, False))
-        time.sleep(_SETTLE_S)
+        time.sleep(SETTLE_S)
         two.append(await raw.mixed(jobs, prompts, cfg.max_tokens, True))
     a, b = PathResult.of(one), PathResult.of(two)
-    row = MixedRows(len(jobs) + len(prompts), a, b, _paired(a.runs_tok_s, b.runs_tok_s))
-    _say(f"[{raw.name}] mixed N={row.n:<3} one mlx-vlm batch {a.tok_s:8.1f} tok/s (runs {_fmt_runs(a)}); text on "
-         f"mlx-lm beside it {b.tok_s:8.1f} tok/s (runs {_fmt_runs(b)}); paired {row.one_over_split_paired:.2f}")
+    row = MixedRows(len(jobs) + len(prompts), a, b, paired_median(a.runs_tok_s, b.runs_tok_s))
+    say(f"[{raw.name}] mixed N={row.n:<3} one mlx-vlm batch {a.tok_s:8.1f} tok/s (runs {fmt_runs(a)}); text on "
+         f"mlx-lm beside it {b.tok_s:8.1f} tok/s (runs {fmt_runs(b)}); paired {row.one_over_split_paired:.2f}")
     return row
 
 
@@ -435,7 +424,7 @@ class _EngineVision:
 
 
 # --- queue: the worker serving the model ------------------------------------------------------------------
-def _queue_phase(model: str, cfg: BenchConfig, site: _Site, raw: _RawVision, extra_env: dict[str, str]
+def _queue_phase(model: str, cfg: BenchConfig, site: Site, raw: _RawVision, extra_env: dict[str, str]
                  ) -> list[VisionRow]:
     prefix = f"mlxq-bench-vl-{uuid.uuid4().hex[:6]}"
     env = {"MLXQ_MODEL": model, "MLXQ_MODEL_NAME": raw.name, "MLXQ_REDIS_URL": site.url, "MLXQ_PREFIX": prefix,
@@ -446,7 +435,7 @@ def _queue_phase(model: str, cfg: BenchConfig, site: _Site, raw: _RawVision, ext
     try:
         worker.wait_ready()
         assert worker.proc is not None
-        _say(f"[{raw.name}] queue: worker ready (capacity {env['MLXQ_BATCH_CAPACITY']})")
+        say(f"[{raw.name}] queue: worker ready (capacity {env['MLXQ_BATCH_CAPACITY']})")
         return asyncio.run(_drive(site.url, prefix, cfg, worker, raw))
     finally:
         worker.signal(signal.SIGCONT)
@@ -469,14 +458,14 @@ async def _measure_at(client: Client, worker: WorkerProcess, raw: _RawVision, en
     jobs = _jobs(n)
     r, e, q, _ = await alternate_runs(worker, cfg, cfg.vision_repeats_for(raw.name),
                                       functools.partial(raw.images, jobs), functools.partial(engine.run, jobs),
-                                      functools.partial(_queue_run, client, raw.name, jobs))
-    _say(f"[{raw.name}] images N={n:<3} raw {r.tok_s:8.1f} tok/s (runs {_fmt_runs(r)}); "
-         f"engine {e.tok_s:8.1f} tok/s (runs {_fmt_runs(e)}); queue {q.tok_s:8.1f} tok/s (runs {_fmt_runs(q)})")
-    return VisionRow(n, r, e, q, _ratio(q.tok_s, r.tok_s), _paired(q.runs_tok_s, r.runs_tok_s),
-                     _paired(e.runs_tok_s, r.runs_tok_s), _paired(q.runs_tok_s, e.runs_tok_s))
+                                      functools.partial(run_queue, client, raw.name, jobs))
+    say(f"[{raw.name}] images N={n:<3} raw {r.tok_s:8.1f} tok/s (runs {fmt_runs(r)}); "
+         f"engine {e.tok_s:8.1f} tok/s (runs {fmt_runs(e)}); queue {q.tok_s:8.1f} tok/s (runs {fmt_runs(q)})")
+    return VisionRow(n, r, e, q, safe_ratio(q.tok_s, r.tok_s), paired_median(q.runs_tok_s, r.runs_tok_s),
+                     paired_median(e.runs_tok_s, r.runs_tok_s), paired_median(q.runs_tok_s, e.runs_tok_s))
 
 
-async def _queue_run(client: Client, model: str, jobs: list[tuple[str, str]], max_tokens: int) -> Run:
+async def run_queue(client: Client, model: str, jobs: list[tuple[str, str]], max_tokens: int) -> Run:
     """Submit every image job at once and follow each; first submit -> last terminal event."""
     t0 = time.perf_counter()
     traces = await asyncio.gather(*(_one(client, model, text, url, max_tokens) for text, url in jobs))
@@ -488,7 +477,7 @@ async def _one(client: Client, model: str, text: str, url: str, max_tokens: int)
     first = ended = 0.0
     tokens = 0
     async for ev in client.submit_and_follow(model=model, messages=_messages(text, url), max_tokens=max_tokens,
-                                             timeout=_TIMEOUT_S):
+                                             timeout=TIMEOUT_S):
         if ev.type == "token" and not first:
             first = time.perf_counter()
         elif isinstance(ev, DoneEvent):
