@@ -4,12 +4,12 @@ The host claims jobs from every served model's queue in one call (up to what eac
 runs each job as a thin coroutine (:meth:`WorkerHost._run`): validate, hand the request to its model's engine,
 await its end. A run never touches MLX, so cancelling it (arq's timeout, shutdown) only posts an abort that
 the engine applies between steps on its own thread. How a job moves (started, ended, handed back, reaped,
-fenced, expired) is worker/lifecycle.py; this module decides when.
+fenced, expired) is worker/lifecycle.py, and its run table makes every move: this module says when.
 
-Shared by every model: the Redis connections, the lifecycle, one publisher (one EMIT per batch of outputs,
-whichever engines made them), the lease keeper, the reaper, the cancel watcher, the wake-up listener and the
-health record. A model whose engine dies stops taking jobs and shows as dead in the health record; the
-process exits for its supervisor only when every engine is dead.
+Shared by every model: the Redis connections, the lifecycle, the run table and its publisher (one EMIT per
+batch of outputs, whichever engines made them), the lease keeper, the reaper, the cancel watcher, the wake-up
+listener and the health record. A model whose engine dies stops taking jobs and shows as dead in the health
+record; the process exits for its supervisor only when every engine is dead.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from mlxq.api.connection import redis_client
 from mlxq.api.jobrecord import Envelope, read_job
-from mlxq.api.schema import ErrorCode, FinishReason, GenerateRequest, ModelState, WorkerStatus, is_terminal
+from mlxq.api.schema import ErrorCode, GenerateRequest, ModelState, WorkerStatus, is_terminal
 from mlxq.engine.mlx_process import MLXLimits, mlx_process
 from mlxq.engine.request import RequestOutput
 
@@ -37,20 +37,18 @@ from .cancels import CancelWatcher
 from .config import WorkerConfig
 from .health import HealthReporter, TokenRate, package_version
 from .leases import LeaseKeeper
-from .lifecycle import Claim, Lifecycle, LogTTL, Outranking, Record, Run, Start, Starts, State, Wire, Write
+from .lifecycle import Claim, Lifecycle, LogTTL, Outranking, Run, RunTable, Start, Starts, State
 from .media import Prompt
 from .metrics import Metrics
-from .publisher import Publisher
 from .reaper import Reaper
 from .service import BadRequest, ModelService
-from .translate import to_engine_request
+from .translate import output_events, to_engine_request
 
 __all__ = ["ENGINE_DEAD_EXIT", "WorkerHost"]
 
 log = logging.getLogger(__name__)
 ENGINE_DEAD_EXIT = 70  # EX_SOFTWARE: the supervisor restarts the worker
 _VERSION = package_version()
-_DATA_LOST = "Redis lost this job's data while it ran (restarted without persistence, or flushed); submit it again"
 
 
 class WorkerHost:
@@ -62,27 +60,24 @@ class WorkerHost:
         self.redis = redis
         self.services = {served.name: ModelService(served, config) for served in config.served}
         self._by_queue = {s.queue: s for s in self.services.values()}
-        self.runs: dict[str, Run] = {}  # the runs in an engine, by job id
         ttl = LogTTL(live=config.live_ttl_s, done=config.done_ttl_s, result=config.keep_result_s)
         # Event writes are serial: a connection of their own skips the pool's per-command checkout (a
         # health-check read on the event loop, which shares the GIL with the engines).
         self._writer = Redis(connection_pool=redis.connection_pool, single_connection_client=True)
         self.lifecycle = Lifecycle(redis, self.keys, config.worker_id, ttl, config.lease_ttl_s, writer=self._writer)
-        self.publisher = Publisher(self.lifecycle, self.runs, config.worker_id, give_up_s=config.lease_ttl_s)
-        self.publisher.on_fenced = self._lose
-        self.leases = LeaseKeeper(self.lifecycle, self.runs, config.lease_ttl_s, self._lose)
-        self.reaper = Reaper(self.lifecycle, config.max_tries, config.reap_interval_s)
+        # The runs in an engine, by job id: every change to one, and every event write, is the table's.
+        self.runs = RunTable(self.lifecycle, output_events, self._abort, give_up_s=config.lease_ttl_s)
+        self.publisher = self.runs.publisher
+        self.leases = LeaseKeeper(self.lifecycle, self.runs, config.lease_ttl_s, self.runs.lose)
+        self.reaper = Reaper(self.runs, config.max_tries, config.reap_interval_s)
         self.health = HealthReporter(redis, self.keys, config.worker_id, self.status, config.heartbeat_s,
                                      before=self._read_queues)
         self.metrics = Metrics()
-        self.publisher.on_ended = self.metrics.ended
-        self.publisher.on_write = self.metrics.redis_write.observe
+        self.runs.on_ended = self.metrics.ended
+        self.runs.on_write = self.metrics.redis_write.observe
         self.metrics_url: str | None = None
         self.queue_depths: dict[str, int] = {}  # jobs waiting in each served queue, read every heartbeat
         self.dead_lettered = 0
-        self.data_lost = 0
-        self.lease_losses = 0  # runs stopped because their lease was gone, however that was found
-        self.handed_back = 0
         self.draining = False
         self.started_at = time.time()
         self._rates = {name: TokenRate() for name in self.services}
@@ -111,7 +106,7 @@ class WorkerHost:
         if config.metrics_port:
             host.metrics_url = host.metrics.serve(config.metrics_port, config.metrics_addr)
             log.info("metrics on %s", host.metrics_url)
-        watcher = CancelWatcher(redis=host.redis, keys=host.keys, held=host.runs.keys, on_cancel=host._cancel,
+        watcher = CancelWatcher(redis=host.redis, keys=host.keys, held=host.runs.keys, on_cancel=host.runs.cancel,
                                 poll_s=config.cancel_poll_s)
         wake_channels = [host.keys.wake_channel(name) for name in host.services]
         loops = (host.publisher.run(), watcher.run(), host.leases.run(), host.reaper.run(),
@@ -132,7 +127,7 @@ class WorkerHost:
         """Leave the registry, abort what still runs, stop the engines (joining their MLX threads), close Redis."""
         await self.health.remove()
         for run in list(self.runs.values()):
-            self.services[run.model].abort(run.rid)
+            self._abort(run)
         await asyncio.gather(*(s.aclose() for s in self.services.values()))
         for task in self._tasks:
             task.cancel()
@@ -149,7 +144,7 @@ class WorkerHost:
 
     def status(self) -> WorkerStatus:
         """This worker's health record."""
-        tokens = self.publisher.stats.tokens_by_model
+        tokens = self.runs.stats.tokens_by_model
         models = [s.status(self._rates[name].rate(tokens.get(name, 0))) for name, s in self.services.items()]
         return WorkerStatus(id=self.config.worker_id, host=socket.gethostname(), pid=os.getpid(), version=_VERSION,
                             started_at=self.started_at, updated_at=time.time(), draining=self.draining, models=models,
@@ -249,24 +244,23 @@ class WorkerHost:
             raise
         except Exception as exc:  # a bug: the job still gets its one terminal event
             log.exception("job %s: failed", run.rid)
-            self.runs.pop(run.rid, None)
-            return await self._end(run, run.error(ErrorCode.INTERNAL, f"the worker failed: {exc!r}"))
+            return await self.runs.fail(run, ErrorCode.INTERNAL, f"the worker failed: {exc!r}")
 
     async def _serve_run(self, service: ModelService, run: Run, start: Start, envelope: Envelope) -> State:
         last = start.last
         if last is not None and is_terminal(last):  # ended, yet queued: only a partial loss of Redis' data
-            (ok,) = await self.lifecycle.write([Record(run, [], Write.END)])
-            return State.ENDED if ok else State.FENCED
-        if last is not None and last.type != "reset":  # its last run left no reset (a partial loss of data)
-            await self.publisher.write([(run, run.reset("job restarted"))])
+            return await self.runs.finish(run)
+        unannounced = last is not None and last.type != "reset"  # its last run left no reset (a partial data loss)
+        if unannounced and (state := await self.runs.restart(run)) is not State.RUNNING:
+            return state
         if start.cancelled:
-            return await self._end(run, run.done(FinishReason.CANCELLED))
+            return await self.runs.end_cancelled(run)
         if run.attempt > self.config.max_tries:
             msg = f"the job was tried {run.attempt - 1} times; the limit is {self.config.max_tries}"
-            return await self._end(run, run.error(ErrorCode.WORKER_LOST, msg))
+            return await self.runs.fail(run, ErrorCode.WORKER_LOST, msg)
         if service.state is ModelState.DEAD:
             msg = f"model {service.name}'s engine on this worker is dead: {service.error}"
-            return await self._end(run, run.error(ErrorCode.ENGINE_ERROR, msg))
+            return await self.runs.fail(run, ErrorCode.ENGINE_ERROR, msg)
         try:
             if envelope.problem:
                 raise BadRequest(envelope.problem)
@@ -274,67 +268,26 @@ class WorkerHost:
             prompt = await service.prepare(req)
         except BadRequest as exc:
             log.info("job %s rejected: %s", run.rid, exc)
-            return await self._end(run, run.error(ErrorCode.BAD_REQUEST, str(exc)))
+            return await self.runs.reject(run, str(exc))
         return await self._generate(service, run, req, prompt)
 
-    async def _end(self, run: Run, event: Wire) -> State:
-        await self.publisher.write([(run, event)])
-        return run.state
-
     async def _generate(self, service: ModelService, run: Run, req: GenerateRequest, prompt: Prompt) -> State:
-        self.runs[run.rid] = run
-        if req.logprobs is not None:
-            run.token_text = service.token_text
-        run.tools = service.tool_calls(req)
+        token_text = service.token_text if req.logprobs is not None else None
+        if not self.runs.admit(run, token_text, service.tool_calls(req)):
+            return run.state
         deadline = time.monotonic() + self.config.job_timeout_s
         service.add(to_engine_request(req, prompt.tokens, deadline, cache_boundary=prompt.cache_boundary,
                                       images=prompt.images, format=prompt.format, parts=prompt.parts,
                                       enqueue_ms=run.enqueue_ms))
         try:
             return await run.finished
-        except asyncio.CancelledError:
-            await asyncio.shield(self._interrupted(service, run))
+        except asyncio.CancelledError:  # shutdown or arq's timeout: hand the job back, or end it on its last try
+            await asyncio.shield(self.runs.interrupt(run, self.config.max_tries))
             raise
 
-    async def _interrupted(self, service: ModelService, run: Run) -> None:
-        """Shutdown or arq's timeout cancelled the run: hand the job back, or end it on its last try."""
-        service.abort(run.rid)
-        if self.runs.pop(run.rid, None) is None:
-            return  # it ended (or was fenced) meanwhile
-        if run.attempt >= self.config.max_tries:
-            msg = f"the job was interrupted on its last try ({run.attempt}/{self.config.max_tries})"
-            await self.publisher.write([(run, run.error(ErrorCode.WORKER_LOST, msg))])
-            return
-        await self.publisher.write([(run, run.reset("worker shutting down; job re-queued"))], Write.HAND_BACK)
-        self.handed_back += 1
-        log.info("job %s: interrupted; handed back to the queue", run.rid)
-
-    def _cancel(self, rid: str) -> None:
-        """A client cancelled: end the job now, without waiting for the step in flight, and drop its
-        sequence from the batch between steps (the engine's own terminal output is then ignored)."""
-        run = self.runs.get(rid)
-        if run is None:
-            return
-        self.services[run.model].abort(rid)
-        self.publisher.feed_cancel(rid)
-
-    async def _lose(self, runs: list[Run]) -> None:
-        """Runs whose lease is gone: stop them. Each writes nothing more, unless Redis lost the job's data,
-        when nobody else could end it: then it ends with ``error(data_lost)`` (the LOST write checks that)."""
-        runs = [run for run in runs if run.state is State.RUNNING]  # the lease keeper and a write may both see it
-        self.lease_losses += len(runs)
-        for run in runs:
-            run.state = State.FENCED  # until the LOST write says otherwise
-            self.runs.pop(run.rid, None)
-            self.services[run.model].abort(run.rid)
-        await self.publisher.write([(run, run.error(ErrorCode.DATA_LOST, _DATA_LOST)) for run in runs], Write.LOST)
-        for run in runs:
-            if run.state is State.ENDED:
-                self.data_lost += 1
-                log.warning("job %s: Redis lost its data while it ran; ended with error(data_lost)", run.rid)
-            else:
-                log.warning("job %s: fenced: its lease is gone (another run or the reaper owns the job); "
-                            "this run writes nothing more", run.rid)
+    def _abort(self, run: Run) -> None:
+        """Drop a run's sequence from its engine (between steps; an id the engine lacks is ignored)."""
+        self.services[run.model].abort(run.rid)
 
     def _on_model_dead(self, service: ModelService) -> None:
         asyncio.get_running_loop().create_task(self.health.beat())  # say so now: producers stop counting on it

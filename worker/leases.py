@@ -1,7 +1,7 @@
 """Keeps a worker's leases: proof, refreshed every TTL/3, that a live worker still runs its jobs.
 
 A run whose lease is no longer its own, or every run when Redis stayed unreachable for a whole TTL, is
-handed to ``on_lost``: by then the reaper may have handed its job to another worker.
+handed to ``on_lost`` (the run table's ``lose``): by then the reaper may have handed its job to another worker.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from redis.exceptions import RedisError
 
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class LeaseKeeper:
     """Refreshes the leases of ``runs``; awaits ``on_lost(runs)`` with those it can no longer vouch for."""
 
-    def __init__(self, lifecycle: Lifecycle, runs: dict[str, Run], ttl_s: float,
+    def __init__(self, lifecycle: Lifecycle, runs: Mapping[str, Run], ttl_s: float,
                  on_lost: Callable[[list[Run]], Awaitable[None]]) -> None:
         self.lifecycle = lifecycle
         self.runs = runs

@@ -27,6 +27,12 @@
 
 Every script checks its caller's right in Redis (worker/scripts.py), so a fenced run's writes, whenever they
 arrive, are refused. Every event a job gets is built and numbered by its :class:`Run`.
+
+Every EMIT call, and every change to a run, is the :class:`RunTable`'s: it holds a worker's runs, decides each
+job's terminal event (apply an engine output, cancel, reject, fail, lose; reap and expire for the reaper) and
+sends EMIT calls one at a time. The host, publisher, lease keeper, cancel watcher and reaper call its verbs;
+the other scripts (START, REFRESH, SWEEP, LAPSE, REJECT) they call on the :class:`Lifecycle`, which changes no
+run.
 """
 
 from __future__ import annotations
@@ -37,16 +43,18 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from mlxq.api.jobrecord import result_record
 from mlxq.api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
 from mlxq.api.schema import (
     PRIORITY_MIN,
+    TERMINAL_TYPES,
     DoneEvent,
     ErrorCode,
     ErrorEvent,
@@ -63,13 +71,16 @@ from mlxq.api.schema import (
     token_event_json,
 )
 
+from .publisher import Publisher
 from .scripts import EMIT, LAPSE, REFRESH, REJECT, START, SWEEP, Script
 
 if TYPE_CHECKING:
+    from mlxq.engine.request import RequestOutput
+
     from .toolcalls import ToolCalls
 
-__all__ = ["Claim", "Lapsed", "Lifecycle", "LogTTL", "Lost", "Outranking", "Record", "Run", "Start", "Starts", "State",
-           "TokenLine", "Wire", "Write"]
+__all__ = ["Claim", "Lapsed", "Lifecycle", "LogTTL", "Lost", "Outputs", "Outranking", "Record", "Run", "RunStats",
+           "RunTable", "Start", "Starts", "State", "TokenLine", "Wire", "Write"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +99,7 @@ class State(enum.Enum):
     """Where a run stands, as this worker knows it."""
 
     RUNNING = "running"
+    CLOSING = "closing"  # its end or hand-back is being written: no other verb may end it
     ENDED = "ended"  # its terminal event is written
     HANDED_BACK = "handed_back"  # its reset is written and the job is queued again
     FENCED = "fenced"  # its lease is gone: another run (or nobody) owns the job now
@@ -201,14 +213,16 @@ class Run:
         return TokenLine(self.rid, self._next(), text, token_ids, completion_tokens - len(token_ids), reasoning,
                          logprobs, tool_calls)
 
-    def done(self, reason: FinishReason) -> DoneEvent:
-        """The job's end; one that stopped after tool calls ends ``tool_calls``, with every call."""
+    def done(self, reason: FinishReason, *, generated: int = 0, stop_sequence: str | None = None) -> DoneEvent:
+        """The job's end: ``generated`` tokens at least (the engine's count), ``stop_sequence`` the stop string
+        that ended it, if one did; one that stopped after tool calls ends ``tool_calls``, with every call."""
+        self.completion_tokens = max(self.completion_tokens, generated)
         calls = self.tools.calls if self.tools is not None and self.tools.calls else None
         if calls and reason is FinishReason.STOP:
             reason = FinishReason.TOOL_CALLS
         return DoneEvent(id=self.rid, seq=self._next(), finish_reason=reason, timings=self.timings(),
                          usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens),
-                         tool_calls=list(calls) if calls else None)
+                         stop_sequence=stop_sequence, tool_calls=list(calls) if calls else None)
 
     def error(self, code: ErrorCode, message: str) -> ErrorEvent:
         if len(message) > _MAX_MESSAGE:
@@ -337,7 +351,8 @@ class Lifecycle:
                    seq=last.seq + 1 if last is not None else 0, epoch=start.epoch, model=model, enqueue_ms=enqueue_ms)
 
     async def write(self, records: Sequence[Record]) -> list[bool]:
-        """One EMIT call: each record's events, and its write; whether each was allowed."""
+        """One EMIT call: each record's events, and its write; whether each was allowed. Only the run table
+        calls it, one call at a time."""
         args: list[object] = [len(records), self.ttl.live, self.ttl.done, int(time.time() * 1000), self.keys.prefix,
                               max(1, self.ttl.result) * 1000]
         args.append(b"".join(b"%d\n%s" % (len(r), r) for r in map(self._record, records)))
@@ -408,3 +423,282 @@ def _start_row(row: list[bytes], epoch: str) -> Start:
     _score, job, attempt, last, cancelled = row[3:]
     return Start(rid, queue, claim, epoch, row[0], job, int(attempt), decode_event(last) if last else None,
                  bool(cancelled))
+
+
+# --- the run table: who makes each move -------------------------------------------------------------------
+_SETTLED = {Write.END: State.ENDED, Write.LOST: State.ENDED, Write.HAND_BACK: State.HANDED_BACK}
+_LIVE = (State.RUNNING, State.CLOSING)  # states of a run whose lease may still be its own
+_DATA_LOST = "Redis lost this job's data while it ran (restarted without persistence, or flushed); submit it again"
+
+Outputs = Callable[["RequestOutput", Run, str], list[Wire]]  # an engine output's events (translate.output_events)
+
+
+@dataclass(slots=True)
+class RunStats:
+    """What a worker's runs wrote and how they left, for benchmarks and metrics."""
+
+    writes: int = 0  # EMIT calls (Redis round trips) carrying engine step outputs
+    other_writes: int = 0  # EMIT calls for single jobs: cancels, resets, rejections
+    events: int = 0
+    tokens: int = 0  # tokens generated (sent in token events)
+    tokens_by_model: dict[str, int] = field(default_factory=dict)
+    fenced: int = 0  # runs whose writes were refused (lease lost)
+    lease_losses: int = 0  # runs stopped because their lease was gone, however that was found
+    data_lost: int = 0  # runs ended with error(data_lost): Redis lost the job while it ran
+    handed_back: int = 0  # runs handed back to their queue (shutdown)
+
+
+def _ignore(*args: object) -> None:
+    return None
+
+
+class RunTable(Mapping[str, Run]):
+    """A worker's runs in its engines, by job id; the one place that changes a run, ends a job or writes.
+
+    It reads as a mapping; only its verbs change it. A verb that ends a job or hands it back takes the run out
+    of the table and marks it ``CLOSING`` before its first await, so a second verb, or an engine output that
+    arrives later, finds it gone and writes nothing: this worker gives a job one terminal event at most. A
+    fenced run writes nothing more. EMIT calls go out one at a time, in the order the verbs made them, so each
+    job's events reach Redis in seq order.
+    """
+
+    def __init__(self, lifecycle: Lifecycle, outputs: Outputs, stop: Callable[[Run], None],
+                 give_up_s: float = 10.0) -> None:
+        self.lifecycle = lifecycle
+        self.publisher = Publisher(self.apply)  # engine outputs and cancels, batched: one apply per batch
+        self.stats = RunStats()
+        self.on_ended: Callable[[Run, Wire], None] = _ignore  # a run's terminal event was written
+        self.on_write: Callable[[float], None] = _ignore  # seconds one EMIT call took
+        self._outputs = outputs  # injected: translating engine outputs loads the engine (MLX)
+        self._stop = stop  # drops a run's sequence from its engine
+        self._give_up_s = give_up_s  # past the lease TTL, other workers own these jobs anyway
+        self._runs: dict[str, Run] = {}
+        self._lock = asyncio.Lock()  # one EMIT call at a time keeps every job's events in seq order
+
+    def __getitem__(self, rid: str) -> Run:
+        return self._runs[rid]
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._runs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._runs)
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    # --- a run in an engine --------------------------------------------------------------------------
+    def admit(self, run: Run, token_text: Callable[[int], str] | None, tools: ToolCalls | None) -> bool:
+        """The run's request enters its engine (the caller adds it next); False if the run left already."""
+        if run.state is not State.RUNNING:
+            return False
+        run.token_text, run.tools = token_text, tools
+        self._runs[run.rid] = run
+        return True
+
+    async def apply(self, outs: Sequence[RequestOutput], step: bool = True) -> None:
+        """Engine outputs (one per job: ``engine.request.coalesce``) as their runs' events, in one EMIT call;
+        the output of a run no longer here (ended, handed back, fenced) is dropped."""
+        items: list[tuple[Run, Wire]] = []
+        for out in outs:
+            run = self._runs.get(out.rid)
+            if run is None:
+                continue
+            self._count(run, len(out.token_ids))
+            items.extend((run, ev) for ev in self._outputs(out, run, self.lifecycle.worker_id))
+        await self._write(items, step=step)
+
+    def cancel(self, rid: str) -> None:
+        """A client cancelled: drop the job's sequence from its engine now, and end it ``done(cancelled)``
+        after the outputs already queued for it, without waiting for the step in flight (the engine's own end
+        then finds the run gone)."""
+        run = self._runs.get(rid)
+        if run is not None:
+            self._stop(run)
+            self.publisher.feed_cancel(rid)
+
+    async def interrupt(self, run: Run, max_tries: int) -> None:
+        """Shutdown or arq's timeout cancelled the run: hand the job back, or end it on its last try."""
+        self._stop(run)
+        if self._runs.get(run.rid) is not run:
+            return  # it ended (or was fenced) meanwhile
+        if run.attempt >= max_tries:
+            msg = f"the job was interrupted on its last try ({run.attempt}/{max_tries})"
+            await self._write([(run, run.error(ErrorCode.WORKER_LOST, msg))])
+            return
+        await self._write([(run, run.reset("worker shutting down; job re-queued"))], Write.HAND_BACK)
+        self.stats.handed_back += 1
+        log.info("job %s: interrupted; handed back to the queue", run.rid)
+
+    async def lose(self, runs: Sequence[Run]) -> None:
+        """Runs whose lease is gone, as the lease keeper found: fence them (a run whose end or hand-back is
+        being written is left to that write's answer)."""
+        await self._fence([run for run in runs if run.state is State.RUNNING])
+
+    # --- a run before its engine ---------------------------------------------------------------------
+    async def restart(self, run: Run) -> State:
+        """Its last run left no reset (a partial loss of Redis' data): announce this run with one. RUNNING if
+        it may go on, else how it left (fenced, or ended with data_lost)."""
+        await self._write([(run, run.reset("job restarted"))])
+        return run.state if run.state is State.RUNNING else await asyncio.shield(run.finished)
+
+    async def finish(self, run: Run) -> State:
+        """An earlier run ended the job, yet it is queued (only a partial loss of Redis' data): end it with no
+        event; refused, the run is fenced and writes nothing."""
+        self._close(run)
+        (ok,) = await self._send([Record(run, [], Write.END)])
+        run.settle(State.ENDED if ok else State.FENCED)
+        return run.state
+
+    async def end_cancelled(self, run: Run) -> State:
+        """A cancel waited for the job when it started: end it ``done(cancelled)``."""
+        return await self._end(run, lambda: run.done(FinishReason.CANCELLED))
+
+    async def reject(self, run: Run, message: str) -> State:
+        """The job's request is invalid: end it ``error(bad_request)``."""
+        return await self._end(run, lambda: run.error(ErrorCode.BAD_REQUEST, message))
+
+    async def fail(self, run: Run, code: ErrorCode, message: str) -> State:
+        """The worker cannot run the job (no tries left, its engine dead, a bug): end it ``error(code)``."""
+        if self._runs.get(run.rid) is run:  # a bug struck after it entered its engine
+            self._stop(run)
+        return await self._end(run, lambda: run.error(code, message))
+
+    async def _end(self, run: Run, end: Callable[[], Wire]) -> State:
+        """End the job with the event ``end`` builds, unless a verb ended, handed back or fenced its run
+        already; how the run left."""
+        if run.state is State.RUNNING:
+            await self._write([(run, end())])
+        return await asyncio.shield(run.finished)
+
+    # --- jobs no run of this worker owns: the reaper's ---------------------------------------------------
+    async def reap(self, lost: Lost, max_tries: int) -> bool:
+        """A running job whose lease expired (its worker died or froze): hand it back while tries remain, else
+        end it; whether this call did (another reaper, or its run coming back, may have first)."""
+        record, what = _reaped(self.lifecycle.orphan(lost), lost, max_tries)
+        (ok,) = await self._emit([record])
+        if ok:
+            log.info("job %s: its worker was lost; %s", lost.rid, what)
+        return ok
+
+    async def expire(self, lapsed: Sequence[Lapsed]) -> list[Lapsed]:
+        """End queued jobs whose expiry passed, ``error(expired)`` (``done(cancelled)`` if a cancel waits for
+        one); those this call ended (a worker that started one meanwhile wins)."""
+        if not lapsed:
+            return []
+        records = [_expired(self.lifecycle.expiring(job), job) for job in lapsed]
+        ended = [job for job, ok in zip(lapsed, await self._emit(records)) if ok]
+        for job in ended:
+            log.info("job %s: still queued on %s when it expired; ended", job.rid, job.queue)
+        return ended
+
+    # --- how the verbs change runs and write ------------------------------------------------------------
+    def _close(self, run: Run) -> None:
+        """The run's end or hand-back is decided: no other verb, nor a later engine output, writes for it."""
+        self._runs.pop(run.rid, None)
+        if run.state is State.RUNNING:
+            run.state = State.CLOSING
+
+    async def _fence(self, runs: Sequence[Run]) -> None:
+        """Stop runs whose lease is gone. Each writes nothing more, unless Redis lost the job's data, when
+        nobody else could end it: then it ends with ``error(data_lost)`` (the LOST write checks that)."""
+        runs = [run for run in runs if run.state in _LIVE]  # the lease keeper and a refused write may both see it
+        self.stats.lease_losses += len(runs)
+        for run in runs:
+            run.state = State.FENCED  # until the LOST write says otherwise
+            self._runs.pop(run.rid, None)
+            self._stop(run)
+        await self._write([(run, run.error(ErrorCode.DATA_LOST, _DATA_LOST)) for run in runs], Write.LOST)
+        for run in runs:
+            if run.state is State.ENDED:
+                self.stats.data_lost += 1
+                log.warning("job %s: Redis lost its data while it ran; ended with error(data_lost)", run.rid)
+            else:
+                log.warning("job %s: fenced: its lease is gone (another run or the reaper owns the job); "
+                            "this run writes nothing more", run.rid)
+
+    async def _write(self, items: Sequence[tuple[Run, Wire]], write: Write | None = None, step: bool = False
+                     ) -> None:
+        """Write events (grouped per job, in order) and settle the runs they end or hand back; ``write``
+        overrides each job's own (END after a terminal event, else APPEND). A refused run is fenced."""
+        if not items:
+            return
+        groups: dict[str, tuple[Run, list[Wire]]] = {}
+        for run, ev in items:
+            groups.setdefault(run.rid, (run, []))[1].append(ev)
+        records = [Record(run, events, write or _write_of(events[-1])) for run, events in groups.values()]
+        for r in records:
+            if r.write is not Write.APPEND:  # its write drops the lease: the lease keeper must not see it go
+                self._close(r.run)
+        allowed = await self._send(records)
+        if step:
+            self.stats.writes += 1
+        else:
+            self.stats.other_writes += 1
+        self._settle(records, allowed)
+        fenced = [r.run for r, ok in zip(records, allowed) if not ok and r.write is not Write.LOST]
+        if fenced:
+            self.stats.fenced += len(fenced)
+            await self._fence(fenced)
+
+    def _settle(self, records: Sequence[Record], allowed: Sequence[bool]) -> None:
+        for r, ok in zip(records, allowed):
+            if ok and r.write is not Write.APPEND:
+                r.run.settle(_SETTLED[r.write])
+                if r.write is not Write.HAND_BACK and r.events:
+                    self.on_ended(r.run, r.events[-1])
+            elif not ok and r.write is Write.LOST:
+                r.run.settle(State.FENCED)
+
+    async def _send(self, records: list[Record]) -> list[bool]:
+        """One EMIT call, retried while Redis is unreachable; past ``give_up_s`` every record counts refused."""
+        deadline = time.monotonic() + self._give_up_s
+        attempt = 0
+        async with self._lock:
+            while True:
+                try:
+                    t0 = time.perf_counter()
+                    allowed = await self.lifecycle.write(records)
+                    self.on_write(time.perf_counter() - t0)
+                    self.stats.events += sum(len(r.events) for r in records)
+                    return allowed
+                except (RedisError, OSError) as exc:
+                    attempt += 1
+                    if time.monotonic() > deadline:
+                        log.error("Redis unreachable for %.0fs: fencing %d jobs", self._give_up_s, len(records))
+                        return [False] * len(records)
+                    log.warning("event write failed (attempt %d): %r", attempt, exc)
+                    await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
+
+    async def _emit(self, records: list[Record]) -> list[bool]:
+        """One EMIT call for jobs no run owns, in turn with the runs' writes; Redis' errors go to the caller."""
+        async with self._lock:
+            return await self.lifecycle.write(records)
+
+    def _count(self, run: Run, tokens: int) -> None:
+        if tokens:
+            self.stats.tokens += tokens
+            self.stats.tokens_by_model[run.model] = self.stats.tokens_by_model.get(run.model, 0) + tokens
+
+
+def _write_of(last: Wire) -> Write:
+    return Write.END if last.type in TERMINAL_TYPES else Write.APPEND
+
+
+def _reaped(run: Run, lost: Lost, max_tries: int) -> tuple[Record, str]:
+    """A lost job's reset while tries remain, else its end; and what that does, for the log."""
+    if lost.tries < max_tries and lost.has_record:
+        return Record(run, [run.reset("worker lost; job re-queued")], Write.HAND_BACK), "re-queued"
+    if lost.has_record:
+        msg = f"the worker running this job was lost (try {lost.tries} of {max_tries})"
+        return Record(run, [run.error(ErrorCode.WORKER_LOST, msg)], Write.END), "failed on its last try"
+    msg = "the worker running this job was lost, and the job's record is gone from Redis: it cannot run again"
+    return Record(run, [run.error(ErrorCode.DATA_LOST, msg)], Write.END), "failed (its record is gone)"
+
+
+def _expired(run: Run, job: Lapsed) -> Record:
+    if job.cancelled:
+        return Record(run, [run.done(FinishReason.CANCELLED)], Write.EXPIRE)
+    waited = f" {time.time() - job.enqueue_ms / 1000:.0f}s" if job.enqueue_ms else ""
+    msg = f"no worker took the job before it expired (it waited{waited} on {job.queue}); see `mlxq status`"
+    return Record(run, [run.error(ErrorCode.EXPIRED, msg)], Write.EXPIRE)

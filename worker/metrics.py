@@ -128,7 +128,7 @@ class _HostCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         h = self.host
-        p = h.publisher.stats
+        p = h.runs.stats
         yield _counter("mlxq:engine_steps", "Engine steps.", {n: _engine(s, "steps") for n, s in _services(h)})
         yield _counter("mlxq:engine_failures", "Engine steps that failed (their jobs got engine_error).",
                        {n: _engine(s, "failures") for n, s in _services(h)})
@@ -139,12 +139,12 @@ class _HostCollector(Collector):
                      p.other_writes)
         yield _plain("mlxq:events", "Events written.", p.events)
         yield _plain("mlxq:lease_losses", "Runs fenced: their lease was gone (taken over, reaped, or Redis lost).",
-                     h.lease_losses)
-        yield _plain("mlxq:resets", "Jobs this worker handed back to their queue (shutdown).", h.handed_back)
+                     p.lease_losses)
+        yield _plain("mlxq:resets", "Jobs this worker handed back to their queue (shutdown).", p.handed_back)
         yield _plain("mlxq:reaped", "Jobs of lost workers this worker re-queued or ended.", h.reaper.reaped)
         yield _plain("mlxq:expired", "Queued jobs this worker ended at their expiry.", h.reaper.expired)
         yield _plain("mlxq:dead_lettered", "Queue entries moved to the dead-letter list.", h.dead_lettered)
-        yield _plain("mlxq:data_lost", "Jobs ended with data_lost (Redis lost them while they ran).", h.data_lost)
+        yield _plain("mlxq:data_lost", "Jobs ended with data_lost (Redis lost them while they ran).", p.data_lost)
         running = GaugeMetricFamily("mlxq:num_requests_running", "Sequences in the batch.", labels=_MODEL)
         waiting = GaugeMetricFamily("mlxq:num_requests_waiting", "Jobs claimed, not yet in the batch.",
                                     labels=_MODEL)

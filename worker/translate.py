@@ -76,7 +76,8 @@ def to_engine_format(req: GenerateRequest) -> ResponseFormat | None:
 
 
 def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
-    """The events one engine output means for its run (start, token, terminal), in order."""
+    """The events one engine output means for its run (start, token, terminal), in order, as its run builds
+    them; only the run table calls this, for a run it holds."""
     events: list[Wire] = []
     if out.started:
         events.append(run.start(out.prompt_tokens, worker))
@@ -87,15 +88,12 @@ def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
             calls, unparsed = run.tools.take(out.calls)
             text += unparsed
         events.append(run.tokens(text, out.token_ids, out.completion_tokens, out.reasoning, logprobs, calls or None))
-    run.completion_tokens = max(run.completion_tokens, out.completion_tokens)
     if out.finish is EngineFinish.ERROR:
         code = _ERROR_CODES[out.error_code] if out.error_code is not None else ErrorCode.INTERNAL
         events.append(run.error(code, out.error_message or code.value))
     elif out.finish is not None:
-        done = run.done(FinishReason(out.finish.value))
-        if out.stop_sequence is not None:
-            done = done.model_copy(update={"stop_sequence": out.stop_sequence})
-        events.append(done)
+        events.append(run.done(FinishReason(out.finish.value), generated=out.completion_tokens,
+                               stop_sequence=out.stop_sequence))
     return events
 
 

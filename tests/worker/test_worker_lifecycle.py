@@ -1,4 +1,5 @@
-"""A job's transitions (worker/lifecycle.py) on a real Redis: what each call writes, publishes and refuses."""
+"""A job's transitions (worker/lifecycle.py) on a real Redis: what each call writes, publishes and refuses, and
+what the run table's verbs decide."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import redis.asyncio as aredis
 from mlxq.api.jobrecord import JOB_FUNCTION, job_record, read_job
 from mlxq.api.keys import Keys, queue_score
 from mlxq.api.schema import DoneEvent, ErrorCode, Event, FinishReason, StartEvent, TokenEvent, decode_event
-from mlxq.worker.lifecycle import Claim, Lifecycle, LogTTL, Outranking, Record, Run, Write
+from mlxq.engine.request import FinishReason as EngineFinish
+from mlxq.engine.request import RequestOutput
+from mlxq.worker.lifecycle import Claim, Lifecycle, LogTTL, Outranking, Record, Run, RunTable, State, Wire, Write
 
 KEYS = Keys("lc-test")
 QUEUE = KEYS.queue("m")
@@ -390,5 +393,79 @@ async def test_a_queued_job_expires_once_and_one_started_meanwhile_does_not(redi
                                                           deadline_member("fresh", QUEUE).encode()]
         assert await lc.lapsed() == []  # "taken" is not queued any more: its deadline is dropped
         assert await r.zrange(KEYS.deadlines(), 0, -1) == [deadline_member("fresh", QUEUE).encode()]
+    finally:
+        await r.aclose()
+
+
+# --- the run table: one terminal event per job, nothing from a fenced run ------------------------------------
+def outputs(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
+    """Engine outputs as events, as worker/translate.py makes them (text and ends only: enough here)."""
+    events: list[Wire] = [run.tokens(out.text, out.token_ids, out.completion_tokens)] if out.token_ids else []
+    if out.finish is not None:
+        events.append(run.done(FinishReason(out.finish.value), generated=out.completion_tokens))
+    return events
+
+
+def table(r: aredis.Redis, stopped: list[str]) -> RunTable:
+    return RunTable(lifecycle(r), outputs, lambda run: stopped.append(run.rid), give_up_s=1.0)
+
+
+async def running_job(r: aredis.Redis, rid: str, holder: str = "w1:1") -> Run:
+    """A job START left running, its lease held by ``holder``; this worker's run of it (w1's first try)."""
+    await r.set(KEYS.epoch(), "e1")
+    await r.set(KEYS.job(rid), job_record({"n": rid}, 1000))
+    await r.set(KEYS.lease(rid), holder)
+    await r.hset(KEYS.running(), rid, QUEUE)
+    return run(rid, epoch="e1")
+
+
+async def test_a_job_gets_one_terminal_event_whichever_verbs_end_it_and_in_whatever_order(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    stopped: list[str] = []
+    try:
+        runs = table(r, stopped)
+        early = await running_job(r, "early")  # ended before its engine: two verbs at once, then a third
+        states = await asyncio.gather(runs.fail(early, ErrorCode.ENGINE_ERROR, "dead"), runs.reject(early, "bad"))
+        assert states == [State.ENDED, State.ENDED]
+        assert await runs.end_cancelled(early) is State.ENDED
+        assert [ev.type for _, ev in await logged(r, "early")] == ["error"]
+
+        engine = await running_job(r, "engine")  # in its engine: its output ends it; what follows finds it gone
+        assert runs.admit(engine, None, None) and "engine" in runs
+        done = RequestOutput("engine", [7], "x", completion_tokens=1, finish=EngineFinish.LENGTH)
+        await runs.apply([done])
+        assert "engine" not in runs and engine.state is State.ENDED
+        await runs.apply([RequestOutput("engine", finish=EngineFinish.CANCELLED)])  # a cancel that came late
+        await runs.interrupt(engine, max_tries=3)
+        assert await runs.fail(engine, ErrorCode.INTERNAL, "a bug") is State.ENDED
+        assert [ev.type for _, ev in await logged(r, "engine")] == ["token", "done"]
+        # One EMIT call each: no later verb even tried (Redis would have refused it, and the run been fenced).
+        assert (runs.stats.writes, runs.stats.other_writes, runs.stats.fenced, runs.stats.lease_losses) == (1, 1, 0, 0)
+    finally:
+        await r.aclose()
+
+
+async def test_a_fenced_run_writes_nothing_more(redis_url: str) -> None:
+    r = aredis.Redis.from_url(redis_url)
+    stopped: list[str] = []
+    try:
+        runs = table(r, stopped)
+        taken = await running_job(r, "taken", holder="w2:2")  # another run owns the job now
+        assert runs.admit(taken, None, None)
+        await runs.apply([RequestOutput("taken", [1], "a", completion_tokens=1)])  # refused: fenced
+        assert taken.state is State.FENCED and "taken" not in runs and stopped == ["taken"]
+        assert (runs.stats.fenced, runs.stats.lease_losses, runs.stats.data_lost) == (1, 1, 0)
+        await runs.apply([RequestOutput("taken", [2], "b", completion_tokens=2, finish=EngineFinish.STOP)])
+        assert await runs.fail(taken, ErrorCode.INTERNAL, "late") is State.FENCED
+        await runs.lose([taken])  # the lease keeper finds it too: nothing more to stop
+        assert not runs.admit(taken, None, None)
+        assert await logged(r, "taken") == [] and runs.stats.lease_losses == 1
+
+        kept = await running_job(r, "kept")  # its lease is gone while it runs: the lease keeper's verdict
+        assert runs.admit(kept, None, None)
+        await asyncio.gather(runs.lose([kept]), runs.lose([kept]))
+        await runs.apply([RequestOutput("kept", [3], "c", completion_tokens=1)])
+        assert kept.state is State.FENCED and runs.stats.lease_losses == 2 and stopped == ["taken", "kept"]
+        assert await logged(r, "kept") == []  # the LOST write is refused: Redis still has the job's data
     finally:
         await r.aclose()

@@ -63,8 +63,8 @@ async def test_the_metrics_endpoint_counts_jobs_tokens_and_latencies(worker_conf
         steps = value(samples, "mlxq:engine_steps_total", model_name="tiny")
         assert steps == host.services["tiny"].engine.stats.steps > 0
         assert value(samples, "mlxq:engine_step_seconds_count", model_name="tiny") == steps
-        assert value(samples, "mlxq:redis_writes_total") == host.publisher.stats.writes
-        assert value(samples, "mlxq:redis_write_seconds_count") >= host.publisher.stats.writes
+        assert value(samples, "mlxq:redis_writes_total") == host.runs.stats.writes
+        assert value(samples, "mlxq:redis_write_seconds_count") >= host.runs.stats.writes
         assert value(samples, "mlxq:num_requests_running", model_name="tiny") == 0
         assert value(samples, "mlxq:queue_depth", model_name="tiny") == 0
         totals = host.metrics.totals()  # the stats line reads the same registry

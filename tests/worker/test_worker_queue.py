@@ -358,7 +358,7 @@ async def test_a_run_that_loses_its_lease_stops_and_a_later_run_finishes_the_job
         assert [e.seq for e in events] == list(range(len(events)))
         end = terminal(events)
         assert isinstance(end, DoneEvent) and end.usage.completion_tokens == 60
-        assert running.host.publisher.stats.fenced >= 1
+        assert running.host.runs.stats.fenced >= 1
         assert running.worker.jobs_retried >= 1
         assert await arq_keys_left(r, rid) == []
     finally:
@@ -382,8 +382,8 @@ async def test_a_run_whose_data_redis_lost_ends_once_with_data_lost(worker_confi
         await pubsub.subscribe(f"mlxq:{{{rid}}}:events")
         assert (await pubsub.get_message(timeout=5.0) or {}).get("type") == "subscribe"
         await r.flushall()
-        await asyncio.gather(host._lose([run]), host._lose([run]))
-        await wait_for(lambda: host.data_lost == 1)
+        await asyncio.gather(host.runs.lose([run]), host.runs.lose([run]))
+        await wait_for(lambda: host.runs.stats.data_lost == 1)
         await asyncio.sleep(1.0)  # the lease keeper and the publisher have found it lost too
         published = []
         while (msg := await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)) is not None:
@@ -392,7 +392,7 @@ async def test_a_run_whose_data_redis_lost_ends_once_with_data_lost(worker_confi
         end = published[-1]
         assert isinstance(end, ErrorEvent) and end.code is ErrorCode.DATA_LOST and end.retryable
         assert [decode_event(f[b"e"]) for _, f in await r.xrange(f"mlxq:{{{rid}}}:log")] == [end]
-        assert host.data_lost == 1 and rid not in host.runs
+        assert host.runs.stats.data_lost == 1 and rid not in host.runs
         result = await client_after(redis_url).generate(model="tiny", prompt="served on", max_tokens=3, timeout=60)
         assert result.usage.completion_tokens == 3
     finally:
@@ -466,11 +466,11 @@ async def test_every_key_has_a_ttl_after_jobs_end(worker: RunningWorker, client:
 
 async def test_one_redis_round_trip_per_engine_step_at_most(worker: RunningWorker, client: Client) -> None:
     service, host = worker.service, worker.host
-    writes0, steps0 = host.publisher.stats.writes, service.engine.stats.steps
+    writes0, steps0 = host.runs.stats.writes, service.engine.stats.steps
     rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=32) for p in PROMPTS[:8]))
     for rid in rids:
         await collect(client, rid)
-    writes = host.publisher.stats.writes - writes0
+    writes = host.runs.stats.writes - writes0
     steps = service.engine.stats.steps - steps0
     assert steps >= 32
     assert writes <= steps
