@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from .config import ClientConfig
 from .connection import Failures, RetryPolicy, client_redis, denied, is_denied, redact, with_retries
-from .deltas import Delta, Deltas
+from .deltas import Delta, Deltas, Whole
 from .enqueuer import Enqueuer
 from .errors import (
     BadRequest,
@@ -395,25 +395,14 @@ async def _text(rid: str, events: AsyncIterator[Event]) -> AsyncIterator[str]:
 
 
 async def _result(rid: str, events: AsyncIterator[Event]) -> Result:
-    text: list[str] = []
-    reasoning: list[str] = []
-    ids: list[int] = []
-    logprobs: list[TokenLogprob] | None = None
+    whole = Whole()
     async for ev in events:
-        if ev.type == "reset":
-            text, reasoning, ids, logprobs = [], [], [], None
-        elif ev.type == "token":
-            text.append(ev.text)
-            reasoning.append(ev.reasoning)
-            ids.extend(ev.token_ids)
-            if ev.logprobs is not None:
-                logprobs = [] if logprobs is None else logprobs
-                logprobs.extend(ev.logprobs)
-        elif isinstance(ev, ErrorEvent):
+        if isinstance(ev, ErrorEvent):
             raise JobFailed(ev)
-        elif isinstance(ev, DoneEvent):
-            return Result(rid, "".join(text), ev.finish_reason, ev.usage, ev.timings, ids, "".join(reasoning),
-                          logprobs, list(ev.tool_calls or ()))
+        whole.feed(ev)
+        if isinstance(ev, DoneEvent):
+            return Result(rid, whole.text, ev.finish_reason, ev.usage, ev.timings, whole.token_ids, whole.reasoning,
+                          whole.logprobs, whole.tool_calls)
     raise AssertionError("unreachable: events() ends with a terminal event")
 
 

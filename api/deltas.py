@@ -1,4 +1,5 @@
-"""A job's events as deltas: its new text, reasoning, log-probabilities and tool calls, each piece once.
+"""A job's events as deltas: its new text, reasoning, log-probabilities and tool calls, each piece once; or
+as a whole (:class:`Whole`, the last run's parts).
 
 A reset (the job re-runs after its worker was lost or shut down) must not corrupt what a reader receives. The
 new run's repeat of what was already given (greedy decoding repeats it exactly) is skipped; a new run that
@@ -12,9 +13,9 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from .errors import JobFailed
-from .schema import ErrorCode, ErrorEvent, Event, TokenLogprob, ToolCall
+from .schema import DoneEvent, ErrorCode, ErrorEvent, Event, TokenLogprob, ToolCall
 
-__all__ = ["Delta", "Deltas", "diverged"]
+__all__ = ["Delta", "Deltas", "Whole", "diverged"]
 
 T = TypeVar("T")
 
@@ -61,6 +62,42 @@ class Deltas:
         given."""
         if self._text.short or self._reasoning.short:
             raise JobFailed(diverged(self.rid, seq))
+
+
+class Whole:
+    """One job's parts, gathered from its events in order: the last run's text, reasoning, token ids and
+    log-probabilities (a reset starts them over), and the tool calls its end carries."""
+
+    __slots__ = ("_reasoning", "_text", "logprobs", "token_ids", "tool_calls")
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._reasoning: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None  # None while no token carried any
+        self.tool_calls: list[ToolCall] = []
+
+    def feed(self, ev: Event) -> None:
+        if ev.type == "reset":
+            self._text, self._reasoning, self.token_ids, self.logprobs = [], [], [], None
+        elif ev.type == "token":
+            self._text.append(ev.text)
+            self._reasoning.append(ev.reasoning)
+            self.token_ids.extend(ev.token_ids)
+            if ev.logprobs is not None:
+                if self.logprobs is None:
+                    self.logprobs = []
+                self.logprobs.extend(ev.logprobs)
+        elif isinstance(ev, DoneEvent):
+            self.tool_calls = list(ev.tool_calls or ())
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
 
 
 def diverged(rid: str, seq: int) -> ErrorEvent:

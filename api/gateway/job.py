@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import cast
 
 from ..client import Client
-from ..deltas import Delta, Deltas
+from ..deltas import Delta, Deltas, Whole
 from ..errors import AccessDenied, JobFailed, MlxqError, QueueUnavailable, WaitTimeout
 from ..schema import (
     DoneEvent,
@@ -85,20 +85,15 @@ class JobStream:
 
     async def whole(self) -> str:
         """The whole text of the job's last run (its reasoning in :attr:`reasoning`)."""
-        parts: list[str] = []
-        thought: list[str] = []
-        logprobs: list[TokenLogprob] = []
+        whole = Whole()
         async for ev in self._rest():
-            if ev.type == "reset":
-                parts, thought, logprobs = [], [], []
-            elif ev.type == "token":
-                parts.append(ev.text)
-                thought.append(ev.reasoning)
-                logprobs.extend(ev.logprobs or ())
-        self.reasoning = "".join(thought)
-        self.logprobs = logprobs
-        self.tool_calls = list(self.done.tool_calls or ()) if self.done is not None else []
-        return "".join(parts)
+            whole.feed(ev)
+        if self.done is not None:
+            whole.feed(self.done)
+        self.reasoning = whole.reasoning
+        self.logprobs = list(whole.logprobs or ())
+        self.tool_calls = whole.tool_calls
+        return whole.text
 
     async def _rest(self) -> AsyncIterator[Event]:
         """Events after the start, up to the end (which sets ``done``, or raises ``JobFailed``)."""
