@@ -567,6 +567,10 @@ class ModelStatus(BaseModel):
     accepts_images: bool = False
     context_length: int | None = None
     error: str | None = None  # why it is dead
+    speculation: str = ""  # "draft" or "ngram" when it decodes speculatively, "" when it does not
+    drafted: int = 0  # tokens proposed to its sequences since it started
+    accepted: int = 0  # of those, tokens the model agreed with
+    spec_k: int = 0  # tokens proposed per sequence at its last step (0: it decoded plainly)
 
 
 class WorkerStatus(BaseModel):

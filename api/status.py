@@ -13,7 +13,7 @@ from typing import Any
 
 from .client import Client
 from .registry import ModelInfo, QueueInfo, models_of
-from .schema import WorkerStatus
+from .schema import ModelStatus, WorkerStatus
 
 __all__ = ["Report", "collect", "render"]
 
@@ -71,15 +71,24 @@ def render(report: Report) -> str:
 
 
 def _worker_rows(report: Report) -> list[list[str]]:
-    rows = [["WORKER", "HOST", "PID", "MODEL", "STATE", "CAP", "RUN", "WAIT", "TOK/S", "UPTIME", "VERSION"]]
+    rows = [["WORKER", "HOST", "PID", "MODEL", "STATE", "CAP", "RUN", "WAIT", "TOK/S", "SPECULATION", "UPTIME",
+             "VERSION"]]
     for w in report.workers:
         for i, m in enumerate(w.models):
             state = "draining" if w.draining and m.state.value == "serving" else m.state.value
             head = [w.id, w.host, str(w.pid)] if i == 0 else ["", "", ""]
             tail = [_age(report.at - w.started_at), w.version] if i == 0 else ["", ""]
             rows.append([*head, m.name, state, str(m.capacity), str(m.running), str(m.waiting),
-                         f"{m.tokens_per_s:.1f}", *tail])
+                         f"{m.tokens_per_s:.1f}", _speculation(m), *tail])
     return rows
+
+
+def _speculation(m: ModelStatus) -> str:
+    """How a model speculates: its proposer, the share of proposals taken, the tokens proposed at its last step."""
+    if not m.speculation:
+        return "-"
+    taken = f" {m.accepted / m.drafted:.0%} taken" if m.drafted else ""
+    return f"{m.speculation}{taken} k={m.spec_k}"
 
 
 def _table(rows: list[list[str]]) -> list[str]:

@@ -23,6 +23,8 @@ from mlx_lm.sample_utils import greedy_sampler
 from .constrain import RowMask, apply_bitmask, fill_masks
 from .mlx_process import unwired
 from .request import ImageInputs, RequestOutput, TokenLogprob
+from .speculative import Proposer, SpecBatch, Tuner
+from .stats import EngineStats
 
 __all__ = ["BatchBackend", "BatchToken", "CachingBackend", "GeneratedToken", "MLXBatch", "SequenceCache", "Started",
            "attach_logprobs"]
@@ -190,6 +192,9 @@ class MLXBatch:
         prefill_step_size: int,
         stream: mx.Stream,
         caches: bool = True,
+        proposer: Proposer | None = None,
+        max_k: int = 4,
+        stats: EngineStats | None = None,
     ) -> None:
         self._caches = caches
         self._model = model
@@ -212,6 +217,11 @@ class MLXBatch:
                 prefill_step_size=prefill_step_size,
                 stream=stream,
             )
+        self._spec: SpecBatch | None = None
+        if proposer is not None:  # speculative decoding: the generator's decode batch is one that speculates
+            self._spec = SpecBatch.make(model, self._gen.sampler, proposer, Tuner(max_k),
+                                        stats if stats is not None else EngineStats())
+            self._gen._generation_batch = self._spec
 
     @property
     def supports_caches(self) -> bool:
@@ -298,7 +308,8 @@ class MLXBatch:
         return out
 
     def kv_bytes(self) -> int:
-        return int(self._gen.prompt_cache_nbytes)
+        draft = self._spec.proposer.kv_bytes() if self._spec is not None else 0
+        return int(self._gen.prompt_cache_nbytes) + draft
 
     def step(self) -> Sequence[GeneratedToken]:
         if self._joined and self._prefill_s >= _FIRST_TOKEN_FIRST_S:
@@ -308,6 +319,8 @@ class MLXBatch:
             prompts, generated = self._gen.next()
             if prompts:
                 self._prefill_s += (time.perf_counter() - t0 - self._prefill_s) / 4
+                if self._spec is not None:
+                    self._spec.untimed()
         self._joined = any(r.end_of_prompt for r in prompts)
         if self._watch and prompts:
             self._checkpoint(prompts)

@@ -3,6 +3,7 @@ vision-language checkpoint (one whose config.json has a ``vision_config``), whic
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -32,12 +33,14 @@ from .prefix_cache import PrefixCache
 from .prompt import PromptEncoder
 from .sampling import make_request_logits_processors, make_request_sampler
 from .scheduler import Scheduler
+from .speculative import DraftModel, PromptLookup, Proposer, SpecKind, Speculation, check_cache
+from .stats import EngineStats
 
 if TYPE_CHECKING:
     from .vlm import Vision
 
-__all__ = ["EngineOptions", "LoadedModel", "ModelLoadError", "build_engine", "load_model", "locate_model",
-           "memory_plan", "start_engine"]
+__all__ = ["EngineOptions", "LoadedModel", "ModelLoadError", "build_engine", "draft_mismatch", "load_model",
+           "locate_model", "memory_plan", "start_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,7 @@ class EngineOptions:
     aging_s: float = 1.0  # seconds of waiting worth one priority level (engine/waiting.py)
     # the share of the machine's memory the default rules give this engine (1/n with n engines in a process)
     memory_share: float = 1.0
+    speculation: Speculation | None = None  # speculative decoding (engine/speculative.py); None: plain decoding
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,10 +195,10 @@ async def start_engine(path: str, sink: Sink, options: EngineOptions | None = No
     thread = MLXThread(name="mlx-" + path.rstrip("/").rsplit("/", 1)[-1])
     try:
         loaded = await thread.call(load_model, path)
-    except BaseException:
+        return await build_engine(loaded, thread, sink, options), loaded
+    except BaseException:  # a thread left running aborts the process at exit
         await thread.aclose()
         raise
-    return await build_engine(loaded, thread, sink, options), loaded
 
 
 async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, options: EngineOptions | None = None
@@ -202,6 +206,8 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
     """The engine of a model loaded on ``thread``: scheduler, batch, detokenizers, sampling."""
     opts = options or EngineOptions()
     mlx_process()  # the process's wired limit, set once before any batch runs (a worker made it first)
+    draft = await _load_draft(loaded, thread, opts.speculation)
+    stats = EngineStats()
 
     def make_backend() -> BatchBackend:
         if loaded.vision is not None:  # image and text rows in one mlx-vlm batch (see engine/vlm.py)
@@ -217,12 +223,20 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
             prefill_batch_size=opts.prefill_batch_size,
             prefill_step_size=opts.prefill_step_size,
             stream=thread.stream,
+            proposer=_proposer(opts, draft),
+            max_k=opts.speculation.max_k if opts.speculation else 0,
+            stats=stats,
         )
 
     backend = await thread.call(make_backend)
     caches = bool(getattr(backend, "supports_caches", False))
     layout = await thread.call(measure_layout, loaded.model, opts.prefill_step_size)
-    memory, prefix = memory_plan(loaded, layout, opts, caches=caches)
+    draft_bytes = 0
+    if draft is not None:  # every row holds a draft cache too: a token costs both models' KV
+        extra = await thread.call(measure_layout, draft.model, opts.prefill_step_size)
+        layout = dataclasses.replace(layout, bytes_per_token=layout.bytes_per_token + extra.bytes_per_token)
+        draft_bytes = model_bytes(draft.model)
+    memory, prefix = memory_plan(loaded, layout, opts, caches=caches, draft_bytes=draft_bytes)
     scheduler = Scheduler(
         backend,
         capacity=opts.capacity,
@@ -233,9 +247,59 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
         prefix_cache=prefix,
         aging_s=opts.aging_s,
         context_length=loaded.context_length,
+        stats=stats,
     )
     return Engine(thread, scheduler, sink, make_backend=make_backend, stream_interval_s=opts.stream_interval_s,
                   prefill_batch=opts.prefill_batch_size)
+
+
+async def _load_draft(loaded: LoadedModel, thread: MLXThread, spec: Speculation | None) -> LoadedModel | None:
+    """The draft model of ``spec``, loaded on the target's thread and checked against it; None without one."""
+    if spec is None:
+        return None
+    if loaded.vision is not None:
+        raise ModelLoadError(f"{loaded.path} is a vision-language model: mlxq speculates only for mlx-lm models "
+                             "(unset MLXQ_SPECULATE and MLXQ_DRAFT_MODEL for it)")
+    problem = await thread.call(check_cache, loaded.model)
+    if problem is not None:
+        raise ModelLoadError(f"cannot speculate with {loaded.path}: {problem}")
+    if spec.kind is not SpecKind.DRAFT:
+        return None
+    if not spec.draft:
+        raise ModelLoadError("speculative decoding with a draft model needs its path (MLXQ_DRAFT_MODEL)")
+    try:
+        draft = await thread.call(load_model, spec.draft)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"draft model: {exc}") from exc
+    problem = draft_mismatch(loaded, draft) or await thread.call(check_cache, draft.model)
+    if problem is not None:
+        raise ModelLoadError(f"draft model {spec.draft} cannot draft for {loaded.path}: {problem}")
+    log.info("speculative decoding for %s with the draft model %s (up to %d tokens per step)", loaded.path,
+             spec.draft, spec.max_k)
+    return draft
+
+
+def draft_mismatch(target: LoadedModel, draft: LoadedModel) -> str | None:
+    """Why ``draft`` cannot propose tokens to ``target`` (None: it can): it must share its vocabulary."""
+    if draft.vision is not None:
+        return "it is a vision-language model"
+    ours, theirs = target.tokenizer.vocab, draft.tokenizer.vocab
+    if ours != theirs:
+        differ = sum(1 for t, i in theirs.items() if ours.get(t) != i) + sum(1 for t in ours if t not in theirs)
+        return f"its vocabulary differs ({len(theirs)} tokens against {len(ours)}, {differ} differ)"
+    if draft.eos_token_ids != target.eos_token_ids:
+        return (f"its end-of-sequence tokens differ ({sorted(draft.eos_token_ids)} against "
+                f"{sorted(target.eos_token_ids)})")
+    return None
+
+
+def _proposer(opts: EngineOptions, draft: LoadedModel | None) -> Proposer | None:
+    """A fresh proposer for a new batch (a batch made again after a failure starts with empty caches)."""
+    if opts.speculation is None:
+        return None
+    if draft is not None:
+        return DraftModel(draft.model, opts.prefill_step_size)
+    return PromptLookup()
 
 
 def _detokenizers(loaded: LoadedModel) -> Callable[[], Any]:
@@ -246,8 +310,8 @@ def _detokenizers(loaded: LoadedModel) -> Callable[[], Any]:
     return lambda: loaded.tokenizer.detokenizer
 
 
-def memory_plan(loaded: LoadedModel, layout: KVLayout, opts: EngineOptions, *, caches: bool = True
-                ) -> tuple[KVBudget, PrefixCache | None]:
+def memory_plan(loaded: LoadedModel, layout: KVLayout, opts: EngineOptions, *, caches: bool = True,
+                draft_bytes: int = 0) -> tuple[KVBudget, PrefixCache | None]:
     """The KV budget and the prefix cache of an engine, from its options or the defaults of engine/memory.py.
     A backend that cannot hand caches out (``caches=False``, mlx-vlm's) has no prefix cache, so the default
     headroom reserves nothing for one."""
@@ -260,7 +324,8 @@ def memory_plan(loaded: LoadedModel, layout: KVLayout, opts: EngineOptions, *, c
         prefix_bytes = default_prefix_cache_bytes(usable)
     headroom = opts.kv_headroom_bytes
     if headroom is None:
-        headroom = default_headroom(usable, model_bytes(loaded.model), prefix_bytes, layout, loaded.context_length)
+        headroom = default_headroom(usable, model_bytes(loaded.model) + draft_bytes, prefix_bytes, layout,
+                                    loaded.context_length)
     if headroom <= 0:
         raise ModelLoadError(f"the KV headroom for {loaded.path} must be positive, not {headroom} bytes "
                              "(MLXQ_KV_HEADROOM_GB, or less weights for the memory)")

@@ -22,6 +22,7 @@ from mlxq.api.schema import job_bytes_limit
 __all__ = ["LOG_LEVELS", "ServedModel", "WorkerConfig"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+SPECULATE = ("", "draft", "ngram")  # MLXQ_SPECULATE: off, a draft model proposes, the row's own text proposes
 
 
 def _worker_id() -> str:
@@ -34,16 +35,18 @@ class ServedModel:
 
     path: str
     name: str
+    draft: str = ""  # the draft model that proposes its tokens (speculative decoding); "": none
 
 
 def parse_models(spec: str) -> tuple[ServedModel, ...]:
-    """``MLXQ_MODELS``: ``path[=alias],...``; a model without an alias is called by its path."""
+    """``MLXQ_MODELS``: ``path[=alias][+draft_path],...``; a model without an alias is called by its path."""
     served = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
             continue
+        item, _, draft = item.partition("+")
         path, _, alias = item.partition("=")
-        served.append(ServedModel(path.strip(), alias.strip() or path.strip()))
+        served.append(ServedModel(path.strip(), alias.strip() or path.strip(), draft.strip()))
     return tuple(served)
 
 
@@ -53,7 +56,10 @@ class WorkerConfig:
 
     model: str = ""  # MLXQ_MODEL: local path, or a hub id on a Mac
     model_name: str = ""  # MLXQ_MODEL_NAME: alias clients use instead of MLXQ_MODEL
-    models: str = ""  # MLXQ_MODELS: several models, "path[=alias],..." (instead of MLXQ_MODEL)
+    models: str = ""  # MLXQ_MODELS: several models, "path[=alias][+draft_path],..." (instead of MLXQ_MODEL)
+    draft_model: str = ""  # MLXQ_DRAFT_MODEL: a draft model for MLXQ_MODEL (speculative decoding)
+    speculate: str = ""  # MLXQ_SPECULATE: "draft", "ngram" (prompt lookup) or "" (off; "draft" with a draft model)
+    speculate_k: int = 4  # MLXQ_SPECULATE_K: the most tokens proposed per sequence and step
     redis_url: str = DEFAULT_REDIS_URL  # MLXQ_REDIS_URL
     prefix: str = "mlxq"  # MLXQ_PREFIX
     capacity: int = 32  # MLXQ_BATCH_CAPACITY: sequences decoding at once
@@ -123,7 +129,13 @@ class WorkerConfig:
         """The models this worker serves: ``MLXQ_MODELS``, else ``MLXQ_MODEL`` (called ``MLXQ_MODEL_NAME``)."""
         if self.models:
             return parse_models(self.models)
-        return (ServedModel(self.model, self.model_name or self.model),) if self.model else ()
+        return (ServedModel(self.model, self.model_name or self.model, self.draft_model),) if self.model else ()
+
+    def speculation(self, served: ServedModel) -> str:
+        """How ``served`` speculates: "draft" (with its draft model), "ngram", or "" (it does not)."""
+        if served.draft:
+            return "draft"
+        return "ngram" if self.speculate == "ngram" else ""
 
     @property
     def arq_job_timeout_s(self) -> float:
@@ -160,6 +172,9 @@ class WorkerConfig:
             model=e.text("MLXQ_MODEL", d.model),
             model_name=e.text("MLXQ_MODEL_NAME", d.model_name),
             models=e.text("MLXQ_MODELS", d.models),
+            draft_model=e.text("MLXQ_DRAFT_MODEL", d.draft_model),
+            speculate=_speculate(e.text("MLXQ_SPECULATE", d.speculate)),
+            speculate_k=e.integer("MLXQ_SPECULATE_K", d.speculate_k, minimum=1),
             redis_url=e.text("MLXQ_REDIS_URL", d.redis_url),
             prefix=e.text("MLXQ_PREFIX", d.prefix),
             capacity=e.integer("MLXQ_BATCH_CAPACITY", d.capacity, minimum=1),
@@ -201,6 +216,15 @@ class WorkerConfig:
             connect_deadline_s=e.number("MLXQ_CONNECT_DEADLINE", d.connect_deadline_s, minimum=0),
             log_level=_log_level(e.text("MLXQ_LOG_LEVEL", d.log_level)),
         )
+
+
+def _speculate(raw: str) -> str:
+    mode = raw.strip().lower()
+    if mode in ("off", "0", "none"):
+        return ""
+    if mode not in SPECULATE:
+        raise ConfigError(f"MLXQ_SPECULATE={raw!r}: expected draft, ngram or off")
+    return mode
 
 
 def _log_level(raw: str) -> str:

@@ -172,6 +172,9 @@ _ENGINE_COUNTERS = (  # name, EngineStats field(s) summed, help
     ("mlxq:priority_started_at_once", ("started_at_once",),
      "Requests that outranked a running one: prefilled alone, first token before the next decode step."),
     ("mlxq:requests_too_large", ("rejected_too_large",), "Requests that could never fit (context or headroom)."),
+    ("mlxq:spec_decode_num_draft_tokens", ("spec_drafted",), "Tokens proposed to sequences (speculative decoding)."),
+    ("mlxq:spec_decode_num_accepted_tokens", ("spec_accepted",), "Proposed tokens the model agreed with."),
+    ("mlxq:spec_decode_num_steps", ("spec_steps",), "Steps that scored proposals."),
 )
 _STATS_GAUGES = ("kv_cache_peak_bytes", "prefix_cache_bytes", "prefix_cache_entries")
 _ENGINE_GAUGES = (
@@ -180,6 +183,7 @@ _ENGINE_GAUGES = (
     ("mlxq:kv_cache_headroom_bytes", "kv_headroom_bytes", "KV-cache bytes the batch may hold."),
     ("mlxq:prefix_cache_bytes", "prefix_cache_bytes", "Bytes of cached prompt prefixes."),
     ("mlxq:prefix_cache_entries", "prefix_cache_entries", "Cached prompt prefixes."),
+    ("mlxq:spec_decode_k", "spec_k", "Tokens proposed per sequence at the last step (0: plain decoding)."),
 )
 
 

@@ -23,6 +23,7 @@ from mlxq.engine.loader import EngineOptions, LoadedModel, start_engine
 from mlxq.engine.parts import PartMarkers
 from mlxq.engine.prompt import EncodedPrompt, encode_prompt_with_boundary
 from mlxq.engine.request import EngineRequest
+from mlxq.engine.speculative import SpecKind, Speculation
 
 from . import media
 from .config import ServedModel, WorkerConfig
@@ -69,7 +70,7 @@ class ModelService:
                              stream_interval_s=cfg.stream_interval_ms / 1000,
                              kv_headroom_bytes=_bytes(cfg.kv_headroom_gb, share),
                              prefix_cache_bytes=_bytes(cfg.prefix_cache_gb, 1.0), aging_s=cfg.priority_aging_s,
-                             memory_share=share)
+                             memory_share=share, speculation=_speculation(cfg, self.served))
         self.engine, self.model = await start_engine(self.served.path, sink, opts)
         loop = asyncio.get_running_loop()
 
@@ -122,11 +123,15 @@ class ModelService:
     def status(self, tokens_per_s: float) -> ModelStatus:
         """Its part of the worker's health record."""
         running = self.engine.scheduler.num_running if self.engine is not None else 0
+        stats = self.engine.stats if self.engine is not None else None
         model = self.model
         return ModelStatus(name=self.name, state=self.state, capacity=self.config.capacity, running=running,
                            waiting=max(0, self.active - running), tokens_per_s=round(tokens_per_s, 1),
                            accepts_images=model is not None and model.accepts_images,
-                           context_length=model.context_length if model is not None else None, error=self.error)
+                           context_length=model.context_length if model is not None else None, error=self.error,
+                           speculation=self.config.speculation(self.served),
+                           drafted=stats.spec_drafted if stats else 0, accepted=stats.spec_accepted if stats else 0,
+                           spec_k=stats.spec_k if stats else 0)
 
     # --- jobs ----------------------------------------------------------------------------------------
     def add(self, request: EngineRequest) -> None:
@@ -288,6 +293,13 @@ class ModelService:
             raise BadRequest(f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the context "
                              f"({ctx}) by {over} tokens")
         return encoded
+
+
+def _speculation(cfg: WorkerConfig, served: ServedModel) -> Speculation | None:
+    mode = cfg.speculation(served)
+    if not mode:
+        return None
+    return Speculation(SpecKind(mode), served.draft or None, cfg.speculate_k)
 
 
 def _bytes(gigabytes: float | None, share: float) -> int | None:

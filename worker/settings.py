@@ -43,8 +43,19 @@ def check_config(config: WorkerConfig) -> None:
     names = [m.name for m in config.served]
     if len(set(names)) != len(names):
         raise ConfigError(f"MLXQ_MODELS names a model twice: {', '.join(names)}")
+    if config.draft_model and config.models:
+        raise ConfigError("MLXQ_DRAFT_MODEL is the draft of MLXQ_MODEL; with MLXQ_MODELS name each model's draft "
+                          "there (path=alias+draft_path)")
     for served in config.served:
         locate_model(served.path)
+        if served.draft:
+            try:
+                locate_model(served.draft)
+            except ModelLoadError as exc:
+                raise ModelLoadError(f"draft model of {served.name}: {exc}") from exc
+        elif config.speculate == "draft":
+            raise ConfigError(f"MLXQ_SPECULATE=draft but {served.name} has no draft model (MLXQ_DRAFT_MODEL, or "
+                              "path=alias+draft_path in MLXQ_MODELS)")
 
 
 def worker_settings(config: WorkerConfig) -> dict[str, Any]:

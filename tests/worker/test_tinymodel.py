@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from mlxq.worker.tools import tinymodel
 from mlxq.worker.tools.tinymodel import EOS_TOKEN, SIZES, ensure_model, model_dir
 
-SIZE_NAMES = sorted(SIZES)
+SIZE_NAMES = sorted(s for s in SIZES if not s.startswith("small-"))  # the bench's pair: built by the bench
 PROMPTS = ["Hello there", "The water is cold.", "Write a poem about the sea", "1 2 3 4"]
 Loaded = tuple[Any, Any, dict[str, Any]]  # (model, TokenizerWrapper, config)
 ARTIFACTS = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -156,6 +156,21 @@ def test_param_counts(loaded: Loaded, size: str) -> None:
         assert 20_000_000 <= n_params <= 30_000_000
     else:
         assert n_params < 1_000_000
+
+
+def test_a_grown_target_starts_with_its_drafts_weights_and_adds_small_layers(tmp_path: Path) -> None:
+    target, draft = (mx_load(ensure_model(n, root=tmp_path)) for n in ("tiny-target", "tiny-draft"))
+    assert set(draft) < set(target)
+    for name, value in draft.items():
+        assert (target[name] == value).all().item(), name  # the embeddings, head, norm and first layer
+    added = [n for n in target if n not in draft and n.endswith("o_proj.weight")]
+    assert added and all(float(abs(target[n]).max()) <= 0.15 * 3.0 / 8 + 1e-6 for n in added)  # growth x bound
+
+
+def mx_load(path: Path) -> dict[str, Any]:
+    import mlx.core as mx
+
+    return dict(mx.load(str(path / "model.safetensors")))
 
 
 def test_lost_race_uses_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

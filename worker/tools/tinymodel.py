@@ -155,6 +155,10 @@ class ModelSpec:
     seed: int = 0
     thinking: bool = False  # think markers in the vocabulary and a template that opens a think block
     tools: bool = False  # tool-call markers in the vocabulary and a template that renders tools and calls
+    # A target for speculative decoding: the weights of the model ``grows`` names (same tokenizer) as its first
+    # layers, then more layers whose output projections are scaled by ``growth``, so the two mostly agree.
+    grows: str | None = None
+    growth: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -191,6 +195,13 @@ SIZES: dict[str, ModelSpec] = {
 SIZES["tiny-think"] = dataclasses.replace(SIZES["tiny"], name="tiny-think", thinking=True)  # a reasoning model's
 SIZES["tiny-tools"] = dataclasses.replace(SIZES["tiny"], name="tiny-tools", tools=True,  # a tool-calling model's
                                          max_position_embeddings=4096)  # tools take room in the prompt
+# Draft/target pairs for speculative decoding (the target grows the draft: see ModelSpec.grows).
+SIZES["tiny-draft"] = dataclasses.replace(SIZES["tiny"], name="tiny-draft", num_hidden_layers=1)
+SIZES["tiny-target"] = dataclasses.replace(SIZES["tiny"], name="tiny-target", num_hidden_layers=3,
+                                           grows="tiny-draft", growth=0.15)
+SIZES["small-draft"] = dataclasses.replace(SIZES["small"], name="small-draft", num_hidden_layers=1)
+SIZES["small-target"] = dataclasses.replace(SIZES["small"], name="small-target", num_hidden_layers=12,
+                                            grows="small-draft", growth=0.03)
 
 
 def model_dir(size: str = "tiny", root: Path | None = None) -> Path:
@@ -231,6 +242,8 @@ def build_model(spec: ModelSpec, out: Path) -> None:
     special_ids = [tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS]
     model = _init_model(config, spec.seed, special_ids=special_ids)
     weights = dict(tree_flatten(model.parameters()))
+    if spec.grows is not None:
+        weights = _grown(weights, SIZES[spec.grows], spec, len(tokenizer), tokenizer.eos_token_id, special_ids)
     mx.save_safetensors(str(out / "model.safetensors"), weights)
 
 
@@ -338,6 +351,21 @@ def _init_model(config: dict[str, Any], seed: int, special_ids: list[Any]) -> nn
         model.lm_head.weight = head
     mx.eval(model.parameters())
     return model
+
+
+def _grown(weights: dict[str, mx.array], base: ModelSpec, spec: ModelSpec, vocab_size: int, eos_token_id: int,
+           special_ids: list[Any]) -> dict[str, mx.array]:
+    """``weights`` (of ``spec``) with ``base``'s weights for its embeddings, head, norm and first layers, and the
+    output projections of its other layers scaled by ``spec.growth``."""
+    config = model_config(base, vocab_size=vocab_size, eos_token_id=eos_token_id)
+    own = dict(tree_flatten(_init_model(config, base.seed, special_ids=special_ids).parameters()))
+    out = dict(weights)
+    for name, value in weights.items():
+        if name in own:
+            out[name] = own[name]
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = value * spec.growth
+    return out
 
 
 def _init_param(name: str, param: mx.array, key: mx.array) -> mx.array:

@@ -1,0 +1,240 @@
+"""Speculative decoding in the batch (engine/speculative.py): every row's tokens equal plain greedy decoding's
+whatever the proposals, with a draft model and with prompt lookup, at N = 1, 8 and 32, through stop strings,
+max_tokens, cancels, preemption, the prefix cache and rows that never take proposals."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from mlxq.engine.batch import MLXBatch
+from mlxq.engine.prefix_cache import PrefixCache
+from mlxq.engine.prompt import encode_prompt_with_boundary
+from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
+from mlxq.engine.sampling import make_request_logits_processors, make_request_sampler
+from mlxq.engine.scheduler import Scheduler
+from mlxq.engine.speculative import DraftModel, PromptLookup, Proposer, Tuner, _Lookup, rollback
+from mlxq.engine.stats import EngineStats
+from tests.engine.fakes import Run
+from tests.support import reference
+
+WORDS = ("the", "sea", "ship", "story", "numbers", "words", "fox", "quick", "brown", "red", "blue", "river", "stone",
+         "light")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """(target, draft) as mlx-lm loads them: a generated target grown from its draft (they mostly agree)."""
+    import mlx_lm
+
+    from mlxq.worker.tools.tinymodel import ensure_model
+
+    root = tmp_path_factory.mktemp("pair")
+    return mlx_lm.load(str(ensure_model("tiny-target", root=root))), mlx_lm.load(str(ensure_model("tiny-draft",
+                                                                                                    root=root)))
+
+
+@pytest.fixture(scope="module")
+def stream() -> mx.Stream:
+    return mx.new_stream(mx.cpu)
+
+
+@pytest.fixture
+def ks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each step's k from a fixed cycle with plain steps between (the tuner would choose by speed)."""
+    cycle = itertools.cycle([4, 0, 2, 3, 0, 0, 1, 4, 4])
+    monkeypatch.setattr(Tuner, "choose", lambda self, rows: next(cycle))
+    yield
+
+
+def make(target: Any, proposer: Proposer | None, stream: mx.Stream, *, capacity: int = 32,
+         prefix: PrefixCache | None = None) -> tuple[Scheduler, EngineStats]:
+    model, tokenizer = target
+    stats = EngineStats()
+    batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=capacity, prefill_batch_size=8, prefill_step_size=64,
+                     stream=stream, proposer=proposer, stats=stats)
+    return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer,
+                     make_sampler=make_request_sampler, make_processors=make_request_logits_processors,
+                     prefix_cache=prefix, stats=stats), stats
+
+
+def drain(s: Scheduler, run: Run, stream: mx.Stream) -> None:
+    with mx.stream(stream):
+        run.drain(s, limit=3000)
+
+
+def requests(tokenizer: Any, n: int, seed: int, *, repeat: bool = False, max_tokens: int = 0) -> list[EngineRequest]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
+        if repeat:  # text that quotes itself: prompt lookup finds proposals
+            text = f"{text} {text}"
+        params = SamplingParams(max_tokens=max_tokens or rng.randint(1, 48))
+        out.append(EngineRequest(f"r{i}", tokenizer.encode(text), params))
+    return out
+
+
+def proposer_of(kind: str, pair: tuple[Any, Any]) -> Proposer:
+    return DraftModel(pair[1][0], 64) if kind == "draft" else PromptLookup()
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram"])
+@pytest.mark.parametrize("n", [1, 8, 32])
+def test_greedy_tokens_equal_plain_decoding(pair: tuple[Any, Any], stream: mx.Stream, ks: None, kind: str,
+                                            n: int) -> None:
+    target = pair[0]
+    s, stats = make(target, proposer_of(kind, pair), stream)
+    reqs = requests(target[1], n, seed=n, repeat=kind == "ngram")
+    for r in reqs:
+        s.add(r)
+    run = Run()
+    drain(s, run, stream)
+    for r in reqs:
+        assert run.tokens(r.rid) == reference(target, r.prompt_tokens, r.params.max_tokens), r.rid
+        assert run.final(r.rid).finish is FinishReason.LENGTH
+    assert stats.spec_steps > 0
+    if kind == "draft":  # rows kept runs of different lengths (a random model's text rarely repeats for lookup)
+        assert 0 < stats.spec_accepted < stats.spec_drafted
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_text_where_plain_decoding_does(
+        pair: tuple[Any, Any], stream: mx.Stream, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = pair[0]
+    monkeypatch.setattr(Tuner, "choose", lambda self, rows: 4)
+    req = requests(target[1], 1, seed=5, max_tokens=40)[0]
+    plain, _ = make(target, None, stream)
+    plain.add(req)
+    run = Run()
+    drain(plain, run, stream)
+    text = run.text(req.rid)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip() and text.index(stop) > 0
+    s, stats = make(target, DraftModel(target[0], 64), stream)  # the target as its own draft: it accepts all
+    s.add(EngineRequest("stop", req.prompt_tokens, SamplingParams(max_tokens=40, stop=(stop,))))
+    spec = Run()
+    drain(s, spec, stream)
+    assert spec.text("stop") == text[:text.index(stop)]
+    assert spec.final("stop").finish is FinishReason.STOP and spec.final("stop").stop_sequence == stop
+    assert stats.spec_accepted == stats.spec_drafted > 0
+
+
+def test_a_cancelled_row_leaves_and_the_others_go_on_exactly(pair: tuple[Any, Any], stream: mx.Stream,
+                                                             ks: None) -> None:
+    target = pair[0]
+    s, _ = make(target, proposer_of("draft", pair), stream)
+    reqs = requests(target[1], 6, seed=11, max_tokens=40)
+    for r in reqs:
+        s.add(r)
+    run = Run()
+    with mx.stream(stream):
+        run.step(s, 6)
+        out = s.abort("r2")
+    assert out is not None and out.finish is FinishReason.CANCELLED
+    drain(s, run, stream)
+    for r in reqs:
+        if r.rid != "r2":
+            assert run.tokens(r.rid) == reference(target, r.prompt_tokens, 40), r.rid
+
+
+def test_preempted_rows_resume_exactly(pair: tuple[Any, Any], stream: mx.Stream, ks: None) -> None:
+    target = pair[0]
+    s, stats = make(target, proposer_of("draft", pair), stream, capacity=2)
+    low = requests(target[1], 2, seed=21, max_tokens=40)
+    for r in low:
+        s.add(r)
+    run = Run()
+    with mx.stream(stream):
+        run.step(s, 8)
+    high = EngineRequest("high", target[1].encode("the river and the stone"), SamplingParams(max_tokens=20),
+                         priority=5)
+    s.add(high)
+    drain(s, run, stream)
+    assert stats.preemptions >= 1
+    for r in [*low, high]:
+        assert run.tokens(r.rid) == reference(target, r.prompt_tokens, r.params.max_tokens), r.rid
+
+
+def test_a_cached_prefix_serves_a_speculating_row(pair: tuple[Any, Any], stream: mx.Stream, ks: None) -> None:
+    target = pair[0]
+    system = {"role": "system", "content": "You answer in tokens. " * 8}
+    s, stats = make(target, proposer_of("draft", pair), stream, prefix=PrefixCache(1 << 26))
+    reqs = []
+    for i, question in enumerate(["blue river", "red stone", "the quick fox"]):
+        e = encode_prompt_with_boundary(target[1], None, [system, {"role": "user", "content": question}])
+        reqs.append(EngineRequest(f"c{i}", e.tokens, SamplingParams(max_tokens=24), cache_boundary=e.cache_boundary))
+    run = Run()
+    for r in reqs:  # one after another: the later ones find the first one's system prompt cached
+        s.add(r)
+        drain(s, run, stream)
+    assert stats.prefix_hits >= 2
+    for r in reqs:
+        assert run.tokens(r.rid) == reference(target, r.prompt_tokens, 24), r.rid
+
+
+def test_rows_with_their_own_sampler_or_penalties_decode_as_without_speculation(
+        pair: tuple[Any, Any], stream: mx.Stream, ks: None) -> None:
+    target = pair[0]
+    prompt = target[1].encode("the quick brown fox and the sea")
+    own = [EngineRequest("seeded", prompt, SamplingParams(max_tokens=30, temperature=0.8, seed=7)),
+           EngineRequest("greedy", prompt, SamplingParams(max_tokens=30))]
+    penalised = [EngineRequest("penalty", prompt, SamplingParams(max_tokens=30, repetition_penalty=1.3))]
+    for reqs in (own, penalised):
+        outputs = []
+        for proposer in (None, proposer_of("draft", pair)):
+            s, stats = make(target, proposer, stream)
+            for r in reqs:
+                s.add(r)
+            run = Run()
+            drain(s, run, stream)
+            outputs.append({r.rid: run.tokens(r.rid) for r in reqs})
+        assert outputs[0] == outputs[1]
+    assert outputs[1]["penalty"] and stats.spec_steps == 0  # a penalised row keeps its batch's steps plain
+
+
+def test_rollback_takes_each_rows_own_tail_off() -> None:
+    rows = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
+    singles = []
+    for r in rows:
+        c = KVCache()
+        c.update_and_fetch(*(mx.array(r, dtype=mx.float32).reshape(1, 1, 5, 1),) * 2)
+        singles.append(c)
+    batch = BatchKVCache.merge(singles)
+    rollback([batch], [1, 3, 1])
+    keys, _ = batch.keys_and_values()
+    pad = batch.left_padding.tolist()
+    kept = [keys[i, 0, pad[i]:, 0].tolist() for i in range(3)]
+    assert kept == [[1, 2, 3, 4], [6, 7], [11, 12, 13, 14]]
+    assert batch.offset.tolist() == [4, 2, 4]
+
+
+def test_prompt_lookup_copies_what_followed_the_latest_earlier_occurrence() -> None:
+    row = _Lookup((3, 2))
+    history = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6]
+    row.add(history)
+    assert row.follow(history, 3) == [7, 1, 2]  # "2 5 6" is new; "5 6" came twice, last before "7 1 2"
+    longer = [*history, 7]
+    row.add(longer)
+    assert row.follow(longer, 2) == [1, 2]  # "5 6 7" came twice: the latest wins
+    assert _Lookup((2,)).follow([1, 2, 3], 2) == [3, 3]  # nothing seen: the last token, rejected at no harm
+
+
+def test_the_tuner_tries_every_k_then_keeps_the_fastest_and_looks_around_it() -> None:
+    tuner = Tuner(3, explore=4)
+    speed = {0: 100.0, 1: 150.0, 2: 180.0, 3: 120.0}  # tokens per second of each k
+    chosen = []
+    for _ in range(40):
+        k = tuner.choose(8)
+        chosen.append(k)
+        tuner.record(8, k, int(speed[k]), 1.0)
+    tried = chosen[:4 * Tuner.TRIES]
+    assert sorted(set(tried)) == [0, 1, 2, 3]
+    later = chosen[4 * Tuner.TRIES:]
+    assert later.count(2) > len(later) * 0.7 and set(later) <= {1, 2, 3}
+    assert tuner.choose(32) == 0  # another batch size is measured apart
