@@ -112,7 +112,7 @@ class Client:
         self.where = redact(url)
         self._redis = client_redis(url, self.retry)
         self._enqueuer = Enqueuer(self._redis)
-        self._subscriber: Subscriber | None = None  # created on first use
+        self._subscriber: Subscriber | None = None
         self._served: dict[str, float] = {}  # model -> when a live worker was last seen serving it
         self._checking: dict[str, asyncio.Task[None]] = {}  # model -> the read of the health records under way
         self._cancel = self._redis.register_script(_CANCEL)

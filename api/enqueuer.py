@@ -1,16 +1,11 @@
 """Sends the enqueues of submits made together in one round trip, on a connection of its own.
 
-A web backend that fans a request out into many jobs submits them concurrently; one ENQUEUE call each
-takes a round trip each, on up to as many pooled connections, and the jobs land in Redis one by one, each
-with its own wake-up, so a worker sees the burst trickle in. Here the first submit of an event-loop pass starts a sender
-that carries every submit made in the same pass in one pipeline: the burst lands at once, with one wake-up
-per model instead of one per job (each cost every worker of the model a pub/sub read). Submits made while a
-pipeline is in flight go out together in the next one, so a busy producer sends bigger batches, not more.
-
-The sender owns one connection and writes the pipeline straight onto it, packed here: redis-py's packer takes
-a few Python calls per argument, and ENQUEUE has fifteen. redis-py also checks a pooled connection at every
-checkout with a zero-timeout read: a timer and an extra event-loop pass per command.
-The price of batching: a lone submit waits one event-loop pass for company, and goes out from a task.
+A web backend fans a request out into many concurrent submits; one ENQUEUE each would land them one by one,
+each with its own wake-up. Here the first submit of an event-loop pass starts a sender that carries every
+submit of that pass in one pipeline, with one wake-up per model; submits made while it is in flight go in the
+next, so a busy producer sends bigger batches, not more. The sender packs the pipeline itself and writes it
+straight onto its connection, skipping redis-py's per-argument packer and per-checkout connection check. The
+price: a lone submit waits one event-loop pass for company.
 """
 
 from __future__ import annotations

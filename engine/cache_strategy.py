@@ -1,17 +1,11 @@
-"""How a row's KV cache is made, kept and reused: the ways a sequence enters the batch and what becomes of
-the caches of rows that leave it.
+"""How a row's KV cache is made, kept and reused: how a sequence enters the batch, and what becomes of the caches
+of rows that leave it.
 
-A sequence enters the batch in one of four ways:
-
-- **recompute**: its prompt (and, resuming, the tokens it generated) prefilled from nothing;
-- **from a prefix**: only what follows the longest cached prefix of it (``prefix_cache.py``) is prefilled,
-  and its system prompt's cache is kept as the prefill passes that boundary;
-- **resume**: it goes on from its own cache, held since it was preempted;
-- **start at once**: it is prefilled alone, outside the batch, its first token sampled from that prefill,
-  then it joins holding that cache (as a resume does).
-
-A backend that hands caches out (mlx-lm's) gets :class:`ReuseCaches`, which does all four and keeps the
-caches of sequences that end for the prefix cache; one that cannot (mlx-vlm's) gets :class:`Recompute`.
+A sequence enters by **recompute** (prefilled from nothing), **from a prefix** (only what follows its longest
+cached prefix, ``prefix_cache.py``), **resume** (its own cache, held since it was preempted) or **start at
+once** (prefilled alone, its first token sampled, then joining as a resume does). :class:`ReuseCaches` does all
+four for a backend that hands caches out (mlx-lm's) and keeps ended rows' caches for the prefix cache;
+:class:`Recompute` is for one that cannot (mlx-vlm's).
 """
 
 from __future__ import annotations

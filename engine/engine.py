@@ -1,20 +1,13 @@
 """One model's engine: the scheduler driven step after step on the model's MLX thread.
 
-Each tick on the MLX thread: drain the inbox (new requests, aborts) and emit aborted requests' terminal
-outputs at once; then run one scheduler step and emit its outputs (paced, see ``pacer.py``). ``add``/``abort``
-are thread-safe and only enqueue commands, so asyncio-side cancellation can never reach into a running MLX
-call.
+Each tick drains the inbox (new requests, aborts; an aborted request ends at once), then runs one scheduler
+step and emits its outputs (paced, ``pacer.py``). ``add`` and ``abort`` only enqueue, so asyncio-side
+cancellation never reaches into a running MLX call.
 
-Requests claimed together (:meth:`Engine.expect`) reach an idle engine a fraction of a millisecond apart;
-its first step waits for the rest of them, then for as long as more keep arriving less than a fifth of the
-admission window apart (a burst still being enqueued and claimed), until a full prefill batch is in or the
-window closes. So a burst's prompts prefill as one batch instead of the first few alone (a whole prefill
-step) and then the others; a lone request does not linger. While it waits, the thread is not idle: a
-backend that embeds its rows (mlx-vlm's, ``engine/vlm.py``) embeds each arrival then (``embed_ahead``), so
-the burst's first step no longer runs every image's vision tower after the last one came.
-
-:meth:`Engine.claim_capacity` tells the worker how many more requests this engine has room for soon, so it
-claims no more than that from Redis and other hosts take the rest.
+Requests claimed together (:meth:`Engine.expect`) reach an idle engine moments apart; its first step waits
+while more keep arriving less than a fifth of the admission window apart, up to a full prefill batch or the
+window's end, so a burst prefills as one batch; meanwhile a backend that embeds its rows (``engine/vlm.py``)
+embeds each arrival. :meth:`Engine.claim_capacity` tells the worker how many more requests fit soon.
 """
 
 from __future__ import annotations

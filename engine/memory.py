@@ -1,19 +1,13 @@
 """KV-cache memory: what a model's caches allocate, how much a batch may hold, and the default headroom.
 
-What mlx-lm allocates (mlx_lm/models/cache.py): a cache's buffer grows 256 tokens at a time, and in a batch
-``BatchKVCache`` left-pads every row to the longest one. A batch's buffer is never more than 255 tokens past
-its longest row (it is step-aligned only while no cache of another length was merged in and no left padding
-was cut off, which continuous batching does all the time). So a batch of ``n`` rows whose longest reaches
-``L`` tokens holds at most ``n x (L + 255)`` tokens' worth, however short the other rows are.
-:class:`KVBudget` charges exactly that, for the longest each admitted sequence may get (prompt +
-max_tokens), so the batch's caches stay under the headroom for as long as it runs. (Moving a prompt batch
-into the decode batch copies its caches for a moment inside one mlx-lm step; the default headroom leaves
-room for that.)
+mlx-lm's cache buffers grow 256 tokens at a time and ``BatchKVCache`` left-pads every row to the longest, so a
+batch of ``n`` rows whose longest reaches ``L`` tokens holds at most ``n x (L + 255)`` tokens' worth.
+:class:`KVBudget` charges exactly that, for the longest each admitted sequence may get (prompt + max_tokens),
+so the caches stay under the headroom while it runs.
 
-The default headroom (``default_headroom``): 75 % of the memory MLX may use on its device (Metal's recommended
-working set; the GPU's memory on MLX's CUDA backend; on the CPU, the smaller of RAM and MLX's memory limit),
-minus the model's weights and the prefix cache's bound; never less than one full-context sequence, so a worker
-that can serve nothing never passes as healthy (it logs a warning instead).
+The default headroom (``default_headroom``): 75 % of the memory MLX may use on its device, minus the weights
+and the prefix cache's bound (the rest covers a prompt batch's copy into the decode batch); never less than
+one full-context sequence.
 """
 
 from __future__ import annotations

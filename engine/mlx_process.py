@@ -1,17 +1,10 @@
 """MLX's process-global state and its one owner: the wired limit, the memory and cache limits.
 
-MLX keeps these per process, not per model or thread. mlx-lm's and mlx-vlm's ``BatchGenerator`` each set
-the recommended wired limit when made and put back the limit they found when closed. With several engines
-in one process (or a batch rebuilt after a failure) those restores come out of order: A finds 0, B finds
-A's limit, A closes and sets 0 while B still runs. So :func:`mlx_process` sets the limits once per process,
-and engine/batch.py and engine/vlm.py make their generators inside :func:`unwired`, with the library's
-set/restore a no-op.
-
-``mx.clear_cache`` is process-global too: mlx-lm calls it after each prefill chunk and every 512 decode
-steps, mlx-vlm every 50 steps. The allocator's cache holds only freed buffers and ``clear_cache`` takes the
-allocator's lock, so one engine's clear costs the others re-allocations, not correctness. Those calls stay
-(deferring them means patching the libraries' step loops) and mlxq's own code clears nothing per engine; a
-cache limit (:attr:`MLXLimits.cache_bytes`) bounds the shared pool instead.
+mlx-lm's and mlx-vlm's ``BatchGenerator`` set the wired limit when made and restore the one they found when
+closed; with several engines in a process the restores come out of order. So :func:`mlx_process` sets the
+limits once per process, and the generators are made inside :func:`unwired`, their set/restore a no-op.
+``mx.clear_cache``, which both libraries call as they step, is process-global too: it costs the other engines
+re-allocations, not correctness, so a cache limit (:attr:`MLXLimits.cache_bytes`) bounds the shared pool.
 """
 
 from __future__ import annotations

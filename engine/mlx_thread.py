@@ -1,20 +1,13 @@
 """The one OS thread that owns a model's MLX stream.
 
-MLX binds streams (and lazy arrays) to the thread that made them, and on Metal a second thread entering
-the GPU mid-step crashes the process ("A command encoder is already encoding"). So every MLX call for a
-model -- load, prefill, decode step, cache work -- is submitted here and runs in order on one thread.
+MLX binds streams and lazy arrays to the thread that made them, and on Metal a second thread entering the GPU
+mid-step crashes the process; so every MLX call for a model runs here, in order. :meth:`MLXThread.call` is
+cancel-safe: a cancelled caller still waits for its call to leave MLX, so the next never overlaps it.
 
-:meth:`MLXThread.call` is cancel-safe: if the awaiting task is cancelled (arq job timeout, worker
-shutdown), it still waits for the call to leave MLX before it lets the cancellation through, so whoever
-runs next never overlaps it.
-
-On Linux, MLX runs a CPU stream's kernels on a thread of its own (its ``StreamThread``, started by the
-stream's first evaluation), woken for every kernel the MLX thread enqueues. Under the default scheduling
-policy each of those wake-ups preempts the enqueuing thread whenever the two share a core, which is where
-the scheduler puts them after the process has idled a moment: a small model's step then pays thousands of
-context switches until load balancing parts them. So the stream's thread runs under ``SCHED_BATCH``, whose
-wake-ups do not preempt: a kernel waits for the other core, or for the MLX thread's next wait on MLX. Its
-share of the CPU is unchanged (same nice level); ``mlxq bench`` measures the policy side by side.
+On Linux, MLX runs a CPU stream's kernels on a thread of its own, woken for every kernel enqueued; under the
+default policy each wake-up preempts the enqueuing thread when the two share a core, a context switch per
+kernel. So that thread runs under ``SCHED_BATCH``, whose wake-ups do not preempt (same nice level, same share
+of the CPU).
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """The prefix (prompt) KV cache: mlx-lm's ``LRUPromptCache``, bounded by bytes, behind two calls.
 
-:meth:`PrefixCache.fetch` finds the longest cached prefix of a prompt (a copy of its cache, possibly trimmed
-from a longer entry) and :meth:`PrefixCache.store` keeps a sequence's cache: at the chat template's
-system-prompt boundary while it prefills, and whole (prompt + answer) when it ends, so a system prompt and
-the earlier turns of a chat are prefilled once. Every call runs on the model's MLX thread.
+:meth:`PrefixCache.fetch` finds the longest cached prefix of a prompt (a copy, possibly trimmed from a longer
+entry); :meth:`PrefixCache.store` keeps a sequence's cache at the system-prompt boundary while it prefills and
+whole when it ends, so a system prompt and a chat's earlier turns prefill once. Every call runs on the model's
+MLX thread. Eviction is mlx-lm's (least recently stored first; answers before prompts before system prompts),
+and a stored cache drops the entries that are its prefixes, as mlx-lm's server does.
 
-Bytes are the caches' allocated buffers (``nbytes``), the eviction mlx-lm's: least recently stored first,
-answers before prompts before system prompts. Storing a trimmable cache drops the entries that are its
-prefixes (a longer entry serves them, trimmed), as mlx-lm's server does.
-
-Two bounds keep it off the hot path. Prompts shorter than ``min_tokens`` are not looked up, nor are their
-sequences stored when they end (the scheduler's rule): a hit would save less prefill than copying and
-merging its cache costs, and copying a finished sequence's cache out of the batch is engine-thread time
-that only a long prompt repays. And the entries are few
-(``max_entries``), because mlx-lm's lookup walks every entry that shares the prompt's longest cached prefix
-(to find the shortest longer one): milliseconds per lookup on the engine thread once dozens of chats share
-a system prompt.
+Two bounds keep it off the hot path: prompts shorter than ``min_tokens`` are neither looked up nor stored (a
+hit would save less prefill than the copies cost), and the entries are few (``max_entries``): mlx-lm's lookup
+walks every entry that shares the prompt's longest cached prefix, on the engine thread.
 """
 
 from __future__ import annotations

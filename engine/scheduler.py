@@ -1,18 +1,13 @@
 """The continuous-batching scheduler: admit waiting requests, step the batch, report each request's output.
 
-It knows nothing of Redis, asyncio or threads, so tests drive it step by step with a fake backend; the
-engine calls it only from the model's MLX thread. Each :meth:`Scheduler.step` expires deadlines, admits
-waiting requests (preempting when a higher priority needs the room), runs one batch step and hands each
-row's tokens to its :class:`~engine.sequence.Sequence`, which says what text to emit and whether it ended.
+It knows nothing of Redis, asyncio or threads (tests drive it with a fake backend); the engine calls it on the
+model's MLX thread. Each :meth:`Scheduler.step` expires deadlines, admits waiting requests (in priority order
+with aging, ``waiting.py``; the first that does not fit, by :class:`~engine.admission.KVAdmission`, holds back
+the rest), runs one batch step and hands each row's tokens to its :class:`~engine.sequence.Sequence`.
 
-Admission: waiting requests leave in priority order with aging (``waiting.py``), and the first that cannot
-join holds back those behind it; whether one fits is :class:`~engine.admission.KVAdmission`'s answer.
-Preemption (as vLLM's, without its priority inversion: slots count as well as memory): when the first
-waiting request cannot join, running sequences of strictly lower priority whose own key is no better than
-its (aging protects them) leave the batch, lowest priority and latest first, as few as make room. How a
-sequence enters the batch and what becomes of its cache (resume, prefix, start at once, recompute) is the
-backend's :class:`~engine.cache_strategy.CacheStrategy`; either way a resumed sequence's output goes on
-without a gap or a repeat.
+Preemption (as vLLM's, counting slots as well as memory): running sequences of strictly lower priority whose
+aged key is no better leave for a waiting one, lowest and latest first, as few as make room. How a sequence
+enters the batch and what becomes of its cache is the backend's :class:`~engine.cache_strategy.CacheStrategy`.
 """
 
 from __future__ import annotations

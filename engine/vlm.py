@@ -1,29 +1,16 @@
-"""Vision-language models on mlx-vlm: the runtime's one file that touches mlx-vlm (its BatchGenerator's API
-moves between minors; mlx-vlm is pinned).
+"""Vision-language models on mlx-vlm: the runtime's one file that touches mlx-vlm (pinned: its BatchGenerator's
+API moves between minors).
 
-- :class:`Vision` is the CPU half of an image prompt (chat template, the processor's decode/resize/patch
-  work and image-token expansion). It runs in any thread and makes no MLX array the engine evaluates:
-  it returns the token ids and numpy arrays (:class:`~engine.request.ImageInputs`).
-- :class:`VLMBatch` is mlx-vlm's ``BatchGenerator`` behind the scheduler's ``BatchBackend``. Every row
-  carries input embeddings (``get_input_embeddings``, on the model's MLX thread), so image rows and text
-  rows share one continuous batch. An idle engine waiting for the rest of a burst has each arrival embedded
-  and evaluated meanwhile (:meth:`VLMBatch.embed_ahead`): the vision tower then runs while the others are
-  still being prepared, not in the burst's first step.
+- :class:`Vision`: an image prompt's CPU half (chat template, the processor's work, image-token expansion), in
+  any thread, making no MLX array: token ids and numpy arrays (:class:`~engine.request.ImageInputs`).
+- :class:`VLMBatch`: mlx-vlm's ``BatchGenerator`` as the scheduler's ``BatchBackend``. Every row carries input
+  embeddings, so image and text rows share one batch; an idle engine embeds a burst's arrivals as they come
+  (:meth:`VLMBatch.embed_ahead`).
 
-What mlx-vlm 0.7 does not do is done here:
-
-- **Per-request sampling.** Its ``GenerationBatch`` samples every row with one sampler (``ar.py``
-  ``GenerationBatch.sampler``; its server builds it from the first request of a batch). Rows do carry
-  their own logits processors, so a non-greedy request's sampler runs as its row's last processor
-  (:class:`RowSampler`), which leaves only the sampled token's logit finite: the batch's shared argmax
-  then picks exactly the request's own sample. Greedy rows carry no processor (argmax as in a single run).
-- **Admission up to capacity.** It prefills new prompts only while ``completion_batch_size - active >=
-  prefill_batch_size``; with ``completion_batch_size = capacity + prefill_batch_size`` that holds for every
-  count of sequences the scheduler (which admits at most ``capacity``) can give it.
-- **A cancel mid-prefill that leaves one padded row.** mlx-vlm 0.7.10 would decode that row at shifted
-  positions, so the cancelled row stays until its prefill ends (see :meth:`VLMBatch.remove`).
-
-It cannot hand a sequence's KV cache back (``supports_caches`` is False): mlx-vlm's responses carry none.
+Done here, not by mlx-vlm 0.7: per-request sampling (a non-greedy row's sampler is its last logits processor,
+:class:`RowSampler`), admission up to capacity (``completion_batch_size = capacity + prefill_batch_size``), and
+a cancel mid-prefill that would leave one padded row (:meth:`VLMBatch.remove`). No KV cache is handed back
+(``supports_caches`` is False).
 """
 
 from __future__ import annotations

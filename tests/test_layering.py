@@ -57,8 +57,7 @@ def test_producer_side_runs_without_mlx_or_arq_loaded() -> None:
 
 
 def test_redis_replies_are_parsed_in_c() -> None:
-    # pyproject asks for redis[hiredis]: without it redis-py parses every reply and pub/sub message in
-    # Python, and the tiny model's queue path ran ~4 % slower here.
+    # pyproject asks for redis[hiredis]: without it redis-py parses every reply and pub/sub message in Python.
     from redis.asyncio.connection import DefaultParser, _AsyncHiredisParser
 
     assert DefaultParser is _AsyncHiredisParser

@@ -1,20 +1,15 @@
 """Everything mlxq knows about arq, in one place (arq 0.28, pinned; checked at import).
 
-arq runs each worker process (``arq mlxq.worker.Settings``): its poll loop, ``max_jobs`` slots, health-check
-key, signals and the SIGTERM drain. How a job is claimed, run and ended is mlxq's own (worker/lifecycle.py).
-What crosses this seam:
+arq runs each worker process: its poll loop, ``max_jobs`` slots, health-check key, signals and SIGTERM drain.
+Claiming, running and ending a job are mlxq's own (worker/lifecycle.py). What crosses this seam:
 
-- **Records.** A job is stored as arq's job record (a JSON envelope: function, arguments, enqueue time), and
-  an ended job's terminal event as arq's result record, both under the deployment's prefix (``api.keys``;
-  the formats are ``api/jobrecord.py``'s, which a producer writes without arq), so :func:`arq_job` gives an
-  ``arq.jobs.Job`` whose ``status()``, ``info()`` and ``result()`` work.
-- **Claims.** arq's poll loop calls ``Worker._poll_iteration``. For a worker whose context holds a
-  :class:`Host`, the iteration asks ``Host.claim`` for up to the free slots instead of reading arq's one
-  queue: the host reads its own queues (one per model it serves) and starts, in one call, what its engines
-  have room for; each claimed job then runs in one of arq's slots, counted as arq counts its own jobs.
-- **Wake-ups.** arq polls on a fixed period; :func:`wake` makes the poll look at the queue now.
-- **Stop signals.** arq's SIGTERM/SIGINT handlers call :attr:`WorkerSpec.on_stop_signal`; its ``close``
-  calls :attr:`WorkerSpec.on_closed`.
+- **Records**: a job is stored as arq's job record, an ended job's terminal event as arq's result record
+  (``api/jobrecord.py``), so :func:`arq_job` gives an ``arq.jobs.Job`` whose ``status()`` and ``result()`` work.
+- **Claims**: ``Worker._poll_iteration`` asks ``Host.claim`` for up to the free slots instead of reading arq's
+  queue; each claimed job runs in one of arq's slots.
+- **Wake-ups**: :func:`wake` makes the poll look at the queue now.
+- **Stop signals**: arq's handlers call :attr:`WorkerSpec.on_stop_signal`, its ``close``
+  :attr:`WorkerSpec.on_closed`.
 """
 
 from __future__ import annotations

@@ -5,34 +5,25 @@
       │ └───lapse────────┼─────────────────┘    (expired while queued: error(expired))
       └───hand back──────┘                      (a reset event: shutdown, or the reaper after a worker died)
 
-- **start** (``START``): a worker starts due jobs of its queues in one call, lowest score first across them
-  (priority, then enqueue time), each queue up to what its engine has room for. Each takes a lease whose token
-  names the run (``<worker id>:<try>``); the try is counted here and only here, so tries count runs that
-  started.
-- **append / end / hand back** (``EMIT``): a run writes its events, one call per engine step for every job
-  of the worker. The terminal event's call also ends the job (its record, lease, queue entry; arq's result
-  record kept a while); a reset's call hands the job back to its queue.
-- **refresh** (``REFRESH``): a worker extends its runs' leases; a run whose lease is gone is fenced: it stops
-  and writes nothing more.
-- **reap** (``SWEEP``, then ``EMIT`` as the empty owner): any worker finds running jobs whose lease expired
-  (their worker died or froze) and hands each back with a reset, or ends it on its last try.
-- **lost data** (``EMIT``, write ``LOST``): when Redis lost its data under a running job (restarted without
-  persistence: the deployment's epoch changed and the job record is gone), the run ends it with
-  ``error(data_lost)``, retryable, instead of leaving its followers waiting.
-- **lapse** (``LAPSE``, then ``EMIT`` as the empty owner, write ``EXPIRE``): a job still queued when its
-  expiry passes (no worker took it in time) ends with ``error(expired)``, or ``done(cancelled)`` if a cancel
-  waits for it; taking it out of its queue decides, so a worker starting it at the same moment wins or loses
-  cleanly.
-- **reject** (``REJECT``): a queue entry no worker can run is moved to the dead-letter list.
+- **start** (``START``): a worker starts due jobs of its queues in one call, lowest score first, each queue up
+  to its engine's room. Each takes a lease whose token names the run (``<worker id>:<try>``); only here is the
+  try counted, so tries count runs that started.
+- **append / end / hand back** (``EMIT``): a run's events, one call per engine step for all the worker's jobs;
+  the terminal event's call also ends the job, a reset's hands it back to its queue.
+- **refresh** (``REFRESH``): extends a worker's leases; a run whose lease is gone is fenced: it writes nothing more.
+- **reap** (``SWEEP``, then ``EMIT`` as the empty owner): a running job whose lease expired (its worker died or
+  froze) is handed back with a reset, or ended on its last try.
+- **lost data** (``EMIT``, write ``LOST``): Redis lost its data under a running job (the epoch changed, the
+  record is gone): the run ends it ``error(data_lost)``, retryable, instead of leaving its followers waiting.
+- **lapse** (``LAPSE``, then ``EMIT`` as the empty owner, write ``EXPIRE``): a job still queued past its expiry
+  ends ``error(expired)``, or ``done(cancelled)`` if a cancel waits; taking it out of its queue decides a race
+  with a worker starting it.
+- **reject** (``REJECT``): a queue entry no worker can run goes to the dead-letter list.
 
-Every script checks its caller's right in Redis (worker/scripts.py), so a fenced run's writes, whenever they
-arrive, are refused. Every event a job gets is built and numbered by its :class:`Run`.
-
-Every EMIT call, and every change to a run, is the :class:`RunTable`'s: it holds a worker's runs, decides each
-job's terminal event (apply an engine output, cancel, reject, fail, lose; reap and expire for the reaper) and
-sends EMIT calls one at a time. The host, publisher, lease keeper, cancel watcher and reaper call its verbs;
-the other scripts (START, REFRESH, SWEEP, LAPSE, REJECT) they call on the :class:`Lifecycle`, which changes no
-run.
+Every script checks its caller's right in Redis (worker/scripts.py), so a fenced run's writes are refused. The
+:class:`RunTable` holds a worker's runs, decides each job's terminal event and sends EMIT calls one at a time
+(each :class:`Run` builds and numbers its events); the other scripts are the :class:`Lifecycle`'s, which
+changes no run.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """A job's images: read, checked against the worker's limits and prepared for its model, off the event loop.
 
-Images come as OpenAI content parts (``api.schema.ImagePart``): ``data:image/...;base64,...`` URLs, or
-http(s) URLs when the deployment enables them (``MLXQ_IMAGE_URLS``), fetched with a byte limit and one
-time limit for the whole fetch, from public addresses only (``MLXQ_IMAGE_URL_PRIVATE`` allows the rest).
-Each image's size is read from its header before its pixels are decoded, so an oversized one costs no
-decode. Only the formats in :data:`FORMATS` are parsed. Every refusal is an
-:class:`ImageError` naming the image (1-based, in prompt order, with its place in the request) and the
-problem; the worker ends the job with ``error(bad_request)`` carrying that message.
+Images are ``data:`` URLs or, where ``MLXQ_IMAGE_URLS`` enables them, http(s) URLs fetched with byte and time
+limits from public addresses only (``MLXQ_IMAGE_URL_PRIVATE`` allows the rest). A size is read from the header
+before any decode; only :data:`FORMATS` are parsed. Every refusal is an :class:`ImageError` naming the image
+(1-based, with its place in the request); the job ends ``error(bad_request)``.
 
-Fetching runs in asyncio's default thread pool (it waits on the network). Decoding and the model's CPU
-preprocessing (``engine.vlm.Vision.prepare``: resize, normalise, patch, expand the image tokens) run on the
-executor the caller gives, one thread per model (``worker/service.py``): that work holds the GIL most of
-the time, so several threads at it only slow each other, the event loop and the engine thread down, and one
-thread hands a burst's images to the engine in arrival order, the first soonest, for the engine to embed
-each while the next is prepared (on its own MLX thread: ``engine/engine.py``, ``embed_ahead``).
+Fetching runs in asyncio's default thread pool. Decoding and the model's preprocessing run on the caller's
+executor, one thread per model: that work holds the GIL, so more threads would only slow each other and the
+engine, and one thread hands a burst's images over in arrival order, for the engine to embed each meanwhile.
 """
 
 from __future__ import annotations

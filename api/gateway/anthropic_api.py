@@ -1,18 +1,10 @@
 """Anthropic's Messages API over the queue: ``/v1/messages``, requests in and responses out.
 
-Mapped: ``model``, ``max_tokens``, ``system`` (a string or text blocks: the first turn, a system message),
-``messages`` (text blocks are joined), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``,
-``metadata.user_id`` (into the job's metadata), ``stream`` and ``thinking`` (``enabled``/``disabled``: the chat
-template's enable_thinking; a reasoning model's thinking comes as a thinking block before the text, streamed
-as ``thinking_delta``s; ``budget_tokens`` is not enforced apart from ``max_tokens``); ``tools`` (client tools:
-name, description, input_schema), ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``;
-``disable_parallel_tool_use``), assistant turns' ``tool_use`` blocks and user turns' ``tool_result`` blocks (each
-a ``tool`` turn before the user's text). The model's calls come as ``tool_use`` blocks after its text (streamed:
-the call's input as one ``input_json_delta``), with ``stop_reason`` ``tool_use``. Refused with a 400 that names
-them: server tools, documents, and a final assistant turn (a prefill to continue). Image blocks become the
-job's image parts (a model that takes no images refuses them: a 400 from its worker). A job that ends on one of
-its ``stop_sequences`` reports ``stop_reason`` ``stop_sequence`` and that ``stop_sequence``; on end of text,
-``end_turn``; on ``max_tokens``, ``max_tokens``.
+Mapped: ``system``, ``messages`` (text and image blocks, ``tool_use`` and ``tool_result`` blocks), the sampling
+fields, ``stop_sequences``, ``metadata.user_id``, ``stream``, ``thinking`` (the chat template's
+enable_thinking: a thinking block before the text; ``budget_tokens`` is not enforced) and client ``tools`` with
+``tool_choice``: the model's calls come as ``tool_use`` blocks after its text, ``stop_reason`` ``tool_use``.
+Refused with a 400 that names them: server tools, documents and a final assistant turn (a prefill).
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
-"""The gateway's ASGI app: OpenAI's and Anthropic's HTTP APIs in front of the queue (Starlette; streams are
-:class:`~api.gateway.sse.EventStream` responses).
+"""The gateway's ASGI app (Starlette): OpenAI's and Anthropic's HTTP APIs in front of the queue.
 
-- ``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI) and ``POST /v1/messages`` (Anthropic);
-- ``GET /v1/models`` (and ``/v1/models/{model}``): the models live workers serve now, with their worker
-  counts; in Anthropic's format when the request carries ``anthropic-version``;
+- ``POST /v1/chat/completions``, ``/v1/completions`` (OpenAI) and ``/v1/messages`` (Anthropic);
+- ``GET /v1/models`` (and ``/v1/models/{model}``): what live workers serve, with their worker counts, in
+  Anthropic's format for a request with ``anthropic-version``;
 - ``GET /health``: 200 while Redis answers, else 503 (no key needed).
 
-A generation request is authenticated, its body read (bounded) and parsed by its API's dialect into one job,
-which is submitted (refused at once when no live worker serves the model) and followed to its start; then
-the response is either the whole text once the job ends, or an SSE stream of it. A client that goes away,
-while waiting or mid-stream, cancels its job; so does the server's shutdown (SIGTERM) for every open stream.
-Every failure is answered in the API's own error format.
+A generation request is authenticated, parsed into one job, submitted and followed to its start; the response
+is the whole text or an SSE stream. A client that goes away cancels its job, as does shutdown for every open
+stream. Every failure is answered in the API's own error format.
 """
 
 from __future__ import annotations

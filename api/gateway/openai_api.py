@@ -1,21 +1,13 @@
 """OpenAI's API over the queue: ``/v1/chat/completions`` and ``/v1/completions``, requests in and responses out.
 
-Mapped: ``model``, ``messages`` (``developer`` is a system turn; text content parts are joined) or ``prompt``,
-``max_completion_tokens``/``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``presence_penalty``,
-``frequency_penalty``, ``metadata``, ``stream`` and ``stream_options.include_usage``; mlx-lm's and vLLM's
-extensions ``top_k``, ``min_p``, ``repetition_penalty`` and mlxq's ``priority``; ``response_format``
-(``json_object``, ``json_schema``, and mlxq's ``regex`` and ``grammar``: the output is constrained to it); a
-reasoning model's thinking goes out as ``reasoning_content`` (``chat_template_kwargs.enable_thinking`` switches
-it, as vLLM takes it); ``tools``, ``tool_choice`` and ``parallel_tool_calls``, with assistant turns' ``tool_calls``
-and ``tool`` turns (the model's calls come as the message's ``tool_calls``, streamed one whole call per delta
-with its index and id, and finish ``tool_calls``).
-``image_url`` content parts become the job's image parts (a model that takes no images refuses them: a 400 from
-its worker); chat's ``logprobs`` and ``top_logprobs`` (each token's text, log-probability and bytes), the
-completions API's ``logprobs`` (its legacy form: tokens, token_logprobs, top_logprobs, text_offset); ``n`` up to 8
-(one job per choice, the same prompt, so the workers' prefix cache serves the others; a ``seed`` is ``seed + i``
-for choice i). Refused with a 400 that names them: the legacy ``functions`` and ``function_call``,
-``logit_bias``, audio, ``echo``, ``suffix``, ``best_of`` > 1 and token-id prompts. ``user`` goes into the job's
-metadata.
+Mapped: the messages (``developer`` is a system turn) or prompt, the sampling fields (and mlx-lm's and vLLM's
+``top_k``, ``min_p``, ``repetition_penalty``, mlxq's ``priority``), ``stop``, ``metadata``, ``user``, streaming
+with ``stream_options.include_usage``; ``response_format`` (and mlxq's ``regex`` and ``grammar``); reasoning as
+``reasoning_content`` (``chat_template_kwargs.enable_thinking``); ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (a streamed call comes whole in one delta); ``image_url`` parts; both APIs'
+``logprobs``; ``n`` up to 8, one job per choice (``seed + i`` for choice i). Refused with a 400 that names
+them: ``functions``/``function_call``, ``logit_bias``, audio, ``echo``, ``suffix``, ``best_of`` > 1 and
+token-id prompts.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ async def test_a_killed_connection_breaks_every_stream_and_the_next_open_reconne
 async def test_a_break_during_unsubscribes_leaves_the_command_pool_clean(redis_url: str) -> None:
     """A pub/sub connection that breaks while UNSUBSCRIBEs are in flight never ends up among the connections
     commands use (redis-py's retry used to reconnect it there, and a GET then read an ``unsubscribe`` reply
-    or raced the hub's reader for the socket: 22 of 200 rounds here before the fix)."""
+    or raced the hub's reader for the socket)."""
     import redis.asyncio as aredis
 
     from mlxq.api.connection import redis_client

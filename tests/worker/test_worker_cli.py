@@ -68,7 +68,7 @@ def test_submit_streams_exactly_the_generated_text_to_stdout(arq_worker: WorkerP
 
 def test_the_worker_takes_its_start_up_objects_out_of_the_garbage_collectors_sight(arq_worker: WorkerProcess
                                                                                   ) -> None:
-    # A full collection over them stalled every stream for 76 ms mid-decode; gc.freeze() after start-up.
+    # A full collection over them stalls every stream mid-decode; gc.freeze() after start-up.
     line = next(ln for ln in arq_worker.log_path.read_text().splitlines() if " serving " in ln)
     match = re.search(r"(\d+) start-up objects frozen", line)
     assert match is not None, line

@@ -623,7 +623,6 @@ async def test_oversized_prompt_is_refused_without_stalling_the_worker(worker: R
     ordinary = await client.submit(model=MODEL, prompt="an ordinary job beside it", max_tokens=5)
     end = terminal(await collect(client, rid))
     assert isinstance(end, ErrorEvent) and end.code is ErrorCode.BAD_REQUEST
-    # Refused on its character count, before any tokenizing (which is what took the event loop for seconds).
     limit = worker.host.config.max_payload_bytes
     assert end.message == f"the prompt has {2 * MAX_PROMPT_CHARS} characters; the limit is {limit}"
     assert rid not in encoded

@@ -1,10 +1,9 @@
 """Which BLAS mlx calls on Linux, and how to make Debian's OpenBLAS run its fast kernels (for ``mlxq bench``).
 
-mlx-cpu's bundled reference BLAS runs gemm at ~3 GFLOP/s, so benchmarks preload Debian's OpenBLAS. That
-OpenBLAS (0.3.21, ``DYNAMIC_ARCH``) picks its kernels from the CPU model it knows; on a CPU newer than
-itself it falls back to its generic SSE3 kernels ("Prescott"). Measured on this project's Linux box (a
-Xeon with AVX-512, 1 thread, 1024x1024 float32 gemm): Prescott 20-24 GFLOP/s, Haswell 56-68, SkylakeX
-98-126. :func:`coretype_for` names the fastest kernel set the CPU's flags allow, for ``OPENBLAS_CORETYPE``.
+mlx-cpu's bundled reference BLAS is slow, so benchmarks preload Debian's OpenBLAS. That OpenBLAS (0.3.21,
+``DYNAMIC_ARCH``) picks its kernels from the CPU model it knows; on a CPU newer than itself it falls back to its
+generic SSE3 kernels ("Prescott"), much slower than the CPU's own. :func:`coretype_for` names the
+fastest kernel set the CPU's flags allow, for ``OPENBLAS_CORETYPE``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """``mlxq bench``: how much of raw mlx-lm's batching throughput survives the queue, on your model, in one run.
 
-At each concurrency N, bursts of N requests at once go, in turn, through:
-
-- **raw**: mlx-lm's ``BatchGenerator`` driven in this process on its own MLX thread (no Redis, no arq): the
-  ceiling;
-- **queue**: ``mlxq.api.client.Client`` -> an embedded Redis -> ``arq mlxq.worker.Settings`` (a child process,
-  continuous batching) -> pub/sub -> the client;
-- **gateway** (when the gateway extra is installed): ``mlxq gateway`` (a child process) in front of the same
-  worker, streamed over HTTP (``POST /v1/completions``).
-
-It prints tok/s and TTFT p50 per path side by side, with queue/raw and gateway/raw, and writes them to
-``results.md``, ``results.json`` and ``chart.png``. The model is loaded twice (here and in the worker). Paths
-alternate run by run (the idle worker SIGSTOPped during raw runs), and throughput is the best run: background
-load only ever slows a run down. On Linux the command first re-executes itself with Debian's OpenBLAS preloaded
-when it is installed (``preload.py``). The research measurements (scheduling, image jobs, two models, kernel
-thread policies, ``mlx_lm.server``, the README's targets) are ``python3 -m tests.perf`` in the repository.
+At each concurrency N, bursts of N requests go in turn through **raw** (mlx-lm's ``BatchGenerator`` in this
+process: the ceiling), **queue** (``Client`` -> embedded Redis -> an arq worker -> pub/sub) and, with the
+gateway extra, **gateway** (``mlxq gateway`` before the same worker, ``POST /v1/completions`` streamed). It
+prints tok/s and TTFT p50 per path with the ratios to raw and writes ``results.md``, ``results.json`` and
+``chart.png``. Paths alternate run by run; throughput is the best run, as background load only slows a run.
+On Linux it first re-executes itself with Debian's OpenBLAS preloaded (``preload.py``). The research
+benchmarks are ``python3 -m tests.perf``.
 """
 
 from __future__ import annotations

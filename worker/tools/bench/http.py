@@ -2,10 +2,10 @@
 at a time each, reading a server-sent event stream.
 
 Why not httpx: the client shares the machine's cores with the worker it measures, and httpx (pure-Python h11
-under anyio) takes several times the CPU per streamed request that ``mlxq.api.client.Client`` takes on the queue
-path, so the bench would measure its client library more than the gateway (the numbers are in the report of
-issue 15). This client speaks only what the gateway and ``mlx_lm.server`` answer: a status line, headers, a chunked
-or sized body, or (HTTP/1.0) a body that ends when the server closes the connection.
+under anyio) takes several times the CPU per streamed request that ``mlxq.api.client.Client`` takes, so the
+bench would measure its client library more than the gateway. This client speaks only what the gateway and
+``mlx_lm.server`` answer: a status line, headers, a chunked or sized body, or (HTTP/1.0) a body that ends when
+the server closes the connection.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def raw_run(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, capa
 
 @contextlib.contextmanager
 def frozen(worker: WorkerProcess) -> Iterator[None]:
-    """SIGSTOP the idle worker around a raw run: its polling (~5% of a core) must not tax the ceiling.
+    """SIGSTOP the idle worker around a raw run: its polling must not tax the ceiling.
 
     Every run starts after the same idle pause, raw or queue: a machine runs a short burst measurably faster
     after a pause than right after another burst, OpenBLAS threads spin for a while after their last call, and
