@@ -194,7 +194,7 @@ def test_image_jobs_are_measured_on_mlx_vlm_and_through_the_queue(results: dict[
 # --- fast: configuration, the re-exec, the stats line ----------------------------------------------
 def test_config_defaults_quick_and_overrides(tmp_path: Path) -> None:
     full = runs.BenchConfig.from_args(_args(tmp_path, quick=False))
-    assert (full.sizes, full.concurrency, full.max_tokens, full.capacity) == (("tiny", "small"), (1, 8, 32), 64, 32)
+    assert (full.sizes, full.concurrency, full.max_tokens, full.capacity) == (("tiny", "small"), (1, 8, 32, 64), 64, 64)
     assert (full.repeats_for("tiny"), full.repeats_for("small")) == (15, 7)  # tiny runs are short: more pairs
     over = runs.BenchConfig.from_args(_args(tmp_path, sizes="small", concurrency="16,2,2", max_tokens=5))
     assert (over.sizes, over.concurrency, over.max_tokens, over.quick) == (("small",), (2, 16), 5, True)

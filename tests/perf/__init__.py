@@ -2,7 +2,7 @@
 ``results.md`` (every measurement, and each of the README's targets with PASS or MISS), ``results.json`` and
 ``chart.png``::
 
-    python3 -m tests.perf --out DIR [--quick] [--sizes tiny,small] [--concurrency 1,8,32] [--max-tokens 64]
+    python3 -m tests.perf --out DIR [--quick] [--sizes tiny,small] [--concurrency 1,8,32,64] [--max-tokens 64]
 
 ``suite.py`` runs the phases in order: raw, engine, queue, serial, gateway and ``mlx_lm.server`` paths
 (``paths.py``, ``gateway.py``, ``peer.py``); scheduling (``scheduling.py``); image jobs (``vision.py``); two

@@ -16,7 +16,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="perf-out", help="directory for results.md, results.json, chart.png")
     p.add_argument("--quick", action="store_true", help="a smoke run of a minute or so")
     p.add_argument("--sizes", default=None, help="comma-separated generated model sizes (default: tiny,small)")
-    p.add_argument("--concurrency", default=None, help="comma-separated N values (default: 1,8,32)")
+    p.add_argument("--concurrency", default=None, help="comma-separated N values (default: 1,8,32,64)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default: 64)")
     return p
 

@@ -24,7 +24,7 @@ class BenchConfig:
     """What one bench run measures; ``quick`` is a smoke run of a few seconds."""
 
     sizes: tuple[str, ...] = ("tiny", "small")
-    concurrency: tuple[int, ...] = (1, 8, 32)
+    concurrency: tuple[int, ...] = (1, 8, 32, 64)
     max_tokens: int = 64
     repeats: int = 7  # measured runs per N on raw and queue, in pairs (the machine is noisy: ±20 % run to run)
     tiny_repeats: int = 15  # the tiny model's runs take under a second: more pairs cost little, steady the medians
