@@ -10,11 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from .request import SamplingParams
 
-__all__ = ["make_request_logits_processors", "make_request_sampler"]
+__all__ = ["RowSampler", "make_request_logits_processors", "make_request_sampler"]
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -23,29 +23,44 @@ def make_request_sampler(params: SamplingParams) -> Sampler | None:
     """``None`` for greedy (BatchGenerator's shared argmax), else a sampler for this request alone."""
     if params.greedy:
         return None
-    if params.seed is None:
-        return make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
-    return _seeded_sampler(params)
+    return RowSampler(params)
 
 
-def _seeded_sampler(params: SamplingParams) -> Sampler:
-    filters: list[Callable[[mx.array], mx.array]] = []
-    if 0.0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p > 0.0:
-        filters.append(lambda x: apply_min_p(x, params.min_p))
-    if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
-    key = [mx.random.key(params.seed or 0)]
-    inv_temp = 1.0 / params.temperature
+class RowSampler:
+    """A request's sampler: mlx-lm's filters (top-p, min-p, top-k, in mlx-lm's order) and temperature, drawing
+    from its own PRNG key when seeded (else from MLX's global one, as mlx-lm's sampler does). Speculative
+    decoding reads the distribution it draws from and draws from it with the same key."""
 
-    def sample(logprobs: mx.array) -> mx.array:
-        for f in filters:
+    def __init__(self, params: SamplingParams) -> None:
+        self.filters: list[Callable[[mx.array], mx.array]] = []
+        if 0.0 < params.top_p < 1.0:
+            self.filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p > 0.0:
+            self.filters.append(lambda x: apply_min_p(x, params.min_p))
+        if params.top_k > 0:
+            self.filters.append(lambda x: apply_top_k(x, params.top_k))
+        self.inv_temp = 1.0 / params.temperature
+        self._key = mx.random.key(params.seed) if params.seed is not None else None
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return mx.random.categorical(self.logits(logprobs), key=self.key())
+
+    def logits(self, logprobs: mx.array) -> mx.array:
+        """The unnormalised log-probabilities it draws from."""
+        for f in self.filters:
             logprobs = f(logprobs)
-        key[0], sub = mx.random.split(key[0])
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
+        return logprobs * self.inv_temp
 
-    return sample
+    @property
+    def seeded(self) -> bool:
+        return self._key is not None
+
+    def key(self) -> mx.array | None:
+        """The next PRNG key of a seeded request (None: MLX's global one)."""
+        if self._key is None:
+            return None
+        self._key, sub = mx.random.split(self._key)
+        return sub
 
 
 def make_request_logits_processors(params: SamplingParams) -> list[Any]:

@@ -21,12 +21,13 @@ from typing import Any, Protocol, cast
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, _extend_cache
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from .sampling import RowSampler
 from .stats import EngineStats
 
-__all__ = ["DraftModel", "PromptLookup", "SpecBatch", "SpecKind", "Speculation", "Tuner", "check_cache",
-           "rollback"]
+__all__ = ["DraftModel", "PromptLookup", "RaggedKVCache", "SpecBatch", "SpecKind", "Speculation", "Tuner",
+           "check_cache", "ragged", "rollback"]
 
 
 class SpecKind(enum.Enum):
@@ -67,19 +68,112 @@ def check_cache(model: Any) -> str | None:
     return f"its KV cache ({', '.join(sorted(kinds))}) cannot be rolled back per row" if kinds else None
 
 
+class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
+    """mlx-lm's batched KV cache in which each row ends where its own tokens end (``ends``), so a row takes
+    positions off its end without moving the others or copying the cache: the next tokens of a row are written
+    at its end, over what it dropped, and each row attends only up to its own end. Rows are left-padded to the
+    longest (as in mlx-lm's), which a row that keeps fewer proposals falls behind."""
+
+    ends: list[int]
+    keys: Any
+    values: Any
+
+    @classmethod
+    def adopt(cls, cache: BatchKVCache) -> RaggedKVCache:
+        """``cache`` (every row ending at its last position) as a ragged cache, in place."""
+        cache.__class__ = cls
+        adopted = cast(RaggedKVCache, cache)
+        adopted.ends = [cache._idx] * int(cache.offset.shape[0])
+        return adopted
+
+    @property
+    def _even(self) -> bool:
+        return all(e == self._idx for e in self.ends)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        n = keys.shape[2]
+        if self._even:
+            out = super().update_and_fetch(keys, values)
+            self.ends = [self._idx] * len(self.ends)
+            return out  # type: ignore[no-any-return]
+        self._reserve(max(self.ends) + n, keys, values)
+        at = (mx.array(self.ends)[:, None] + mx.arange(n)[None])[:, None, :, None]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
+        self.ends = [e + n for e in self.ends]
+        self.offset = self.offset + n
+        self._idx = max(self.ends)
+        return self.keys[..., :self._idx, :], self.values[..., :self._idx, :]
+
+    def _reserve(self, size: int, keys: mx.array, values: mx.array) -> None:
+        """Room for ``size`` positions, grown as mlx-lm grows its buffers (steps of ``self.step``)."""
+        if self.keys is not None and size <= self.keys.shape[2]:
+            return
+        b, heads, _, dk = keys.shape
+        grow = -(-size // self.step) * self.step - (0 if self.keys is None else self._idx)
+        new_k = mx.zeros((b, heads, grow, dk), keys.dtype)
+        new_v = mx.zeros((b, heads, grow, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([self.keys[..., :self._idx, :], new_k], axis=2)
+            self.values = mx.concatenate([self.values[..., :self._idx, :], new_v], axis=2)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:  # mlx-lm's name
+        if self._even:
+            return super().make_mask(N, return_array=return_array, **kwargs)
+        query = mx.array(self.ends)[:, None] + mx.arange(N)[None]  # each row's new positions
+        key = mx.arange(max(self.ends) + N)[None, None]
+        mask = (key <= query[:, :, None]) & (key >= self.left_padding[:, None, None])
+        return mask[:, None]
+
+    def retreat(self, drop: Sequence[int]) -> None:
+        """Take ``drop[i]`` positions off the end of row ``i``."""
+        self.ends = [e - d for e, d in zip(self.ends, drop)]
+        self.offset = self.offset - mx.array(list(drop))
+        self._idx = max(self.ends)
+
+    def trim(self, n: int) -> int:
+        n = min(self._idx, n)
+        self.retreat([n] * len(self.ends))
+        return n
+
+    def filter(self, batch_indices: Any) -> None:
+        ends = [self.ends[i] for i in batch_indices]
+        shift = self._idx
+        super().filter(batch_indices)
+        shift -= self._idx  # the padding every kept row had, cut from their fronts
+        self.ends = [e - shift for e in ends]
+        self._idx = max(self.ends)
+
+    def extend(self, other: Any) -> None:
+        ours = self.ends
+        theirs = other.ends if isinstance(other, RaggedKVCache) else [other._idx] * int(other.offset.shape[0])
+        top = max(self._idx, other._idx)
+        base_self, base_other = self._idx, other._idx
+        super().extend(other)
+        self.ends = [e + top - base_self for e in ours] + [e + top - base_other for e in theirs]
+        self._idx = max(self.ends)
+
+    def extract(self, idx: int) -> KVCache:
+        cache = KVCache()
+        start, end = _ints(self.left_padding)[idx], self.ends[idx]
+        cache.keys = mx.contiguous(self.keys[idx:idx + 1, :, start:end])
+        cache.values = mx.contiguous(self.values[idx:idx + 1, :, start:end])
+        cache.offset = end - start
+        return cache
+
+
+def ragged(caches: list[Any]) -> list[Any]:
+    """A batch's caches as :class:`RaggedKVCache` (adopted in place)."""
+    return [c if isinstance(c, RaggedKVCache) else RaggedKVCache.adopt(c) for c in caches]
+
+
 def rollback(cache: Sequence[Any], drop: Sequence[int]) -> None:
-    """Take ``drop[i]`` positions off the end of row ``i`` in batched KV caches: trim what every row drops,
-    then shift each row right by the rest (its left padding grows). The shift copies the cache, so it runs
-    only when rows dropped different amounts."""
-    least = min(drop)
-    if least:
+    """Take ``drop[i]`` positions off the end of row ``i`` in a batch's ragged caches (no copy)."""
+    if any(drop):
         for c in cache:
-            c.trim(least)
-    pad = [d - least for d in drop]
-    if any(pad):
-        for c in cache:
-            c.prepare(right_padding=pad)
-            c.finalize()
+            c.retreat(drop)
 
 
 class DraftModel:
@@ -101,7 +195,7 @@ class DraftModel:
                                         prefill_step_size=self.prefill_step)
         if any(history):
             prefill.prompt(history)
-        self.cache = _extend_cache(self.cache, prefill.prompt_cache)
+        self.cache = ragged(_extend_cache(self.cache, prefill.prompt_cache))
         self.fed.extend(len(h) for h in history)
 
     def filter(self, keep: list[int]) -> None:
@@ -119,17 +213,13 @@ class DraftModel:
             inputs = mx.concatenate([mx.array(feeds, dtype=pending.dtype).reshape(len(feeds), n), pending[:, None]],
                                     axis=1)
             logits = self.model(inputs, cache=self.cache)[:, -1, :]
-        else:  # rows joined or decoded plainly at different times: right-padded, as mlx-lm prefills
+        else:  # rows joined or decoded plainly at different times: right-padded, the padding dropped after
             rows = [[*f, p] for f, p in zip(feeds, _ints(pending))]
             width = max(len(r) for r in rows)
-            pad = [width - len(r) for r in rows]
-            for c in self.cache:
-                c.prepare(right_padding=pad)
             out = self.model(mx.array([r + [0] * (width - len(r)) for r in rows]), cache=self.cache)
             last = mx.array([len(r) - 1 for r in rows])[:, None, None]
             logits = mx.take_along_axis(out, last, axis=1)[:, 0, :]
-            for c in self.cache:
-                c.finalize()
+            rollback(self.cache, [width - len(r) for r in rows])
         drafts = [mx.argmax(logits, axis=-1)]
         for _ in range(k - 1):
             drafts.append(mx.argmax(self.model(drafts[-1][:, None], cache=self.cache)[:, -1, :], axis=-1))
@@ -198,47 +288,68 @@ class PromptLookup:
         return 0
 
 
-@dataclass(slots=True)
-class _Rate:
-    tokens_per_s: float = 0.0
-    seconds: float = 0.0  # per step
-    samples: int = 0
-
-
 class Tuner:
-    """Chooses each step's ``k`` from the tokens per second each ``k`` measured at the batch's size (powers of
-    two): every ``k`` is tried a few times, then the best is used, with a neighbour tried one step in
-    ``explore`` so a change in acceptance or load is seen."""
+    """Chooses each step's ``k``: the one with the most tokens per second expected at the batch's size (powers
+    of two), from the acceptance measured over every row (one rate per proposal position, as the usual
+    analysis assumes) and the time a step of each ``k`` took at that size. ``k`` holds for ``block`` steps and
+    only a step that follows one of the same ``k`` is timed: a plain step's forward pass runs on while the next
+    step starts, so the step after a change pays part of the one before. Every ``k`` is timed first, then the
+    best is used, with a neighbour tried one block in ``explore`` so a change in load is seen."""
 
-    TRIES = 3
+    TRIES = 3  # timings of each k before the best is trusted
+    MARGIN = 1.05  # how much faster than plain decoding a k must look to be used
 
-    def __init__(self, max_k: int, *, explore: int = 32, seed: int = 0) -> None:
+    def __init__(self, max_k: int, *, block: int = 4, explore: int = 32, seed: int = 0) -> None:
         self.ks = tuple(range(max_k + 1))
+        self.block = block
         self.explore = explore
-        self._rates: dict[tuple[int, int], _Rate] = {}
-        self._steps = 0
+        self._seconds: dict[tuple[int, int], tuple[float, int]] = {}  # (size, k) -> step time (moving), samples
+        self._kept = 1.0  # proposals kept, and rejected (decayed sums): the acceptance rate is kept / both
+        self._rejected = 1.0
+        self._k = 0
+        self._left = 0  # steps left in the current block
+        self._blocks = 0
         self._random = random.Random(seed)
 
+    @property
+    def acceptance(self) -> float:
+        return self._kept / (self._kept + self._rejected)
+
     def choose(self, rows: int) -> int:
-        size = rows.bit_length()
-        rates = [self._rates.get((size, k)) for k in self.ks]
-        for k, rate in zip(self.ks, rates):
-            if rate is None or rate.samples < self.TRIES:
+        if self._left <= 0:
+            self._k, self._left = self._next(rows.bit_length()), self.block
+        self._left -= 1
+        return self._k
+
+    def _next(self, size: int) -> int:
+        timed = [self._seconds.get((size, k), (0.0, 0)) for k in self.ks]
+        for k, (_, samples) in zip(self.ks, timed):
+            if samples < self.TRIES:
                 return k
-        best = max(self.ks, key=lambda k: rates[k].tokens_per_s)  # type: ignore[union-attr]
-        self._steps += 1
-        if self._steps % self.explore == 0:
+        a = self.acceptance
+        speed = [sum(a ** j for j in range(k + 1)) / timed[k][0] for k in self.ks]
+        best = max(self.ks, key=lambda k: speed[k])
+        if speed[best] < self.MARGIN * speed[0]:  # a gain within the timings' noise is no gain
+            best = 0
+        self._blocks += 1
+        if self._blocks % self.explore == 0:
             return max(0, min(self.ks[-1], best + self._random.choice((-1, 1))))
         return best
 
-    def record(self, rows: int, k: int, tokens: int, seconds: float) -> None:
-        rate = self._rates.setdefault((rows.bit_length(), k), _Rate())
-        if rate.samples >= self.TRIES and seconds > 4 * rate.seconds:
+    def record(self, rows: int, k: int, seconds: float) -> None:
+        """A step of ``k`` at ``rows`` rows took ``seconds``."""
+        key = (rows.bit_length(), k)
+        mean, samples = self._seconds.get(key, (0.0, 0))
+        if samples >= self.TRIES and seconds > 4 * mean:
             return  # an idle wait or a stall between steps, not this k's cost
-        w = 1.0 / (rate.samples + 1) if rate.samples < self.TRIES else 0.2
-        rate.tokens_per_s += (tokens / seconds - rate.tokens_per_s) * w
-        rate.seconds += (seconds - rate.seconds) * w
-        rate.samples += 1
+        w = 1.0 / (samples + 1) if samples < self.TRIES else 0.2
+        self._seconds[key] = (mean + (seconds - mean) * w, samples + 1)
+
+    def accepted(self, kept: Sequence[int], k: int) -> None:
+        """Rows kept ``kept[i]`` of ``k`` proposals: each kept one a success, the first rejected a failure."""
+        decay = 0.98  # recent steps count most: acceptance moves with what the batch generates
+        self._kept = self._kept * decay + sum(kept)
+        self._rejected = self._rejected * decay + sum(1 for a in kept if a < k)
 
 
 class SpecBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
@@ -247,19 +358,21 @@ class SpecBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
     proposer: Proposer
     tuner: Tuner
     stats: EngineStats
-    _last: tuple[int, int, int, float] | None  # rows, k, tokens and start of the step being timed
+    _last: tuple[int, int, float] | None  # rows, k and start of the step being timed
     _untimed: bool  # the step being timed also prefilled prompts: not a sample of its k
+    _prior: int  # the k of the step before the one being timed (-1: none)
 
     @classmethod
     def make(cls, model: Any, sampler: Any, proposer: Proposer, tuner: Tuner, stats: EngineStats) -> SpecBatch:
         batch: SpecBatch = cls.empty(model, sampler)
         batch.proposer, batch.tuner, batch.stats = proposer, tuner, stats
-        batch._last, batch._untimed = None, False
+        batch._last, batch._untimed, batch._prior = None, False, -1
         return batch
 
     def extend(self, batch: Any) -> None:
         start = len(self.uids)
         super().extend(batch)
+        self.prompt_cache = ragged(self.prompt_cache)
         self.proposer.joined(self, start)
 
     def filter(self, keep: list[int]) -> None:
@@ -274,24 +387,26 @@ class SpecBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
     def next(self) -> list[Any]:
         if not self.uids:
             return []
-        self._time(time.perf_counter())
         rows, k = len(self.uids), self._choose()
+        self._time(time.perf_counter(), k)
         responses = super().next() if k == 0 else self._speculate(k)
         self.stats.spec_k = k
         if self._last is not None:
-            self._last = (rows, k, len(responses), self._last[3])
+            self._last = (rows, k, self._last[2])
         return responses  # type: ignore[no-any-return]
 
-    def _time(self, now: float) -> None:
-        if self._last is not None and not self._untimed:
-            rows, k, tokens, start = self._last
-            self.tuner.record(rows, k, tokens, now - start)
-        self._last, self._untimed = (0, 0, 0, now), False
+    def _time(self, now: float, k: int) -> None:
+        """Record the step that ends now, if it was one of a run of the same ``k``; start timing the next."""
+        if self._last is not None and not self._untimed and self._last[1] == k == self._prior:
+            rows, _, start = self._last
+            self.tuner.record(rows, k, now - start)
+        self._prior = self._last[1] if self._last is not None else -1
+        self._last, self._untimed = (0, k, now), False
 
     def _choose(self) -> int:
         if any(self.logits_processors or ()):  # penalties and format masks run a row at a time: plain steps
             return 0
-        if not any(s is self.fallback_sampler for s in self.samplers or ()):  # no greedy row would take a proposal
+        if not any(_takes_proposals(s, self.fallback_sampler) for s in self.samplers or ()):
             return 0
         return self.tuner.choose(len(self.uids))
 
@@ -302,25 +417,44 @@ class SpecBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         choice = mx.argmax(logprobs, axis=-1)
         samplers = self.samplers or []
-        greedy = mx.array([s is self.fallback_sampler for s in samplers])
+        greedy = [s is self.fallback_sampler for s in samplers]
         agree = (drafts == choice[:, :k]).astype(mx.int32)
-        accepted = mx.where(greedy, mx.cumprod(agree, axis=1).sum(axis=1), 0)
+        accepted = mx.where(mx.array(greedy), mx.cumprod(agree, axis=1).sum(axis=1), 0)
         following = mx.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
-        if not mx.all(greedy).item():  # rows with their own sampler draw from position 0, as a plain step does
-            drawn = [following[i:i + 1] if g else s(logprobs[i:i + 1, 0])
-                     for i, (g, s) in enumerate(zip(_ints(greedy), samplers))]
-            following = mx.concatenate(drawn).astype(following.dtype)
+        if not all(greedy):
+            accepted, following = self._sampled_rows(k, greedy, samplers, logprobs, drafts, accepted, following)
+        takers = sum(1 for s in samplers if _takes_proposals(s, self.fallback_sampler))
         mx.eval(pending, drafts, accepted, following)
         kept = _ints(accepted)
         rollback(self.prompt_cache, [k - a for a in kept])
         self.proposer.settle(kept, k)
+        self.tuner.accepted([a for a, s in zip(kept, samplers) if _takes_proposals(s, self.fallback_sampler)], k)
         self.stats.spec_steps += 1
-        self.stats.spec_drafted += k * sum(_ints(greedy))
+        self.stats.spec_drafted += k * takers
         self.stats.spec_accepted += sum(kept)
         self._current_tokens, self._current_logprobs = pending, pending_logprobs  # type: ignore[assignment]
         self._next_tokens = following
         self._next_logprobs = [logprobs[i, a] for i, a in enumerate(kept)]
         return self._respond(_ints(pending), cast(list[list[int]], drafts.tolist()), kept, pending_logprobs, logprobs)
+
+    def _sampled_rows(self, k: int, greedy: list[bool], samplers: list[Any], logprobs: mx.array, drafts: mx.array,
+                      accepted: mx.array, following: mx.array) -> tuple[mx.array, mx.array]:
+        """Rows with their own sampler: an unseeded one keeps proposals by the speculative-sampling rule, which
+        draws exactly from its distribution; a seeded one draws from position 0 as a plain step does (its
+        tokens must not depend on how many proposals a step made)."""
+        kept, tokens = [], []
+        for i, (g, s) in enumerate(zip(greedy, samplers)):
+            if g:
+                kept.append(accepted[i])
+                tokens.append(following[i])
+            elif _takes_proposals(s, self.fallback_sampler):
+                a, token = speculative_sample(s, logprobs[i], drafts[i])
+                kept.append(a)
+                tokens.append(token)
+            else:
+                kept.append(mx.array(0, dtype=accepted.dtype))
+                tokens.append(s(logprobs[i:i + 1, 0])[0])
+        return mx.stack(kept).astype(accepted.dtype), mx.stack(tokens).astype(following.dtype)
 
     def _count(self, i: int, tokens: list[int]) -> tuple[int, str | None]:
         """How many of ``tokens`` row ``i`` takes, and how the last one ends it: at max_tokens, or a stop token."""
@@ -358,6 +492,27 @@ class SpecBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
+
+
+def speculative_sample(sampler: RowSampler, logprobs: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """The speculative-sampling rule for proposals made without a distribution of their own (a point mass at
+    each): proposal ``j`` is kept with probability p_j(d_j) while all before it were; at the first rejected
+    one the token is drawn from p_j without d_j (renormalised), after k kept ones from p_k. The tokens this
+    yields are distributed exactly as the sampler's own draws. ``logprobs``: ``(k + 1, V)``; returns how many
+    were kept and the token after them."""
+    k = drafts.shape[0]
+    probs = mx.softmax(sampler.logits(logprobs), axis=-1)
+    p_draft = mx.take_along_axis(probs[:k], drafts[:, None].astype(mx.int32), axis=1)[:, 0]
+    kept = mx.cumprod((mx.random.uniform(shape=(k,), key=sampler.key()) < p_draft).astype(mx.int32)).sum()
+    row = mx.take(probs, kept, axis=0)
+    rejected = mx.take(mx.concatenate([drafts.astype(mx.int32), mx.array([-1], dtype=mx.int32)]), kept)
+    row = mx.where(mx.arange(row.shape[0]) == rejected, 0.0, row)
+    return kept, mx.random.categorical(mx.log(row), key=sampler.key())
+
+
+def _takes_proposals(sampler: Any, greedy: Any) -> bool:
+    """Whether a row may keep proposals: a greedy one, or one of an unseeded request's sampler."""
+    return sampler is greedy or (isinstance(sampler, RowSampler) and not sampler.seeded)
 
 
 def _ints(a: mx.array) -> list[int]:

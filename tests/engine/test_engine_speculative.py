@@ -19,7 +19,7 @@ from mlxq.engine.prompt import encode_prompt_with_boundary
 from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
 from mlxq.engine.sampling import make_request_logits_processors, make_request_sampler
 from mlxq.engine.scheduler import Scheduler
-from mlxq.engine.speculative import DraftModel, PromptLookup, Proposer, Tuner, _Lookup, rollback
+from mlxq.engine.speculative import DraftModel, PromptLookup, Proposer, Tuner, _Lookup, ragged, rollback
 from mlxq.engine.stats import EngineStats
 from tests.engine.fakes import Run
 from tests.support import reference
@@ -198,20 +198,25 @@ def test_rows_with_their_own_sampler_or_penalties_decode_as_without_speculation(
     assert outputs[1]["penalty"] and stats.spec_steps == 0  # a penalised row keeps its batch's steps plain
 
 
-def test_rollback_takes_each_rows_own_tail_off() -> None:
+def test_rollback_takes_each_rows_own_tail_off_and_the_next_tokens_go_there() -> None:
     rows = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
     singles = []
     for r in rows:
         c = KVCache()
         c.update_and_fetch(*(mx.array(r, dtype=mx.float32).reshape(1, 1, 5, 1),) * 2)
         singles.append(c)
-    batch = BatchKVCache.merge(singles)
+    batch = ragged([BatchKVCache.merge(singles)])[0]
     rollback([batch], [1, 3, 1])
-    keys, _ = batch.keys_and_values()
-    pad = batch.left_padding.tolist()
-    kept = [keys[i, 0, pad[i]:, 0].tolist() for i in range(3)]
-    assert kept == [[1, 2, 3, 4], [6, 7], [11, 12, 13, 14]]
+    assert [c.keys[0, 0, :, 0].tolist() for c in (batch.extract(i) for i in range(3))] == [[1, 2, 3, 4], [6, 7],
+                                                                                           [11, 12, 13, 14]]
     assert batch.offset.tolist() == [4, 2, 4]
+    mask = batch.make_mask(2)  # each row's two new positions see its own tokens only
+    assert mask.shape == (3, 1, 2, 6) and mask[1, 0].tolist() == [[True, True, True, False, False, False]] * 1 + [
+        [True, True, True, True, False, False]]
+    batch.update_and_fetch(*(mx.array([[20, 21], [22, 23], [24, 25]], dtype=mx.float32).reshape(3, 1, 2, 1),) * 2)
+    assert [c.keys[0, 0, :, 0].tolist() for c in (batch.extract(i) for i in range(3))] == [
+        [1, 2, 3, 4, 20, 21], [6, 7, 22, 23], [11, 12, 13, 14, 24, 25]]
+    assert batch.offset.tolist() == [6, 4, 6]
 
 
 def test_prompt_lookup_copies_what_followed_the_latest_earlier_occurrence() -> None:
@@ -226,15 +231,70 @@ def test_prompt_lookup_copies_what_followed_the_latest_earlier_occurrence() -> N
 
 
 def test_the_tuner_tries_every_k_then_keeps_the_fastest_and_looks_around_it() -> None:
-    tuner = Tuner(3, explore=4)
-    speed = {0: 100.0, 1: 150.0, 2: 180.0, 3: 120.0}  # tokens per second of each k
+    tuner = Tuner(3, block=4, explore=4)
+    step_s = {0: 1.0, 1: 1.2, 2: 1.4, 3: 2.2}  # a step's time at each k; a proposal is kept 3 times in 4
     chosen = []
-    for _ in range(40):
+    for _ in range(120):
         k = tuner.choose(8)
         chosen.append(k)
-        tuner.record(8, k, int(speed[k]), 1.0)
-    tried = chosen[:4 * Tuner.TRIES]
-    assert sorted(set(tried)) == [0, 1, 2, 3]
-    later = chosen[4 * Tuner.TRIES:]
-    assert later.count(2) > len(later) * 0.7 and set(later) <= {1, 2, 3}
-    assert tuner.choose(32) == 0  # another batch size is measured apart
+        tuner.record(8, k, step_s[k])
+        if k:
+            tuner.accepted([min(k, a) for a in (0, 1, 3, 5, 9, 9, 9, 9)], k)
+    blocks = [chosen[i:i + 4] for i in range(0, 120, 4)]
+    assert all(len(set(b)) == 1 for b in blocks)  # k holds for a block
+    assert [b[0] for b in blocks[:4]] == [0, 1, 2, 3]  # each k timed first
+    # expected tokens per second: k=1 (1 + a) / 1.2, k=2 (1 + a + a^2) / 1.4 (the best), k=3 ... / 2.2
+    later = [b[0] for b in blocks[4:]]
+    assert later.count(2) >= len(later) * 0.7 and set(later) <= {1, 2, 3}  # the fastest, its neighbours now and then
+    assert 0.6 < tuner.acceptance < 0.9
+    assert Tuner(3).choose(32) == 0  # a batch size not timed yet starts from the start
+    slow = Tuner(2)  # proposals never kept: plain decoding wins
+    for _ in range(60):
+        k = slow.choose(4)
+        slow.record(4, k, 1.0 + 0.3 * k)
+        if k:
+            slow.accepted([0, 0, 0, 0], k)
+    assert slow.choose(4) == 0
+
+
+def second_token_distribution(target: Any, prompt: list[int], temperature: float) -> mx.array:
+    """The exact distribution of a sampled request's second token: sum over first tokens t of p(t) p(. | t)."""
+    model = target[0]
+    first = mx.softmax(model(mx.array(prompt)[None])[0, -1] / temperature)
+    vocab = first.shape[0]
+    rows = mx.concatenate([mx.broadcast_to(mx.array(prompt)[None], (vocab, len(prompt))),
+                           mx.arange(vocab)[:, None]], axis=1)
+    second = mx.softmax(model(rows)[:, -1] / temperature, axis=-1)
+    return first @ second
+
+
+def chi_square_ok(counts: dict[int, int], expected: mx.array, n: int) -> tuple[float, float]:
+    """Pearson's statistic over tokens expected 5+ times (the rest pooled) and its 0.1 % critical value."""
+    p = expected.tolist()
+    bins = [t for t, q in enumerate(p) if q * n >= 5]  # type: ignore[union-attr]
+    observed = [counts.get(t, 0) for t in bins] + [n - sum(counts.get(t, 0) for t in bins)]
+    wanted = [p[t] * n for t in bins] + [n * (1 - sum(p[t] for t in bins))]  # type: ignore[index]
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, wanted) if e > 0)
+    df = len([e for e in wanted if e > 0]) - 1
+    z = 3.09  # the normal's 99.9th percentile (Wilson-Hilferty's approximation of the chi-square's)
+    return stat, df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_sampled_tokens_keep_the_targets_distribution(pair: tuple[Any, Any], stream: mx.Stream,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    target, temperature, n = pair[0], 0.7, 1200
+    monkeypatch.setattr(Tuner, "choose", lambda self, rows: 3)
+    prompt = target[1].encode("the river and the stone")
+    mx.random.seed(3)
+    s, stats = make(target, proposer_of("draft", pair), stream, capacity=64)
+    for i in range(n):  # unseeded: each row keeps proposals by the speculative-sampling rule
+        s.add(EngineRequest(f"s{i}", prompt, SamplingParams(max_tokens=2, temperature=temperature)))
+    run = Run()
+    drain(s, run, stream)
+    seconds = [run.tokens(f"s{i}")[1] for i in range(n)]
+    assert stats.spec_accepted > 0 and stats.spec_accepted < stats.spec_drafted
+    counts: dict[int, int] = {}
+    for t in seconds:
+        counts[t] = counts.get(t, 0) + 1
+    stat, critical = chi_square_ok(counts, second_token_distribution(target, prompt, temperature), n)
+    assert stat < critical, (stat, critical)

@@ -449,10 +449,10 @@ def test_the_streams_kernel_thread_runs_under_sched_batch() -> None:
         before = _thread_stat(tid)
         batched.submit(evaluate).result()
         after = _thread_stat(tid)
-        # It is the thread the evaluations wake and keep busy: woken again and again (alone, for most of the 200;
-        # under a full suite's load it finds the next kernel queued far more often), and its CPU time grew. A
-        # thread the evaluations do not use is not woken at all.
-        assert after[0] - before[0] >= 10 and after[1] > before[1]
+        # It is the thread the evaluations keep busy: its CPU time grew (how often it slept between kernels
+        # depends on timing: one that finds the next kernel already queued does not sleep). A thread the
+        # evaluations do not use gains no CPU time.
+        assert after[1] > before[1]
     finally:
         batched.shutdown()
         plain.shutdown()

@@ -1,0 +1,245 @@
+"""Speculative decoding in the batch against plain decoding, on a generated target/draft pair whose acceptance is
+measured: tok/s at each N with the tuner choosing k, with each k fixed, the pair's acceptance alpha, the draft's
+cost ratio c, and the ideal speedup for them; prompt lookup's overhead on text that never repeats.
+
+``python3 -m tests.perf.speculative --out DIR`` writes ``speculative.md`` and ``speculative.json``. The engine's
+batch runs in this process on one MLX thread (no Redis: the queue adds the same cost with and without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxq.worker.tools.bench.preload import reexec_with_openblas
+from mlxq.worker.tools.bench.runs import say
+from mlxq.worker.tools.blas import blas_of
+
+WORDS = ("the", "sea", "ship", "story", "numbers", "words", "fox", "quick", "brown", "red", "blue", "river", "stone",
+         "light", "over", "under", "and", "with", "from", "into", "a", "an", "of", "to")
+
+
+@dataclass
+class Row:
+    n: int
+    plain_tps: float
+    spec_tps: float  # the tuner choosing k
+    k_used: dict[int, int]  # steps per k in the tuner's timed run
+    fixed: dict[int, float]  # tok/s with k fixed
+    taken: float  # proposals taken / proposed, in the tuner's run
+    k: int  # the k the tuner used most
+    alpha: float  # per-position acceptance that explains ``taken`` at that k (i.i.d.: E[kept] = sum alpha^j)
+    c: float  # a draft step's time / a target step's, at this N
+    verify: float  # a target pass over k + 1 positions / a target step, at this N
+
+    @property
+    def speedup(self) -> float:
+        return self.spec_tps / self.plain_tps
+
+    def ideal(self, verify: float = 1.0) -> float:
+        """The usual bound: expected tokens per step over the step's cost in target steps (k drafts at c each,
+        one verification at ``verify`` target steps; the usual formula counts it as one)."""
+        if not self.k:
+            return 1.0
+        a, k = self.alpha, self.k
+        return (1 - a ** (k + 1)) / ((1 - a) * (k * self.c + verify))
+
+
+@dataclass
+class Report:
+    blas: str
+    pair_alpha: float  # per-token agreement of draft and target along the target's greedy text
+    max_tokens: int
+    rows: list[Row] = field(default_factory=list)
+    ngram_overhead: dict[int, float] = field(default_factory=dict)  # N -> lookup tok/s / plain tok/s
+
+
+class Bench:
+    """The pair loaded once; bursts of N greedy requests through the engine's scheduler and batch."""
+
+    def __init__(self, max_tokens: int) -> None:
+        import mlx.core as mx
+        import mlx_lm
+
+        from mlxq.worker.tools.tinymodel import ensure_model
+
+        self.target = mlx_lm.load(str(ensure_model("small-target")))
+        self.draft = mlx_lm.load(str(ensure_model("small-draft")))
+        self.stream = mx.new_stream(mx.cpu)
+        self.max_tokens = max_tokens
+
+    def prompts(self, n: int, seed: int) -> list[list[int]]:
+        import random
+
+        rng = random.Random(seed)
+        tok = self.target[1]
+        return [tok.encode(" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))) for _ in range(n)]
+
+    def batch(self, kind: str | None, n: int) -> Any:
+        from mlxq.engine.batch import MLXBatch
+        from mlxq.engine.speculative import DraftModel, PromptLookup
+        from mlxq.engine.stats import EngineStats
+
+        proposer = DraftModel(self.draft[0], 512) if kind == "draft" else PromptLookup() if kind == "ngram" else None
+        return MLXBatch(self.target[0], self.target[1].eos_token_ids, capacity=max(n, 1), prefill_batch_size=8,
+                        prefill_step_size=512, stream=self.stream, proposer=proposer, stats=EngineStats())
+
+    def run(self, batch: Any, n: int, seed: int) -> tuple[float, Counter[int]]:
+        """Decode tok/s of one burst (from the first generated token on), and the steps of each k."""
+        import mlx.core as mx
+
+        ks: Counter[int] = Counter()
+        with mx.stream(self.stream):
+            for p in self.prompts(n, seed):
+                batch.insert(p, self.max_tokens, None, [])
+            left, tokens, start = n, 0, 0.0
+            while left:
+                out = batch.step()
+                if out and not start:
+                    start = time.perf_counter()
+                    continue
+                tokens += len(out)
+                left -= sum(1 for t in out if t.finish_reason)
+                if batch._spec is not None and out:
+                    ks[batch._spec.stats.spec_k] += 1
+        return tokens / (time.perf_counter() - start), ks
+
+
+def pair_alpha(bench: Bench) -> float:
+    """How often the draft's greedy token is the target's along the target's own greedy text."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    agree = total = 0
+    for prompt in bench.prompts(4, seed=99):
+        out = [int(t) for t, _ in generate_step(mx.array(prompt), bench.target[0], max_tokens=bench.max_tokens)]
+        seq = prompt + out
+        guess = mx.argmax(bench.draft[0](mx.array(seq)[None])[0], axis=-1).tolist()
+        agree += sum(guess[i - 1] == seq[i] for i in range(len(prompt), len(seq)))  # type: ignore[index]
+        total += len(out)
+    return agree / total
+
+
+def per_position(taken: float, k: int) -> float:
+    """The alpha with (alpha + ... + alpha^k) / k = ``taken`` (bisection): the i.i.d. acceptance behind a rate."""
+    lo, hi = 0.0, 0.999999
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** j for j in range(1, k + 1)) / k < taken else (lo, mid)
+    return lo
+
+
+def step_cost(model: Any, n: int, width: int = 1) -> float:
+    """Median seconds of one pass of ``n`` rows over ``width`` positions, 128 tokens into their caches."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((n, 128), dtype=mx.uint32), cache=cache))
+    times = []
+    for _ in range(9):
+        t0 = time.perf_counter()
+        mx.eval(model(mx.zeros((n, width), dtype=mx.uint32), cache=cache))
+        times.append(time.perf_counter() - t0)
+        for c in cache:
+            c.trim(width)
+    return statistics.median(times)
+
+
+def measure(sizes: Sequence[int], max_tokens: int, fixed: Sequence[int], repeats: int) -> Report:
+    bench = Bench(max_tokens)
+    report = Report(blas_of(), pair_alpha(bench), max_tokens)
+    say(f"pair: alpha {report.pair_alpha:.2f} along the target's greedy text; BLAS {report.blas}")
+    for n in sizes:
+        plain, spec = bench.batch(None, n), bench.batch("draft", n)
+        bench.run(spec, n, seed=1)  # the tuner learns this batch size (a worker's would have)
+        plains, specs, ks = [], [], Counter[int]()
+        for r in range(repeats):  # alternated; the best of each: background load only slows a run
+            plains.append(bench.run(plain, n, seed=10 + r)[0])
+            stats = spec._spec.stats
+            drafted, accepted = stats.spec_drafted, stats.spec_accepted
+            tps, used = bench.run(spec, n, seed=10 + r)
+            specs.append(tps)
+            ks += used
+        taken = (stats.spec_accepted - accepted) / max(1, stats.spec_drafted - drafted)
+        most = max((k for k in ks if k), key=lambda k: ks[k], default=0)
+        fixed_tps = {}
+        for kf in fixed:
+            one = bench.batch("draft", n)
+            one._spec.tuner.choose = lambda rows, kf=kf: kf  # type: ignore[method-assign]
+            fixed_tps[kf] = max(bench.run(one, n, seed=20 + i)[0] for i in range(repeats))
+        target = step_cost(bench.target[0], n)
+        c = step_cost(bench.draft[0], n) / target
+        verify = step_cost(bench.target[0], n, most + 1) / target if most else 1.0
+        row = Row(n, max(plains), max(specs), dict(ks), fixed_tps, taken, most,
+                  per_position(taken, most) if most else 0.0, c, verify)
+        report.rows.append(row)
+        say(f"N={n}: plain {row.plain_tps:.1f} tok/s, speculative {row.spec_tps:.1f} ({row.speedup:.2f}x), k used "
+            f"{dict(sorted(ks.items()))}, fixed {({k: round(v / row.plain_tps, 2) for k, v in fixed_tps.items()})}")
+        lookup = bench.batch("ngram", n)
+        bench.run(lookup, n, seed=1)
+        ngram = max(bench.run(lookup, n, seed=10 + r)[0] for r in range(repeats))
+        report.ngram_overhead[n] = ngram / row.plain_tps
+    return report
+
+
+def markdown(report: Report) -> str:
+    lines = [
+        "# Speculative decoding in the batch",
+        "",
+        f"Generated pair: small-target (12 layers: small-draft's one layer, then 11 whose output projections are "
+        f"scaled by 0.03) and small-draft; greedy, {report.max_tokens} tokens per request; BLAS: {report.blas}. "
+        f"The pair's alpha along the target's greedy text: **{report.pair_alpha:.2f}**.",
+        "",
+        "taken: proposals kept / proposed; k: the tuner's most used k (steps per k in brackets); alpha: the "
+        "per-position acceptance that gives that rate at that k; c: a draft step's time / a target step's at that "
+        "N; v: a target pass over k+1 positions / a target step. ideal: (1 - alpha^(k+1)) / ((1 - alpha)(k*c + 1)), "
+        "the usual bound, which counts a verification as one target step (true where a step is memory-bound); "
+        "ideal here: the same with v in place of that 1, the bound on this machine.",
+        "",
+        "| N | plain tok/s | speculative tok/s | speedup | taken | k (steps) | alpha | c | v | ideal | of ideal |"
+        " ideal here | of it | fixed k: speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report.rows:
+        fixed = ", ".join(f"k={k2}: {v / r.plain_tps:.2f}x" for k2, v in sorted(r.fixed.items()))
+        used = ", ".join(f"{k2}: {v}" for k2, v in sorted(r.k_used.items()))
+        ideal, here = r.ideal(), r.ideal(r.verify)
+        lines.append(f"| {r.n} | {r.plain_tps:.1f} | {r.spec_tps:.1f} | {r.speedup:.2f}x | {r.taken:.2f} | {r.k} "
+                     f"({used}) | {r.alpha:.2f} | {r.c:.3f} | {r.verify:.2f} | {ideal:.2f}x | {r.speedup / ideal:.2f} "
+                     f"| {here:.2f}x | {r.speedup / here:.2f} | {fixed} |")
+    lines += ["", "Prompt lookup (MLXQ_SPECULATE=ngram) on prompts whose text never repeats (random weights: the "
+              "output does not quote the prompt), lookup tok/s ÷ plain tok/s: "
+              + ", ".join(f"N={n}: {v:.2f}" for n, v in report.ngram_overhead.items()), ""]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m tests.perf.speculative", description=__doc__)
+    p.add_argument("--out", default="perf-out")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--fixed", default="2,4", help="k values also run fixed")
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args(argv)
+    reexec_with_openblas(["-m", "tests.perf.speculative", *(argv if argv is not None else sys.argv[1:])])
+    report = measure([int(x) for x in args.concurrency.split(",")], args.max_tokens,
+                     [int(x) for x in args.fixed.split(",") if x], args.repeats)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speculative.md").write_text(markdown(report))
+    (out / "speculative.json").write_text(json.dumps(asdict(report), indent=2))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
