@@ -168,7 +168,7 @@ class Engine:
                     self._emit(self._drain_inbox())
                     if self.scheduler.has_work:
                         t0 = time.perf_counter()
-                        outs = self.scheduler.step()
+                        outs = self.scheduler.step(self._pacer.held)  # tokens join what the pacer holds
                         self.stats.steps += 1
                         self.on_step(time.perf_counter() - t0)
                         self._emit(outs)

@@ -11,7 +11,7 @@ to first token) and its finish are never held.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from .request import RequestOutput, merge_into
 
@@ -35,6 +35,12 @@ class Pacer:
     def holding(self) -> bool:
         return bool(self._held)
 
+    @property
+    def held(self) -> Mapping[str, RequestOutput]:
+        """The merged output held for each request: a step may write its tokens into them in place (and pass
+        them to :meth:`push` as its own), instead of making a record per request per step to merge."""
+        return self._held
+
     def push(self, outs: list[RequestOutput], flush: bool = False) -> list[RequestOutput]:
         """Take one step's outputs (the pacer owns them now); return what is due, merged per request
         (``flush``: everything)."""
@@ -43,7 +49,7 @@ class Pacer:
             acc = held.get(out.rid)
             if acc is None:
                 held[out.rid] = out
-            else:
+            elif acc is not out:  # (the held output itself, written in place by the step: nothing to merge)
                 merge_into(acc, out)
             if out.finish is not None or (out.token_ids and out.completion_tokens == len(out.token_ids)):
                 self._urgent[out.rid] = None  # its end, or its first token (completion_tokens counts it)

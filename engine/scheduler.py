@@ -17,8 +17,9 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from .admission import KVAdmission
@@ -63,17 +64,25 @@ class Room:
         return max(0, min(self.free_slots, self.kv_rows) - self.waiting)
 
 
+_NONE_HELD: Mapping[str, RequestOutput] = MappingProxyType({})
+
+
 @dataclass(slots=True)
 class _StepOutputs:
-    """Outputs of one step, one record per request; the tokens whose log-probabilities are asked for."""
+    """Outputs of one step, one record per request; the tokens whose log-probabilities are asked for. A
+    request's tokens go into its record in ``held`` (the engine's pacer's, still unsent) when it has one."""
 
+    held: Mapping[str, RequestOutput]
     by_rid: dict[str, RequestOutput] = field(default_factory=dict)
     logprobs: list[tuple[RequestOutput, int, Any, int]] = field(default_factory=list)  # out, token, vector, top
 
     def get(self, rid: str) -> RequestOutput:
         out = self.by_rid.get(rid)
         if out is None:
-            out = self.by_rid[rid] = RequestOutput(rid)
+            out = self.held.get(rid)
+            if out is None:
+                out = RequestOutput(rid)
+            self.by_rid[rid] = out
         return out
 
 
@@ -219,9 +228,11 @@ class Scheduler:
         return outs
 
     # --- the step ----------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Expire deadlines, admit waiting requests, run one batch step, report per request."""
-        outs = _StepOutputs()
+    def step(self, held: Mapping[str, RequestOutput] = _NONE_HELD) -> list[RequestOutput]:
+        """Expire deadlines, admit waiting requests, run one batch step, report per request. ``held``: outputs
+        not sent yet (the pacer's), which this step's tokens of their requests are added to in place (each then
+        reported as the step's own output of its request)."""
+        outs = _StepOutputs(held)
         if self._rejected:
             for out in self._rejected:
                 outs.by_rid[out.rid] = out
@@ -237,8 +248,7 @@ class Scheduler:
                     tokens = self.backend.step()
                 except Exception as exc:
                     raise StepFailed(list(outs.by_rid.values())) from exc
-                for tok in tokens:
-                    self._on_token(tok, outs)
+                self._on_tokens(tokens, outs)
             if outs.logprobs:
                 attach_logprobs(outs.logprobs)
             self._cache.after_step()
@@ -264,6 +274,28 @@ class Scheduler:
             out = self.abort(rid, FinishReason.ERROR, ErrorCode.TIMEOUT, "the job ran past its deadline")
             if out is not None:
                 outs.by_rid[rid] = out
+
+    def _on_tokens(self, tokens: Iterable[GeneratedToken], outs: _StepOutputs) -> None:
+        """A step's tokens, one per row: a row that goes on with neither log-probabilities nor a format (the
+        common case, N per step) takes the short way; any other goes through :meth:`_on_token`."""
+        running, by_rid, held = self._running, outs.by_rid, outs.held
+        for tok in tokens:
+            seq = running.get(tok.uid)
+            if seq is None:  # removed since the step began
+                continue
+            if not seq.plain or tok.finish_reason is not None:
+                self._on_token(tok, outs)
+                continue
+            rid = seq.req.rid
+            out = by_rid.get(rid)
+            if out is None:
+                out = held.get(rid)
+                if out is None:
+                    out = RequestOutput(rid)
+                by_rid[rid] = out
+            if seq.accept(tok.token, None, out) is not None:
+                self._cache.retire(seq)
+                self._pop_running(rid)
 
     def _on_token(self, tok: GeneratedToken, outs: _StepOutputs) -> None:
         seq = self._running.get(tok.uid)
@@ -333,6 +365,7 @@ class Scheduler:
             if req.format is not None:  # its mask goes to the backend with its other logits processors
                 seq.constraint = req.format.row()
                 seq.processors = [seq.constraint, *seq.processors]
+            seq.plain = seq.constraint is None and req.params.logprobs is None
             self._cache.prepare(seq)
         first = None
         try:

@@ -63,6 +63,7 @@ class Sequence:
     history: list[int] | None = None  # the generated tokens, kept once they may be needed for a recompute
     held: SequenceCache | None = None  # its KV cache while preempted
     held_bytes: int = 0
+    plain: bool = False  # neither log-probabilities nor a format: its tokens take the scheduler's short way
 
     @classmethod
     def of(cls, req: EngineRequest, detok: Detokenizer, key: float, order: int) -> Sequence:
@@ -98,8 +99,11 @@ class Sequence:
             self.history.append(token)
         out.token_ids.append(token)
         out.completion_tokens = self.generated
-        self.detok.add_token(token)
-        if self._take_text(out):
+        detok = self.detok
+        detok.add_token(token)
+        if self.stops is None and self.splitter is None:  # the common case: the new text, as it is
+            out.text += detok.last_segment
+        elif self._take_text(out):
             return self._end(out, FinishReason.STOP, flush=False)
         if end == LENGTH or self.generated >= self.req.params.max_tokens:
             return self._end(out, FinishReason.LENGTH)

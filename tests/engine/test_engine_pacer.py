@@ -85,3 +85,34 @@ def test_nothing_after_a_requests_end_is_sent() -> None:
     late = [RequestOutput("a", finish=FinishReason.CANCELLED, completion_tokens=2), token("a", 3, 3)]
     (out,) = pacer.push(late)
     assert (out.token_ids, out.finish) == ([2], FinishReason.CANCELLED)
+
+
+def test_a_step_writing_into_the_held_outputs_sends_what_merging_its_own_sends() -> None:
+    """The engine's way (engine.py): a scheduler step adds its tokens to the outputs the pacer holds, in place,
+    instead of a record per request to merge; what goes out, and when, is the same (stops, a length end, an
+    abort between steps and a request joining late included)."""
+    from dataclasses import astuple
+
+    from tests.engine.fakes import ToyBatch, req, scheduler
+
+    def sent(in_place: bool) -> list[list[tuple[object, ...]]]:
+        clock = Clock()
+        sched = scheduler(ToyBatch(), capacity=4)
+        pacer = Pacer(0.010, clock)
+        for rid, n in (("a", 9), ("b", 3), ("c", 12)):
+            sched.add(req(rid, 3, max_tokens=n))
+        batches = []
+        for i in range(16):
+            if i == 4:
+                sched.add(req("d", 2, max_tokens=5))
+            outs = sched.step(pacer.held) if in_place else sched.step()
+            if i == 6:
+                aborted = sched.abort("c")
+                assert aborted is not None
+                outs.append(aborted)
+            clock.now += 0.004
+            batches.append([astuple(o) for o in pacer.push(outs, flush=not sched.has_work)])
+        return batches
+
+    assert sent(True) == sent(False)
+    assert sum(len(b) for b in sent(True)) > 4  # several sends, some merged over steps
