@@ -175,10 +175,21 @@ class Run:
     token_text: Callable[[int], str] | None = None
     tools: ToolCalls | None = None  # its request gave tools: its calls, parsed as they complete
     finished: asyncio.Future[State] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    _wire: tuple[str, bytes, bytes] | None = field(default=None, repr=False, compare=False)  # see wire_names
 
     def _next(self) -> int:
         seq, self.seq = self.seq, self.seq + 1
         return seq
+
+    def wire_names(self) -> tuple[bytes, bytes]:
+        """Its queue, id and owner as an EMIT record heads them: their lengths (``b"<q> <id> <owner> "``) and
+        the three, encoded (once: the run writes a record per step it sends)."""
+        cached = self._wire
+        if cached is None or cached[0] != self.owner:
+            queue, rid, owner = self.queue.encode(), self.rid.encode(), self.owner.encode()
+            cached = self._wire = (self.owner, b"%d %d %d " % (len(queue), len(rid), len(owner)),
+                                   b"".join((queue, rid, owner)))
+        return cached[1], cached[2]
 
     def settle(self, state: State) -> None:
         """Record how the run left this worker, and wake whoever awaits it."""
@@ -352,14 +363,17 @@ class Lifecycle:
         return [r == 1 for r in result]
 
     def _record(self, r: Record) -> bytes:
-        run = r.run
+        run, events, write = r.run, r.events, r.write
+        if write is Write.APPEND and len(events) == 1:  # a job's token event of a step: N per step
+            lengths, names = run.wire_names()
+            return b"%sa %d 0\n%s\n%s" % (lengths, events[0].seq, names, events[0].model_dump_json().encode())
         queue, rid = run.queue.encode(), run.rid.encode()
-        owner = (run.epoch if r.write is Write.LOST else run.owner).encode()
-        result = self._result(run, r.events[-1]) if r.write is Write.END and r.events else b""
-        head = b"%d %d %d %s %d %d\n" % (len(queue), len(rid), len(owner), r.write.value.encode(),
-                                         r.events[0].seq if r.events else run.seq, len(result))
-        events = "\n".join(ev.model_dump_json() for ev in r.events).encode()
-        return b"".join((head, queue, rid, owner, result, b"\n", events))
+        owner = (run.epoch if write is Write.LOST else run.owner).encode()
+        result = self._result(run, events[-1]) if write is Write.END and events else b""
+        head = b"%d %d %d %s %d %d\n" % (len(queue), len(rid), len(owner), write.value.encode(),
+                                         events[0].seq if events else run.seq, len(result))
+        body = "\n".join(ev.model_dump_json() for ev in events).encode()
+        return b"".join((head, queue, rid, owner, result, b"\n", body))
 
     def _result(self, run: Run, end: Wire) -> bytes:
         if self.ttl.result <= 0 or not run.owner:
@@ -490,14 +504,23 @@ class RunTable(Mapping[str, Run]):
     async def apply(self, outs: Sequence[RequestOutput], step: bool = True) -> None:
         """Engine outputs (one per job: ``engine.request.coalesce``) as their runs' events, in one EMIT call;
         the output of a run no longer here (ended, handed back, fenced) is dropped."""
-        items: list[tuple[Run, Wire]] = []
+        groups: dict[str, tuple[Run, list[Wire]]] = {}
+        runs, outputs, worker = self._runs, self._outputs, self.lifecycle.worker_id
         for out in outs:
-            run = self._runs.get(out.rid)
+            run = runs.get(out.rid)
             if run is None:
                 continue
-            self._count(run, len(out.token_ids))
-            items.extend((run, ev) for ev in self._outputs(out, run, self.lifecycle.worker_id))
-        await self._write(items, step=step)
+            if out.token_ids:
+                self._count(run, len(out.token_ids))
+            events = outputs(out, run, worker)
+            if not events:
+                continue
+            group = groups.get(run.rid)
+            if group is None:
+                groups[run.rid] = (run, events)
+            else:
+                group[1].extend(events)
+        await self._write_groups(groups, step=step)
 
     def cancel(self, rid: str) -> None:
         """A client cancelled: drop the job's sequence from its engine now, and end it ``done(cancelled)``
@@ -612,11 +635,16 @@ class RunTable(Mapping[str, Run]):
                      ) -> None:
         """Write events (grouped per job, in order) and settle the runs they end or hand back; ``write``
         overrides each job's own (END after a terminal event, else APPEND). A refused run is fenced."""
-        if not items:
-            return
         groups: dict[str, tuple[Run, list[Wire]]] = {}
         for run, ev in items:
             groups.setdefault(run.rid, (run, []))[1].append(ev)
+        await self._write_groups(groups, write, step)
+
+    async def _write_groups(self, groups: dict[str, tuple[Run, list[Wire]]], write: Write | None = None,
+                            step: bool = False) -> None:
+        """:meth:`_write` of events already grouped per job (each job's in order)."""
+        if not groups:
+            return
         records = [Record(run, events, write or _write_of(events[-1])) for run, events in groups.values()]
         for r in records:
             if r.write is not Write.APPEND:  # its write drops the lease: the lease keeper must not see it go

@@ -78,6 +78,9 @@ def to_engine_format(req: GenerateRequest) -> ResponseFormat | None:
 def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
     """The events one engine output means for its run (start, token, terminal), in order, as its run builds
     them; only the run table calls this, for a run it holds."""
+    if (out.finish is None and not out.started and not out.reasoning and not out.calls and not out.logprobs
+            and run.token_text is None and (out.token_ids or out.text)):  # a plain step's tokens: N per step
+        return [run.tokens(out.text, out.token_ids, out.completion_tokens)]
     events: list[Wire] = []
     if out.started:
         events.append(run.start(out.prompt_tokens, worker))
