@@ -13,7 +13,6 @@ itself off where it does not pay.
 from __future__ import annotations
 
 import enum
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -294,12 +293,12 @@ class Tuner:
     analysis assumes) and the time a step of each ``k`` took at that size. ``k`` holds for ``block`` steps and
     only a step that follows one of the same ``k`` is timed: a plain step's forward pass runs on while the next
     step starts, so the step after a change pays part of the one before. Every ``k`` is timed first, then the
-    best is used, with a neighbour tried one block in ``explore`` so a change in load is seen."""
+    best is used, with plain decoding or a neighbour timed again one block in ``explore``."""
 
     TRIES = 3  # timings of each k before the best is trusted
     MARGIN = 1.05  # how much faster than plain decoding a k must look to be used
 
-    def __init__(self, max_k: int, *, block: int = 4, explore: int = 32, seed: int = 0) -> None:
+    def __init__(self, max_k: int, *, block: int = 4, explore: int = 16) -> None:
         self.ks = tuple(range(max_k + 1))
         self.block = block
         self.explore = explore
@@ -309,7 +308,6 @@ class Tuner:
         self._k = 0
         self._left = 0  # steps left in the current block
         self._blocks = 0
-        self._random = random.Random(seed)
 
     @property
     def acceptance(self) -> float:
@@ -332,18 +330,22 @@ class Tuner:
         if speed[best] < self.MARGIN * speed[0]:  # a gain within the timings' noise is no gain
             best = 0
         self._blocks += 1
-        if self._blocks % self.explore == 0:
-            return max(0, min(self.ks[-1], best + self._random.choice((-1, 1))))
-        return best
+        if self._blocks % self.explore:
+            return best
+        # Now and then another k is timed again: plain decoding (what speculation must beat) and the neighbours.
+        others = [k for k in dict.fromkeys((0, best - 1, best + 1)) if k in self.ks and k != best]
+        return others[(self._blocks // self.explore) % len(others)]
 
     def record(self, rows: int, k: int, seconds: float) -> None:
-        """A step of ``k`` at ``rows`` rows took ``seconds``."""
+        """A step of ``k`` at ``rows`` rows took ``seconds``. Noise only ever lengthens a step (another process,
+        a collection), so the first timings give their least and later ones move it within a factor of two."""
         key = (rows.bit_length(), k)
         mean, samples = self._seconds.get(key, (0.0, 0))
-        if samples >= self.TRIES and seconds > 4 * mean:
-            return  # an idle wait or a stall between steps, not this k's cost
-        w = 1.0 / (samples + 1) if samples < self.TRIES else 0.2
-        self._seconds[key] = (mean + (seconds - mean) * w, samples + 1)
+        if samples < self.TRIES:
+            self._seconds[key] = (min(mean, seconds) if samples else seconds, samples + 1)
+            return
+        seconds = min(max(seconds, mean / 2), mean * 2)
+        self._seconds[key] = (mean + (seconds - mean) * 0.2, samples + 1)
 
     def accepted(self, kept: Sequence[int], k: int) -> None:
         """Rows kept ``kept[i]`` of ``k`` proposals: each kept one a success, the first rejected a failure."""

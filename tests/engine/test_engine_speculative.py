@@ -245,7 +245,8 @@ def test_the_tuner_tries_every_k_then_keeps_the_fastest_and_looks_around_it() ->
     assert [b[0] for b in blocks[:4]] == [0, 1, 2, 3]  # each k timed first
     # expected tokens per second: k=1 (1 + a) / 1.2, k=2 (1 + a + a^2) / 1.4 (the best), k=3 ... / 2.2
     later = [b[0] for b in blocks[4:]]
-    assert later.count(2) >= len(later) * 0.7 and set(later) <= {1, 2, 3}  # the fastest, its neighbours now and then
+    assert later.count(2) >= len(later) * 0.7  # the fastest; now and then plain decoding and the neighbours again
+    assert set(later) == {0, 1, 2, 3}
     assert 0.6 < tuner.acceptance < 0.9
     assert Tuner(3).choose(32) == 0  # a batch size not timed yet starts from the start
     slow = Tuner(2)  # proposals never kept: plain decoding wins
