@@ -60,6 +60,7 @@ class Report:
     max_tokens: int
     rows: list[Row] = field(default_factory=list)
     ngram_overhead: dict[int, float] = field(default_factory=dict)  # N -> lookup tok/s / plain tok/s
+    loaded: dict[int, tuple[float, float]] = field(default_factory=dict)  # N -> plain, speculative tok/s, full load
 
 
 class Bench:
@@ -111,6 +112,35 @@ class Bench:
                 if batch._spec is not None and out:
                     ks[batch._spec.stats.spec_k] += 1
         return tokens / (time.perf_counter() - start), ks
+
+
+    def load(self, batch: Any, n: int, seed: int, rounds: int = 3) -> float:
+        """Decode tok/s of a fully loaded batch: ``n`` requests in flight, each one that ends replaced, until
+        ``rounds * n`` were sent; timed from the first token to the last replacement (no burst's tail, where
+        rows that speculation sped up unevenly leave a few behind)."""
+        import mlx.core as mx
+
+        prompts = self.prompts(rounds * n, seed)
+        with mx.stream(self.stream):
+            for p in prompts[:n]:
+                batch.insert(p, self.max_tokens, None, [])
+            sent, ended, tokens, start, elapsed = n, 0, 0, 0.0, 0.0
+            while ended < len(prompts):
+                out = batch.step()
+                done = sum(1 for t in out if t.finish_reason)
+                ended += done
+                if sent == len(prompts):  # the tail: drained, not timed
+                    continue
+                if out and not start:
+                    start = time.perf_counter()
+                    continue
+                tokens += len(out)
+                for _ in range(min(done, len(prompts) - sent)):
+                    batch.insert(prompts[sent], self.max_tokens, None, [])
+                    sent += 1
+                if sent == len(prompts):
+                    elapsed = time.perf_counter() - start
+        return tokens / elapsed
 
 
 def pair_alpha(bench: Bench) -> float:
@@ -184,6 +214,9 @@ def measure(sizes: Sequence[int], max_tokens: int, fixed: Sequence[int], repeats
         report.rows.append(row)
         say(f"N={n}: plain {row.plain_tps:.1f} tok/s, speculative {row.spec_tps:.1f} ({row.speedup:.2f}x), k used "
             f"{dict(sorted(ks.items()))}, fixed {({k: round(v / row.plain_tps, 2) for k, v in fixed_tps.items()})}")
+        loaded = [(bench.load(plain, n, seed=40 + r), bench.load(spec, n, seed=40 + r)) for r in range(repeats)]
+        report.loaded[n] = (max(p for p, _ in loaded), max(q for _, q in loaded))
+        say(f"N={n} fully loaded: plain {report.loaded[n][0]:.1f} tok/s, speculative {report.loaded[n][1]:.1f}")
         lookup = bench.batch("ngram", n)
         bench.run(lookup, n, seed=1)
         ngram = max(bench.run(lookup, n, seed=10 + r)[0] for r in range(repeats))
@@ -216,6 +249,9 @@ def markdown(report: Report) -> str:
         lines.append(f"| {r.n} | {r.plain_tps:.1f} | {r.spec_tps:.1f} | {r.speedup:.2f}x | {r.taken:.2f} | {r.k} "
                      f"({used}) | {r.alpha:.2f} | {r.c:.3f} | {r.verify:.2f} | {ideal:.2f}x | {r.speedup / ideal:.2f} "
                      f"| {here:.2f}x | {r.speedup / here:.2f} | {fixed} |")
+    lines += ["", "Fully loaded (N requests in flight, each that ends replaced, 3N in all; no burst's tail), "
+              "speculative ÷ plain tok/s: " + ", ".join(f"N={n}: {q / p:.2f} ({p:.1f} -> {q:.1f})"
+                                                         for n, (p, q) in report.loaded.items())]
     lines += ["", "Prompt lookup (MLXQ_SPECULATE=ngram) on prompts whose text never repeats (random weights: the "
               "output does not quote the prompt), lookup tok/s ÷ plain tok/s: "
               + ", ".join(f"N={n}: {v:.2f}" for n, v in report.ngram_overhead.items()), ""]
