@@ -1,14 +1,12 @@
 """Speculative decoding inside mlx-lm's continuous batch.
 
 A step proposes ``k`` tokens for every row (a draft model, or prompt lookup), scores all rows' ``k + 1``
-positions in one forward pass of the target, and keeps each row's longest prefix of proposals equal to the
-target's greedy choice plus the target's own next token. The KV positions a row rejected are rolled back in
-both models' batched caches at once: trim what no row kept, then shift each row right by what it alone
-rejected (its left padding grows, as after mlx-lm's ragged prefill). A row with its own sampler or logits
-processors never takes a proposal, so its tokens are exactly plain decoding's; ``k`` is chosen per step from
-the measured tokens per second of each ``k`` at the batch's size (0: plain decoding), so speculation turns
-itself off where it does not pay.
-"""
+positions in one forward pass of the target, and keeps each row's prefix of proposals the target agrees with
+(greedy rows: its argmax; unseeded sampled rows: the speculative-sampling rule) plus the target's own next
+token. A row takes the positions it rejected off its own end in both models' caches, without moving the others
+(:class:`RaggedKVCache`). Seeded, penalised and constrained rows take no proposals, so their tokens are exactly
+plain decoding's; ``k`` is chosen per step from the measured acceptance and step times (0: plain decoding), so
+speculation turns itself off where it does not pay."""
 
 from __future__ import annotations
 
@@ -420,36 +418,36 @@ class SpecBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
         choice = mx.argmax(logprobs, axis=-1)
         samplers = self.samplers or []
         greedy = [s is self.fallback_sampler for s in samplers]
+        takes = [_takes_proposals(s, self.fallback_sampler) for s in samplers]
         agree = (drafts == choice[:, :k]).astype(mx.int32)
         accepted = mx.where(mx.array(greedy), mx.cumprod(agree, axis=1).sum(axis=1), 0)
         following = mx.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
         if not all(greedy):
-            accepted, following = self._sampled_rows(k, greedy, samplers, logprobs, drafts, accepted, following)
-        takers = sum(1 for s in samplers if _takes_proposals(s, self.fallback_sampler))
+            accepted, following = self._sampled_rows(greedy, takes, samplers, logprobs, drafts, accepted, following)
         mx.eval(pending, drafts, accepted, following)
         kept = _ints(accepted)
         rollback(self.prompt_cache, [k - a for a in kept])
         self.proposer.settle(kept, k)
-        self.tuner.accepted([a for a, s in zip(kept, samplers) if _takes_proposals(s, self.fallback_sampler)], k)
+        self.tuner.accepted([a for a, t in zip(kept, takes) if t], k)
         self.stats.spec_steps += 1
-        self.stats.spec_drafted += k * takers
+        self.stats.spec_drafted += k * sum(takes)
         self.stats.spec_accepted += sum(kept)
         self._current_tokens, self._current_logprobs = pending, pending_logprobs  # type: ignore[assignment]
         self._next_tokens = following
         self._next_logprobs = [logprobs[i, a] for i, a in enumerate(kept)]
         return self._respond(_ints(pending), cast(list[list[int]], drafts.tolist()), kept, pending_logprobs, logprobs)
 
-    def _sampled_rows(self, k: int, greedy: list[bool], samplers: list[Any], logprobs: mx.array, drafts: mx.array,
-                      accepted: mx.array, following: mx.array) -> tuple[mx.array, mx.array]:
+    def _sampled_rows(self, greedy: list[bool], takes: list[bool], samplers: list[Any], logprobs: mx.array,
+                      drafts: mx.array, accepted: mx.array, following: mx.array) -> tuple[mx.array, mx.array]:
         """Rows with their own sampler: an unseeded one keeps proposals by the speculative-sampling rule, which
         draws exactly from its distribution; a seeded one draws from position 0 as a plain step does (its
         tokens must not depend on how many proposals a step made)."""
         kept, tokens = [], []
-        for i, (g, s) in enumerate(zip(greedy, samplers)):
+        for i, (g, t, s) in enumerate(zip(greedy, takes, samplers)):
             if g:
                 kept.append(accepted[i])
                 tokens.append(following[i])
-            elif _takes_proposals(s, self.fallback_sampler):
+            elif t:
                 a, token = speculative_sample(s, logprobs[i], drafts[i])
                 kept.append(a)
                 tokens.append(token)
