@@ -49,6 +49,7 @@ from mlxq.worker.tools.bench.preload import reexec_with_openblas
 from mlxq.worker.tools.bench.runs import (
     SETTLE_S,
     PathResult,
+    drive,
     fmt_list,
     paired_median,
     percentile,
@@ -89,20 +90,7 @@ def run_suite(args: argparse.Namespace, *, reexec: bool = True) -> int:
     the markdown. With ``reexec``, first re-executes itself with OpenBLAS preloaded when that helps."""
     if reexec:
         reexec_with_openblas(["-m", "tests.perf", *_argv_of(args)], _ROOT)
-    try:
-        cfg = BenchConfig.from_args(args)
-    except ValueError as exc:
-        say(f"tests.perf: {exc}")
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        result = _run(cfg, out)
-    except RuntimeError as exc:
-        say(f"tests.perf: failed: {exc}")
-        return 1
-    print(write_outputs(result, out), flush=True)
-    return 0
+    return drive("tests.perf", args, BenchConfig.from_args, _run, write_outputs)
 
 
 def _argv_of(args: argparse.Namespace) -> list[str]:

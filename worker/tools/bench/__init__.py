@@ -44,6 +44,7 @@ from .runs import (
     PathResult,
     Row,
     Run,
+    drive,
     paired_median,
     prompt_batch,
     say,
@@ -62,20 +63,7 @@ def run_bench(args: argparse.Namespace, *, reexec: bool = True) -> int:
     """
     if reexec:
         reexec_with_openblas(["-m", "mlxq.api.cli", *_argv_of(args)])
-    try:
-        cfg = BenchConfig.from_args(args)
-    except ValueError as exc:
-        say(f"mlxq bench: {exc}")
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        result = measure(cfg, out)
-    except RuntimeError as exc:
-        say(f"mlxq bench: failed: {exc}")
-        return 1
-    print(write_outputs(result, out), flush=True)
-    return 0
+    return drive("mlxq bench", args, BenchConfig.from_args, measure, write_outputs)
 
 
 def _argv_of(args: argparse.Namespace) -> list[str]:

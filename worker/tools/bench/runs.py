@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 __all__ = [
-    "PROMPT", "SETTLE_S", "TIMEOUT_S", "BenchConfig", "BenchResult", "PathResult", "Row", "Run", "fmt_list",
+    "PROMPT", "SETTLE_S", "TIMEOUT_S", "BenchConfig", "BenchResult", "PathResult", "Row", "Run", "drive", "fmt_list",
     "paired_median", "percentile", "prompt_batch", "safe_ratio", "say",
 ]
 
@@ -110,6 +111,30 @@ def paired_median(runs: Sequence[float], baseline: Sequence[float]) -> float:
 
 def fmt_list(values: Sequence[float]) -> str:
     return ", ".join(f"{v:.1f}" for v in values)
+
+
+C = TypeVar("C")
+R = TypeVar("R")
+
+
+def drive(prog: str, args: argparse.Namespace, config: Callable[[argparse.Namespace], C],
+          measure: Callable[[C, Path], R], write: Callable[[R, Path], str]) -> int:
+    """A benchmark command's run: its configuration (a bad one: exit 2), its measurements (a failed run: exit
+    1), its outputs written to ``args.out`` and their markdown printed (exit 0); each failure is one line."""
+    try:
+        cfg = config(args)
+    except ValueError as exc:
+        say(f"{prog}: {exc}")
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        result = measure(cfg, out)
+    except RuntimeError as exc:
+        say(f"{prog}: failed: {exc}")
+        return 1
+    print(write(result, out), flush=True)
+    return 0
 
 
 def say(msg: str) -> None:
