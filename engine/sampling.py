@@ -37,8 +37,8 @@ class RowSampler:
             self.filters.append(lambda x: apply_top_p(x, params.top_p))
         if params.min_p > 0.0:
             self.filters.append(lambda x: apply_min_p(x, params.min_p))
-        if params.top_k > 0:
-            self.filters.append(lambda x: apply_top_k(x, params.top_k))
+        if params.top_k > 0:  # as many as the vocabulary or more keeps them all (mlx-lm's filter raises there)
+            self.filters.append(lambda x: apply_top_k(x, params.top_k) if params.top_k < x.shape[-1] else x)
         self.inv_temp = 1.0 / params.temperature
         self._key = mx.random.key(params.seed) if params.seed is not None else None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxq.engine.request import SamplingParams
-from mlxq.engine.sampling import make_request_logits_processors
+from mlxq.engine.sampling import RowSampler, make_request_logits_processors
 
 
 def test_no_penalty_means_no_processor() -> None:
@@ -30,3 +30,13 @@ def test_presence_and_frequency_penalties_lower_the_tokens_already_seen() -> Non
         assert [i for i, v in enumerate(out) if v < 0] == [3, 5] and all(v <= 0 for v in out)
     by_frequency = frequency(context, logits)[0].tolist()
     assert by_frequency[3] < by_frequency[5]  # seen twice: penalized more
+
+
+def test_a_top_k_as_large_as_the_vocabulary_keeps_every_token() -> None:
+    logprobs = mx.log(mx.array([[0.1, 0.2, 0.3, 0.4]]))
+    for top_k in (4, 50):  # mlx-lm's filter raises for these; the request means "no limit"
+        sampler = RowSampler(SamplingParams(temperature=1.0, top_k=top_k, seed=1))
+        assert mx.allclose(sampler.logits(logprobs), logprobs).item()
+        assert 0 <= sampler(logprobs).item() < 4
+    kept = RowSampler(SamplingParams(temperature=1.0, top_k=2, seed=1)).logits(logprobs)[0].tolist()
+    assert [v > -float("inf") for v in kept] == [False, False, True, True]
