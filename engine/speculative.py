@@ -11,7 +11,10 @@ speculation turns itself off where it does not pay."""
 from __future__ import annotations
 
 import enum
+import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -286,26 +289,35 @@ class PromptLookup:
 
 
 class Tuner:
-    """Chooses each step's ``k``: the one with the most tokens per second expected at the batch's size (powers
-    of two), from the acceptance measured over every row (one rate per proposal position, as the usual
-    analysis assumes) and the time a step of each ``k`` took at that size. ``k`` holds for ``block`` steps and
-    only a step that follows one of the same ``k`` is timed: a plain step's forward pass runs on while the next
-    step starts, so the step after a change pays part of the one before. Every ``k`` is timed first, then the
-    best is used, with plain decoding or a neighbour timed again one block in ``explore``."""
+    """Chooses each step's ``k``: the one with the most tokens per second expected at the batch's size (to the
+    nearest power of two), from the acceptance measured over every row (one rate per proposal position, as the
+    usual analysis assumes) and the time a step of each ``k`` took per row at that size. ``k`` holds for ``block``
+    steps and only a step that follows one of the same ``k`` is timed: a plain step's forward pass runs on while
+    the next step starts, so the step after a change pays part of the one before. Every ``k`` is timed first,
+    then the best is used, with plain decoding or a neighbour timed again one block in ``explore``, then in twice
+    as many while the best holds (up to ``explore * SPREAD``): a draft that sat out plain steps must catch up on
+    every token since before it proposes again, so each look at speculation costs a draft pass over them."""
 
     TRIES = 3  # timings of each k before the best is trusted
-    MARGIN = 1.15  # how much faster than plain decoding a k must look to be used (predictions ran ~10 % high)
+    KEEP = 4  # the latest timings of each k: their median is its step time (one slow step moves nothing, and
+    # two blocks of it replace what a batch long gone measured)
+    MARGIN = 1.15  # how much faster than plain decoding a k must look to be used
+    SPREAD = 16
 
-    def __init__(self, max_k: int, *, block: int = 4, explore: int = 16) -> None:
+    def __init__(self, max_k: int, *, block: int = 4, explore: int = 8) -> None:
         self.ks = tuple(range(max_k + 1))
         self.block = block
         self.explore = explore
-        self._seconds: dict[tuple[int, int], tuple[float, int]] = {}  # (size, k) -> step time (moving), samples
+        self._seconds: dict[tuple[int, int], deque[float]] = {}  # (size, k) -> latest step times per row
         self._kept = 1.0  # proposals kept, and rejected (decayed sums): the acceptance rate is kept / both
         self._rejected = 1.0
         self._k = 0
         self._left = 0  # steps left in the current block
         self._blocks = 0
+        self._best = 0
+        self._every = explore  # blocks between two looks at another k
+        self._due = explore
+        self._looks = 0
 
     @property
     def acceptance(self) -> float:
@@ -313,37 +325,37 @@ class Tuner:
 
     def choose(self, rows: int) -> int:
         if self._left <= 0:
-            self._k, self._left = self._next(rows.bit_length()), self.block
+            self._k, self._left = self._next(_size(rows)), self.block
         self._left -= 1
         return self._k
 
     def _next(self, size: int) -> int:
-        timed = [self._seconds.get((size, k), (0.0, 0)) for k in self.ks]
-        for k, (_, samples) in zip(self.ks, timed):
-            if samples < self.TRIES:
+        timed = [self._seconds.get((size, k), ()) for k in self.ks]
+        for k, times in zip(self.ks, timed):
+            if len(times) < self.TRIES:
                 return k
         a = self.acceptance
-        speed = [sum(a ** j for j in range(k + 1)) / timed[k][0] for k in self.ks]
+        speed = [sum(a ** j for j in range(k + 1)) / statistics.median(timed[k]) for k in self.ks]
         best = max(self.ks, key=lambda k: speed[k])
         if speed[best] < self.MARGIN * speed[0]:  # a gain within the timings' noise is no gain
             best = 0
         self._blocks += 1
-        if self._blocks % self.explore:
+        if best != self._best:
+            self._best, self._every, self._due = best, self.explore, self._blocks + self.explore
+        if self._blocks < self._due:
             return best
-        # Now and then another k is timed again: plain decoding (what speculation must beat) and the neighbours.
-        others = [k for k in dict.fromkeys((0, best - 1, best + 1)) if k in self.ks and k != best]
-        return others[(self._blocks // self.explore) % len(others)]
+        # Another k is timed again: plain decoding (what speculation must beat) every other time, else a neighbour.
+        self._due, self._every = self._blocks + self._every, min(self._every * 2, self.explore * self.SPREAD)
+        self._looks += 1
+        neighbours = [k for k in (best - 1, best + 1) if k in self.ks and k not in (0, best)]
+        if best and (self._looks % 2 or not neighbours):
+            return 0
+        return neighbours[(self._looks // 2) % len(neighbours)] if neighbours else best
 
     def record(self, rows: int, k: int, seconds: float) -> None:
-        """A step of ``k`` at ``rows`` rows took ``seconds``. Noise only ever lengthens a step (another process,
-        a collection), so the first timings give their least and later ones move it within a factor of two."""
-        key = (rows.bit_length(), k)
-        mean, samples = self._seconds.get(key, (0.0, 0))
-        if samples < self.TRIES:
-            self._seconds[key] = (min(mean, seconds) if samples else seconds, samples + 1)
-            return
-        seconds = min(max(seconds, mean / 2), mean * 2)
-        self._seconds[key] = (mean + (seconds - mean) * 0.2, samples + 1)
+        """A step of ``k`` at ``rows`` rows took ``seconds``: kept per row, so that sizes rounded to the same power
+        of two compare (a batch kept full moves between 31 and 32 rows)."""
+        self._seconds.setdefault((_size(rows), k), deque(maxlen=self.KEEP)).append(seconds / rows)
 
     def accepted(self, kept: Sequence[int], k: int) -> None:
         """Rows kept ``kept[i]`` of ``k`` proposals: each kept one a success, the first rejected a failure."""
@@ -359,30 +371,33 @@ class SpecBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
     tuner: Tuner
     stats: EngineStats
     _last: tuple[int, int, float] | None  # rows, k and start of the step being timed
-    _untimed: bool  # the step being timed also prefilled prompts: not a sample of its k
+    _untimed: int  # steps from the one being timed on that are no sample of their k (prompts, rows joined or left)
     _prior: int  # the k of the step before the one being timed (-1: none)
 
     @classmethod
     def make(cls, model: Any, sampler: Any, proposer: Proposer, tuner: Tuner, stats: EngineStats) -> SpecBatch:
         batch: SpecBatch = cls.empty(model, sampler)
         batch.proposer, batch.tuner, batch.stats = proposer, tuner, stats
-        batch._last, batch._untimed, batch._prior = None, False, -1
+        batch._last, batch._untimed, batch._prior = None, 0, -1
         return batch
 
     def extend(self, batch: Any) -> None:
         start = len(self.uids)
+        self.untimed(2)  # the caches are joined lazily: the next step copies them
         super().extend(batch)
         self.prompt_cache = ragged(self.prompt_cache)
         self.proposer.joined(self, start)
 
     def filter(self, keep: list[int]) -> None:
+        self.untimed(2)  # the caches are sliced lazily: the next step copies them
         super().filter(keep)
         self.proposer.filter(keep)
         if not keep:
             self._last = None  # what follows is idle time
 
-    def untimed(self) -> None:
-        self._untimed = True
+    def untimed(self, steps: int = 1) -> None:
+        """The step being timed, and ``steps - 1`` after it, are no sample of their ``k``."""
+        self._untimed = max(self._untimed, steps)
 
     def next(self) -> list[Any]:
         if not self.uids:
@@ -401,7 +416,7 @@ class SpecBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
             rows, _, start = self._last
             self.tuner.record(rows, k, now - start)
         self._prior = self._last[1] if self._last is not None else -1
-        self._last, self._untimed = (0, k, now), False
+        self._last, self._untimed = (0, k, now), max(0, self._untimed - 1)
 
     def _choose(self) -> int:
         if any(self.logits_processors or ()):  # penalties and format masks run a row at a time: plain steps
@@ -508,6 +523,11 @@ def speculative_sample(sampler: RowSampler, logprobs: mx.array, drafts: mx.array
     rejected = mx.take(mx.concatenate([drafts.astype(mx.int32), mx.array([-1], dtype=mx.int32)]), kept)
     row = mx.where(mx.arange(row.shape[0]) == rejected, 0.0, row)
     return kept, mx.random.categorical(mx.log(row), key=sampler.key())
+
+
+def _size(rows: int) -> int:
+    """The power of two nearest ``rows`` (its exponent): batch sizes whose steps are timed together."""
+    return round(math.log2(rows)) if rows > 0 else 0
 
 
 def _takes_proposals(sampler: Any, greedy: Any) -> bool:
