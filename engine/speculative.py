@@ -288,15 +288,29 @@ class PromptLookup:
         return 0
 
 
+@dataclass(slots=True)
+class _Looks:
+    """When a batch size's tuner next times a k other than its best."""
+
+    every: int  # blocks between two looks
+    due: int = 0  # the block of the next look
+    blocks: int = 0  # blocks chosen at this size
+    best: int = 0
+    taken: int = 0  # looks so far
+
+    def __post_init__(self) -> None:
+        self.due = self.every
+
+
 class Tuner:
     """Chooses each step's ``k``: the one with the most tokens per second expected at the batch's size (to the
     nearest power of two), from the acceptance measured over every row (one rate per proposal position, as the
     usual analysis assumes) and the time a step of each ``k`` took per row at that size. ``k`` holds for ``block``
     steps and only a step that follows one of the same ``k`` is timed: a plain step's forward pass runs on while
     the next step starts, so the step after a change pays part of the one before. Every ``k`` is timed first,
-    then the best is used, with plain decoding or a neighbour timed again one block in ``explore``, then in twice
-    as many while the best holds (up to ``explore * SPREAD``): a draft that sat out plain steps must catch up on
-    every token since before it proposes again, so each look at speculation costs a draft pass over them."""
+    then the best is used, with plain decoding or a neighbour timed again one block in ``explore``. While plain
+    decoding is best, a look at speculation comes in twice as many blocks as the last (up to ``explore *
+    SPREAD``): a draft that sat out plain steps must catch up on every token since before it proposes again."""
 
     TRIES = 3  # timings of each k before the best is trusted
     KEEP = 4  # the latest timings of each k: their median is its step time (one slow step moves nothing, and
@@ -313,11 +327,7 @@ class Tuner:
         self._rejected = 1.0
         self._k = 0
         self._left = 0  # steps left in the current block
-        self._blocks = 0
-        self._best = 0
-        self._every = explore  # blocks between two looks at another k
-        self._due = explore
-        self._looks = 0
+        self._looks: dict[int, _Looks] = {}  # per batch size
 
     @property
     def acceptance(self) -> float:
@@ -339,18 +349,21 @@ class Tuner:
         best = max(self.ks, key=lambda k: speed[k])
         if speed[best] < self.MARGIN * speed[0]:  # a gain within the timings' noise is no gain
             best = 0
-        self._blocks += 1
-        if best != self._best:
-            self._best, self._every, self._due = best, self.explore, self._blocks + self.explore
-        if self._blocks < self._due:
+        looks = self._looks.setdefault(size, _Looks(self.explore))
+        looks.blocks += 1
+        if best != looks.best:
+            looks.best, looks.every, looks.due = best, self.explore, looks.blocks + self.explore
+        if looks.blocks < looks.due:
             return best
         # Another k is timed again: plain decoding (what speculation must beat) every other time, else a neighbour.
-        self._due, self._every = self._blocks + self._every, min(self._every * 2, self.explore * self.SPREAD)
-        self._looks += 1
+        looks.due = looks.blocks + looks.every
+        if best == 0:  # looking at speculation costs a catch-up; looking at plain decoding costs nothing more
+            looks.every = min(looks.every * 2, self.explore * self.SPREAD)
+        looks.taken += 1
         neighbours = [k for k in (best - 1, best + 1) if k in self.ks and k not in (0, best)]
-        if best and (self._looks % 2 or not neighbours):
+        if best and (looks.taken % 2 or not neighbours):
             return 0
-        return neighbours[(self._looks // 2) % len(neighbours)] if neighbours else best
+        return neighbours[(looks.taken // 2) % len(neighbours)] if neighbours else best
 
     def record(self, rows: int, k: int, seconds: float) -> None:
         """A step of ``k`` at ``rows`` rows took ``seconds``: kept per row, so that sizes rounded to the same power

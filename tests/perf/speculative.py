@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mlxq.worker.tools.bench.preload import reexec_with_openblas
 from mlxq.worker.tools.bench.runs import say
@@ -61,6 +61,7 @@ class Report:
     rows: list[Row] = field(default_factory=list)
     ngram_overhead: dict[int, float] = field(default_factory=dict)  # N -> lookup tok/s / plain tok/s
     loaded: dict[int, tuple[float, float]] = field(default_factory=dict)  # N -> plain, speculative tok/s, full load
+    copying: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # N -> plain, lookup tok/s, taken
 
 
 class Bench:
@@ -184,6 +185,82 @@ def step_cost(model: Any, n: int, width: int = 1) -> float:
     return statistics.median(times)
 
 
+def copying_model(bench: Bench) -> tuple[Any, list[int]]:
+    """small-target with its layers' output projections zeroed: each position's logits then depend on its own
+    token only (next = f(token)), at the target's cost per step; and ``f`` over the vocabulary."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from mlxq.worker.tools.tinymodel import ensure_model
+
+    model = mlx_lm.load(str(ensure_model("small-target")))[0]
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            proj.weight = mx.zeros_like(proj.weight)
+    vocab = model.model.embed_tokens.weight.shape[0]
+    follow = mx.argmax(model(mx.arange(vocab)[None]), axis=-1)[0].tolist()
+    return model, cast(list[int], follow)
+
+
+def copying_prompts(follow: list[int], n: int, max_tokens: int, seed: int) -> list[list[int]]:
+    """Each prompt holds the text its answer will be: a chain of ``f`` of ``max_tokens + 32`` tokens, then its
+    first 32 again, so the answer goes on as the chain did (as an answer quotes a passage it was given)."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        chain = [rng.randrange(len(follow))]
+        while len(chain) < max_tokens + 32:
+            chain.append(follow[chain[-1]])
+        prompts.append(chain + chain[:32])
+    return prompts
+
+
+def copy_task(bench: Bench, sizes: Sequence[int], repeats: int) -> dict[int, tuple[float, float, float]]:
+    """Prompt lookup against plain decoding where the answer copies the prompt: tok/s each, and proposals taken."""
+    import mlx.core as mx
+
+    from mlxq.engine.batch import MLXBatch
+    from mlxq.engine.speculative import PromptLookup
+    from mlxq.engine.stats import EngineStats
+
+    model, follow = copying_model(bench)
+    out = {}
+    for n in sizes:
+        prompts = copying_prompts(follow, n, bench.max_tokens, seed=n)
+        batches = [MLXBatch(model, bench.target[1].eos_token_ids, capacity=max(n, 1), prefill_batch_size=8,
+                            prefill_step_size=512, stream=bench.stream, proposer=proposer, stats=EngineStats())
+                   for proposer in (None, PromptLookup())]
+        best = [0.0, 0.0]
+        for _ in range(repeats + 1):  # the first round warms up
+            for i, batch in enumerate(batches):
+                with mx.stream(bench.stream):
+                    best[i] = max(best[i], burst(batch, prompts, bench.max_tokens))
+        spec = batches[1]._spec
+        assert spec is not None
+        stats = spec.stats
+        out[n] = (best[0], best[1], stats.spec_accepted / max(1, stats.spec_drafted))
+        say(f"copying N={n}: plain {best[0]:.1f} tok/s, prompt lookup {best[1]:.1f} ({best[1] / best[0]:.2f}x), "
+            f"{out[n][2]:.2f} of proposals taken")
+    return out
+
+
+def burst(batch: Any, prompts: list[list[int]], max_tokens: int) -> float:
+    """Decode tok/s of one burst of ``prompts`` through ``batch``, from the first generated token on."""
+    for p in prompts:
+        batch.insert(p, max_tokens, None, [])
+    left, tokens, start = len(prompts), 0, 0.0
+    while left:
+        out = batch.step()
+        if out and not start:
+            start = time.perf_counter()
+            continue
+        tokens += len(out)
+        left -= sum(1 for t in out if t.finish_reason)
+    return tokens / (time.perf_counter() - start)
+
+
 def measure(sizes: Sequence[int], max_tokens: int, fixed: Sequence[int], repeats: int) -> Report:
     bench = Bench(max_tokens)
     report = Report(blas_of(), pair_alpha(bench), max_tokens)
@@ -221,6 +298,7 @@ def measure(sizes: Sequence[int], max_tokens: int, fixed: Sequence[int], repeats
         bench.run(lookup, n, seed=1)
         ngram = max(bench.run(lookup, n, seed=10 + r)[0] for r in range(repeats))
         report.ngram_overhead[n] = ngram / row.plain_tps
+    report.copying = copy_task(bench, sizes, repeats)
     return report
 
 
@@ -255,6 +333,11 @@ def markdown(report: Report) -> str:
     lines += ["", "Prompt lookup (MLXQ_SPECULATE=ngram) on prompts whose text never repeats (random weights: the "
               "output does not quote the prompt), lookup tok/s ÷ plain tok/s: "
               + ", ".join(f"N={n}: {v:.2f}" for n, v in report.ngram_overhead.items()), ""]
+    lines += ["Prompt lookup where the answer copies the prompt: small-target with its layers' output projections "
+              "zeroed (each token's successor fixed, the target's cost per step), each prompt a chain of successors "
+              "then its first 32 tokens again, so the answer goes on as the prompt did; lookup ÷ plain tok/s "
+              "(proposals taken): " + ", ".join(f"N={n}: {q / p:.2f}x ({p:.1f} -> {q:.1f} tok/s, {t:.2f})"
+                                                 for n, (p, q, t) in report.copying.items()), ""]
     return "\n".join(lines)
 
 
