@@ -305,7 +305,8 @@ class _Looks:
 class Tuner:
     """Chooses each step's ``k``: the one with the most tokens per second expected at the batch's size (to the
     nearest power of two), from the acceptance measured over every row (one rate per proposal position, as the
-    usual analysis assumes) and the time a step of each ``k`` took per row at that size. ``k`` holds for ``block``
+    usual analysis assumes) and the time a step of each ``k`` took per row at about as many rows (within an
+    eighth: on a CPU a row's share of a step still shrinks from 24 rows to 32). ``k`` holds for ``block``
     steps and only a step that follows one of the same ``k`` is timed: a plain step's forward pass runs on while
     the next step starts, so the step after a change pays part of the one before. Every ``k`` is timed first,
     then the best is used, with plain decoding or a neighbour timed again one block in ``explore``. While plain
@@ -313,8 +314,8 @@ class Tuner:
     SPREAD``): a draft that sat out plain steps must catch up on every token since before it proposes again."""
 
     TRIES = 3  # timings of each k before the best is trusted
-    KEEP = 4  # the latest timings of each k: their median is its step time (one slow step moves nothing, and
-    # two blocks of it replace what a batch long gone measured)
+    KEEP = 4  # the latest timings of each k near a row count: their median is its step time (one slow step
+    # moves nothing, and two blocks of it replace what a batch long gone measured)
     MARGIN = 1.15  # how much faster than plain decoding a k must look to be used
     SPREAD = 16
 
@@ -322,7 +323,7 @@ class Tuner:
         self.ks = tuple(range(max_k + 1))
         self.block = block
         self.explore = explore
-        self._seconds: dict[tuple[int, int], deque[float]] = {}  # (size, k) -> latest step times per row
+        self._seconds: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (size, k) -> (rows, time per row)
         self._kept = 1.0  # proposals kept, and rejected (decayed sums): the acceptance rate is kept / both
         self._rejected = 1.0
         self._k = 0
@@ -335,12 +336,13 @@ class Tuner:
 
     def choose(self, rows: int) -> int:
         if self._left <= 0:
-            self._k, self._left = self._next(_size(rows)), self.block
+            self._k, self._left = self._next(rows), self.block
         self._left -= 1
         return self._k
 
-    def _next(self, size: int) -> int:
-        timed = [self._seconds.get((size, k), ()) for k in self.ks]
+    def _next(self, rows: int) -> int:
+        size = _size(rows)
+        timed = [self._near(size, k, rows) for k in self.ks]
         for k, times in zip(self.ks, timed):
             if len(times) < self.TRIES:
                 return k
@@ -368,7 +370,11 @@ class Tuner:
     def record(self, rows: int, k: int, seconds: float) -> None:
         """A step of ``k`` at ``rows`` rows took ``seconds``: kept per row, so that sizes rounded to the same power
         of two compare (a batch kept full moves between 31 and 32 rows)."""
-        self._seconds.setdefault((_size(rows), k), deque(maxlen=self.KEEP)).append(seconds / rows)
+        self._seconds.setdefault((_size(rows), k), deque(maxlen=4 * self.KEEP)).append((rows, seconds / rows))
+
+    def _near(self, size: int, k: int, rows: int) -> list[float]:
+        """The latest timings per row of ``k`` taken at about ``rows`` rows."""
+        return [t for r, t in self._seconds.get((size, k), ()) if abs(r - rows) * 8 <= rows][-self.KEEP:]
 
     def accepted(self, kept: Sequence[int], k: int) -> None:
         """Rows kept ``kept[i]`` of ``k`` proposals: each kept one a success, the first rejected a failure."""

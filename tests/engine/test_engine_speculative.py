@@ -269,6 +269,26 @@ def test_while_plain_decoding_is_best_the_tuner_looks_at_speculation_less_and_le
     assert slow.choose(4) == 0
 
 
+def test_the_tuner_compares_timings_taken_at_about_as_many_rows() -> None:
+    tuner = Tuner(1, block=4, explore=4)
+    per_row = {24: {0: 2.5, 1: 3.0}, 32: {0: 1.9, 1: 3.0}}  # ms per row: plain's share shrinks as rows grow
+
+    def steps(rows: int, n: int) -> list[int]:
+        chosen = []
+        for _ in range(n):
+            k = tuner.choose(rows)
+            chosen.append(k)
+            tuner.record(rows, k, per_row[rows][k] * rows / 1000)
+            if k:
+                tuner.accepted([1] * 3 + [0], k)  # kept 3 times in 4: k = 1 yields 1.75 tokens a step
+        return chosen
+
+    assert steps(24, 40)[-4:] == [1] * 4  # 1.75 / 3.0 against 1 / 2.5: speculation pays at 24 rows
+    at_32 = steps(32, 40)
+    assert at_32[:4] == [0] * 4  # plain decoding's timing at 24 rows is no timing at 32: it is taken again
+    assert at_32[-4:] == [0] * 4  # 1.75 / 3.0 against 1 / 1.9: plain decoding
+
+
 def second_token_distribution(target: Any, prompt: list[int], temperature: float) -> mx.array:
     """The exact distribution of a sampled request's second token: sum over first tokens t of p(t) p(. | t)."""
     model = target[0]
