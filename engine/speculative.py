@@ -305,8 +305,9 @@ class _Looks:
 class Tuner:
     """Chooses each step's ``k``: the one with the most tokens per second expected at the batch's size (to the
     nearest power of two), from the acceptance measured over every row (one rate per proposal position, as the
-    usual analysis assumes) and the time a step of each ``k`` took per row at about as many rows (within an
-    eighth: on a CPU a row's share of a step still shrinks from 24 rows to 32). ``k`` holds for ``block``
+    usual analysis assumes) and the time a step of each ``k`` took per row at about as many rows (plain decoding
+    is timed again when it has no timing within an eighth: on a CPU a row's share of a step still shrinks from 24
+    rows to 32). ``k`` holds for ``block``
     steps and only a step that follows one of the same ``k`` is timed: a plain step's forward pass runs on while
     the next step starts, so the step after a change pays part of the one before. Every ``k`` is timed first,
     then the best is used, with plain decoding or a neighbour timed again one block in ``explore``. While plain
@@ -342,10 +343,12 @@ class Tuner:
 
     def _next(self, rows: int) -> int:
         size = _size(rows)
-        timed = [self._near(size, k, rows) for k in self.ks]
-        for k, times in zip(self.ks, timed):
-            if len(times) < self.TRIES:
+        for k in self.ks:  # each k timed at this size first
+            if len(self._seconds.get((size, k), ())) < self.TRIES:
                 return k
+        timed = [self._nearest(size, k, rows) for k in self.ks]
+        if len(timed[0]) < self.TRIES:  # plain decoding is timed at about this many rows (no catch-up to pay)
+            return 0
         a = self.acceptance
         speed = [sum(a ** j for j in range(k + 1)) / statistics.median(timed[k]) for k in self.ks]
         best = max(self.ks, key=lambda k: speed[k])
@@ -372,9 +375,14 @@ class Tuner:
         of two compare (a batch kept full moves between 31 and 32 rows)."""
         self._seconds.setdefault((_size(rows), k), deque(maxlen=4 * self.KEEP)).append((rows, seconds / rows))
 
-    def _near(self, size: int, k: int, rows: int) -> list[float]:
-        """The latest timings per row of ``k`` taken at about ``rows`` rows."""
-        return [t for r, t in self._seconds.get((size, k), ()) if abs(r - rows) * 8 <= rows][-self.KEEP:]
+    def _nearest(self, size: int, k: int, rows: int) -> list[float]:
+        """Timings per row of ``k``: plain decoding's the latest at about ``rows`` rows (within an eighth, or one);
+        a proposing k's the ``KEEP`` taken nearest ``rows`` (timing one again costs the draft a catch-up)."""
+        samples = list(self._seconds.get((size, k), ()))
+        if k == 0:
+            return [t for r, t in samples if abs(r - rows) <= max(1, rows // 8)][-self.KEEP:]
+        ranked = sorted(range(len(samples)), key=lambda i: (abs(samples[i][0] - rows), -i))
+        return [samples[i][1] for i in ranked[:self.KEEP]]
 
     def accepted(self, kept: Sequence[int], k: int) -> None:
         """Rows kept ``kept[i]`` of ``k`` proposals: each kept one a success, the first rejected a failure."""

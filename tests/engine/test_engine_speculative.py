@@ -286,7 +286,7 @@ def test_the_tuner_compares_timings_taken_at_about_as_many_rows() -> None:
     assert steps(24, 40)[-4:] == [1] * 4  # 1.75 / 3.0 against 1 / 2.5: speculation pays at 24 rows
     at_32 = steps(32, 40)
     assert at_32[:4] == [0] * 4  # plain decoding's timing at 24 rows is no timing at 32: it is taken again
-    assert at_32[-4:] == [0] * 4  # 1.75 / 3.0 against 1 / 1.9: plain decoding
+    assert at_32[4:].count(0) >= 28  # 1.75 / 3.0 against 1 / 1.9: plain decoding, but for a look or two
 
 
 def second_token_distribution(target: Any, prompt: list[int], temperature: float) -> mx.array:
