@@ -307,9 +307,9 @@ class Tuner:
     nearest power of two), from the acceptance measured over every row (one rate per proposal position, as the
     usual analysis assumes) and the time a step of each ``k`` took per row at about as many rows (plain decoding
     is timed again when it has no timing within an eighth: on a CPU a row's share of a step still shrinks from 24
-    rows to 32). ``k`` holds for ``block``
-    steps and only a step that follows one of the same ``k`` is timed: a plain step's forward pass runs on while
-    the next step starts, so the step after a change pays part of the one before. Every ``k`` is timed first,
+    rows to 32). ``k`` holds for ``block`` steps and only a step that follows one of the same ``k`` is timed: a
+    plain step's forward pass runs on while the next step starts, so the step after a change pays part of the one
+    before. Every ``k`` is timed first,
     then the best is used, with plain decoding or a neighbour timed again one block in ``explore``. While plain
     decoding is best, a look at speculation comes in twice as many blocks as the last (up to ``explore *
     SPREAD``): a draft that sat out plain steps must catch up on every token since before it proposes again."""

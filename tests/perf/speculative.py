@@ -85,24 +85,31 @@ class Bench:
         tok = self.target[1]
         return [tok.encode(" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))) for _ in range(n)]
 
-    def batch(self, kind: str | None, n: int) -> Any:
+    def batch(self, kind: str | None, n: int, model: Any = None) -> Any:
+        """The engine's batch over the target (or ``model``), with the draft (``"draft"``), prompt lookup
+        (``"ngram"``) or no proposer."""
         from mlxq.engine.batch import MLXBatch
         from mlxq.engine.speculative import DraftModel, PromptLookup
         from mlxq.engine.stats import EngineStats
 
         proposer = DraftModel(self.draft[0], 512) if kind == "draft" else PromptLookup() if kind == "ngram" else None
-        return MLXBatch(self.target[0], self.target[1].eos_token_ids, capacity=max(n, 1), prefill_batch_size=8,
-                        prefill_step_size=512, stream=self.stream, proposer=proposer, stats=EngineStats())
+        return MLXBatch(self.target[0] if model is None else model, self.target[1].eos_token_ids,
+                        capacity=max(n, 1), prefill_batch_size=8, prefill_step_size=512, stream=self.stream,
+                        proposer=proposer, stats=EngineStats())
 
     def run(self, batch: Any, n: int, seed: int) -> tuple[float, Counter[int]]:
-        """Decode tok/s of one burst (from the first generated token on), and the steps of each k."""
+        """Decode tok/s of one burst of ``n`` of the bench's prompts, and the steps of each k."""
+        return self.burst(batch, self.prompts(n, seed))
+
+    def burst(self, batch: Any, prompts: list[list[int]]) -> tuple[float, Counter[int]]:
+        """Decode tok/s of one burst of ``prompts`` (from the first generated token on), and the steps of each k."""
         import mlx.core as mx
 
         ks: Counter[int] = Counter()
         with mx.stream(self.stream):
-            for p in self.prompts(n, seed):
+            for p in prompts:
                 batch.insert(p, self.max_tokens, None, [])
-            left, tokens, start = n, 0, 0.0
+            left, tokens, start = len(prompts), 0, 0.0
             while left:
                 out = batch.step()
                 if out and not start:
@@ -113,7 +120,6 @@ class Bench:
                 if batch._spec is not None and out:
                     ks[batch._spec.stats.spec_k] += 1
         return tokens / (time.perf_counter() - start), ks
-
 
     def load(self, batch: Any, n: int, seed: int, rounds: int = 3) -> float:
         """Decode tok/s of a fully loaded batch: ``n`` requests in flight, each one that ends replaced, until
@@ -185,7 +191,7 @@ def step_cost(model: Any, n: int, width: int = 1) -> float:
     return statistics.median(times)
 
 
-def copying_model(bench: Bench) -> tuple[Any, list[int]]:
+def copying_model() -> tuple[Any, list[int]]:
     """small-target with its layers' output projections zeroed: each position's logits then depend on its own
     token only (next = f(token)), at the target's cost per step; and ``f`` over the vocabulary."""
     import mlx.core as mx
@@ -219,24 +225,15 @@ def copying_prompts(follow: list[int], n: int, max_tokens: int, seed: int) -> li
 
 def copy_task(bench: Bench, sizes: Sequence[int], repeats: int) -> dict[int, tuple[float, float, float]]:
     """Prompt lookup against plain decoding where the answer copies the prompt: tok/s each, and proposals taken."""
-    import mlx.core as mx
-
-    from mlxq.engine.batch import MLXBatch
-    from mlxq.engine.speculative import PromptLookup
-    from mlxq.engine.stats import EngineStats
-
-    model, follow = copying_model(bench)
+    model, follow = copying_model()
     out = {}
     for n in sizes:
         prompts = copying_prompts(follow, n, bench.max_tokens, seed=n)
-        batches = [MLXBatch(model, bench.target[1].eos_token_ids, capacity=max(n, 1), prefill_batch_size=8,
-                            prefill_step_size=512, stream=bench.stream, proposer=proposer, stats=EngineStats())
-                   for proposer in (None, PromptLookup())]
+        batches = [bench.batch(kind, n, model) for kind in (None, "ngram")]
         best = [0.0, 0.0]
         for _ in range(repeats + 1):  # the first round warms up
             for i, batch in enumerate(batches):
-                with mx.stream(bench.stream):
-                    best[i] = max(best[i], burst(batch, prompts, bench.max_tokens))
+                best[i] = max(best[i], bench.burst(batch, prompts)[0])
         spec = batches[1]._spec
         assert spec is not None
         stats = spec.stats
@@ -244,21 +241,6 @@ def copy_task(bench: Bench, sizes: Sequence[int], repeats: int) -> dict[int, tup
         say(f"copying N={n}: plain {best[0]:.1f} tok/s, prompt lookup {best[1]:.1f} ({best[1] / best[0]:.2f}x), "
             f"{out[n][2]:.2f} of proposals taken")
     return out
-
-
-def burst(batch: Any, prompts: list[list[int]], max_tokens: int) -> float:
-    """Decode tok/s of one burst of ``prompts`` through ``batch``, from the first generated token on."""
-    for p in prompts:
-        batch.insert(p, max_tokens, None, [])
-    left, tokens, start = len(prompts), 0, 0.0
-    while left:
-        out = batch.step()
-        if out and not start:
-            start = time.perf_counter()
-            continue
-        tokens += len(out)
-        left -= sum(1 for t in out if t.finish_reason)
-    return tokens / (time.perf_counter() - start)
 
 
 def measure(sizes: Sequence[int], max_tokens: int, fixed: Sequence[int], repeats: int) -> Report:
