@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -30,8 +29,6 @@ __all__ = ["BatchBackend", "BatchToken", "CachingBackend", "GeneratedToken", "ML
            "attach_logprobs"]
 
 _GENERATE = importlib.import_module("mlx_lm.generate")  # the module: the package's ``generate`` is a function
-# A prompt chunk this long or longer: rows that just joined the batch get their first token before the next chunk.
-_FIRST_TOKEN_FIRST_S = 0.02
 
 
 class GeneratedToken(Protocol):
@@ -176,9 +173,9 @@ class CachingBackend(BatchBackend, Protocol):
 class MLXBatch:
     """mlx-lm's BatchGenerator behind :class:`BatchBackend`.
 
-    A step runs one decode step for the generating sequences plus one chunk (``prefill_step_size``
-    tokens) of prefill for the sequences being prompted, so a long prompt spans several steps and can be
-    cancelled between them. ``caches=False`` makes it a backend that cannot hand out caches (tests of the
+    A step runs one decode step for the generating sequences or one chunk (``prefill_step_size`` tokens) of
+    prefill for the sequences being prompted, so a long prompt spans several steps and can be cancelled
+    between them. ``caches=False`` makes it a backend that cannot hand out caches (tests of the
     scheduler's fallbacks).
     """
 
@@ -202,8 +199,7 @@ class MLXBatch:
         self._prefill_step = prefill_step_size
         self._eos = frozenset(eos_token_ids)
         self._watch: dict[int, None] = {}  # uids with a checkpoint not reached yet
-        self._joined = False  # the last step moved prefilled rows into the decode batch: their first token is next
-        self._prefill_s = 0.0  # how long a step with a prompt chunk takes (moving average)
+        self._decoded = False  # the last step decoded only, while prompts wait: the next one is theirs
         self._checkpoints: list[SequenceCache] = []
         self._stops = StopSequences([(t,) for t in sorted(self._eos)])
         # mlx-lm's generator sets the wired limit in __init__ (``maybe_set_recommended_wired_limit``) and puts
@@ -312,32 +308,48 @@ class MLXBatch:
         return int(self._gen.prompt_cache_nbytes) + draft
 
     def step(self) -> Sequence[GeneratedToken]:
-        if self._joined and self._prefill_s >= _FIRST_TOKEN_FIRST_S:
+        if self._decoded:
+            self._decoded = False
+            prompts, generated = self._prompts_only()
+        elif self._both_due():
+            self._decoded = True
             prompts, generated = self._decode_only()
         else:
-            t0 = time.perf_counter()
             prompts, generated = self._gen.next()
-            if prompts:
-                self._prefill_s += (time.perf_counter() - t0 - self._prefill_s) / 4
-                if self._spec is not None:
-                    self._spec.untimed()
-        self._joined = any(r.end_of_prompt for r in prompts)
+        if prompts and self._spec is not None:
+            self._spec.untimed()  # the decode step being timed spans this prompt work
         if self._watch and prompts:
             self._checkpoint(prompts)
         return generated  # type: ignore[no-any-return]
 
+    def _both_due(self) -> bool:
+        """Whether mlx-lm's step would decode and then prefill. It returns the decoded tokens only after the
+        prompt chunk, so rows that just joined would wait a chunk for their first token and every row a chunk
+        for its next one; such a step runs as two: :meth:`_decode_only`, then :meth:`_prompts_only` (the same
+        decode passes and chunks, in the same order: mlx-lm evaluates a decode step's tokens asynchronously)."""
+        gen = self._gen
+        rows = len(gen._generation_batch)
+        return 0 < rows < gen.completion_batch_size and bool(gen._unprocessed_sequences or gen._currently_processing)
+
     def _decode_only(self) -> tuple[Any, Any]:
-        """One decode step and no prompt chunk: mlx-lm's step decodes, then prefills the next prompts, and returns
-        the decoded tokens after both, so rows that just joined the batch would wait for the next group's prefill
-        for their first token. Its step returns early once the decode batch is full; a limit of 0 makes it so.
-        Worth a step only where a prompt chunk takes long (:data:`_FIRST_TOKEN_FIRST_S`): where steps take a
-        millisecond or two, the extra step costs more of the batch's time than the first tokens gain."""
+        """One decode step and no prompt chunk: mlx-lm's step returns early once the decode batch is full; a
+        limit of 0 makes it so."""
         full = self._gen.completion_batch_size
         self._gen.completion_batch_size = 0
         try:
             return self._gen.next()  # type: ignore[no-any-return]
         finally:
             self._gen.completion_batch_size = full
+
+    def _prompts_only(self) -> tuple[Any, Any]:
+        """mlx-lm's step without its decode step: prefilled rows join, the next chunk is prefilled. Its decode
+        batch's ``next`` is shadowed for the call (the batch still counts its rows, so room is as usual)."""
+        batch = self._gen._generation_batch
+        batch.next = _no_tokens
+        try:
+            return self._gen.next()  # type: ignore[no-any-return]
+        finally:
+            del batch.next
 
     def _checkpoint(self, prompts: Sequence[Any]) -> None:
         # A watched sequence's first segment end is its checkpoint (its later ones are mlx-lm's own split).
@@ -356,6 +368,10 @@ class MLXBatch:
 
     def close(self) -> None:
         self._gen.close()
+
+
+def _no_tokens() -> list[Any]:
+    return []
 
 
 def _no_wired_limit() -> None:

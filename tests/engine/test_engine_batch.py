@@ -173,25 +173,44 @@ def test_a_request_started_at_once_starts_from_a_cached_prefix(lm: Any, stream: 
 
 def test_rows_that_join_the_batch_get_their_first_token_before_the_next_prompt_chunk(
         lm: Any, stream: mx.Stream, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A burst of 24 prefilled 8 at a time: each group's first tokens come in the step after it joins the batch,
-    # before the next group's prompt chunk (the threshold forced to 0: the tiny model's chunks are quick), and
-    # every row still makes exactly its greedy tokens.
-    import mlxq.engine.batch
+    # A burst of 24 prefilled 8 at a time: no step both decodes and prefills, so each group's first tokens come
+    # in the step after it joins the batch, before the next group's prompt chunk; the decode passes are those
+    # of mlx-lm's own loop over the same burst (none added), and every row makes exactly its greedy tokens.
+    import importlib
 
-    monkeypatch.setattr(mlxq.engine.batch, "_FIRST_TOKEN_FIRST_S", 0.0)
-    tokenizer = lm[1]
+    from mlx_lm.generate import BatchGenerator
+
+    generation = importlib.import_module("mlx_lm.generate").GenerationBatch
+    passes = [0]
+    real_step = generation._step
+
+    def counted(self: Any) -> Any:
+        passes[0] += 1
+        return real_step(self)
+
+    monkeypatch.setattr(generation, "_step", counted)
+    model, tokenizer = lm
+    prompts = [words(tokenizer, 6 + i % 5, i) for i in range(24)]
+    with mx.stream(stream):  # mlx-lm's loop, as the engine's batch is made
+        gen = BatchGenerator(model, completion_batch_size=24, prefill_batch_size=8, prefill_step_size=512,
+                             stream=stream)
+        live = set(gen.insert(prompts, max_tokens=[12] * 24))
+        while live:
+            live -= {r.uid for r in gen.next()[1] if r.finish_reason is not None}
+        gen.close()
+    plain, passes[0] = passes[0], 0
+
     s = make(lm, stream, capacity=24)
     backend: Any = s.backend
-    chunks: list[int] = []  # per step: how many rows' prompts the step advanced
+    work: list[tuple[int, int]] = []  # per step: rows whose prompt it advanced, tokens it decoded
     real_next = backend._gen.next
 
     def next_() -> Any:
         prompts, generated = real_next()
-        chunks.append(len([p for p in prompts if not p.end_of_prompt]))
+        work.append((len([p for p in prompts if not p.end_of_prompt]), len(generated)))
         return prompts, generated
 
     monkeypatch.setattr(backend._gen, "next", next_)
-    prompts = [words(tokenizer, 6 + i % 5, i) for i in range(24)]
     for i, p in enumerate(prompts):
         s.add(EngineRequest(f"r{i}", p, SamplingParams(max_tokens=12)))
     run = Run()
@@ -204,8 +223,10 @@ def test_rows_that_join_the_batch_get_their_first_token_before_the_next_prompt_c
             run.step(s)
             firsts += [step] * len({rid for rid in run.outputs if run.tokens(rid)} - before)
     assert len(firsts) == 24
+    assert not [w for w in work if w[0] and w[1]], work  # no step both prefilled and decoded
     for group in range(3):  # its first tokens came out of a step that prefilled no prompt
         (at,) = set(firsts[group * 8:(group + 1) * 8])
-        assert chunks[at] == 0, (group, at, chunks)
+        assert work[at][0] == 0, (group, at, work)
+    assert passes[0] == plain
     for i, p in enumerate(prompts):
         assert run.tokens(f"r{i}") == reference(lm, p, 12), i
