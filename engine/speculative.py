@@ -305,9 +305,9 @@ class _Looks:
 class Tuner:
     """Chooses each step's ``k``: the one with the most tokens per second expected at the batch's size (to the
     nearest power of two), from the acceptance measured over every row (one rate per proposal position, as the
-    usual analysis assumes) and the time a step of each ``k`` took per row at about as many rows (plain decoding
-    is timed again when it has no timing within an eighth: on a CPU a row's share of a step still shrinks from 24
-    rows to 32). ``k`` holds for ``block`` steps and only a step that follows one of the same ``k`` is timed: a
+    usual analysis assumes) and the time a step of each ``k`` took at about as many rows, as so many plain steps
+    timed lately (plain decoding is timed again when it has no timing within an eighth: on a CPU a row's share of
+    a step still shrinks from 24 rows to 32). ``k`` holds for ``block`` steps and only a step that follows one of the same ``k`` is timed: a
     plain step's forward pass runs on while the next step starts, so the step after a change pays part of the one
     before. Every ``k`` is timed first,
     then the best is used, with plain decoding or a neighbour timed again one block in ``explore``. While plain
@@ -346,13 +346,14 @@ class Tuner:
         for k in self.ks:  # each k timed at this size first
             if len(self._seconds.get((size, k), ())) < self.TRIES:
                 return k
-        timed = [self._nearest(size, k, rows) for k in self.ks]
-        if len(timed[0]) < self.TRIES:  # plain decoding is timed at about this many rows (no catch-up to pay)
-            return 0
+        if len(self._nearest(size, 0, rows)) < self.TRIES:  # plain decoding is timed at about this many rows
+            return 0  # (no catch-up to pay)
         a = self.acceptance
-        speed = [sum(a ** j for j in range(k + 1)) / statistics.median(timed[k]) for k in self.ks]
-        best = max(self.ks, key=lambda k: speed[k])
-        if speed[best] < self.MARGIN * speed[0]:  # a gain within the timings' noise is no gain
+        # Tokens a step of k makes per plain step's time; plain decoding makes one.
+        gain = {k: sum(a ** j for j in range(k + 1)) / statistics.median(self._nearest(size, k, rows))
+                for k in self.ks[1:]}
+        best = max(gain, key=lambda k: gain[k], default=0)
+        if best and gain[best] < self.MARGIN:  # a gain within the timings' noise is no gain
             best = 0
         looks = self._looks.setdefault(size, _Looks(self.explore))
         looks.blocks += 1
@@ -371,16 +372,29 @@ class Tuner:
         return neighbours[(looks.taken // 2) % len(neighbours)] if neighbours else best
 
     def record(self, rows: int, k: int, seconds: float) -> None:
-        """A step of ``k`` at ``rows`` rows took ``seconds``: kept per row, so that sizes rounded to the same power
-        of two compare (a batch kept full moves between 31 and 32 rows)."""
-        self._seconds.setdefault((_size(rows), k), deque(maxlen=4 * self.KEEP)).append((rows, seconds / rows))
+        """A step of ``k`` at ``rows`` rows took ``seconds``: plain decoding's kept per row, so that sizes rounded
+        to the same power of two compare (a batch kept full moves between 31 and 32 rows); a proposing k's as so
+        many plain steps at about as many rows, timed lately (a machine whose speed drifts moves both alike: a
+        plain step timed slow must not make an older timing of a k look fast)."""
+        size, cost = _size(rows), seconds / rows
+        if k:
+            plain = self._nearest(size, 0, rows) or self._ranked(size, 0, rows)
+            if not plain:
+                return
+            cost /= statistics.median(plain)
+        self._seconds.setdefault((size, k), deque(maxlen=4 * self.KEEP)).append((rows, cost))
 
     def _nearest(self, size: int, k: int, rows: int) -> list[float]:
-        """Timings per row of ``k``: plain decoding's the latest at about ``rows`` rows (within an eighth, or one);
-        a proposing k's the ``KEEP`` taken nearest ``rows`` (timing one again costs the draft a catch-up)."""
+        """Timings of ``k``: plain decoding's the latest at about ``rows`` rows (within an eighth, or one); a
+        proposing k's the ``KEEP`` taken nearest ``rows`` (timing one again costs the draft a catch-up)."""
+        if k:
+            return self._ranked(size, k, rows)
+        samples = self._seconds.get((size, k), ())
+        return [t for r, t in samples if abs(r - rows) <= max(1, rows // 8)][-self.KEEP:]
+
+    def _ranked(self, size: int, k: int, rows: int) -> list[float]:
+        """The ``KEEP`` timings of ``k`` taken nearest ``rows`` rows, the latest first among equals."""
         samples = list(self._seconds.get((size, k), ()))
-        if k == 0:
-            return [t for r, t in samples if abs(r - rows) <= max(1, rows // 8)][-self.KEEP:]
         ranked = sorted(range(len(samples)), key=lambda i: (abs(samples[i][0] - rows), -i))
         return [samples[i][1] for i in ranked[:self.KEEP]]
 

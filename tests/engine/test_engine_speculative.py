@@ -289,6 +289,27 @@ def test_the_tuner_compares_timings_taken_at_about_as_many_rows() -> None:
     assert at_32[4:].count(0) >= 28  # 1.75 / 3.0 against 1 / 1.9: plain decoding, but for a look or two
 
 
+def test_a_machine_slowing_down_does_not_make_speculation_look_faster() -> None:
+    # Steps of every k slow alike as the machine drifts (here up to 1.3x). At a = 0.8, k = 2 makes 2.44 tokens
+    # in 2.3 plain steps' time: no gain worth it. Timed as so many plain steps, that holds however plain
+    # decoding's latest timing moved; an older k = 2 timing against a plain one taken slow made k = 2 look up to
+    # 1.38x faster than plain decoding, and the tuner speculated at a loss.
+    tuner = Tuner(2, block=4, explore=4)
+    cost = {0: 60.0, 1: 105.0, 2: 138.0}  # ms per step at rows 32
+    kept = {1: [1] * 13 + [0] * 3, 2: [2] * 10 + [1] * 3 + [0] * 3}  # a = 0.81 and 0.79
+    chosen = []
+    for step in range(800):
+        k = tuner.choose(32)
+        chosen.append(k)
+        drift = 1.0 + 0.3 * min(1.0, step / 400)
+        tuner.record(32, k, cost[k] * drift / 1000)
+        if k:
+            tuner.accepted(kept[k], k)
+    later = [b[0] for b in [chosen[i:i + 4] for i in range(0, 800, 4)][3:]]  # after each k's first timings
+    looks = [i for i, k in enumerate(later) if k]
+    assert [b - a for a, b in itertools.pairwise(looks)] == [4, 8, 16, 32, 64, 64]  # only the looks at speculation
+
+
 def second_token_distribution(target: Any, prompt: list[int], temperature: float) -> mx.array:
     """The exact distribution of a sampled request's second token: sum over first tokens t of p(t) p(. | t)."""
     model = target[0]
