@@ -52,8 +52,9 @@ class Proposer(Protocol):
 
     def filter(self, keep: list[int]) -> None: ...
 
-    def propose(self, batch: SpecBatch, pending: mx.array, k: int) -> mx.array:
-        """``(B, k)`` proposals following each row's ``tokens`` and its pending token (``pending``, ``(B,)``)."""
+    def propose(self, batch: SpecBatch, pending: mx.array, k: int) -> mx.array | None:
+        """``(B, k)`` proposals following each row's ``tokens`` and its pending token (``pending``, ``(B,)``);
+        None when no row has one worth verifying (the step then decodes plainly)."""
         ...
 
     def settle(self, accepted: list[int], k: int) -> None:
@@ -243,20 +244,27 @@ class _Lookup:
     seen: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0  # tokens whose n-grams ending before them are in ``seen``
 
-    def add(self, tokens: list[int]) -> None:
-        for end in range(max(self.indexed, 1), len(tokens)):  # n-grams ending at end - 1, continued at end
+    def add(self, tokens: list[int], pending: int) -> None:
+        """Index ``tokens`` followed by ``pending`` (the next token, not in ``tokens`` yet)."""
+        for end in range(max(self.indexed, 1), len(tokens) + 1):  # n-grams ending at end - 1, continued at end
             for n in self.sizes:
                 if end >= n:
                     self.seen[tuple(tokens[end - n:end])] = end
-        self.indexed = max(self.indexed, len(tokens))
+        self.indexed = max(self.indexed, len(tokens) + 1)
 
-    def follow(self, tokens: list[int], k: int) -> list[int]:
+    def follow(self, tokens: list[int], pending: int, k: int) -> list[int] | None:
+        """What followed the longest suffix of ``tokens`` + ``pending`` seen before (padded to ``k``); None: no
+        suffix was. Neither is copied: a row's tokens grow with every step."""
         for n in self.sizes:  # the longest suffix seen before wins
-            at = self.seen.get(tuple(tokens[-n:])) if len(tokens) >= n else None
+            if len(tokens) + 1 < n:
+                continue
+            at = self.seen.get((*tokens[len(tokens) - n + 1:], pending))
             if at is not None:
                 found = tokens[at:at + k]
+                if len(found) < k and at + len(found) == len(tokens):
+                    found.append(pending)
                 return found + [found[-1]] * (k - len(found))
-        return [tokens[-1]] * k
+        return None
 
 
 class PromptLookup:
@@ -273,13 +281,14 @@ class PromptLookup:
     def filter(self, keep: list[int]) -> None:
         self.rows = [self.rows[i] for i in keep]
 
-    def propose(self, batch: SpecBatch, pending: mx.array, k: int) -> mx.array:
-        out = []
+    def propose(self, batch: SpecBatch, pending: mx.array, k: int) -> mx.array | None:
+        out, found = [], False
         for row, tokens, p in zip(self.rows, batch.tokens, _ints(pending)):
-            history = [*tokens, p]
-            row.add(history)
-            out.append(row.follow(history, k))
-        return mx.array(out, dtype=pending.dtype)
+            row.add(tokens, p)
+            follow = row.follow(tokens, p, k)
+            found = found or follow is not None
+            out.append(follow or [p] * k)  # a row with nothing seen: its pending token, rejected at no harm
+        return mx.array(out, dtype=pending.dtype) if found else None
 
     def settle(self, accepted: list[int], k: int) -> None:
         return None
@@ -307,12 +316,12 @@ class Tuner:
     nearest power of two), from the acceptance measured over every row (one rate per proposal position, as the
     usual analysis assumes) and the time a step of each ``k`` took at about as many rows, as so many plain steps
     timed lately (plain decoding is timed again when it has no timing within an eighth: on a CPU a row's share of
-    a step still shrinks from 24 rows to 32). ``k`` holds for ``block`` steps and only a step that follows one of the same ``k`` is timed: a
-    plain step's forward pass runs on while the next step starts, so the step after a change pays part of the one
-    before. Every ``k`` is timed first,
-    then the best is used, with plain decoding or a neighbour timed again one block in ``explore``. While plain
-    decoding is best, a look at speculation comes in twice as many blocks as the last (up to ``explore *
-    SPREAD``): a draft that sat out plain steps must catch up on every token since before it proposes again."""
+    a step still shrinks from 24 rows to 32). ``k`` holds for ``block`` steps and only a step that follows one of
+    the same ``k`` is timed: a plain step's forward pass runs on while the next step starts, so the step after a
+    change pays part of the one before. Every ``k`` is timed first, then the best is used, with plain decoding or
+    a neighbour timed again one block in ``explore``. While plain decoding is best, a look at speculation comes in
+    twice as many blocks as the last (up to ``explore * SPREAD``): a draft that sat out plain steps must catch up
+    on every token since before it proposes again."""
 
     TRIES = 3  # timings of each k before the best is trusted
     KEEP = 4  # the latest timings of each k near a row count: their median is its step time (one slow step
@@ -445,8 +454,15 @@ class SpecBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
             return []
         rows, k = len(self.uids), self._choose()
         self._time(time.perf_counter(), k)
-        responses = super().next() if k == 0 else self._speculate(k)
-        self.stats.spec_k = k
+        drafts = self.proposer.propose(self, self._next_tokens, k) if k else None
+        if drafts is None:
+            if k:  # nothing worth verifying: a plain step, a sample of this k's (one token a row, none proposed)
+                takes = sum(_takes_proposals(s, self.fallback_sampler) for s in self.samplers or ())
+                self.tuner.accepted([0] * takes, k)
+            responses = super().next()
+        else:
+            responses = self._speculate(k, drafts)
+        self.stats.spec_k = k if drafts is not None else 0
         if self._last is not None:
             self._last = (rows, k, self._last[2])
         return responses  # type: ignore[no-any-return]
@@ -466,9 +482,8 @@ class SpecBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
             return 0
         return self.tuner.choose(len(self.uids))
 
-    def _speculate(self, k: int) -> list[Any]:
+    def _speculate(self, k: int, drafts: mx.array) -> list[Any]:
         pending, pending_logprobs = self._next_tokens, self._next_logprobs
-        drafts = self.proposer.propose(self, pending, k)
         logits = self.model(mx.concatenate([pending[:, None], drafts], axis=1), cache=self.prompt_cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         choice = mx.argmax(logprobs, axis=-1)

@@ -99,9 +99,26 @@ def test_greedy_tokens_equal_plain_decoding(pair: tuple[Any, Any], stream: mx.St
     for r in reqs:
         assert run.tokens(r.rid) == reference(target, r.prompt_tokens, r.params.max_tokens), r.rid
         assert run.final(r.rid).finish is FinishReason.LENGTH
-    assert stats.spec_steps > 0
+    # Prompt lookup verifies only where a row's last tokens were seen before: a random model's output rarely
+    # goes on as its prompt did, so among 1 row no step had any (the test below), among 8 or 32 some did.
+    assert stats.spec_steps > 0 or (kind, n) == ("ngram", 1)
     if kind == "draft":  # rows kept runs of different lengths (a random model's text rarely repeats for lookup)
         assert 0 < stats.spec_accepted < stats.spec_drafted
+
+
+def test_prompt_lookup_with_nothing_seen_decodes_plainly(pair: tuple[Any, Any], stream: mx.Stream,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every token of the prompt differs, so no suffix of it and its first token was seen before: the step the
+    # tuner gives k = 4 has nothing to verify and decodes plainly (a verification of fillers is all cost).
+    target = pair[0]
+    monkeypatch.setattr(Tuner, "choose", lambda self, rows: 4)
+    prompt = list(range(10, 30))
+    s, stats = make(target, PromptLookup(), stream)
+    s.add(EngineRequest("r", prompt, SamplingParams(max_tokens=2)))
+    run = Run()
+    drain(s, run, stream)
+    assert run.tokens("r") == reference(target, prompt, 2)
+    assert (stats.spec_steps, stats.spec_drafted, stats.spec_k) == (0, 0, 0)
 
 
 def test_a_stop_string_inside_an_accepted_run_ends_the_text_where_plain_decoding_does(
@@ -221,13 +238,16 @@ def test_rollback_takes_each_rows_own_tail_off_and_the_next_tokens_go_there() ->
 
 def test_prompt_lookup_copies_what_followed_the_latest_earlier_occurrence() -> None:
     row = _Lookup((3, 2))
-    history = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6]
-    row.add(history)
-    assert row.follow(history, 3) == [7, 1, 2]  # "2 5 6" is new; "5 6" came twice, last before "7 1 2"
-    longer = [*history, 7]
-    row.add(longer)
-    assert row.follow(longer, 2) == [1, 2]  # "5 6 7" came twice: the latest wins
-    assert _Lookup((2,)).follow([1, 2, 3], 2) == [3, 3]  # nothing seen: the last token, rejected at no harm
+    history = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5]
+    row.add(history, 6)  # the pending token, not in the row's tokens yet
+    assert row.follow(history, 6, 3) == [7, 1, 2]  # "2 5 6" is new; "5 6" came twice, last before "7 1 2"
+    history.append(6)
+    row.add(history, 7)
+    assert row.follow(history, 7, 2) == [1, 2]  # "5 6 7" came twice: the latest wins
+    history += [7, 1]
+    row.add(history, 2)
+    assert row.follow(history, 2, 5) == [5, 6, 7, 1, 2]  # "7 1 2" went on "5 6 7 1", then the pending 2
+    assert _Lookup((2,)).follow([1, 2], 3, 2) is None  # nothing seen
 
 
 def test_the_tuner_tries_every_k_then_keeps_the_fastest_and_looks_around_it() -> None:
