@@ -302,13 +302,10 @@ class _Looks:
     """When a batch size's tuner next times a k other than its best."""
 
     every: int  # blocks between two looks
-    due: int = 0  # the block of the next look
+    due: int  # the block of the next look
     blocks: int = 0  # blocks chosen at this size
     best: int = 0
     taken: int = 0  # looks so far
-
-    def __post_init__(self) -> None:
-        self.due = self.every
 
 
 class Tuner:
@@ -364,7 +361,7 @@ class Tuner:
         best = max(gain, key=lambda k: gain[k], default=0)
         if best and gain[best] < self.MARGIN:  # a gain within the timings' noise is no gain
             best = 0
-        looks = self._looks.setdefault(size, _Looks(self.explore))
+        looks = self._looks.setdefault(size, _Looks(self.explore, due=self.explore))
         looks.blocks += 1
         if best != looks.best:
             looks.best, looks.every, looks.due = best, self.explore, looks.blocks + self.explore
