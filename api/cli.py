@@ -61,7 +61,7 @@ _DEMO_ENV = """\
   MLXQ_MODEL_CACHE  where the generated models are kept between runs (default ~/.cache/mlxq/models)
 """
 _BENCH_ENV = """\
-  MLXQ_*                the worker variables (e.g. MLXQ_STREAM_INTERVAL_MS, MLXQ_ADMIT_WAIT_MS, MLXQ_PREFILL_BATCH)
+  MLXQ_*                the worker variables (e.g. MLXQ_STREAM_INTERVAL_MS, MLXQ_STREAM_RATE, MLXQ_ADMIT_WAIT_MS)
                         apply to its worker, which inherits them
   MLXQ_MODEL_CACHE      where the generated models are kept between runs (default ~/.cache/mlxq/models)
   OPENBLAS_CORETYPE     the OpenBLAS core on Linux (default: the one it picks for this CPU)

@@ -52,6 +52,7 @@ class Engine:
         make_backend: Callable[[], BatchBackend] | None = None,
         stream_interval_s: float = 0.0,
         prefill_batch: int = 8,
+        stream_rate: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.thread = thread
@@ -61,7 +62,7 @@ class Engine:
         self.on_step: Callable[[float], None] = lambda seconds: None  # each step's duration (on the MLX thread)
         self.dead = False
         self._sink = sink
-        self._pacer = Pacer(stream_interval_s)
+        self._pacer = Pacer(stream_interval_s, rate=stream_rate)
         self._make_backend = make_backend
         self._inbox: deque[EngineRequest | _Abort] = deque()
         self._inbox_requests = 0  # requests added and not yet through a scheduler step (claim_capacity)

@@ -53,6 +53,7 @@ class EngineOptions:
     prefill_batch_size: int = 8  # prompts prefilled together
     prefill_step_size: int = 512  # prompt tokens per prefill chunk (a step boundary between chunks)
     stream_interval_s: float = 0.0  # hold a request's tokens up to this long between outputs (see pacer.py)
+    stream_rate: float = 0.0  # most outputs a second; more rows than that allows: a longer interval (0: no bound)
     # KV bytes the batch's caches may hold (> 0); None: the default rule of engine/memory.py (75 % of usable
     # memory - weights - the prefix cache's bound)
     kv_headroom_bytes: int | None = None
@@ -250,7 +251,7 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
         stats=stats,
     )
     return Engine(thread, scheduler, sink, make_backend=make_backend, stream_interval_s=opts.stream_interval_s,
-                  prefill_batch=opts.prefill_batch_size)
+                  prefill_batch=opts.prefill_batch_size, stream_rate=opts.stream_rate)
 
 
 async def _load_draft(loaded: LoadedModel, thread: MLXThread, spec: Speculation | None) -> LoadedModel | None:

@@ -67,6 +67,7 @@ class WorkerConfig:
     prefill_step_size: int = 512  # MLXQ_PREFILL_STEP
     admit_wait_ms: float = 10.0  # MLXQ_ADMIT_WAIT_MS: longest an idle engine waits for jobs claimed together
     stream_interval_ms: float = 20.0  # MLXQ_STREAM_INTERVAL_MS: longest a token waits to be sent (0: every step)
+    stream_rate: float = 1600.0  # MLXQ_STREAM_RATE: most token events a second per model (0: no bound)
     max_jobs: int = 0  # MLXQ_MAX_JOBS: arq jobs held at once (0: arq_max_jobs)
     poll_delay_s: float = 0.25  # MLXQ_POLL_DELAY: arq's queue poll period when no wake-up comes
     job_timeout_s: float = 600.0  # MLXQ_JOB_TIMEOUT: a job's deadline inside the engine
@@ -182,6 +183,7 @@ class WorkerConfig:
             prefill_step_size=e.integer("MLXQ_PREFILL_STEP", d.prefill_step_size, minimum=1),
             admit_wait_ms=e.number("MLXQ_ADMIT_WAIT_MS", d.admit_wait_ms, minimum=0),
             stream_interval_ms=e.number("MLXQ_STREAM_INTERVAL_MS", d.stream_interval_ms, minimum=0),
+            stream_rate=e.number("MLXQ_STREAM_RATE", d.stream_rate, minimum=0),
             max_jobs=e.integer("MLXQ_MAX_JOBS", d.max_jobs, minimum=0),
             poll_delay_s=e.number("MLXQ_POLL_DELAY", d.poll_delay_s, minimum=0.001),
             job_timeout_s=e.number("MLXQ_JOB_TIMEOUT", d.job_timeout_s, minimum=0.001),

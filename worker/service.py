@@ -67,7 +67,7 @@ class ModelService:
         cfg = self.config
         share = 1 / max(1, len(cfg.served))  # the machine's memory is split evenly between the models
         opts = EngineOptions(cfg.capacity, cfg.prefill_batch_size, cfg.prefill_step_size,
-                             stream_interval_s=cfg.stream_interval_ms / 1000,
+                             stream_interval_s=cfg.stream_interval_ms / 1000, stream_rate=cfg.stream_rate,
                              kv_headroom_bytes=_bytes(cfg.kv_headroom_gb, share),
                              prefix_cache_bytes=_bytes(cfg.prefix_cache_gb, 1.0), aging_s=cfg.priority_aging_s,
                              memory_share=share, speculation=_speculation(cfg, self.served))

@@ -116,3 +116,33 @@ def test_a_step_writing_into_the_held_outputs_sends_what_merging_its_own_sends()
 
     assert sent(True) == sent(False)
     assert sum(len(b) for b in sent(True)) > 4  # several sends, some merged over steps
+
+
+def test_a_rate_lengthens_the_interval_in_proportion_to_the_requests_held() -> None:
+    """At 1,000 outputs a second, 40 requests go out every 40 ms (not every 10), 5 every 10 ms: what streaming
+    sends a second stays bounded as the batch grows; first tokens still go out at once."""
+    for rows, every_ms in ((40, 40), (5, 10)):
+        clock = Clock()
+        pacer = Pacer(0.010, clock, rate=1000.0)
+        rids = [f"r{i}" for i in range(rows)]
+        assert len(pacer.push([token(r, 0, 1) for r in rids])) == rows  # first tokens: out at once
+        sends, sent = [], 0
+        for n in range(2, 82):  # 80 steps of 1 ms
+            clock.now += 0.001
+            due = pacer.push([token(r, n, n) for r in rids])
+            if due:
+                assert len(due) == rows
+                sends.append(n - 1)  # ms since the first tokens
+                sent += len(due)
+        assert sends == list(range(every_ms, 81, every_ms))
+        assert sent / 0.080 <= 1000.0
+
+
+def test_no_rate_keeps_the_interval() -> None:
+    clock = Clock()
+    pacer = Pacer(0.010, clock)
+    rids = [f"r{i}" for i in range(200)]
+    pacer.push([token(r, 0, 1) for r in rids])
+    clock.now += 0.011
+    assert len(pacer.push([token(r, 1, 2) for r in rids])) == 200
+    assert pacer.interval() == 0.010

@@ -201,7 +201,8 @@ class _EngineRun:
         from mlxq.engine.loader import EngineOptions, build_engine
 
         d = WorkerConfig()
-        opts = EngineOptions(capacity, d.prefill_batch_size, d.prefill_step_size, d.stream_interval_ms / 1000)
+        opts = EngineOptions(capacity, d.prefill_batch_size, d.prefill_step_size, d.stream_interval_ms / 1000,
+                             stream_rate=d.stream_rate)
         run = cls(d.admit_wait_ms / 1000)
         run.engine = await build_engine(loaded, thread, run.clock.sink, opts)
         return run

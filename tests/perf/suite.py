@@ -224,8 +224,8 @@ def _machine() -> dict[str, Any]:
 def _worker_env() -> dict[str, str]:
     """The worker settings in effect (MLXQ_* from this environment, which the workers inherit, or defaults)."""
     cfg = WorkerConfig.from_env()
-    return {"MLXQ_STREAM_INTERVAL_MS": f"{cfg.stream_interval_ms:g}", "MLXQ_ADMIT_WAIT_MS": f"{cfg.admit_wait_ms:g}",
-            "MLXQ_PREFILL_BATCH": str(cfg.prefill_batch_size)}
+    return {"MLXQ_STREAM_INTERVAL_MS": f"{cfg.stream_interval_ms:g}", "MLXQ_STREAM_RATE": f"{cfg.stream_rate:g}",
+            "MLXQ_ADMIT_WAIT_MS": f"{cfg.admit_wait_ms:g}", "MLXQ_PREFILL_BATCH": str(cfg.prefill_batch_size)}
 
 
 def _speed_probe_ms() -> float:
