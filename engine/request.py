@@ -42,6 +42,9 @@ class ErrorCode(str, Enum):
     ENGINE_ERROR = "engine_error"  # the batch failed while it was in flight
 
 
+_COLDEST = 1e-30  # a lower temperature samples greedily
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop."""
@@ -60,7 +63,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or so close to it that a draw is its argmax anyway (and 1/T would overflow float32)."""
+        return self.temperature < _COLDEST
 
 
 @dataclass(frozen=True, slots=True)

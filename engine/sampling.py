@@ -46,10 +46,11 @@ class RowSampler:
         return mx.random.categorical(self.logits(logprobs), key=self.key())
 
     def logits(self, logprobs: mx.array) -> mx.array:
-        """The unnormalised log-probabilities it draws from."""
+        """The unnormalised log-probabilities it draws from, in float32: scaled by 1/T in float16 (a model's
+        logits often are), a temperature of 1e-5 overflowed every token to -inf and the draw was uniform."""
         for f in self.filters:
             logprobs = f(logprobs)
-        return logprobs * self.inv_temp
+        return logprobs.astype(mx.float32) * self.inv_temp
 
     @property
     def seeded(self) -> bool:

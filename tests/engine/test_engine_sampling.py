@@ -40,3 +40,19 @@ def test_a_top_k_as_large_as_the_vocabulary_keeps_every_token() -> None:
         assert 0 <= sampler(logprobs).item() < 4
     kept = RowSampler(SamplingParams(temperature=1.0, top_k=2, seed=1)).logits(logprobs)[0].tolist()
     assert [v > -float("inf") for v in kept] == [False, False, True, True]
+
+
+def test_a_near_zero_temperature_draws_the_most_likely_token_in_half_precision_logits() -> None:
+    """A model's logits are often float16: scaled by 1/T there, T = 1e-5 overflowed every token to -inf and
+    the draws were uniform noise. Sampling scales in float32; below 1e-30 (where float32 would overflow too)
+    the request samples greedily."""
+    from mlxq.engine.sampling import make_request_sampler
+
+    probs = [0.02] * 30 + [0.4]  # the last token is the most likely, log-probability -0.92
+    logprobs = mx.log(mx.array([probs])).astype(mx.float16)
+    for temperature in (1e-2, 1e-5, 1e-12, 1e-29):
+        sampler = RowSampler(SamplingParams(temperature=temperature, seed=3))
+        assert [sampler(logprobs).item() for _ in range(20)] == [30] * 20, temperature
+    assert make_request_sampler(SamplingParams(temperature=1e-31)) is None  # greedy: the batch's argmax
+    assert make_request_sampler(SamplingParams(temperature=5e-324)) is None
+    assert make_request_sampler(SamplingParams(temperature=1e-29)) is not None
