@@ -47,10 +47,12 @@ class RowSampler:
 
     def logits(self, logprobs: mx.array) -> mx.array:
         """The unnormalised log-probabilities it draws from, in float32: scaled by 1/T in float16 (a model's
-        logits often are), a temperature of 1e-5 overflowed every token to -inf and the draw was uniform."""
+        logits often are), a temperature of 1e-5 overflowed every token to -inf and the draw was uniform; and
+        top-p's running sum over the vocabulary keeps its precision."""
+        logprobs = logprobs.astype(mx.float32)
         for f in self.filters:
             logprobs = f(logprobs)
-        return logprobs.astype(mx.float32) * self.inv_temp
+        return logprobs * self.inv_temp
 
     @property
     def seeded(self) -> bool:
