@@ -449,16 +449,16 @@ class SpecBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
     def next(self) -> list[Any]:
         if not self.uids:
             return []
-        rows, k = len(self.uids), self._choose()
+        takes = [_takes_proposals(s, self.fallback_sampler) for s in self.samplers or ()]  # may keep proposals
+        rows, k = len(self.uids), self._choose(takes)
         self._time(time.perf_counter(), k)
         drafts = self.proposer.propose(self, self._next_tokens, k) if k else None
         if drafts is None:
             if k:  # nothing worth verifying: a plain step, a sample of this k's (one token a row, none proposed)
-                takes = sum(_takes_proposals(s, self.fallback_sampler) for s in self.samplers or ())
-                self.tuner.accepted([0] * takes, k)
+                self.tuner.accepted([0] * sum(takes), k)
             responses = super().next()
         else:
-            responses = self._speculate(k, drafts)
+            responses = self._speculate(k, drafts, takes)
         self.stats.spec_k = k if drafts is not None else 0
         if self._last is not None:
             self._last = (rows, k, self._last[2])
@@ -472,21 +472,20 @@ class SpecBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
         self._prior = self._last[1] if self._last is not None else -1
         self._last, self._untimed = (0, k, now), max(0, self._untimed - 1)
 
-    def _choose(self) -> int:
+    def _choose(self, takes: list[bool]) -> int:
         if any(self.logits_processors or ()):  # penalties and format masks run a row at a time: plain steps
             return 0
-        if not any(_takes_proposals(s, self.fallback_sampler) for s in self.samplers or ()):
+        if not any(takes):
             return 0
         return self.tuner.choose(len(self.uids))
 
-    def _speculate(self, k: int, drafts: mx.array) -> list[Any]:
+    def _speculate(self, k: int, drafts: mx.array, takes: list[bool]) -> list[Any]:
         pending, pending_logprobs = self._next_tokens, self._next_logprobs
         logits = self.model(mx.concatenate([pending[:, None], drafts], axis=1), cache=self.prompt_cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         choice = mx.argmax(logprobs, axis=-1)
         samplers = self.samplers or []
         greedy = [s is self.fallback_sampler for s in samplers]
-        takes = [_takes_proposals(s, self.fallback_sampler) for s in samplers]
         agree = (drafts == choice[:, :k]).astype(mx.int32)
         accepted = mx.where(mx.array(greedy), mx.cumprod(agree, axis=1).sum(axis=1), 0)
         following = mx.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
