@@ -192,6 +192,7 @@ class MLXBatch:
         proposer: Proposer | None = None,
         max_k: int = 4,
         stats: EngineStats | None = None,
+        fixed_shapes: bool | None = None,  # verification shapes that repeat (None: on CUDA; speculative.py)
     ) -> None:
         self._caches = caches
         self._model = model
@@ -216,7 +217,7 @@ class MLXBatch:
         self._spec: SpecBatch | None = None
         if proposer is not None:  # speculative decoding: the generator's decode batch is one that speculates
             self._spec = SpecBatch.make(model, self._gen.sampler, proposer, Tuner(max_k),
-                                        stats if stats is not None else EngineStats())
+                                        stats if stats is not None else EngineStats(), fixed_shapes)
             self._gen._generation_batch = self._spec
 
     @property

@@ -27,7 +27,7 @@ from .sampling import RowSampler
 from .stats import EngineStats
 
 __all__ = ["DraftModel", "PromptLookup", "RaggedKVCache", "SpecBatch", "SpecKind", "Speculation", "Tuner",
-           "check_cache", "ragged", "rollback"]
+           "check_cache", "ragged", "repeat_shapes", "rollback"]
 
 
 class SpecKind(enum.Enum):
@@ -79,12 +79,15 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
     keys: Any
     values: Any
 
+    fixed: bool  # a pass over several positions attends over the whole buffer (see :meth:`make_mask`)
+
     @classmethod
-    def adopt(cls, cache: BatchKVCache) -> RaggedKVCache:
+    def adopt(cls, cache: BatchKVCache, fixed: bool = False) -> RaggedKVCache:
         """``cache`` (every row ending at its last position) as a ragged cache, in place."""
         cache.__class__ = cls
         adopted = cast(RaggedKVCache, cache)
         adopted.ends = [cache._idx] * int(cache.offset.shape[0])
+        adopted.fixed = fixed
         return adopted
 
     @property
@@ -93,17 +96,23 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         n = keys.shape[2]
-        if self._even:
+        spread = self.fixed and n > 1
+        if self._even and not spread:
             out = super().update_and_fetch(keys, values)
             self.ends = [self._idx] * len(self.ends)
             return out  # type: ignore[no-any-return]
-        self._reserve(max(self.ends) + n, keys, values)
+        if spread:
+            self._align(max(self.ends) + n, keys, values)
+        else:
+            self._reserve(max(self.ends) + n, keys, values)
         at = (mx.array(self.ends)[:, None] + mx.arange(n)[None])[:, None, :, None]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
         self.ends = [e + n for e in self.ends]
         self.offset = self.offset + n
         self._idx = max(self.ends)
+        if spread:
+            return self.keys, self.values
         return self.keys[..., :self._idx, :], self.values[..., :self._idx, :]
 
     def _reserve(self, size: int, keys: mx.array, values: mx.array) -> None:
@@ -120,11 +129,26 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
             self.keys = mx.concatenate([self.keys[..., :self._idx, :], new_k], axis=2)
             self.values = mx.concatenate([self.values[..., :self._idx, :], new_v], axis=2)
 
+    def _align(self, size: int, keys: mx.array, values: mx.array) -> None:
+        """Room for ``size`` positions in a buffer of whole steps (a filter's shift leaves it ragged), the same
+        in every layer's cache."""
+        have = 0 if self.keys is None else int(self.keys.shape[2])
+        self._reserve(-(-max(size, have) // self.step) * self.step, keys, values)
+
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:  # mlx-lm's name
-        if self._even:
+        """The mask of a pass over ``N`` new positions. With :attr:`fixed`, a pass over several positions
+        attends over the whole buffer (its length moves in steps of 256), the positions past each row's end
+        masked: on CUDA an attention over several query positions runs a cuDNN graph built and cached per exact
+        shape, and a key length that grows by a different amount every step built a new graph every step."""
+        spread = self.fixed and N > 1 and self.keys is not None
+        if self._even and not spread:
             return super().make_mask(N, return_array=return_array, **kwargs)
+        width = max(self.ends) + N
+        if spread:
+            self._align(width, self.keys, self.values)
+            width = int(self.keys.shape[2])
         query = mx.array(self.ends)[:, None] + mx.arange(N)[None]  # each row's new positions
-        key = mx.arange(max(self.ends) + N)[None, None]
+        key = mx.arange(width)[None, None]
         mask = (key <= query[:, :, None]) & (key >= self.left_padding[:, None, None])
         return mask[:, None]
 
@@ -165,9 +189,16 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
         return cache
 
 
-def ragged(caches: list[Any]) -> list[Any]:
-    """A batch's caches as :class:`RaggedKVCache` (adopted in place)."""
-    return [c if isinstance(c, RaggedKVCache) else RaggedKVCache.adopt(c) for c in caches]
+def ragged(caches: list[Any], fixed: bool = False) -> list[Any]:
+    """A batch's caches as :class:`RaggedKVCache` (adopted in place; ``fixed``: see :meth:`RaggedKVCache.make_mask`)."""
+    return [c if isinstance(c, RaggedKVCache) else RaggedKVCache.adopt(c, fixed) for c in caches]
+
+
+def repeat_shapes() -> bool:
+    """Whether passes over several positions should keep their shapes from step to step: on MLX's CUDA
+    backend (cuDNN attention graphs are built per exact shape); elsewhere attention costs no build per shape and
+    attending over a whole buffer would cost more than it saves."""
+    return mx.default_device() == mx.gpu and bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
 
 
 def rollback(cache: Sequence[Any], drop: Sequence[int]) -> None:
@@ -196,7 +227,7 @@ class DraftModel:
                                         prefill_step_size=self.prefill_step)
         if any(history):
             prefill.prompt(history)
-        self.cache = ragged(_extend_cache(self.cache, prefill.prompt_cache))
+        self.cache = ragged(_extend_cache(self.cache, prefill.prompt_cache), batch.fixed_shapes)
         self.fed.extend(len(h) for h in history)
 
     def filter(self, keep: list[int]) -> None:
@@ -420,11 +451,14 @@ class SpecBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
     _last: tuple[int, int, float] | None  # rows, k and start of the step being timed
     _untimed: int  # steps from the one being timed on that are no sample of their k (prompts, rows joined or left)
     _prior: int  # the k of the step before the one being timed (-1: none)
+    fixed_shapes: bool  # passes over several positions keep their shapes (:func:`repeat_shapes`)
 
     @classmethod
-    def make(cls, model: Any, sampler: Any, proposer: Proposer, tuner: Tuner, stats: EngineStats) -> SpecBatch:
+    def make(cls, model: Any, sampler: Any, proposer: Proposer, tuner: Tuner, stats: EngineStats,
+             fixed_shapes: bool | None = None) -> SpecBatch:
         batch: SpecBatch = cls.empty(model, sampler)
         batch.proposer, batch.tuner, batch.stats = proposer, tuner, stats
+        batch.fixed_shapes = repeat_shapes() if fixed_shapes is None else fixed_shapes
         batch._last, batch._untimed, batch._prior = None, 0, -1
         return batch
 
@@ -432,7 +466,7 @@ class SpecBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
         start = len(self.uids)
         self.untimed(2)  # the caches are joined lazily: the next step copies them
         super().extend(batch)
-        self.prompt_cache = ragged(self.prompt_cache)
+        self.prompt_cache = ragged(self.prompt_cache, self.fixed_shapes)
         self.proposer.joined(self, start)
 
     def filter(self, keep: list[int]) -> None:

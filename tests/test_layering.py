@@ -111,3 +111,20 @@ def test_the_cli_finds_the_worker_tools_by_their_declared_entry_points() -> None
         path = ROOT.joinpath(*module.split(".")[1:])
         source = (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
         assert f"def {name}(" in source, target
+
+
+@pytest.mark.parametrize(("preset", "expected"), [(None, "0"), ("1", "1")])
+def test_the_worker_turns_mlx_cudas_cache_thrashing_check_off_unless_the_operator_set_it(
+        preset: str | None, expected: str) -> None:
+    # A CUDA worker meets new attention shapes for as long as it lives; MLX's check throws out of an evaluation
+    # once its caches have missed twice their capacity, which would end every job in the engine.
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_CACHE_THRASHING_CHECK"}
+    if preset is not None:
+        env["MLX_ENABLE_CACHE_THRASHING_CHECK"] = preset
+    code = ("import os, sys; import mlxq.engine.loader; import mlx.core; "
+            "print(os.environ['MLX_ENABLE_CACHE_THRASHING_CHECK'])")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [expected]

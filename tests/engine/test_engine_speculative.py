@@ -371,3 +371,43 @@ def test_sampled_tokens_keep_the_targets_distribution(pair: tuple[Any, Any], str
         counts[t] = counts.get(t, 0) + 1
     stat, critical = chi_square_ok(counts, second_token_distribution(target, prompt, temperature), n)
     assert stat < critical, (stat, critical)
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram"])
+def test_verification_shapes_repeat_where_asked_and_tokens_stay_exact(
+        pair: tuple[Any, Any], stream: mx.Stream, ks: None, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CUDA each distinct shape of an attention over several positions builds a cuDNN graph: with
+    # fixed_shapes a pass over several positions attends over the cache's whole buffer, so its shapes repeat.
+    from mlxq.engine.speculative import RaggedKVCache
+
+    seen: dict[bool, list[tuple[int, ...]]] = {True: [], False: []}
+    original = RaggedKVCache.make_mask
+
+    def recording(self: RaggedKVCache, N: int, **kwargs: Any) -> Any:
+        mask = original(self, N, **kwargs)
+        if N > 1:
+            seen[self.fixed].append(tuple(mask.shape))
+        return mask
+
+    monkeypatch.setattr(RaggedKVCache, "make_mask", recording)
+    target = pair[0]
+    model, tokenizer = target
+    for fixed in (False, True):
+        stats = EngineStats()
+        batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=8, prefill_batch_size=8, prefill_step_size=64,
+                         stream=stream, proposer=proposer_of(kind, pair), stats=stats, fixed_shapes=fixed)
+        s = Scheduler(batch, capacity=8, new_detokenizer=lambda: tokenizer.detokenizer,
+                      make_sampler=make_request_sampler, make_processors=make_request_logits_processors, stats=stats)
+        reqs = requests(tokenizer, 8, seed=5, repeat=kind == "ngram", max_tokens=40)
+        for r in reqs:
+            s.add(r)
+        run = Run()
+        drain(s, run, stream)
+        for r in reqs:
+            assert run.tokens(r.rid) == reference(target, r.prompt_tokens, r.params.max_tokens), (fixed, r.rid)
+    assert len(seen[False]) > 5 and len(seen[True]) > 5
+    # Without it nearly every pass had a shape of its own; with it the key length is the buffer's (whole steps of
+    # 256), so a pass's shape is fixed by its rows, positions and the buffer's steps alone, and repeats.
+    assert len(set(seen[False])) > len(seen[False]) // 2
+    assert {shape[-1] % 256 for shape in seen[True]} == {0}
+    assert len(set(seen[True])) < len(set(seen[False])) - 1, (sorted(set(seen[True])), sorted(set(seen[False])))

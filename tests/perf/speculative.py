@@ -62,20 +62,54 @@ class Report:
     ngram_overhead: dict[int, float] = field(default_factory=dict)  # N -> lookup tok/s / plain tok/s
     loaded: dict[int, tuple[float, float]] = field(default_factory=dict)  # N -> plain, speculative tok/s, full load
     copying: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # N -> plain, lookup tok/s, taken
+    pair: Pair = field(default_factory=lambda: Pair())
+
+
+@dataclass(frozen=True)
+class Pair:
+    """The generated draft/target pair and where it runs: ``shape`` "small" (the pair the CPU figures use), or
+    "HIDDENxLAYERS" (e.g. 4096x32: an 8 B-class target, its draft one layer of the same width), in ``dtype``, on
+    MLX's CPU or its default device (a GPU where there is one: a memory-bound step, as on a Mac)."""
+
+    shape: str = "small"
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def sizes(self) -> tuple[str, str]:
+        """The draft's and the target's names in tinymodel's SIZES (registered here for a custom shape)."""
+        if self.shape == "small":
+            return "small-draft", "small-target"
+        import dataclasses
+
+        from mlxq.worker.tools.tinymodel import SIZES
+
+        hidden, layers = (int(x) for x in self.shape.split("x"))
+        heads = max(4, hidden // 128)
+        base = dataclasses.replace(SIZES["small"], hidden_size=hidden, num_attention_heads=heads,
+                                   num_key_value_heads=max(1, heads // 4), intermediate_size=hidden * 43 // 16)
+        draft, target = f"spec-{self.shape}-draft", f"spec-{self.shape}-target"
+        SIZES[draft] = dataclasses.replace(base, name=draft, num_hidden_layers=1)
+        SIZES[target] = dataclasses.replace(base, name=target, num_hidden_layers=layers, grows=draft, growth=0.03)
+        return draft, target
 
 
 class Bench:
     """The pair loaded once; bursts of N greedy requests through the engine's scheduler and batch."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, pair: Pair | None = None) -> None:
         import mlx.core as mx
         import mlx_lm
 
         from mlxq.worker.tools.tinymodel import ensure_model
 
-        self.target = mlx_lm.load(str(ensure_model("small-target")))
-        self.draft = mlx_lm.load(str(ensure_model("small-draft")))
-        self.stream = mx.new_stream(mx.cpu)
+        pair = pair or Pair()
+        draft, target = pair.sizes()
+        self.target = mlx_lm.load(str(ensure_model(target)))
+        self.draft = mlx_lm.load(str(ensure_model(draft)))
+        if pair.dtype != "float32":
+            for model, _ in (self.target, self.draft):
+                model.set_dtype(getattr(mx, pair.dtype))
+        self.stream = mx.new_stream(mx.cpu if pair.device == "cpu" else mx.default_device())
         self.max_tokens = max_tokens
 
     def prompts(self, n: int, seed: int) -> list[list[int]]:
@@ -243,9 +277,10 @@ def copy_task(bench: Bench, sizes: Sequence[int], repeats: int) -> dict[int, tup
     return out
 
 
-def measure(sizes: Sequence[int], max_tokens: int, fixed: Sequence[int], repeats: int) -> Report:
-    bench = Bench(max_tokens)
-    report = Report(blas_of(), pair_alpha(bench), max_tokens)
+def measure(sizes: Sequence[int], max_tokens: int, fixed: Sequence[int], repeats: int,
+            pair: Pair | None = None) -> Report:
+    bench = Bench(max_tokens, pair)
+    report = Report(blas_of(), pair_alpha(bench), max_tokens, pair=pair or Pair())
     say(f"pair: alpha {report.pair_alpha:.2f} along the target's greedy text; BLAS {report.blas}")
     for n in sizes:
         plain, spec = bench.batch(None, n), bench.batch("draft", n)
@@ -288,8 +323,9 @@ def markdown(report: Report) -> str:
     lines = [
         "# Speculative decoding in the batch",
         "",
-        f"Generated pair: small-target (12 layers: small-draft's one layer, then 11 whose output projections are "
-        f"scaled by 0.03) and small-draft; greedy, {report.max_tokens} tokens per request; BLAS: {report.blas}. "
+        f"Generated pair {report.pair.shape} ({report.pair.dtype}, on MLX's {report.pair.device} device): a target "
+        f"whose first layer is its one-layer draft's, its other layers' output projections scaled by 0.03; "
+        f"greedy, {report.max_tokens} tokens per request; BLAS: {report.blas}. "
         f"The pair's alpha along the target's greedy text: **{report.pair_alpha:.2f}**.",
         "",
         "taken: proposals kept / proposed; k: the tuner's most used k (steps per k in brackets); alpha: the "
@@ -330,10 +366,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--fixed", default="2,4", help="k values also run fixed")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--pair", default="small", help='"small", or HIDDENxLAYERS (4096x32: an 8 B-class target)')
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "default"],
+                   help="MLX's CPU, or its default device (the GPU where there is one)")
     args = p.parse_args(argv)
-    reexec_with_openblas(["-m", "tests.perf.speculative", *(argv if argv is not None else sys.argv[1:])])
+    if args.device == "cpu":  # OpenBLAS serves the CPU's matrix products; a GPU run needs no re-exec
+        reexec_with_openblas(["-m", "tests.perf.speculative", *(argv if argv is not None else sys.argv[1:])])
     report = measure([int(x) for x in args.concurrency.split(",")], args.max_tokens,
-                     [int(x) for x in args.fixed.split(",") if x], args.repeats)
+                     [int(x) for x in args.fixed.split(",") if x], args.repeats,
+                     Pair(args.pair, args.dtype, args.device))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "speculative.md").write_text(markdown(report))
