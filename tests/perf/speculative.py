@@ -107,8 +107,8 @@ class Bench:
         self.target = mlx_lm.load(str(ensure_model(target)))
         self.draft = mlx_lm.load(str(ensure_model(draft)))
         if pair.dtype != "float32":
-            for model, _ in (self.target, self.draft):
-                model.set_dtype(getattr(mx, pair.dtype))
+            for loaded in (self.target, self.draft):
+                loaded[0].set_dtype(getattr(mx, pair.dtype))
         self.stream = mx.new_stream(mx.cpu if pair.device == "cpu" else mx.default_device())
         self.max_tokens = max_tokens
 
