@@ -216,8 +216,8 @@ def _close(node: Any, pointer: str, *, composing: bool, kept: set[str], build: b
         if isinstance(node.get(key), dict):
             out[key] = {name: walk(v, f"{pointer}/{key}/{_escape(name)}", key in _MAP_COMPOSING)
                         for name, v in node[key].items()}
-    named = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-    required = node.get("required") if isinstance(node.get("required"), list) else []
+    named: dict[str, Any] = node["properties"] if isinstance(node.get("properties"), dict) else {}
+    required: list[Any] = node["required"] if isinstance(node.get("required"), list) else []
     if (build and names_keys and not composing and pointer not in kept
             and not any(key in node for key in _KEYS_FROM_ELSEWHERE) and all(r in named for r in required)):
         out["additionalProperties"] = False
