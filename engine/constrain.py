@@ -264,11 +264,15 @@ def tool_call_grammar(tools: Iterable[tuple[str, dict[str, Any]]], start: str, e
     """A Lark grammar of one tool call (or up to :data:`MAX_PARALLEL_CALLS` with ``parallel``) of ``tools`` (name,
     parameters' JSON schema) in the JSON format mlx-lm's ``json_tools`` parser reads: each call
     ``{"name": ..., "arguments": {...}}`` on a line of its own between the markers ``start`` and ``end`` (Lark
-    items: a quoted string, or ``<[id]>`` for a marker that is one token)."""
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": closed_schema(params)},
-              "required": ["name", "arguments"], "additionalProperties": False} for name, params in tools]
-    schema = {"x-guidance": _JSON_OPTIONS, "anyOf": calls}
+    items: a quoted string, or ``<[id]>`` for a marker that is one token). Each tool's arguments are a JSON
+    document of their own, so the ``$ref`` s of its parameters (``#/$defs/...``) resolve in them."""
+    rules = []
+    for i, (name, params) in enumerate(tools):
+        head = json.dumps({"name": name, "arguments": 0}, separators=(",", ":"))[:-2]  # {"name":"f","arguments":
+        schema = {**closed_schema(params), "x-guidance": _JSON_OPTIONS}
+        rules.append(f"call_{i}: {json.dumps(head)} args_{i} \"}}\"\n"
+                     f"args_{i}: %json {json.dumps(schema)}\n")
     repeat = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
     return (f"start: call{repeat}\n"
             f'call: {start} "\\n" body "\\n" {end}\n'
-            f"body: %json {json.dumps(schema)}\n")
+            f"body: {' | '.join(f'call_{i}' for i in range(len(rules)))}\n" + "".join(rules))
