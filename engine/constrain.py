@@ -6,6 +6,8 @@ a matcher template (:meth:`Grammars.compile`, off the MLX thread, cached by its 
 the token the row is fed, fills all their token masks at once into one bitmask (llguidance's Rust threads,
 without the GIL, while MLX computes the logits) and applies it to the whole batch's logits in one operation.
 A complete grammar allows only an end-of-sequence token, so a constrained row ends as any other does.
+A JSON schema (a response format's, a tool's parameters) is closed first (:func:`closed_schema`): an object that
+names its keys gets no others unless the schema asks for them.
 """
 
 from __future__ import annotations
@@ -187,8 +189,11 @@ def closed_schema(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     kept: set[str] = set()
-    _close(schema, "#", composing=False, kept=kept, build=False)  # first: the $ref targets that compose
-    return _close(schema, "#", composing=False, kept=kept, build=True)
+    try:
+        _close(schema, "#", composing=False, kept=kept, build=False)  # first: the $ref targets that compose
+        return _close(schema, "#", composing=False, kept=kept, build=True)
+    except RecursionError:  # nested deeper than Python recurses: left as sent, for llguidance to take or refuse
+        return schema
 
 
 def _close(node: Any, pointer: str, *, composing: bool, kept: set[str], build: bool) -> Any:
