@@ -6,6 +6,8 @@ a matcher template (:meth:`Grammars.compile`, off the MLX thread, cached by its 
 the token the row is fed, fills all their token masks at once into one bitmask (llguidance's Rust threads,
 without the GIL, while MLX computes the logits) and applies it to the whole batch's logits in one operation.
 A complete grammar allows only an end-of-sequence token, so a constrained row ends as any other does.
+A JSON schema (a response format's, a tool's parameters) is closed first (:func:`closed_schema`): an object that
+names its keys gets no others unless the schema asks for them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 __all__ = ["FormatKind", "Grammar", "GrammarError", "Grammars", "ResponseFormat", "RowMask", "apply_bitmask",
-           "fill_masks", "tool_call_grammar", "vocab_size"]
+           "closed_schema", "fill_masks", "tool_call_grammar", "vocab_size"]
 
 MAX_SOURCE_CHARS = 64 << 10  # a schema, regex or grammar larger than this is refused
 _CACHED = 128  # compiled grammars kept per model
@@ -154,7 +156,7 @@ def _grammar_text(fmt: ResponseFormat) -> str:
             schema = json.loads(fmt.source)
             if not isinstance(schema, dict):
                 raise GrammarError("the JSON schema is not a JSON object")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(closed_schema(schema), defaults=_JSON_OPTIONS)
         if fmt.kind is FormatKind.REGEX:
             return llguidance.LLMatcher.grammar_from_regex(fmt.source)
         return llguidance.LLMatcher.grammar_from_lark(fmt.source)
@@ -162,6 +164,73 @@ def _grammar_text(fmt: ResponseFormat) -> str:
         if isinstance(exc, GrammarError):
             raise
         raise GrammarError(f"the {fmt.kind.value} is not valid: {_first_line(str(exc))}") from exc
+
+
+# JSON Schema keywords whose values are schemas (or lists / maps of them); data keywords (const, enum, default,
+# examples) are never walked. The "composing" ones constrain the same object as the schema that holds them.
+_ONE = ("additionalProperties", "additionalItems", "items", "contains", "propertyNames", "unevaluatedItems",
+        "unevaluatedProperties", "contentSchema")
+_ONE_COMPOSING = ("not", "if", "then", "else")
+_LIST = ("prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions")
+_MAP_COMPOSING = ("dependentSchemas", "dependencies")
+# What brings an object's keys from elsewhere: closing such an object (or one of its parts) would refuse them.
+_KEYS_FROM_ELSEWHERE = ("additionalProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref", "if",
+                        "dependentSchemas", "dependencies")
+
+
+def closed_schema(schema: Any) -> Any:
+    """A copy of ``schema`` in which every object schema that names its keys (``properties`` or
+    ``patternProperties``) and leaves ``additionalProperties`` unspecified gets ``"additionalProperties": false``,
+    as xgrammar and outlines generate: without it a model may open keys the schema never named and write one until
+    ``max_tokens``. An explicit ``additionalProperties`` (``true`` or a schema) is kept, and so is an object whose
+    keys also come from elsewhere (``allOf``, a ``$ref`` beside its properties, a ``required`` key it does not
+    name, ...) with the parts it is combined with, since closing one part would refuse the others' keys."""
+    if not isinstance(schema, dict):
+        return schema
+    kept: set[str] = set()
+    try:
+        _close(schema, "#", composing=False, kept=kept, build=False)  # first: the $ref targets that compose
+        return _close(schema, "#", composing=False, kept=kept, build=True)
+    except RecursionError:  # nested deeper than Python recurses: left as sent, for llguidance to take or refuse
+        return schema
+
+
+def _close(node: Any, pointer: str, *, composing: bool, kept: set[str], build: bool) -> Any:
+    """``node`` (at JSON pointer ``pointer``) with its objects closed (``build``), or, without ``build``, the
+    pointers of the $ref targets that compose with another schema added to ``kept``."""
+    if not isinstance(node, dict):
+        return node
+    names_keys = "properties" in node or "patternProperties" in node
+    if (composing or names_keys) and isinstance(node.get("$ref"), str):
+        kept.add(node["$ref"])  # its target is one part of an object: closed, it would refuse the other parts' keys
+    out = dict(node) if build else node
+
+    def walk(value: Any, at: str, parts: bool) -> Any:
+        return _close(value, at, composing=parts, kept=kept, build=build)
+
+    for key in (*_ONE, *_ONE_COMPOSING):
+        if isinstance(node.get(key), dict):
+            out[key] = walk(node[key], f"{pointer}/{key}", key in _ONE_COMPOSING)
+    for key in ("allOf", "anyOf", "oneOf", *_LIST):
+        if isinstance(node.get(key), list):
+            # allOf's parts make one object; so do anyOf's / oneOf's beside properties (a list of items does not)
+            parts = key in ("allOf", "anyOf", "oneOf") and (names_keys or (key == "allOf" and len(node[key]) > 1))
+            out[key] = [walk(v, f"{pointer}/{key}/{i}", parts) for i, v in enumerate(node[key])]
+    for key in (*_MAP, *_MAP_COMPOSING):
+        if isinstance(node.get(key), dict):
+            out[key] = {name: walk(v, f"{pointer}/{key}/{_escape(name)}", key in _MAP_COMPOSING)
+                        for name, v in node[key].items()}
+    named: dict[str, Any] = node["properties"] if isinstance(node.get("properties"), dict) else {}
+    required: list[Any] = node["required"] if isinstance(node.get("required"), list) else []
+    if (build and names_keys and not composing and pointer not in kept
+            and not any(key in node for key in _KEYS_FROM_ELSEWHERE) and all(r in named for r in required)):
+        out["additionalProperties"] = False
+    return out
+
+
+def _escape(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 def _first_line(message: str) -> str:
@@ -200,11 +269,15 @@ def tool_call_grammar(tools: Iterable[tuple[str, dict[str, Any]]], start: str, e
     """A Lark grammar of one tool call (or up to :data:`MAX_PARALLEL_CALLS` with ``parallel``) of ``tools`` (name,
     parameters' JSON schema) in the JSON format mlx-lm's ``json_tools`` parser reads: each call
     ``{"name": ..., "arguments": {...}}`` on a line of its own between the markers ``start`` and ``end`` (Lark
-    items: a quoted string, or ``<[id]>`` for a marker that is one token)."""
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-              "required": ["name", "arguments"], "additionalProperties": False} for name, params in tools]
-    schema = {"x-guidance": _JSON_OPTIONS, "anyOf": calls}
+    items: a quoted string, or ``<[id]>`` for a marker that is one token). Each tool's arguments are a JSON
+    document of their own, so the ``$ref`` s of its parameters (``#/$defs/...``) resolve in them."""
+    rules = []
+    for i, (name, params) in enumerate(tools):
+        head = json.dumps({"name": name, "arguments": 0}, separators=(",", ":"))[:-2]  # {"name":"f","arguments":
+        schema = {**closed_schema(params), "x-guidance": _JSON_OPTIONS}
+        rules.append(f"call_{i}: {json.dumps(head)} args_{i} \"}}\"\n"
+                     f"args_{i}: %json {json.dumps(schema)}\n")
     repeat = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
     return (f"start: call{repeat}\n"
             f'call: {start} "\\n" body "\\n" {end}\n'
-            f"body: %json {json.dumps(schema)}\n")
+            f"body: {' | '.join(f'call_{i}' for i in range(len(rules)))}\n" + "".join(rules))

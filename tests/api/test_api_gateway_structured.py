@@ -42,6 +42,19 @@ class Ticket(BaseModel):
     open: bool
 
 
+class OpenItem(BaseModel):  # Item's fields, and a schema that leaves additionalProperties unspecified
+    name: str = Field(max_length=8)
+    qty: int = Field(ge=1, le=20)
+
+
+class OpenTicket(BaseModel):
+    title: str = Field(max_length=10)
+    size: Size
+    items: list[OpenItem] = Field(max_length=2)
+    score: int = Field(ge=0, le=10)
+    open: bool
+
+
 MESSAGES = [{"role": "user", "content": "File a ticket for the queue"}]
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "Ticket", "schema": Ticket.model_json_schema()}}
 
@@ -77,6 +90,24 @@ async def test_a_streamed_structured_completion_is_the_same_json(oai: openai.Asy
     assert isinstance(parsed, Ticket)
     whole = await queue.generate(model="tiny", messages=MESSAGES, max_tokens=200, response_format=SCHEMA, timeout=60)
     assert Ticket.model_validate_json(whole.text) == parsed  # greedy under a schema: the same through both
+
+
+async def test_a_schema_that_leaves_additional_properties_unspecified_gets_only_its_keys(
+        oai: openai.AsyncOpenAI) -> None:
+    # A model's plain model_json_schema(): without additionalProperties: false a random-weight model opened a key
+    # the schema never named and wrote it until max_tokens.
+    schema = OpenTicket.model_json_schema()
+    assert "additionalProperties" not in json.dumps(schema)
+    fmt = {"type": "json_schema", "json_schema": {"name": "OpenTicket", "schema": schema}}
+    stream = await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=400,  # type: ignore[call-overload]
+                                               temperature=0, response_format=fmt, stream=True)
+    text, finish = "", None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert finish == "stop", text
+    Ticket.model_validate_json(text)  # Ticket forbids keys it does not name, at every level
 
 
 async def test_json_mode_gives_a_json_object(oai: openai.AsyncOpenAI) -> None:

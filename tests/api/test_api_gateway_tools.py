@@ -5,6 +5,7 @@ tools in the Hermes format (mlx-lm's json_tools parser)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import anthropic
 import openai
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
 from tests.api.gateway_support import Deployment, ServedGateway, deployment, post
 from tests.worker.test_worker_tools import CLOCK, WEATHER, valid, valid_call
@@ -20,6 +22,42 @@ MESSAGES: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS: Any = [WEATHER, CLOCK]
 ANTHROPIC_TOOLS: Any = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
                          "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+
+class OpenPlace(BaseModel):  # the schemas of the Open* models leave additionalProperties unspecified
+    city: str = Field(max_length=12)
+    country: str = Field(max_length=3)
+
+
+class OpenTrip(BaseModel):
+    origin: OpenPlace
+    days: int = Field(ge=1, le=7)
+
+
+class Place(OpenPlace):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Trip(OpenTrip):
+    model_config = ConfigDict(extra="forbid")  # checks the arguments: no key the schema does not name
+
+    origin: Place
+
+
+# The weather tool as a schema that leaves additionalProperties unspecified, and a tool of nested models ($defs).
+OPEN_WEATHER: Any = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+    k: v for k, v in WEATHER["function"]["parameters"].items() if k != "additionalProperties"}}}
+TRIP: Any = {"type": "function", "function": {"name": "plan_trip", "parameters": OpenTrip.model_json_schema()}}
+OPEN_TOOLS: Any = [OPEN_WEATHER, TRIP]
+
+
+def open_call_is_valid(name: str, args: dict[str, Any]) -> bool:
+    """Whether ``args`` are arguments of the tool ``name`` of :data:`OPEN_TOOLS` with only the keys it names."""
+    if name == "plan_trip":
+        Trip.model_validate(args)
+        return True
+    return valid(name, args, [WEATHER])
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +89,35 @@ async def test_openai_required_and_named_calls_whole_and_streamed(oai: openai.As
         assert [(c.id, c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] != []
         assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == [
             (c.function.name, c.function.arguments) for c in choice0.message.tool_calls]  # greedy: the same calls
+
+
+async def test_openai_calls_to_tools_whose_schemas_leave_additional_properties_unspecified_parse(
+        oai: openai.AsyncOpenAI) -> None:
+    # Without additionalProperties: false a random-weight model wrote an unnamed key until max_tokens: no calls.
+    for choice in ({"type": "function", "function": {"name": "get_weather"}},
+                   {"type": "function", "function": {"name": "plan_trip"}}, "required"):
+        resp = await oai.chat.completions.create(model="tiny", messages=MESSAGES, tools=OPEN_TOOLS,
+                                                 tool_choice=choice, max_tokens=400)  # type: ignore[arg-type]
+        choice0 = resp.choices[0]
+        assert choice0.finish_reason == "tool_calls" and choice0.message.tool_calls, choice0
+        for call in choice0.message.tool_calls:
+            assert call.type == "function"
+            assert open_call_is_valid(call.function.name, json.loads(call.function.arguments)), call
+        if isinstance(choice, dict):
+            assert {c.function.name for c in choice0.message.tool_calls} == {choice["function"]["name"]}
+
+
+async def test_anthropic_tool_use_of_tools_whose_schemas_leave_additional_properties_unspecified(
+        claude: anthropic.AsyncAnthropic) -> None:
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in OPEN_TOOLS]
+    for choice in ({"type": "tool", "name": "get_weather"}, {"type": "tool", "name": "plan_trip"}, {"type": "any"}):
+        msg = await claude.messages.create(model="tiny", messages=MESSAGES, tools=tools, tool_choice=choice,
+                                           max_tokens=400)  # type: ignore[arg-type]
+        uses = [b for b in msg.content if b.type == "tool_use"]
+        assert msg.stop_reason == "tool_use" and uses, msg
+        assert all(open_call_is_valid(b.name, b.input) for b in uses)  # type: ignore[arg-type]
+        if choice["type"] == "tool":
+            assert {b.name for b in uses} == {choice["name"]}
 
 
 async def test_openai_two_turn_tool_loop(oai: openai.AsyncOpenAI) -> None:

@@ -15,7 +15,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxq.engine.batch import MLXBatch
-from mlxq.engine.constrain import FormatKind, Grammar, GrammarError, Grammars, ResponseFormat, vocab_size
+from mlxq.engine.constrain import FormatKind, Grammar, GrammarError, Grammars, ResponseFormat, closed_schema, vocab_size
 from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
 from mlxq.engine.scheduler import Scheduler
 from tests.engine.fakes import Run
@@ -42,6 +42,18 @@ class Order(BaseModel):
     note: str = Field(max_length=6)
     price: int = Field(ge=-5, le=500)
     urgent: bool
+
+
+class OpenPart(BaseModel):  # no extra="forbid": its schema leaves additionalProperties unspecified
+    name: str = Field(max_length=8)
+    count: int = Field(ge=0, le=99)
+
+
+class OpenOrder(BaseModel):
+    color: Color
+    parts: list[OpenPart] = Field(max_length=2)
+    note: str = Field(max_length=6)
+    spare: OpenPart | None = None
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +118,48 @@ def test_greedy_output_under_a_schema_parses_and_validates(lm: Any, stream: mx.S
         Order.model_validate_json(run.text(f"r{i}"))
     again = generate(lm, stream, [request(lm, "r0", grammar, seed=0)])
     assert again.text("r0") == run.text("r0")  # greedy under a schema is deterministic
+
+
+def test_a_schema_that_leaves_additional_properties_unspecified_gets_only_its_keys(
+        lm: Any, stream: mx.Stream, grammars: Grammars) -> None:
+    # Unclosed, a random-weight model opens a key the schema never named and writes it until max_tokens.
+    schema = OpenOrder.model_json_schema()
+    assert "additionalProperties" not in json.dumps(schema)
+    grammar = grammars.compile(ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(schema)))
+    run = generate(lm, stream, [request(lm, f"r{i}", grammar, max_tokens=400, seed=i) for i in range(4)])
+    for i in range(4):
+        assert run.final(f"r{i}").finish is FinishReason.STOP, run.text(f"r{i}")
+        doc = json.loads(run.text(f"r{i}"))
+        assert set(doc) <= set(OpenOrder.model_fields), doc
+        assert all(set(p) <= set(OpenPart.model_fields) for p in doc["parts"] + [doc.get("spare") or {}]), doc
+
+
+def accepts(grammars: Grammars, schema: dict[str, Any], doc: str) -> bool:
+    """Whether the grammar of ``schema`` takes ``doc`` whole."""
+    matcher = grammars.compile(ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(schema))).row().matcher
+    return bool(matcher.consume_tokens(grammars.tokenizer.tokenize_str(doc))) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize(("schema", "doc", "taken"), [
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a":1}', True),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a":1,"b":2}', False),  # unnamed: closed
+    ({"properties": {"a": {"properties": {"x": {"type": "integer"}}}}}, '{"a":{"x":1,"y":2}}', False),  # nested too
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     '{"a":1,"b":2}', True),  # the schema asks for other keys: kept
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}},
+     '{"a":1,"b":"x"}', True),
+    ({"type": "object"}, '{"b":2}', True),  # names no keys: any object, as before
+    ({"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}]},
+     '{"a":1,"b":2}', True),  # parts of one object: each keeps the other's keys
+    ({"allOf": [{"$ref": "#/$defs/A"}, {"properties": {"b": {"type": "integer"}}}],
+      "$defs": {"A": {"properties": {"a": {"type": "integer"}}}}}, '{"a":1,"b":2}', True),
+])
+def test_only_a_schema_that_asks_for_them_allows_unnamed_keys(grammars: Grammars, schema: dict[str, Any], doc: str,
+                                                               taken: bool) -> None:
+    before = json.dumps(schema)
+    assert accepts(grammars, schema, doc) is taken
+    assert json.dumps(schema) == before  # the caller's schema is not changed
+    assert json.loads(before) == schema and closed_schema(schema) is not schema
 
 
 def test_constrained_and_free_rows_share_a_batch_without_changing_each_other(
