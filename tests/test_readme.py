@@ -1,4 +1,5 @@
-"""The README's examples run as written: its client script against a real worker, its commands' flags exist."""
+"""The README's examples run as written (its client script against a real worker, its set-up commands are CI's);
+the READMEs' links lead somewhere and the variables they document are ones the code reads."""
 
 from __future__ import annotations
 
@@ -40,3 +41,44 @@ def test_the_set_up_commands_are_the_ci_command_and_the_demo() -> None:
     assert commands == ["python3 -m pip install -e '.[worker]' && mlxq demo",
                         "python3 -m pip install -e '.[dev]' && python3 -m pytest"]
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
+DOCS = [ROOT / "README.md", ROOT / "api" / "README.md", ROOT / "deploy" / "README.md",
+        ROOT / "tests" / "perf" / "README.md"]
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", markdown, flags=re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_the_readme_is_a_front_door() -> None:
+    assert len(README.splitlines()) <= 300  # issue #42: the references live in the READMEs it links to
+
+
+def test_every_relative_link_of_the_readmes_leads_to_a_file_and_heading() -> None:
+    broken = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # an absolute URL
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists() or (anchor and anchor not in _anchors(file.read_text())):
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert broken == []
+
+
+def test_the_readmes_document_only_variables_the_code_reads() -> None:
+    code = "".join(p.read_text() for d in ("api", "engine", "worker") for p in (ROOT / d).rglob("*.py"))
+    read = set(re.findall(r"MLXQ_[A-Z_]*[A-Z]", code))
+    documented = {v for doc in DOCS for v in re.findall(r"MLXQ_[A-Z_]*[A-Z]", doc.read_text())}
+    assert documented - read == set()
+
+
+def test_the_settings_table_is_where_the_generator_writes_it() -> None:
+    deploy = (ROOT / "deploy" / "README.md").read_text()
+    section = deploy[deploy.index("## Settings\n"):]
+    table = section[section.index("<!-- settings:begin -->"):section.index("<!-- settings:end -->")]
+    assert "MLXQ_MODEL" in table and "MLXQ_REDIS_URL" in table

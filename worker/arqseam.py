@@ -187,7 +187,7 @@ def worker_settings(spec: WorkerSpec) -> dict[str, Any]:
 
     async def generate(ctx: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         # arq needs a function to register; the host runs mlxq's jobs without calling it.
-        raise RuntimeError("mlxq jobs run through api.arqseam, which this process did not install")
+        raise RuntimeError("mlxq jobs run through worker.arqseam, which this process did not install")
 
     settings = RedisSettings.from_dsn(spec.redis_url)
     settings.retry = retry()

@@ -1,6 +1,6 @@
 """The research benchmarks, apart from the product's ``mlxq bench``: one command runs them all and writes
-``results.md`` (every measurement, and each of the README's targets with PASS or MISS), ``results.json`` and
-``chart.png``::
+``results.md`` (every measurement, and each of its targets, listed in tests/perf/README.md, with PASS or MISS),
+``results.json`` and ``chart.png``::
 
     python3 -m tests.perf --out DIR [--quick] [--sizes tiny,small] [--concurrency 1,8,32,64] [--max-tokens 64]
 

@@ -11,8 +11,9 @@ from .suite import run_suite
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m tests.perf",
-                                description="The research benchmarks; writes results.md (with the README's targets, "
-                                            "PASS or MISS), results.json and chart.png.")
+                                description="The research benchmarks; writes results.md (with the targets "
+                                            "tests/perf/README.md lists, PASS or MISS), results.json and "
+                                            "chart.png.")
     p.add_argument("--out", default="perf-out", help="directory for results.md, results.json, chart.png")
     p.add_argument("--quick", action="store_true", help="a smoke run of a minute or so")
     p.add_argument("--sizes", default=None, help="comma-separated generated model sizes (default: tiny,small)")

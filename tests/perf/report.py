@@ -1,5 +1,5 @@
-"""The research run's report: its targets (the README's, each PASS or MISS), results.json, the tables of results.md
-and chart.png.
+"""The research run's report: its targets (tests/perf/README.md lists them), each PASS or MISS, results.json, the
+tables of results.md and chart.png.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The research run: how much of mlx-lm's raw batching throughput survives the queue, and the targets of the
-issues (the README's), each PASS or MISS, measured in one run.
+issues (tests/perf/README.md lists them), each PASS or MISS, measured in one run.
 
 Why: a queue is worth running only if Redis, arq and a process hop cost little next to the model. So one
 run measures, on the same generated models, prompts and ``max_tokens``:

@@ -1,4 +1,4 @@
-"""arq behind one seam (api/arqseam.py): claims in one call, the wakeable poll, poison entries, the version check."""
+"""arq behind one seam (worker/arqseam.py): claims in one call, the wakeable poll, poison entries, the version check."""
 
 from __future__ import annotations
 
