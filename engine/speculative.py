@@ -357,16 +357,22 @@ class Tuner:
     MARGIN = 1.15  # how much faster than plain decoding a k must look to be used
     SPREAD = 16
 
-    def __init__(self, max_k: int, *, block: int = 4, explore: int = 8) -> None:
+    def __init__(self, max_k: int, *, block: int = 4, explore: int = 8, budget: float = 0.01) -> None:
         self.ks = tuple(range(max_k + 1))
         self.block = block
         self.explore = explore
+        # The share of the time that tries and looks at a k slower than plain decoding may lose: where a
+        # verification costs many plain steps (a device that builds per shape, a compute-bound one), speculation
+        # then costs at most that much over a worker's life (its first try aside).
+        self.budget = budget
         self._seconds: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (size, k) -> (rows, time per row)
         self._kept = 1.0  # proposals kept, and rejected (decayed sums): the acceptance rate is kept / both
         self._rejected = 1.0
         self._k = 0
         self._left = 0  # steps left in the current block
         self._looks: dict[int, _Looks] = {}  # per batch size
+        self._elapsed = 0.0  # seconds of the steps timed
+        self._lost = 0.0  # of them, lost by steps of a k to what plain decoding would have made in that time
 
     @property
     def acceptance(self) -> float:
@@ -382,7 +388,7 @@ class Tuner:
         size = _size(rows)
         for k in self.ks:  # each k timed at this size first
             if len(self._seconds.get((size, k), ())) < self.TRIES:
-                return k
+                return k if not k or self._affordable() else 0
         if len(self._nearest(size, 0, rows)) < self.TRIES:  # plain decoding is timed at about this many rows
             return 0  # (no catch-up to pay)
         a = self.acceptance
@@ -406,7 +412,12 @@ class Tuner:
         neighbours = [k for k in (best - 1, best + 1) if k in self.ks and k not in (0, best)]
         if best and (looks.taken % 2 or not neighbours):
             return 0
-        return neighbours[(looks.taken // 2) % len(neighbours)] if neighbours else best
+        look = neighbours[(looks.taken // 2) % len(neighbours)] if neighbours else best
+        return look if look == best or self._affordable() else best
+
+    def _affordable(self) -> bool:
+        """Whether a try or look at speculation fits the budget of what such steps may lose."""
+        return self._lost <= self.budget * self._elapsed
 
     def record(self, rows: int, k: int, seconds: float) -> None:
         """A step of ``k`` at ``rows`` rows took ``seconds``: plain decoding's kept per row, so that sizes rounded
@@ -414,11 +425,16 @@ class Tuner:
         many plain steps at about as many rows, timed lately (a machine whose speed drifts moves both alike: a
         plain step timed slow must not make an older timing of a k look fast)."""
         size, cost = _size(rows), seconds / rows
+        self._elapsed += seconds
         if k:
             plain = self._nearest(size, 0, rows) or self._ranked(size, 0, rows)
             if not plain:
                 return
             cost /= statistics.median(plain)
+            # What plain decoding would have made in this time, against what this step made; the block's first
+            # step, never timed (it pays the change of k: a draft's catch-up), is taken to have lost as much.
+            made = sum(self.acceptance ** j for j in range(k + 1))
+            self._lost += max(0.0, seconds * (1 - made / cost)) * self.block / (self.block - 1)
         self._seconds.setdefault((size, k), deque(maxlen=4 * self.KEEP)).append((rows, cost))
 
     def _nearest(self, size: int, k: int, rows: int) -> list[float]:
