@@ -24,10 +24,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from .client import Client
-from .config import ClientConfig
+from .config import ClientConfig, ToolConfig
 from .errors import BadRequest, ConfigError, JobFailed, MlxqError, NoWorker, describe
-from .gateway.config import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_PORT
+from .gateway.config import GatewayConfig
 from .schema import ChatMessage, DoneEvent, ErrorEvent, GenerateRequest
+from .settings import help_text
 
 __all__ = ["EXIT_FAILED", "EXIT_NO_WORKER", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -37,33 +38,15 @@ EXIT_USAGE = 2  # a bad request, option or configuration value; a missing extra 
 EXIT_NO_WORKER = 3  # no live worker serves the model
 EXIT_INTERRUPTED = 130
 
-_CLIENT_ENV = """\
-  MLXQ_REDIS_URL       Redis to use (default redis://127.0.0.1:6379; also unix:///path/redis.sock)
-  MLXQ_PREFIX          namespace of every key under one Redis (default mlxq)
-  MLXQ_RETRY_DEADLINE  seconds an operation retries an unreachable Redis, from its start (default 5)
-  MLXQ_MAX_QUEUED      jobs one model's queue may hold before submits are refused (default 10000; 0: no cap)
-  MLXQ_JOB_EXPIRY      seconds a job may wait queued before it ends error(expired) (default 300; 0: never)
-  MLXQ_PRIORITY_AGING  seconds of waiting one priority level is worth (default 1)
-  MLXQ_MAX_PAYLOAD_BYTES, MLXQ_MAX_IMAGES, MLXQ_MAX_IMAGE_BYTES
-                       a job's limits, as the workers' (defaults 1 MiB, 4, 4 MiB): a larger job is refused
-"""
-_GATEWAY_ENV = f"""\
-  MLXQ_GATEWAY_HOST        address to listen on (default {DEFAULT_HOST}; --host wins)
-  MLXQ_GATEWAY_PORT        port to listen on (default {DEFAULT_PORT}; --port wins)
-  MLXQ_API_KEYS            comma-separated keys a request must bear (default: none, no authentication)
-  MLXQ_GATEWAY_MAX_BODY    largest request body in bytes (default {DEFAULT_MAX_BODY_BYTES}: the largest job workers
-                           read with their default limits)
-  MLXQ_GATEWAY_MAX_TOKENS  max_tokens of a request that names none (default {DEFAULT_MAX_TOKENS})
- and its queue client's:
-{_CLIENT_ENV}"""
-_DEMO_ENV = """\
-  MLXQ_REDIS_URL    a Redis to use instead of the embedded redis-server (default: embed one)
-  MLXQ_MODEL_CACHE  where the generated models are kept between runs (default ~/.cache/mlxq/models)
-"""
-_BENCH_ENV = """\
+# Each command's variables, made from their declarations (api/settings.py).
+_CLIENT_ENV = help_text([ClientConfig])
+_GATEWAY_ENV = f"{help_text([GatewayConfig])} and its queue client's:\n{_CLIENT_ENV}"
+_DEMO_ENV = help_text([ClientConfig, ToolConfig], only={"MLXQ_REDIS_URL", "MLXQ_MODEL_CACHE"}, notes={
+    "MLXQ_REDIS_URL": "a Redis to use instead of the embedded redis-server (default: embed one)"})
+_BENCH_ENV = f"""\
   MLXQ_*                the worker variables (e.g. MLXQ_STREAM_INTERVAL_MS, MLXQ_STREAM_RATE, MLXQ_ADMIT_WAIT_MS)
                         apply to its worker, which inherits them
-  MLXQ_MODEL_CACHE      where the generated models are kept between runs (default ~/.cache/mlxq/models)
+{help_text([ToolConfig], pad=22)}\
   OPENBLAS_CORETYPE     the OpenBLAS core on Linux (default: the one it picks for this CPU)
   OPENBLAS_NUM_THREADS  OpenBLAS threads of every path (default: one per core)
 """
@@ -266,7 +249,6 @@ def _gateway(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     try:
-        from .gateway.config import GatewayConfig
         from .gateway.server import serve
     except ImportError as exc:
         if (exc.name or "").split(".")[0] not in _GATEWAY_NEEDS:

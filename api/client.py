@@ -51,6 +51,7 @@ from .schema import (
     is_terminal,
     job_bytes_limit,
 )
+from .settings import parse_redis_url
 from .subscriber import Subscriber, Subscription
 
 __all__ = ["Client", "Result"]
@@ -98,7 +99,7 @@ class Client:
                  config: ClientConfig | None = None) -> None:
         env = config or ClientConfig.from_env()
         self.config = env
-        url = redis_url or env.redis_url
+        url = env.redis_url if redis_url is None else parse_redis_url("redis_url", redis_url)
         self.keys = Keys(prefix or env.prefix)
         # As the workers' MLXQ_MAX_PAYLOAD_BYTES (the config's, unless given).
         self.max_payload_bytes = env.max_payload_bytes if max_payload_bytes is None else max_payload_bytes

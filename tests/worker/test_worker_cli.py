@@ -335,11 +335,11 @@ def test_the_demo_without_any_redis_server_says_what_to_install_in_one_line(tmp_
     assert list(scratch.iterdir()) == []  # no directory made for a server that could not start
 
 
-def _variables(*readers: Any) -> set[str]:
-    """The MLXQ_* variables these ``from_env`` functions read (from their source: a new one must be documented)."""
-    import inspect
+def _variables(*configs: type) -> set[str]:
+    """The MLXQ_* variables these configs declare (and read): each must be in the help."""
+    from mlxq.api.settings import declared
 
-    return {name for reader in readers for name in re.findall(r"MLXQ_[A-Z_]+", inspect.getsource(reader))}
+    return {s.name for config in configs for _, s in declared(config)}
 
 
 def test_help_shows_defaults_environment_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
@@ -347,9 +347,9 @@ def test_help_shows_defaults_environment_and_exit_status(capsys: pytest.CaptureF
     from mlxq.api.config import ClientConfig
     from mlxq.api.gateway.config import GatewayConfig
 
-    client = _variables(ClientConfig.from_env)
+    client = _variables(ClientConfig)
     expected = {"mlxq": client, "submit": client, "cancel": client, "events": client, "status": client,
-                "health": client, "gateway": client | _variables(GatewayConfig.from_env),
+                "health": client, "gateway": client | _variables(GatewayConfig),
                 "demo": {"MLXQ_REDIS_URL", "MLXQ_MODEL_CACHE"}, "bench": {"MLXQ_MODEL_CACHE"}}
     assert {"MLXQ_API_KEYS", "MLXQ_GATEWAY_MAX_BODY", "MLXQ_GATEWAY_MAX_TOKENS"} <= expected["gateway"]
     helps = {}
