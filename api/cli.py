@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import sys
@@ -25,7 +26,7 @@ from pydantic import ValidationError
 
 from .client import Client
 from .config import ClientConfig, ToolConfig
-from .errors import BadRequest, ConfigError, JobFailed, MlxqError, NoWorker, describe
+from .errors import BadRequest, ConfigError, JobFailed, MlxqError, NoWorker, describe, install_hint
 from .gateway.config import GatewayConfig
 from .schema import ChatMessage, DoneEvent, ErrorEvent, GenerateRequest
 from .settings import help_text
@@ -233,12 +234,20 @@ def _worker_tool(name: str) -> Callable[..., Any]:
     producer-only install cannot load."""
     found = [ep for ep in importlib.metadata.entry_points(group=TOOLS) if ep.name == name]
     if not found:
-        raise _MissingTool(f"'{name}' is not installed (no {TOOLS} entry point): pip install 'mlxq[worker]'")
+        raise _MissingTool(f"'{name}' is not installed (no {TOOLS} entry point): {install_hint('worker')}")
     try:
         tool: Callable[..., Any] = found[0].load()
     except ImportError as exc:
-        raise _MissingTool(f"'{name}' needs the worker extra ({exc}): pip install 'mlxq[worker]'") from None
+        raise _MissingTool(f"'{name}' needs the worker extra ({exc}): {install_hint('worker')}") from None
+    # The tools import MLX only when they run (bench after re-executing itself): say what is missing first.
+    missing = [module for module in _WORKER_NEEDS if importlib.util.find_spec(module) is None]
+    if missing:
+        raise _MissingTool(f"'{name}' needs the worker extra (No module named {missing[0]!r}): "
+                           f"{install_hint('worker')}")
     return tool
+
+
+_WORKER_NEEDS = ("mlx", "mlx_lm", "arq")
 
 
 _GATEWAY_NEEDS = frozenset({"starlette", "uvicorn", "anyio"})
@@ -253,7 +262,7 @@ def _gateway(args: argparse.Namespace) -> int:
     except ImportError as exc:
         if (exc.name or "").split(".")[0] not in _GATEWAY_NEEDS:
             raise
-        raise _MissingTool(f"'gateway' needs the gateway extra ({exc}): pip install 'mlxq[gateway]'") from None
+        raise _MissingTool(f"'gateway' needs the gateway extra ({exc}): {install_hint('gateway')}") from None
     config = GatewayConfig.from_env()
     config = replace(config, host=config.host if args.host is None else args.host,
                      port=config.port if args.port is None else args.port)  # --port 0: any free port

@@ -35,7 +35,7 @@ from .errors import (
 )
 from .jobrecord import job_record
 from .keys import CANCEL_TTL_S, Keys, deadline_member, log_entry_id, queue_score
-from .registry import ModelInfo, QueueInfo, live_workers, models_of, queues
+from .registry import ModelInfo, QueueInfo, live_workers, models_of, other_prefixes, queues
 from .schema import (
     DoneEvent,
     ErrorEvent,
@@ -182,7 +182,11 @@ class Client:
     async def _check_served(self, model: str) -> None:
         models = await self.models()
         if model not in models or models[model].workers == 0:
-            raise NoWorker(model, [name for name, m in models.items() if m.workers > 0])
+            served = [name for name, m in models.items() if m.workers > 0]
+            elsewhere = None
+            if not served:  # nothing under our prefix: perhaps the workers' MLXQ_PREFIX is another
+                elsewhere = await with_retries(lambda: other_prefixes(self._redis, self.keys), self.retry, self.where)
+            raise NoWorker(model, served, elsewhere)
         self._served[model] = time.monotonic()
 
     def _checked(self, model: str, check: asyncio.Task[None]) -> None:

