@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from .client import Client
 from .config import ClientConfig, ToolConfig
-from .errors import BadRequest, ConfigError, JobFailed, MlxqError, NoWorker, describe, install_hint
+from .errors import BadRequest, ConfigError, JobFailed, MlxqError, NoWorker, describe, elsewhere_hint, install_hint
 from .gateway.config import GatewayConfig
 from .schema import ChatMessage, DoneEvent, ErrorEvent, GenerateRequest
 from .settings import help_text
@@ -317,7 +317,8 @@ async def _health(client: Client, model: str | None) -> int:
     if not serving:
         served = sorted({m.name for w in workers for m in w.models if w.serves(m.name)})
         listed = ", ".join(repr(m) for m in served) or "none"
-        print(f"mlxq: unhealthy: no live worker serves {what} (models served now: {listed})", file=sys.stderr)
+        hint = "" if served else elsewhere_hint(await client.other_prefixes(), model)
+        print(f"mlxq: unhealthy: no live worker serves {what} (models served now: {listed}){hint}", file=sys.stderr)
         return EXIT_FAILED
     print(f"ok: {len(serving)} live worker(s) serve {what}: {', '.join(w.id for w in serving)}")
     return EXIT_OK

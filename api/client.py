@@ -185,7 +185,7 @@ class Client:
             served = [name for name, m in models.items() if m.workers > 0]
             elsewhere = None
             if not served:  # nothing under our prefix: perhaps the workers' MLXQ_PREFIX is another
-                elsewhere = await with_retries(lambda: other_prefixes(self._redis, self.keys), self.retry, self.where)
+                elsewhere = await self.other_prefixes()
             raise NoWorker(model, served, elsewhere)
         self._served[model] = time.monotonic()
 
@@ -215,6 +215,11 @@ class Client:
     async def models(self) -> dict[str, ModelInfo]:
         """The models live workers serve (or served until their engine died), by name."""
         return models_of(await self.workers())
+
+    async def other_prefixes(self) -> dict[str, list[str]]:
+        """Other prefixes of this Redis whose live workers serve models: prefix -> their models (a bounded look,
+        for the hint when none serves under this client's prefix)."""
+        return await with_retries(lambda: other_prefixes(self._redis, self.keys), self.retry, self.where)
 
     async def queues(self) -> list[QueueInfo]:
         """Every model queue that holds jobs: its depth and the age of its oldest waiting job."""

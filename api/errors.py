@@ -22,7 +22,8 @@ from .schema import ErrorCode, ErrorEvent
 
 __all__ = [
     "AccessDenied", "BadRequest", "ConfigError", "DuplicateJob", "JobFailed", "JobNotFound", "MlxqError", "NoWorker",
-    "QueueFull", "QueueUnavailable", "UnexpectedPassword", "WaitTimeout", "describe", "install_hint",
+    "QueueFull", "QueueUnavailable", "UnexpectedPassword", "WaitTimeout", "describe", "elsewhere_hint",
+    "install_hint",
 ]
 
 
@@ -68,12 +69,8 @@ class NoWorker(MlxqError):
 
     def __init__(self, model: str, served: list[str], elsewhere: dict[str, list[str]] | None = None) -> None:
         listed = ", ".join(repr(m) for m in served) if served else "none"
-        hint = ""
-        if elsewhere:  # the workers' MLXQ_PREFIX is perhaps not the caller's: those serving the model first
-            others = sorted(elsewhere.items(), key=lambda item: (model not in item[1], item[0]))
-            hint = "; live workers under other prefixes: " + ", ".join(
-                f"MLXQ_PREFIX={prefix} ({', '.join(repr(m) for m in models)})" for prefix, models in others)
-        super().__init__(f"no live worker serves model {model!r} (models served now: {listed}){hint}")
+        super().__init__(f"no live worker serves model {model!r} (models served now: {listed})"
+                         f"{elsewhere_hint(elsewhere or {}, model)}")
         self.model = model
         self.served = served
         self.elsewhere = elsewhere or {}
@@ -105,6 +102,16 @@ class ConfigError(MlxqError):
 class UnexpectedPassword(ConfigError, AccessDenied):
     """The Redis URL gives a password to a Redis that has none: a configuration to fix (never retried), and a
     refusal of the credentials for whoever handles those (:class:`AccessDenied`)."""
+
+
+def elsewhere_hint(elsewhere: dict[str, list[str]], model: str | None = None) -> str:
+    """``; live workers under other prefixes: MLXQ_PREFIX=p ('m', ...), ...`` (those serving ``model`` first),
+    or "" when there are none: the workers' MLXQ_PREFIX is perhaps not the caller's."""
+    if not elsewhere:
+        return ""
+    others = sorted(elsewhere.items(), key=lambda item: (model not in item[1], item[0]))
+    return "; live workers under other prefixes: " + ", ".join(
+        f"MLXQ_PREFIX={prefix} ({', '.join(repr(m) for m in models)})" for prefix, models in others)
 
 
 def install_hint(extra: str) -> str:

@@ -53,7 +53,7 @@ def parse_models(spec: str) -> tuple[ServedModel, ...]:
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    """Everything a worker process needs to know; see README for each variable."""
+    """Everything a worker process needs to know: each variable declared on its field (deploy/README.md, "Settings")."""
 
     model: str = setting("MLXQ_MODEL", "", "the model to serve: a local path, or a Hugging Face id (mlx-lm "
                          "downloads it on a Mac); required unless MLXQ_MODELS is set")

@@ -97,3 +97,13 @@ async def test_no_live_worker_names_the_prefixes_whose_workers_serve(redis_url: 
         with pytest.raises(NoWorker) as caught:
             await client.submit(model="tiny", prompt="hi", require_worker=True)
     assert str(caught.value) == "no live worker serves model 'tiny' (models served now: 'big')"
+
+
+def test_mlxq_health_names_the_prefixes_whose_workers_serve(redis_url: str) -> None:
+    _register(redis_url, "mlxq-demo-1234", "tiny")
+    done = mlxq("health", "--model", "tiny", env={"MLXQ_REDIS_URL": redis_url})
+    assert done.returncode == 1
+    assert one_line(done) == ("mlxq: unhealthy: no live worker serves model 'tiny' (models served now: none); live "
+                              "workers under other prefixes: MLXQ_PREFIX=mlxq-demo-1234 ('tiny')")
+    assert mlxq("health", "--model", "tiny", env={"MLXQ_REDIS_URL": redis_url,
+                                                  "MLXQ_PREFIX": "mlxq-demo-1234"}).returncode == 0
