@@ -99,7 +99,7 @@ class Client:
                  config: ClientConfig | None = None) -> None:
         env = config or ClientConfig.from_env()
         self.config = env
-        url = env.redis_url if redis_url is None else parse_redis_url("redis_url", redis_url)
+        url = parse_redis_url("redis_url", redis_url) if redis_url else env.redis_url
         self.keys = Keys(prefix or env.prefix)
         # As the workers' MLXQ_MAX_PAYLOAD_BYTES (the config's, unless given).
         self.max_payload_bytes = env.max_payload_bytes if max_payload_bytes is None else max_payload_bytes

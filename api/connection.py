@@ -116,7 +116,7 @@ def denied(exc: BaseException, where: str) -> AccessDenied:
     exc = _refusal(exc) or exc
     if any(text in str(exc) for text in _NO_PASSWORD_SET):
         return UnexpectedPassword(f"Redis at {where} has no password set, but the URL gives one (MLXQ_REDIS_URL): "
-                           f"remove it from the URL, or set one on the server (requirepass): {exc}")
+                                  f"remove it from the URL, or set one on the server (requirepass): {exc}")
     if str(exc).startswith(_UNAUTHENTICATED):
         return AccessDenied(f"Redis at {where} requires a password and none was given (put one in the URL: "
                             f"redis://:PASSWORD@host or redis://USER:PASSWORD@host): {exc}")

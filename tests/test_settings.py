@@ -29,13 +29,14 @@ def test_the_table_in_deploy_readme_is_the_one_the_declarations_make() -> None:
     assert table == reference(), "stale: python3 -m mlxq.worker.config prints the table to put between the markers"
 
 
-def test_every_variable_the_product_names_is_declared() -> None:
+def test_every_variable_the_product_or_its_docs_name_is_declared() -> None:
     names = {s.name for _, cls in SETTING_GROUPS for _, s in declared(cls)}
+    sources = [p for folder in ("api", "engine", "worker") for p in (ROOT / folder).rglob("*.py")]
+    docs = [ROOT / "README.md", *(p for p in (ROOT / "deploy").rglob("*") if p.is_file())]  # units, plists too
     named: dict[str, str] = {}
-    for folder in ("api", "engine", "worker"):
-        for path in (ROOT / folder).rglob("*.py"):
-            for name in re.findall(r"\bMLXQ_[A-Z0-9_]*[A-Z0-9]", path.read_text()):
-                named.setdefault(name, str(path.relative_to(ROOT)))
+    for path in [*sources, *docs]:
+        for name in re.findall(r"\bMLXQ_[A-Z0-9_]*[A-Z0-9]", path.read_text()):
+            named.setdefault(name, str(path.relative_to(ROOT)))
     assert len(named) > 40
     assert {n: where for n, where in named.items() if n not in names | INTERNAL} == {}
 
