@@ -310,6 +310,8 @@ def test_a_worker_whose_redis_never_answers_says_so_once_at_its_deadline_and_exi
 def test_a_bad_setting_or_a_missing_extra_is_one_line_not_a_traceback(redis_url: str) -> None:
     bad = mlxq(redis_url, "status", env={"MLXQ_RETRY_DEADLINE": "soon"})
     assert bad.returncode == 2 and one_line(bad) == "mlxq: MLXQ_RETRY_DEADLINE='soon': expected a number"
+    no_scheme = mlxq("localhost:6379", "demo")  # refused before the demo starts anything
+    assert no_scheme.returncode == 2 and one_line(no_scheme).startswith("mlxq: MLXQ_REDIS_URL='localhost:6379': ")
     for tool, module in (("demo", "mlxq.worker.tools.demo"), ("bench", "mlxq.worker.tools.bench")):
         code = (f"import sys; sys.modules[{module!r}] = None; from mlxq.api.cli import main; "  # as without the extra
                 f"sys.exit(main([{tool!r}]))")
