@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import sys
@@ -24,10 +25,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from .client import Client
-from .config import ClientConfig
-from .errors import BadRequest, ConfigError, JobFailed, MlxqError, NoWorker, describe
-from .gateway.config import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_PORT
+from .config import ClientConfig, ToolConfig
+from .errors import BadRequest, ConfigError, JobFailed, MlxqError, NoWorker, describe, elsewhere_hint, install_hint
+from .gateway.config import GatewayConfig
 from .schema import ChatMessage, DoneEvent, ErrorEvent, GenerateRequest
+from .settings import help_text
 
 __all__ = ["EXIT_FAILED", "EXIT_NO_WORKER", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -37,33 +39,15 @@ EXIT_USAGE = 2  # a bad request, option or configuration value; a missing extra 
 EXIT_NO_WORKER = 3  # no live worker serves the model
 EXIT_INTERRUPTED = 130
 
-_CLIENT_ENV = """\
-  MLXQ_REDIS_URL       Redis to use (default redis://127.0.0.1:6379; also unix:///path/redis.sock)
-  MLXQ_PREFIX          namespace of every key under one Redis (default mlxq)
-  MLXQ_RETRY_DEADLINE  seconds an operation retries an unreachable Redis, from its start (default 5)
-  MLXQ_MAX_QUEUED      jobs one model's queue may hold before submits are refused (default 10000; 0: no cap)
-  MLXQ_JOB_EXPIRY      seconds a job may wait queued before it ends error(expired) (default 300; 0: never)
-  MLXQ_PRIORITY_AGING  seconds of waiting one priority level is worth (default 1)
-  MLXQ_MAX_PAYLOAD_BYTES, MLXQ_MAX_IMAGES, MLXQ_MAX_IMAGE_BYTES
-                       a job's limits, as the workers' (defaults 1 MiB, 4, 4 MiB): a larger job is refused
-"""
-_GATEWAY_ENV = f"""\
-  MLXQ_GATEWAY_HOST        address to listen on (default {DEFAULT_HOST}; --host wins)
-  MLXQ_GATEWAY_PORT        port to listen on (default {DEFAULT_PORT}; --port wins)
-  MLXQ_API_KEYS            comma-separated keys a request must bear (default: none, no authentication)
-  MLXQ_GATEWAY_MAX_BODY    largest request body in bytes (default {DEFAULT_MAX_BODY_BYTES}: the largest job workers
-                           read with their default limits)
-  MLXQ_GATEWAY_MAX_TOKENS  max_tokens of a request that names none (default {DEFAULT_MAX_TOKENS})
- and its queue client's:
-{_CLIENT_ENV}"""
-_DEMO_ENV = """\
-  MLXQ_REDIS_URL    a Redis to use instead of the embedded redis-server (default: embed one)
-  MLXQ_MODEL_CACHE  where the generated models are kept between runs (default ~/.cache/mlxq/models)
-"""
-_BENCH_ENV = """\
+# Each command's variables, made from their declarations (api/settings.py).
+_CLIENT_ENV = help_text([ClientConfig])
+_GATEWAY_ENV = f"{help_text([GatewayConfig])} and its queue client's:\n{_CLIENT_ENV}"
+_DEMO_ENV = help_text([ClientConfig, ToolConfig], only={"MLXQ_REDIS_URL", "MLXQ_MODEL_CACHE"}, notes={
+    "MLXQ_REDIS_URL": "a Redis to use instead of the embedded redis-server (default: embed one)"})
+_BENCH_ENV = f"""\
   MLXQ_*                the worker variables (e.g. MLXQ_STREAM_INTERVAL_MS, MLXQ_STREAM_RATE, MLXQ_ADMIT_WAIT_MS)
                         apply to its worker, which inherits them
-  MLXQ_MODEL_CACHE      where the generated models are kept between runs (default ~/.cache/mlxq/models)
+{help_text([ToolConfig], pad=22)}\
   OPENBLAS_CORETYPE     the OpenBLAS core on Linux (default: the one it picks for this CPU)
   OPENBLAS_NUM_THREADS  OpenBLAS threads of every path (default: one per core)
 """
@@ -250,12 +234,20 @@ def _worker_tool(name: str) -> Callable[..., Any]:
     producer-only install cannot load."""
     found = [ep for ep in importlib.metadata.entry_points(group=TOOLS) if ep.name == name]
     if not found:
-        raise _MissingTool(f"'{name}' is not installed (no {TOOLS} entry point): pip install 'mlxq[worker]'")
+        raise _MissingTool(f"'{name}' is not installed (no {TOOLS} entry point): {install_hint('worker')}")
     try:
         tool: Callable[..., Any] = found[0].load()
     except ImportError as exc:
-        raise _MissingTool(f"'{name}' needs the worker extra ({exc}): pip install 'mlxq[worker]'") from None
+        raise _MissingTool(f"'{name}' needs the worker extra ({exc}): {install_hint('worker')}") from None
+    # The tools import MLX only when they run (bench after re-executing itself): say what is missing first.
+    missing = [module for module in _WORKER_NEEDS if importlib.util.find_spec(module) is None]
+    if missing:
+        raise _MissingTool(f"'{name}' needs the worker extra (No module named {missing[0]!r}): "
+                           f"{install_hint('worker')}")
     return tool
+
+
+_WORKER_NEEDS = ("mlx", "mlx_lm", "arq")
 
 
 _GATEWAY_NEEDS = frozenset({"starlette", "uvicorn", "anyio"})
@@ -266,12 +258,11 @@ def _gateway(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     try:
-        from .gateway.config import GatewayConfig
         from .gateway.server import serve
     except ImportError as exc:
         if (exc.name or "").split(".")[0] not in _GATEWAY_NEEDS:
             raise
-        raise _MissingTool(f"'gateway' needs the gateway extra ({exc}): pip install 'mlxq[gateway]'") from None
+        raise _MissingTool(f"'gateway' needs the gateway extra ({exc}): {install_hint('gateway')}") from None
     config = GatewayConfig.from_env()
     config = replace(config, host=config.host if args.host is None else args.host,
                      port=config.port if args.port is None else args.port)  # --port 0: any free port
@@ -326,7 +317,8 @@ async def _health(client: Client, model: str | None) -> int:
     if not serving:
         served = sorted({m.name for w in workers for m in w.models if w.serves(m.name)})
         listed = ", ".join(repr(m) for m in served) or "none"
-        print(f"mlxq: unhealthy: no live worker serves {what} (models served now: {listed})", file=sys.stderr)
+        hint = "" if served else elsewhere_hint(await client.other_prefixes(), model)
+        print(f"mlxq: unhealthy: no live worker serves {what} (models served now: {listed}){hint}", file=sys.stderr)
         return EXIT_FAILED
     print(f"ok: {len(serving)} live worker(s) serve {what}: {', '.join(w.id for w in serving)}")
     return EXIT_OK

@@ -35,7 +35,7 @@ from .errors import (
 )
 from .jobrecord import job_record
 from .keys import CANCEL_TTL_S, Keys, deadline_member, log_entry_id, queue_score
-from .registry import ModelInfo, QueueInfo, live_workers, models_of, queues
+from .registry import ModelInfo, QueueInfo, live_workers, models_of, other_prefixes, queues
 from .schema import (
     DoneEvent,
     ErrorEvent,
@@ -51,6 +51,7 @@ from .schema import (
     is_terminal,
     job_bytes_limit,
 )
+from .settings import parse_redis_url
 from .subscriber import Subscriber, Subscription
 
 __all__ = ["Client", "Result"]
@@ -98,7 +99,7 @@ class Client:
                  config: ClientConfig | None = None) -> None:
         env = config or ClientConfig.from_env()
         self.config = env
-        url = redis_url or env.redis_url
+        url = parse_redis_url("redis_url", redis_url) if redis_url else env.redis_url
         self.keys = Keys(prefix or env.prefix)
         # As the workers' MLXQ_MAX_PAYLOAD_BYTES (the config's, unless given).
         self.max_payload_bytes = env.max_payload_bytes if max_payload_bytes is None else max_payload_bytes
@@ -181,7 +182,11 @@ class Client:
     async def _check_served(self, model: str) -> None:
         models = await self.models()
         if model not in models or models[model].workers == 0:
-            raise NoWorker(model, [name for name, m in models.items() if m.workers > 0])
+            served = [name for name, m in models.items() if m.workers > 0]
+            elsewhere = None
+            if not served:  # nothing under our prefix: perhaps the workers' MLXQ_PREFIX is another
+                elsewhere = await self.other_prefixes()
+            raise NoWorker(model, served, elsewhere)
         self._served[model] = time.monotonic()
 
     def _checked(self, model: str, check: asyncio.Task[None]) -> None:
@@ -210,6 +215,11 @@ class Client:
     async def models(self) -> dict[str, ModelInfo]:
         """The models live workers serve (or served until their engine died), by name."""
         return models_of(await self.workers())
+
+    async def other_prefixes(self) -> dict[str, list[str]]:
+        """Other prefixes of this Redis whose live workers serve models: prefix -> their models (a bounded look,
+        for the hint when none serves under this client's prefix)."""
+        return await with_retries(lambda: other_prefixes(self._redis, self.keys), self.retry, self.where)
 
     async def queues(self) -> list[QueueInfo]:
         """Every model queue that holds jobs: its depth and the age of its oldest waiting job."""

@@ -33,7 +33,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .errors import AccessDenied, QueueUnavailable
+from .errors import AccessDenied, QueueUnavailable, UnexpectedPassword
 
 __all__ = ["RETRY_ON", "RetryPolicy", "client_redis", "redact", "redis_client", "retry", "with_retries"]
 
@@ -43,6 +43,8 @@ _DENIED_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM")
 # What Redis answers an unauthenticated client whose first request is large (a pipelined enqueue): no NOAUTH,
 # it refuses to read a long multibulk from a client that has not authenticated.
 _UNAUTHENTICATED = "Protocol error: unauthenticated"
+# What Redis answers AUTH with a password when it has none (6 and later; before 6): the URL is wrong.
+_NO_PASSWORD_SET = ("called without any password configured", "Client sent AUTH, but no password is set")
 
 RETRY_ON: list[type[Exception]] = [RedisConnectionError, RedisTimeoutError, OSError]
 CONNECT_TIMEOUT_S = 2.0
@@ -82,11 +84,20 @@ def client_redis(url: str, policy: RetryPolicy) -> Redis:
     return Redis(connection_pool=ConnectionPool.from_url(url, socket_connect_timeout=timeout))
 
 
+def _refusal(exc: BaseException) -> BaseException | None:
+    """The refusal of the credentials or of a command that ``exc`` is, or wraps (over a unix socket redis-py
+    files a refused AUTH as ``ConnectionError(AuthenticationError(...))``); None if it is none."""
+    for err in (exc, exc.__cause__, *(a for a in exc.args if isinstance(a, BaseException))):
+        if isinstance(err, _DENIED):
+            return err
+        if isinstance(err, ResponseError) and str(err).startswith((*_DENIED_REPLIES, _UNAUTHENTICATED)):
+            return err
+    return None
+
+
 def is_denied(exc: BaseException) -> bool:
     """Redis refused the credentials or the command: retrying repeats the refusal."""
-    if isinstance(exc, _DENIED):
-        return True
-    return isinstance(exc, ResponseError) and str(exc).startswith((*_DENIED_REPLIES, _UNAUTHENTICATED))
+    return _refusal(exc) is not None
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -100,6 +111,12 @@ def redact(url: str) -> str:
 
 
 def denied(exc: BaseException, where: str) -> AccessDenied:
+    """What a refusal (:func:`is_denied`) means to the caller, in one line: :class:`UnexpectedPassword` (a
+    configuration error) for a password given to a Redis that has none, else :class:`AccessDenied`."""
+    exc = _refusal(exc) or exc
+    if any(text in str(exc) for text in _NO_PASSWORD_SET):
+        return UnexpectedPassword(f"Redis at {where} has no password set, but the URL gives one (MLXQ_REDIS_URL): "
+                                  f"remove it from the URL, or set one on the server (requirepass): {exc}")
     if str(exc).startswith(_UNAUTHENTICATED):
         return AccessDenied(f"Redis at {where} requires a password and none was given (put one in the URL: "
                             f"redis://:PASSWORD@host or redis://USER:PASSWORD@host): {exc}")

@@ -11,6 +11,7 @@
      ├── QueueUnavailable  Redis could not be reached within the client's retry deadline
      ├── AccessDenied    Redis refused the credentials or a command (never retried)
      └── ConfigError     an MLXQ_* variable holds a value that cannot be used
+          └── UnexpectedPassword  the Redis URL gives a password to a Redis that has none (also AccessDenied)
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from .schema import ErrorCode, ErrorEvent
 
 __all__ = [
     "AccessDenied", "BadRequest", "ConfigError", "DuplicateJob", "JobFailed", "JobNotFound", "MlxqError", "NoWorker",
-    "QueueFull", "QueueUnavailable", "WaitTimeout", "describe",
+    "QueueFull", "QueueUnavailable", "UnexpectedPassword", "WaitTimeout", "describe", "elsewhere_hint",
+    "install_hint",
 ]
 
 
@@ -62,13 +64,16 @@ class WaitTimeout(MlxqError):
 
 
 class NoWorker(MlxqError):
-    """No live worker serves the model; nothing was enqueued. ``served`` names the models live workers serve."""
+    """No live worker serves the model; nothing was enqueued. ``served`` names the models live workers serve;
+    ``elsewhere``, when none serves any, the models served under other prefixes of the same Redis."""
 
-    def __init__(self, model: str, served: list[str]) -> None:
+    def __init__(self, model: str, served: list[str], elsewhere: dict[str, list[str]] | None = None) -> None:
         listed = ", ".join(repr(m) for m in served) if served else "none"
-        super().__init__(f"no live worker serves model {model!r} (models served now: {listed})")
+        super().__init__(f"no live worker serves model {model!r} (models served now: {listed})"
+                         f"{elsewhere_hint(elsewhere or {}, model)}")
         self.model = model
         self.served = served
+        self.elsewhere = elsewhere or {}
 
 
 class QueueFull(MlxqError):
@@ -92,6 +97,26 @@ class AccessDenied(MlxqError):
 
 class ConfigError(MlxqError):
     """An ``MLXQ_*`` environment variable (or option) holds a value that cannot be used."""
+
+
+class UnexpectedPassword(ConfigError, AccessDenied):
+    """The Redis URL gives a password to a Redis that has none: a configuration to fix (never retried), and a
+    refusal of the credentials for whoever handles those (:class:`AccessDenied`)."""
+
+
+def elsewhere_hint(elsewhere: dict[str, list[str]], model: str | None = None) -> str:
+    """``; live workers under other prefixes: MLXQ_PREFIX=p ('m', ...), ...`` (those serving ``model`` first),
+    or "" when there are none: the workers' MLXQ_PREFIX is perhaps not the caller's."""
+    if not elsewhere:
+        return ""
+    others = sorted(elsewhere.items(), key=lambda item: (model not in item[1], item[0]))
+    return "; live workers under other prefixes: " + ", ".join(
+        f"MLXQ_PREFIX={prefix} ({', '.join(repr(m) for m in models)})" for prefix, models in others)
+
+
+def install_hint(extra: str) -> str:
+    """How to install one of mlxq's extras, from a package index and from a checkout (one wording everywhere)."""
+    return f"python3 -m pip install 'mlxq[{extra}]' (from a checkout: python3 -m pip install -e '.[{extra}]')"
 
 
 def describe(exc: ValidationError, most: int = 5) -> str:

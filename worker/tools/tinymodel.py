@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlxq.api.config import ToolConfig
+
 if TYPE_CHECKING:
     import mlx.nn as nn
     from transformers import PreTrainedTokenizerFast
@@ -52,8 +54,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3
-CACHE_ENV_VAR = "MLXQ_MODEL_CACHE"
-DEFAULT_CACHE_ROOT = Path("~/.cache/mlxq/models")
+DEFAULT_CACHE_ROOT = Path("~/.cache/mlxq/models")  # unless MLXQ_MODEL_CACHE (api.config.ToolConfig) names one
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
@@ -380,8 +381,8 @@ def _init_param(name: str, param: mx.array, key: mx.array) -> mx.array:
 def _cache_root(root: Path | None) -> Path:
     if root is not None:
         return Path(root)
-    env = os.environ.get(CACHE_ENV_VAR)
-    return Path(env).expanduser() if env else DEFAULT_CACHE_ROOT.expanduser()
+    named = ToolConfig.from_env().model_cache
+    return Path(named).expanduser() if named else DEFAULT_CACHE_ROOT.expanduser()
 
 
 def _is_complete(path: Path) -> bool:

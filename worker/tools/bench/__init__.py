@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from mlxq.api.client import Client
+from mlxq.api.errors import install_hint
 
 from ..blas import blas_of
 from ..process import GatewayProcess, WorkerProcess
@@ -67,7 +68,8 @@ def run_bench(args: argparse.Namespace, *, reexec: bool = True) -> int:
 
 
 def _argv_of(args: argparse.Namespace) -> list[str]:
-    argv = ["bench", "--out", str(args.out)]
+    argv = ["--debug"] if getattr(args, "debug", False) else []  # mlxq's own option, before the command
+    argv += ["bench", "--out", str(args.out)]
     if args.quick:
         argv.append("--quick")
     for flag, value in (("--model", args.model), ("--concurrency", args.concurrency),
@@ -127,7 +129,7 @@ def _gateway(url: str, prefix: str, out: Path) -> Iterator[str | None]:
     """``mlxq gateway`` on the worker's deployment (its URL), or None where the gateway extra is missing."""
     missing = [m for m in _GATEWAY_NEEDS if importlib.util.find_spec(m) is None]
     if missing:
-        say(f"gateway: skipped ({', '.join(missing)} missing: pip install 'mlxq[gateway]')")
+        say(f"gateway: skipped ({', '.join(missing)} missing: {install_hint('gateway')})")
         yield None
         return
     gateway = GatewayProcess({"MLXQ_REDIS_URL": url, "MLXQ_PREFIX": prefix}, out / "logs" / "gateway.log").start()

@@ -7,6 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from mlxq.api.errors import install_hint
+
 from ..blas import OPENBLAS
 from .chart import Panel, Series, draw
 from .runs import PROMPT, BenchResult
@@ -57,7 +59,7 @@ def render_markdown(result: BenchResult) -> str:
             lines.append(f"| {r.n} | {r.raw.tok_s:.1f} | {r.queue.tok_s:.1f} | {r.queue_over_raw:.2f} "
                          f"| {r.raw.ttft_p50_ms:.1f} / {r.queue.ttft_p50_ms:.1f} |")
     if not gateway:
-        lines += ["", "The gateway was not measured: its extra is not installed (`pip install 'mlxq[gateway]'`)."]
+        lines += ["", f"The gateway was not measured: its extra is not installed (`{install_hint('gateway')}`)."]
     return "\n".join([*lines, ""])
 
 
