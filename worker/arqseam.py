@@ -142,7 +142,7 @@ class Host(Protocol):
     """What runs an mlxq worker's jobs inside arq's Worker."""
 
     async def claim(self, free: int) -> Claims:
-        """Start up to ``free`` due jobs of the host's queues in one call."""
+        """Claim up to ``free`` due jobs of the host's queues in one call."""
 
     async def aclose(self) -> None:
         """Stop: called from arq's shutdown."""
