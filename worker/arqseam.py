@@ -1,7 +1,7 @@
 """Everything mlxq knows about arq, in one place (arq 0.28, pinned; checked at import).
 
 arq runs each worker process: its poll loop, ``max_jobs`` slots, health-check key, signals and SIGTERM drain.
-Claiming, running and ending a job are mlxq's own (worker/lifecycle.py). What crosses this seam:
+Claiming, running and ending a job are mlxq's own (worker/jobs/). What crosses this seam:
 
 - **Records**: a job is stored as arq's job record, an ended job's terminal event as arq's result record
   (``api/jobrecord.py``), so :func:`arq_job` gives an ``arq.jobs.Job`` whose ``status()`` and ``result()`` work.
@@ -37,14 +37,13 @@ from mlxq.api.jobrecord import JOB_FUNCTION, load_record
 from mlxq.api.keys import Keys
 
 __all__ = [
-    "Claimed",
     "Claims",
     "Host",
     "Outcome",
     "WorkerSpec",
     "arq_job",
     "wake",
-    "worker_settings",
+    "worker_kwargs",
 ]
 
 SUPPORTED = "0.28"
@@ -131,18 +130,11 @@ class Outcome(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Claimed:
-    """A job this worker started, and the coroutine that runs it to its end."""
-
-    rid: str
-    run: Coroutine[Any, Any, Outcome]
-
-
-@dataclass(frozen=True, slots=True)
 class Claims:
-    """What one claim started, and whether due jobs were left queued (a freed slot should poll again)."""
+    """What one claim started (each job's id, and the coroutine that runs it to its end), and whether due jobs
+    were left queued (a freed slot should poll again)."""
 
-    started: list[Claimed]
+    started: dict[str, Coroutine[Any, Any, Outcome]]
     left: bool
 
 
@@ -150,7 +142,7 @@ class Host(Protocol):
     """What runs an mlxq worker's jobs inside arq's Worker."""
 
     async def claim(self, free: int) -> Claims:
-        """Start up to ``free`` due jobs of the host's queues in one call."""
+        """Claim up to ``free`` due jobs of the host's queues in one call."""
 
     async def aclose(self) -> None:
         """Stop: called from arq's shutdown."""
@@ -173,7 +165,7 @@ class WorkerSpec:
     connect_deadline_s: float = 30.0  # at start, how long to wait for Redis to answer (MLXQ_CONNECT_DEADLINE)
 
 
-def worker_settings(spec: WorkerSpec) -> dict[str, Any]:
+def worker_kwargs(spec: WorkerSpec) -> dict[str, Any]:
     """Keyword arguments of ``arq.Worker`` (the attributes of an ``arq mlxq.worker.Settings`` class)."""
     _install()
 
@@ -230,12 +222,12 @@ async def _poll_iteration(self: arq.worker.Worker) -> None:
         # Jobs left queued, or every free slot taken (arq does not poll a full worker, so jobs enqueued meanwhile
         # wait for a slot): a job's end wakes the poll for them.
         self.ctx[_BACKLOG] = claims.left or len(claims.started) >= free
-        for claimed in claims.started:
+        for rid, run in claims.started.items():
             await self.sem.acquire()  # free slots were counted by the claim: never waits
             self.job_counter += 1
-            task = self.loop.create_task(_run_in_slot(self, claimed))
+            task = self.loop.create_task(_run_in_slot(self, rid, run))
             task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
-            self.tasks[claimed.rid] = task
+            self.tasks[rid] = task
     for rid, task in list(self.tasks.items()):
         if task.done():
             del self.tasks[rid]
@@ -243,14 +235,14 @@ async def _poll_iteration(self: arq.worker.Worker) -> None:
     await self.heart_beat()
 
 
-async def _run_in_slot(worker: arq.worker.Worker, claimed: Claimed) -> None:
+async def _run_in_slot(worker: arq.worker.Worker, rid: str, run: Coroutine[Any, Any, Outcome]) -> None:
     """One claimed job in a slot: arq's counters, and a wake-up for waiting jobs when it ends."""
     try:
-        outcome = await claimed.run
+        outcome = await run
     except asyncio.CancelledError:  # shutdown: the host handed the job back (or ended it on its last try)
         outcome = Outcome.RETRIED  # as arq's run_job: the task ends quietly, so the poll loop never re-raises it
     except Exception:  # a bug: never let it reach arq's poll loop, which re-raises a task's exception and stops
-        log.exception("job %s: failed", claimed.rid)
+        log.exception("job %s: failed", rid)
         outcome = Outcome.FAILED
     if outcome is Outcome.COMPLETE:
         worker.jobs_complete += 1

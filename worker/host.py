@@ -1,12 +1,14 @@
 """A worker process: the models it serves, and what they share; arq's seam hands it due jobs.
 
 The host claims jobs from every served model's queue in one call (up to what each engine has room for) and
-runs each job as a thin coroutine (:meth:`WorkerHost._run`): validate, hand the request to its model's engine,
-await its end. A run never touches MLX, so cancelling it (arq's timeout, shutdown) only posts an abort that
-the engine applies between steps on its own thread. How a job moves (started, ended, handed back, reaped,
-fenced, expired) is worker/lifecycle.py, and its run table makes every move: this module says when.
+runs each job as a thin coroutine (:meth:`WorkerHost._run`): decide its fate (an earlier run's end, a waiting
+cancel, no tries left, a dead engine), have its model's service prepare it (``ModelService.prepare``: one call),
+hand the request to the engine, await its end. A run never touches MLX, so cancelling it (arq's timeout,
+shutdown) only posts an abort that the engine applies between steps on its own thread. How a job moves
+(claimed, ended, handed back, reaped, fenced, expired) is worker/jobs/, and its run table makes every move: this
+module says when.
 
-Shared by every model: the Redis connections, the lifecycle, the run table and its publisher (one EMIT per
+Shared by every model: the Redis connections, the transitions, the run table and its publisher (one EMIT per
 batch of outputs, whichever engines made them), the lease keeper, the reaper, the cancel watcher, the wake-up
 listener and the health record. A model whose engine dies stops taking jobs and shows as dead in the health
 record; the process exits for its supervisor only when every engine is dead.
@@ -27,22 +29,23 @@ from redis.exceptions import RedisError
 
 from mlxq.api.connection import redis_client
 from mlxq.api.jobrecord import Envelope, read_job
-from mlxq.api.schema import ErrorCode, GenerateRequest, ModelState, WorkerStatus, is_terminal
+from mlxq.api.schema import ErrorCode, ModelState, WorkerStatus, is_terminal
 from mlxq.engine.mlx_process import MLXLimits, mlx_process
 from mlxq.engine.request import RequestOutput
 
 from . import waker
-from .arqseam import Claimed, Claims, Outcome
+from .arqseam import Claims, Outcome
 from .cancels import CancelWatcher
 from .config import WorkerConfig
 from .health import HealthReporter, TokenRate, package_version
+from .jobs.run import Run, State
+from .jobs.table import RunTable
+from .jobs.transitions import Due, DueEntry, EntryStatus, LogTTL, Outranking, Transitions
 from .leases import LeaseKeeper
-from .lifecycle import Claim, Lifecycle, LogTTL, Outranking, Run, RunTable, Start, Starts, State
-from .media import Prompt
 from .metrics import Metrics
 from .reaper import Reaper
-from .service import BadRequest, ModelService
-from .translate import output_events, to_engine_request
+from .service import BadRequest, ModelService, Prepared
+from .translate import output_events
 
 __all__ = ["ENGINE_DEAD_EXIT", "WorkerHost"]
 
@@ -64,11 +67,12 @@ class WorkerHost:
         # Event writes are serial: a connection of their own skips the pool's per-command checkout (a
         # health-check read on the event loop, which shares the GIL with the engines).
         self._writer = Redis(connection_pool=redis.connection_pool, single_connection_client=True)
-        self.lifecycle = Lifecycle(redis, self.keys, config.worker_id, ttl, config.lease_ttl_s, writer=self._writer)
+        self.transitions = Transitions(redis, self.keys, config.worker_id, ttl, config.lease_ttl_s,
+                                       writer=self._writer)
         # The runs in an engine, by job id: every change to one, and every event write, is the table's.
-        self.runs = RunTable(self.lifecycle, output_events, self._abort, give_up_s=config.lease_ttl_s)
+        self.runs = RunTable(self.transitions, output_events, self._abort, give_up_s=config.lease_ttl_s)
         self.publisher = self.runs.publisher
-        self.leases = LeaseKeeper(self.lifecycle, self.runs, config.lease_ttl_s, self.runs.lose)
+        self.leases = LeaseKeeper(self.transitions, self.runs, config.lease_ttl_s, self.runs.lose)
         self.reaper = Reaper(self.runs, config.max_tries, config.reap_interval_s)
         self.health = HealthReporter(redis, self.keys, config.worker_id, self.status, config.heartbeat_s,
                                      before=self._read_queues)
@@ -90,7 +94,7 @@ class WorkerHost:
         if not config.served:
             raise RuntimeError("no model to serve: set MLXQ_MODEL (or MLXQ_MODELS=path[=alias],...)")
         host = cls(config, redis_client(config.redis_url))
-        await host.lifecycle.open()
+        await host.transitions.open()
         loop = asyncio.get_running_loop()
 
         def sink(outs: list[RequestOutput]) -> None:  # runs on an MLX thread
@@ -171,23 +175,16 @@ class WorkerHost:
 
     # --- arq's seam: claims --------------------------------------------------------------------------
     async def claim(self, free: int) -> Claims:
-        """Start up to ``free`` due jobs across the served models' queues, each up to its engine's room."""
-        starts = await self.lifecycle.start(*self._quotas(free))
-        await self._put_aside(starts)
-        claimed = []
-        for s in starts.rows:
-            if s.claim is Claim.STARTED:
-                service = self._by_queue[s.queue]
-                service.active += 1
-                claimed.append(Claimed(s.rid, self._run(service, s)))
-        for service in self.services.values():  # let an idle engine wait for all of its jobs
-            n = sum(1 for c in starts.rows if c.claim is Claim.STARTED and c.queue == service.queue)
-            if n and service.engine is not None:
-                service.engine.expect(n, self.config.admit_wait_ms / 1000)
-        return Claims(claimed, starts.left)
+        """Claim up to ``free`` due jobs across the served models' queues, each up to its engine's room."""
+        due = await self.transitions.claim(*self._quotas(free))
+        await self._put_aside(due)
+        started = [entry for entry in due.entries if entry.status is EntryStatus.STARTED]
+        for service in self.services.values():
+            service.claimed([entry for entry in started if entry.queue == service.queue])
+        return Claims({entry.rid: self._run(self._by_queue[entry.queue], entry) for entry in started}, due.left)
 
     def _quotas(self, free: int) -> tuple[dict[str, int], int, dict[str, Outranking]]:
-        """START's arguments: each queue up to its engine's room, and a full engine one job that outranks its
+        """CLAIM's arguments: each queue up to its engine's room, and a full engine one job that outranks its
         running sequences (it starts at once, preempting one of them: priority is no use if it waits in Redis)."""
         quotas = {service.queue: min(free, service.room()) for service in self.services.values()}
         outranking: dict[str, Outranking] = {}
@@ -197,21 +194,21 @@ class WorkerHost:
                 quotas[service.queue], outranking[service.queue] = min(free, need.count), need
         return quotas, free, outranking
 
-    async def _put_aside(self, starts: Starts) -> None:
-        for s in starts.rows:
-            if s.claim is Claim.DEFERRED:
-                log.info("job %s: another run still holds its lease; left queued", s.rid)
-        reasons = {Claim.POISON: "the queue entry is not a job id",
-                   Claim.GONE: "no job record (it expired, or Redis lost it)"}
-        for claim, reason in reasons.items():
-            for queue in {s.queue for s in starts.rows if s.claim is claim}:
-                await self.reject(queue, [s.entry for s in starts.rows if s.claim is claim and s.queue == queue],
+    async def _put_aside(self, due: Due) -> None:
+        for entry in due.entries:
+            if entry.status is EntryStatus.DEFERRED:
+                log.info("job %s: another run still holds its lease; left queued", entry.rid)
+        reasons = {EntryStatus.POISON: "the queue entry is not a job id",
+                   EntryStatus.GONE: "no job record (it expired, or Redis lost it)"}
+        for status, reason in reasons.items():
+            for queue in {e.queue for e in due.entries if e.status is status}:
+                await self.reject(queue, [e.entry for e in due.entries if e.status is status and e.queue == queue],
                                   reason)
 
     async def reject(self, queue: str, entries: Sequence[bytes], reason: str) -> None:
         """Move queue entries no worker can run to the dead-letter list (``<prefix>:dead``)."""
         try:
-            self.dead_lettered += await self.lifecycle.reject(queue, entries, reason)
+            self.dead_lettered += await self.transitions.reject(queue, entries, reason)
         except (RedisError, OSError) as exc:
             log.warning("could not move %d queue entries aside: %r", len(entries), exc)
             return
@@ -219,41 +216,42 @@ class WorkerHost:
             log.warning("queue %s: entry %r moved to %s: %s", queue, entry, self.keys.dead_letters(), reason)
 
     # --- one job ---------------------------------------------------------------------------------------
-    async def _run(self, service: ModelService, start: Start) -> Outcome:
-        """One started job, to its terminal event or handed back, within arq's job timeout (a backstop: the
+    async def _run(self, service: ModelService, entry: DueEntry) -> Outcome:
+        """One claimed job, to its terminal event or handed back, within arq's job timeout (a backstop: the
         engine's deadline comes first)."""
         t0 = time.monotonic()
         try:
             async with asyncio.timeout(self.config.arq_job_timeout_s):
-                state = await self._serve(service, start)
+                state = await self._serve(service, entry)
         except TimeoutError:
             log.warning("job %s: ran past the arq job timeout (%.0fs); handed back or failed",
-                        start.rid, self.config.arq_job_timeout_s)
+                        entry.rid, self.config.arq_job_timeout_s)
             return Outcome.FAILED
         finally:
-            service.active -= 1
-        log.debug("job %s: %s in %.3fs", start.rid, state.value, time.monotonic() - t0)
+            service.release(entry)
+        log.debug("job %s: %s in %.3fs", entry.rid, state.value, time.monotonic() - t0)
         return Outcome.COMPLETE if state is State.ENDED else Outcome.RETRIED
 
-    async def _serve(self, service: ModelService, start: Start) -> State:
-        envelope = read_job(start.job, self.config.max_job_bytes)
-        run = self.lifecycle.run(start, service.name, envelope.enqueue_ms)
+    async def _serve(self, service: ModelService, entry: DueEntry) -> State:
+        envelope = read_job(entry.job, self.config.max_job_bytes)
+        run = self.transitions.run(entry, service.name, envelope.enqueue_ms)
         try:
-            return await self._serve_run(service, run, start, envelope)
+            return await self._serve_run(service, run, entry, envelope)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug: the job still gets its one terminal event
             log.exception("job %s: failed", run.rid)
             return await self.runs.fail(run, ErrorCode.INTERNAL, f"the worker failed: {exc!r}")
 
-    async def _serve_run(self, service: ModelService, run: Run, start: Start, envelope: Envelope) -> State:
-        last = start.last
+    async def _serve_run(self, service: ModelService, run: Run, entry: DueEntry, envelope: Envelope) -> State:
+        """The job's fate: ended or refused here, or prepared and generated."""
+        last = entry.last
         if last is not None and is_terminal(last):  # ended, yet queued: only a partial loss of Redis' data
             return await self.runs.finish(run)
         unannounced = last is not None and last.type != "reset"  # its last run left no reset (a partial data loss)
         if unannounced and (state := await self.runs.restart(run)) is not State.RUNNING:
             return state
-        if start.cancelled:
+        if entry.cancelled:
             return await self.runs.end_cancelled(run)
         if run.attempt > self.config.max_tries:
             msg = f"the job was tried {run.attempt - 1} times; the limit is {self.config.max_tries}"
@@ -262,23 +260,16 @@ class WorkerHost:
             msg = f"model {service.name}'s engine on this worker is dead: {service.error}"
             return await self.runs.fail(run, ErrorCode.ENGINE_ERROR, msg)
         try:
-            if envelope.problem:
-                raise BadRequest(envelope.problem)
-            req = service.validate(envelope.payload, run.rid)
-            prompt = await service.prepare(req)
+            prepared = await service.prepare(envelope, run.rid)
         except BadRequest as exc:
             log.info("job %s rejected: %s", run.rid, exc)
             return await self.runs.reject(run, str(exc))
-        return await self._generate(service, run, req, prompt)
+        return await self._generate(service, run, prepared)
 
-    async def _generate(self, service: ModelService, run: Run, req: GenerateRequest, prompt: Prompt) -> State:
-        token_text = service.token_text if req.logprobs is not None else None
-        if not self.runs.admit(run, token_text, service.tool_calls(req)):
+    async def _generate(self, service: ModelService, run: Run, prepared: Prepared) -> State:
+        if not self.runs.admit(run, prepared.token_text, prepared.tools):
             return run.state
-        deadline = time.monotonic() + self.config.job_timeout_s
-        service.add(to_engine_request(req, prompt.tokens, deadline, cache_boundary=prompt.cache_boundary,
-                                      images=prompt.images, format=prompt.format, parts=prompt.parts,
-                                      enqueue_ms=run.enqueue_ms))
+        service.add(prepared.request)
         try:
             return await run.finished
         except asyncio.CancelledError:  # shutdown or arq's timeout: hand the job back, or end it on its last try

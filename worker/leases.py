@@ -13,7 +13,8 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from redis.exceptions import RedisError
 
-from .lifecycle import Lifecycle, Run
+from .jobs.run import Run
+from .jobs.transitions import Transitions
 
 __all__ = ["LeaseKeeper"]
 
@@ -23,9 +24,9 @@ log = logging.getLogger(__name__)
 class LeaseKeeper:
     """Refreshes the leases of ``runs``; awaits ``on_lost(runs)`` with those it can no longer vouch for."""
 
-    def __init__(self, lifecycle: Lifecycle, runs: Mapping[str, Run], ttl_s: float,
+    def __init__(self, transitions: Transitions, runs: Mapping[str, Run], ttl_s: float,
                  on_lost: Callable[[list[Run]], Awaitable[None]]) -> None:
-        self.lifecycle = lifecycle
+        self.transitions = transitions
         self.runs = runs
         self.ttl_s = ttl_s
         self.on_lost = on_lost
@@ -44,7 +45,7 @@ class LeaseKeeper:
             self._last_ok = time.monotonic()
             return
         try:
-            held = await self.lifecycle.refresh(runs)
+            held = await self.transitions.refresh(runs)
         except (RedisError, OSError) as exc:
             log.warning("lease refresh failed: %r", exc)
             if time.monotonic() - self._last_ok > self.ttl_s:

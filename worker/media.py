@@ -30,15 +30,14 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from mlxq.api.schema import GenerateRequest, ImagePart, TextPart
-from mlxq.engine.parts import PartMarkers
-from mlxq.engine.request import Format, ImageInputs
+from mlxq.engine.request import ImageInputs
 
 if TYPE_CHECKING:
     from mlxq.engine.loader import LoadedModel
 
     from .config import WorkerConfig
 
-__all__ = ["FORMATS", "ImageError", "ImageLimits", "Prompt", "decode_image", "has_images", "prepare"]
+__all__ = ["FORMATS", "ImageError", "ImageLimits", "ImagePrompt", "decode_image", "has_images", "prepare"]
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # the parsers PIL may run on a job's bytes
 _CHUNK = 64 * 1024
@@ -49,16 +48,12 @@ class ImageError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class Prompt:
-    """A job's prompt as the engine takes it: its tokens, its images (None for a text prompt), how many of its
-    tokens are a system prompt the engine may cache (``EngineRequest.cache_boundary``; 0: none), and the
-    compiled format its output must match (None: free text)."""
+class ImagePrompt:
+    """A prompt with images, as the model's processor made it: its tokens (each image's placeholder tokens in
+    place) and the images' inputs the engine embeds."""
 
     tokens: list[int]
-    images: ImageInputs | None = None
-    cache_boundary: int = 0
-    format: Format | None = None
-    parts: PartMarkers | None = None  # to split reasoning and tool calls from the answer
+    images: ImageInputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +79,7 @@ def has_images(req: GenerateRequest) -> bool:
 
 
 async def prepare(req: GenerateRequest, model: LoadedModel, config: WorkerConfig, executor: Executor | None = None
-                  ) -> Prompt:
+                  ) -> ImagePrompt:
     """The prompt of a request with images: its images read and checked, then prepared by the model's
     processor on ``executor`` (None: asyncio's default); its length checked as a text prompt's. Raises
     :class:`ImageError`."""
@@ -105,7 +100,7 @@ async def prepare(req: GenerateRequest, model: LoadedModel, config: WorkerConfig
     if ctx is not None and len(tokens) + req.max_tokens > ctx:
         raise ImageError(f"prompt ({len(tokens)} tokens with its images) + max_tokens ({req.max_tokens}) exceeds "
                          f"the context ({ctx})")
-    return Prompt(tokens, images)
+    return ImagePrompt(tokens, images)
 
 
 def _has_urls(req: GenerateRequest) -> bool:

@@ -23,7 +23,7 @@ from mlxq.api.schema import DoneEvent, ErrorEvent
 
 if TYPE_CHECKING:
     from .host import WorkerHost
-    from .lifecycle import Run, Wire
+    from .jobs.run import Run, Wire
 
 __all__ = ["Metrics"]
 

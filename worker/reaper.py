@@ -5,7 +5,7 @@ remain the reaper hands it back to its queue with a ``reset`` event, so any work
 on its last try (or if its record is gone) it ends it with an error. The reaper owns no run: its writes go
 through only while nobody holds the lease and the job's log is as the sweep read it, so two reapers never
 both act on one job, and a worker that wakes up later finds its lease gone. The reaper finds the jobs; the run
-table (worker/lifecycle.py) picks and writes each one's reset or end.
+table (worker/jobs/table.py) picks and writes each one's reset or end.
 
 Each sweep also ends every job of any queue under the prefix (models nobody serves included) that was still
 queued when its expiry passed, with ``error(expired)`` (or ``done(cancelled)`` when a cancel was waiting).
@@ -18,7 +18,7 @@ import logging
 
 from redis.exceptions import RedisError
 
-from .lifecycle import RunTable
+from .jobs.table import RunTable
 
 __all__ = ["Reaper"]
 
@@ -47,7 +47,7 @@ class Reaper:
     async def sweep(self) -> list[str]:
         """Hand back or end every running job whose lease expired; the ids this reaper acted on."""
         acted = []
-        for lost in await self.runs.lifecycle.sweep():
+        for lost in await self.runs.transitions.sweep():
             if await self.runs.reap(lost, self.max_tries):
                 self.reaped += 1
                 acted.append(lost.rid)
@@ -55,6 +55,6 @@ class Reaper:
 
     async def lapse(self) -> list[str]:
         """End every queued job whose expiry passed; the ids this reaper ended."""
-        ended = await self.runs.expire(await self.runs.lifecycle.lapsed())
+        ended = await self.runs.expire(await self.runs.transitions.lapsed())
         self.expired += len(ended)
         return [job.rid for job in ended]

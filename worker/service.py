@@ -1,37 +1,41 @@
-"""One model a worker serves: its engine on an MLX thread of its own, and what only it can judge of a job
-(validation against its limits, tokenization with its tokenizer).
+"""One model a worker serves: its engine on an MLX thread of its own, its claimed jobs, and what only it can
+judge of a job: :meth:`ModelService.prepare` turns a claimed job's record into its engine request (validation
+against the model's limits, tokenization with its tokenizer, its images, its compiled format) and the parser of
+its tool calls, in one call.
 
-Nothing here touches Redis; ``worker/host.py`` runs the jobs and hands each to its model's service.
+Nothing here touches Redis; ``worker/host.py`` runs the jobs and decides each one's fate.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from mlxq.api.errors import describe
+from mlxq.api.jobrecord import Envelope
 from mlxq.api.schema import PRIORITY_MAX, GenerateRequest, ModelState, ModelStatus
 from mlxq.engine.constrain import FormatKind, Grammar, GrammarError, Grammars, ResponseFormat, vocab_size
 from mlxq.engine.engine import Engine, Sink
 from mlxq.engine.loader import EngineOptions, LoadedModel, start_engine
 from mlxq.engine.parts import PartMarkers
 from mlxq.engine.prompt import EncodedPrompt, encode_prompt_with_boundary
-from mlxq.engine.request import EngineRequest
+from mlxq.engine.request import EngineRequest, Format, ImageInputs
 from mlxq.engine.speculative import SpecKind, Speculation
 
 from . import media
 from .config import ServedModel, WorkerConfig
-from .lifecycle import Outranking
+from .jobs.transitions import DueEntry, Outranking
 from .toolcalls import CallGrammarError, ToolCalls, call_grammar, template_messages, template_tools
-from .translate import to_engine_format
+from .translate import to_engine_format, to_engine_request
 
-__all__ = ["BadRequest", "ModelService"]
+__all__ = ["BadRequest", "ModelService", "Prepared"]
 
 log = logging.getLogger(__name__)
 _INLINE_TOKENIZE_CHARS = 16_384  # longer prompts are tokenized off the event loop
@@ -42,8 +46,19 @@ class BadRequest(Exception):
     """The job can never succeed as sent; becomes an ``error(bad_request)`` event."""
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A claimed job ready for its model's engine: the engine's request, the parser of its tool calls (None: the
+    request gives no tools, or the model has no tool-call format), and each token's text for its log-probabilities
+    (None: it asked for none)."""
+
+    request: EngineRequest
+    tools: ToolCalls | None = None
+    token_text: Callable[[int], str] | None = None
+
+
 class ModelService:
-    """One served model: load it, judge its jobs, run them through its engine."""
+    """One served model: load it, prepare its jobs, run them through its engine."""
 
     def __init__(self, served: ServedModel, config: WorkerConfig) -> None:
         self.served = served
@@ -52,7 +67,7 @@ class ModelService:
         self.config = config
         self.engine: Engine | None = None
         self.model: LoadedModel | None = None
-        self.active = 0  # its jobs in this worker: claimed and not ended
+        self.active: set[tuple[str, int]] = set()  # its jobs in this worker, claimed and not ended: (id, try)
         self.error: str | None = None  # why its engine died
         self.on_dead: Callable[[ModelService], None] = lambda service: None  # called on the event loop
         # Its jobs' images are prepared one at a time, in arrival order (see worker/media.py); started with
@@ -118,7 +133,7 @@ class ModelService:
 
     def _unpaused(self) -> int:
         """Its jobs in this worker less those preempted and waiting to resume."""
-        return self.active - (self.engine.paused() if self.engine is not None else 0)
+        return len(self.active) - (self.engine.paused() if self.engine is not None else 0)
 
     def status(self, tokens_per_s: float) -> ModelStatus:
         """Its part of the worker's health record."""
@@ -126,7 +141,7 @@ class ModelService:
         stats = self.engine.stats if self.engine is not None else None
         model = self.model
         return ModelStatus(name=self.name, state=self.state, capacity=self.config.capacity, running=running,
-                           waiting=max(0, self.active - running), tokens_per_s=round(tokens_per_s, 1),
+                           waiting=max(0, len(self.active) - running), tokens_per_s=round(tokens_per_s, 1),
                            accepts_images=model is not None and model.accepts_images,
                            context_length=model.context_length if model is not None else None, error=self.error,
                            speculation=self.config.speculation(self.served),
@@ -134,7 +149,19 @@ class ModelService:
                            spec_k=stats.spec_k if stats else 0)
 
     # --- jobs ----------------------------------------------------------------------------------------
+    def claimed(self, entries: Sequence[DueEntry]) -> None:
+        """Jobs just claimed for this model: they count against its room until released, and its idle engine
+        waits for all of them (up to ``admit_wait_ms``) before its first step."""
+        self.active.update((entry.rid, entry.attempt) for entry in entries)
+        if entries and self.engine is not None:
+            self.engine.expect(len(entries), self.config.admit_wait_ms / 1000)
+
+    def release(self, entry: DueEntry) -> None:
+        """A claimed job left this worker (ended, handed back, fenced, or failed)."""
+        self.active.discard((entry.rid, entry.attempt))
+
     def add(self, request: EngineRequest) -> None:
+        """A prepared job's request enters the engine (its run is in the run table first)."""
         assert self.engine is not None
         self.engine.add(request)
 
@@ -160,9 +187,24 @@ class ModelService:
             raise BadRequest(f"max_tokens {req.max_tokens} exceeds this worker's limit {cfg.max_tokens_limit}")
         return req
 
-    async def prepare(self, req: GenerateRequest) -> media.Prompt:
-        """The prompt's tokens, and its images prepared (a long prompt is tokenized, and images are read, checked
-        and processed, off the event loop, which keeps serving events)."""
+    async def prepare(self, envelope: Envelope, job_id: str) -> Prepared:
+        """A claimed job made ready for this model's engine: its request validated against the model's limits,
+        its prompt tokenized (or its images read, checked and processed), its output format compiled, the long
+        parts of that off the event loop, which keeps serving events; :class:`BadRequest` if the job can never
+        run as sent."""
+        if envelope.problem:
+            raise BadRequest(envelope.problem)
+        req = self.validate(envelope.payload, job_id)
+        chars = self._check_prompt(req)
+        if media.has_images(req):  # worker/media.py, on the model's image thread
+            request = await self._image_request(req, envelope.enqueue_ms)
+        else:
+            request = await self._text_request(req, chars, envelope.enqueue_ms)
+        return Prepared(request, self._tool_calls(req), self._token_text if req.logprobs is not None else None)
+
+    def _check_prompt(self, req: GenerateRequest) -> int:
+        """The prompt's characters (within the limit, before anything tokenizes them); a vision-language model
+        refuses what its batch cannot do."""
         chars = len(req.prompt or "") + sum(len(m.text) for m in req.messages or [])
         if chars > self.config.max_payload_bytes:
             raise BadRequest(f"the prompt has {chars} characters; the limit is {self.config.max_payload_bytes}")
@@ -172,27 +214,38 @@ class ModelService:
                                 (formatted, "response_format is")):
                 if asked:
                     raise BadRequest(f"{what} not supported by the vision-language model {self.name!r}")
-        if media.has_images(req):  # worker/media.py, on the model's image thread
-            assert self.model is not None and self.engine is not None
-            try:
-                prompt = await media.prepare(req, self.model, self.config, self._images)
-            except media.ImageError as exc:
-                raise BadRequest(str(exc)) from None
-            # Images take a few ms to prepare: an idle engine waits on for the rest of their claimed burst.
-            self.engine.expect(0, self.config.admit_wait_ms / 1000)
-            return prompt
+        return chars
+
+    async def _image_request(self, req: GenerateRequest, enqueue_ms: int) -> EngineRequest:
+        assert self.model is not None and self.engine is not None
+        try:
+            prompt = await media.prepare(req, self.model, self.config, self._images)
+        except media.ImageError as exc:
+            raise BadRequest(str(exc)) from None
+        # Images take a few ms to prepare: an idle engine waits on for the rest of their claimed burst.
+        self.engine.expect(0, self.config.admit_wait_ms / 1000)
+        return self._request(req, prompt.tokens, enqueue_ms, images=prompt.images)
+
+    async def _text_request(self, req: GenerateRequest, chars: int, enqueue_ms: int) -> EngineRequest:
         if chars < _INLINE_TOKENIZE_CHARS:
             encoded = self.encode(req, inline=True)
         else:
             encoded = await asyncio.to_thread(self.encode, req, False)
-        prompt = media.Prompt(encoded.tokens, cache_boundary=encoded.cache_boundary,
-                              parts=self.part_markers(req, encoded.tokens))
-        fmt = to_engine_format(req) if req.response_format is not None else self.call_format(req)
-        if fmt is None:
-            return prompt
-        return dataclasses.replace(prompt, format=await self.compile_format(fmt))
+        parts = self._part_markers(req, encoded.tokens)
+        fmt = to_engine_format(req) if req.response_format is not None else self._call_format(req)
+        grammar = await self._compile_format(fmt) if fmt is not None else None
+        return self._request(req, encoded.tokens, enqueue_ms, cache_boundary=encoded.cache_boundary, format=grammar,
+                             parts=parts)
 
-    def token_text(self, token: int) -> str:
+    def _request(self, req: GenerateRequest, tokens: list[int], enqueue_ms: int, *, cache_boundary: int = 0,
+                 images: ImageInputs | None = None, format: Format | None = None, parts: PartMarkers | None = None
+                 ) -> EngineRequest:
+        """The engine's request, its deadline ``job_timeout_s`` from now."""
+        deadline = time.monotonic() + self.config.job_timeout_s
+        return to_engine_request(req, tokens, deadline, cache_boundary=cache_boundary, images=images, format=format,
+                                 parts=parts, enqueue_ms=enqueue_ms)
+
+    def _token_text(self, token: int) -> str:
         """One token's text, as the tokenizer decodes it alone (memoized: a vocabulary is finite)."""
         text = self._token_texts.get(token)
         if text is None:
@@ -200,7 +253,7 @@ class ModelService:
             text = self._token_texts[token] = str(self.model.tokenizer.decode([token]))
         return text
 
-    def part_markers(self, req: GenerateRequest, tokens: list[int]) -> PartMarkers | None:
+    def _part_markers(self, req: GenerateRequest, tokens: list[int]) -> PartMarkers | None:
         """The markers the request's text is split by (None: one text): the model's think markers when the request
         wants reasoning apart, and whether its prompt leaves the output inside reasoning (a template that opens
         it); its tool-call markers when the request gives tools and the model has a tool-call format."""
@@ -217,7 +270,7 @@ class ModelService:
         tool = self._tool_markers(req)
         return PartMarkers(think, tool, inside) if think is not None or tool is not None else None
 
-    def tool_calls(self, req: GenerateRequest) -> ToolCalls | None:
+    def _tool_calls(self, req: GenerateRequest) -> ToolCalls | None:
         """The parser of a job's tool calls (None: the request gives no tools, or the model has no tool-call
         format, so what it writes is all answer)."""
         markers = self._tool_markers(req)
@@ -234,7 +287,7 @@ class ModelService:
             return None
         return (tokenizer.tool_call_start, tokenizer.tool_call_end) if tokenizer.tool_call_end else None
 
-    def call_format(self, req: GenerateRequest) -> ResponseFormat | None:
+    def _call_format(self, req: GenerateRequest) -> ResponseFormat | None:
         """The grammar a job's tool_choice (required, or a named function) constrains its output to."""
         assert self.model is not None
         try:
@@ -243,7 +296,7 @@ class ModelService:
             raise BadRequest(f"model {self.name!r}: {exc}") from None
         return ResponseFormat(FormatKind.LARK, grammar) if grammar is not None else None
 
-    async def compile_format(self, fmt: ResponseFormat) -> Grammar:
+    async def _compile_format(self, fmt: ResponseFormat) -> Grammar:
         """A response format compiled for this model (a format seen before: from the cache, at once; a new one:
         compiled off the event loop); :class:`BadRequest` if it cannot be."""
         grammars = self._grammars or await self._build_grammars()

@@ -23,8 +23,7 @@ from mlxq.api.errors import ConfigError
 from mlxq.engine.loader import ModelLoadError, locate_model
 
 from . import watchdog
-from .arqseam import Host, WorkerSpec
-from .arqseam import worker_settings as arq_worker_settings
+from .arqseam import Host, WorkerSpec, worker_kwargs
 from .config import WorkerConfig
 from .host import WorkerHost
 
@@ -79,7 +78,7 @@ def worker_settings(config: WorkerConfig) -> dict[str, Any]:
             host.drain()
 
     first = config.served[0].name if config.served else ""
-    return arq_worker_settings(WorkerSpec(
+    return worker_kwargs(WorkerSpec(
         queue=config.keys.queue(first),
         redis_url=config.redis_url,
         start=start,

@@ -22,7 +22,7 @@ from mlxq.engine.request import EngineRequest, Format, ImageInputs, RequestOutpu
 from mlxq.engine.request import ErrorCode as EngineError
 from mlxq.engine.request import FinishReason as EngineFinish
 
-from .lifecycle import Run, Wire
+from .jobs.run import Run, Wire
 
 __all__ = ["output_events", "to_engine_format", "to_engine_request"]
 

@@ -402,7 +402,7 @@ class _EngineVision:
         return cls(service, clock)
 
     async def run(self, jobs: list[tuple[str, str]], max_tokens: int) -> Run:
-        from mlxq.worker.translate import to_engine_request
+        from mlxq.api.jobrecord import Envelope
 
         service = self.service
         assert service.engine is not None
@@ -412,9 +412,8 @@ class _EngineVision:
 
         async def one(rid: str, text: str, url: str) -> None:  # a job's payload as the worker reads it
             payload = {"id": rid, "model": service.name, "messages": _messages(text, url), "max_tokens": max_tokens}
-            req = service.validate(payload, rid)
-            prompt = await service.prepare(req)
-            service.add(to_engine_request(req, prompt.tokens, None, images=prompt.images))
+            prepared = await service.prepare(Envelope(payload, 0), rid)  # enqueued now
+            service.add(prepared.request)
 
         await asyncio.gather(*(one(rid, text, url) for rid, (text, url) in zip(rids, jobs)))
         return await self.clock.end(t0, len(jobs))

@@ -390,7 +390,7 @@ def test_help_shows_defaults_environment_and_exit_status(capsys: pytest.CaptureF
 _WATCHED_WORKER = """
 import asyncio, logging, sys, time
 from arq.worker import Worker
-from mlxq.worker.arqseam import Claims, WorkerSpec, worker_settings
+from mlxq.worker.arqseam import Claims, WorkerSpec, worker_kwargs
 from mlxq.worker import watchdog
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -398,7 +398,7 @@ hang = sys.argv[2] == "hang"
 
 class Host:
     async def claim(self, free):
-        return Claims([], False)
+        return Claims({}, False)
 
     async def aclose(self):
         if hang:  # as a call that never leaves MLX would
@@ -411,7 +411,7 @@ async def start():
 spec = WorkerSpec(queue="watchdog-test", redis_url=sys.argv[1], start=start, max_jobs=4, poll_delay_s=0.05,
                   job_timeout_s=10, drain_s=0.2, health_key="watchdog-test:health",
                   on_stop_signal=lambda drain_s: watchdog.arm(drain_s + 0.5), on_closed=watchdog.disarm)
-Worker(**worker_settings(spec)).run()
+Worker(**worker_kwargs(spec)).run()
 time.sleep(2)  # disarmed at close: a process that lives on after its Worker is not killed
 print("survived", flush=True)
 """

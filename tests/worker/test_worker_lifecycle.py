@@ -1,4 +1,4 @@
-"""A job's transitions (worker/lifecycle.py) on a real Redis: what each call writes, publishes and refuses, and
+"""A job's transitions (worker/jobs/transitions.py) on a real Redis: what each call writes, publishes and refuses, and
 what the run table's verbs decide."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from mlxq.api.keys import Keys, queue_score
 from mlxq.api.schema import DoneEvent, ErrorCode, Event, FinishReason, StartEvent, TokenEvent, decode_event
 from mlxq.engine.request import FinishReason as EngineFinish
 from mlxq.engine.request import RequestOutput
-from mlxq.worker.lifecycle import Claim, Lifecycle, LogTTL, Outranking, Record, Run, RunTable, State, Wire, Write
+from mlxq.worker.jobs.run import Run, State, Wire
+from mlxq.worker.jobs.table import RunTable
+from mlxq.worker.jobs.transitions import EntryStatus, LogTTL, Outranking, Record, Transitions, Write
 
 KEYS = Keys("lc-test")
 QUEUE = KEYS.queue("m")
@@ -23,8 +25,8 @@ TTL = LogTTL(live=600, done=30, result=20)
 ODD_RID = "job 1\nwith newline, spaces and é"  # records are length-prefixed: they rely on no separator
 
 
-def lifecycle(r: aredis.Redis, worker: str = "w1") -> Lifecycle:
-    return Lifecycle(r, KEYS, worker, TTL, lease_ttl_s=5.0)
+def transitions(r: aredis.Redis, worker: str = "w1") -> Transitions:
+    return Transitions(r, KEYS, worker, TTL, lease_ttl_s=5.0)
 
 
 def run(rid: str, owner: str = "w1:1", seq: int = 0, attempt: int = 1, epoch: str = "") -> Run:
@@ -54,7 +56,7 @@ async def test_one_call_writes_several_jobs_and_refuses_the_one_whose_lease_is_n
         evs_a, evs_odd = tokens(a, 3), [odd.start(1, "w1"), *tokens(odd, 2)]
         records = [Record(a, evs_a, Write.APPEND), Record(odd, evs_odd, Write.APPEND),
                    Record(stale, tokens(stale, 1), Write.APPEND)]
-        assert await lifecycle(r).write(records) == [True, True, False]
+        assert await transitions(r).write(records) == [True, True, False]
         assert [(eid, ev.model_dump_json()) for eid, ev in await logged(r, "a")] == [
             (f"{i}-1".encode(), ev.model_dump_json()) for i, ev in enumerate(evs_a)]
         assert [ev.seq for _, ev in await logged(r, ODD_RID)] == [0, 1, 2]
@@ -75,8 +77,8 @@ async def test_events_go_live_on_the_documented_channel_and_duplicates_are_not_r
         await r.set(KEYS.lease(ODD_RID), "w1:1")
         job = run(ODD_RID)
         evs = tokens(job, 3)
-        assert await lifecycle(r).write([Record(job, evs[:2], Write.APPEND)]) == [True]
-        assert await lifecycle(r).write([Record(job, evs, Write.APPEND)]) == [True]  # a retried write
+        assert await transitions(r).write([Record(job, evs[:2], Write.APPEND)]) == [True]
+        assert await transitions(r).write([Record(job, evs, Write.APPEND)]) == [True]  # a retried write
         got = []
         while len(got) < 3:
             msg = await pubsub.get_message(timeout=5.0)
@@ -100,7 +102,7 @@ async def test_end_finishes_the_job_keeps_arqs_result_record_and_shortens_the_lo
             await r.set(key, "w1:1" if key == KEYS.lease("a") else "1")
         await r.hset(KEYS.running(), "a", QUEUE)
         end = job.done(FinishReason.STOP)
-        assert await lifecycle(r).write([Record(job, [*tokens(job, 1), end], Write.END)]) == [True]
+        assert await transitions(r).write([Record(job, [*tokens(job, 1), end], Write.END)]) == [True]
         assert not await r.exists(KEYS.lease("a"), KEYS.cancel("a"), KEYS.job("a"), KEYS.tries("a"))
         assert await r.zscore(QUEUE, "a") is None and not await r.hexists(KEYS.running(), "a")
         assert 0 < await r.ttl(KEYS.log("a")) <= TTL.done
@@ -118,12 +120,12 @@ async def test_hand_back_queues_the_job_again_in_the_same_call(redis_url: str) -
         job = run(ODD_RID)
         await r.set(KEYS.lease(ODD_RID), "w1:1")
         await r.hset(KEYS.running(), ODD_RID, QUEUE)
-        assert await lifecycle(r).write([Record(job, [job.reset("shutdown")], Write.HAND_BACK)]) == [True]
+        assert await transitions(r).write([Record(job, [job.reset("shutdown")], Write.HAND_BACK)]) == [True]
         assert await r.zscore(QUEUE, ODD_RID) is not None
         await r.set(KEYS.lease("scored"), "w1:1")
-        await r.hset(KEYS.running(), "scored", f"-1234 {QUEUE}")  # as START lists a job: score, then queue
+        await r.hset(KEYS.running(), "scored", f"-1234 {QUEUE}")  # as CLAIM lists a job: score, then queue
         scored = run("scored")
-        assert await lifecycle(r).write([Record(scored, [scored.reset("shutdown")], Write.HAND_BACK)]) == [True]
+        assert await transitions(r).write([Record(scored, [scored.reset("shutdown")], Write.HAND_BACK)]) == [True]
         assert await r.zscore(QUEUE, "scored") == -1234  # back in its old place
         assert not await r.exists(KEYS.lease(ODD_RID)) and not await r.hexists(KEYS.running(), ODD_RID)
         ((_, reset),) = await logged(r, ODD_RID)
@@ -138,7 +140,7 @@ async def test_a_run_that_wakes_after_its_job_ended_elsewhere_changes_nothing(re
     r = aredis.Redis.from_url(redis_url)
     try:
         late = run("a", owner="paused:1", seq=7)
-        lc = lifecycle(r, "paused")
+        lc = transitions(r, "paused")
         writes = [Record(late, tokens(late, 1), Write.APPEND), Record(late, [late.error(ErrorCode.INTERNAL, "x")],
                                                                        Write.END),
                   Record(late, [late.reset("shutdown")], Write.HAND_BACK)]
@@ -157,7 +159,7 @@ async def test_the_lost_write_ends_a_job_only_when_redis_lost_its_data(redis_url
     r = aredis.Redis.from_url(redis_url)
     try:
         job = run("a", seq=4, epoch="before")
-        lc = lifecycle(r)
+        lc = transitions(r)
         await r.set(KEYS.job("a"), b"{}")
         assert await lc.write([Record(job, [job.error(ErrorCode.DATA_LOST, "x")], Write.LOST)]) == [False]
         await r.delete(KEYS.job("a"))  # a restart without persistence: everything is gone
@@ -170,8 +172,8 @@ async def test_the_lost_write_ends_a_job_only_when_redis_lost_its_data(redis_url
         await r.aclose()
 
 
-# --- start ---------------------------------------------------------------------------------------------
-async def test_start_leases_counts_the_try_and_reads_the_history_of_each_job(redis_url: str) -> None:
+# --- claim ---------------------------------------------------------------------------------------------
+async def test_claim_leases_counts_the_try_and_reads_the_history_of_each_job(redis_url: str) -> None:
     r = aredis.Redis.from_url(redis_url)
     try:
         await queue_job(r, "odd", 1)
@@ -183,13 +185,13 @@ async def test_start_leases_counts_the_try_and_reads_the_history_of_each_job(red
         history = [earlier.start(3, "w0"), *tokens(earlier, 1)]
         for ev in history:
             await r.xadd(KEYS.log("odd"), {"e": ev.model_dump_json()}, id=f"{ev.seq}-1")
-        starts = await lifecycle(r).start({QUEUE: 10}, 10)
-        odd, b = starts.rows  # "later" is not due yet
-        assert not starts.left
-        assert (odd.rid, odd.claim, odd.attempt, odd.cancelled) == ("odd", Claim.STARTED, 2, True)
+        due = await transitions(r).claim({QUEUE: 10}, 10)
+        odd, b = due.entries  # "later" is not due yet
+        assert not due.left
+        assert (odd.rid, odd.status, odd.attempt, odd.cancelled) == ("odd", EntryStatus.STARTED, 2, True)
         assert read_job(odd.job, 1 << 20).payload == {"n": "odd"}
         assert odd.last is not None and odd.last.model_dump_json() == history[-1].model_dump_json()
-        assert (b.claim, b.attempt, b.last, b.cancelled) == (Claim.STARTED, 1, None, False)
+        assert (b.status, b.attempt, b.last, b.cancelled) == (EntryStatus.STARTED, 1, None, False)
         assert odd.epoch == b.epoch and await r.get(KEYS.epoch()) == odd.epoch.encode()
         assert await r.get(KEYS.lease("odd")) == b"w1:2"  # the token names the worker and the try
         assert 0 < await r.pttl(KEYS.lease("odd")) <= 5000
@@ -197,29 +199,29 @@ async def test_start_leases_counts_the_try_and_reads_the_history_of_each_job(red
         assert await r.hget(KEYS.running(), "odd") == b"1 " + QUEUE.encode()  # its score: a hand-back keeps it
         assert await r.zscore(QUEUE, "odd") is None  # out of the queue while it runs
         assert await r.zscore(QUEUE, "later") == 1 << 50
-        resumed = lifecycle(r).run(odd, "m", 1000)
+        resumed = transitions(r).run(odd, "m", 1000)
         assert (resumed.seq, resumed.owner, resumed.attempt) == (2, "w1:2", 2)  # numbering goes on
     finally:
         await r.aclose()
 
 
-async def test_start_takes_at_most_the_free_slots_and_each_queues_quota(redis_url: str) -> None:
+async def test_claim_takes_at_most_the_free_slots_and_each_queues_quota(redis_url: str) -> None:
     r = aredis.Redis.from_url(redis_url)
     try:
         for rid in "abc":
             await queue_job(r, rid)
-        starts = await lifecycle(r).start({QUEUE: 5}, 2)
-        assert [s.rid for s in starts.rows] == ["a", "b"] and starts.left
+        due = await transitions(r).claim({QUEUE: 5}, 2)
+        assert [s.rid for s in due.entries] == ["a", "b"] and due.left
         assert await r.zscore(QUEUE, "c") == 1 and not await r.exists(KEYS.lease("c"), KEYS.tries("c"))
-        starts = await lifecycle(r).start({QUEUE: 0}, 5)  # no room: nothing read, yet it says jobs wait
-        assert starts.rows == [] and starts.left
-        starts = await lifecycle(r).start({QUEUE: 1}, 5)
-        assert [s.rid for s in starts.rows] == ["c"] and not starts.left
+        due = await transitions(r).claim({QUEUE: 0}, 5)  # no room: nothing read, yet it says jobs wait
+        assert due.entries == [] and due.left
+        due = await transitions(r).claim({QUEUE: 1}, 5)
+        assert [s.rid for s in due.entries] == ["c"] and not due.left
     finally:
         await r.aclose()
 
 
-async def test_start_takes_the_lowest_scores_across_queues_each_within_its_quota(redis_url: str) -> None:
+async def test_claim_takes_the_lowest_scores_across_queues_each_within_its_quota(redis_url: str) -> None:
     other = KEYS.queue("other")
     r = aredis.Redis.from_url(redis_url)
     try:
@@ -227,16 +229,16 @@ async def test_start_takes_the_lowest_scores_across_queues_each_within_its_quota
                                   ("b1", other, 20), ("b2", other, 40), ("b3", other, 5)):
             await r.set(KEYS.job(rid), job_record({"n": rid}, 1000))
             await r.zadd(queue, {rid: score})
-        starts = await lifecycle(r).start({QUEUE: 3, other: 1}, 4)
-        assert [(s.rid, s.queue) for s in starts.rows] == [("b3", other), ("a1", QUEUE), ("a2", QUEUE),
+        due = await transitions(r).claim({QUEUE: 3, other: 1}, 4)
+        assert [(s.rid, s.queue) for s in due.entries] == [("b3", other), ("a1", QUEUE), ("a2", QUEUE),
                                                             ("a3", QUEUE)]
-        assert starts.left  # b1, b2: over the other queue's quota
+        assert due.left  # b1, b2: over the other queue's quota
         assert await r.zrange(other, 0, -1) == [b"b1", b"b2"]
     finally:
         await r.aclose()
 
 
-async def test_start_from_a_full_engines_queue_takes_only_a_job_that_outranks_its_running_ones(
+async def test_claim_from_a_full_engines_queue_takes_only_a_job_that_outranks_its_running_ones(
         redis_url: str) -> None:
     r = aredis.Redis.from_url(redis_url)
     now = int(time.time() * 1000)
@@ -245,33 +247,33 @@ async def test_start_from_a_full_engines_queue_takes_only_a_job_that_outranks_it
             await r.set(KEYS.job(rid), job_record({"n": rid}, now - waited_ms))
             await r.zadd(QUEUE, {rid: queue_score(now - waited_ms, priority, 1000)})
         need = Outranking(priority=2, aging_ms=1000)  # the engine runs priority 1 at the lowest
-        starts = await lifecycle(r).start({QUEUE: 1}, 4, {QUEUE: need})
+        due = await transitions(r).claim({QUEUE: 1}, 4, {QUEUE: need})
         # "old-normal" comes first by score (it waited as long as two levels are worth), but would not preempt
         # anything once claimed (the engine preempts for a higher priority only): the full engine leaves it.
-        assert [s.rid for s in starts.rows] == ["urgent"] and starts.left
-        starts = await lifecycle(r).start({QUEUE: 1}, 4, {QUEUE: need})
-        assert starts.rows == [] and starts.left
+        assert [s.rid for s in due.entries] == ["urgent"] and due.left
+        due = await transitions(r).claim({QUEUE: 1}, 4, {QUEUE: need})
+        assert due.entries == [] and due.left
         assert await r.zrange(QUEUE, 0, -1) == [b"old-normal", b"normal"]
-        starts = await lifecycle(r).start({QUEUE: 2}, 4)  # room again: by score, as ever
-        assert [s.rid for s in starts.rows] == ["old-normal", "normal"] and not starts.left
+        due = await transitions(r).claim({QUEUE: 2}, 4)  # room again: by score, as ever
+        assert [s.rid for s in due.entries] == ["old-normal", "normal"] and not due.left
     finally:
         await r.aclose()
 
 
-async def test_start_returns_entries_that_are_no_job_id_as_poison(redis_url: str) -> None:
+async def test_claim_returns_entries_that_are_no_job_id_as_poison(redis_url: str) -> None:
     r = aredis.Redis.from_url(redis_url)
     try:
         poison = [b"\xff\xfe", b"has space", b"x" * 65, b"ok\n"]
         await r.zadd(QUEUE, {p: 1 for p in poison})
         await queue_job(r, "fine", 2)
-        starts = await lifecycle(r).start({QUEUE: 5}, 5)
-        assert sorted(s.entry for s in starts.rows if s.claim is Claim.POISON) == sorted(poison)
-        assert [s.rid for s in starts.rows if s.claim is Claim.STARTED] == ["fine"]
+        due = await transitions(r).claim({QUEUE: 5}, 5)
+        assert sorted(s.entry for s in due.entries if s.status is EntryStatus.POISON) == sorted(poison)
+        assert [s.rid for s in due.entries if s.status is EntryStatus.STARTED] == ["fine"]
     finally:
         await r.aclose()
 
 
-async def test_start_counts_no_try_for_a_job_whose_lease_another_run_holds(redis_url: str) -> None:
+async def test_claim_counts_no_try_for_a_job_whose_lease_another_run_holds(redis_url: str) -> None:
     # Issue 13, scenario 2: tries count runs that started, nothing else (it once counted every deferral).
     r = aredis.Redis.from_url(redis_url)
     try:
@@ -279,25 +281,25 @@ async def test_start_counts_no_try_for_a_job_whose_lease_another_run_holds(redis
         await queue_job(r, "b")
         await r.set(KEYS.tries("a"), 1)
         await r.set(KEYS.lease("a"), "w1:1")  # a live run holds it
-        lc = lifecycle(r, "w2")
+        lc = transitions(r, "w2")
         for _ in range(5):
             await r.zadd(QUEUE, {"a": 1})
-            a, *rest = (await lc.start({QUEUE: 1}, 1)).rows
-            assert a.claim is Claim.DEFERRED
+            a, *rest = (await lc.claim({QUEUE: 1}, 1)).entries
+            assert a.status is EntryStatus.DEFERRED
         assert await r.get(KEYS.tries("a")) == b"1" and await r.get(KEYS.lease("a")) == b"w1:1"
         assert (await r.zscore(QUEUE, "a") or 0) > 1 and not await r.hexists(KEYS.running(), "a")
-        assert [s.claim for s in rest] == []  # "b" started on the first call: a deferred job takes no slot
+        assert [s.status for s in rest] == []  # "b" started on the first call: a deferred job takes no slot
     finally:
         await r.aclose()
 
 
-async def test_start_leaves_a_queue_entry_without_a_record_for_reject(redis_url: str) -> None:
+async def test_claim_leaves_a_queue_entry_without_a_record_for_reject(redis_url: str) -> None:
     r = aredis.Redis.from_url(redis_url)
     try:
         await r.zadd(QUEUE, {"gone": 1})
-        lc = lifecycle(r)
-        (gone,) = (await lc.start({QUEUE: 5}, 5)).rows
-        assert gone.claim is Claim.GONE and not await r.exists(KEYS.lease("gone"), KEYS.tries("gone"))
+        lc = transitions(r)
+        (gone,) = (await lc.claim({QUEUE: 5}, 5)).entries
+        assert gone.status is EntryStatus.GONE and not await r.exists(KEYS.lease("gone"), KEYS.tries("gone"))
         assert await lc.reject(QUEUE, [b"gone", b"\xff\xfe not utf-8"], "no job record") == 1
         assert await r.zcard(QUEUE) == 0
         (letter,) = [json.loads(x) for x in await r.lrange(KEYS.dead_letters(), 0, -1)]
@@ -317,7 +319,7 @@ async def test_sweep_lists_running_jobs_without_a_lease_and_drops_ended_ones(red
         await r.set(KEYS.job("lost"), b"{}")
         ended = run("ended")
         await r.xadd(KEYS.log("ended"), {"e": ended.done(FinishReason.STOP).model_dump_json()}, id="0-1")
-        (lost,) = await lifecycle(r).sweep()
+        (lost,) = await transitions(r).sweep()
         assert (lost.rid, lost.queue, lost.next_seq, lost.tries, lost.has_record) == ("lost", QUEUE, 0, 2, True)
         assert not await r.hexists(KEYS.running(), "ended")
     finally:
@@ -329,7 +331,7 @@ async def test_two_reapers_never_both_act_on_one_job_and_never_while_a_run_holds
     try:
         await r.hset(KEYS.running(), mapping={"lost": QUEUE, "held": QUEUE})
         await r.set(KEYS.lease("held"), "w1:1")
-        lc = lifecycle(r)
+        lc = transitions(r)
         (lost,) = await lc.sweep()
         reapers = [lc.orphan(lost), lc.orphan(lost)]
         records = [Record(x, [x.reset("worker lost")], Write.HAND_BACK) for x in reapers]
@@ -348,7 +350,7 @@ async def test_refresh_extends_only_leases_still_held_by_their_run(redis_url: st
     try:
         await r.set(KEYS.lease("mine"), "w1:1", px=100)
         await r.set(KEYS.lease("taken"), "w2:2", px=100)
-        held = await lifecycle(r).refresh([run("mine"), run("taken"), run("expired")])
+        held = await transitions(r).refresh([run("mine"), run("taken"), run("expired")])
         assert held == [True, False, False]
         assert await r.pttl(KEYS.lease("mine")) > 1000 and await r.pttl(KEYS.lease("taken")) <= 100
     finally:
@@ -377,7 +379,7 @@ async def test_a_queued_job_expires_once_and_one_started_meanwhile_does_not(redi
             await queue_job(r, rid)
         await r.zadd(KEYS.deadlines(), {deadline_member("late", QUEUE): 1, deadline_member("taken", QUEUE): 1,
                                         deadline_member("fresh", QUEUE): 1 << 50})
-        lc = lifecycle(r)
+        lc = transitions(r)
         lapsed = await lc.lapsed()
         assert sorted((x.rid, x.queue, x.next_seq, x.enqueue_ms) for x in lapsed) == [
             ("late", QUEUE, 0, 1000), ("taken", QUEUE, 0, 1000)]
@@ -407,11 +409,11 @@ def outputs(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
 
 
 def table(r: aredis.Redis, stopped: list[str]) -> RunTable:
-    return RunTable(lifecycle(r), outputs, lambda run: stopped.append(run.rid), give_up_s=1.0)
+    return RunTable(transitions(r), outputs, lambda run: stopped.append(run.rid), give_up_s=1.0)
 
 
 async def running_job(r: aredis.Redis, rid: str, holder: str = "w1:1") -> Run:
-    """A job START left running, its lease held by ``holder``; this worker's run of it (w1's first try)."""
+    """A job CLAIM left running, its lease held by ``holder``; this worker's run of it (w1's first try)."""
     await r.set(KEYS.epoch(), "e1")
     await r.set(KEYS.job(rid), job_record({"n": rid}, 1000))
     await r.set(KEYS.lease(rid), holder)
@@ -435,7 +437,7 @@ async def test_a_job_gets_one_terminal_event_whichever_verbs_end_it_and_in_whate
         done = RequestOutput("engine", [7], "x", completion_tokens=1, finish=EngineFinish.LENGTH)
         await runs.apply([done])
         assert "engine" not in runs and engine.state is State.ENDED
-        await runs.apply([RequestOutput("engine", finish=EngineFinish.CANCELLED)])  # a cancel that came late
+        await runs.apply([], ["engine"])  # a cancel that came late
         await runs.interrupt(engine, max_tries=3)
         assert await runs.fail(engine, ErrorCode.INTERNAL, "a bug") is State.ENDED
         assert [ev.type for _, ev in await logged(r, "engine")] == ["token", "done"]
@@ -467,5 +469,39 @@ async def test_a_fenced_run_writes_nothing_more(redis_url: str) -> None:
         await runs.apply([RequestOutput("kept", [3], "c", completion_tokens=1)])
         assert kept.state is State.FENCED and runs.stats.lease_losses == 2 and stopped == ["taken", "kept"]
         assert await logged(r, "kept") == []  # the LOST write is refused: Redis still has the job's data
+    finally:
+        await r.aclose()
+
+
+async def test_a_cancel_ends_its_job_after_the_outputs_queued_before_it(redis_url: str) -> None:
+    # The table's cancel goes through the publisher, in order with the engine's outputs: what was queued before
+    # it is written first, what the step in flight makes after it is dropped, and an end the engine reported
+    # first stands. One EMIT call for the batch.
+    r = aredis.Redis.from_url(redis_url)
+    stopped: list[str] = []
+    try:
+        runs = table(r, stopped)
+        jobs = [await running_job(r, rid) for rid in ("a", "b", "c")]
+        assert all(runs.admit(job, None, None) for job in jobs)
+        runs.publisher.feed([RequestOutput("a", [1], "x", completion_tokens=1),
+                             RequestOutput("b", [1], "y", completion_tokens=1, finish=EngineFinish.LENGTH)])
+        for rid in ("a", "b", "c", "a"):
+            runs.cancel(rid)
+        runs.publisher.feed([RequestOutput("a", [2], "late", completion_tokens=2),
+                             RequestOutput("c", [5], "late", completion_tokens=1)])
+        publishing = asyncio.create_task(runs.publisher.run())
+        try:
+            states = await asyncio.gather(*(asyncio.shield(job.finished) for job in jobs))
+        finally:
+            publishing.cancel()
+        assert states == [State.ENDED] * 3 and stopped == ["a", "b", "c", "a"]
+        a, b, c = [[ev for _, ev in await logged(r, rid)] for rid in ("a", "b", "c")]
+        assert [ev.type for ev in a] == ["token", "done"] and isinstance(a[0], TokenEvent) and a[0].text == "x"
+        assert isinstance(a[1], DoneEvent) and a[1].finish_reason is FinishReason.CANCELLED
+        assert a[1].usage.completion_tokens == 1
+        assert isinstance(b[1], DoneEvent) and b[1].finish_reason is FinishReason.LENGTH
+        assert len(c) == 1 and isinstance(c[0], DoneEvent) and c[0].finish_reason is FinishReason.CANCELLED
+        assert c[0].usage.completion_tokens == 0
+        assert (runs.stats.writes, runs.stats.other_writes) == (1, 0)
     finally:
         await r.aclose()

@@ -109,7 +109,7 @@ async def test_running_waiting_and_queue_depth_follow_the_batch_and_the_queue(wo
         assert await asyncio.to_thread(gate.held.wait, 60)  # the MLX thread waits before its next step
         # Room for one more: the worker claims one job, which waits outside the held batch; the other stays queued.
         others = [await client.submit(model="tiny", prompt=f"short {i}", max_tokens=3) for i in range(2)]
-        await wait_for(lambda: running.service.active == 2, "the worker to claim one more job")
+        await wait_for(lambda: len(running.service.active) == 2, "the worker to claim one more job")
         await running.host.health.beat()  # reads the queue's depth
         samples = await asyncio.to_thread(scrape, port)
         assert value(samples, "mlxq:num_requests_running", model_name="tiny") == 1
@@ -121,7 +121,7 @@ async def test_running_waiting_and_queue_depth_follow_the_batch_and_the_queue(wo
         for rid in others:
             assert (await client.result(rid, timeout=60)).usage.completion_tokens == 3
         await client.result(long, timeout=60)
-        await wait_for(lambda: running.service.active == 0, "every job to leave the worker")
+        await wait_for(lambda: len(running.service.active) == 0, "every job to leave the worker")
         await running.host.health.beat()
         samples = await asyncio.to_thread(scrape, port)
         for gauge in ("num_requests_running", "num_requests_waiting", "queue_depth"):

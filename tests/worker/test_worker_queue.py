@@ -269,7 +269,7 @@ async def test_engine_step_failure_fails_in_flight_jobs_and_keeps_serving(worker
     assert ok.usage.completion_tokens == 6
 
 
-# --- the arq job around each run (worker/lifecycle.py, worker/arqseam.py) ----------------------------
+# --- the arq job around each run (worker/jobs/, worker/arqseam.py) ---------------------------------------
 QUEUE = "mlxq:queue:tiny"
 
 

@@ -1,0 +1,566 @@
+"""A job's transitions: each one atomic Redis call (a Lua script, here beside the typed call that makes it).
+
+    queued ──claim──▶ running ──end──▶ ended    (exactly one terminal event: done or error)
+      ▲ │                │                 ▲
+      │ └───lapse────────┼─────────────────┘    (expired while queued: error(expired))
+      └───hand back──────┘                      (a reset event: shutdown, or the reaper after a worker died)
+
+- **claim** (``CLAIM``): a worker claims due jobs of its queues in one call, lowest score first, each queue up
+  to its engine's room. Each takes a lease whose token names the run (``<worker id>:<try>``); only here is the
+  try counted, so tries count runs that started.
+- **append / end / hand back** (``EMIT``): a run's events, one call per engine step for all the worker's jobs;
+  the terminal event's call also ends the job, a reset's hands it back to its queue.
+- **refresh** (``REFRESH``): extends a worker's leases; a run whose lease is gone is fenced: it writes nothing more.
+- **reap** (``SWEEP``, then ``EMIT`` as the empty owner): a running job whose lease expired (its worker died or
+  froze) is handed back with a reset, or ended on its last try.
+- **lost data** (``EMIT``, write ``LOST``): Redis lost its data under a running job (the epoch changed, the
+  record is gone): the run ends it ``error(data_lost)``, retryable, instead of leaving its followers waiting.
+- **lapse** (``LAPSE``, then ``EMIT`` as the empty owner, write ``EXPIRE``): a job still queued past its expiry
+  ends ``error(expired)``, or ``done(cancelled)`` if a cancel waits; taking it out of its queue decides a race
+  with a worker claiming it.
+- **reject** (``REJECT``): a queue entry no worker can run goes to the dead-letter list.
+
+Each script checks in Redis that its caller may make the move: a run only while the job's lease holds that
+run's token, the reaper only while nobody holds it and the job's log is where the reaper read it. A run that
+lost its lease (paused, partitioned, reaped, or its job finished elsewhere) can therefore change nothing about
+the job, whenever it wakes up. :class:`Transitions` changes no run: the run table (worker/jobs/table.py)
+decides each job's moves and sends its EMIT calls.
+
+A job's keys are named in the scripts from the prefix and its id, as ``api.keys.Keys`` names them
+(``<prefix>:{<id>}:lease`` and so on), rather than passed as KEYS: redis-py packs every argument in Python, on
+the event loop that shares the GIL with the engine, so a step's records travel as one argument. (So the
+scripts are not Redis Cluster-ready.)
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
+
+from mlxq.api.jobrecord import result_record
+from mlxq.api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
+from mlxq.api.schema import PRIORITY_MIN, Event, decode_event
+
+from .run import Run, Wire
+
+__all__ = ["Due", "DueEntry", "EntryStatus", "Lapsed", "LogTTL", "Lost", "Outranking", "Record", "Script",
+           "Transitions", "Write"]
+
+_LAPSED_PER_SWEEP = 500
+_READ_MIN = 16  # due entries CLAIM reads per queue, at least (poison and deferred entries may come first)
+_EPOCH_TTL_S = 7 * 86_400  # refreshed at every claim
+_TRIES_TTL_S = 86_400  # a job's record lives at most this long too (api.client.JOB_TTL_MS)
+_DEAD_LETTERS_KEPT = 1000
+_DEAD_LETTER_TTL_S = 7 * 86_400
+
+
+class Write(enum.Enum):
+    """What an EMIT call does with a job beyond logging and publishing its events."""
+
+    APPEND = "a"
+    END = "e"
+    HAND_BACK = "h"
+    LOST = "l"
+    EXPIRE = "x"
+
+
+class EntryStatus(enum.Enum):
+    """What CLAIM did with one due queue entry."""
+
+    STARTED = "started"
+    DEFERRED = "deferred"  # another run still holds its lease: left queued, due later, no try counted
+    GONE = "gone"  # queued, but its record is gone (expired or lost): for REJECT
+    POISON = "poison"  # the queue entry is no job id a producer makes: for REJECT
+
+
+@dataclass(frozen=True, slots=True)
+class LogTTL:
+    """Replay-log TTLs, and how long arq's result record of an ended job is kept (0: none); seconds."""
+
+    live: int = LIVE_TTL_S
+    done: int = DONE_TTL_S
+    result: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DueEntry:
+    """One due queue entry, as CLAIM left it; ``job``, ``attempt``, ``last`` and ``cancelled`` only when started."""
+
+    rid: str
+    queue: str
+    status: EntryStatus
+    epoch: str
+    entry: bytes = b""  # the queue entry as stored (a poison one may not be text)
+    job: bytes = b""
+    attempt: int = 0
+    last: Event | None = None  # the job's last logged event (an earlier run's)
+    cancelled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Outranking:
+    """What a queued job needs for a full engine to take it: at least ``priority`` (it then starts at once,
+    preempting a running sequence of lower priority). A job of lower priority that only waited long is left
+    for room: once claimed it would preempt nobody."""
+
+    priority: int
+    aging_ms: int
+    count: int = 1  # jobs that would start at once: one per running sequence of the lowest priority
+
+    def arg(self) -> str:
+        """As CLAIM takes it (it recovers a queued job's priority from its score: ``api.keys.queue_score``)."""
+        return f"{self.priority} {self.aging_ms} {PRIORITY_MIN}"
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """What one CLAIM call did: an entry per due queue entry it looked at, and whether it left due jobs queued."""
+
+    entries: list[DueEntry]
+    left: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """A running job whose lease expired, as SWEEP read it."""
+
+    rid: str
+    queue: str
+    next_seq: int
+    tries: int
+    has_record: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Lapsed:
+    """A queued job whose expiry passed, as LAPSE read it."""
+
+    rid: str
+    queue: str
+    next_seq: int
+    enqueue_ms: int  # 0 if its record is gone
+    cancelled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One job's events for an EMIT call, and what the call does with the job."""
+
+    run: Run
+    events: Sequence[Wire]
+    write: Write
+
+
+# --- the scripts, in the order of the calls below ----------------------------------------------------------
+# queued -> running, from several queues in one call. Reads the due entries of each queue whose quota is
+# above 0 and starts, lowest score first across queues (the score orders by priority and enqueue time), up to
+# each queue's quota and ARGV[2] in all: takes the lease with token "<worker id>:<try>", counts the try (only
+# here: a try is a run that started), lists the job as running (value "<score> <queue>", so a hand-back can
+# queue it in its old place) and takes it out of its queue and its deadline. A job whose lease another run
+# still holds stays queued, due a lease TTL later, with no try counted. An entry that is no job id (not what a
+# producer makes: wrong bytes or length) comes back as poison, one without a job record as gone: both for
+# REJECT. Also reads the deployment's epoch (setting it if Redis has none: a fresh or emptied server), each
+# started job's last logged event, and whether a cancel is pending; and whether due jobs were left queued
+# (for lack of quota, or beyond the read limit).
+# KEYS: running, epoch, deadlines, then the queues. ARGV: now ms, most, worker id, lease ms, prefix, a new epoch,
+# epoch TTL s, tries TTL s, read limit per queue, then one quota per queue, then per queue "" or what a job needs
+# to outrank a full engine's running sequences, "<priority> <aging ms> <PRIORITY_MIN>": from such a queue only
+# the first jobs (up to its quota) of at least that priority are read, each one's priority recovered from its
+# score and its record's enqueue time (records end with "et":<ms>}: api.jobrecord.job_record; GETRANGE reads only
+# that tail), among the first _OUTRANK_READ entries that could have them (api.keys.queue_score: never above
+# enqueue time).
+# Returns {epoch, left 0|1, {id, queue, "started", score, job, try, last event or false, cancelled 0|1} |
+# {id, queue, "deferred" | "gone" | "poison"}, ...}.
+_OUTRANK_READ = 128  # queue entries CLAIM looks through for a job that outranks a full engine
+
+_CLAIM = """
+local epoch = redis.call('GET', KEYS[2])
+if not epoch then epoch = ARGV[6] end
+redis.call('SET', KEYS[2], epoch, 'EX', ARGV[7])
+local now, most, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[9])
+local left, due, queues = 0, {}, #KEYS - 3
+local function is_job_id(id)  -- what a producer makes; anything else in a queue is poison
+  return #id <= 64 and string.match(id, '^[%w_.:%-]+$') ~= nil
+end
+local function outranking(q, need, aging, pmin, n)
+  -- the first n queued jobs of priority >= need; score = enqueue - (priority - pmin) * aging
+  local lead = (need - pmin) * aging  -- how far below its enqueue time such a job's score is, at least
+  local entries = redis.call('ZRANGEBYSCORE', KEYS[q], '-inf', now - lead, 'WITHSCORES', 'LIMIT', 0, OUTRANK_READ)
+  local found = {}
+  for i = 1, #entries, 2 do
+    if #found >= n then break end
+    local id, score = entries[i], tonumber(entries[i + 1])
+    if is_job_id(id) then
+      local tail = redis.call('GETRANGE', ARGV[5] .. ':{' .. id .. '}:job', -32, -1)
+      local et = tonumber(string.match(tail, '"et":(%d+)}$'))
+      if et and et - score >= lead then found[#found + 1] = {id, score, q} end
+    end
+  end
+  return found
+end
+for q = 4, #KEYS do
+  local need, aging, pmin = string.match(ARGV[6 + q + queues], '^(%-?%d+) (%d+) (%-?%d+)$')
+  if need and tonumber(ARGV[6 + q]) > 0 then
+    local found = outranking(q, tonumber(need), tonumber(aging), tonumber(pmin), tonumber(ARGV[6 + q]))
+    for _, entry in ipairs(found) do due[#due + 1] = entry end
+    if redis.call('ZCOUNT', KEYS[q], '-inf', now) > #found then left = 1 end
+  elseif tonumber(ARGV[6 + q]) > 0 then
+    local entries = redis.call('ZRANGEBYSCORE', KEYS[q], '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit)
+    if #entries >= 2 * limit then left = 1 end
+    for i = 1, #entries, 2 do due[#due + 1] = {entries[i], tonumber(entries[i + 1]), q} end
+  elseif redis.call('ZCOUNT', KEYS[q], '-inf', now) > 0 then
+    left = 1
+  end
+end
+table.sort(due, function(a, b)
+  if a[2] ~= b[2] then return a[2] < b[2] end
+  if a[3] ~= b[3] then return a[3] < b[3] end
+  return a[1] < b[1]
+end)
+local out = {epoch, 0}
+local started, taken = 0, {}
+for _, entry in ipairs(due) do
+  local id, score, q = entry[1], entry[2], entry[3]
+  local queue = KEYS[q]
+  if started >= most or (taken[q] or 0) >= tonumber(ARGV[6 + q]) then
+    left = 1
+  elseif not is_job_id(id) then
+    out[#out + 1] = {id, queue, 'poison'}
+  else
+    local base = ARGV[5] .. ':{' .. id .. '}:'
+    local job = redis.call('GET', base .. 'job')
+    if not job then
+      out[#out + 1] = {id, queue, 'gone'}
+    else
+      local try = tonumber(redis.call('GET', base .. 'tries') or '0') + 1
+      if redis.call('SET', base .. 'lease', ARGV[3] .. ':' .. try, 'NX', 'PX', ARGV[4]) then
+        started = started + 1
+        taken[q] = (taken[q] or 0) + 1
+        redis.call('SET', base .. 'tries', try, 'EX', ARGV[8])
+        redis.call('HSET', KEYS[1], id, string.format('%d', score) .. ' ' .. queue)
+        redis.call('ZREM', queue, id)
+        redis.call('ZREM', KEYS[3], id .. '@' .. queue)
+        local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
+        out[#out + 1] = {id, queue, 'started', string.format('%d', score), job, try, last and last[2][2] or false,
+                         redis.call('EXISTS', base .. 'cancel')}
+      else
+        redis.call('ZADD', queue, now + tonumber(ARGV[4]), id)
+        out[#out + 1] = {id, queue, 'deferred'}
+      end
+    end
+  end
+end
+out[2] = left
+return out
+""".replace("OUTRANK_READ", str(_OUTRANK_READ))
+
+# running -> running | ended | queued, and queued -> ended (expired), for several jobs in one call (one round
+# trip per engine step).
+# KEYS: running, epoch, deadlines. ARGV: record count, live TTL s, done TTL s, now ms, prefix, result TTL ms, then every
+# record in one argument, each "<size>\n<record>". A record is a line "<queue bytes> <rid bytes> <owner bytes>
+# <write> <first seq> <result bytes>", then queue, rid, owner and result back to back, a newline, and its
+# events (JSON texts, which never hold a raw newline) joined by newlines; event i is logged as entry
+# "<first seq + i>-1" and published on the job's channel.
+# The caller may write if (by write): a/e/h: owner is a run's token and the lease holds it, or owner is ""
+# (the reaper) and nobody holds the lease, the job is listed as running, and its log's next seq is the
+# record's first (two reapers cannot both act on one job); l: owner is the epoch the run started in and the
+# epoch moved on (Redis lost its data since) and the job record is gone; x: owner is "" and the job is still
+# queued (taking it out of its queue decides) and its log's next seq is the record's first.
+# Writes: a: append. e: end: drop lease, running entry, cancel key, job record, tries and queue entry, keep
+# the result (if any) for the result TTL and the log for the done TTL. h: hand back: drop lease and running
+# entry, queue the job again in its old place (the score CLAIM listed it with), due at once. l: append, log
+# kept for the done TTL. x: as e, and the job's deadline is dropped.
+# Returns 1 (written) or 0 (refused) per record. An entry id already logged (a duplicate) is not published.
+_EMIT = r"""
+local out = {}
+local blob, pos = ARGV[7], 1
+for j = 1, tonumber(ARGV[1]) do
+  local nl = string.find(blob, '\n', pos, true)
+  local size = tonumber(string.sub(blob, pos, nl - 1))
+  local rec = string.sub(blob, nl + 1, nl + size)
+  pos = nl + size + 1
+  local h = string.find(rec, '\n', 1, true)
+  local lq, lr, lo, write, seq, lres = string.match(string.sub(rec, 1, h - 1),
+    '^(%d+) (%d+) (%d+) (%a) (%d+) (%d+)$')
+  lq, lr, lo, seq, lres = tonumber(lq), tonumber(lr), tonumber(lo), tonumber(seq), tonumber(lres)
+  local queue = string.sub(rec, h + 1, h + lq)
+  local rid = string.sub(rec, h + lq + 1, h + lq + lr)
+  local owner = string.sub(rec, h + lq + lr + 1, h + lq + lr + lo)
+  local result = string.sub(rec, h + lq + lr + lo + 1, h + lq + lr + lo + lres)
+  local base = ARGV[5] .. ':{' .. rid .. '}:'
+  local lease, log = base .. 'lease', base .. 'log'
+  local ok
+  if write == 'l' then
+    ok = redis.call('GET', KEYS[2]) ~= owner and redis.call('EXISTS', base .. 'job') == 0
+  elseif write == 'x' then
+    local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)[1]
+    local next_seq = last and tonumber(string.match(last[1], '^(%d+)')) + 1 or 0
+    ok = owner == '' and next_seq == seq and redis.call('ZREM', queue, rid) == 1
+  elseif owner ~= '' then
+    ok = redis.call('GET', lease) == owner
+  else
+    local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)[1]
+    local next_seq = last and tonumber(string.match(last[1], '^(%d+)')) + 1 or 0
+    ok = redis.call('EXISTS', lease) == 0 and redis.call('HEXISTS', KEYS[1], rid) == 1 and next_seq == seq
+  end
+  if ok then
+    local channel = base .. 'events'
+    for event in string.gmatch(string.sub(rec, h + lq + lr + lo + lres + 2), '[^\n]+') do
+      local r = redis.pcall('XADD', log, seq .. '-1', 'e', event)
+      if type(r) ~= 'table' or not r.err then
+        redis.call('PUBLISH', channel, event)
+      end
+      seq = seq + 1
+    end
+    if write == 'a' or write == 'h' then
+      redis.call('EXPIRE', log, ARGV[2])
+    else
+      redis.call('EXPIRE', log, ARGV[3])
+    end
+    local requeue_at = ARGV[4]
+    if write == 'h' then
+      local entry = redis.call('HGET', KEYS[1], rid)
+      requeue_at = entry and string.match(entry, '^(%-?%d+) ') or ARGV[4]
+    end
+    if write == 'e' or write == 'h' then
+      redis.call('HDEL', KEYS[1], rid)
+      redis.call('DEL', lease)
+    end
+    if write == 'e' or write == 'x' then
+      redis.call('DEL', base .. 'cancel', base .. 'job', base .. 'tries')
+      redis.call('ZREM', queue, rid)
+      if lres > 0 then redis.call('SET', base .. 'result', result, 'PX', ARGV[6]) end
+    end
+    if write == 'x' then
+      redis.call('ZREM', KEYS[3], rid .. '@' .. queue)
+    elseif write == 'h' then
+      redis.call('ZADD', queue, requeue_at, rid)
+    end
+    out[j] = 1
+  else
+    out[j] = 0
+  end
+end
+return out
+"""
+
+# Extends leases still held by their run. KEYS: none. ARGV: lease ms, prefix, then rid, token, rid, token...
+# Returns 1 (extended) or 0 (lost) per job.
+_REFRESH = """
+local out = {}
+for i = 3, #ARGV, 2 do
+  local lease = ARGV[2] .. ':{' .. ARGV[i] .. '}:lease'
+  if redis.call('GET', lease) == ARGV[i + 1] then
+    out[#out + 1] = redis.call('PEXPIRE', lease, ARGV[1])
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+
+# The reaper's read: every running job whose lease is gone. One whose log already ends with its terminal
+# event only lost its bookkeeping: its running entry is dropped here. KEYS: running. ARGV: prefix.
+# Returns {rid, queue, next seq, tries, 1 if its job record exists else 0, ...} for the others.
+_SWEEP = """
+local out = {}
+local running = redis.call('HGETALL', KEYS[1])
+for i = 1, #running, 2 do
+  local rid = running[i]
+  local base = ARGV[1] .. ':{' .. rid .. '}:'
+  if redis.call('EXISTS', base .. 'lease') == 0 then
+    local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
+    local kind = last and cjson.decode(last[2][2])['type']
+    if kind == 'done' or kind == 'error' then
+      redis.call('HDEL', KEYS[1], rid)
+    else
+      local queue = string.match(running[i + 1], '^%-?%d+ (.*)$') or running[i + 1]
+      out[#out + 1] = {rid, queue, last and tonumber(string.match(last[1], '^(%d+)')) + 1 or 0,
+                       tonumber(redis.call('GET', base .. 'tries') or '0'), redis.call('EXISTS', base .. 'job')}
+    end
+  end
+end
+return out
+"""
+
+# The expiry sweep's read: queued jobs whose deadline passed. Members whose job is no longer queued (started,
+# ended, or gone) are dropped here. KEYS: deadlines. ARGV: now ms, prefix, most.
+# Returns {rid, queue, next seq, enqueue ms (0 if the record is gone), cancel requested 0|1, ...}.
+_LAPSE = """
+local out = {}
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))) do
+  local at = string.find(member, '@', 1, true)
+  local rid = at and string.sub(member, 1, at - 1)
+  local queue = at and string.sub(member, at + 1)
+  if at and redis.call('ZSCORE', queue, rid) then
+    local base = ARGV[2] .. ':{' .. rid .. '}:'
+    local job = redis.call('GET', base .. 'job')
+    local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
+    out[#out + 1] = {rid, queue, last and tonumber(string.match(last[1], '^(%d+)')) + 1 or 0,
+                     job and string.match(job, '"et":(%d+)}$') or '0', redis.call('EXISTS', base .. 'cancel')}
+  else
+    redis.call('ZREM', KEYS[1], member)
+  end
+end
+return out
+"""
+
+# Moves queue entries no worker can run aside: out of the queue, onto the dead-letter list (bounded, with a
+# TTL). KEYS: queue, dead letters. ARGV: most kept, TTL s, then entry, record, entry, record...
+# Returns how many entries were still queued.
+_REJECT = """
+local moved = 0
+for i = 3, #ARGV, 2 do
+  if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
+    moved = moved + 1
+    redis.call('LPUSH', KEYS[2], ARGV[i + 1])
+  end
+end
+redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[1]) - 1)
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return moved
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """A Lua script called by SHA (loaded on first use, and again after a Redis restart emptied the cache)."""
+
+    source: str
+    sha: str
+
+    @classmethod
+    def of(cls, source: str) -> Script:
+        return cls(source, hashlib.sha1(source.encode()).hexdigest())
+
+    async def run(self, redis: Redis, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await redis.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
+        except NoScriptError:
+            await redis.script_load(self.source)
+            return await redis.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
+
+
+class Transitions:
+    """The transitions of a worker's jobs (of any of its queues), as typed calls of their scripts."""
+
+    def __init__(self, redis: Redis, keys: Keys, worker_id: str, ttl: LogTTL, lease_ttl_s: float,
+                 writer: Redis | None = None) -> None:
+        self.redis = redis
+        self.writer = writer or redis  # EMIT calls' connection
+        self.keys = keys
+        self.worker_id = worker_id
+        self.ttl = ttl
+        self.lease_ms = int(lease_ttl_s * 1000)
+        self._claim, self._emit, self._refresh = Script.of(_CLAIM), Script.of(_EMIT), Script.of(_REFRESH)
+        self._sweep, self._lapse, self._reject = Script.of(_SWEEP), Script.of(_LAPSE), Script.of(_REJECT)
+
+    async def open(self) -> None:
+        """Set the deployment's epoch unless Redis has one (a fresh or emptied server); CLAIM keeps it."""
+        await self.redis.set(self.keys.epoch(), uuid.uuid4().hex, nx=True, ex=_EPOCH_TTL_S)
+
+    async def claim(self, quotas: dict[str, int], most: int, outranking: dict[str, Outranking] | None = None
+                    ) -> Due:
+        """Claim up to ``most`` due jobs, lowest score first across the queues, each queue up to its quota;
+        from a queue in ``outranking``, only jobs of at least its priority (up to its quota)."""
+        queues = list(quotas)
+        now = int(time.time() * 1000)
+        outranking = outranking or {}
+        needs = [outranking[q].arg() if q in outranking else "" for q in queues]
+        args = [now, most, self.worker_id, self.lease_ms, self.keys.prefix, uuid.uuid4().hex,
+                _EPOCH_TTL_S, _TRIES_TTL_S, max(_READ_MIN, 2 * most), *(quotas[q] for q in queues), *needs]
+        keys = [self.keys.running(), self.keys.epoch(), self.keys.deadlines(), *queues]
+        epoch, left, *rows = await self._claim.run(self.redis, keys, args)
+        return Due([_due_entry(row, epoch.decode()) for row in rows], bool(left))
+
+    def run(self, entry: DueEntry, model: str, enqueue_ms: int) -> Run:
+        """This worker's run of a job CLAIM started."""
+        last = entry.last
+        return Run(entry.rid, entry.queue, f"{self.worker_id}:{entry.attempt}", entry.attempt,
+                   seq=last.seq + 1 if last is not None else 0, epoch=entry.epoch, model=model, enqueue_ms=enqueue_ms)
+
+    async def write(self, records: Sequence[Record]) -> list[bool]:
+        """One EMIT call: each record's events, and its write; whether each was allowed. Only the run table
+        calls it, one call at a time."""
+        args: list[object] = [len(records), self.ttl.live, self.ttl.done, int(time.time() * 1000), self.keys.prefix,
+                              max(1, self.ttl.result) * 1000]
+        args.append(b"".join(b"%d\n%s" % (len(r), r) for r in map(self._record, records)))
+        keys = [self.keys.running(), self.keys.epoch(), self.keys.deadlines()]
+        result = await self._emit.run(self.writer, keys, args)
+        return [r == 1 for r in result]
+
+    def _record(self, r: Record) -> bytes:
+        run, events, write = r.run, r.events, r.write
+        if write is Write.APPEND and len(events) == 1:  # a job's token event of a step: N per step
+            lengths, names = run.wire_names()
+            return b"%sa %d 0\n%s\n%s" % (lengths, events[0].seq, names, events[0].model_dump_json().encode())
+        queue, rid = run.queue.encode(), run.rid.encode()
+        owner = (run.epoch if write is Write.LOST else run.owner).encode()
+        result = self._result(run, events[-1]) if write is Write.END and events else b""
+        head = b"%d %d %d %s %d %d\n" % (len(queue), len(rid), len(owner), write.value.encode(),
+                                         events[0].seq if events else run.seq, len(result))
+        body = "\n".join(ev.model_dump_json() for ev in events).encode()
+        return b"".join((head, queue, rid, owner, result, b"\n", body))
+
+    def _result(self, run: Run, end: Wire) -> bytes:
+        if self.ttl.result <= 0 or not run.owner:
+            return b""
+        return result_record(run.rid, attempt=run.attempt, ok=end.type == "done", event_json=end.model_dump_json(),
+                             enqueue_ms=run.enqueue_ms, start_ms=int(run.started_at * 1000), queue=run.queue)
+
+    async def refresh(self, runs: Sequence[Run]) -> list[bool]:
+        """Extend the leases of ``runs``; whether each is still theirs."""
+        args: list[object] = [self.lease_ms, self.keys.prefix]
+        for run in runs:
+            args += (run.rid, run.owner)
+        return [r == 1 for r in await self._refresh.run(self.redis, [], args)]
+
+    async def sweep(self) -> list[Lost]:
+        """Running jobs (of any queue) whose lease expired."""
+        rows = await self._sweep.run(self.redis, [self.keys.running()], [self.keys.prefix])
+        return [Lost(rid.decode(), queue.decode(), int(seq), int(tries), bool(has))
+                for rid, queue, seq, tries, has in rows]
+
+    def orphan(self, lost: Lost) -> Run:
+        """The reaper's handle on a lost job: it owns no run, and its events follow the job's log."""
+        return Run(lost.rid, lost.queue, "", lost.tries, seq=lost.next_seq)
+
+    async def lapsed(self) -> list[Lapsed]:
+        """Queued jobs (of any queue) whose expiry passed."""
+        args = [int(time.time() * 1000), self.keys.prefix, _LAPSED_PER_SWEEP]
+        rows = await self._lapse.run(self.redis, [self.keys.deadlines()], args)
+        return [Lapsed(rid.decode(), queue.decode(), int(seq), int(et), bool(c)) for rid, queue, seq, et, c in rows]
+
+    def expiring(self, lapsed: Lapsed) -> Run:
+        """The reaper's handle on a job that expired while queued (no run owns it)."""
+        return Run(lapsed.rid, lapsed.queue, "", 0, seq=lapsed.next_seq, enqueue_ms=lapsed.enqueue_ms)
+
+    async def reject(self, queue: str, entries: Sequence[bytes | str], reason: str) -> int:
+        """Move entries of ``queue`` aside to the dead-letter list; how many were still queued."""
+        now = int(time.time() * 1000)
+        args: list[object] = [_DEAD_LETTERS_KEPT, _DEAD_LETTER_TTL_S]
+        for entry in entries:
+            raw = entry.encode() if isinstance(entry, str) else entry
+            record = {"queue": queue, "entry": raw.decode(errors="backslashreplace"), "hex": raw.hex(),
+                      "reason": reason, "at_ms": now, "worker": self.worker_id}
+            args += (raw, json.dumps(record))
+        moved: int = await self._reject.run(self.redis, [queue, self.keys.dead_letters()], args)
+        return moved
+
+
+def _due_entry(row: list[bytes], epoch: str) -> DueEntry:
+    rid, queue, status = row[0].decode(errors="backslashreplace"), row[1].decode(), EntryStatus(row[2].decode())
+    if status is not EntryStatus.STARTED:
+        return DueEntry(rid, queue, status, epoch, row[0])
+    _score, job, attempt, last, cancelled = row[3:]
+    return DueEntry(rid, queue, status, epoch, row[0], job, int(attempt), decode_event(last) if last else None,
+                    bool(cancelled))
