@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 ROOT = Path(__file__).resolve().parent.parent
 
 APP = '''

@@ -21,6 +21,8 @@ import pytest
 from tests.perf import paths, report, runs, suite
 from tests.perf.results import BenchResult
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -30,6 +30,8 @@ from mlxq.api.schema import (
     Usage,
 )
 
+pytestmark = pytest.mark.unit
+
 RID = "job-1"
 PREFIX = "t"
 

@@ -36,6 +36,8 @@ from mlxq.api.schema import (
     WorkerStatus,
 )
 
+pytestmark = pytest.mark.unit
+
 RID = "job-1"
 
 

@@ -20,6 +20,8 @@ from mlxq.api.schema import DoneEvent, Event, FinishReason
 from mlxq.worker.tools.process import GatewayProcess
 from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, deployment
 
+pytestmark = pytest.mark.e2e
+
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Say hello"}]
 LONG = 400  # tokens: a job still decoding long after its first chunk (the context is 512)
 

@@ -16,6 +16,8 @@ import pytest
 from tests.api.gateway_support import Deployment, ServedGateway, deployment, post
 from tests.worker.test_worker_tools import CLOCK, WEATHER, valid, valid_call
 
+pytestmark = pytest.mark.e2e
+
 MESSAGES: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS: Any = [WEATHER, CLOCK]
 ANTHROPIC_TOOLS: Any = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),

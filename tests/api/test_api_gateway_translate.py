@@ -19,6 +19,8 @@ from mlxq.api.gateway.errors import GatewayError
 from mlxq.api.gateway.openai_api import CHAT, COMPLETIONS
 from mlxq.api.schema import DoneEvent, FinishReason, ImagePart, ImageURL, TextPart, Timings, Usage, decode_event
 
+pytestmark = pytest.mark.unit
+
 CONFIG = GatewayConfig(default_max_tokens=77)
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,6 +10,8 @@ from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, Samp
 from mlxq.engine.sequence import Sequence
 from tests.engine.fakes import Detok
 
+pytestmark = pytest.mark.unit
+
 THINK = ("<think>", "</think>")
 TOOL = ("<tool_call>", "</tool_call>")
 MARKERS = PartMarkers(think=THINK)

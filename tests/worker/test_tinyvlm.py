@@ -14,6 +14,8 @@ from mlxq.worker.tools import tinyvlm
 from mlxq.worker.tools.tinyvlm import IMAGE_PAD, VISION_END, VISION_START, ensure_vlm, vlm_dir
 from tests.vlm_support import data_url
 
+pytestmark = pytest.mark.unit
+
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
          "preprocessor_config.json")
 

@@ -25,6 +25,8 @@ from mlxq.worker.tools.bench import preload
 from mlxq.worker.tools.bench.http import SseClient
 from mlxq.worker.tools.bench.paths import stream
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

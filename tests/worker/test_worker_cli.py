@@ -23,6 +23,8 @@ from mlxq.worker.tools.process import WorkerProcess
 from tests.peers import PEERS, silent_peer
 from tests.support import config_with, start_worker
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -16,6 +16,8 @@ import httpx
 import psutil
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
