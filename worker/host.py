@@ -266,6 +266,7 @@ class WorkerHost:
                 raise BadRequest(envelope.problem)
             req = service.validate(envelope.payload, run.rid)
             prompt = await service.prepare(req)
+            req = service.fitted(req, len(prompt.tokens))
         except BadRequest as exc:
             log.info("job %s rejected: %s", run.rid, exc)
             return await self.runs.reject(run, str(exc))

@@ -156,7 +156,8 @@ def _parse(model: type[_Common], body: bytes) -> Any:
 
 
 def _job(body: _Common, config: GatewayConfig, max_tokens: int | None, **prompt: Any) -> Ask:
-    """The job: the prompt given, the sampling fields set, the default ``max_tokens`` when none is."""
+    """The job: the prompt given, the sampling fields set; with no ``max_tokens``, the default, lowered by the
+    worker to what fits the model's context after the prompt (OpenAI's API: up to the context)."""
     fields: dict[str, Any] = {name: v for name in _SAMPLING if (v := getattr(body, name)) is not None}
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     metadata = dict(body.metadata or {})
@@ -164,7 +165,8 @@ def _job(body: _Common, config: GatewayConfig, max_tokens: int | None, **prompt:
         metadata.setdefault("user", body.user)
     try:
         req = GenerateRequest(model=body.model, max_tokens=max_tokens or config.default_max_tokens,
-                              stop=[s for s in stops if s], metadata=metadata, **fields, **prompt)
+                              fit_max_tokens=max_tokens is None, stop=[s for s in stops if s], metadata=metadata,
+                              **fields, **prompt)
     except ValidationError as exc:
         raise GatewayError(validation_problem(exc)) from None
     usage = body.stream_options is not None and body.stream_options.include_usage
