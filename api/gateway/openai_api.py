@@ -346,8 +346,9 @@ class ChatDialect(_OpenAI):
 
     def _choice(self, ask: Ask, index: int, job: JobStream, text: str) -> dict[str, Any]:
         assert job.done is not None
-        message: dict[str, Any] = {"role": "assistant", "content": text or (None if job.tool_calls else ""),
-                                   "refusal": None}
+        # With calls, whitespace the model wrote around them is no answer: content null, as OpenAI's.
+        content = text if text.strip() or not job.tool_calls else None
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if job.reasoning:
             message["reasoning_content"] = job.reasoning
         if job.tool_calls:
@@ -363,7 +364,7 @@ class ChatDialect(_OpenAI):
         fields = []
         if delta.reasoning:  # vLLM's and DeepSeek's field for a reasoning model's thinking
             fields.append(f'"reasoning_content":{encode_basestring(delta.reasoning)}')
-        if delta.text or not delta.tool_calls:
+        if delta.text.strip() or not delta.tool_calls:  # whitespace beside calls is no content
             fields.append(f'"content":{encode_basestring(delta.text)}')
         if delta.tool_calls:
             fields.append(f'"tool_calls":{dumps(_calls(delta.tool_calls, sent.calls))}')
