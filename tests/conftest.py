@@ -24,22 +24,29 @@ _E2E_FIXTURES = frozenset({"redis_server", "served", "gw", "d", "secured"})
 
 
 # A test that needs a model (and so a worker: MLX, mlx-lm and arq, the worker extra) is skipped on a producer-only
-# install, where the rest of tests/api still runs.
+# install, where the rest of tests/api still runs; one that needs a vision-language model (mlx-vlm, the vision
+# extra), on a worker install without it.
 _MODEL_FIXTURES = frozenset({"tiny_model", "tiny_think_model", "tiny_tools_model", "tiny_vlm"})
+_VISION_FIXTURES = frozenset({"tiny_vlm"})
 
 
-def _worker_installed() -> bool:
+def _installed(*names: str) -> bool:
     import importlib.util
 
-    return all(importlib.util.find_spec(name) is not None for name in ("mlx_lm", "arq"))
+    return all(importlib.util.find_spec(name) is not None for name in names)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    no_worker = None if _worker_installed() else pytest.mark.skip(reason="needs the worker extra (MLX, mlx-lm, arq)")
+    no_worker = None if _installed("mlx_lm", "arq") else pytest.mark.skip(
+        reason="needs the worker extra (MLX, mlx-lm, arq)")
+    no_vision = None if _installed("mlx_vlm") else pytest.mark.skip(reason="needs the vision extra (mlx-vlm)")
     for item in items:
-        if no_worker is not None and _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        uses = set(getattr(item, "fixturenames", ()))
+        if no_worker is not None and _MODEL_FIXTURES & uses:
             item.add_marker(no_worker)
-        uses_redis = bool(_E2E_FIXTURES & set(getattr(item, "fixturenames", ())))
+        elif no_vision is not None and _VISION_FIXTURES & uses:
+            item.add_marker(no_vision)
+        uses_redis = bool(_E2E_FIXTURES & uses)
         if item.get_closest_marker("unit") is not None and uses_redis:
             raise pytest.UsageError(f"{item.nodeid} is marked unit but uses a Redis server (mark it e2e)")
         if item.get_closest_marker("e2e") is None and item.get_closest_marker("unit") is None:
