@@ -224,8 +224,8 @@ class MessagesDialect:
         blocks = _Blocks()
         async for delta in job.deltas():
             out = blocks.add("thinking", delta.reasoning) if delta.reasoning else b""
-            spoken = delta.text.strip() or (delta.text and not delta.tool_calls)  # not whitespace beside calls
-            out += blocks.add("text", delta.text) if spoken else b""
+            spoken = delta.text.strip() or not delta.tool_calls  # whitespace beside calls is no text
+            out += blocks.add("text", delta.text) if delta.text and spoken else b""
             yield out + blocks.calls(delta.tool_calls)
         assert job.done is not None
         usage = {"output_tokens": job.done.usage.completion_tokens}

@@ -50,7 +50,7 @@ async def test_openai_required_and_named_calls_whole_and_streamed(oai: openai.As
                 pass
             final = await stream.get_final_completion()
         streamed = final.choices[0]
-        assert streamed.finish_reason == "tool_calls" and not (streamed.message.content or "").strip()
+        assert streamed.finish_reason == "tool_calls" and not streamed.message.content  # no whitespace as content
         assert [(c.id, c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] != []
         assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == [
             (c.function.name, c.function.arguments) for c in choice0.message.tool_calls]  # greedy: the same calls
