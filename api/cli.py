@@ -142,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     d = command("demo", help="embedded Redis + tiny model + worker + concurrent jobs, no setup")
     d.add_argument("--jobs", type=int, default=8, help="concurrent jobs in the batch phase")
     d.add_argument("--max-tokens", type=int, default=64, help="most tokens each job generates")
-    d.add_argument("--size", choices=["tiny", "small"], default="tiny", help="generated model size")
+    d.add_argument("--size", choices=["tiny", "tiny-tools", "small"], default="tiny",
+                   help="generated model (tiny-tools: one whose chat template renders tools, to try tool calls)")
     d.add_argument("--gateway", action="store_true",
                    help="then serve the HTTP gateway in front of the worker and print a curl line (until Ctrl-C)")
     d.add_argument("--port", type=int, default=8000, help="the gateway's port with --gateway (0: any free one)")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
+from redis.asyncio import Redis
 
 from .config import ClientConfig
 from .connection import Failures, RetryPolicy, client_redis, denied, is_denied, redact, with_retries
@@ -91,12 +92,17 @@ class Result:
 
 
 class Client:
-    """Async client for one mlxq deployment. Use as ``async with Client(url) as client:``."""
+    """Async client for one mlxq deployment. Use as ``async with Client(url) as client:``.
+
+    ``redis``: a ``redis.asyncio.Redis`` of the caller's to use instead of one made from the URL (an app that
+    has one already, or a test's fake); every operation (submits, their batched enqueues, cancels, reads) runs on
+    it or its pool, and the client leaves it open when it closes: its owner closes it.
+    """
 
     def __init__(self, redis_url: str | None = None, *, prefix: str | None = None,
                  max_payload_bytes: int | None = None, retry_deadline: float | None = None,
                  max_images: int | None = None, max_image_bytes: int | None = None,
-                 config: ClientConfig | None = None) -> None:
+                 config: ClientConfig | None = None, redis: Redis | None = None) -> None:
         env = config or ClientConfig.from_env()
         self.config = env
         url = parse_redis_url("redis_url", redis_url) if redis_url else env.redis_url
@@ -110,8 +116,9 @@ class Client:
         # Every operation retries an unreachable Redis for this long (QueueUnavailable), and never a refusal
         # of its credentials or commands (AccessDenied).
         self.retry = RetryPolicy(deadline_s=env.retry_deadline_s if retry_deadline is None else retry_deadline)
-        self.where = redact(url)
-        self._redis = client_redis(url, self.retry)
+        self.where = redact(url) if redis is None else _where(redis)
+        self._owns_redis = redis is None
+        self._redis = client_redis(url, self.retry) if redis is None else redis
         self._enqueuer = Enqueuer(self._redis)
         self._subscriber: Subscriber | None = None
         self._served: dict[str, float] = {}  # model -> when a live worker was last seen serving it
@@ -129,7 +136,8 @@ class Client:
         if self._subscriber is not None:
             await self._subscriber.aclose()
         await self._enqueuer.aclose()
-        await self._redis.aclose()
+        if self._owns_redis:
+            await self._redis.aclose()
 
     # --- producing ---------------------------------------------------------------------------------
     async def submit(self, request: GenerateRequest | dict[str, Any] | None = None, /, *,
@@ -414,6 +422,14 @@ async def _result(rid: str, events: AsyncIterator[Event]) -> Result:
             return Result(rid, whole.text, ev.finish_reason, ev.usage, ev.timings, whole.token_ids, whole.reasoning,
                           whole.logprobs, whole.tool_calls)
     raise AssertionError("unreachable: events() ends with a terminal event")
+
+
+def _where(redis: Redis) -> str:
+    """A given connection's server, as errors name it (no password)."""
+    kw = redis.connection_pool.connection_kwargs
+    if "path" in kw:
+        return f"unix://{kw['path']}"
+    return f"redis://{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
 
 
 def _request(request: Any, fields: dict[str, Any]) -> GenerateRequest:

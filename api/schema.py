@@ -331,6 +331,9 @@ class GenerateRequest(BaseModel):
     prompt: str | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS_CEILING)
+    # True: max_tokens is a ceiling the worker lowers to what fits (the model's context after the prompt, and its
+    # MLXQ_MAX_TOKENS), as OpenAI's API serves a request that names none; False: one that does not fit is refused.
+    fit_max_tokens: bool = False
     temperature: float = Field(default=0.0, ge=0.0, le=100.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=0, le=1_000_000)

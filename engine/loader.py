@@ -163,7 +163,13 @@ def _load(path: str) -> tuple[Any, Any, dict[str, Any], Vision | None]:
     if not is_vision_config(config):
         model, tokenizer, config = mlx_lm.load(path, return_config=True)  # type: ignore[misc]
         return model, tokenizer, config, None
-    from .vlm import load_vision_model  # imports mlx-vlm: only a vision-language worker pays for it
+    try:
+        from .vlm import load_vision_model  # imports mlx-vlm: only a vision-language worker pays for it
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] != "mlx_vlm":
+            raise
+        raise ModelLoadError(f"{path} is a vision-language model: serving it needs mlx-vlm, which the vision extra "
+                             "installs (pip install 'mlxq[vision]')") from None
 
     model, vision = load_vision_model(path)
     # mlx-lm's tokenizer wrapper, as a text model's: the same prompt encoding and streaming detokenizer.

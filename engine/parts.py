@@ -3,7 +3,8 @@
 mlx-lm's ``TokenizerWrapper`` names them. The transitions are mlx-lm's text state machine's
 (``mlx_lm.generate.make_text_state_machine``): a call may start in the answer or in the reasoning and returns to
 the answer. A marker split across text deltas is held back until the next delta settles it; the markers
-themselves belong to no part. A call's text goes out whole, once its end marker came (or the sequence ended)."""
+themselves belong to no part. A call's text goes out whole, once its end marker came; one the sequence's end cut
+off is answer text, its start marker included, as the model wrote it."""
 
 from __future__ import annotations
 
@@ -52,13 +53,14 @@ class Parts:
 class PartSplitter:
     """Splits one sequence's text deltas into their parts."""
 
-    __slots__ = ("_call", "_edges", "_held", "_part")
+    __slots__ = ("_call", "_edges", "_held", "_opener", "_part")
 
     def __init__(self, markers: PartMarkers) -> None:
         self._edges = {part: markers.edges(part) for part in Part}
         self._part = Part.REASONING if markers.inside and markers.think is not None else Part.ANSWER
         self._held = ""
         self._call: list[str] = []  # the text of the call in progress
+        self._opener = markers.tool[0] if markers.tool is not None else ""
 
     def feed(self, text: str) -> Parts:
         """The parts of ``text`` (with what was held before it)."""
@@ -84,12 +86,12 @@ class PartSplitter:
 
     def flush(self) -> Parts:
         """What is held at the end of the sequence (a marker's start that never completed is text of its part;
-        a call without its end marker goes out as it is)."""
+        a call without its end marker is answer text, as the model wrote it: no call)."""
         out = Parts()
         held, self._held = self._held, ""
         self._put(out, held)
         if self._part is Part.TOOL:
-            out.calls.append("".join(self._call))
+            out.answer += self._opener + "".join(self._call)
             self._call = []
         return out
 

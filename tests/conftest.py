@@ -16,38 +16,41 @@ from tests.support import RunningWorker, start_worker
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 # Tiers: `pytest -m "not slow"` is the everyday run; the README's test command (and .ci/run) runs them all.
-# e2e: a real Redis server (and workers, gateways, processes) takes part; unit: everything else. slow: the
-# modules of long fault, soak and load runs, and those that build or run whole programs.
-_SLOW_MODULES = frozenset({
-    "test_worker_chaos.py", "test_worker_recovery.py", "test_worker_bench.py", "test_perf.py", "test_install.py",
-    "test_worker_fuzz.py", "test_worker_priority.py", "test_worker_cli.py", "test_worker_demo_gateway.py",
-})
-_PROCESS_MODULES = frozenset({"test_api_gateway_command.py", "test_api_retry.py", "test_deploy.py", "test_readme.py"})
-_E2E_FIXTURES = frozenset({"redis_server", "served", "gw", "d", "secured"})  # a Redis of the session or their own
+# Each test module marks its own tier (`pytestmark`): slow (long fault, soak and load runs, and those that build
+# or run whole programs), e2e (a real Redis server, and workers, gateways or processes, take part) or unit. A
+# module that mixes them leaves it out: its tests that use a Redis of the session or their own are e2e, the rest
+# unit.
+_E2E_FIXTURES = frozenset({"redis_server", "served", "gw", "d", "secured"})
 
 
 # A test that needs a model (and so a worker: MLX, mlx-lm and arq, the worker extra) is skipped on a producer-only
-# install, where the rest of tests/api still runs.
+# install, where the rest of tests/api still runs; one that needs a vision-language model (mlx-vlm, the vision
+# extra), on a worker install without it.
 _MODEL_FIXTURES = frozenset({"tiny_model", "tiny_think_model", "tiny_tools_model", "tiny_vlm"})
+_VISION_FIXTURES = frozenset({"tiny_vlm"})
 
 
-def _worker_installed() -> bool:
+def _installed(*names: str) -> bool:
     import importlib.util
 
-    return all(importlib.util.find_spec(name) is not None for name in ("mlx_lm", "arq"))
+    return all(importlib.util.find_spec(name) is not None for name in names)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    no_worker = None if _worker_installed() else pytest.mark.skip(reason="needs the worker extra (MLX, mlx-lm, arq)")
+    no_worker = None if _installed("mlx_lm", "arq") else pytest.mark.skip(
+        reason="needs the worker extra (MLX, mlx-lm, arq)")
+    no_vision = None if _installed("mlx_vlm") else pytest.mark.skip(reason="needs the vision extra (mlx-vlm)")
     for item in items:
-        if no_worker is not None and _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(no_worker)
-        module = item.path.name
-        if module in _SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
         uses = set(getattr(item, "fixturenames", ()))
-        e2e = bool(uses & _E2E_FIXTURES) or module in _SLOW_MODULES | _PROCESS_MODULES
-        item.add_marker(pytest.mark.e2e if e2e else pytest.mark.unit)
+        if no_worker is not None and _MODEL_FIXTURES & uses:
+            item.add_marker(no_worker)
+        elif no_vision is not None and _VISION_FIXTURES & uses:
+            item.add_marker(no_vision)
+        uses_redis = bool(_E2E_FIXTURES & uses)
+        if item.get_closest_marker("unit") is not None and uses_redis:
+            raise pytest.UsageError(f"{item.nodeid} is marked unit but uses a Redis server (mark it e2e)")
+        if item.get_closest_marker("e2e") is None and item.get_closest_marker("unit") is None:
+            item.add_marker(pytest.mark.e2e if uses_redis else pytest.mark.unit)
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,17 @@
-"""Helpers shared by tests: an in-process arq worker on the test's event loop."""
+"""Helpers shared by tests: an in-process arq worker on the test's event loop; a benchmark's quick run."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import json
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 
 class RunningWorker:
@@ -154,3 +161,23 @@ def reference_text(lm: Any, tokens: list[int]) -> str:
         detok.add_token(t)
     detok.finalize()
     return str(detok.text)
+
+
+def quick_run_fixtures(run: Callable[[Path], int]) -> tuple[Any, Any]:
+    """A benchmark module's two fixtures: ``quick_run``, one run of ``run(out)`` with its stdout captured
+    (``(out, exit code, stdout)``), shared by the module's tests; and ``results``, its ``results.json``."""
+
+    @pytest.fixture(scope="module")
+    def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+        out = tmp_path_factory.mktemp("bench")
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            code = run(out)
+        return out, code, buf.getvalue()
+
+    @pytest.fixture(scope="module")
+    def results(quick_run: tuple[Path, int, str]) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((quick_run[0] / "results.json").read_text())
+        return data
+
+    return quick_run, results

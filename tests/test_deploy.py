@@ -21,6 +21,8 @@ from mlxq.api.status import collect
 from mlxq.worker.tools.redis_server import find_redis_server
 from tests.support import config_with, free_port, start_worker
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "s3cret-for-the-test"
 

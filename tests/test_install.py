@@ -9,11 +9,14 @@ import asyncio
 import os
 import subprocess
 import sys
+import sysconfig
 import venv
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,18 +41,35 @@ asyncio.run(main(sys.argv[1]))
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh environment holding the wheel (its dependencies from the running environment: no download)."""
+    """A fresh environment holding the wheel, its dependencies those of the running environment (no download).
+
+    The running environment's own site-packages are put on the new one's path (a ``.pth`` file), not the base
+    interpreter's (``system_site_packages`` would show those when the tests run in a virtualenv, and whatever
+    happens to be installed there); their ``.pth`` files are not read, so this checkout's editable install is
+    not seen: ``mlxq`` comes from the wheel alone."""
     tmp = tmp_path_factory.mktemp("install")
     wheels = tmp / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(wheels), str(ROOT)], check=True, capture_output=True, timeout=300)
     (wheel,) = wheels.glob("mlxq-*.whl")
     env = tmp / "env"
-    venv.create(env, system_site_packages=True, with_pip=True)
+    venv.create(env, with_pip=True)
     python = env / "bin" / "python"
+    own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                         check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+    running = dict.fromkeys(sysconfig.get_path(name) for name in ("purelib", "platlib"))
+    (Path(own) / "running_environment.pth").write_text("".join(f"{path}\n" for path in running))
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", str(wheel)],
                    check=True, capture_output=True, timeout=300)
     return python
+
+
+def test_the_environment_sees_the_running_environments_packages_not_the_base_interpreters(installed: Path) -> None:
+    import redis
+
+    out = subprocess.run([str(installed), "-c", "import redis; print(redis.__file__)"], check=True,
+                         capture_output=True, text=True, timeout=60)
+    assert Path(out.stdout.strip()) == Path(redis.__file__)  # this environment's, whether the base has one or not
 
 
 def test_the_wheel_installs_everything_under_one_name(installed: Path) -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
     "api": {"mlx", "mlx_lm", "mlx_vlm", "engine", "worker", "arq"},

@@ -7,9 +7,6 @@ No wall-clock thresholds: the numbers depend on the machine; only their presence
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +17,9 @@ import pytest
 
 from tests.perf import paths, report, runs, suite
 from tests.perf.results import BenchResult
+from tests.support import quick_run_fixtures
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,22 +31,8 @@ def _args(out: Path, **over: Any) -> argparse.Namespace:
     return ns
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
-    """One quick research run (tiny models, N in {1, 4}) shared by the tests below; no re-exec, whatever BLAS
-    runs."""
-    out = tmp_path_factory.mktemp("bench")
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        code = suite.run_suite(_args(out), reexec=False)
-    return out, code, buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def results(quick_run: tuple[Path, int, str]) -> dict[str, Any]:
-    out, _, _ = quick_run
-    data: dict[str, Any] = json.loads((out / "results.json").read_text())
-    return data
+# One quick research run (tiny models, N in {1, 4}) shared by the tests below; no re-exec, whatever BLAS runs.
+quick_run, results = quick_run_fixtures(lambda out: suite.run_suite(_args(out), reexec=False))
 
 
 def test_the_quick_run_writes_the_three_files_and_prints_the_table(quick_run: tuple[Path, int, str]) -> None:

@@ -9,7 +9,11 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support import RunningWorker
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

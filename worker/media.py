@@ -97,8 +97,9 @@ async def prepare(req: GenerateRequest, model: LoadedModel, config: WorkerConfig
     limit = min(config.max_prompt_tokens, ctx or config.max_prompt_tokens)
     if len(tokens) > limit:
         raise ImageError(f"the prompt has {len(tokens)} tokens with its images; the limit is {limit}")
-    if ctx is not None and len(tokens) + req.max_tokens > ctx:
-        raise ImageError(f"prompt ({len(tokens)} tokens with its images) + max_tokens ({req.max_tokens}) exceeds "
+    wanted = 1 if req.fit_max_tokens else req.max_tokens  # fitted to the context later (ModelService._fitted)
+    if ctx is not None and len(tokens) + wanted > ctx:
+        raise ImageError(f"prompt ({len(tokens)} tokens with its images) + max_tokens ({wanted}) exceeds "
                          f"the context ({ctx})")
     return ImagePrompt(tokens, images)
 

@@ -183,7 +183,7 @@ class ModelService:
             raise BadRequest(f"request id {req.id!r} does not match job id {job_id!r}")
         if req.model not in (self.served.name, self.served.path):
             raise BadRequest(f"unknown model {req.model!r}: this queue serves {self.name!r}")
-        if req.max_tokens > cfg.max_tokens_limit:
+        if req.max_tokens > cfg.max_tokens_limit and not req.fit_max_tokens:
             raise BadRequest(f"max_tokens {req.max_tokens} exceeds this worker's limit {cfg.max_tokens_limit}")
         return req
 
@@ -241,6 +241,7 @@ class ModelService:
                  images: ImageInputs | None = None, format: Format | None = None, parts: PartMarkers | None = None
                  ) -> EngineRequest:
         """The engine's request, its deadline ``job_timeout_s`` from now."""
+        req = self._fitted(req, len(tokens))
         deadline = time.monotonic() + self.config.job_timeout_s
         return to_engine_request(req, tokens, deadline, cache_boundary=cache_boundary, images=images, format=format,
                                  parts=parts, enqueue_ms=enqueue_ms)
@@ -341,11 +342,23 @@ class ModelService:
             raise BadRequest("the prompt is empty after tokenization")
         if len(tokens) > limit:
             raise BadRequest(f"prompt has {len(tokens)} tokens; the limit is {limit} (by {len(tokens) - limit})")
-        if ctx is not None and len(tokens) + req.max_tokens > ctx:
-            over = len(tokens) + req.max_tokens - ctx
-            raise BadRequest(f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the context "
+        wanted = 1 if req.fit_max_tokens else req.max_tokens  # fitted: at least one token (see _fitted)
+        if ctx is not None and len(tokens) + wanted > ctx:
+            over = len(tokens) + wanted - ctx
+            raise BadRequest(f"prompt ({len(tokens)} tokens) + max_tokens ({wanted}) exceeds the context "
                              f"({ctx}) by {over} tokens")
         return encoded
+
+    def _fitted(self, req: GenerateRequest, prompt_tokens: int) -> GenerateRequest:
+        """``req`` with its max_tokens lowered to what fits, where it asks for that (``fit_max_tokens``): this
+        worker's MLXQ_MAX_TOKENS and the model's context after the prompt's ``prompt_tokens``."""
+        if not req.fit_max_tokens:
+            return req
+        most = min(req.max_tokens, self.config.max_tokens_limit)
+        ctx = self.model.context_length if self.model is not None else None
+        if ctx is not None:
+            most = min(most, ctx - prompt_tokens)
+        return req if most == req.max_tokens else req.model_copy(update={"max_tokens": most})
 
 
 def _speculation(cfg: WorkerConfig, served: ServedModel) -> Speculation | None:

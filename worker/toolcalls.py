@@ -3,9 +3,9 @@ own mlx-lm tool parser (``mlx_lm/tool_parsers``, chosen by mlx-lm's tokenizer wr
 the wire's :class:`~api.schema.ToolCall` records; and the grammar that constrains a job's output to calls of
 its tools (``tool_choice`` required or named).
 
-A call that does not parse (a model that wrote a malformed call under ``auto``, or one cut off by
-``max_tokens``) is not lost: its text, markers included, goes back into the answer's text, as a model without
-tools would have said it.
+A call that does not parse (a model that wrote a malformed call under ``auto``) is not lost: its text, markers
+included, goes back into the answer's text, as a model without tools would have said it. One cut off by
+``max_tokens`` never comes here: the engine leaves it in the answer's text as the model wrote it (no end marker).
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ class MessagesDialect:
         assert job.done is not None
         usage = job.done.usage
         content = [{"type": "thinking", "thinking": job.reasoning, "signature": ""}] if job.reasoning else []
-        if text or not job.tool_calls:
+        if text.strip() or not job.tool_calls:  # whitespace around calls is no text block
             content.append({"type": "text", "text": text})
         content.extend(_tool_use(call) for call in job.tool_calls)
         return {**self._message(ask, job), "content": content, **_stop(job.done),
@@ -224,7 +224,8 @@ class MessagesDialect:
         blocks = _Blocks()
         async for delta in job.deltas():
             out = blocks.add("thinking", delta.reasoning) if delta.reasoning else b""
-            out += blocks.add("text", delta.text) if delta.text else b""
+            spoken = delta.text.strip() or not delta.tool_calls  # whitespace beside calls is no text
+            out += blocks.add("text", delta.text) if delta.text and spoken else b""
             yield out + blocks.calls(delta.tool_calls)
         assert job.done is not None
         usage = {"output_tokens": job.done.usage.completion_tokens}

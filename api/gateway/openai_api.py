@@ -156,7 +156,8 @@ def _parse(model: type[_Common], body: bytes) -> Any:
 
 
 def _job(body: _Common, config: GatewayConfig, max_tokens: int | None, **prompt: Any) -> Ask:
-    """The job: the prompt given, the sampling fields set, the default ``max_tokens`` when none is."""
+    """The job: the prompt given, the sampling fields set; with no ``max_tokens``, the default, lowered by the
+    worker to what fits the model's context after the prompt (OpenAI's API: up to the context)."""
     fields: dict[str, Any] = {name: v for name in _SAMPLING if (v := getattr(body, name)) is not None}
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     metadata = dict(body.metadata or {})
@@ -164,7 +165,8 @@ def _job(body: _Common, config: GatewayConfig, max_tokens: int | None, **prompt:
         metadata.setdefault("user", body.user)
     try:
         req = GenerateRequest(model=body.model, max_tokens=max_tokens or config.default_max_tokens,
-                              stop=[s for s in stops if s], metadata=metadata, **fields, **prompt)
+                              fit_max_tokens=max_tokens is None, stop=[s for s in stops if s], metadata=metadata,
+                              **fields, **prompt)
     except ValidationError as exc:
         raise GatewayError(validation_problem(exc)) from None
     usage = body.stream_options is not None and body.stream_options.include_usage
@@ -270,7 +272,7 @@ class _OpenAI:
     def _text(self, index: int, delta: Delta, sent: _Sent) -> str:
         raise NotImplementedError
 
-    def _last(self, index: int, reason: str) -> str:
+    def _last(self, index: int, reason: str, sent: _Sent) -> str:
         raise NotImplementedError
 
     async def frames(self, ask: Ask, jobs: Choices) -> AsyncIterator[bytes]:
@@ -280,7 +282,7 @@ class _OpenAI:
         head, tail = self._head(ask, jobs, created), self._tail(ask)
         starts = [self._start(i) for i in range(len(jobs.jobs))]
         opening = "".join(f"data: {head}[{start}]{tail}\n\n" for start in starts if start is not None)
-        sent = [_Sent() for _ in jobs.jobs]
+        sent = [_Sent(ask.request.calls_tools) for _ in jobs.jobs]
         async for i, delta in jobs.deltas():
             yield f"{opening}data: {head}[{self._text(i, delta, sent[i])}]{tail}\n\n".encode()
             opening = ""
@@ -288,7 +290,7 @@ class _OpenAI:
         closing = [opening]
         for i, job in enumerate(jobs.jobs):
             assert job.done is not None
-            closing.append(f"data: {head}[{self._last(i, _finish(job.done.finish_reason))}]{tail}\n\n")
+            closing.append(f"data: {head}[{self._last(i, _finish(job.done.finish_reason), sent[i])}]{tail}\n\n")
         if ask.include_usage:
             closing.append(f'data: {head}[],"usage":{dumps(_usage(jobs))}}}\n\n')
         yield Last("".join(closing).encode() + _DONE)
@@ -297,12 +299,25 @@ class _OpenAI:
 class _Sent:
     """What a stream sent of one choice: its tool calls (numbered across the choice) and the length of its tokens'
     texts (the legacy logprobs' offsets, counted as the whole response counts them: by the tokens, whatever text
-    the detokenizer held back at a chunk's end)."""
+    the detokenizer held back at a chunk's end); and, for a request with tools, the whitespace held back until
+    what follows it shows whether it is content (more text) or lies beside calls (none, as OpenAI's)."""
 
-    __slots__ = ("calls", "offset")
+    __slots__ = ("calls", "held", "holds", "offset")
 
-    def __init__(self) -> None:
+    def __init__(self, holds: bool = False) -> None:
         self.calls = self.offset = 0
+        self.holds, self.held = holds, ""
+
+    def content(self, delta: Delta) -> str:
+        """The content to send of ``delta``'s text."""
+        if not self.holds:
+            return delta.text
+        text, self.held = self.held + delta.text, ""
+        if text.strip():
+            return text
+        if not delta.tool_calls:
+            self.held = text
+        return ""
 
     def add(self, delta: Delta) -> None:
         self.calls += len(delta.tool_calls)
@@ -344,8 +359,9 @@ class ChatDialect(_OpenAI):
 
     def _choice(self, ask: Ask, index: int, job: JobStream, text: str) -> dict[str, Any]:
         assert job.done is not None
-        message: dict[str, Any] = {"role": "assistant", "content": text or (None if job.tool_calls else ""),
-                                   "refusal": None}
+        # With calls, whitespace the model wrote around them is no answer: content null, as OpenAI's.
+        content = text if text.strip() or not job.tool_calls else None
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if job.reasoning:
             message["reasoning_content"] = job.reasoning
         if job.tool_calls:
@@ -361,15 +377,18 @@ class ChatDialect(_OpenAI):
         fields = []
         if delta.reasoning:  # vLLM's and DeepSeek's field for a reasoning model's thinking
             fields.append(f'"reasoning_content":{encode_basestring(delta.reasoning)}')
-        if delta.text or not delta.tool_calls:
-            fields.append(f'"content":{encode_basestring(delta.text)}')
+        text = sent.content(delta)
+        if text or not delta.tool_calls:
+            fields.append(f'"content":{encode_basestring(text)}')
         if delta.tool_calls:
             fields.append(f'"tool_calls":{dumps(_calls(delta.tool_calls, sent.calls))}')
         lps = dumps(_logprobs(delta.logprobs)) if delta.logprobs else "null"
         return f'{{"index":{index},"delta":{{{",".join(fields)}}},"logprobs":{lps},"finish_reason":null}}'
 
-    def _last(self, index: int, reason: str) -> str:
-        return f'{{"index":{index},"delta":{{}},"logprobs":null,"finish_reason":"{reason}"}}'
+    def _last(self, index: int, reason: str, sent: _Sent) -> str:
+        # Whitespace still held: content after all, unless the choice made calls.
+        held = f'"content":{encode_basestring(sent.held)}' if sent.held and not sent.calls else ""
+        return f'{{"index":{index},"delta":{{{held}}},"logprobs":null,"finish_reason":"{reason}"}}'
 
 
 class CompletionDialect(_OpenAI):
@@ -398,7 +417,7 @@ class CompletionDialect(_OpenAI):
         lps = dumps(_text_logprobs(delta.logprobs, sent.offset)) if delta.logprobs else "null"
         return f'{{"index":{index},"text":{encode_basestring(delta.text)},"logprobs":{lps},"finish_reason":null}}'
 
-    def _last(self, index: int, reason: str) -> str:
+    def _last(self, index: int, reason: str, sent: _Sent) -> str:
         return f'{{"index":{index},"text":"","logprobs":null,"finish_reason":"{reason}"}}'
 
 

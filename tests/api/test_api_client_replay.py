@@ -30,6 +30,8 @@ from mlxq.api.schema import (
     Usage,
 )
 
+pytestmark = pytest.mark.unit
+
 RID = "job-1"
 PREFIX = "t"
 
@@ -104,9 +106,7 @@ async def fake_redis() -> AsyncIterator[Any]:
 
 @pytest.fixture
 async def fake_client(fake_redis: Any) -> AsyncIterator[Client]:
-    c = Client("redis://unused:1", prefix=PREFIX)
-    await c._redis.aclose()  # never connected; swap in the fake
-    c._redis = fake_redis
+    c = Client(prefix=PREFIX, redis=fake_redis)
     yield c
     await c.aclose()
 
@@ -414,6 +414,15 @@ async def test_stream_text_raises_on_error_event(fake_client: Client, fake_worke
 
 
 # --- cancel() -------------------------------------------------------------------------------------------
+
+
+async def test_a_client_given_a_connection_submits_and_cancels_on_it_and_leaves_it_open(fake_redis: Any) -> None:
+    async with Client(prefix=PREFIX, redis=fake_redis) as c:
+        rid = await c.submit(model="m", prompt="hi")  # the batched enqueue: a connection of the given pool
+        assert await fake_redis.zrange(c.keys.queue("m"), 0, -1) == [rid.encode()]
+        assert await c.cancel(rid) is True
+        assert await fake_redis.get(c.keys.cancel(rid)) == b"1"
+    assert await fake_redis.ping()  # its owner's to close
 
 
 async def test_cancel_sets_key_with_ttl_and_publishes_id(fake_client: Client, fake_redis: Any) -> None:

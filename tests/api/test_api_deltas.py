@@ -3,6 +3,8 @@ response take them."""
 
 from __future__ import annotations
 
+import pytest
+
 from mlxq.api.deltas import Whole
 from mlxq.api.schema import (
     DoneEvent,
@@ -16,6 +18,8 @@ from mlxq.api.schema import (
     ToolCall,
     Usage,
 )
+
+pytestmark = pytest.mark.unit
 
 RID = "job-1"
 CALL = ToolCall(id="c1", function=FunctionCall(name="f", arguments='{"x": 1}'))

@@ -14,6 +14,8 @@ from mlxq.api.client import Client, Result
 from mlxq.api.schema import DoneEvent, FinishReason
 from tests.api.gateway_support import Deployment, ServedGateway, deployment
 
+pytestmark = pytest.mark.e2e
+
 SYSTEM = "Answer briefly."
 USER = [{"role": "user", "content": "Say hello"}]
 AS_QUEUE = [{"role": "system", "content": SYSTEM}, *USER]  # the same conversation, as a queue job

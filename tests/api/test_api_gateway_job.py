@@ -36,6 +36,8 @@ from mlxq.api.schema import (
     WorkerStatus,
 )
 
+pytestmark = pytest.mark.unit
+
 RID = "job-1"
 
 
@@ -63,9 +65,7 @@ def renumber(events: list[Event]) -> list[Event]:
 @pytest.fixture
 async def client() -> AsyncIterator[Client]:
     redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer())
-    c = Client("redis://unused:1", prefix="t")
-    await c._redis.aclose()  # never connected; swap in the fake
-    c._redis = redis
+    c = Client(prefix="t", redis=redis)
     now = time.time()
     status = WorkerStatus(id="w", host="h", pid=1, version="0", started_at=now, updated_at=now,
                           models=[ModelStatus(name="m", state=ModelState.SERVING, capacity=1)])

@@ -20,6 +20,8 @@ from mlxq.api.schema import DoneEvent, Event, FinishReason
 from mlxq.worker.tools.process import GatewayProcess
 from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, deployment
 
+pytestmark = pytest.mark.e2e
+
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Say hello"}]
 LONG = 400  # tokens: a job still decoding long after its first chunk (the context is 512)
 
@@ -80,6 +82,17 @@ async def test_without_include_usage_a_stream_has_no_usage_chunk(oai: openai.Asy
     chunks = [c async for c in stream]
     assert all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_without_max_tokens_a_request_gets_what_fits_the_context(oai: openai.AsyncOpenAI) -> None:
+    # The gateway's default (512) is the tiny model's whole context: the worker lowers it to what the prompt leaves.
+    chat = await oai.chat.completions.create(model="tiny", messages=MESSAGES)  # type: ignore[arg-type]
+    text = await oai.completions.create(model="tiny", prompt="Once upon a time")
+    for resp, reason in ((chat, chat.choices[0].finish_reason), (text, text.choices[0].finish_reason)):
+        assert resp.usage is not None and reason == "length"
+        assert resp.usage.prompt_tokens + resp.usage.completion_tokens == 512
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens \(512\) exceeds the context \(512\)"):
+        await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=512)  # type: ignore[arg-type]
 
 
 async def test_content_parts_of_text_are_joined(oai: openai.AsyncOpenAI, queue: Client) -> None:

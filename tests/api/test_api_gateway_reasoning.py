@@ -17,6 +17,8 @@ from mlxq.api.client import Client
 from tests.api.gateway_support import Deployment, ServedGateway, deployment
 from tests.worker.test_worker_reasoning import thought_then_answer
 
+pytestmark = pytest.mark.e2e
+
 MESSAGES = [{"role": "user", "content": "Think, then answer."}]
 
 

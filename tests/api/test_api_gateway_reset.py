@@ -20,6 +20,8 @@ from mlxq.api.client import Client
 from mlxq.api.schema import DoneEvent, Event, FinishReason
 from tests.api.gateway_support import Deployment, ServedGateway, deployment
 
+pytestmark = pytest.mark.e2e
+
 MESSAGES = [{"role": "user", "content": "Tell me a long story"}]
 LONG = 400
 

@@ -19,6 +19,8 @@ from mlxq.api.errors import BadRequest
 from mlxq.api.schema import ErrorEvent
 from tests.api.gateway_support import Deployment, ServedGateway, deployment
 
+pytestmark = pytest.mark.e2e
+
 
 class Size(str, Enum):
     SMALL = "small"

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from tests.api.gateway_support import Deployment, ServedGateway, deployment, post
 from tests.worker.test_worker_tools import CLOCK, WEATHER, valid, valid_call
 
+pytestmark = pytest.mark.e2e
+
 MESSAGES: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS: Any = [WEATHER, CLOCK]
 ANTHROPIC_TOOLS: Any = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
@@ -73,6 +75,7 @@ async def test_openai_required_and_named_calls_whole_and_streamed(oai: openai.As
                                                  max_tokens=400)
         choice0 = resp.choices[0]
         assert choice0.finish_reason == "tool_calls" and choice0.message.tool_calls
+        assert choice0.message.content is None  # as OpenAI's: whitespace around the calls is no answer
         for call in choice0.message.tool_calls:
             assert call.type == "function" and call.id and valid_call(call, TOOLS)
         if isinstance(choice, dict):
@@ -85,7 +88,7 @@ async def test_openai_required_and_named_calls_whole_and_streamed(oai: openai.As
                 pass
             final = await stream.get_final_completion()
         streamed = final.choices[0]
-        assert streamed.finish_reason == "tool_calls"
+        assert streamed.finish_reason == "tool_calls" and not streamed.message.content  # no whitespace as content
         assert [(c.id, c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] != []
         assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == [
             (c.function.name, c.function.arguments) for c in choice0.message.tool_calls]  # greedy: the same calls
@@ -118,6 +121,20 @@ async def test_anthropic_tool_use_of_tools_whose_schemas_leave_additional_proper
         assert all(open_call_is_valid(b.name, b.input) for b in uses)  # type: ignore[arg-type]
         if choice["type"] == "tool":
             assert {b.name for b in uses} == {choice["name"]}
+
+
+async def test_a_call_cut_off_by_max_tokens_is_the_text_the_model_wrote(oai: openai.AsyncOpenAI,
+                                                                         claude: anthropic.AsyncAnthropic) -> None:
+    resp = await oai.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                             max_tokens=6)
+    (choice,) = resp.choices
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content and choice.message.content.startswith("<tool_call>")
+    assert "</tool_call>" not in choice.message.content  # no end marker the model never wrote
+    msg = await claude.messages.create(model="tiny", messages=MESSAGES, tools=ANTHROPIC_TOOLS, max_tokens=6,
+                                       tool_choice={"type": "any"})
+    assert msg.stop_reason == "max_tokens" and [b.type for b in msg.content] == ["text"]
+    assert msg.content[0].type == "text" and msg.content[0].text == choice.message.content
 
 
 async def test_openai_two_turn_tool_loop(oai: openai.AsyncOpenAI) -> None:

@@ -6,18 +6,33 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from mlxq.api.deltas import Delta
 from mlxq.api.gateway import GatewayConfig
 from mlxq.api.gateway.anthropic_api import MESSAGES
 from mlxq.api.gateway.auth import Auth
 from mlxq.api.gateway.content import chat_content
 from mlxq.api.gateway.errors import GatewayError
 from mlxq.api.gateway.openai_api import CHAT, COMPLETIONS
-from mlxq.api.schema import DoneEvent, FinishReason, ImagePart, ImageURL, TextPart, Timings, Usage, decode_event
+from mlxq.api.schema import (
+    DoneEvent,
+    FinishReason,
+    FunctionCall,
+    ImagePart,
+    ImageURL,
+    TextPart,
+    Timings,
+    ToolCall,
+    Usage,
+    decode_event,
+)
+
+pytestmark = pytest.mark.unit
 
 CONFIG = GatewayConfig(default_max_tokens=77)
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +65,8 @@ def test_what_a_request_leaves_out_takes_the_gateways_defaults() -> None:
     assert (req.prompt, req.max_tokens, req.temperature, req.top_p, req.seed, req.stop) == ("once", 77, 0.0, 1.0,
                                                                                           None, ["x"])
     assert not ask.stream and not ask.include_usage
+    assert req.fit_max_tokens  # the worker lowers the default to what fits the context
+    assert not COMPLETIONS.parse(body(model="m", prompt="once", max_tokens=5), CONFIG).request.fit_max_tokens
 
 
 def test_a_message_request_maps_system_blocks_stops_and_sampling() -> None:
@@ -142,6 +159,45 @@ def test_a_done_event_carries_the_stop_sequence_that_ended_it_and_only_then() ->
     stopped = DoneEvent(**{**plain.model_dump(), "stop_sequence": "END"})
     assert decode_event(stopped.model_dump_json()) == stopped and stopped.stop_sequence == "END"
     assert decode_event(plain.model_dump_json()).stop_sequence is None
+
+
+class _Ended:
+    """A choice's job as a stream's last frames read it: how it ended."""
+
+    def __init__(self, reason: FinishReason) -> None:
+        self.done = DoneEvent(id="r", seq=1, finish_reason=reason, usage=Usage(prompt_tokens=1, completion_tokens=2),
+                              timings=Timings(queue_ms=0.0, ttft_ms=None, total_ms=1.0, tokens_per_s=None))
+
+
+class _OneChoice:
+    """One job's deltas, as a stream reads them."""
+
+    rid = "r"
+
+    def __init__(self, deltas: list[Delta], reason: FinishReason) -> None:
+        self.jobs, self._deltas = [_Ended(reason)], deltas
+
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
+        for delta in self._deltas:
+            yield 0, delta
+
+
+@pytest.mark.parametrize(("texts", "reason", "content"), [
+    (["\n", "CALL", "\n\n"], FinishReason.TOOL_CALLS, ""),  # whitespace beside calls: no content, as OpenAI's
+    (["\n", "Hi", " ", "\n"], FinishReason.STOP, "\nHi \n"),  # no calls: held whitespace is content after all
+    (["\n", "Hi", "CALL", " "], FinishReason.TOOL_CALLS, "\nHi"),
+])
+async def test_a_stream_with_tools_sends_no_whitespace_beside_calls_as_content(texts: list[str], reason: FinishReason,
+                                                                                content: str) -> None:
+    call = ToolCall(id="c", function=FunctionCall(name="f", arguments="{}"))
+    deltas = [Delta("", tool_calls=(call,)) if t == "CALL" else Delta(t) for t in texts]
+    ask = CHAT.parse(body(model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
+                          tools=[{"type": "function", "function": {"name": "f"}}]), CONFIG)
+    frames = [f async for f in CHAT.frames(ask, _OneChoice(deltas, reason))]  # type: ignore[arg-type]
+    chunks = [json.loads(line[6:]) for line in b"".join(frames).decode().splitlines()
+              if line.startswith("data: {")]
+    sent = [c["choices"][0]["delta"].get("content") for c in chunks]
+    assert "".join(t or "" for t in sent) == content
 
 
 @pytest.mark.parametrize("env", [

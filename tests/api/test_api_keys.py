@@ -10,6 +10,8 @@ from redis.crc import key_slot
 from mlxq.api.keys import Keys, log_entry_id, seq_of_entry_id
 from mlxq.api.schema import REQUEST_ID_PATTERN
 
+pytestmark = pytest.mark.unit
+
 PER_JOB = ("events", "log", "cancel", "lease", "job", "result", "tries")
 
 

@@ -25,6 +25,8 @@ from mlxq.worker.tools.redis_server import RedisServer, find_redis_server
 from tests.peers import PEERS, silent_peer
 from tests.support import free_port
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def secured(tmp_path: Path) -> Iterator[int]:

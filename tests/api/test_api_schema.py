@@ -36,6 +36,8 @@ from mlxq.api.schema import (
     token_event_json,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def req(**fields: object) -> GenerateRequest:
     base: dict[str, object] = {"model": "m", "prompt": "hello"}

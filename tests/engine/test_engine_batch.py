@@ -16,6 +16,8 @@ from mlxq.engine.scheduler import Scheduler
 from tests.engine.fakes import Run
 from tests.support import reference, reference_text
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def lm(tiny_model: Path) -> Any:

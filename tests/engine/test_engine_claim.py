@@ -6,11 +6,15 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import pytest
+
 from mlxq.engine.batch import BatchToken
 from mlxq.engine.engine import Engine
 from mlxq.engine.mlx_thread import MLXThread
 from mlxq.engine.request import RequestOutput
 from tests.engine.fakes import ToyBatch, req, scheduler
+
+pytestmark = pytest.mark.unit
 
 
 class SlowToyBatch(ToyBatch):

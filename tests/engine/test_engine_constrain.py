@@ -20,6 +20,8 @@ from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
 from mlxq.engine.scheduler import Scheduler
 from tests.engine.fakes import Run
 
+pytestmark = pytest.mark.unit
+
 
 class Color(str, Enum):
     RED = "red"

@@ -6,11 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import generate_step
 
 from mlxq.engine.request import EngineRequest, SamplingParams
 from tests.engine.fakes import Run
 from tests.engine.test_engine_batch import drive, lm, make, stream, words  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.unit
 
 
 def reference(model: Any, prompt: list[int], n: int) -> list[tuple[int, list[float]]]:

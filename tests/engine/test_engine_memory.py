@@ -16,6 +16,8 @@ from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
 from mlxq.engine.scheduler import Room, Scheduler
 from tests.engine.fakes import Run, ToyBatch, req, scheduler, toy_generate
 
+pytestmark = pytest.mark.unit
+
 # --- arithmetic -----------------------------------------------------------------------------------------
 
 

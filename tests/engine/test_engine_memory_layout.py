@@ -14,6 +14,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine.memory import KV_STEP, KVBudget, measure_layout
 
+pytestmark = pytest.mark.unit
+
 PREFILL = 64
 
 

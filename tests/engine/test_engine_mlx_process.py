@@ -29,6 +29,8 @@ from mlxq.engine.memory import (
 from mlxq.engine.mlx_process import MLXLimits, mlx_process
 from mlxq.engine.request import EngineRequest, RequestOutput, SamplingParams
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 RECOMMENDED = 3 << 30
 

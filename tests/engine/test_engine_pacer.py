@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mlxq.engine.pacer import Pacer
 from mlxq.engine.request import FinishReason, RequestOutput
+
+pytestmark = pytest.mark.unit
 
 
 class Clock:

@@ -10,6 +10,8 @@ from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, Samp
 from mlxq.engine.sequence import Sequence
 from tests.engine.fakes import Detok
 
+pytestmark = pytest.mark.unit
+
 THINK = ("<think>", "</think>")
 TOOL = ("<tool_call>", "</tool_call>")
 MARKERS = PartMarkers(think=THINK)
@@ -51,8 +53,8 @@ def test_tool_calls_leave_the_answer_from_the_answer_or_the_reasoning(size: int)
         "<think>I should call itThen:  done", "", ['{"name": "a"}', '{"name": "b"}'])
 
 
-def test_a_call_cut_off_by_the_end_goes_out_as_it_is() -> None:
-    assert split(["ok <tool_call>{\"na"], PartMarkers(tool=TOOL)) == ("ok ", "", ['{"na'])
+def test_a_call_cut_off_by_the_end_is_answer_text_as_the_model_wrote_it() -> None:
+    assert split(["ok <tool_call>{\"na"], PartMarkers(tool=TOOL)) == ('ok <tool_call>{"na', "", [])
 
 
 def test_a_sequence_reports_reasoning_and_calls_apart_from_its_text() -> None:

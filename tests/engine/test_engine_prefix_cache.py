@@ -19,6 +19,8 @@ from mlxq.engine.scheduler import Scheduler
 from tests.engine.fakes import Run, ToyCache
 from tests.support import reference
 
+pytestmark = pytest.mark.unit
+
 SYSTEM = {"role": "system", "content": "You are the model queue server. Answer in tokens. " * 8}
 
 

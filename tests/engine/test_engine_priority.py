@@ -9,6 +9,8 @@ from mlxq.engine.scheduler import Scheduler
 from mlxq.engine.waiting import WaitingQueue, priority_key
 from tests.engine.fakes import Clock, Run, ToyBatch, req, scheduler, toy_generate
 
+pytestmark = pytest.mark.unit
+
 # --- the waiting queue ----------------------------------------------------------------------------------
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from mlxq.engine.prompt import EncodedPrompt, PromptEncoder, encode_prompt, encode_prompt_with_boundary
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model: Path) -> Any:

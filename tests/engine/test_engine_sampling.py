@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 
 from mlxq.engine.request import SamplingParams
 from mlxq.engine.sampling import RowSampler, make_request_logits_processors
+
+pytestmark = pytest.mark.unit
 
 
 def test_no_penalty_means_no_processor() -> None:

@@ -12,6 +12,8 @@ from mlxq.engine.batch import BatchToken
 from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from mlxq.engine.scheduler import Scheduler, StepFailed
 
+pytestmark = pytest.mark.unit
+
 # --- fakes ----------------------------------------------------------------------------------------------
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from mlxq.engine.sequence import EOS, LENGTH, Sequence
 from tests.engine.fakes import Detok
+
+pytestmark = pytest.mark.unit
 
 
 def row(max_tokens: int = 10, stop: tuple[str, ...] = ()) -> Sequence:

@@ -24,6 +24,8 @@ from mlxq.engine.stats import EngineStats
 from tests.engine.fakes import Run
 from tests.support import reference
 
+pytestmark = pytest.mark.unit
+
 WORDS = ("the", "sea", "ship", "story", "numbers", "words", "fox", "quick", "brown", "red", "blue", "river", "stone",
          "light")
 

@@ -3,9 +3,13 @@ string that ended a request, on the scheduler's last output of it."""
 
 from __future__ import annotations
 
+import pytest
+
 from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams, coalesce
 from mlxq.engine.stops import StopMatcher, StopResult
 from tests.engine.fakes import Run, ToyBatch, scheduler, toy_generate
+
+pytestmark = pytest.mark.unit
 
 
 def feed_all(m: StopMatcher, deltas: list[str]) -> tuple[list[str], bool]:

@@ -20,6 +20,8 @@ from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, Samp
 from mlxq.engine.scheduler import Scheduler
 from tests.engine.test_engine_claim import ManualClock
 
+pytestmark = pytest.mark.unit
+
 
 class EntryCounter:
     """Counts threads inside 'MLX' at once; the maximum must stay 1."""

@@ -28,6 +28,8 @@ from mlxq.engine.sampling import make_request_logits_processors, make_request_sa
 from mlxq.engine.scheduler import Scheduler
 from tests.vlm_support import Oracle, chat, data_url, picture, template_messages
 
+pytestmark = pytest.mark.unit
+
 N = 16  # tokens per request
 IMG_A = data_url(64, 40, 1)
 IMG_B = data_url(48, 64, 2)

@@ -19,6 +19,8 @@ from tokenizers import Tokenizer
 from mlxq.worker.tools import tinymodel
 from mlxq.worker.tools.tinymodel import EOS_TOKEN, SIZES, ensure_model, model_dir
 
+pytestmark = pytest.mark.unit
+
 SIZE_NAMES = sorted(s for s in SIZES if not s.startswith("small-"))  # the bench's pair: built by the bench
 PROMPTS = ["Hello there", "The water is cold.", "Write a poem about the sea", "1 2 3 4"]
 Loaded = tuple[Any, Any, dict[str, Any]]  # (model, TokenizerWrapper, config)

@@ -6,13 +6,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-import mlx_vlm
 import pytest
 from mlx.utils import tree_flatten
 
 from mlxq.worker.tools import tinyvlm
 from mlxq.worker.tools.tinyvlm import IMAGE_PAD, VISION_END, VISION_START, ensure_vlm, vlm_dir
 from tests.vlm_support import data_url
+
+pytestmark = pytest.mark.unit
+mlx_vlm = pytest.importorskip("mlx_vlm", reason="needs the vision extra (mlx-vlm)")
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
          "preprocessor_config.json")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import io
 import json
 import os
 import subprocess
@@ -24,6 +23,9 @@ from mlxq.worker.tools import bench, blas
 from mlxq.worker.tools.bench import preload
 from mlxq.worker.tools.bench.http import SseClient
 from mlxq.worker.tools.bench.paths import stream
+from tests.support import quick_run_fixtures
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,21 +37,9 @@ def _args(out: Path, **over: Any) -> argparse.Namespace:
     return ns
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
-    """One quick bench (the generated tiny model, N in {1, 4}); no re-exec, whatever BLAS runs."""
-    out = tmp_path_factory.mktemp("bench")
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        code = bench.run_bench(_args(out), reexec=False)
-    return out, code, buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def results(quick_run: tuple[Path, int, str]) -> dict[str, Any]:
-    out, _, _ = quick_run
-    data: dict[str, Any] = json.loads((out / "results.json").read_text())
-    return data
+# One quick bench (the generated tiny model, N in {1, 4}) shared by the tests below; no re-exec, whatever BLAS
+# runs.
+quick_run, results = quick_run_fixtures(lambda out: bench.run_bench(_args(out), reexec=False))
 
 
 def test_the_quick_run_writes_its_files_and_prints_the_table(quick_run: tuple[Path, int, str]) -> None:

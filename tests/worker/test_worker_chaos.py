@@ -32,6 +32,8 @@ from mlxq.worker.tools.process import WorkerProcess
 from mlxq.worker.tools.redis_server import RedisServer
 from tests.support import RunningWorker, config_with, start_worker
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 PROMPTS = [f"prompt {i}: " + "the quick brown fox " * (i % 4) for i in range(10)]
 
 

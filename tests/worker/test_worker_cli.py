@@ -24,6 +24,8 @@ from mlxq.worker.tools.process import WorkerProcess
 from tests.peers import PEERS, silent_peer
 from tests.support import config_with, start_worker
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -278,6 +280,24 @@ def test_a_model_directory_that_fails_to_load_is_one_error_line_and_exit_78(brea
     if breakage == "corrupt_weights":
         debug = arq_worker_run({**env, "MLXQ_LOG_LEVEL": "DEBUG"})
         assert debug.returncode == 78 and "Traceback" in debug.stderr and "load_safetensors" in debug.stderr
+
+
+def test_a_vision_model_without_mlx_vlm_names_the_extra_in_one_line_and_exits_78(tmp_path: Path,
+                                                                                  redis_url: str) -> None:
+    model = tmp_path / "vlm"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2_vl", "vision_config": {"depth": 1}}')
+    full = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}
+    full.update(MLXQ_MODEL=str(model), MLXQ_REDIS_URL=redis_url)
+    # A worker install without the vision extra: mlx_vlm cannot be imported (whether this environment has it).
+    hidden = "import sys; sys.modules['mlx_vlm'] = None; from arq.cli import cli; cli(['mlxq.worker.Settings'])"
+    proc = subprocess.run([sys.executable, "-c", hidden], cwd=ROOT, env=full, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 78, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    (error,) = [ln for ln in proc.stderr.splitlines() if " ERROR " in ln]
+    assert error.endswith(f"worker cannot start: {model} is a vision-language model: serving it needs mlx-vlm, which "
+                          "the vision extra installs (pip install 'mlxq[vision]')")
 
 
 def test_a_hub_model_neither_cached_nor_reachable_is_one_line_and_exit_78(tmp_path: Path, redis_url: str) -> None:

@@ -46,6 +46,8 @@ from mlxq.worker.service import BadRequest, ModelService
 from mlxq.worker.translate import to_engine_request
 from tests.support import RunningWorker, collect, enqueue_raw, start_worker, terminal, text_of
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 MODEL = "tiny"
 QUEUE = f"mlxq:queue:{MODEL}"
 JOB_ID = "fuzz-job-0001"  # the id mutated payloads carry (the end-to-end test swaps in a fresh one per job)

@@ -24,6 +24,8 @@ from mlxq.worker.config import WorkerConfig
 from mlxq.worker.media import ImageError, ImageLimits, decode_image
 from tests.vlm_support import chat, png
 
+pytestmark = pytest.mark.unit
+
 LIMITS = ImageLimits(max_images=4, max_bytes=64 * 1024, max_pixels=100 * 100)
 URLS = ImageLimits(max_images=4, max_bytes=64 * 1024, max_pixels=100 * 100, urls=True, fetch_timeout_s=1.0,
                    private_urls=True)  # the test's server is on loopback

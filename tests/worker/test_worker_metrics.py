@@ -19,6 +19,8 @@ from mlxq.api.keys import Keys
 from mlxq.api.schema import ErrorCode, ErrorEvent
 from tests.support import config_with, free_port, start_worker, wait_for
 
+pytestmark = pytest.mark.e2e
+
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

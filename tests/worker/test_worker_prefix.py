@@ -12,6 +12,8 @@ from mlxq.api.client import Client
 from mlxq.engine.prompt import encode_prompt_with_boundary
 from tests.support import RunningWorker, reference
 
+pytestmark = pytest.mark.e2e
+
 SYSTEM = {"role": "system", "content": "You are the model behind a Redis job queue; answer in few tokens. " * 6}
 
 

@@ -14,6 +14,8 @@ from mlxq.api.schema import ErrorCode
 from mlxq.worker import arqseam
 from tests.support import config_with, start_worker
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 
 async def _ends_in_order(client: Client, rids: list[str]) -> list[str]:
     order: list[str] = []

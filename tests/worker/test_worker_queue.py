@@ -29,6 +29,8 @@ from tests.support import (
     wait_for,
 )
 
+pytestmark = pytest.mark.e2e
+
 PROMPTS = [
     "a",
     "Hello world",

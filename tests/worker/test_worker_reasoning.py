@@ -7,8 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from mlxq.api.client import Client
 from tests.support import config_with, start_worker
+
+pytestmark = pytest.mark.e2e
 
 MESSAGES = [{"role": "user", "content": "Think, then answer."}]
 

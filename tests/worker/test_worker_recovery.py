@@ -24,6 +24,8 @@ from mlxq.worker.arqseam import arq_job
 from mlxq.worker.tools.process import WorkerProcess
 from mlxq.worker.tools.redis_server import RedisServer
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 FAST_RECOVERY = {"MLXQ_LEASE_TTL": "2", "MLXQ_REAP_INTERVAL": "0.5", "MLXQ_CANCEL_POLL": "0.1"}
 
 

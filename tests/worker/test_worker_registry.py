@@ -18,6 +18,8 @@ from mlxq.api.keys import Keys, deadline_member
 from mlxq.api.schema import DoneEvent, ErrorCode, ErrorEvent, FinishReason, ModelState
 from tests.support import RunningWorker, config_with, start_worker
 
+pytestmark = pytest.mark.e2e
+
 
 async def test_a_worker_publishes_its_health_record_and_removes_it_when_it_stops(worker_config: Any,
                                                                                   client: Client) -> None:

@@ -10,6 +10,7 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
 import redis.asyncio as aredis
 
 from mlxq.api.client import Client
@@ -19,6 +20,8 @@ from mlxq.worker.health import package_version
 from mlxq.worker.tools.process import WorkerProcess
 from tests.support import RunningWorker
 from tests.worker.test_worker_cli import arq_worker, mlxq  # noqa: F401 (arq_worker is a fixture)
+
+pytestmark = pytest.mark.e2e
 
 FRAME = "\x1b[H\x1b[2J"  # what --watch writes before each refresh
 

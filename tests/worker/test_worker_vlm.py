@@ -22,6 +22,8 @@ from mlxq.worker.config import WorkerConfig
 from tests.support import RunningWorker, enqueue_raw, start_worker
 from tests.vlm_support import Oracle, chat, data_url, png
 
+pytestmark = pytest.mark.e2e
+
 VL = "tiny-vl"
 N = 16
 IMG_A, IMG_B, IMG_C = data_url(64, 40, 1), data_url(48, 64, 2), data_url(100, 80, 3)

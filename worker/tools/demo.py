@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -30,9 +31,16 @@ from .process import GatewayProcess, WorkerProcess
 from .redis_server import NoRedisServer, RedisServer
 from .tinymodel import ensure_model  # imports MLX: a producer-only install fails here, before anything starts
 
-__all__ = ["EXIT_NO_REDIS", "run_demo"]
+__all__ = ["EXIT_NO_REDIS", "EXIT_PORT_TAKEN", "run_demo"]
 
 EXIT_NO_REDIS = 2  # no redis-server to embed (as a missing extra: something to install)
+EXIT_PORT_TAKEN = 2  # the gateway's port is in use (a setting to change)
+# The tool the gateway's tools curl line offers a tiny-tools demo, whose random model calls it with noise: a
+# bounded string, which it would otherwise write on to the end of its context.
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                   "required": ["city"], "additionalProperties": False}}}
 
 PROMPTS = [
     "Hello world number {i} the quick brown fox",
@@ -86,6 +94,10 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 def _demo(jobs: int, max_tokens: int, size: str, gateway_port: int | None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its no-PyTorch notice is not ours to print
+    if gateway_port and not _port_free(gateway_port):  # before anything starts: nothing to stop or leave behind
+        _say(f"mlxq: port {gateway_port} is in use; pick another with `mlxq demo --gateway --port N` "
+             "(--port 0: any free one)")
+        return EXIT_PORT_TAKEN
     url = os.environ.get("MLXQ_REDIS_URL")
     if url:  # a bad one is the CLI's ConfigError (exit 2), before anything starts
         url = parse_redis_url("MLXQ_REDIS_URL", url)
@@ -107,6 +119,17 @@ def _demo(jobs: int, max_tokens: int, size: str, gateway_port: int | None) -> in
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             _say(f"the worker's log is kept in {workdir}")
+
+
+def _port_free(port: int) -> bool:
+    """Whether the gateway can listen on ``port`` of the loopback address (as uvicorn binds: SO_REUSEADDR)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _run(url: str, embedded: bool, workdir: Path, jobs: int, max_tokens: int, size: str,
@@ -214,6 +237,11 @@ def _serve_gateway(url: str, prefix: str, model: str, workdir: Path, port: int) 
               f"-d '{json.dumps(chat)}'", flush=True)
         print(f"curl {gateway.url}/v1/messages -H 'Content-Type: application/json' -d '{json.dumps(message)}'",
               flush=True)
+        if model == "tiny-tools":
+            tools = {"model": model, "messages": [{"role": "user", "content": "The weather in Paris?"}],
+                     "tools": [WEATHER_TOOL], "tool_choice": "required"}  # no max_tokens: up to the context
+            print(f"curl {gateway.url}/v1/chat/completions -H 'Content-Type: application/json' "
+                  f"-d '{json.dumps(tools)}'", flush=True)
         _say("serving until Ctrl-C (or SIGTERM)")
         assert gateway.proc is not None
         gateway.proc.wait()

@@ -16,7 +16,7 @@ __all__ = [
     "paired_median", "percentile", "prompt_batch", "safe_ratio", "say",
 ]
 
-PROMPT = "Hello world number {i} the quick brown fox"  # as in /work/shared/PERF-ANCHORS.md
+PROMPT = "Hello world number {i} the quick brown fox"  # the first of worker/tools/demo.py's PROMPTS
 SETTLE_S = 0.3  # idle pause before every measured run (see paths.frozen)
 TIMEOUT_S = 900.0  # one job's wait bound (a large N on a slow model queues for minutes)
 
