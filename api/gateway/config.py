@@ -38,8 +38,9 @@ class GatewayConfig:
                                   "MLXQ_MAX_IMAGE_BYTES", minimum=1,
                                   shown=f"the largest job the workers' limits allow: {DEFAULT_MAX_BODY_BYTES} with "
                                         "their defaults")
-    default_max_tokens: int = setting("MLXQ_GATEWAY_MAX_TOKENS", DEFAULT_MAX_TOKENS, "max_tokens of a request that "
-                                      "names none", minimum=1)
+    default_max_tokens: int = setting("MLXQ_GATEWAY_MAX_TOKENS", DEFAULT_MAX_TOKENS, "the most max_tokens "
+                                      "of an OpenAI request that names none (the worker lowers it to what fits "
+                                      "the context)", minimum=1)
     client: ClientConfig = field(default_factory=ClientConfig)
 
     @classmethod
