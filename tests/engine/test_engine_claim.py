@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from mlxq.engine.batch import BatchToken
+from mlxq.engine.backend import BatchToken
 from mlxq.engine.engine import Engine
 from mlxq.engine.mlx_thread import MLXThread
 from mlxq.engine.request import RequestOutput

@@ -1,4 +1,4 @@
-"""Speculative decoding in the batch (engine/speculative.py): every row's tokens equal plain greedy decoding's
+"""Speculative decoding in the batch (engine/mlx_speculative.py): every row's tokens equal plain greedy decoding's
 whatever the proposals, with a draft model and with prompt lookup, at N = 1, 8 and 32, through stop strings,
 max_tokens, cancels, preemption, the prefix cache and rows that never take proposals."""
 
@@ -13,13 +13,16 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxq.engine.batch import MLXBatch
+from mlxq.engine.mlx_batch import MLXBatch
+from mlxq.engine.mlx_proposers import DraftModel, PromptLookup, _Lookup
+from mlxq.engine.mlx_ragged_cache import ragged, rollback
+from mlxq.engine.mlx_speculative import Proposer
 from mlxq.engine.prefix_cache import PrefixCache
 from mlxq.engine.prompt import encode_prompt_with_boundary
 from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
 from mlxq.engine.sampling import make_request_logits_processors, make_request_sampler
 from mlxq.engine.scheduler import Scheduler
-from mlxq.engine.speculative import DraftModel, PromptLookup, Proposer, Tuner, _Lookup, ragged, rollback
+from mlxq.engine.spec_tuner import Tuner
 from mlxq.engine.stats import EngineStats
 from tests.engine.fakes import Run
 from tests.support import reference
