@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol, cast
 
-from .batch import BatchBackend, BatchToken, CachingBackend, GeneratedToken, SequenceCache
-from .prefix_cache import PrefixCache
+from .backend import BatchBackend, BatchToken, CachingBackend, GeneratedToken, PrefixStore, SequenceCache
 from .sequence import Sequence
 from .stats import EngineStats
 
@@ -59,7 +58,7 @@ class CacheStrategy(Protocol):
         """Drop every cache kept (after an engine failure: memory may be what failed)."""
 
 
-def strategy_for(backend: BatchBackend, prefix: PrefixCache | None, stats: EngineStats) -> CacheStrategy:
+def strategy_for(backend: BatchBackend, prefix: PrefixStore | None, stats: EngineStats) -> CacheStrategy:
     """:class:`ReuseCaches` for a backend that hands caches out, else :class:`Recompute`."""
     if getattr(backend, "supports_caches", False):
         return ReuseCaches(cast(CachingBackend, backend), prefix, stats)
@@ -112,12 +111,12 @@ class Recompute:
 
 
 class ReuseCaches:
-    """A backend that hands caches out (:class:`~engine.batch.CachingBackend`), with an optional prefix cache."""
+    """A backend that hands caches out (:class:`~engine.backend.CachingBackend`), with an optional prefix cache."""
 
     starts_at_once = True
     holds_caches = True
 
-    def __init__(self, backend: CachingBackend, prefix: PrefixCache | None, stats: EngineStats) -> None:
+    def __init__(self, backend: CachingBackend, prefix: PrefixStore | None, stats: EngineStats) -> None:
         self.backend = backend
         self.prefix = prefix
         self.stats = stats

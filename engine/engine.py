@@ -8,6 +8,8 @@ Requests claimed together (:meth:`Engine.expect`) reach an idle engine moments a
 while more keep arriving less than a fifth of the admission window apart, up to a full prefill batch or the
 window's end, so a burst prefills as one batch; meanwhile a backend that embeds its rows (``engine/vlm.py``)
 embeds each arrival. :meth:`Engine.claim_capacity` tells the worker how many more requests fit soon.
+
+It imports no MLX: the backend is ``backend.py``'s protocol, and the thread a :class:`StepThread`.
 """
 
 from __future__ import annotations
@@ -18,19 +20,28 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from .batch import BatchBackend
-from .mlx_thread import MLXThread
+from .backend import BatchBackend
 from .pacer import Pacer
 from .request import EngineRequest, ErrorCode, FinishReason, RequestOutput, terminal
 from .scheduler import Scheduler, StepFailed
 from .stats import EngineStats
 
-__all__ = ["Engine", "EngineStats"]
+__all__ = ["Engine", "EngineStats", "StepThread"]
 
 log = logging.getLogger(__name__)
 
 Sink = Callable[[list[RequestOutput]], None]
+
+
+class StepThread(Protocol):
+    """The thread an engine steps on (real: ``engine.mlx_thread.MLXThread``, the model's MLX thread)."""
+
+    @property
+    def queued(self) -> int: ...  # calls waiting for the thread
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+    async def aclose(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +53,11 @@ class _Abort:
 
 
 class Engine:
-    """Drives a :class:`Scheduler` on an :class:`MLXThread`; outputs go to ``sink`` (called on that thread)."""
+    """Drives a :class:`Scheduler` on a :class:`StepThread`; outputs go to ``sink`` (called on that thread)."""
 
     def __init__(
         self,
-        thread: MLXThread,
+        thread: StepThread,
         scheduler: Scheduler,
         sink: Sink,
         make_backend: Callable[[], BatchBackend] | None = None,

@@ -15,25 +15,21 @@ from typing import TYPE_CHECKING, Any
 import mlx_lm
 from mlx_lm.utils import load_tokenizer
 
-from .batch import BatchBackend, MLXBatch
+from .backend import BatchBackend
 from .engine import Engine, Sink
-from .memory import (
-    KVBudget,
-    KVLayout,
-    default_headroom,
-    default_prefix_cache_bytes,
-    device_memory,
-    measure_layout,
-    mib,
-    model_bytes,
-)
+from .memory import KVBudget, KVLayout, default_headroom, default_prefix_cache_bytes, mib
+from .mlx_batch import MLXBatch
+from .mlx_memory import device_memory, measure_layout, model_bytes
 from .mlx_process import mlx_process
+from .mlx_proposers import DraftModel, PromptLookup
+from .mlx_ragged_cache import check_cache
+from .mlx_speculative import Proposer
 from .mlx_thread import MLXThread
 from .prefix_cache import PrefixCache
 from .prompt import PromptEncoder
 from .sampling import make_request_logits_processors, make_request_sampler
 from .scheduler import Scheduler
-from .speculative import DraftModel, PromptLookup, Proposer, SpecKind, Speculation, check_cache
+from .speculation import SpecKind, Speculation
 from .stats import EngineStats
 
 if TYPE_CHECKING:
@@ -62,7 +58,7 @@ class EngineOptions:
     aging_s: float = 1.0  # seconds of waiting worth one priority level (engine/waiting.py)
     # the share of the machine's memory the default rules give this engine (1/n with n engines in a process)
     memory_share: float = 1.0
-    speculation: Speculation | None = None  # speculative decoding (engine/speculative.py); None: plain decoding
+    speculation: Speculation | None = None  # speculative decoding (engine/mlx_speculative.py); None: plain decoding
 
 
 @dataclass(frozen=True, slots=True)

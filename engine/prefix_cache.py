@@ -1,4 +1,5 @@
-"""The prefix (prompt) KV cache: mlx-lm's ``LRUPromptCache``, bounded by bytes, behind two calls.
+"""The prefix (prompt) KV cache: mlx-lm's ``LRUPromptCache``, bounded by bytes, behind two calls (an MLX adapter:
+the scheduler and the cache strategy know it as ``backend.PrefixStore``).
 
 :meth:`PrefixCache.fetch` finds the longest cached prefix of a prompt (a copy, possibly trimmed from a longer
 entry); :meth:`PrefixCache.store` keeps a sequence's cache at the system-prompt boundary while it prefills and
@@ -13,28 +14,16 @@ walks every entry that shares the prompt's longest cached prefix, on the engine 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
 
-from .batch import SequenceCache
+from .backend import PrefixHit, SequenceCache
 
-__all__ = ["PrefixCache", "PrefixHit"]
+__all__ = ["PrefixCache", "PrefixHit"]  # PrefixHit: backend.py's, returned by fetch
 
 _MODEL = "model"  # the cache serves one model: one trie
 MAX_ENTRIES = 32
 MIN_TOKENS = 64
-
-
-@dataclass(slots=True)
-class PrefixHit:
-    """A copy of a cached prefix's KV cache, holding the prompt's first ``tokens`` tokens (at least one
-    prompt token is always left to feed)."""
-
-    cache: list[Any]
-    tokens: int
 
 
 class PrefixCache:

@@ -6,30 +6,33 @@ with aging, ``waiting.py``; the first that does not fit, by :class:`~engine.admi
 the rest), runs one batch step and hands each row's tokens to its :class:`~engine.sequence.Sequence`.
 
 Preemption (as vLLM's, counting slots as well as memory): running sequences of strictly lower priority whose
-aged key is no better leave for a waiting one, lowest and latest first, as few as make room. How a sequence
-enters the batch and what becomes of its cache is the backend's :class:`~engine.cache_strategy.CacheStrategy`.
+aged key is no better leave for a waiting one, lowest and latest first, as few as make room (the plan:
+``preemption.py``). How a sequence enters the batch and what becomes of its cache is the backend's
+:class:`~engine.cache_strategy.CacheStrategy`; a step's tokens go into its outputs by ``step_outputs.py``. It
+imports no MLX: the backend's protocols are ``backend.py``'s.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from .admission import KVAdmission
-from .batch import BatchBackend, GeneratedToken, SequenceCache, attach_logprobs
+from .backend import BatchBackend, GeneratedToken, PrefixStore, SequenceCache
 from .cache_strategy import CacheStrategy, strategy_for
+from .deadlines import Deadlines
 from .memory import KVBudget
-from .prefix_cache import PrefixCache
+from .preemption import Preemption, drop_held_caches, plan_preemption
 from .request import EngineRequest, ErrorCode, FinishReason, RequestOutput, SamplingParams, terminal
+from .room import Room
 from .sequence import Detokenizer, Sequence
 from .stats import EngineStats
+from .step_outputs import StepOutputs
 from .waiting import WaitingQueue, priority_key
 
 __all__ = ["Detokenizer", "Room", "Scheduler", "StepFailed"]
@@ -45,54 +48,7 @@ class StepFailed(Exception):
         self.outputs = outputs
 
 
-@dataclass(frozen=True, slots=True)
-class Room:
-    """What the batch can still take, as of the last step (other threads read it: replaced whole)."""
-
-    free_slots: int  # sequence slots not running
-    waiting: int  # requests waiting for one (preempted ones included)
-    kv_rows: int  # more typical requests the KV headroom has room for beside the running ones
-    # The lowest priority running, while no request that has not started yet waits: a new request of higher
-    # priority would start at once (preempting) even with no room. None otherwise.
-    outranked: int | None = None
-    outranked_rows: int = 0  # running sequences of that priority: as many such requests start at once
-    paused: int = 0  # of the waiting, the preempted ones (started, waiting to resume)
-
-    @property
-    def admissible(self) -> int:
-        """Requests that could join soon: free slots (bounded by KV room) not already promised to waiting ones."""
-        return max(0, min(self.free_slots, self.kv_rows) - self.waiting)
-
-
 _NONE_HELD: Mapping[str, RequestOutput] = MappingProxyType({})
-
-
-@dataclass(slots=True)
-class _StepOutputs:
-    """Outputs of one step, one record per request; the tokens whose log-probabilities are asked for. A
-    request's tokens go into its record in ``held`` (the engine's pacer's, still unsent) when it has one."""
-
-    held: Mapping[str, RequestOutput]
-    by_rid: dict[str, RequestOutput] = field(default_factory=dict)
-    logprobs: list[tuple[RequestOutput, int, Any, int]] = field(default_factory=list)  # out, token, vector, top
-
-    def get(self, rid: str) -> RequestOutput:
-        out = self.by_rid.get(rid)
-        if out is None:
-            out = self.held.get(rid)
-            if out is None:
-                out = RequestOutput(rid)
-            self.by_rid[rid] = out
-        return out
-
-
-@dataclass(slots=True)
-class _Preemption:
-    """A preemption left for the start of the next step: the request it made room for, and its victims."""
-
-    top: Sequence
-    victims: list[Sequence]
-    hold: bool
 
 
 class Scheduler:
@@ -113,7 +69,7 @@ class Scheduler:
         make_processors: Callable[[SamplingParams], list[Any]] = lambda p: [],
         clock: Callable[[], float] = time.monotonic,
         memory: KVBudget | None = None,
-        prefix_cache: PrefixCache | None = None,
+        prefix_cache: PrefixStore | None = None,
         aging_s: float = 1.0,
         context_length: int | None = None,
         stats: EngineStats | None = None,
@@ -132,10 +88,10 @@ class Scheduler:
         self._running: dict[int, Sequence] = {}
         self._uid_of: dict[str, int] = {}
         self._rejected: list[RequestOutput] = []  # refused by add(): reported by the next step
-        self._next_deadline = math.inf  # no request's deadline is earlier (it may be a gone request's)
+        self._deadlines = Deadlines()
         self._orders = itertools.count()
         self._priorities: Counter[int] = Counter()  # running sequences per priority
-        self._deferred: _Preemption | None = None
+        self._deferred: Preemption | None = None
         self._typical_end = 0.0  # running mean of admitted requests' ``end`` (for Room)
         self._room_dirty = True
         self.backend = backend
@@ -194,8 +150,7 @@ class Scheduler:
                           next(self._orders))
         self._waiting.push(req.rid, seq.key, seq.order, seq)
         self._room_dirty = True
-        if req.deadline is not None:
-            self._next_deadline = min(self._next_deadline, req.deadline)
+        self._deadlines.add(req.deadline)
 
     def abort(self, rid: str, reason: FinishReason = FinishReason.CANCELLED, code: ErrorCode | None = None,
               message: str = "") -> RequestOutput | None:
@@ -232,7 +187,7 @@ class Scheduler:
         """Expire deadlines, admit waiting requests, run one batch step, report per request. ``held``: outputs
         not sent yet (the pacer's), which this step's tokens of their requests are added to in place (each then
         reported as the step's own output of its request)."""
-        outs = _StepOutputs(held)
+        outs = StepOutputs(held)
         if self._rejected:
             for out in self._rejected:
                 outs.by_rid[out.rid] = out
@@ -250,32 +205,20 @@ class Scheduler:
                     raise StepFailed(list(outs.by_rid.values())) from exc
                 self._on_tokens(tokens, outs)
             if outs.logprobs:
-                attach_logprobs(outs.logprobs)
+                self.backend.attach_logprobs(outs.logprobs)
             self._cache.after_step()
             self.kv.read()
         if self._room_dirty:
             self._update_room()
         return list(outs.by_rid.values())
 
-    def _expire(self, outs: _StepOutputs) -> None:
-        now = self._clock()
-        if now <= self._next_deadline:  # the common case: no scan of every request each step
-            return
-        late: list[str] = []
-        self._next_deadline = math.inf
-        for r in self.requests():
-            if r.deadline is None:
-                continue
-            if now > r.deadline:
-                late.append(r.rid)
-            else:
-                self._next_deadline = min(self._next_deadline, r.deadline)
-        for rid in late:
+    def _expire(self, outs: StepOutputs) -> None:
+        for rid in self._deadlines.passed(self._clock(), self.requests):
             out = self.abort(rid, FinishReason.ERROR, ErrorCode.TIMEOUT, "the job ran past its deadline")
             if out is not None:
                 outs.by_rid[rid] = out
 
-    def _on_tokens(self, tokens: Iterable[GeneratedToken], outs: _StepOutputs) -> None:
+    def _on_tokens(self, tokens: Iterable[GeneratedToken], outs: StepOutputs) -> None:
         """A step's tokens, one per row: a row that goes on with neither log-probabilities nor a format (the
         common case, N per step) takes the short way; any other goes through :meth:`_on_token`."""
         running, by_rid, held = self._running, outs.by_rid, outs.held
@@ -297,33 +240,20 @@ class Scheduler:
                 self._cache.retire(seq)
                 self._pop_running(rid)
 
-    def _on_token(self, tok: GeneratedToken, outs: _StepOutputs) -> None:
+    def _on_token(self, tok: GeneratedToken, outs: StepOutputs) -> None:
         seq = self._running.get(tok.uid)
         if seq is None:  # removed since the step began
             return
         end = tok.finish_reason  # the backend ended the row: it has left the batch
         if end is not None:
             self._cache.ended(seq, tok)
-        out = outs.get(seq.rid)
-        emitted = len(out.token_ids)
-        finish = seq.accept(tok.token, end, out)
-        top = seq.req.params.logprobs
-        if top is not None and len(out.token_ids) > emitted:  # it is one of the row's tokens: its logprob too
-            vector = getattr(tok, "logprobs", None)
-            if vector is not None:
-                outs.logprobs.append((out, tok.token, vector, top))
-        if finish is None and seq.constraint is not None and seq.constraint.error:
-            # Its format could not take a token its own mask allowed: what follows would not match it.
-            out.finish, out.error_code = FinishReason.ERROR, ErrorCode.BAD_REQUEST
-            out.error_message = f"the output could not go on in its format: {seq.constraint.error}"
-            finish = FinishReason.ERROR
-        if finish is not None:
+        if outs.accept(seq, tok) is not None:
             if end is None:
                 self._cache.retire(seq)
             self._pop_running(seq.rid)
 
     # --- admission ---------------------------------------------------------------------------------
-    def _admit(self, outs: _StepOutputs) -> int:
+    def _admit(self, outs: StepOutputs) -> int:
         """Admit waiting requests in order; how many of them started at once (their first token is out)."""
         at_once = 0
         while self._waiting:
@@ -332,9 +262,10 @@ class Scheduler:
             urgent = self._outranks_running(seq)
             plan = None
             if not self.kv.fits(seq):
-                plan = self._plan_preemption(seq)
+                plan = plan_preemption(seq, self._running.values(), min(self._priorities, default=None), self.kv,
+                                       self._cache.holds_caches)
                 if plan is None:
-                    if not self._drop_held_caches(seq):
+                    if not drop_held_caches(seq, self._waiting, self.kv, self._unhold):
                         return at_once
                 elif not (urgent and self.kv.fits(seq, slots=False)):
                     self._preempt(plan)
@@ -355,7 +286,7 @@ class Scheduler:
         return (self._cache.starts_at_once and not seq.admitted and seq.req.images is None
                 and bool(self._priorities) and min(self._priorities) < seq.req.priority)
 
-    def _launch(self, seq: Sequence, outs: _StepOutputs, at_once: bool = False) -> int:
+    def _launch(self, seq: Sequence, outs: StepOutputs, at_once: bool = False) -> int:
         """Insert ``seq`` into the batch: a new request, or a preempted one resuming. ``at_once``: prefill it
         alone first. Returns 1 if it started at once, else 0."""
         req = seq.req
@@ -400,24 +331,7 @@ class Scheduler:
         return 1
 
     # --- preemption --------------------------------------------------------------------------------
-    def _plan_preemption(self, top: Sequence) -> _Preemption | None:
-        """The fewest running sequences whose leaving lets ``top`` join, and whether their caches can be
-        held then; None if no eligible set does."""
-        prio = top.req.priority
-        if not self._priorities or min(self._priorities) >= prio:  # the common case: nobody to preempt
-            return None
-        eligible = [s for s in self._running.values() if s.req.priority < prio and s.key >= top.key]
-        if not eligible or not self.kv.fits(top, eligible):
-            return None
-        eligible.sort(key=lambda s: (s.req.priority, -s.key, -s.order))  # lowest priority, latest first
-        holds = (True, False) if self._cache.holds_caches else (False,)
-        for k in range(1, len(eligible) + 1):  # as few victims as possible; keeping their caches if that fits
-            for hold in holds:
-                if self.kv.fits(top, eligible[:k], hold=hold):
-                    return _Preemption(top, eligible[:k], hold)
-        return None
-
-    def _preempt(self, plan: _Preemption) -> None:
+    def _preempt(self, plan: Preemption) -> None:
         """Take the victims out of the batch and back into the waiting queue (with their caches if held)."""
         for v in plan.victims:
             self._pop_running(v.rid)
@@ -449,22 +363,6 @@ class Scheduler:
         self.kv.hold(seq.held_bytes)
         seq.uid = -1
         self._waiting.push(seq.rid, seq.key, seq.order, seq)
-
-    def _drop_held_caches(self, top: Sequence) -> bool:
-        """Let ``top`` join by dropping caches held by other waiting sequences (they resume by recomputing
-        instead), lowest priority and latest first; whether it can join now. Without this, caches held for
-        sequences queued behind ``top`` could keep it out of an idle batch for good."""
-        if self.kv.held == top.held_bytes or not self.kv.fits(top, drop_held=True):
-            return False
-        others = sorted((s for s in self._waiting if s.held is not None and s is not top),
-                        key=lambda s: (s.req.priority, -s.key, -s.order))
-        for s in others:
-            log.info("request %s drops its held cache (%d bytes; it will recompute) for request %s",
-                     s.rid, s.held_bytes, top.rid)
-            self._unhold(s)
-            if self.kv.fits(top):
-                return True
-        return False
 
     def _unhold(self, seq: Sequence) -> SequenceCache | None:
         """Take a waiting sequence's held cache from it (to resume from, or dropped); None if it holds none."""
@@ -498,10 +396,4 @@ class Scheduler:
         # Before its first request, a typical one is taken to fill the context: a cold worker claims what it
         # can surely start, and learns the typical size from what it admits.
         typical = int(self._typical_end) or self.context_length or (self.memory.layout.step if self.memory else 1)
-        paused = sum(1 for s in self._waiting if s.admitted)
-        outranked, rows = None, 0
-        if self._priorities and paused == len(self._waiting):
-            outranked = min(self._priorities)
-            rows = self._priorities[outranked]
-        self.room = Room(self.capacity - running, len(self._waiting), self.kv.kv_rows(typical), outranked, rows,
-                         paused)
+        self.room = Room.of(self.capacity - running, self._waiting, self.kv.kv_rows(typical), self._priorities)

@@ -13,7 +13,7 @@ from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .batch import SequenceCache
+from .backend import SequenceCache
 from .parts import Parts, PartSplitter
 from .request import EngineRequest, FinishReason, RequestOutput
 from .stops import StopMatcher

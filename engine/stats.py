@@ -33,7 +33,7 @@ class EngineStats:
     prefix_tokens_saved: int = 0  # prompt tokens not prefilled thanks to a hit
     prefix_cache_bytes: int = 0
     prefix_cache_entries: int = 0
-    # Speculative decoding (engine/speculative.py).
+    # Speculative decoding (engine/mlx_speculative.py).
     spec_steps: int = 0  # steps that scored proposals
     spec_drafted: int = 0  # tokens proposed to rows that could take them
     spec_accepted: int = 0  # of those, tokens the target agreed with

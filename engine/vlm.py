@@ -1,11 +1,11 @@
-"""Vision-language models on mlx-vlm: the runtime's one file that touches mlx-vlm (pinned: its BatchGenerator's
-API moves between minors).
+"""Vision-language models on mlx-vlm (an MLX adapter): the runtime's one file that touches mlx-vlm (pinned: its
+BatchGenerator's API moves between minors).
 
 - :class:`Vision`: an image prompt's CPU half (chat template, the processor's work, image-token expansion), in
   any thread, making no MLX array: token ids and numpy arrays (:class:`~engine.request.ImageInputs`).
-- :class:`VLMBatch`: mlx-vlm's ``BatchGenerator`` as the scheduler's ``BatchBackend``. Every row carries input
-  embeddings, so image and text rows share one batch; an idle engine embeds a burst's arrivals as they come
-  (:meth:`VLMBatch.embed_ahead`).
+- :class:`VLMBatch`: mlx-vlm's ``BatchGenerator`` as the scheduler's ``BatchBackend`` (``backend.py``). Every row
+  carries input embeddings, so image and text rows share one batch; an idle engine embeds a burst's arrivals as
+  they come (:meth:`VLMBatch.embed_ahead`).
 
 Done here, not by mlx-vlm 0.7: per-request sampling (a non-greedy row's sampler is its last logits processor,
 :class:`RowSampler`), admission up to capacity (``completion_batch_size = capacity + prefill_batch_size``), and
@@ -31,7 +31,8 @@ from mlx_vlm.prompt_utils import apply_chat_template
 from mlx_vlm.utils import load as vlm_load
 from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
 
-from .batch import GeneratedToken
+from .backend import GeneratedToken, LogprobsAsked
+from .mlx_batch import attach_logprobs
 from .mlx_process import unwired
 from .request import ImageInputs
 
@@ -257,6 +258,9 @@ class VLMBatch:
         for uid in [u for u in self._doomed if batch is None or u not in batch.uids]:
             self._doomed.discard(uid)
             self._gen.remove(uid)
+
+    def attach_logprobs(self, asked: list[LogprobsAsked]) -> None:
+        attach_logprobs(asked)
 
     def close(self) -> None:
         self._gen.close()

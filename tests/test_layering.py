@@ -86,13 +86,62 @@ def test_the_runtime_imports_none_of_its_tools() -> None:
     assert offenders == {}
 
 
-def test_the_scheduler_imports_no_mlx() -> None:
-    # Admit, preempt, expire and step: what is mlx-lm's about caches lives behind the backend (engine/batch.py),
-    # so the scheduler runs on fakes anywhere.
-    imported = imported_roots(ROOT / "engine" / "scheduler.py")
-    for name in ("sequence", "admission", "cache_strategy", "waiting", "stops", "request"):
-        imported |= imported_roots(ROOT / "engine" / f"{name}.py")
-    assert imported & {"mlx", "mlx_lm", "mlx_vlm"} == set()
+# The engine's core: the scheduler and everything it works against, driven by fakes anywhere. The adapters are
+# what touches MLX, mlx-lm, mlx-vlm or llguidance. Every module of engine/ is one or the other.
+ENGINE_CORE = frozenset({
+    "__init__", "admission", "backend", "cache_strategy", "deadlines", "engine", "memory", "pacer", "parts",
+    "preemption", "prompt", "request", "room", "scheduler", "sequence", "spec_tuner", "speculation", "stats",
+    "step_outputs", "stops", "waiting",
+})
+ENGINE_ADAPTERS = frozenset({
+    "constrain", "loader", "mlx_batch", "mlx_generation", "mlx_memory", "mlx_process", "mlx_proposers",
+    "mlx_ragged_cache", "mlx_speculative", "mlx_thread", "prefix_cache", "sampling", "vlm",
+})
+_MLX = ("mlx", "mlx_lm", "mlx_vlm", "llguidance")
+
+
+def _loaded_in_a_fresh_interpreter(imports: str) -> list[str]:
+    """The MLX modules (and the engine's adapters) a fresh interpreter holds after ``imports``."""
+    adapters = tuple(f"mlxq.engine.{m}" for m in sorted(ENGINE_ADAPTERS))
+    code = (
+        f"import sys; {imports}; "
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {_MLX!r} or m in {adapters!r}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return list(ast.literal_eval(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_every_engine_module_is_core_or_adapter() -> None:
+    modules = {f.stem for f in (ROOT / "engine").glob("*.py")}
+    assert modules == ENGINE_CORE | ENGINE_ADAPTERS
+    assert not ENGINE_CORE & ENGINE_ADAPTERS
+
+
+def test_the_engine_core_imports_no_mlx() -> None:
+    # Admit, preempt, expire and step: what is MLX's lives behind the backend's protocols (engine/backend.py),
+    # so the core runs on fakes anywhere. A fresh interpreter: what the core's imports load, transitively.
+    imports = "import " + ", ".join(f"mlxq.engine.{m}" for m in sorted(ENGINE_CORE - {"__init__"}))
+    assert _loaded_in_a_fresh_interpreter(imports) == []
+
+
+def test_the_scheduler_fakes_import_no_mlx() -> None:
+    # The unit tests driven by fakes (tests/engine/fakes.py) need no MLX.
+    assert _loaded_in_a_fresh_interpreter("import tests.engine.fakes") == []
+
+
+def test_importing_the_mlx_adapter_patches_nothing_of_mlx_lm() -> None:
+    # The constrained step is a subclass the batch owns (engine/mlx_generation.py), not a patch of mlx-lm's
+    # class for every user of the process.
+    code = (
+        "import importlib; g = importlib.import_module('mlx_lm.generate'); "
+        "before = {c: dict(vars(c)) for c in (g.GenerationBatch, g.PromptProcessingBatch, g.BatchGenerator)}; "
+        "import mlxq.engine.loader, mlxq.engine.mlx_batch, mlxq.engine.mlx_speculative; "
+        "changed = [c.__name__ for c, attrs in before.items() if dict(vars(c)) != attrs]; "
+        "print(changed); raise SystemExit(1 if changed else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_the_generated_models_live_with_the_tools() -> None:

@@ -27,7 +27,7 @@ from mlxq.engine.loader import EngineOptions, LoadedModel, start_engine
 from mlxq.engine.parts import PartMarkers
 from mlxq.engine.prompt import EncodedPrompt, encode_prompt_with_boundary
 from mlxq.engine.request import EngineRequest, Format, ImageInputs
-from mlxq.engine.speculative import SpecKind, Speculation
+from mlxq.engine.speculation import SpecKind, Speculation
 
 from . import media
 from .config import ServedModel, WorkerConfig

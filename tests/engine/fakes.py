@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxq.engine.batch import BatchToken, SequenceCache, Started
+from mlxq.engine.backend import BatchToken, SequenceCache, Started
 from mlxq.engine.memory import KVBudget, KVLayout
 from mlxq.engine.request import EngineRequest, RequestOutput, SamplingParams
 from mlxq.engine.scheduler import Scheduler

@@ -9,8 +9,9 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlxq.engine.batch import MLXBatch
-from mlxq.engine.memory import KVBudget, measure_layout
+from mlxq.engine.memory import KVBudget
+from mlxq.engine.mlx_batch import MLXBatch
+from mlxq.engine.mlx_memory import measure_layout
 from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
 from mlxq.engine.scheduler import Scheduler
 from tests.engine.fakes import Run

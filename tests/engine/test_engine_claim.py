@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from mlxq.engine.batch import BatchToken
+from mlxq.engine.backend import BatchToken
 from mlxq.engine.engine import Engine
 from mlxq.engine.mlx_thread import MLXThread
 from mlxq.engine.request import RequestOutput

@@ -14,8 +14,8 @@ import mlx.core as mx
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlxq.engine.batch import MLXBatch
 from mlxq.engine.constrain import FormatKind, Grammar, GrammarError, Grammars, ResponseFormat, closed_schema, vocab_size
+from mlxq.engine.mlx_batch import MLXBatch
 from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
 from mlxq.engine.scheduler import Scheduler
 from tests.engine.fakes import Run
@@ -244,3 +244,30 @@ def test_a_format_the_matcher_cannot_follow_ends_the_row_with_bad_request(tiny_t
     last = run.final("r")
     assert last.finish is FinishReason.ERROR and last.error_code == "bad_request"
     assert last.error_message is not None and "could not go on in its format" in last.error_message
+
+
+def test_every_token_of_a_constrained_row_is_sampled_by_the_batchs_masked_step(
+        lm: Any, stream: mx.Stream, grammars: Grammars, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The batch's own classes (not a patch of mlx-lm's): its first token, sampled as its prefill ends, too.
+    import mlxq.engine.mlx_generation as generation
+
+    filled: list[list[int]] = []  # each masked step's fed tokens
+    fill = generation.fill_masks
+
+    def recorded(masks: Any, fed: list[int], *rest: Any) -> Any:
+        filled.append(list(fed))
+        return fill(masks, fed, *rest)
+
+    monkeypatch.setattr(generation, "fill_masks", recorded)
+    s = scheduler(lm, stream)
+    gen = s.backend._gen  # type: ignore[attr-defined]
+    assert type(gen._prompt_batch) is generation.MaskedPromptBatch
+    assert type(gen._generation_batch) is generation.MaskedGenerationBatch
+    r = request(lm, "r", grammars.compile(schema_format(Order)), max_tokens=6)
+    run = Run()
+    s.add(r)
+    drive(s, run, stream)
+    tokens = run.tokens("r")
+    assert len(tokens) == 6 and run.final("r").finish is FinishReason.LENGTH
+    assert filled[0] == r.prompt_tokens[-1:]  # the step that sampled the first token fed the prompt's last
+    assert [f[0] for f in filled[1:6]] == tokens[:5]

@@ -10,8 +10,9 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlxq.engine.batch import MLXBatch
-from mlxq.engine.memory import DeviceMemory, KVBudget, KVLayout, default_headroom, measure_layout, usable_memory_bytes
+from mlxq.engine.memory import DeviceMemory, KVBudget, KVLayout, default_headroom
+from mlxq.engine.mlx_batch import MLXBatch
+from mlxq.engine.mlx_memory import measure_layout, usable_memory_bytes
 from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
 from mlxq.engine.scheduler import Room, Scheduler
 from tests.engine.fakes import Run, ToyBatch, req, scheduler, toy_generate
@@ -41,7 +42,7 @@ def test_default_headroom_rule_and_its_floor() -> None:
 def test_the_usable_memory_is_the_devices_mlx_runs_on() -> None:
     import mlx.core as mx
 
-    from mlxq.engine.memory import device_memory
+    from mlxq.engine.mlx_memory import device_memory
 
     gpu, cpu = mx.Device(mx.gpu), mx.Device(mx.cpu)
     cuda = {"device_name": "NVIDIA H100 80GB HBM3", "architecture": "sm_90", "total_memory": 85_000_000_000,

@@ -19,13 +19,8 @@ import pytest
 import mlxq.engine.mlx_process
 from mlxq.engine.engine import Engine
 from mlxq.engine.loader import start_engine
-from mlxq.engine.memory import (
-    default_headroom,
-    default_prefix_cache_bytes,
-    measure_layout,
-    model_bytes,
-    usable_memory_bytes,
-)
+from mlxq.engine.memory import default_headroom, default_prefix_cache_bytes
+from mlxq.engine.mlx_memory import measure_layout, model_bytes, usable_memory_bytes
 from mlxq.engine.mlx_process import MLXLimits, mlx_process
 from mlxq.engine.request import EngineRequest, RequestOutput, SamplingParams
 

@@ -10,8 +10,9 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlxq.engine.batch import MLXBatch, SequenceCache
-from mlxq.engine.memory import measure_layout
+from mlxq.engine.backend import SequenceCache
+from mlxq.engine.mlx_batch import MLXBatch
+from mlxq.engine.mlx_memory import measure_layout
 from mlxq.engine.prefix_cache import PrefixCache
 from mlxq.engine.prompt import encode_prompt_with_boundary
 from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from mlxq.engine.batch import BatchToken
+from mlxq.engine.backend import BatchToken
 from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from mlxq.engine.scheduler import Scheduler, StepFailed
 

@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlxq.engine.batch import BatchToken
+from mlxq.engine.backend import BatchToken
 from mlxq.engine.engine import Engine
 from mlxq.engine.mlx_thread import MLXThread
 from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams

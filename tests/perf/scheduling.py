@@ -233,7 +233,7 @@ def _system_prompt(tokenizer: Any, tokens: int) -> str:
 
 # --- (b) over-subscription ------------------------------------------------------------------------------
 async def _oversubscribed(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: str) -> Oversubscribed:
-    from mlxq.engine.memory import measure_layout
+    from mlxq.engine.mlx_memory import measure_layout
     from mlxq.engine.request import EngineRequest, SamplingParams
 
     rng = random.Random(0)

@@ -122,8 +122,8 @@ class Bench:
     def batch(self, kind: str | None, n: int, model: Any = None) -> Any:
         """The engine's batch over the target (or ``model``), with the draft (``"draft"``), prompt lookup
         (``"ngram"``) or no proposer."""
-        from mlxq.engine.batch import MLXBatch
-        from mlxq.engine.speculative import DraftModel, PromptLookup
+        from mlxq.engine.mlx_batch import MLXBatch
+        from mlxq.engine.mlx_proposers import DraftModel, PromptLookup
         from mlxq.engine.stats import EngineStats
 
         proposer = DraftModel(self.draft[0], 512) if kind == "draft" else PromptLookup() if kind == "ngram" else None

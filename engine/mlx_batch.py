@@ -1,4 +1,5 @@
-"""The one file that touches mlx-lm's ``BatchGenerator`` (its API moves between minors; mlx-lm is pinned).
+"""mlx-lm's ``BatchGenerator`` behind the scheduler's backend (an MLX adapter; its API moves between minors: mlx-lm
+is pinned). The protocols it implements are ``backend.py``'s, which import no MLX.
 
 ``MLXBatch`` exposes the small surface the scheduler needs: insert a prompt, remove sequences, run one
 step; and, for the prefix cache and preemption (:class:`CachingBackend`), insert with a KV cache, take a
@@ -11,167 +12,29 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from .constrain import RowMask, apply_bitmask, fill_masks
+from .backend import GeneratedToken, LogprobsAsked, SequenceCache, Started
+from .constrain import RowMask
+from .mlx_generation import masked
 from .mlx_process import unwired
-from .request import ImageInputs, RequestOutput, TokenLogprob
-from .speculative import Proposer, SpecBatch, Tuner
+from .mlx_speculative import Proposer, SpecBatch
+from .request import ImageInputs, TokenLogprob
+from .spec_tuner import Tuner
 from .stats import EngineStats
 
-__all__ = ["BatchBackend", "BatchToken", "CachingBackend", "GeneratedToken", "MLXBatch", "SequenceCache", "Started",
-           "attach_logprobs"]
+__all__ = ["MLXBatch", "attach_logprobs"]
 
 _GENERATE = importlib.import_module("mlx_lm.generate")  # the module: the package's ``generate`` is a function
 
 
-class GeneratedToken(Protocol):
-    """One generated token as a step reports it: mlx-lm's own response object, read as it is (copying it
-    cost a record per token on the engine thread). ``finish_reason`` is "stop" (an EOS token: not part of
-    the text), "length", or None."""
-
-    @property
-    def uid(self) -> int: ...
-    @property
-    def token(self) -> int: ...
-    @property
-    def finish_reason(self) -> str | None: ...
-
-
-@dataclass(slots=True)
-class BatchToken:
-    """A :class:`GeneratedToken` of a backend's own making (fakes in tests). A sequence's last token may
-    carry its KV cache and the tokens in it, as mlx-lm's final response does."""
-
-    uid: int
-    token: int
-    finish_reason: str | None
-    prompt_cache: list[Any] | None = None
-    all_tokens: list[int] | None = None
-    logprobs: Any = None  # the log-probabilities it was sampled from (an MLX array over the vocabulary)
-
-
-@dataclass(slots=True)
-class SequenceCache:
-    """One sequence's KV cache out of a batch (a list of per-layer caches) and the tokens it holds."""
-
-    cache: list[Any]
-    tokens: list[int]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the caches' buffers (allocated, not only used)."""
-        return sum(int(c.nbytes) for c in self.cache)
-
-    @property
-    def trimmable(self) -> bool:
-        """Whether tokens can be taken off its end (not a sliding window that moved, nor recurrent state)."""
-        return bool(can_trim_prompt_cache(self.cache))
-
-    def keep(self, n: int) -> None:
-        """Trim it to its first ``n`` tokens (it must be :attr:`trimmable`)."""
-        if n < len(self.tokens):
-            trim_prompt_cache(self.cache, len(self.tokens) - n)
-            del self.tokens[n:]
-
-    def resume_point(self, tokens: list[int]) -> int:
-        """Ready it to go on as the sequence ``tokens`` (which start with its own): how many of them it
-        holds. At least one token is left to feed (an empty prompt kills mlx-lm's batch): when it holds them
-        all it gives the last one back, to be fed again."""
-        n = min(len(self.tokens), len(tokens) - 1)
-        self.keep(n)
-        return n
-
-
-@dataclass(slots=True)
-class Started:
-    """A sequence prefilled on its own (:meth:`CachingBackend.start`): its first token, whether that token
-    ended it ("stop": an EOS token), and its KV cache, which holds the prompt (not yet the first token)."""
-
-    token: int
-    finish_reason: str | None
-    cache: list[Any]
-    logprobs: Any = None  # what the first token was sampled from (an MLX array over the vocabulary)
-
-
-class BatchBackend(Protocol):
-    """What the scheduler needs from a continuous batch (real: :class:`MLXBatch`, ``engine.vlm.VLMBatch``;
-    tests: a fake). ``images`` is passed only with an image request: a backend without images may omit it."""
-
-    def insert(
-        self,
-        prompt: list[int],
-        max_tokens: int,
-        sampler: Callable[[Any], Any] | None,
-        logits_processors: list[Any],
-        *,
-        images: ImageInputs | None = None,
-    ) -> int: ...
-
-    def remove(self, uids: Iterable[int]) -> None: ...
-
-    def step(self) -> Sequence[GeneratedToken]: ...
-
-    def close(self) -> None: ...
-
-
-class CachingBackend(BatchBackend, Protocol):
-    """A backend whose sequences' KV caches can come and go (``supports_caches`` is True). A backend without
-    this (mlx-vlm's) still serves: the scheduler then skips the prefix cache and preempts by recomputing."""
-
-    @property
-    def supports_caches(self) -> bool: ...
-
-    def insert(
-        self,
-        prompt: list[int],
-        max_tokens: int,
-        sampler: Callable[[Any], Any] | None,
-        logits_processors: list[Any],
-        *,
-        cache: list[Any] | None = None,
-        cache_tokens: list[int] | None = None,
-        checkpoint: int = 0,
-        images: ImageInputs | None = None,
-    ) -> int:
-        """``cache`` holds ``cache_tokens`` (which precede ``prompt``); ``checkpoint``: a position in ``prompt``
-        where the sequence's cache is to be taken a copy of (see :meth:`take_checkpoints`)."""
-        ...
-
-    def start(
-        self,
-        prompt: list[int],
-        sampler: Callable[[Any], Any] | None,
-        logits_processors: list[Any],
-        *,
-        cache: list[Any] | None = None,
-        cache_tokens: list[int] | None = None,
-    ) -> Started:
-        """Prefill ``prompt`` alone (after ``cache``, which holds ``cache_tokens``) and sample its first token,
-        outside the batch and at once; the caller inserts it with the returned cache to go on."""
-        ...
-
-    def take_caches(self, uids: Iterable[int]) -> dict[int, SequenceCache]:
-        """Remove sequences, returning each one's cache (evaluated) and the tokens in it."""
-        ...
-
-    def take_checkpoints(self) -> list[SequenceCache]:
-        """Caches copied at the checkpoints the last steps reached (evaluated), once each."""
-        ...
-
-    def kv_bytes(self) -> int:
-        """Bytes of every sequence's KV cache in the batch, as allocated."""
-        ...
-
-
 class MLXBatch:
-    """mlx-lm's BatchGenerator behind :class:`BatchBackend`.
+    """mlx-lm's BatchGenerator behind :class:`~engine.backend.CachingBackend`.
 
     A step runs one decode step for the generating sequences or one chunk (``prefill_step_size`` tokens) of
     prefill for the sequences being prompted, so a long prompt spans several steps and can be cancelled
@@ -192,7 +55,7 @@ class MLXBatch:
         proposer: Proposer | None = None,
         max_k: int = 4,
         stats: EngineStats | None = None,
-        fixed_shapes: bool | None = None,  # verification shapes that repeat (None: on CUDA; speculative.py)
+        fixed_shapes: bool | None = None,  # verification shapes that repeat (None: on CUDA; mlx_ragged_cache.py)
     ) -> None:
         self._caches = caches
         self._model = model
@@ -218,7 +81,8 @@ class MLXBatch:
         if proposer is not None:  # speculative decoding: the generator's decode batch is one that speculates
             self._spec = SpecBatch.make(model, self._gen.sampler, proposer, Tuner(max_k),
                                         stats if stats is not None else EngineStats(), fixed_shapes)
-            self._gen._generation_batch = self._spec
+        # Its own batches step constrained rows' masks at once (mlx-lm's classes stay as they are).
+        masked(self._gen, self._spec)
 
     @property
     def supports_caches(self) -> bool:
@@ -367,6 +231,9 @@ class MLXBatch:
             for uid in uids:
                 self._watch.pop(uid, None)
 
+    def attach_logprobs(self, asked: list[LogprobsAsked]) -> None:
+        attach_logprobs(asked)
+
     def close(self) -> None:
         self._gen.close()
 
@@ -380,7 +247,7 @@ def _no_wired_limit() -> None:
     return None
 
 
-def attach_logprobs(asked: list[tuple[RequestOutput, int, Any, int]]) -> None:
+def attach_logprobs(asked: list[LogprobsAsked]) -> None:
     """Each asked-for token's log-probability and its row's ``top`` alternatives, appended to its output: one
     batched top-k over the rows of a step (``asked``: output, token, the vector it was sampled from, top)."""
     vectors = mx.stack([vector.reshape(-1) for _, _, vector, _ in asked])
@@ -404,52 +271,3 @@ def _fresh(processors: list[Any]) -> None:
     for p in processors:
         if isinstance(p, RowMask):
             p.fresh = True
-
-
-_ORIGINAL_STEP = _GENERATE.GenerationBatch._step
-
-
-def _step(self: Any) -> Any:
-    """mlx-lm's ``GenerationBatch._step``, unchanged unless a row is constrained (its logits processors hold a
-    :class:`RowMask`): then the batch's masks are filled while MLX computes the logits and applied to every
-    row in one operation, and only the rows' other processors run one row at a time (as mlx-lm runs them)."""
-    procs = self.logits_processors
-    if not procs or not any(isinstance(p, RowMask) for ps in procs if ps for p in ps):
-        return _ORIGINAL_STEP(self)
-    self._current_tokens = self._next_tokens
-    self._current_logprobs = self._next_logprobs
-    inputs = self._current_tokens
-    logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
-    mx.async_eval(logits)  # the forward pass runs while the matchers advance and fill their masks
-    fed = inputs.tolist()
-    masks = [(e, p) for e, ps in enumerate(procs) for p in ps or () if isinstance(p, RowMask)]
-    logits = apply_bitmask(logits, fill_masks(masks, fed, len(self.uids), logits.shape[-1]))
-    token_context = []
-    others = [[p for p in ps or () if not isinstance(p, RowMask)] for ps in procs]
-    if any(others):
-        rows = []
-        for e, processors in enumerate(others):
-            row = logits[e : e + 1]
-            if processors:
-                context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
-                token_context.append(context)
-                for processor in processors:
-                    row = processor(context, row)
-            rows.append(row)
-        logits = mx.concatenate(rows, axis=0)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    samplers = [self.fallback_sampler if s is None else s for s in (self.samplers or [None] * len(self.uids))]
-    if not samplers or all(s is samplers[0] for s in samplers):
-        sampled = (samplers[0] if samplers else self.fallback_sampler)(logprobs)
-    else:
-        sampled = mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0)
-    self._next_tokens = sampled
-    self._next_logprobs = list(logprobs)
-    mx.async_eval(self._next_tokens, self._next_logprobs, token_context)
-    mx.eval(inputs, self._current_logprobs)
-    for sti, ti in zip(self.tokens, fed):
-        sti.append(ti)
-    return fed, self._current_logprobs
-
-
-_GENERATE.GenerationBatch._step = _step
