@@ -137,8 +137,12 @@ async def job(client: Client, rid: str, *, full: bool) -> dict[str, Any]:
     last = events[-1]["type"] if events else None
     state = ("running" if running else "queued" if record is not None else
              last if last in ("done", "error") else summary["type"] if summary else "unknown")
-    return {"id": rid, "state": state, "tries": int(tries or 0),
-            "worker": lease.decode().rpartition(":")[0] if lease else "", "cancel_requested": bool(cancel),
+    # An ended job's tries and lease are gone: its start events and summary still say them.
+    started = [e for e in events if e["type"] == "start"]
+    tried = max([int(tries or 0), *(e["attempt"] for e in started)])
+    worker = (lease.decode().rpartition(":")[0] if lease else started[-1]["worker"] if started
+              else summary.get("worker", "") if summary else "")
+    return {"id": rid, "state": state, "tries": tried, "worker": worker, "cancel_requested": bool(cancel),
             "request": _request(record, full), "events": [_event(e, full) for e in events], "summary": summary,
             "error": next((e for e in events if e["type"] == "error"), None), "full": full}
 

@@ -3,6 +3,7 @@ served alone by ``mlxq dashboard``).
 
 - ``GET /dashboard``, ``/dashboard/static/{file}``: the page (plain HTML, CSS and script shipped in the package;
   no data in them, so no key is needed to load them);
+- ``GET /dashboard/api/session``: whether the request's key may read, and act;
 - ``GET /dashboard/api/overview``: models and queues, workers (lost ones too), running, recent and dead-lettered
   jobs and the charts' history (``api.fleet``); the same for every reader, so one read a second is shared;
 - ``GET /dashboard/api/jobs/{id}``: one job with its events; prompts and outputs for an admin key only;
@@ -86,6 +87,15 @@ class Dashboard:
         body = resources.files("mlxq.api.gateway").joinpath("page", name).read_bytes()
         return Response(body, media_type=_STATIC[name], headers=_HEADERS)
 
+    async def session(self, request: Request) -> JSONResponse:
+        """``GET /dashboard/api/session``: what the request's key may do (never a 401: the page asks before it
+        reads, so a visitor without a key sees a sign-in prompt rather than failed requests)."""
+        try:
+            admin = self._admin(request)
+        except GatewayError:
+            return JSONResponse({"reader": False, "admin": False, "keys_required": True})
+        return JSONResponse({"reader": True, "admin": admin, "keys_required": self.readers.required})
+
     async def overview(self, request: Request) -> Response:
         """``GET /dashboard/api/overview``."""
         return await self._answer(request, lambda admin: self._overview(admin))
@@ -157,6 +167,7 @@ def routes(dashboard: Dashboard) -> list[BaseRoute]:
     return [
         Route("/dashboard", dashboard.page, methods=["GET"]),
         Route("/dashboard/static/{name}", dashboard.page, methods=["GET"]),
+        Route("/dashboard/api/session", dashboard.session, methods=["GET"]),
         Route("/dashboard/api/overview", dashboard.overview, methods=["GET"]),
         Route("/dashboard/api/jobs/{rid}", dashboard.job, methods=["GET"]),
         Route("/dashboard/api/jobs/{rid}/cancel", dashboard.cancel, methods=["POST"]),

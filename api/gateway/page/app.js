@@ -162,6 +162,13 @@ function drawDead(data) {
   }), "no dead letters", 6);
 }
 
+function clearJob(id) {
+  $("job-id").textContent = id;
+  $("job-cancel").hidden = true;
+  for (const part of ["job-facts", "job-request", "job-output"]) $(part).replaceChildren();
+  $("job-events").tBodies[0].replaceChildren();
+}
+
 function drawJob(job) {
   $("job-id").textContent = job.id;
   $("job-cancel").hidden = !(admin && (job.state === "queued" || job.state === "running"));
@@ -217,19 +224,24 @@ async function refresh() {
   for (const v of ["overview", "jobs", "dead", "job"]) $("view-" + v).hidden = v !== r.view;
   for (const v of ["overview", "jobs", "dead"]) $("nav-" + v).classList.toggle("active", v === r.view);
   try {
+    const session = await api("session");
+    admin = session.admin;
+    $("role").textContent = !session.reader ? "not signed in" : admin ? "admin" : "read-only";
+    if (!session.reader) {
+      status(sessionStorage.getItem(KEY) ? "that key is not valid here: sign in with another" : "sign in with an API or admin key", true);
+      return;
+    }
     if (r.view === "job") {
-      const job = await api("jobs/" + encodeURIComponent(r.id));
-      admin = job.full;
-      drawJob(job);
+      if ($("job-id").textContent !== r.id) clearJob(r.id);  // never another job's details under this id
+      drawJob(await api("jobs/" + encodeURIComponent(r.id)));
+      status("job " + r.id + " - updated " + new Date().toLocaleTimeString());
     } else {
       const data = await api("overview");
-      admin = data.admin;
       drawOverview(data);
       drawJobs(data);
       drawDead(data);
       status("Redis " + data.redis + ", prefix " + data.prefix + " - updated " + when(data.at));
     }
-    $("role").textContent = admin ? "admin" : sessionStorage.getItem(KEY) ? "read-only" : "read-only (no key)";
   } catch (err) {
     status(err.message, true);
   }
