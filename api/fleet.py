@@ -130,7 +130,8 @@ async def job(client: Client, rid: str, *, full: bool) -> dict[str, Any]:
     pipe.exists(keys.cancel(rid))
     pipe.xrange(keys.log(rid))
     record, tries, lease, running, cancel, log = await pipe.execute()
-    summary = next((s for s in await recent(redis, keys, 500) if s.get("id") == rid), None)
+    ended = record is None and not running
+    summary = next((s for s in await recent(redis, keys, 500) if s.get("id") == rid), None) if ended else None
     if record is None and not log and summary is None:
         raise JobNotFound(f"job {rid} is unknown, or ended more than a few minutes ago")
     events = [decode_event(fields[b"e"]).model_dump(mode="json") for _, fields in log]

@@ -81,6 +81,8 @@ async def test_data_wants_a_key_and_actions_an_admin_key(http: httpx.AsyncClient
     assert cancel.status_code == 403 and cancel.json()["error"]["code"] == "admin_key_required"
     assert (await http.post("/dashboard/api/dead/retry", json={"hex": "00"}, headers=key(READER))).status_code == 403
     assert (await http.post("/dashboard/api/jobs/some-job/cancel")).status_code == 401
+    sessions = [(await http.get("/dashboard/api/session", headers=h)).json() for h in ({}, key(READER), key(ADMIN))]
+    assert [(s["reader"], s["admin"]) for s in sessions] == [(False, False), (True, False), (True, True)]
 
 
 async def test_no_get_changes_state(http: httpx.AsyncClient, client: Client) -> None:

@@ -171,6 +171,7 @@ function clearJob(id) {
 
 function drawJob(job) {
   $("job-id").textContent = job.id;
+  ended = (job.state === "done" || job.state === "error") && job.summary ? job.id : null;
   $("job-cancel").hidden = !(admin && (job.state === "queued" || job.state === "running"));
   const facts = [["State", job.state], ["Tries", job.tries], ["Worker", job.worker || "-"],
     ["Cancel requested", job.cancel_requested ? "yes" : "no"]];
@@ -247,9 +248,14 @@ async function refresh() {
   }
 }
 
+let ended = null;  // the id of the job whose page shows its end: nothing more will change, stop polling it
+
 function schedule() {
   clearTimeout(timer);
-  refresh().finally(() => { timer = setTimeout(schedule, POLL_MS); });
+  refresh().finally(() => {
+    const r = route();
+    if (!(r.view === "job" && ended === r.id)) timer = setTimeout(schedule, POLL_MS);
+  });
 }
 
 function start() {
