@@ -42,7 +42,9 @@ async def overview(client: Client) -> dict[str, Any]:
     workers = await client.workers()
     queues = {q.model: q for q in await client.queues()}
     served = models_of(workers)
-    names = sorted(set(queues) | set(served))
+    ended = await recent(redis, keys)
+    # A model with no queue and no worker left still shows while its recent jobs do (its charts, its history).
+    names = sorted(set(queues) | set(served) | {str(s["model"]) for s in ended if s.get("model")})
     history = await series(redis, keys, names, now)
     models = []
     for name in names:
@@ -54,7 +56,7 @@ async def overview(client: Client) -> dict[str, Any]:
     return {"at": now, "redis": client.where, "prefix": keys.prefix, "models": models,
             "workers": [w.model_dump(mode="json") for w in workers],
             "lost": await _lost(client, {w.id for w in workers}, now),
-            "running": await _running(client), "recent": await recent(redis, keys),
+            "running": await _running(client), "recent": ended,
             "dead": await _dead(client)}
 
 

@@ -15,7 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mlxq.api.cli import main
 from mlxq.api.client import Client
+from mlxq.api.errors import JobFailed
 from mlxq.api.gateway.dashboard import create_dashboard_app
 from mlxq.api.history import EDGES_MS, percentile
 from mlxq.api.keys import Keys
@@ -132,6 +134,18 @@ async def test_a_jobs_end_lands_in_its_models_history_and_the_recent_list(http: 
     assert await client.redis.ttl(Keys(PREFIX).recent()) > 0  # bounded in time and length (api.history)
 
 
+async def test_a_job_that_expired_queued_is_counted_as_an_error(http: httpx.AsyncClient, client: Client) -> None:
+    rid = await client.submit(model="ghost", prompt="nobody serves it", max_tokens=2, expires_in=0.2)
+    with pytest.raises(JobFailed):
+        await client.result(rid, timeout=60)  # the worker's reaper ends it (EMIT's x write)
+    data = await fresh_overview(http)
+    summary = next(s for s in data["recent"] if s["id"] == rid)
+    assert (summary["model"], summary["type"], summary["reason"], summary["worker"]) == ("ghost", "error", "expired",
+                                                                                        "")
+    (ghost,) = [m for m in data["models"] if m["name"] == "ghost"]
+    assert sum(p["errors"] for p in ghost["history"]) == 1
+
+
 async def test_a_worker_that_stopped_heartbeating_is_listed_as_lost(http: httpx.AsyncClient, client: Client) -> None:
     await client.redis.zadd(client.keys.workers(), {"gone-worker": int(time.time() * 1000) - 30_000})
     try:
@@ -194,3 +208,9 @@ def test_percentiles_come_from_the_histograms_bins() -> None:
     assert percentile(counts, 0.5) is None
     counts[2], counts[5] = 98, 2  # 98 jobs within 20 ms, 2 within 200 ms
     assert (percentile(counts, 0.5), percentile(counts, 0.99)) == (20.0, 200.0)
+
+
+def test_mlxq_dashboard_is_a_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["dashboard", "--help"])
+    assert exited.value.code == 0 and "MLXQ_ADMIN_KEYS" in capsys.readouterr().out

@@ -181,7 +181,10 @@ def test_a_prompt_holding_markup_shows_as_text(fleet: Any, browser: webdriver.Ch
 def test_without_an_admin_key_the_page_is_read_only(fleet: Any, browser: webdriver.Chrome) -> None:
     rid = submit(fleet, model="ghost", prompt="private words", max_tokens=3, expires_in=0)
     sign_in(browser, fleet[0].url, READER, "jobs")
-    open_job(browser, fleet[0].url, rid, "bytes", "job-request")
+    browser.find_element(By.ID, "search-id").send_keys(rid)  # search by id
+    browser.find_element(By.CSS_SELECTOR, "#search button").click()
+    WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "job-id").text == rid and "bytes" in
+                                     d.find_element(By.ID, "job-request").text)
     assert "private words" not in browser.page_source
     assert not browser.find_element(By.ID, "job-cancel").is_displayed()
     assert browser.find_element(By.ID, "role").text == "read-only"
