@@ -46,15 +46,16 @@ class Point:
 
 
 def percentile(counts: list[int], q: float) -> float | None:
-    """The ``q`` quantile (0..1) of a histogram over :data:`EDGES_MS`, as the upper edge of its bin."""
+    """The ``q`` quantile (0..1) of a histogram over :data:`EDGES_MS`, interpolated within its bin (as
+    Prometheus's ``histogram_quantile`` does)."""
     total = sum(counts)
     if total == 0:
         return None
-    rank, seen = q * total, 0
+    rank, seen, lower = q * total, 0, 0.0
     for edge, n in zip(EDGES_MS, counts):
-        seen += n
-        if seen >= rank:
-            return float(edge)
+        if n and seen + n >= rank:
+            return lower + (edge - lower) * (rank - seen) / n
+        seen, lower = seen + n, float(edge)
     return float(EDGES_MS[-1])
 
 

@@ -206,8 +206,10 @@ async def test_mlxq_dashboard_serves_the_same_app_alone(served: tuple[Deployment
 def test_percentiles_come_from_the_histograms_bins() -> None:
     counts = [0] * len(EDGES_MS)
     assert percentile(counts, 0.5) is None
-    counts[2], counts[5] = 98, 2  # 98 jobs within 20 ms, 2 within 200 ms
-    assert (percentile(counts, 0.5), percentile(counts, 0.99)) == (20.0, 200.0)
+    counts[2], counts[5] = 98, 2  # 98 jobs in (10, 20] ms, 2 in (100, 200] ms
+    assert percentile(counts, 0.5) == pytest.approx(10 + 10 * 50 / 98)
+    assert percentile(counts, 0.99) == pytest.approx(100 + 100 * 1 / 2)
+    assert percentile(counts, 1.0) == 200.0
 
 
 def test_mlxq_dashboard_is_a_command(capsys: pytest.CaptureFixture[str]) -> None:
