@@ -75,10 +75,6 @@ class Dashboard:
         self.readers.check(request.headers)
         return False
 
-    def _require_admin(self, request: Request) -> None:
-        if not self._admin(request):
-            raise _Forbidden("this action needs a key of MLXQ_ADMIN_KEYS")
-
     async def page(self, request: Request) -> Response:
         """``GET /dashboard`` and its static files."""
         name = request.path_params.get("name", "index.html")
@@ -124,7 +120,7 @@ class Dashboard:
             requested = await self._client().cancel(rid)
             log.info("dashboard: cancel of job %s %s", rid, "requested" if requested else "not needed (it ended)")
             return {"id": rid, "cancel_requested": requested}
-        return await self._answer(request, act, admin=True)
+        return await self._answer(request, act, needs_admin=True)
 
     async def retry(self, request: Request) -> Response:
         """``POST /dashboard/api/dead/retry`` with ``{"hex": <the dead letter's entry, hex>}``."""
@@ -136,14 +132,15 @@ class Dashboard:
             new_id = await retry_dead_letter(self._client(), str(entry))
             log.info("dashboard: dead letter %s submitted again as job %s", entry, new_id)
             return {"id": new_id}
-        return await self._answer(request, act, admin=True)
+        return await self._answer(request, act, needs_admin=True)
 
     async def _answer(self, request: Request, work: Callable[[bool], Awaitable[dict[str, Any]]],
-                      admin: bool = False) -> Response:
+                      needs_admin: bool = False) -> Response:
         try:
-            if admin:
-                self._require_admin(request)
-            body = await work(self._admin(request))
+            is_admin = self._admin(request)
+            if needs_admin and not is_admin:
+                raise _Forbidden("this action needs a key of MLXQ_ADMIN_KEYS")
+            body = await work(is_admin)
         except _Forbidden as exc:
             log.warning("%s %s -> 403: %s", request.method, request.url.path, exc)
             return JSONResponse({"error": {"message": str(exc), "code": "admin_key_required"}}, 403)
