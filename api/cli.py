@@ -81,10 +81,12 @@ _EXITS = {
                 "sees 130 or 143)",
                 "2    a bad option or configuration value; the gateway extra is missing",
                 "3    it could not start (e.g. the address is in use)"],
+    "dashboard": ["0    stopped by SIGINT/SIGTERM", "2    a bad option or configuration value; the gateway extra "
+                  "is missing", "3    it could not start (e.g. the address is in use)"],
     "bench": ["0    the results were written", "1    a run failed (the line says which)",
               "2    a bad option; the worker or bench extra is missing"],
 }
-_ENV = {"demo": _DEMO_ENV, "gateway": _GATEWAY_ENV, "bench": _BENCH_ENV}
+_ENV = {"demo": _DEMO_ENV, "gateway": _GATEWAY_ENV, "dashboard": _GATEWAY_ENV, "bench": _BENCH_ENV}
 
 
 def _epilog(command: str) -> str:
@@ -155,6 +157,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="debug logs one line per request")
 
+    db = command("dashboard", help="the fleet's web dashboard alone, for a host with no gateway (the gateway "
+                 "serves it at /dashboard)")
+    db.add_argument("--host", default=None, help="address to listen on (default: MLXQ_GATEWAY_HOST or 127.0.0.1)")
+    db.add_argument("--port", type=int, default=8001, help="port (0: any free one)")
+    db.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="uvicorn's and mlxq's log level")
+
     b = command("bench", help="raw mlx-lm vs the queue (vs the gateway) on your model, side by side in one run",
                 description="Raw mlx-lm vs the queue (vs the HTTP gateway, when its extra is installed) on one "
                             "model: tok/s and TTFT p50 at each N, and their ratios to raw.")
@@ -217,7 +226,7 @@ def _run(args: argparse.Namespace) -> int:
                             gateway_port=args.port if args.gateway else None))
     if args.command == "bench":
         return int(_worker_tool("bench")(args))
-    if args.command == "gateway":
+    if args.command in ("gateway", "dashboard"):
         return _gateway(args)
     config = ClientConfig.from_env()  # a bad MLXQ_* value: one line, before anything connects
     return asyncio.run(_producer_command(args, config))
@@ -255,18 +264,21 @@ _GATEWAY_NEEDS = frozenset({"starlette", "uvicorn", "anyio"})
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    """``mlxq gateway``: needs the gateway extra, which a producer-only install lacks."""
+    """``mlxq gateway`` and ``mlxq dashboard``: need the gateway extra, which a producer-only install lacks."""
     from dataclasses import replace
 
     try:
+        from .gateway.dashboard import create_dashboard_app
         from .gateway.server import serve
     except ImportError as exc:
         if (exc.name or "").split(".")[0] not in _GATEWAY_NEEDS:
             raise
-        raise _MissingTool(f"'gateway' needs the gateway extra ({exc}): {install_hint('gateway')}") from None
+        raise _MissingTool(f"'{args.command}' needs the gateway extra ({exc}): {install_hint('gateway')}") from None
     config = GatewayConfig.from_env()
     config = replace(config, host=config.host if args.host is None else args.host,
                      port=config.port if args.port is None else args.port)  # --port 0: any free port
+    if args.command == "dashboard":
+        return serve(config, log_level=args.log_level, app=create_dashboard_app(config))
     return serve(config, workers=args.workers, log_level=args.log_level)
 
 

@@ -125,6 +125,11 @@ class Client:
         self._checking: dict[str, asyncio.Task[None]] = {}  # model -> the read of the health records under way
         self._cancel = self._redis.register_script(_CANCEL)
 
+    @property
+    def redis(self) -> Redis:
+        """The connection this client reads and writes through (the dashboard's reads share it)."""
+        return self._redis
+
     async def __aenter__(self) -> Client:
         return self
 

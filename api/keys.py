@@ -65,6 +65,14 @@ class Keys:
         """List of queue entries no worker could parse, moved aside (bounded, with a TTL)."""
         return f"{self.prefix}:dead"
 
+    def history(self, model: str, bucket: int) -> str:
+        """Hash of a model's jobs that ended in one time bucket (``api.history``), with a TTL."""
+        return f"{self.prefix}:hist:{model}:{bucket}"
+
+    def recent(self) -> str:
+        """List of the newest ended jobs' summaries, newest first (``api.history``), bounded."""
+        return f"{self.prefix}:recent"
+
     def running(self) -> str:
         """Hash of jobs inside some worker's engine: request id -> arq queue name (the reaper scans it)."""
         return f"{self.prefix}:running"

@@ -4,9 +4,12 @@ worker, jobs, cancels, status) and nothing outside the prefix."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,9 +17,11 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aredis
+from prometheus_client.parser import text_string_to_metric_families
 
 from mlxq.api.client import Client
 from mlxq.api.errors import AccessDenied
+from mlxq.api.fleet import overview
 from mlxq.api.status import collect
 from mlxq.worker.tools.redis_server import find_redis_server
 from tests.support import config_with, free_port, start_worker
@@ -82,6 +87,8 @@ async def test_the_mlxq_acl_user_runs_everything_mlxq_does(deployed_redis: int, 
             assert (await client.result(rid, timeout=60)).finish_reason.value == "cancelled"
             report = await collect(client)
             assert report.models["tiny"].workers == 1
+            board = await overview(client)  # the dashboard's reads, and the history the worker wrote
+            assert {j["id"] for j in board["recent"]} == {result.id, rid}
         outside = aredis.Redis.from_url(url)
         try:
             with pytest.raises(redis.exceptions.NoPermissionError):
@@ -97,3 +104,24 @@ async def test_the_mlxq_acl_user_runs_everything_mlxq_does(deployed_redis: int, 
         await running.close()
     # Nothing the worker does was refused (a NOPERM on any of its commands is logged, not raised).
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("worker")]
+
+
+async def test_every_metric_the_grafana_dashboard_queries_is_one_a_worker_serves(worker_config: Any,
+                                                                                client: Client) -> None:
+    dashboard = json.loads((ROOT / "deploy/grafana/mlxq.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs.append(dashboard["templating"]["list"][0]["query"]["query"])
+    queried = {name for e in exprs for name in re.findall(r"mlxq:[a-z0-9_:]+", e)}
+    port = free_port()
+    running = await start_worker(config_with(worker_config, metrics_port=port, metrics_addr="127.0.0.1"))
+    try:
+        await client.generate(model="tiny", prompt="Hello", max_tokens=5, timeout=60)
+        url = f"http://127.0.0.1:{port}/metrics"
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
+    finally:
+        await running.close()
+    served = set()
+    for family in text_string_to_metric_families(text):
+        kind = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ("",))
+        served |= {family.name + suffix for suffix in kind} | {s.name for s in family.samples}
+    assert len(queried) > 20 and queried - served == set()

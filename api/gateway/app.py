@@ -35,6 +35,8 @@ from ..registry import ModelInfo
 from .anthropic_api import MESSAGES
 from .auth import Auth
 from .config import GatewayConfig
+from .dashboard import Dashboard
+from .dashboard import routes as dashboard_routes
 from .dialect import Ask, Dialect
 from .errors import GatewayError, Kind, Problem, problem_of
 from .job import Choices
@@ -314,5 +316,6 @@ def create_app(config: GatewayConfig | None = None, *, client: Client | None = N
         Route("/v1/models", gw.models, methods=["GET"]),
         Route("/v1/models/{model:path}", gw.models, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
+        *dashboard_routes(Dashboard(lambda: gw.client, gw.config.api_keys, gw.config.admin_keys)),
     ]
     return _App(gw, routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})

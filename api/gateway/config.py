@@ -33,6 +33,9 @@ class GatewayConfig:
                         "free one)", minimum=0)
     api_keys: frozenset[str] = setting("MLXQ_API_KEYS", frozenset(), "comma-separated keys a request must present "
                                        "(Bearer or x-api-key); unset: no authentication", parse=_keys)
+    admin_keys: frozenset[str] = setting("MLXQ_ADMIN_KEYS", frozenset(), "comma-separated keys of the dashboard's "
+                                         "admins: they see prompts and outputs, cancel jobs and retry dead letters; "
+                                         "unset: the dashboard is read-only for everyone", parse=_keys)
     max_body_bytes: int = setting("MLXQ_GATEWAY_MAX_BODY", DEFAULT_MAX_BODY_BYTES, "largest request body in "
                                   "bytes → 413; unset, it follows MLXQ_MAX_PAYLOAD_BYTES, MLXQ_MAX_IMAGES and "
                                   "MLXQ_MAX_IMAGE_BYTES", minimum=1,

@@ -17,15 +17,16 @@ __all__ = ["app_from_env", "log_config", "serve"]
 _GRACEFUL_S = 5  # on SIGTERM, open streams end (their jobs cancelled) and requests get this long to finish
 
 
-def serve(config: GatewayConfig, *, workers: int = 1, log_level: str = "info") -> int:
+def serve(config: GatewayConfig, *, workers: int = 1, log_level: str = "info", app: Starlette | None = None) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit status. ``workers`` > 1 runs that many processes on the
-    same port (each with its own queue client), as separate ``mlxq gateway`` processes behind a balancer would."""
+    same port (each with its own queue client), as separate ``mlxq gateway`` processes behind a balancer would.
+    ``app``: another app to serve in one process (``mlxq dashboard``'s)."""
     common = {"host": config.host, "port": config.port, "log_level": log_level, "access_log": False,
               "timeout_graceful_shutdown": _GRACEFUL_S, "log_config": log_config(log_level)}
     if workers > 1:  # each process builds its app from the environment, as this one read its config
         uvicorn.run("mlxq.api.gateway.server:app_from_env", factory=True, workers=workers, **common)  # type: ignore[arg-type]
     else:
-        uvicorn.run(create_app(config), **common)  # type: ignore[arg-type]
+        uvicorn.run(app or create_app(config), **common)  # type: ignore[arg-type]
     return 0
 
 

@@ -46,6 +46,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
+from mlxq.api import history
 from mlxq.api.jobrecord import result_record
 from mlxq.api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
 from mlxq.api.schema import PRIORITY_MIN, Event, decode_event
@@ -278,9 +279,11 @@ return out
 # Writes: a: append. e: end: drop lease, running entry, cancel key, job record, tries and queue entry, keep
 # the result (if any) for the result TTL and the log for the done TTL. h: hand back: drop lease and running
 # entry, queue the job again in its old place (the score CLAIM listed it with), due at once. l: append, log
-# kept for the done TTL. x: as e, and the job's deadline is dropped.
+# kept for the done TTL. x: as e, and the job's deadline is dropped. e and x also add the ended job to its
+# model's history and the recent list (_HISTORY).
 # Returns 1 (written) or 0 (refused) per record. An entry id already logged (a duplicate) is not published.
 _EMIT = r"""
+HISTORY
 local out = {}
 local blob, pos = ARGV[7], 1
 for j = 1, tonumber(ARGV[1]) do
@@ -314,13 +317,16 @@ for j = 1, tonumber(ARGV[1]) do
   end
   if ok then
     local channel = base .. 'events'
+    local last_event
     for event in string.gmatch(string.sub(rec, h + lq + lr + lo + lres + 2), '[^\n]+') do
       local r = redis.pcall('XADD', log, seq .. '-1', 'e', event)
       if type(r) ~= 'table' or not r.err then
         redis.call('PUBLISH', channel, event)
       end
       seq = seq + 1
+      last_event = event
     end
+    if (write == 'e' or write == 'x') and last_event then history(queue, rid, owner, last_event) end
     if write == 'a' or write == 'h' then
       redis.call('EXPIRE', log, ARGV[2])
     else
@@ -352,6 +358,45 @@ for j = 1, tonumber(ARGV[1]) do
 end
 return out
 """
+
+# The history a job's end adds (api.history): its model's time bucket (jobs, errors, tokens, histograms of TTFT
+# and queue wait) and its summary on the recent list; once per job, never per token. ARGV[4]: now ms, ARGV[5]:
+# prefix.
+_HISTORY = r"""
+local EDGES = HIST_EDGES
+local function bin(ms)
+  for i, edge in ipairs(EDGES) do if ms <= edge then return i - 1 end end
+  return #EDGES - 1
+end
+local function num(v) if type(v) == 'number' then return v end return nil end
+local function history(queue, rid, owner, text)
+  local okd, ev = pcall(cjson.decode, text)
+  if not okd or type(ev) ~= 'table' then return end
+  local model = string.sub(queue, #ARGV[5] + 8)
+  local now = tonumber(ARGV[4])
+  local key = ARGV[5] .. ':hist:' .. model .. ':' .. math.floor(now / (1000 * BUCKET_S))
+  local t = type(ev.timings) == 'table' and ev.timings or {}
+  local u = type(ev.usage) == 'table' and ev.usage or {}
+  local ttft, wait, tokens = num(t.ttft_ms), num(t.queue_ms), num(u.completion_tokens) or 0
+  redis.call('HINCRBY', key, 'n', 1)
+  if ev.type == 'error' then redis.call('HINCRBY', key, 'err', 1) end
+  if tokens > 0 then redis.call('HINCRBY', key, 'tok', tokens) end
+  if ttft then redis.call('HINCRBY', key, 't' .. bin(ttft), 1) end
+  if wait then redis.call('HINCRBY', key, 'w' .. bin(wait), 1) end
+  redis.call('EXPIRE', key, HISTORY_TTL)
+  local summary = cjson.encode({id = rid, model = model, type = ev.type,
+    reason = ev.finish_reason or ev.code or '', ttft_ms = ttft or false, queue_ms = wait or false,
+    total_ms = num(t.total_ms) or false, prompt_tokens = num(u.prompt_tokens) or false,
+    completion_tokens = num(u.completion_tokens) or false, at_ms = now,
+    worker = string.match(owner, '^(.*):%d+$') or ''})
+  redis.call('LPUSH', ARGV[5] .. ':recent', summary)
+  redis.call('LTRIM', ARGV[5] .. ':recent', 0, RECENT_KEPT - 1)
+  redis.call('EXPIRE', ARGV[5] .. ':recent', RECENT_TTL)
+end
+""".replace("HIST_EDGES", history.lua_edges()).replace("BUCKET_S", str(history.BUCKET_S)).replace(
+    "HISTORY_TTL", str(history.HISTORY_TTL_S)).replace("RECENT_KEPT", str(history.RECENT_KEPT)).replace(
+    "RECENT_TTL", str(history.RECENT_TTL_S))
+_EMIT = _EMIT.replace("HISTORY", _HISTORY, 1)
 
 # Extends leases still held by their run. KEYS: none. ARGV: lease ms, prefix, then rid, token, rid, token...
 # Returns 1 (extended) or 0 (lost) per job.

@@ -1,0 +1,280 @@
+// mlxq's dashboard: polls the gateway's /dashboard/api once a second and draws the fleet. Everything from jobs
+// goes into the page as text (textContent, never innerHTML); the key lives in this tab's sessionStorage and
+// goes out as an Authorization header.
+"use strict";
+
+const POLL_MS = 1000;
+const KEY = "mlxq-dashboard-key";
+const $ = (id) => document.getElementById(id);
+let timer = null;
+let admin = false;
+
+function el(tag, text, cls) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (cls) node.className = cls;
+  return node;
+}
+
+function row(cells) {
+  const tr = document.createElement("tr");
+  for (const cell of cells) {
+    const td = document.createElement("td");
+    if (cell instanceof Node) td.appendChild(cell); else td.textContent = cell === null || cell === undefined ? "-" : String(cell);
+    tr.appendChild(td);
+  }
+  return tr;
+}
+
+function fill(tableId, rows, empty, columns) {
+  const body = $(tableId).tBodies[0];
+  body.replaceChildren(...rows);
+  if (!rows.length) {
+    const td = el("td", empty, "empty");
+    td.colSpan = columns;
+    const tr = document.createElement("tr");
+    tr.appendChild(td);
+    body.appendChild(tr);
+  }
+}
+
+const ms = (v) => (v === null || v === undefined || v === false ? "-" : v >= 1000 ? (v / 1000).toFixed(2) + " s" : Math.round(v) + " ms");
+const age = (s) => (s === null || s === undefined ? "-" : s < 60 ? s.toFixed(1) + " s" : s < 3600 ? Math.floor(s / 60) + " m " + Math.floor(s % 60) + " s" : Math.floor(s / 3600) + " h " + Math.floor((s % 3600) / 60) + " m");
+const when = (epochS) => new Date(epochS * 1000).toLocaleTimeString();
+
+function jobLink(id) {
+  const a = el("a", id, "job");
+  a.href = "#/job/" + encodeURIComponent(id);
+  return a;
+}
+
+function headers() {
+  const key = sessionStorage.getItem(KEY);
+  return key ? { Authorization: "Bearer " + key } : {};
+}
+
+async function api(path, options) {
+  const response = await fetch("/dashboard/api/" + path, { ...(options || {}), headers: { ...headers(), "content-type": "application/json" } });
+  const body = await response.json().catch(() => ({}));
+  if (!response.ok) throw new Error((body.error && body.error.message) || response.status + " " + response.statusText);
+  return body;
+}
+
+function status(text, bad) {
+  $("status").textContent = text;
+  $("status").className = bad ? "error" : "";
+}
+
+// --- charts: small SVG sparklines, one series per line --------------------------------------------------
+function spark(values, extra) {
+  const w = 120, h = 28, ns = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(ns, "svg");
+  svg.setAttribute("class", "spark");
+  svg.setAttribute("width", w);
+  svg.setAttribute("height", h);
+  const series = [values, ...(extra ? [extra] : [])];
+  const top = Math.max(1e-9, ...series.flat().filter((v) => v !== null));
+  series.forEach((vals, i) => {
+    const points = vals.map((v, x) => (v === null ? null : (x * (w - 2)) / Math.max(1, vals.length - 1) + 1 + "," + (h - 2 - ((h - 4) * v) / top).toFixed(1))).filter((p) => p !== null);
+    const line = document.createElementNS(ns, "polyline");
+    line.setAttribute("points", points.join(" "));
+    if (i === 1) line.setAttribute("class", "p99");
+    svg.appendChild(line);
+  });
+  return svg;
+}
+
+function chartCell(label, values, extra) {
+  const box = el("div", null, "cell-chart");
+  box.appendChild(el("span", label));
+  box.appendChild(spark(values, extra));
+  return box;
+}
+
+function last(points, field) {
+  for (let i = points.length - 1; i >= 0; i--) if (points[i][field] !== null) return points[i][field];
+  return null;
+}
+
+function mean(points, field) {
+  const recent = points.slice(-6);  // the last minute
+  return recent.reduce((sum, p) => sum + p[field], 0) / Math.max(1, recent.length);
+}
+
+// --- views ---------------------------------------------------------------------------------------------
+function drawOverview(data) {
+  fill("models", data.models.map((m) => {
+    const h = m.history, s = m.served;
+    const prio = Object.entries(m.by_priority).map(([p, n]) => "p" + p + ": " + n).join(", ") || "-";
+    return row([m.name, m.queued, prio, age(m.oldest_s), s ? s.workers : 0,
+      s ? s.running + " / " + s.capacity : "-", s ? s.tokens_per_s.toFixed(1) : "-",
+      chartCell(mean(h, "jobs_per_s").toFixed(2), h.map((p) => p.jobs_per_s)),
+      chartCell(mean(h, "tokens_per_s").toFixed(1), h.map((p) => p.tokens_per_s)),
+      chartCell(ms(last(h, "ttft_p50")) + " / " + ms(last(h, "ttft_p99")), h.map((p) => p.ttft_p50), h.map((p) => p.ttft_p99)),
+      chartCell(ms(last(h, "wait_p50")) + " / " + ms(last(h, "wait_p99")), h.map((p) => p.wait_p50), h.map((p) => p.wait_p99))]);
+  }), "no queued jobs and no live workers", 11);
+  const rows = [];
+  for (const w of data.workers) {
+    const used = w.models.reduce((n, m) => n + m.running, 0), cap = w.models.reduce((n, m) => n + m.capacity, 0);
+    const state = w.draining ? "draining" : w.models.map((m) => m.state).join(", ");
+    const spec = w.models.filter((m) => m.speculation).map((m) => m.speculation + (m.drafted ? " " + Math.round((100 * m.accepted) / m.drafted) + "% taken" : "")).join(", ") || "-";
+    rows.push(row([w.id, w.host + " (pid " + w.pid + ")", state, w.models.map((m) => m.name).join(", "), used + " / " + cap,
+      w.models.reduce((n, m) => n + m.waiting, 0), w.models.reduce((n, m) => n + m.tokens_per_s, 0).toFixed(1), spec,
+      w.version, age(data.at - w.updated_at) + " ago"]));
+  }
+  for (const w of data.lost) {
+    const tr = row([w.id, "-", "lost", "-", "-", "-", "-", "-", "-", age(data.at - w.last_seen) + " ago"]);
+    tr.className = "lost";
+    rows.push(tr);
+  }
+  fill("workers", rows, "no workers", 10);
+}
+
+function stateCell(state) {
+  return el("span", state, "state-" + state);
+}
+
+function cancelButton(id) {
+  const b = el("button", "Cancel", "danger");
+  b.type = "button";
+  b.dataset.job = id;
+  b.addEventListener("click", () => cancel(id));
+  return b;
+}
+
+function drawJobs(data) {
+  fill("running", data.running.map((j) => row([jobLink(j.id), j.model, stateCell(j.state), j.worker || "-",
+    admin ? cancelButton(j.id) : ""])), "no running jobs", 5);
+  fill("recent", data.recent.map((j) => row([jobLink(j.id), j.model, stateCell(j.type), ms(j.ttft_ms), ms(j.queue_ms),
+    (j.prompt_tokens === false ? "-" : j.prompt_tokens) + " / " + (j.completion_tokens === false ? "-" : j.completion_tokens),
+    ms(j.total_ms), j.reason, when(j.at_ms / 1000)])), "no job ended lately", 9);
+}
+
+function drawDead(data) {
+  fill("dead", data.dead.map((d) => {
+    let action = "";
+    if (admin) {
+      action = el("button", "Retry");
+      action.type = "button";
+      action.addEventListener("click", () => retry(d.hex));
+    }
+    return row([d.entry, d.queue, d.reason, when(d.at_ms / 1000), d.worker, action]);
+  }), "no dead letters", 6);
+}
+
+function clearJob(id) {
+  $("job-id").textContent = id;
+  $("job-cancel").hidden = true;
+  for (const part of ["job-facts", "job-request", "job-output"]) $(part).replaceChildren();
+  $("job-events").tBodies[0].replaceChildren();
+}
+
+function drawJob(job) {
+  $("job-id").textContent = job.id;
+  ended = (job.state === "done" || job.state === "error") && job.summary ? job.id : null;
+  $("job-cancel").hidden = !(admin && (job.state === "queued" || job.state === "running"));
+  const facts = [["State", job.state], ["Tries", job.tries], ["Worker", job.worker || "-"],
+    ["Cancel requested", job.cancel_requested ? "yes" : "no"]];
+  const s = job.summary;
+  if (s) facts.push(["TTFT", ms(s.ttft_ms)], ["Queue wait", ms(s.queue_ms)], ["Duration", ms(s.total_ms)],
+    ["Tokens (prompt / out)", s.prompt_tokens + " / " + s.completion_tokens], ["Finish reason", s.reason]);
+  if (job.error) facts.push(["Error", job.error.code + ": " + job.error.message]);
+  $("job-facts").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", k), el("dd", v)]));
+  const req = job.request;
+  $("job-request").textContent = req === null ? "(the job's record is gone: it ended)"
+    : (job.full ? "" : "(" + req.bytes + " bytes; the prompt is shown to admin keys only)\n") + JSON.stringify(req.payload, null, 2);
+  const tokens = job.events.filter((e) => e.type === "token");
+  $("job-output").textContent = job.full ? tokens.map((e) => e.text).join("")
+    : tokens.reduce((n, e) => n + e.chars, 0) + " characters in " + tokens.length + " events (the output is shown to admin keys only)";
+  fill("job-events", job.events.map((e) => {
+    const { type, seq, id, ...rest } = e;
+    return row([seq, type, JSON.stringify(rest)]);
+  }), "no events (yet)", 3);
+}
+
+// --- actions -------------------------------------------------------------------------------------------
+async function cancel(id) {
+  try {
+    const r = await api("jobs/" + encodeURIComponent(id) + "/cancel", { method: "POST" });
+    status(r.cancel_requested ? "cancel of " + id + " requested" : id + " had ended already");
+    refresh();
+  } catch (err) {
+    status("cancel failed: " + err.message, true);
+  }
+}
+
+async function retry(hex) {
+  try {
+    const r = await api("dead/retry", { method: "POST", body: JSON.stringify({ hex }) });
+    status("submitted again as " + r.id);
+    refresh();
+  } catch (err) {
+    status("retry failed: " + err.message, true);
+  }
+}
+
+// --- routing and polling -------------------------------------------------------------------------------
+function route() {
+  const hash = location.hash.replace(/^#\/?/, "");
+  if (hash.startsWith("job/")) return { view: "job", id: decodeURIComponent(hash.slice(4)) };
+  return { view: ["jobs", "dead"].includes(hash) ? hash : "overview" };
+}
+
+async function refresh() {
+  const r = route();
+  for (const v of ["overview", "jobs", "dead", "job"]) $("view-" + v).hidden = v !== r.view;
+  for (const v of ["overview", "jobs", "dead"]) $("nav-" + v).classList.toggle("active", v === r.view);
+  try {
+    const session = await api("session");
+    admin = session.admin;
+    $("role").textContent = !session.reader ? "not signed in" : admin ? "admin" : "read-only";
+    if (!session.reader) {
+      status(sessionStorage.getItem(KEY) ? "that key is not valid here: sign in with another" : "sign in with an API or admin key", true);
+      return;
+    }
+    if (r.view === "job") {
+      if ($("job-id").textContent !== r.id) clearJob(r.id);  // never another job's details under this id
+      drawJob(await api("jobs/" + encodeURIComponent(r.id)));
+      status("job " + r.id + " - updated " + new Date().toLocaleTimeString());
+    } else {
+      const data = await api("overview");
+      drawOverview(data);
+      drawJobs(data);
+      drawDead(data);
+      status("Redis " + data.redis + ", prefix " + data.prefix + " - updated " + when(data.at));
+    }
+  } catch (err) {
+    status(err.message, true);
+  }
+}
+
+let ended = null;  // the id of the job whose page shows its end: nothing more will change, stop polling it
+
+function schedule() {
+  clearTimeout(timer);
+  refresh().finally(() => {
+    const r = route();
+    if (!(r.view === "job" && ended === r.id)) timer = setTimeout(schedule, POLL_MS);
+  });
+}
+
+function start() {
+  $("login").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const key = $("key").value.trim();
+    if (key) sessionStorage.setItem(KEY, key);
+    $("key").value = "";
+    schedule();
+  });
+  $("logout").addEventListener("click", () => { sessionStorage.removeItem(KEY); schedule(); });
+  $("search").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const id = $("search-id").value.trim();
+    if (id) location.hash = "#/job/" + encodeURIComponent(id);
+  });
+  $("job-cancel").addEventListener("click", () => cancel(route().id));
+  window.addEventListener("hashchange", schedule);
+  schedule();
+}
+
+document.addEventListener("DOMContentLoaded", start);
