@@ -574,6 +574,11 @@ class ModelStatus(BaseModel):
     drafted: int = 0  # tokens proposed to its sequences since it started
     accepted: int = 0  # of those, tokens the model agreed with
     spec_k: int = 0  # tokens proposed per sequence at its last step (0: it decoded plainly)
+    kv_bytes: int = 0  # KV-cache bytes in use (its batch's, and preempted sequences' held)
+    kv_headroom_bytes: int = 0  # what its KV caches may fill (0: no KV admission)
+    prefix_hits: int = 0  # admissions that reused a cached prompt prefix, since it started
+    prefix_misses: int = 0  # admissions that looked for one and found none
+    device: str = ""  # where MLX runs it (name, backend, usable memory)
 
 
 class WorkerStatus(BaseModel):

@@ -240,6 +240,7 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
         layout = dataclasses.replace(layout, bytes_per_token=layout.bytes_per_token + extra.bytes_per_token)
         draft_bytes = model_bytes(draft.model)
     memory, prefix = memory_plan(loaded, layout, opts, caches=caches, draft_bytes=draft_bytes)
+    stats.device = device_memory().describe()
     scheduler = Scheduler(
         backend,
         capacity=opts.capacity,

@@ -16,6 +16,7 @@ class EngineStats:
 
     steps: int = 0
     failures: int = 0
+    device: str = ""  # where MLX runs it (its name, backend and usable memory)
     # Admission by KV memory (engine/memory.py).
     kv_headroom_bytes: int = 0  # what the batch's KV caches may fill (0: no KV admission)
     kv_bytes: int = 0  # KV caches in use after the last step: the batch's plus preempted ones held

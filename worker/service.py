@@ -146,7 +146,10 @@ class ModelService:
                            context_length=model.context_length if model is not None else None, error=self.error,
                            speculation=self.config.speculation(self.served),
                            drafted=stats.spec_drafted if stats else 0, accepted=stats.spec_accepted if stats else 0,
-                           spec_k=stats.spec_k if stats else 0)
+                           spec_k=stats.spec_k if stats else 0, kv_bytes=stats.kv_bytes if stats else 0,
+                           kv_headroom_bytes=stats.kv_headroom_bytes if stats else 0,
+                           prefix_hits=stats.prefix_hits if stats else 0,
+                           prefix_misses=stats.prefix_misses if stats else 0, device=stats.device if stats else "")
 
     # --- jobs ----------------------------------------------------------------------------------------
     def claimed(self, entries: Sequence[DueEntry]) -> None:

@@ -132,6 +132,9 @@ async def test_a_jobs_end_lands_in_its_models_history_and_the_recent_list(http: 
     assert any(p["ttft_p50"] is not None for p in tiny["history"])
     assert tiny["served"]["workers"] == 1
     assert await client.redis.ttl(Keys(PREFIX).recent()) > 0  # bounded in time and length (api.history)
+    (served,) = data["workers"][0]["models"]  # what the workers table shows of its model
+    assert "cpu" in served["device"] and served["kv_headroom_bytes"] > 0
+    assert served["prefix_hits"] + served["prefix_misses"] >= 0
 
 
 async def test_a_job_that_expired_queued_is_counted_as_an_error(http: httpx.AsyncClient, client: Client) -> None:

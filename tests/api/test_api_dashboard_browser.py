@@ -147,7 +147,8 @@ def errors_in_console(driver: webdriver.Chrome) -> list[str]:
 def test_the_page_loads_without_console_errors_and_shows_the_fleet(fleet: Any, browser: webdriver.Chrome) -> None:
     sign_in(browser, fleet[0].url, READER)
     WebDriverWait(browser, 30).until(lambda d: "tiny" in d.find_element(By.ID, "models").text)
-    assert "serving" in browser.find_element(By.ID, "workers").text
+    workers = browser.find_element(By.ID, "workers").text
+    assert "serving" in workers and "(cpu," in workers and "B / " in workers  # its device, KV used / headroom
     assert errors_in_console(browser) == []
 
 

@@ -101,6 +101,13 @@ function mean(points, field) {
   return recent.reduce((sum, p) => sum + p[field], 0) / Math.max(1, recent.length);
 }
 
+function bytes(n) {  // 1,536 -> "1.5 KiB"
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return (i ? n.toFixed(1) : String(n)) + " " + units[i];
+}
+
 // --- views ---------------------------------------------------------------------------------------------
 function drawOverview(data) {
   fill("models", data.models.map((m) => {
@@ -118,16 +125,22 @@ function drawOverview(data) {
     const used = w.models.reduce((n, m) => n + m.running, 0), cap = w.models.reduce((n, m) => n + m.capacity, 0);
     const state = w.draining ? "draining" : w.models.map((m) => m.state).join(", ");
     const spec = w.models.filter((m) => m.speculation).map((m) => m.speculation + (m.drafted ? " " + Math.round((100 * m.accepted) / m.drafted) + "% taken" : "")).join(", ") || "-";
+    const kv = w.models.reduce((n, m) => n + (m.kv_bytes || 0), 0);
+    const room = w.models.reduce((n, m) => n + (m.kv_headroom_bytes || 0), 0);
+    const hits = w.models.reduce((n, m) => n + (m.prefix_hits || 0), 0);
+    const looks = hits + w.models.reduce((n, m) => n + (m.prefix_misses || 0), 0);
+    const devices = [...new Set(w.models.map((m) => m.device).filter(Boolean))].join(", ") || "-";
     rows.push(row([w.id, w.host + " (pid " + w.pid + ")", state, w.models.map((m) => m.name).join(", "), used + " / " + cap,
-      w.models.reduce((n, m) => n + m.waiting, 0), w.models.reduce((n, m) => n + m.tokens_per_s, 0).toFixed(1), spec,
-      w.version, age(data.at - w.updated_at) + " ago"]));
+      w.models.reduce((n, m) => n + m.waiting, 0), w.models.reduce((n, m) => n + m.tokens_per_s, 0).toFixed(1),
+      room ? bytes(kv) + " / " + bytes(room) : "-", looks ? Math.round((100 * hits) / looks) + "% of " + looks : "-",
+      spec, devices, w.version, age(data.at - w.updated_at) + " ago"]));
   }
   for (const w of data.lost) {
-    const tr = row([w.id, "-", "lost", "-", "-", "-", "-", "-", "-", age(data.at - w.last_seen) + " ago"]);
+    const tr = row([w.id, "-", "lost", "-", "-", "-", "-", "-", "-", "-", "-", "-", age(data.at - w.last_seen) + " ago"]);
     tr.className = "lost";
     rows.push(tr);
   }
-  fill("workers", rows, "no workers", 10);
+  fill("workers", rows, "no workers", 13);
 }
 
 function stateCell(state) {
