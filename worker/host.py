@@ -62,7 +62,6 @@ class WorkerHost:
         self.keys = config.keys
         self.redis = redis
         self.services = {served.name: ModelService(served, config) for served in config.served}
-        self._by_queue = {s.queue: s for s in self.services.values()}
         ttl = LogTTL(live=config.live_ttl_s, done=config.done_ttl_s, result=config.keep_result_s)
         # Event writes are serial: a connection of their own skips the pool's per-command checkout (a
         # health-check read on the event loop, which shares the GIL with the engines).
@@ -179,9 +178,10 @@ class WorkerHost:
         due = await self.transitions.claim(*self._quotas(free))
         await self._put_aside(due)
         started = [entry for entry in due.entries if entry.status is EntryStatus.STARTED]
+        by_model = {entry.rid: self.services[self.keys.queue_of(entry.queue)[0]] for entry in started}
         for service in self.services.values():
-            service.claimed([entry for entry in started if entry.queue == service.queue])
-        return Claims({entry.rid: self._run(self._by_queue[entry.queue], entry) for entry in started}, due.left)
+            service.claimed([entry for entry in started if by_model[entry.rid] is service])
+        return Claims({entry.rid: self._run(by_model[entry.rid], entry) for entry in started}, due.left)
 
     def _quotas(self, free: int) -> tuple[dict[str, int], int, dict[str, Outranking]]:
         """CLAIM's arguments: each queue up to its engine's room, and a full engine one job that outranks its

@@ -32,7 +32,8 @@ class GatewayConfig:
     port: int = setting("MLXQ_GATEWAY_PORT", DEFAULT_PORT, "port `mlxq gateway` listens on (--port wins; 0: any "
                         "free one)", minimum=0)
     api_keys: frozenset[str] = setting("MLXQ_API_KEYS", frozenset(), "comma-separated keys a request must present "
-                                       "(Bearer or x-api-key); unset: no authentication", parse=_keys)
+                                       "(Bearer or x-api-key), each `key=tenant` to name whose jobs its requests "
+                                       "are (none: the default tenant); unset: no authentication", parse=_keys)
     max_body_bytes: int = setting("MLXQ_GATEWAY_MAX_BODY", DEFAULT_MAX_BODY_BYTES, "largest request body in "
                                   "bytes → 413; unset, it follows MLXQ_MAX_PAYLOAD_BYTES, MLXQ_MAX_IMAGES and "
                                   "MLXQ_MAX_IMAGE_BYTES", minimum=1,
