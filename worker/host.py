@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 
 from mlxq.api.connection import redis_client
 from mlxq.api.jobrecord import Envelope, read_job
-from mlxq.api.schema import ErrorCode, ModelState, WorkerStatus, is_terminal
+from mlxq.api.schema import DEFAULT_TENANT, ErrorCode, ModelState, WorkerStatus, is_terminal
 from mlxq.engine.mlx_process import MLXLimits, mlx_process
 from mlxq.engine.request import RequestOutput
 
@@ -80,6 +80,8 @@ class WorkerHost:
         self.runs.on_write = self.metrics.redis_write.observe
         self.metrics_url: str | None = None
         self.queue_depths: dict[str, int] = {}  # jobs waiting in each served queue, read every heartbeat
+        self.tenant_depths: dict[tuple[str, str], int] = {}  # (model, tenant) -> jobs waiting, all workers'
+        self.tenants_running: dict[str, int] = {}  # tenant -> jobs running fleet-wide
         self.dead_lettered = 0
         self.draining = False
         self.started_at = time.time()
@@ -161,12 +163,23 @@ class WorkerHost:
         return self.metrics_url
 
     async def _read_queues(self) -> None:
-        """The depth of each served queue (for the metrics), once a heartbeat."""
+        """The depth of each served model's queues, per tenant, and each tenant's running jobs (for the
+        metrics), once a heartbeat."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            for service in self.services.values():
-                pipe.zcard(service.queue)
+            for name in self.services:
+                pipe.smembers(self.keys.backlog(name))
+            pipe.hgetall(self.keys.tenants_running())
+            *backlogs, running = await pipe.execute()
+        pairs = [(name, tenant) for name, members in zip(self.services, backlogs)
+                 for tenant in sorted({DEFAULT_TENANT, *(m.decode() for m in members)})]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name, tenant in pairs:
+                pipe.zcard(self.keys.queue(name, tenant))
             depths = await pipe.execute()
-        self.queue_depths = {name: int(n) for name, n in zip(self.services, depths)}
+        self.tenant_depths = {pair: int(n) for pair, n in zip(pairs, depths)}
+        self.queue_depths = {name: sum(n for (m, _), n in self.tenant_depths.items() if m == name)
+                             for name in self.services}
+        self.tenants_running = {k.decode(): max(0, int(v)) for k, v in running.items()}
 
     def stats_line(self) -> str:
         """Every counter of the metrics registry as one ``key=value`` line."""

@@ -9,6 +9,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aredis
@@ -21,7 +22,8 @@ from mlxq.api.keys import Keys
 from mlxq.api.schema import FinishReason
 from mlxq.worker.jobs.run import Run
 from mlxq.worker.jobs.transitions import EntryStatus, LogTTL, Record, Transitions, Write
-from tests.support import RunningWorker
+from tests.support import RunningWorker, config_with, free_port, start_worker
+from tests.worker.test_worker_metrics import scrape, value
 
 pytestmark = pytest.mark.e2e
 
@@ -257,3 +259,26 @@ def test_mlxq_tenants_sets_lists_and_removes_a_policy(redis_url: str, monkeypatc
     assert [t["name"] for t in json.loads(capsys.readouterr().out)["tenants"]] == ["acme"]
     assert main(["tenants", "rm", "acme"]) == 0
     assert main(["tenants", "--json"]) == 0 and json.loads(capsys.readouterr().out.split("\n", 1)[1]) == []
+
+
+async def test_metrics_show_each_tenants_jobs_tokens_wait_queue_and_running(worker_config: Any, redis_url: str,
+                                                                            r: aredis.Redis) -> None:
+    port = free_port()
+    running = await start_worker(config_with(worker_config, metrics_port=port, metrics_addr="127.0.0.1"))
+    try:
+        async with Client(redis_url, tenant="acme") as c:
+            done = await asyncio.gather(*(c.generate(model="tiny", prompt="hi", max_tokens=5, timeout=60)
+                                          for _ in range(2)))
+        await r.zadd(KEYS.queue("tiny", "globex"), {"parked": 10**15})  # queued, never due
+        await r.sadd(KEYS.backlog("tiny"), "globex")  # type: ignore[misc]
+        await running.host.health.beat()
+        samples = await asyncio.to_thread(scrape, port)
+        tiny_acme = {"model_name": "tiny", "tenant": "acme"}
+        assert value(samples, "mlxq:tenant_requests_total", outcome="done", **tiny_acme) == 2
+        assert value(samples, "mlxq:tenant_generation_tokens_total", **tiny_acme) == sum(
+            d.usage.completion_tokens for d in done)
+        assert value(samples, "mlxq:tenant_queue_time_seconds_count", **tiny_acme) == 2
+        assert value(samples, "mlxq:tenant_queue_depth", model_name="tiny", tenant="globex") == 1
+        assert value(samples, "mlxq:tenant_requests_running", tenant="acme") == 0
+    finally:
+        await running.close()
