@@ -51,8 +51,10 @@ class Keys:
 
     def share(self, model: str) -> str:
         """Hash of ``model``'s fair-share accounts: ``<tenant>`` its virtual work (tokens ÷ weight),
-        ``<tenant>:r`` its jobs running, ``<tenant>:a`` its mean work per job; ``~floor`` the virtual work of
-        the last start (a tenant back from idle starts there: no credit for idle time)."""
+        ``<tenant>:r`` its jobs running, ``<tenant>:a`` its mean work per job; ``~r`` the model's jobs running,
+        ``~floor`` the least virtual work among the backlogged at the last claim (a tenant back from idle starts
+        there: no credit for idle time). Dropped by a claim that finds the model idle (nothing queued or
+        running)."""
         return f"{self.prefix}:share:{model}"
 
     def tenant(self, name: str) -> str:

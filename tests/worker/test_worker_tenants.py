@@ -219,14 +219,19 @@ async def test_tenants_lists_policy_and_live_use(client: Client, r: aredis.Redis
         await tenants.store(r, KEYS, "acme", weight=0)
 
 
-async def test_shared_keys_have_a_ttl(client: Client, r: aredis.Redis) -> None:
+async def test_shared_keys_have_a_ttl_and_an_idle_model_leaves_only_its_token_buckets(client: Client,
+                                                                                      r: aredis.Redis) -> None:
     await fill(client, "acme", 2)
     t = worker(r)
-    (run,) = await claim(t, 1)
-    await end(t, run, 1, 1)
-    for key in (KEYS.backlog(MODEL), KEYS.share(MODEL), KEYS.tenants_running(),
-                KEYS.tenant_tokens("acme", int(time.time() * 1000) // 60_000)):
+    runs = await claim(t, 2)
+    for key in (KEYS.backlog(MODEL), KEYS.share(MODEL), KEYS.tenants_running()):
         assert await r.ttl(key) > 0, key
+    for run in runs:
+        await end(t, run, 1, 1)
+    assert await claim(t, 2) == []  # a claim finds the model idle: its accounts go
+    bucket = KEYS.tenant_tokens("acme", int(time.time() * 1000) // 60_000)
+    assert {k.decode() for k in await r.keys(f"{KEYS.prefix}:*") if b"{" not in k} == {KEYS.epoch(), bucket}
+    assert 0 < await r.ttl(bucket) <= 120
 
 
 # --- a real worker -------------------------------------------------------------------------------------
@@ -279,6 +284,6 @@ async def test_metrics_show_each_tenants_jobs_tokens_wait_queue_and_running(work
             d.usage.completion_tokens for d in done)
         assert value(samples, "mlxq:tenant_queue_time_seconds_count", **tiny_acme) == 2
         assert value(samples, "mlxq:tenant_queue_depth", model_name="tiny", tenant="globex") == 1
-        assert value(samples, "mlxq:tenant_requests_running", tenant="acme") == 0
+        assert ("mlxq:tenant_requests_running", (("tenant", "acme"),)) not in samples  # none running: no count
     finally:
         await running.close()

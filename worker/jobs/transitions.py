@@ -188,13 +188,14 @@ end
 local function share_left(P, queue, ttl)  -- a running job left (ended or handed back): count it out
   local model, tenant = model_tenant(P, queue)
   if not model then return nil, nil, nil end
-  local share = P .. ':share:' .. model
-  if redis.call('HINCRBY', share, tenant .. ':r', -1) < 0 then redis.call('HSET', share, tenant .. ':r', 0) end
-  if redis.call('HINCRBY', P .. ':tenants:running', tenant, -1) < 0 then
-    redis.call('HSET', P .. ':tenants:running', tenant, 0)
+  local share, running = P .. ':share:' .. model, P .. ':tenants:running'
+  -- a count that reaches 0 goes: idle, the accounts leave nothing behind
+  for _, field in ipairs({tenant .. ':r', '~r'}) do
+    if redis.call('HINCRBY', share, field, -1) <= 0 then redis.call('HDEL', share, field) end
   end
+  if redis.call('HINCRBY', running, tenant, -1) <= 0 then redis.call('HDEL', running, tenant) end
   redis.call('EXPIRE', share, ttl)
-  redis.call('EXPIRE', P .. ':tenants:running', ttl)
+  redis.call('EXPIRE', running, ttl)
   return model, tenant, share
 end
 """
@@ -287,10 +288,12 @@ for q = 4, #KEYS do
     if not seen[t] then seen[t] = true; names[#names + 1] = t end
   end
   m.floor = tonumber(redis.call('HGET', m.share, '~floor') or '0')
+  -- (the backlogged tenants' queues are read below; a model with none queued and none running forgets its
+  -- accounts: nobody is owed anything, and nothing is left behind in Redis)
   for _, t in ipairs(names) do
     local key = queue_of(P, model, t)
     if redis.call('EXISTS', key) == 0 then
-      if t ~= 'default' then redis.call('SREM', backlog, t) end
+      redis.call('SREM', backlog, t)
     elseif quota <= 0 or capped(t) then
       if redis.call('ZCOUNT', key, '-inf', now) > 0 then left = 1 end
     else
@@ -312,12 +315,21 @@ for q = 4, #KEYS do
     end
   end
 end
+for q = 4, #KEYS do
+  local model = string.sub(KEYS[q], #P + 8)
+  if redis.call('EXISTS', P .. ':backlog:' .. model) == 0 and redis.call('HEXISTS', models[q].share, '~r') == 0 then
+    redis.call('DEL', models[q].share)
+  end
+end
 for q = 4, #KEYS do  -- the least virtual work among the backlogged: where a tenant back from idle starts
   local m, low = models[q], nil
   for _, s in ipairs(m.tenants) do
     if not low or s.vt < low then low = s.vt end
   end
-  if low and low > m.floor then redis.call('HSET', m.share, '~floor', string.format('%.17g', low)) end
+  if low and low > m.floor then
+    redis.call('HSET', m.share, '~floor', string.format('%.17g', low))
+    redis.call('EXPIRE', m.share, share_ttl)
+  end
 end
 local function fair(s)  -- a tenant's virtual work, its running jobs counted at its mean work per job
   return s.vt + s.run * s.mean / s.weight
@@ -368,6 +380,7 @@ while true do
           pick.run = pick.run + 1
           running[t] = running[t] + 1
           redis.call('HINCRBY', m.share, t .. ':r', 1)
+          redis.call('HINCRBY', m.share, '~r', 1)
           redis.call('HINCRBY', P .. ':tenants:running', t, 1)
           redis.call('EXPIRE', m.share, share_ttl)
           redis.call('EXPIRE', P .. ':tenants:running', share_ttl)
