@@ -17,9 +17,9 @@ import redis.asyncio as aredis
 from mlxq.api import tenants
 from mlxq.api.cli import main
 from mlxq.api.client import Client
-from mlxq.api.errors import BadRequest, QueueFull
+from mlxq.api.errors import BadRequest, JobFailed, QueueFull
 from mlxq.api.keys import Keys
-from mlxq.api.schema import FinishReason
+from mlxq.api.schema import ErrorCode, FinishReason
 from mlxq.worker.jobs.run import Run
 from mlxq.worker.jobs.transitions import EntryStatus, LogTTL, Record, Transitions, Write
 from tests.support import RunningWorker, config_with, free_port, start_worker
@@ -242,6 +242,21 @@ async def test_a_jobs_result_names_its_tenant(worker: RunningWorker, redis_url: 
     async with Client(redis_url) as c:
         assert (await c.generate(model="tiny", prompt="hello", max_tokens=4, timeout=60)).tenant == "default"
 
+
+async def test_a_tenants_queued_jobs_expire_and_its_poison_entries_go_to_the_dead_letters(
+        worker: RunningWorker, redis_url: str, r: aredis.Redis) -> None:
+    async with Client(redis_url, tenant="acme") as c:
+        rid = await c.submit(model="nobody", prompt="x", expires_in=0.2)  # no worker serves it
+        with pytest.raises(JobFailed) as failed:
+            await c.result(rid, timeout=30)
+        assert failed.value.event.code is ErrorCode.EXPIRED
+        assert await r.zcard(KEYS.queue("nobody", "acme")) == 0
+        await r.zadd(KEYS.queue("tiny", "acme"), {"bad entry!": 1})
+        await r.sadd(KEYS.backlog("tiny"), "acme")  # type: ignore[misc]
+        assert (await c.generate(model="tiny", prompt="hi", max_tokens=3, timeout=60)).tenant == "acme"
+    # (the entry is due first: the claim that started the job, or one before, moved it aside)
+    (dead,) = [json.loads(d) for d in await r.lrange(KEYS.dead_letters(), 0, -1)]  # type: ignore[misc]
+    assert dead["queue"] == KEYS.queue("tiny", "acme") and dead["entry"] == "bad entry!"
 
 # --- the commands ------------------------------------------------------------------------------------------
 def test_mlxq_tenants_sets_lists_and_removes_a_policy(redis_url: str, monkeypatch: pytest.MonkeyPatch,
