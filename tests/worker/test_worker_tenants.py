@@ -221,13 +221,14 @@ async def test_tenants_lists_policy_and_live_use(client: Client, r: aredis.Redis
 
 async def test_shared_keys_have_a_ttl_and_an_idle_model_leaves_only_its_token_buckets(client: Client,
                                                                                       r: aredis.Redis) -> None:
-    await fill(client, "acme", 2)
+    await fill(client, "acme", 1)  # one job: its end empties the running counts, then charges it
     t = worker(r)
     runs = await claim(t, 2)
     for key in (KEYS.backlog(MODEL), KEYS.share(MODEL), KEYS.tenants_running()):
         assert await r.ttl(key) > 0, key
     for run in runs:
         await end(t, run, 1, 1)
+    assert all([await r.ttl(k) > 0 for k in await r.keys(f"{KEYS.prefix}:*")])  # the charge's writes included
     assert await claim(t, 2) == []  # a claim finds the model idle: its accounts go
     bucket = KEYS.tenant_tokens("acme", int(time.time() * 1000) // 60_000)
     assert {k.decode() for k in await r.keys(f"{KEYS.prefix}:*") if b"{" not in k} == {KEYS.epoch(), bucket}

@@ -489,6 +489,7 @@ for j = 1, tonumber(ARGV[1]) do
         redis.call('HINCRBYFLOAT', share, tenant, work / weight)
         local mean = tonumber(redis.call('HGET', share, tenant .. ':a') or '')
         redis.call('HSET', share, tenant .. ':a', string.format('%.17g', mean and 0.8 * mean + 0.2 * work or work))
+        redis.call('EXPIRE', share, ARGV[8])
         local bucket = ARGV[5] .. ':tpm:' .. tenant .. ':' .. math.floor(tonumber(ARGV[4]) / 60000)
         redis.call('INCRBY', bucket, work)
         redis.call('EXPIRE', bucket, 120)
