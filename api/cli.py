@@ -2,8 +2,8 @@
 gateway; run the demo and the benchmark.
 
 ``submit`` writes exactly the generated text to stdout (so it pipes) and status to stderr. Producer commands
-(``submit``, ``cancel``, ``events``, ``status``, ``health``) are the producer side's own and import no worker
-code, so a producer-only install (``pip install mlxq``) has them; ``gateway`` needs the gateway extra
+(``submit``, ``cancel``, ``events``, ``status``, ``health``, ``tenants``) are the producer side's own and
+import no worker code, so a producer-only install (``pip install mlxq``) has them; ``gateway`` needs the gateway extra
 (``api.gateway``), and ``demo`` and ``bench`` are the worker's tools (``worker.tools``), each loaded only when
 asked for. Every failure prints one line (a traceback only with
 ``--debug``) and exits with a documented status.
@@ -72,6 +72,8 @@ _EXITS = {
     "events": ["0    every event up to the terminal one (done or error) was printed",
                f"1    an unknown job, or no terminal event within --timeout; {_REDIS_DOWN}", _BAD_CONFIG],
     "status": ["0    the report was printed", f"1    {_REDIS_DOWN}", _BAD_CONFIG],
+    "tenants": ["0    the tenants were listed, or the policy set or removed", f"1    {_REDIS_DOWN}",
+                f"{_BAD_CONFIG} (a malformed name, a weight of 0 or less, a negative cap)"],
     "health": ["0    a live worker serves the model (any model without --model)",
                f"1    none does (unhealthy); {_REDIS_DOWN}", _BAD_CONFIG],
     "demo": ["0    the demo ran (with --gateway: then Ctrl-C or SIGTERM stopped it cleanly)",
@@ -116,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--priority", type=int, default=0, help="higher runs first (-100..100)")
+    s.add_argument("--tenant", default="default", help="whose job it is (fair share and caps: mlxq tenants)")
     s.add_argument("--expires-in", type=float, default=None,
                    help="seconds it may wait queued before it ends error(expired) (default: MLXQ_JOB_EXPIRY)")
     s.add_argument("--chat", action="store_true", help="send the prompt as one user message (chat template)")
@@ -137,6 +140,26 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
                     help="refresh in place every SECONDS (2 when given alone) until interrupted")
     st.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N refreshes")
+
+    t = command("tenants", help="tenants' policies and live use; set or remove a policy",
+                description="Each tenant's policy (weight, caps) and live use: jobs queued and running, tokens a "
+                            "minute, its share of them. Policies live in Redis and apply fleet-wide at once; a "
+                            "tenant without one has weight 1 and no caps.")
+    t.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    tsub = t.add_subparsers(dest="action", metavar="ACTION")
+    ts = tsub.add_parser("set", help="set fields of a tenant's policy (the others keep theirs)",
+                         formatter_class=_Formatter)
+    ts.add_argument("name", help="the tenant: 1 to 64 of A-Z a-z 0-9 . _ -")
+    ts.add_argument("--weight", type=float, default=None, help="its share of the fleet's work, against others' "
+                    "(above 0; default 1)")
+    ts.add_argument("--max-running", type=int, default=None, metavar="N", help="its jobs running at once, "
+                    "fleet-wide (0: no cap)")
+    ts.add_argument("--max-queued", type=int, default=None, metavar="N", help="its jobs queued; a submit over "
+                    "it is refused, QueueFull / HTTP 429 (0: no cap)")
+    ts.add_argument("--tokens-per-minute", type=int, default=None, metavar="N", help="prompt + generated "
+                    "tokens of its jobs a minute; over it, its jobs wait queued (0: no cap)")
+    tr = tsub.add_parser("rm", help="remove a tenant's policy (its queued jobs stay, under the default policy)")
+    tr.add_argument("name")
 
     h = command("health", help="exit 0 if a live worker serves the model (any model without --model), else 1")
     h.add_argument("--model", default=None, help="the model to check")
@@ -294,6 +317,8 @@ async def _producer_command(args: argparse.Namespace, config: ClientConfig) -> i
             return await _status(client, args.json, args.watch, args.count)
         if args.command == "health":
             return await _health(client, args.model)
+        if args.command == "tenants":
+            return await _tenants(client, args)
         return await _submit(client, args)
 
 
@@ -321,6 +346,32 @@ async def _status(client: Client, as_json: bool, watch: float | None, count: int
         if count is not None and shown >= count:
             return EXIT_OK
         await asyncio.sleep(watch)
+
+
+async def _tenants(client: Client, args: argparse.Namespace) -> int:
+    from .status import tenant_table
+
+    if args.action == "set":
+        policy = await client.set_tenant(args.name, weight=args.weight, max_running=args.max_running,
+                                         max_queued=args.max_queued, tokens_per_minute=args.tokens_per_minute)
+        print(f"tenant {args.name}: weight {policy.weight:g}, max-running {policy.max_running or '-'}, "
+              f"max-queued {policy.max_queued or '-'}, tokens-per-minute {policy.tokens_per_minute or '-'}")
+        return EXIT_OK
+    if args.action == "rm":
+        had = await client.remove_tenant(args.name)
+        print(f"tenant {args.name}: " + ("policy removed; its jobs go on under the default policy" if had
+                                         else "had no policy entry (the default policy)"))
+        return EXIT_OK
+    found = await client.tenants()
+    if args.json:
+        print(json.dumps([t.to_json() for t in found], indent=2))
+    elif not found:
+        print("no tenants with a policy, jobs queued or running (every tenant has the default policy: weight 1, "
+              "no caps)")
+    else:
+        print("\n".join(tenant_table(found)))
+        print("(* no policy entry: the default policy; policies live in Redis: a Redis restarted empty loses them)")
+    return EXIT_OK
 
 
 async def _health(client: Client, model: str | None) -> int:
@@ -364,7 +415,7 @@ def _request(args: argparse.Namespace) -> GenerateRequest:
         return GenerateRequest(
             model=args.model, prompt=None if args.chat else text, messages=messages, max_tokens=args.max_tokens,
             temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop, priority=args.priority,
-            expires_in=args.expires_in,
+            expires_in=args.expires_in, tenant=args.tenant,
         )
     except ValidationError as exc:
         raise BadRequest(describe(exc)) from None
@@ -383,7 +434,7 @@ async def _submit(client: Client, args: argparse.Namespace) -> int:
     if args.no_wait:
         print(rid)
         return EXIT_OK
-    print(f"job {rid} queued on {client.keys.queue(req.model)}", file=sys.stderr)
+    print(f"job {rid} queued on {client.keys.queue(req.model, req.tenant)}", file=sys.stderr)
     return await _stream(client, rid, args.timeout)
 
 

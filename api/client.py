@@ -54,6 +54,8 @@ from .schema import (
 )
 from .settings import parse_redis_url
 from .subscriber import Subscriber, Subscription
+from .tenants import DEFAULT_TENANT, Policy, TenantUse, check_name, remove, store
+from .tenants import use as tenant_use
 
 __all__ = ["Client", "Result"]
 
@@ -89,6 +91,7 @@ class Result:
     reasoning: str = ""
     logprobs: list[TokenLogprob] | None = None  # one per token, for a request with ``logprobs``
     tool_calls: list[ToolCall] = field(default_factory=list)
+    tenant: str = DEFAULT_TENANT  # whose job it was (``GenerateRequest.tenant``)
 
 
 class Client:
@@ -96,14 +99,17 @@ class Client:
 
     ``redis``: a ``redis.asyncio.Redis`` of the caller's to use instead of one made from the URL (an app that
     has one already, or a test's fake); every operation (submits, their batched enqueues, cancels, reads) runs on
-    it or its pool, and the client leaves it open when it closes: its owner closes it.
+    it or its pool, and the client leaves it open when it closes: its owner closes it. ``tenant``: whose jobs its
+    submits are, unless a request names its own (``GenerateRequest.tenant``; default ``default``).
     """
 
     def __init__(self, redis_url: str | None = None, *, prefix: str | None = None,
                  max_payload_bytes: int | None = None, retry_deadline: float | None = None,
                  max_images: int | None = None, max_image_bytes: int | None = None,
-                 config: ClientConfig | None = None, redis: Redis | None = None) -> None:
+                 config: ClientConfig | None = None, redis: Redis | None = None, tenant: str | None = None) -> None:
         env = config or ClientConfig.from_env()
+        # Every submit's tenant unless the request names one (a malformed name: BadRequest naming the field).
+        self.tenant = check_name(tenant) if tenant is not None else None
         self.config = env
         url = parse_redis_url("redis_url", redis_url) if redis_url else env.redis_url
         self.keys = Keys(prefix or env.prefix)
@@ -150,12 +156,15 @@ class Client:
         """Validate and enqueue a job on its model's queue; returns its id (the arq job id).
 
         Pass a :class:`GenerateRequest`, a dict of its fields, or the fields as keywords. Raises
-        :class:`QueueFull` when the model's queue holds ``MLXQ_MAX_QUEUED`` jobs, and with ``require_worker``
+        :class:`QueueFull` when the model's queue holds ``MLXQ_MAX_QUEUED`` jobs (or the tenant's its
+        ``max_queued``), and with ``require_worker``
         :class:`NoWorker` when no live worker serves the model (else such a job waits for one, until it
         expires). A job still queued ``expires_in`` seconds after this (default ``MLXQ_JOB_EXPIRY``) ends with
         ``error(expired)``.
         """
         req = _request(request, fields)
+        if self.tenant is not None and "tenant" not in req.model_fields_set:
+            req = req.model_copy(update={"tenant": self.tenant})
         if require_worker:
             await self._require_worker(req.model)
         now_ms = int(time.time() * 1000)
@@ -166,17 +175,21 @@ class Client:
             raise BadRequest(f"the job has {len(job)} bytes of JSON; the limit is {limit}")
         cfg = self.config
         expiry_s = cfg.job_expiry_s if req.expires_in is None else req.expires_in
-        queue = self.keys.queue(req.model)
-        keys = [self.keys.job(req.id), self.keys.result(req.id), queue, self.keys.deadlines()]
+        queue = self.keys.queue(req.model, req.tenant)
+        keys = [self.keys.job(req.id), self.keys.result(req.id), queue, self.keys.deadlines(),
+                self.keys.backlog(req.model), self.keys.tenant(req.tenant)]
         args: list[str | bytes | int] = [
             req.id, job, JOB_TTL_MS, self.keys.wake_channel(req.model),
             queue_score(now_ms, req.priority, int(cfg.priority_aging_s * 1000)), max(0, cfg.max_queued),
             now_ms + int(expiry_s * 1000) if expiry_s > 0 else 0, deadline_member(req.id, queue),
+            req.tenant, self.keys.prefix, req.model,
         ]
         # A retry sends the same record: ENQUEUE takes it as this submit's own (its reply was lost).
         queued = await with_retries(lambda: self._enqueuer.enqueue(keys, args), self.retry, self.where)
         if queued == 0:
             raise DuplicateJob(f"a job with id {req.id!r} already exists")
+        if queued == -2:
+            raise QueueFull(req.model, 0, tenant=req.tenant)
         if queued < 0:
             raise QueueFull(req.model, cfg.max_queued)
         return req.id
@@ -237,6 +250,26 @@ class Client:
     async def queues(self) -> list[QueueInfo]:
         """Every model queue that holds jobs: its depth and the age of its oldest waiting job."""
         return await with_retries(lambda: queues(self._redis, self.keys), self.retry, self.where)
+
+    async def tenants(self, queues: list[QueueInfo] | None = None) -> list[TenantUse]:
+        """Each tenant with a policy entry, jobs queued or running: its policy and live use (``mlxq tenants``).
+        ``queues``: :meth:`queues`' answer, if read already."""
+        if queues is None:
+            queues = await self.queues()
+        queued: dict[str, int] = {}
+        for q in queues:
+            for tenant, n in q.tenants.items():
+                queued[tenant] = queued.get(tenant, 0) + n
+        return await with_retries(lambda: tenant_use(self._redis, self.keys, queued), self.retry, self.where)
+
+    async def set_tenant(self, name: str, **policy: Any) -> Policy:
+        """Set fields of a tenant's policy (``weight``, ``max_running``, ``max_queued``, ``tokens_per_minute``;
+        None keeps one); the policy now. Applies fleet-wide at once."""
+        return await with_retries(lambda: store(self._redis, self.keys, name, **policy), self.retry, self.where)
+
+    async def remove_tenant(self, name: str) -> bool:
+        """Drop a tenant's policy entry (its queued jobs stay, under the default policy); whether it had one."""
+        return await with_retries(lambda: remove(self._redis, self.keys, name), self.retry, self.where)
 
     async def ping(self, timeout: float = 1.0) -> None:
         """Raise :class:`QueueUnavailable` (or :class:`AccessDenied`) unless Redis answers within ``timeout``
@@ -425,7 +458,7 @@ async def _result(rid: str, events: AsyncIterator[Event]) -> Result:
         whole.feed(ev)
         if isinstance(ev, DoneEvent):
             return Result(rid, whole.text, ev.finish_reason, ev.usage, ev.timings, whole.token_ids, whole.reasoning,
-                          whole.logprobs, whole.tool_calls)
+                          whole.logprobs, whole.tool_calls, ev.tenant or DEFAULT_TENANT)
     raise AssertionError("unreachable: events() ends with a terminal event")
 
 

@@ -77,14 +77,18 @@ class NoWorker(MlxqError):
 
 
 class QueueFull(MlxqError):
-    """The model's queue holds as many waiting jobs as producers may queue (``MLXQ_MAX_QUEUED``); nothing was
-    enqueued. Retry after ``retry_after`` seconds."""
+    """The model's queue holds as many waiting jobs as producers may queue (``MLXQ_MAX_QUEUED``), or ``tenant``'s
+    jobs reached its ``max_queued`` (``mlxq tenants``); nothing was enqueued. Retry after ``retry_after`` seconds."""
 
-    def __init__(self, model: str, limit: int, retry_after: float = 1.0) -> None:
-        super().__init__(f"the queue of model {model!r} is full ({limit} jobs waiting); retry later")
+    def __init__(self, model: str, limit: int, retry_after: float = 1.0, tenant: str | None = None) -> None:
+        if tenant is None:
+            super().__init__(f"the queue of model {model!r} is full ({limit} jobs waiting); retry later")
+        else:
+            super().__init__(f"tenant {tenant!r} has as many jobs queued as its max-queued allows; retry later")
         self.model = model
         self.limit = limit
         self.retry_after = retry_after
+        self.tenant = tenant
 
 
 class QueueUnavailable(MlxqError):

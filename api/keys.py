@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schema import PRIORITY_MIN
+from .schema import DEFAULT_TENANT, PRIORITY_MIN
 
 __all__ = ["Keys"]
 
@@ -25,9 +25,53 @@ class Keys:
 
     prefix: str = "mlxq"
 
-    def queue(self, model: str) -> str:
-        """The arq queue (a sorted set) that workers serving ``model`` poll."""
-        return f"{self.prefix}:queue:{model}"
+    def queue(self, model: str, tenant: str = DEFAULT_TENANT) -> str:
+        """The queue (a sorted set) of ``model``'s jobs of ``tenant``: the default tenant's is arq's queue
+        (``<prefix>:queue:<model>``), another's ``<prefix>:tqueue:<tenant>:<model>`` (a tenant name holds no
+        ``:``, so the name says both). Workers serving ``model`` claim from all of them."""
+        if tenant == DEFAULT_TENANT:
+            return f"{self.prefix}:queue:{model}"
+        return f"{self.prefix}:tqueue:{tenant}:{model}"
+
+    def tenant_queues(self) -> str:
+        """What the name of every tenant's queue (but the default tenant's) starts with."""
+        return f"{self.prefix}:tqueue:"
+
+    def queue_of(self, queue: str) -> tuple[str, str]:
+        """The model and tenant a queue name (of :meth:`queue`) belongs to."""
+        tq = self.tenant_queues()
+        if queue.startswith(tq):
+            tenant, _, model = queue[len(tq):].partition(":")
+            return model, tenant
+        return queue.removeprefix(f"{self.prefix}:queue:"), DEFAULT_TENANT
+
+    def backlog(self, model: str) -> str:
+        """Set of the tenants that may have ``model``'s jobs queued (ENQUEUE and hand-backs add, CLAIM trims)."""
+        return f"{self.prefix}:backlog:{model}"
+
+    def share(self, model: str) -> str:
+        """Hash of ``model``'s fair-share accounts: ``<tenant>`` its virtual work (tokens ÷ weight),
+        ``<tenant>:r`` its jobs running, ``<tenant>:a`` its mean work per job; ``~r`` the model's jobs running,
+        ``~floor`` the least virtual work among the backlogged at the last claim (a tenant back from idle starts
+        there: no credit for idle time). Dropped by a claim that finds the model idle (nothing queued or
+        running)."""
+        return f"{self.prefix}:share:{model}"
+
+    def tenant(self, name: str) -> str:
+        """Hash of a tenant's policy (``weight``, ``max_running``, ``max_queued``, ``tokens_per_minute``)."""
+        return f"{self.prefix}:tenant:{name}"
+
+    def tenants(self) -> str:
+        """Set of the tenants with a policy entry."""
+        return f"{self.prefix}:tenants"
+
+    def tenants_running(self) -> str:
+        """Hash of each tenant's jobs running across the fleet (all models): ``max_running`` holds it."""
+        return f"{self.prefix}:tenants:running"
+
+    def tenant_tokens(self, name: str, minute: int) -> str:
+        """Tokens (prompt + generated) of a tenant's jobs that ended in one minute (epoch ms // 60000)."""
+        return f"{self.prefix}:tpm:{name}:{minute}"
 
     def events(self, rid: str) -> str:
         """Pub/sub channel carrying a job's events live, as JSON."""

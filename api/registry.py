@@ -82,12 +82,13 @@ class QueueInfo:
     model: str
     depth: int
     oldest_s: float | None
+    tenants: dict[str, int] = field(default_factory=dict)  # jobs waiting per tenant (its own queue's depth)
 
 
 async def queues(redis: Redis, keys: Keys) -> list[QueueInfo]:
-    """Every model queue under the prefix that holds jobs, by model name."""
-    start = keys.queue("")
+    """Every model queue under the prefix that holds jobs, by model name: all tenants' queues together."""
     names = sorted({k.decode() if isinstance(k, bytes) else str(k)
+                    for start in (keys.queue(""), keys.tenant_queues())
                     async for k in redis.scan_iter(match=_glob_escape(start) + "*", count=1000)})
     if not names:
         return []
@@ -95,13 +96,21 @@ async def queues(redis: Redis, keys: Keys) -> list[QueueInfo]:
     pipe = redis.pipeline(transaction=False)
     for name in names:  # the script's text each time: a status read, not a hot path
         pipe.eval(_QUEUE_STATS, 1, name, keys.prefix, str(_SCAN_CHUNK), str(int(now * 1000)))
-    found = []
+    found: dict[str, QueueInfo] = {}
     for name, reply in zip(names, await pipe.execute(raise_on_error=False)):
         if isinstance(reply, Exception):  # not a queue (a key of another kind under the same name)
             continue
         depth, oldest = reply
-        found.append(QueueInfo(name[len(start):], int(depth), now - int(oldest) / 1000 if oldest else None))
-    return found
+        model, tenant = keys.queue_of(name)
+        age = now - int(oldest) / 1000 if oldest else None
+        seen = found.get(model)
+        if seen is not None:
+            ages = [a for a in (seen.oldest_s, age) if a is not None]
+            age = max(ages) if ages else None
+            depth = seen.depth + int(depth)
+        counts = {**(seen.tenants if seen is not None else {}), tenant: int(reply[0])}
+        found[model] = QueueInfo(model, int(depth), age, counts)
+    return [found[m] for m in sorted(found)]
 
 
 def _glob_escape(text: str) -> str:

@@ -74,6 +74,8 @@ MAX_CONTENT_PARTS = 256  # per message
 MAX_IMAGES = 64  # per request
 MAX_IMAGE_URL_CHARS = 48 << 20  # a data URL of a ~36 MiB image
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
+TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"  # no ':': a tenant's queue name holds it (api.keys.Keys.queue)
+DEFAULT_TENANT = "default"
 MAX_FORMAT_CHARS = 64 << 10  # a response format's schema (as JSON), regex or grammar
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound)
 MAX_TOOLS = 128  # OpenAI's bound
@@ -345,6 +347,9 @@ class GenerateRequest(BaseModel):
     # Higher runs first; within a level, first come first served. Each level is worth the deployment's
     # MLXQ_PRIORITY_AGING seconds of waiting, so a job waits at most that long per level behind later ones.
     priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    # Whose job it is: tenants share the fleet by their weights (``mlxq tenants``); priority orders a tenant's
+    # own jobs. A name without a policy entry gets the default policy.
+    tenant: str = Field(default=DEFAULT_TENANT, pattern=TENANT_PATTERN)
     # Seconds the job may wait queued before it ends with error(expired); None: the client's default
     # (MLXQ_JOB_EXPIRY), 0: no expiry (it waits as long as its record lives, a day).
     expires_in: float | None = Field(default=None, ge=0.0, le=MAX_EXPIRY_S, allow_inf_nan=False)
@@ -529,6 +534,8 @@ class DoneEvent(_EventBase):
     stop_sequence: str | None = Field(default=None, exclude_if=lambda v: v is None)
     # Every tool call of the job, in order (finish_reason tool_calls when it stopped after them).
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # Whose job it was (GenerateRequest.tenant); None from a worker of an earlier release.
+    tenant: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ErrorEvent(_EventBase):

@@ -1,7 +1,8 @@
 """``mlxq status``: the deployment at a glance, read from Redis (so it works from any host).
 
 For every model with a queue or a live worker: jobs waiting, the age of the oldest, and what its live workers
-do now; then each live worker (host, pid, models, capacity, running and waiting sequences, tokens per second
+do now; each tenant with a policy entry or jobs queued or running (its policy, and its live use); then each
+live worker (host, pid, models, capacity, running and waiting sequences, tokens per second
 over the last minute, uptime, version). As text for a terminal, or JSON for scripts.
 """
 
@@ -14,8 +15,9 @@ from typing import Any
 from .client import Client
 from .registry import ModelInfo, QueueInfo, models_of
 from .schema import ModelStatus, WorkerStatus
+from .tenants import TenantUse
 
-__all__ = ["Report", "collect", "render"]
+__all__ = ["Report", "collect", "render", "tenant_table"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,12 +30,14 @@ class Report:
     queues: dict[str, QueueInfo]
     models: dict[str, ModelInfo]
     workers: list[WorkerStatus]
+    tenants: list[TenantUse]
 
     def to_json(self) -> dict[str, Any]:
         names = sorted(set(self.queues) | set(self.models))
         return {
             "redis": self.where, "prefix": self.prefix, "at": self.at,
             "models": [_model_json(name, self.queues.get(name), self.models.get(name)) for name in names],
+            "tenants": [t.to_json() for t in self.tenants],
             "workers": [w.model_dump(mode="json") for w in self.workers],
         }
 
@@ -42,7 +46,8 @@ async def collect(client: Client) -> Report:
     """Read the queues and the live workers' health records."""
     workers = await client.workers()
     queues = {q.model: q for q in await client.queues()}
-    return Report(client.where, client.keys.prefix, time.time(), queues, models_of(workers), workers)
+    tenants = await client.tenants([q for q in queues.values()])
+    return Report(client.where, client.keys.prefix, time.time(), queues, models_of(workers), workers, tenants)
 
 
 def render(report: Report) -> str:
@@ -65,9 +70,23 @@ def render(report: Report) -> str:
             rows.append([name, depth, oldest, str(m.workers), str(m.capacity), str(m.running), str(m.waiting),
                          f"{m.tokens_per_s:.1f}", "yes" if m.accepts_images else "no"])
     lines += _table(rows)
+    if len(report.tenants) > 1 or any(t.named for t in report.tenants):  # one default tenant: nothing to say
+        lines += ["", *tenant_table(report.tenants)]
     if report.workers:
         lines += ["", *_table(_worker_rows(report))]
     return "\n".join(lines)
+
+
+def tenant_table(tenants: list[TenantUse]) -> list[str]:
+    """Each tenant's policy (``-``: no cap; ``*``: the default policy, no entry) and live use, as a table."""
+    rows = [["TENANT", "WEIGHT", "MAX-RUN", "MAX-QUEUED", "TOK/MIN-CAP", "QUEUED", "RUNNING", "TOK/MIN", "SHARE"]]
+    for t in tenants:
+        p = t.policy
+        cap = lambda n: str(n) if n else "-"  # noqa: E731
+        rows.append([t.name if t.named else f"{t.name}*", f"{p.weight:g}", cap(p.max_running), cap(p.max_queued),
+                     cap(p.tokens_per_minute), str(t.queued), str(t.running), f"{t.tokens_per_minute:.0f}",
+                     f"{t.share:.0%}"])
+    return _table(rows)
 
 
 def _worker_rows(report: Report) -> list[list[str]]:

@@ -35,6 +35,7 @@ from mlxq.api.connection import CONNECT_TIMEOUT_S, RETRY_ON, RetryPolicy, client
 from mlxq.api.errors import MlxqError
 from mlxq.api.jobrecord import JOB_FUNCTION, load_record
 from mlxq.api.keys import Keys
+from mlxq.api.schema import DEFAULT_TENANT
 
 __all__ = [
     "Claims",
@@ -115,9 +116,9 @@ class _Job(arq.jobs.Job):
         return arq.jobs.JobStatus.not_found
 
 
-def arq_job(redis: Redis, keys: Keys, model: str, rid: str) -> arq.jobs.Job:
-    """arq's handle on job ``rid`` of ``model``'s queue: ``status()``, ``info()``, ``result()``."""
-    return _Job(rid, redis, keys.queue(model), keys)
+def arq_job(redis: Redis, keys: Keys, model: str, rid: str, tenant: str = DEFAULT_TENANT) -> arq.jobs.Job:
+    """arq's handle on job ``rid`` of ``model``'s queue (``tenant``'s): ``status()``, ``info()``, ``result()``."""
+    return _Job(rid, redis, keys.queue(model, tenant), keys)
 
 
 # --- the worker side -----------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 
 from mlxq.api.connection import redis_client
 from mlxq.api.jobrecord import Envelope, read_job
-from mlxq.api.schema import ErrorCode, ModelState, WorkerStatus, is_terminal
+from mlxq.api.schema import DEFAULT_TENANT, ErrorCode, ModelState, WorkerStatus, is_terminal
 from mlxq.engine.mlx_process import MLXLimits, mlx_process
 from mlxq.engine.request import RequestOutput
 
@@ -62,7 +62,6 @@ class WorkerHost:
         self.keys = config.keys
         self.redis = redis
         self.services = {served.name: ModelService(served, config) for served in config.served}
-        self._by_queue = {s.queue: s for s in self.services.values()}
         ttl = LogTTL(live=config.live_ttl_s, done=config.done_ttl_s, result=config.keep_result_s)
         # Event writes are serial: a connection of their own skips the pool's per-command checkout (a
         # health-check read on the event loop, which shares the GIL with the engines).
@@ -81,6 +80,8 @@ class WorkerHost:
         self.runs.on_write = self.metrics.redis_write.observe
         self.metrics_url: str | None = None
         self.queue_depths: dict[str, int] = {}  # jobs waiting in each served queue, read every heartbeat
+        self.tenant_depths: dict[tuple[str, str], int] = {}  # (model, tenant) -> jobs waiting, all workers'
+        self.tenants_running: dict[str, int] = {}  # tenant -> jobs running fleet-wide
         self.dead_lettered = 0
         self.draining = False
         self.started_at = time.time()
@@ -162,12 +163,23 @@ class WorkerHost:
         return self.metrics_url
 
     async def _read_queues(self) -> None:
-        """The depth of each served queue (for the metrics), once a heartbeat."""
+        """The depth of each served model's queues, per tenant, and each tenant's running jobs (for the
+        metrics), once a heartbeat."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            for service in self.services.values():
-                pipe.zcard(service.queue)
+            for name in self.services:
+                pipe.smembers(self.keys.backlog(name))
+            pipe.hgetall(self.keys.tenants_running())
+            *backlogs, running = await pipe.execute()
+        pairs = [(name, tenant) for name, members in zip(self.services, backlogs)
+                 for tenant in sorted({DEFAULT_TENANT, *(m.decode() for m in members)})]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name, tenant in pairs:
+                pipe.zcard(self.keys.queue(name, tenant))
             depths = await pipe.execute()
-        self.queue_depths = {name: int(n) for name, n in zip(self.services, depths)}
+        self.tenant_depths = {pair: int(n) for pair, n in zip(pairs, depths)}
+        self.queue_depths = {name: sum(n for (m, _), n in self.tenant_depths.items() if m == name)
+                             for name in self.services}
+        self.tenants_running = {k.decode(): max(0, int(v)) for k, v in running.items()}
 
     def stats_line(self) -> str:
         """Every counter of the metrics registry as one ``key=value`` line."""
@@ -179,9 +191,10 @@ class WorkerHost:
         due = await self.transitions.claim(*self._quotas(free))
         await self._put_aside(due)
         started = [entry for entry in due.entries if entry.status is EntryStatus.STARTED]
+        by_model = {entry.rid: self.services[self.keys.queue_of(entry.queue)[0]] for entry in started}
         for service in self.services.values():
-            service.claimed([entry for entry in started if entry.queue == service.queue])
-        return Claims({entry.rid: self._run(self._by_queue[entry.queue], entry) for entry in started}, due.left)
+            service.claimed([entry for entry in started if by_model[entry.rid] is service])
+        return Claims({entry.rid: self._run(by_model[entry.rid], entry) for entry in started}, due.left)
 
     def _quotas(self, free: int) -> tuple[dict[str, int], int, dict[str, Outranking]]:
         """CLAIM's arguments: each queue up to its engine's room, and a full engine one job that outranks its

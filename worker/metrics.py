@@ -30,6 +30,7 @@ __all__ = ["Metrics"]
 log = logging.getLogger(__name__)
 
 _MODEL = ["model_name"]
+_TENANT = ["model_name", "tenant"]
 # Latency buckets (seconds): from a tiny model's milliseconds to a big model's minute-long jobs.
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _STEP = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -59,6 +60,14 @@ class Metrics:
                              buckets=_LATENCY, registry=r)
         self.step = Histogram("mlxq:engine_step_seconds", "One engine step (a decode step and a prefill chunk).",
                               _MODEL, buckets=_STEP, registry=r)
+        self.tenant_ended = Counter("mlxq:tenant_requests", "Jobs this worker ended, by tenant.",
+                                    [*_TENANT, "outcome"], registry=r)
+        self.tenant_generated = Counter("mlxq:tenant_generation_tokens", "Tokens generated for the tenant's jobs "
+                                        "on this worker.", _TENANT, registry=r)
+        self.tenant_prompt = Counter("mlxq:tenant_prompt_tokens", "Prompt tokens of the tenant's jobs on this "
+                                     "worker.", _TENANT, registry=r)
+        self.tenant_queue_time = Histogram("mlxq:tenant_queue_time_seconds", "Enqueue to admission into the "
+                                           "batch, by tenant.", _TENANT, buckets=_LATENCY, registry=r)
         self.redis_write = Histogram("mlxq:redis_write_seconds", "One EMIT call (every job's events of a step).",
                                      buckets=_STEP, registry=r)
         self._server: Any = None
@@ -75,7 +84,13 @@ class Metrics:
         elif isinstance(end, DoneEvent):
             self.success.labels(model, end.finish_reason.value).inc()
         self.prompt_tokens.labels(model).inc(run.prompt_tokens)
+        tenant = run.tenant
+        self.tenant_ended.labels(model, tenant, end.type).inc()
+        self.tenant_generated.labels(model, tenant).inc(run.completion_tokens)
+        self.tenant_prompt.labels(model, tenant).inc(run.prompt_tokens)
         now, enqueued = time.time(), run.enqueue_ms / 1000
+        if run.enqueue_ms and run.admitted_at is not None:
+            self.tenant_queue_time.labels(model, tenant).observe(max(0.0, run.admitted_at - enqueued))
         if run.enqueue_ms:
             self.e2e.labels(model).observe(max(0.0, now - enqueued))
             if run.admitted_at is not None:
@@ -158,6 +173,7 @@ class _HostCollector(Collector):
             queued.add_metric([name], h.queue_depths.get(name, 0))
             dead.add_metric([name], 1 if status.state.value == "dead" else 0)
         yield from (running, waiting, queued, dead)
+        yield from _tenant_gauges(h)
         yield from _engine_gauges(h)
         yield GaugeMetricFamily("mlxq:worker_draining", "1 while the worker shuts down.", value=int(h.draining))
 
@@ -185,6 +201,20 @@ _ENGINE_GAUGES = (
     ("mlxq:prefix_cache_entries", "prefix_cache_entries", "Cached prompt prefixes."),
     ("mlxq:spec_decode_k", "spec_k", "Tokens proposed per sequence at the last step (0: plain decoding)."),
 )
+
+
+def _tenant_gauges(host: WorkerHost) -> Iterator[Metric]:
+    """Each tenant's queued jobs per served model and running jobs fleet-wide, as Redis held them at the last
+    heartbeat (the same numbers on every worker: aggregate with max, not sum)."""
+    queued = GaugeMetricFamily("mlxq:tenant_queue_depth", "Jobs of the tenant waiting in the model's queue "
+                               "(all workers').", labels=_TENANT)
+    for (model, tenant), n in sorted(host.tenant_depths.items()):
+        queued.add_metric([model, tenant], n)
+    running = GaugeMetricFamily("mlxq:tenant_requests_running", "Jobs of the tenant running, fleet-wide (its "
+                                "max-running holds this).", labels=["tenant"])
+    for tenant, n in sorted(host.tenants_running.items()):
+        running.add_metric([tenant], n)
+    yield from (queued, running)
 
 
 def _engine_counters(host: WorkerHost) -> Iterator[Metric]:

@@ -107,9 +107,9 @@ class Gateway:
         t0 = time.perf_counter()
         job: Choices | None = None
         try:
-            self.auth.check(request.headers)
+            tenant = self.auth.check(request.headers)  # the key's: never a field or header the caller sets
             ask = dialect.parse(await self._body(request), self.config)
-            job = Choices(self.client, ask.requests())
+            job = Choices(self.client, [r.model_copy(update={"tenant": tenant}) for r in ask.requests()])
             await _unless_gone(request, job.open())
             if ask.stream:  # the stream closes the job; so does the task after it, should it never start
                 stream, closing, job = self._stream(request, dialect, ask, job, t0), BackgroundTask(job.close), None

@@ -4,10 +4,13 @@ each variable is declared once, on its field (``api/settings.py``)."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..config import ClientConfig
+from ..errors import ConfigError
+from ..schema import TENANT_PATTERN
 from ..settings import read, setting
 
 __all__ = ["GatewayConfig"]
@@ -21,7 +24,15 @@ DEFAULT_MAX_TOKENS = 512  # when a request names none (OpenAI's may not): mlx_lm
 
 
 def _keys(name: str, raw: str) -> frozenset[str]:
-    return frozenset(k.strip() for k in raw.split(",") if k.strip())
+    """The entries, each ``key`` or ``key=tenant``; a tenant name that is malformed is a :class:`ConfigError`
+    (naming the entry's place, never the key). A key of base64 padding (``abc==``) names no tenant."""
+    entries = [k.strip() for k in raw.split(",") if k.strip()]
+    for i, entry in enumerate(entries, 1):
+        key, sep, tenant = entry.rpartition("=")
+        if sep and key and tenant and not re.match(TENANT_PATTERN, tenant):
+            raise ConfigError(f"{name}: entry {i} names tenant {tenant[:80]!r}: a tenant name is 1 to 64 of "
+                              "A-Z a-z 0-9 . _ -")
+    return frozenset(entries)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +43,8 @@ class GatewayConfig:
     port: int = setting("MLXQ_GATEWAY_PORT", DEFAULT_PORT, "port `mlxq gateway` listens on (--port wins; 0: any "
                         "free one)", minimum=0)
     api_keys: frozenset[str] = setting("MLXQ_API_KEYS", frozenset(), "comma-separated keys a request must present "
-                                       "(Bearer or x-api-key); unset: no authentication", parse=_keys)
+                                       "(Bearer or x-api-key), each `key=tenant` to name whose jobs its requests "
+                                       "are (none: the default tenant); unset: no authentication", parse=_keys)
     admin_keys: frozenset[str] = setting("MLXQ_ADMIN_KEYS", frozenset(), "comma-separated keys of the dashboard's "
                                          "admins: they see prompts and outputs, cancel jobs and retry dead letters; "
                                          "unset: the dashboard is read-only for everyone", parse=_keys)

@@ -137,6 +137,16 @@ async def test_a_jobs_end_lands_in_its_models_history_and_the_recent_list(http: 
     assert served["prefix_hits"] + served["prefix_misses"] >= 0
 
 
+async def test_a_tenants_job_lands_in_its_models_history(http: httpx.AsyncClient, client: Client) -> None:
+    # A tenant's queue is named <prefix>:tqueue:<tenant>:<model>: its end still counts for its model.
+    result = await client.generate(model="tiny", prompt="count", max_tokens=3, tenant="acme")
+    data = await fresh_overview(http)
+    summary = next(s for s in data["recent"] if s["id"] == result.id)
+    assert summary["model"] == "tiny"
+    (tiny,) = [m for m in data["models"] if m["name"] == "tiny"]
+    assert sum(p["tokens_per_s"] * 10 for p in tiny["history"]) >= result.usage.completion_tokens
+
+
 async def test_a_job_that_expired_queued_is_counted_as_an_error(http: httpx.AsyncClient, client: Client) -> None:
     rid = await client.submit(model="ghost", prompt="nobody serves it", max_tokens=2, expires_in=0.2)
     with pytest.raises(JobFailed):

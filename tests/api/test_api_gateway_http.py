@@ -259,6 +259,34 @@ async def test_keys_are_required_when_configured_as_bearer_or_x_api_key(d: Deplo
             assert (await http.get("/health")).status_code == 200  # probes need no key
 
 
+async def test_a_keys_tenant_owns_its_requests_jobs_and_the_user_field_never_chooses(d: Deployment) -> None:
+    keys = Keys(PREFIX)
+    r = aredis.Redis.from_url(d.redis.url)
+    try:
+        with d.gateway(api_keys=frozenset({"k1=acme", "k2", "pad=="})) as locked:
+            tenants_of = {}
+            for key in ("k1", "k2", "pad=="):
+                body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "user": "globex"}
+                resp = await post(locked.url, "/v1/completions", body, headers={"Authorization": f"Bearer {key}"})
+                assert resp.status_code == 200
+                async with Client(d.redis.url, prefix=PREFIX) as c:
+                    tenants_of[key] = (await c.result(resp.headers["x-mlxq-job-id"], timeout=30)).tenant
+            assert tenants_of == {"k1": "acme", "k2": "default", "pad==": "default"}
+            # acme at its max-queued (a job parked far in the future): its requests are 429 with Retry-After
+            await r.hset(keys.tenant("acme"), "max_queued", 1)  # type: ignore[misc]
+            await r.zadd(keys.queue("tiny", "acme"), {"parked": 10**15})
+            full = await post(locked.url, "/v1/chat/completions", {"model": "tiny", "messages": USER},
+                              headers={"Authorization": "Bearer k1"})
+            assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
+            assert openai_error(full)["code"] == "queue_full" and "acme" in openai_error(full)["message"]
+            other = await post(locked.url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                               headers={"Authorization": "Bearer k2"})
+            assert other.status_code == 200
+    finally:
+        await r.delete(Keys(PREFIX).tenant("acme"), Keys(PREFIX).queue("tiny", "acme"))
+        await r.aclose()
+
+
 # --- 404 and 503: no live worker -------------------------------------------------------------------------
 async def test_an_unknown_model_is_a_404_naming_the_models_served(oai: openai.AsyncOpenAI,
                                                                   claude: anthropic.AsyncAnthropic) -> None:

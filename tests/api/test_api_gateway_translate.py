@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from mlxq.api.deltas import Delta
+from mlxq.api.errors import ConfigError
 from mlxq.api.gateway import GatewayConfig
 from mlxq.api.gateway.anthropic_api import MESSAGES
 from mlxq.api.gateway.auth import Auth
@@ -119,6 +120,11 @@ def test_the_config_is_read_once_from_mlxq_variables() -> None:
                                   "MLXQ_GATEWAY_PORT": "9000", "MLXQ_REDIS_URL": "redis://r:1", "MLXQ_PREFIX": "p",
                                   "MLXQ_MAX_QUEUED": "5"})
     assert (cfg.api_keys, cfg.max_body_bytes, cfg.default_max_tokens) == (frozenset({"a", "b"}), 2048, 64)
+    named = GatewayConfig.from_env({"MLXQ_API_KEYS": "k1=acme, k2, pad=="})
+    assert named.api_keys == frozenset({"k1=acme", "k2", "pad=="})
+    with pytest.raises(ConfigError, match="MLXQ_API_KEYS: entry 2 names tenant 'no good'") as refused:
+        GatewayConfig.from_env({"MLXQ_API_KEYS": "k1=acme,secret-key=no good"})
+    assert "secret-key" not in str(refused.value)
     assert (cfg.host, cfg.port, cfg.client.redis_url, cfg.client.prefix, cfg.client.max_queued) == (
         "0.0.0.0", 9000, "redis://r:1", "p", 5)
     assert GatewayConfig.from_env({}) == GatewayConfig()

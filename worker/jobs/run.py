@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from mlxq.api.schema import (
+    DEFAULT_TENANT,
     DoneEvent,
     ErrorCode,
     ErrorEvent,
@@ -89,6 +90,7 @@ class Run:
     epoch: str = ""  # the deployment's epoch when the run started
     model: str = ""
     enqueue_ms: int = 0
+    tenant: str = DEFAULT_TENANT  # whose job it is (its queue says: api.keys.Keys.queue_of)
     state: State = State.RUNNING
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -148,7 +150,7 @@ class Run:
             reason = FinishReason.TOOL_CALLS
         return DoneEvent(id=self.rid, seq=self._next(), finish_reason=reason, timings=self.timings(),
                          usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens),
-                         stop_sequence=stop_sequence, tool_calls=list(calls) if calls else None)
+                         stop_sequence=stop_sequence, tool_calls=list(calls) if calls else None, tenant=self.tenant)
 
     def error(self, code: ErrorCode, message: str) -> ErrorEvent:
         if len(message) > _MAX_MESSAGE:

@@ -50,6 +50,7 @@ from mlxq.api import history
 from mlxq.api.jobrecord import result_record
 from mlxq.api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
 from mlxq.api.schema import PRIORITY_MIN, Event, decode_event
+from mlxq.api.tenants import LUA_QUEUE_OF, SHARE_TTL_S
 
 from .run import Run, Wire
 
@@ -162,82 +163,210 @@ class Record:
 
 
 # --- the scripts, in the order of the calls below ----------------------------------------------------------
-# queued -> running, from several queues in one call. Reads the due entries of each queue whose quota is
-# above 0 and starts, lowest score first across queues (the score orders by priority and enqueue time), up to
-# each queue's quota and ARGV[2] in all: takes the lease with token "<worker id>:<try>", counts the try (only
-# here: a try is a run that started), lists the job as running (value "<score> <queue>", so a hand-back can
-# queue it in its old place) and takes it out of its queue and its deadline. A job whose lease another run
-# still holds stays queued, due a lease TTL later, with no try counted. An entry that is no job id (not what a
-# producer makes: wrong bytes or length) comes back as poison, one without a job record as gone: both for
-# REJECT. Also reads the deployment's epoch (setting it if Redis has none: a fresh or emptied server), each
-# started job's last logged event, and whether a cancel is pending; and whether due jobs were left queued
-# (for lack of quota, or beyond the read limit).
-# KEYS: running, epoch, deadlines, then the queues. ARGV: now ms, most, worker id, lease ms, prefix, a new epoch,
-# epoch TTL s, tries TTL s, read limit per queue, then one quota per queue, then per queue "" or what a job needs
-# to outrank a full engine's running sequences, "<priority> <aging ms> <PRIORITY_MIN>": from such a queue only
-# the first jobs (up to its quota) of at least that priority are read, each one's priority recovered from its
-# score and its record's enqueue time (records end with "et":<ms>}: api.jobrecord.job_record; GETRANGE reads only
-# that tail), among the first _OUTRANK_READ entries that could have them (api.keys.queue_score: never above
-# enqueue time).
+# Tenants (api/tenants.py): a model's jobs wait on one queue per tenant (api.keys.Keys.queue; KEYS name the
+# default tenant's, arq's queue), and ``<prefix>:backlog:<model>`` lists the tenants that may have some queued.
+# The fair share (start-time fair queuing over work, as VTC): each (model, tenant) has a virtual work account in
+# ``<prefix>:share:<model>``: tokens (prompt + generated) of its ended jobs ÷ its weight, charged when a job ends
+# (EMIT). A claim serves the backlogged tenant with the least virtual work, counting its running jobs at its mean
+# work per job (so a burst of starts spreads by weight before any of them ends); a tenant back from idle (ENQUEUE
+# adds it to the backlog again) is lifted to ``~floor``, the least virtual work among the backlogged at the last
+# claim: no credit for idle time. A tenant at its ``max_running``
+# (fleet-wide, ``<prefix>:tenants:running``) or its ``tokens_per_minute`` (``<prefix>:tpm:<tenant>:<minute>``)
+# is passed over: its jobs wait. The cost grows with the backlogged tenants, never with the queued jobs.
+_SHARE_LUA = LUA_QUEUE_OF + r"""
+local function model_tenant(P, queue)  -- the model and tenant of a queue name (api.keys.Keys.queue_of)
+  local tq = P .. ':tqueue:'
+  if string.sub(queue, 1, #tq) == tq then
+    local rest = string.sub(queue, #tq + 1)
+    local colon = string.find(rest, ':', 1, true)
+    if colon then return string.sub(rest, colon + 1), string.sub(rest, 1, colon - 1) end
+    return nil, nil
+  end
+  local q = P .. ':queue:'
+  if string.sub(queue, 1, #q) == q then return string.sub(queue, #q + 1), 'default' end
+  return nil, nil
+end
+local function share_left(P, queue, ttl)  -- a running job left (ended or handed back): count it out
+  local model, tenant = model_tenant(P, queue)
+  if not model then return nil, nil, nil end
+  local share, running = P .. ':share:' .. model, P .. ':tenants:running'
+  -- a count that reaches 0 goes: idle, the accounts leave nothing behind
+  for _, field in ipairs({tenant .. ':r', '~r'}) do
+    if redis.call('HINCRBY', share, field, -1) <= 0 then redis.call('HDEL', share, field) end
+  end
+  if redis.call('HINCRBY', running, tenant, -1) <= 0 then redis.call('HDEL', running, tenant) end
+  redis.call('EXPIRE', share, ttl)
+  redis.call('EXPIRE', running, ttl)
+  return model, tenant, share
+end
+"""
+
+# queued -> running, from several models' queues in one call. For each model queue whose quota is above 0, its
+# backlogged tenants' due entries (see above); then start, one at a time, each model's next job from its tenant
+# with the least virtual work (lowest score first within a tenant), taking across models the one of lowest
+# score, up to each model's quota and ARGV[2] in all: takes the lease with token "<worker id>:<try>", counts the
+# try (only here: a try is a run that started), lists the job as running (value "<score> <queue>", so a
+# hand-back can queue it in its old place), counts it running for its tenant, and takes it out of its queue and
+# its deadline. A job whose lease another run still holds stays queued, due a lease TTL later, with no try
+# counted. An entry that is no job id (not what a producer makes: wrong bytes or length) comes back as poison,
+# one without a job record as gone: both for REJECT. Also reads the deployment's epoch (setting it if Redis has
+# none: a fresh or emptied server), each started job's last logged event, and whether a cancel is pending; and
+# whether due jobs were left queued (for lack of quota, a tenant's cap, or beyond the read limit).
+# KEYS: running, epoch, deadlines, then the models' (default tenant's) queues. ARGV: now ms, most, worker id,
+# lease ms, prefix, a new epoch, epoch TTL s, tries TTL s, read limit per tenant queue, then one quota per queue,
+# then per queue "" or what a job needs to outrank a full engine's running sequences, "<priority> <aging ms>
+# <PRIORITY_MIN>": from such a queue only the first jobs (up to its quota) of at least that priority are read,
+# each one's priority recovered from its score and its record's enqueue time (records end with "et":<ms>}:
+# api.jobrecord.job_record; GETRANGE reads only that tail), among the first _OUTRANK_READ entries that could
+# have them (api.keys.queue_score: never above enqueue time); then the share TTL s, the mean work per job assumed
+# before a tenant's first job ends.
 # Returns {epoch, left 0|1, {id, queue, "started", score, job, try, last event or false, cancelled 0|1} |
 # {id, queue, "deferred" | "gone" | "poison"}, ...}.
 _OUTRANK_READ = 128  # queue entries CLAIM looks through for a job that outranks a full engine
+_MEAN_WORK = 256  # tokens a tenant's job is assumed to cost before one of its jobs ends
 
-_CLAIM = """
+_CLAIM = _SHARE_LUA + """
+local P = ARGV[5]
 local epoch = redis.call('GET', KEYS[2])
 if not epoch then epoch = ARGV[6] end
 redis.call('SET', KEYS[2], epoch, 'EX', ARGV[7])
 local now, most, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[9])
-local left, due, queues = 0, {}, #KEYS - 3
+local queues = #KEYS - 3
+local share_ttl, mean0 = ARGV[10 + 2 * queues], tonumber(ARGV[11 + 2 * queues])
+local left = 0
 local function is_job_id(id)  -- what a producer makes; anything else in a queue is poison
   return #id <= 64 and string.match(id, '^[%w_.:%-]+$') ~= nil
 end
-local function outranking(q, need, aging, pmin, n)
+local function outranking(key, need, aging, pmin, n)
   -- the first n queued jobs of priority >= need; score = enqueue - (priority - pmin) * aging
   local lead = (need - pmin) * aging  -- how far below its enqueue time such a job's score is, at least
-  local entries = redis.call('ZRANGEBYSCORE', KEYS[q], '-inf', now - lead, 'WITHSCORES', 'LIMIT', 0, OUTRANK_READ)
+  local entries = redis.call('ZRANGEBYSCORE', key, '-inf', now - lead, 'WITHSCORES', 'LIMIT', 0, OUTRANK_READ)
   local found = {}
   for i = 1, #entries, 2 do
     if #found >= n then break end
     local id, score = entries[i], tonumber(entries[i + 1])
     if is_job_id(id) then
-      local tail = redis.call('GETRANGE', ARGV[5] .. ':{' .. id .. '}:job', -32, -1)
+      local tail = redis.call('GETRANGE', P .. ':{' .. id .. '}:job', -32, -1)
       local et = tonumber(string.match(tail, '"et":(%d+)}$'))
-      if et and et - score >= lead then found[#found + 1] = {id, score, q} end
+      if et and et - score >= lead then found[#found + 1] = {id, score} end
     end
   end
-  return found
+  return found, redis.call('ZCOUNT', key, '-inf', now) > #found
 end
+local running = {}  -- each tenant's jobs running fleet-wide, as counted, plus this call's starts
+local policies = {}
+local minute = math.floor(now / 60000)
+local function policy(t)  -- {weight, max running, tokens per minute}
+  local p = policies[t]
+  if not p then
+    local v = redis.call('HMGET', P .. ':tenant:' .. t, 'weight', 'max_running', 'tokens_per_minute')
+    p = {tonumber(v[1]) or 1, tonumber(v[2]) or 0, tonumber(v[3]) or 0}
+    if p[1] <= 0 then p[1] = 1 end
+    running[t] = tonumber(redis.call('HGET', P .. ':tenants:running', t) or '0')
+    if p[3] > 0 then  -- the last minute's tokens: this minute's, and the previous minute's part still inside
+      local cur = tonumber(redis.call('GET', P .. ':tpm:' .. t .. ':' .. minute) or '0')
+      local prev = tonumber(redis.call('GET', P .. ':tpm:' .. t .. ':' .. (minute - 1)) or '0')
+      p[4] = cur + prev * (1 - (now % 60000) / 60000) >= p[3]
+    end
+    policies[t] = p
+  end
+  return p
+end
+local function capped(t)
+  local p = policy(t)
+  return (p[2] > 0 and running[t] >= p[2]) or p[4] == true
+end
+-- models[q] = {share key, floor, tenants = {{t, key, entries, pos, vt, run, mean, weight}, ...}}
+local models = {}
 for q = 4, #KEYS do
-  local need, aging, pmin = string.match(ARGV[6 + q + queues], '^(%-?%d+) (%d+) (%-?%d+)$')
-  if need and tonumber(ARGV[6 + q]) > 0 then
-    local found = outranking(q, tonumber(need), tonumber(aging), tonumber(pmin), tonumber(ARGV[6 + q]))
-    for _, entry in ipairs(found) do due[#due + 1] = entry end
-    if redis.call('ZCOUNT', KEYS[q], '-inf', now) > #found then left = 1 end
-  elseif tonumber(ARGV[6 + q]) > 0 then
-    local entries = redis.call('ZRANGEBYSCORE', KEYS[q], '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit)
-    if #entries >= 2 * limit then left = 1 end
-    for i = 1, #entries, 2 do due[#due + 1] = {entries[i], tonumber(entries[i + 1]), q} end
-  elseif redis.call('ZCOUNT', KEYS[q], '-inf', now) > 0 then
-    left = 1
+  local quota = tonumber(ARGV[6 + q])
+  local model = string.sub(KEYS[q], #P + 8)
+  local backlog = P .. ':backlog:' .. model
+  local m = {share = P .. ':share:' .. model, tenants = {}, quota = quota}
+  models[q] = m
+  local names, seen = {'default'}, {default = true}
+  for _, t in ipairs(redis.call('SMEMBERS', backlog)) do
+    if not seen[t] then seen[t] = true; names[#names + 1] = t end
+  end
+  m.floor = tonumber(redis.call('HGET', m.share, '~floor') or '0')
+  -- (the backlogged tenants' queues are read below; a model with none queued and none running forgets its
+  -- accounts: nobody is owed anything, and nothing is left behind in Redis)
+  for _, t in ipairs(names) do
+    local key = queue_of(P, model, t)
+    if redis.call('EXISTS', key) == 0 then
+      redis.call('SREM', backlog, t)
+    elseif quota <= 0 or capped(t) then
+      if redis.call('ZCOUNT', key, '-inf', now) > 0 then left = 1 end
+    else
+      local entries, more = {}, false
+      local need, aging, pmin = string.match(ARGV[6 + q + queues], '^(%-?%d+) (%d+) (%-?%d+)$')
+      if need then
+        entries, more = outranking(key, tonumber(need), tonumber(aging), tonumber(pmin), quota)
+      else
+        local raw = redis.call('ZRANGEBYSCORE', key, '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit)
+        more = #raw >= 2 * limit
+        for i = 1, #raw, 2 do entries[#entries + 1] = {raw[i], tonumber(raw[i + 1])} end
+      end
+      if more then left = 1 end
+      if #entries > 0 then
+        local acct = redis.call('HMGET', m.share, t, t .. ':r', t .. ':a')
+        m.tenants[#m.tenants + 1] = {t = t, key = key, entries = entries, pos = 1, vt = tonumber(acct[1]) or 0,
+          run = tonumber(acct[2]) or 0, mean = tonumber(acct[3]) or mean0, weight = policy(t)[1]}
+      end
+    end
   end
 end
-table.sort(due, function(a, b)
-  if a[2] ~= b[2] then return a[2] < b[2] end
-  if a[3] ~= b[3] then return a[3] < b[3] end
-  return a[1] < b[1]
-end)
+for q = 4, #KEYS do
+  local model = string.sub(KEYS[q], #P + 8)
+  if redis.call('EXISTS', P .. ':backlog:' .. model) == 0 and redis.call('HEXISTS', models[q].share, '~r') == 0 then
+    redis.call('DEL', models[q].share)
+  end
+end
+for q = 4, #KEYS do  -- the least virtual work among the backlogged: where a tenant back from idle starts
+  local m, low = models[q], nil
+  for _, s in ipairs(m.tenants) do
+    if not low or s.vt < low then low = s.vt end
+  end
+  if low and low > m.floor then
+    redis.call('HSET', m.share, '~floor', string.format('%.17g', low))
+    redis.call('EXPIRE', m.share, share_ttl)
+  end
+end
+local function fair(s)  -- a tenant's virtual work, its running jobs counted at its mean work per job
+  return s.vt + s.run * s.mean / s.weight
+end
+local function next_of(m)  -- the model's next job: from its tenant with the least virtual work
+  local best, key
+  for _, s in ipairs(m.tenants) do
+    if s.pos <= #s.entries and not capped(s.t) then
+      local k = fair(s)
+      if not best or k < key or (k == key and s.entries[s.pos][2] < best.entries[best.pos][2]) then
+        best, key = s, k
+      end
+    end
+  end
+  return best
+end
 local out = {epoch, 0}
 local started, taken = 0, {}
-for _, entry in ipairs(due) do
-  local id, score, q = entry[1], entry[2], entry[3]
-  local queue = KEYS[q]
-  if started >= most or (taken[q] or 0) >= tonumber(ARGV[6 + q]) then
-    left = 1
-  elseif not is_job_id(id) then
+while true do
+  local pick, pq
+  for q = 4, #KEYS do  -- across models: the lowest score (it orders by priority and enqueue time)
+    local m = models[q]
+    if (taken[q] or 0) < m.quota then
+      local s = next_of(m)
+      if s and (not pick or s.entries[s.pos][2] < pick.entries[pick.pos][2]) then pick, pq = s, q end
+    end
+  end
+  if not pick or started >= most then break end
+  local m = models[pq]
+  local id, score = pick.entries[pick.pos][1], pick.entries[pick.pos][2]
+  local queue = pick.key
+  pick.pos = pick.pos + 1
+  if not is_job_id(id) then
     out[#out + 1] = {id, queue, 'poison'}
   else
-    local base = ARGV[5] .. ':{' .. id .. '}:'
+    local base = P .. ':{' .. id .. '}:'
     local job = redis.call('GET', base .. 'job')
     if not job then
       out[#out + 1] = {id, queue, 'gone'}
@@ -245,9 +374,18 @@ for _, entry in ipairs(due) do
       local try = tonumber(redis.call('GET', base .. 'tries') or '0') + 1
       if redis.call('SET', base .. 'lease', ARGV[3] .. ':' .. try, 'NX', 'PX', ARGV[4]) then
         started = started + 1
-        taken[q] = (taken[q] or 0) + 1
+        taken[pq] = (taken[pq] or 0) + 1
         redis.call('SET', base .. 'tries', try, 'EX', ARGV[8])
-        redis.call('HSET', KEYS[1], id, string.format('%d', score) .. ' ' .. queue)
+        if redis.call('HSET', KEYS[1], id, string.format('%d', score) .. ' ' .. queue) == 1 then
+          local t = pick.t
+          pick.run = pick.run + 1
+          running[t] = running[t] + 1
+          redis.call('HINCRBY', m.share, t .. ':r', 1)
+          redis.call('HINCRBY', m.share, '~r', 1)
+          redis.call('HINCRBY', P .. ':tenants:running', t, 1)
+          redis.call('EXPIRE', m.share, share_ttl)
+          redis.call('EXPIRE', P .. ':tenants:running', share_ttl)
+        end
         redis.call('ZREM', queue, id)
         redis.call('ZREM', KEYS[3], id .. '@' .. queue)
         local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
@@ -260,16 +398,21 @@ for _, entry in ipairs(due) do
     end
   end
 end
+for q = 4, #KEYS do  -- due jobs left behind: for lack of quota, a cap, or the read limit
+  for _, s in ipairs(models[q].tenants) do
+    if s.pos <= #s.entries then left = 1 end
+  end
+end
 out[2] = left
 return out
 """.replace("OUTRANK_READ", str(_OUTRANK_READ))
 
 # running -> running | ended | queued, and queued -> ended (expired), for several jobs in one call (one round
 # trip per engine step).
-# KEYS: running, epoch, deadlines. ARGV: record count, live TTL s, done TTL s, now ms, prefix, result TTL ms, then every
-# record in one argument, each "<size>\n<record>". A record is a line "<queue bytes> <rid bytes> <owner bytes>
-# <write> <first seq> <result bytes>", then queue, rid, owner and result back to back, a newline, and its
-# events (JSON texts, which never hold a raw newline) joined by newlines; event i is logged as entry
+# KEYS: running, epoch, deadlines. ARGV: record count, live TTL s, done TTL s, now ms, prefix, result TTL ms, every
+# record in one argument (each "<size>\n<record>"), share TTL s, job TTL ms. A record is a line "<queue bytes>
+# <rid bytes> <owner bytes> <write> <first seq> <result bytes>", then queue, rid, owner and result back to back,
+# a newline, and its events (JSON texts, which never hold a raw newline) joined by newlines; event i is logged as entry
 # "<first seq + i>-1" and published on the job's channel.
 # The caller may write if (by write): a/e/h: owner is a run's token and the lease holds it, or owner is ""
 # (the reaper) and nobody holds the lease, the job is listed as running, and its log's next seq is the
@@ -277,12 +420,14 @@ return out
 # epoch moved on (Redis lost its data since) and the job record is gone; x: owner is "" and the job is still
 # queued (taking it out of its queue decides) and its log's next seq is the record's first.
 # Writes: a: append. e: end: drop lease, running entry, cancel key, job record, tries and queue entry, keep
-# the result (if any) for the result TTL and the log for the done TTL. h: hand back: drop lease and running
-# entry, queue the job again in its old place (the score CLAIM listed it with), due at once. l: append, log
-# kept for the done TTL. x: as e, and the job's deadline is dropped. e and x also add the ended job to its
-# model's history and the recent list (_HISTORY).
+# the result (if any) for the result TTL and the log for the done TTL; its tenant's running count drops, and a
+# done event's usage (prompt + generated tokens) is charged to its tenant's fair-share account (÷ its weight),
+# mean work per job and tokens of this minute. h: hand back: drop lease and running entry (and the running
+# count), queue the job again in its old place (the score CLAIM listed it with), due at once, its tenant
+# backlogged again. l: append, log kept for the done TTL. x: as e, and the job's deadline is dropped. e and x
+# also add the ended job to its model's history and the recent list (_HISTORY).
 # Returns 1 (written) or 0 (refused) per record. An entry id already logged (a duplicate) is not published.
-_EMIT = r"""
+_EMIT = _SHARE_LUA + r"""
 HISTORY
 local out = {}
 local blob, pos = ARGV[7], 1
@@ -317,16 +462,16 @@ for j = 1, tonumber(ARGV[1]) do
   end
   if ok then
     local channel = base .. 'events'
-    local last_event
+    local final
     for event in string.gmatch(string.sub(rec, h + lq + lr + lo + lres + 2), '[^\n]+') do
+      final = event
       local r = redis.pcall('XADD', log, seq .. '-1', 'e', event)
       if type(r) ~= 'table' or not r.err then
         redis.call('PUBLISH', channel, event)
       end
       seq = seq + 1
-      last_event = event
     end
-    if (write == 'e' or write == 'x') and last_event then history(queue, rid, owner, last_event) end
+    if (write == 'e' or write == 'x') and final then history(queue, rid, owner, final) end
     if write == 'a' or write == 'h' then
       redis.call('EXPIRE', log, ARGV[2])
     else
@@ -337,8 +482,27 @@ for j = 1, tonumber(ARGV[1]) do
       local entry = redis.call('HGET', KEYS[1], rid)
       requeue_at = entry and string.match(entry, '^(%-?%d+) ') or ARGV[4]
     end
+    if (write == 'e' or write == 'h') and redis.call('HDEL', KEYS[1], rid) == 1 then
+      local model, tenant, share = share_left(ARGV[5], queue, ARGV[8])
+      local pt, ct = string.match(final or '', '"usage":{"prompt_tokens":(%d+),"completion_tokens":(%d+)}')
+      if model and write == 'e' and pt then  -- charge its work: fair share, mean work, tokens per minute
+        local work = tonumber(pt) + tonumber(ct)
+        local weight = tonumber(redis.call('HGET', ARGV[5] .. ':tenant:' .. tenant, 'weight') or '1') or 1
+        if weight <= 0 then weight = 1 end
+        redis.call('HINCRBYFLOAT', share, tenant, work / weight)
+        local mean = tonumber(redis.call('HGET', share, tenant .. ':a') or '')
+        redis.call('HSET', share, tenant .. ':a', string.format('%.17g', mean and 0.8 * mean + 0.2 * work or work))
+        redis.call('EXPIRE', share, ARGV[8])
+        local bucket = ARGV[5] .. ':tpm:' .. tenant .. ':' .. math.floor(tonumber(ARGV[4]) / 60000)
+        redis.call('INCRBY', bucket, work)
+        redis.call('EXPIRE', bucket, 120)
+      end
+      if model and write == 'h' then
+        redis.call('SADD', ARGV[5] .. ':backlog:' .. model, tenant)
+        redis.call('EXPIRE', ARGV[5] .. ':backlog:' .. model, ARGV[9])
+      end
+    end
     if write == 'e' or write == 'h' then
-      redis.call('HDEL', KEYS[1], rid)
       redis.call('DEL', lease)
     end
     if write == 'e' or write == 'x' then
@@ -372,7 +536,8 @@ local function num(v) if type(v) == 'number' then return v end return nil end
 local function history(queue, rid, owner, text)
   local okd, ev = pcall(cjson.decode, text)
   if not okd or type(ev) ~= 'table' then return end
-  local model = string.sub(queue, #ARGV[5] + 8)
+  local model = model_tenant(ARGV[5], queue)  -- a tenant's queue names its model too
+  if not model then return end
   local now = tonumber(ARGV[4])
   local key = ARGV[5] .. ':hist:' .. model .. ':' .. math.floor(now / (1000 * BUCKET_S))
   local t = type(ev.timings) == 'table' and ev.timings or {}
@@ -414,9 +579,10 @@ return out
 """
 
 # The reaper's read: every running job whose lease is gone. One whose log already ends with its terminal
-# event only lost its bookkeeping: its running entry is dropped here. KEYS: running. ARGV: prefix.
+# event only lost its bookkeeping: its running entry (and its tenant's running count) is dropped here. KEYS:
+# running. ARGV: prefix, share TTL s.
 # Returns {rid, queue, next seq, tries, 1 if its job record exists else 0, ...} for the others.
-_SWEEP = """
+_SWEEP = _SHARE_LUA + """
 local out = {}
 local running = redis.call('HGETALL', KEYS[1])
 for i = 1, #running, 2 do
@@ -425,10 +591,11 @@ for i = 1, #running, 2 do
   if redis.call('EXISTS', base .. 'lease') == 0 then
     local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
     local kind = last and cjson.decode(last[2][2])['type']
+    local queue = string.match(running[i + 1], '^%-?%d+ (.*)$') or running[i + 1]
     if kind == 'done' or kind == 'error' then
       redis.call('HDEL', KEYS[1], rid)
+      share_left(ARGV[1], queue, ARGV[2])
     else
-      local queue = string.match(running[i + 1], '^%-?%d+ (.*)$') or running[i + 1]
       out[#out + 1] = {rid, queue, last and tonumber(string.match(last[1], '^(%d+)')) + 1 or 0,
                        tonumber(redis.call('GET', base .. 'tries') or '0'), redis.call('EXISTS', base .. 'job')}
     end
@@ -522,7 +689,8 @@ class Transitions:
         outranking = outranking or {}
         needs = [outranking[q].arg() if q in outranking else "" for q in queues]
         args = [now, most, self.worker_id, self.lease_ms, self.keys.prefix, uuid.uuid4().hex,
-                _EPOCH_TTL_S, _TRIES_TTL_S, max(_READ_MIN, 2 * most), *(quotas[q] for q in queues), *needs]
+                _EPOCH_TTL_S, _TRIES_TTL_S, max(_READ_MIN, 2 * most), *(quotas[q] for q in queues), *needs,
+                SHARE_TTL_S, _MEAN_WORK]
         keys = [self.keys.running(), self.keys.epoch(), self.keys.deadlines(), *queues]
         epoch, left, *rows = await self._claim.run(self.redis, keys, args)
         return Due([_due_entry(row, epoch.decode()) for row in rows], bool(left))
@@ -531,7 +699,8 @@ class Transitions:
         """This worker's run of a job CLAIM started."""
         last = entry.last
         return Run(entry.rid, entry.queue, f"{self.worker_id}:{entry.attempt}", entry.attempt,
-                   seq=last.seq + 1 if last is not None else 0, epoch=entry.epoch, model=model, enqueue_ms=enqueue_ms)
+                   seq=last.seq + 1 if last is not None else 0, epoch=entry.epoch, model=model, enqueue_ms=enqueue_ms,
+                   tenant=self.keys.queue_of(entry.queue)[1])
 
     async def write(self, records: Sequence[Record]) -> list[bool]:
         """One EMIT call: each record's events, and its write; whether each was allowed. Only the run table
@@ -539,6 +708,7 @@ class Transitions:
         args: list[object] = [len(records), self.ttl.live, self.ttl.done, int(time.time() * 1000), self.keys.prefix,
                               max(1, self.ttl.result) * 1000]
         args.append(b"".join(b"%d\n%s" % (len(r), r) for r in map(self._record, records)))
+        args += [SHARE_TTL_S, _TRIES_TTL_S * 1000]
         keys = [self.keys.running(), self.keys.epoch(), self.keys.deadlines()]
         result = await self._emit.run(self.writer, keys, args)
         return [r == 1 for r in result]
@@ -571,13 +741,13 @@ class Transitions:
 
     async def sweep(self) -> list[Lost]:
         """Running jobs (of any queue) whose lease expired."""
-        rows = await self._sweep.run(self.redis, [self.keys.running()], [self.keys.prefix])
+        rows = await self._sweep.run(self.redis, [self.keys.running()], [self.keys.prefix, SHARE_TTL_S])
         return [Lost(rid.decode(), queue.decode(), int(seq), int(tries), bool(has))
                 for rid, queue, seq, tries, has in rows]
 
     def orphan(self, lost: Lost) -> Run:
         """The reaper's handle on a lost job: it owns no run, and its events follow the job's log."""
-        return Run(lost.rid, lost.queue, "", lost.tries, seq=lost.next_seq)
+        return Run(lost.rid, lost.queue, "", lost.tries, seq=lost.next_seq, tenant=self.keys.queue_of(lost.queue)[1])
 
     async def lapsed(self) -> list[Lapsed]:
         """Queued jobs (of any queue) whose expiry passed."""
@@ -587,7 +757,8 @@ class Transitions:
 
     def expiring(self, lapsed: Lapsed) -> Run:
         """The reaper's handle on a job that expired while queued (no run owns it)."""
-        return Run(lapsed.rid, lapsed.queue, "", 0, seq=lapsed.next_seq, enqueue_ms=lapsed.enqueue_ms)
+        return Run(lapsed.rid, lapsed.queue, "", 0, seq=lapsed.next_seq, enqueue_ms=lapsed.enqueue_ms,
+                   tenant=self.keys.queue_of(lapsed.queue)[1])
 
     async def reject(self, queue: str, entries: Sequence[bytes | str], reason: str) -> int:
         """Move entries of ``queue`` aside to the dead-letter list; how many were still queued."""
