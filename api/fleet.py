@@ -1,7 +1,8 @@
 """The fleet as the dashboard shows it, read from Redis through the client (no worker code, no writes but the
 two actions).
 
-:func:`overview`: models and their queues (depth by priority, the oldest wait), live and lost workers, running
+:func:`overview`: models and their queues (depth by priority, the oldest wait), tenants (policy and live use: jobs
+queued and running, tokens a minute, share of the work), live and lost workers, running
 and recent jobs, dead letters and each model's history (``api.history``). :func:`job`: one job's record, tries,
 lease and events from its replay log; prompts and outputs only for ``full`` (an admin), sizes otherwise.
 :func:`retry_dead_letter`: a dead letter's job submitted again through the client's enqueue path.
@@ -21,6 +22,7 @@ from .jobrecord import read_job
 from .keys import Keys
 from .registry import models_of
 from .schema import PRIORITY_MIN, GenerateRequest, decode_event
+from .tenants import use as tenant_use
 
 __all__ = ["job", "overview", "retry_dead_letter"]
 
@@ -53,7 +55,12 @@ async def overview(client: Client) -> dict[str, Any]:
                        "by_priority": await _by_priority(client, name) if q else {},
                        "served": asdict(m) if m else None,
                        "history": [asdict(p) for p in history[name]]})
+    queued: dict[str, int] = {}
+    for q in queues.values():
+        for tenant, n in q.tenants.items():
+            queued[tenant] = queued.get(tenant, 0) + n
     return {"at": now, "redis": client.where, "prefix": keys.prefix, "models": models,
+            "tenants": [t.to_json() for t in await tenant_use(redis, keys, queued)],
             "workers": [w.model_dump(mode="json") for w in workers],
             "lost": await _lost(client, {w.id for w in workers}, now),
             "running": await _running(client), "recent": ended,

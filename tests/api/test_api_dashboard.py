@@ -145,6 +145,16 @@ async def test_a_tenants_job_lands_in_its_models_history(http: httpx.AsyncClient
     assert summary["model"] == "tiny"
     (tiny,) = [m for m in data["models"] if m["name"] == "tiny"]
     assert sum(p["tokens_per_s"] * 10 for p in tiny["history"]) >= result.usage.completion_tokens
+    # The tenants panel: its use (the minute's tokens) and a policy entry with no jobs.
+    from mlxq.api import tenants
+
+    await tenants.store(client.redis, client.keys, "acme", weight=1)
+    await tenants.store(client.redis, client.keys, "globex", weight=3, max_running=2)
+    listed = {t["name"]: t for t in (await fresh_overview(http))["tenants"]}  # those with entries, jobs queued or
+    # running (as `mlxq tenants`)
+    assert listed["acme"]["tokens_per_minute"] >= result.usage.completion_tokens and listed["acme"]["share"] == 1
+    assert listed["globex"]["named"] and listed["globex"]["policy"]["weight"] == 3
+    assert listed["globex"]["policy"]["max_running"] == 2
 
 
 async def test_a_job_that_expired_queued_is_counted_as_an_error(http: httpx.AsyncClient, client: Client) -> None:

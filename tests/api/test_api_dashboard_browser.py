@@ -205,10 +205,13 @@ def test_a_screenshot_of_each_main_view(fleet: Any, browser: webdriver.Chrome, t
     r.lpush(keys.dead_letters(), json.dumps({"queue": keys.queue("tiny"), "entry": "\\xff<not a job>", "hex": "ff",
                                              "reason": "the queue entry is not a job id",
                                              "at_ms": int(time.time() * 1000), "worker": "mac-studio-1-8812-a1b2c3"}))
+    r.hset(keys.tenant("acme"), mapping={"weight": "3", "max_running": "2", "max_queued": "0",
+                                         "tokens_per_minute": "0"})  # a tenant's policy, for the tenants panel
+    r.sadd(keys.tenants(), "acme")
     r.close()
     submit(fleet, model="tiny", prompt="still going", max_tokens=200)
     sign_in(browser, fleet[0].url, ADMIN)
-    shots = {"overview": ("", "workers", "lost"), "jobs": ("jobs", "recent", rid),
+    shots = {"overview": ("", "tenants", "acme"), "jobs": ("jobs", "recent", rid),
              "dead": ("dead", "dead", "not a job id"), "job": (f"job/{rid}", "job-facts", "done")}
     for name, (view, element, text) in shots.items():
         browser.get(f"{fleet[0].url}/dashboard#/{view}")

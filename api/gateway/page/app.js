@@ -120,6 +120,7 @@ function drawOverview(data) {
       chartCell(ms(last(h, "ttft_p50")) + " / " + ms(last(h, "ttft_p99")), h.map((p) => p.ttft_p50), h.map((p) => p.ttft_p99)),
       chartCell(ms(last(h, "wait_p50")) + " / " + ms(last(h, "wait_p99")), h.map((p) => p.wait_p50), h.map((p) => p.wait_p99))]);
   }), "no queued jobs and no live workers", 11);
+  drawTenants(data.tenants || []);
   const rows = [];
   for (const w of data.workers) {
     const used = w.models.reduce((n, m) => n + m.running, 0), cap = w.models.reduce((n, m) => n + m.capacity, 0);
@@ -141,6 +142,17 @@ function drawOverview(data) {
     rows.push(tr);
   }
   fill("workers", rows, "no workers", 13);
+}
+
+function drawTenants(tenants) {
+  const active = tenants.filter((t) => t.queued || t.running);
+  const weights = active.reduce((n, t) => n + t.policy.weight, 0);
+  const capped = (n, cap) => (cap ? n + " / " + cap : String(n));
+  fill("tenants", tenants.map((t) => row([t.name + (t.named ? "" : " *"), String(t.policy.weight),
+    capped(t.queued, t.policy.max_queued), capped(t.running, t.policy.max_running),
+    capped(Math.round(t.tokens_per_minute), t.policy.tokens_per_minute), Math.round(100 * t.share) + "%",
+    (t.queued || t.running) && weights ? Math.round((100 * t.policy.weight) / weights) + "%" : "-"])),
+  "no tenant has a policy or jobs", 7);
 }
 
 function stateCell(state) {
