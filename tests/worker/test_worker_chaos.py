@@ -269,10 +269,14 @@ async def test_soak_2000_jobs_leaves_redis_at_baseline_and_rss_flat(tiny_model: 
         remaining = {k async for k in r.scan_iter()}
         print(f"soak: 2000 jobs; peak RSS waves 2-5 {rss_warm / 2**20:.1f} MiB, 6-10 {rss_end / 2**20:.1f} "
               f"MiB ({(rss_end / rss_warm - 1) * 100:+.1f}%); keys left {len(remaining)}")
-        # and the tokens of each tenant's jobs that ended this minute (tokens-per-minute), gone within two minutes
+        # and the tokens of each tenant's jobs that ended this minute (tokens-per-minute), gone within two minutes;
+        # the dashboard's history of the last minutes' ends and its recent list, bounded in time (and length)
         buckets = {k for k in remaining if k.startswith(b"mlxq:tpm:")}
         assert all([0 < await r.ttl(k) <= 120 for k in buckets])
-        assert remaining - buckets <= baseline, remaining - buckets - baseline
+        history = {k for k in remaining if k.startswith(b"mlxq:hist:") or k == b"mlxq:recent"}
+        assert all([0 < await r.ttl(k) <= 86_400 for k in history])
+        assert await r.llen(b"mlxq:recent") <= 500
+        assert remaining - buckets - history <= baseline, remaining - buckets - history - baseline
         assert rss_end <= rss_warm * 1.05
     finally:
         await r.aclose()
