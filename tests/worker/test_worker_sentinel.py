@@ -18,7 +18,7 @@ from mlxq.worker.config import WorkerConfig
 from mlxq.worker.tools.redis_server import find_redis_server
 from tests.redis_faults import MASTER, Node, SentinelSet
 from tests.support import free_port, slow_steps, start_worker, terminal
-from tests.worker.test_worker_cli import arq_worker_run, one_line
+from tests.worker.test_worker_cli import arq_worker_run, mlxq, one_line
 
 pytestmark = pytest.mark.slow
 
@@ -95,6 +95,8 @@ async def test_the_masters_death_mid_stream_ends_every_job_once(tmp_path: Path, 
             rids = [await client.submit(model="tiny", prompt=f"job {i}", max_tokens=48, temperature=0.0)
                     for i in range(6)]
             followers = {rid: asyncio.create_task(_follow(client, rid)) for rid in rids}
+            status = await asyncio.to_thread(mlxq, cluster.url, "status", timeout=60)  # the CLI, on the same URL
+            assert status.returncode == 0 and "tiny" in status.stdout, status.stderr
             # the first two are streaming, the rest queued, when the master dies
             await asyncio.sleep(1.0)
             old = cluster.master_port()
@@ -121,8 +123,10 @@ async def test_the_masters_death_mid_stream_ends_every_job_once(tmp_path: Path, 
     ended = {rid: terminal(evs) for rid, evs in outcomes.items() if not isinstance(evs, str)}
     lost = [rid for rid, evs in outcomes.items() if isinstance(evs, str)]
     done = [rid for rid, end in ended.items() if end.type == "done"]
+    rerun = [rid for rid, evs in outcomes.items() if not isinstance(evs, str) and any(e.type == "reset" for e in evs)]
     print(f"\nfailover after {switched:.1f}s: {len(rids)} jobs before (2 running, 4 queued), "
-          f"{len(done)}/{len(outcomes)} done, {len(ended) - len(done)} error, {len(lost)} lost with the old master; "
+          f"{len(done)}/{len(outcomes)} done ({len(rerun)} re-run after a reset), {len(ended) - len(done)} error, "
+          f"{len(lost)} lost with the old master; "
           f"submits during the switch: {len(accepted)} accepted, {len(during) - len(accepted)} refused "
           f"(QueueUnavailable); records kept: {sum(1 for v in survived.values() if v)}/{len(survived)}")
     for rid in rids:  # acknowledged before the master died: replicated (loopback replicates within a ms)
