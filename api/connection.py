@@ -27,8 +27,8 @@ from urllib.parse import parse_qs, unquote
 
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
-from redis.backoff import ExponentialBackoff
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import (
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
@@ -92,6 +92,23 @@ class SentinelUrl:
                         username=self.username, password=self.password, ssl=self.ssl, **kwargs)
 
 
+class _SentinelConnection(SentinelManagedConnection):
+    """A connection to a Sentinel set's master that asks the sentinels again at every try. redis-py's connects
+    to the address they named with the whole retry policy (about 9 s of backoff for a worker) before it asks
+    again: past a failover, the worker would lose its leases to a master that had been replaced seconds ago."""
+
+    async def connect_to(self, address: tuple[str, int]) -> None:
+        policy, self.retry = self.retry, Retry(NoBackoff(), 0)
+        try:
+            await super().connect_to(address)
+        finally:
+            self.retry = policy
+
+
+class _SentinelSSLConnection(_SentinelConnection, SentinelManagedSSLConnection):
+    """:class:`_SentinelConnection` over TLS (``rediss+sentinel://``)."""
+
+
 def _bad_sentinel(raw: str, why: str) -> ConfigError:
     shown = "<a URL with credentials>" if "@" in raw or "password" in raw else raw
     return ConfigError(f"{shown!r}: {why} (expected redis+sentinel://[USER:PASSWORD@]HOST:PORT,HOST:PORT/MASTER)")
@@ -147,7 +164,9 @@ def _client(url: str, redis_class: type[Redis], **kwargs: Any) -> Redis:
     found = sentinel_url(url)
     if found is None:
         return redis_class(connection_pool=ConnectionPool.from_url(url, **kwargs))
-    client: Redis = found.sentinel(**kwargs).master_for(found.master, redis_class=redis_class)
+    connection = _SentinelSSLConnection if found.ssl else _SentinelConnection
+    client: Redis = found.sentinel(**kwargs).master_for(found.master, redis_class=redis_class,
+                                                        connection_class=connection)
     return client
 
 
