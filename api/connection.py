@@ -180,14 +180,15 @@ async def find_master(url: SentinelUrl, timeout: float) -> tuple[str, int]:
         for host_port, node in zip(url.sentinels, sentinel.sentinels, strict=True):
             try:
                 found = await node.sentinel_get_master_addr_by_name(url.master)
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                errors.append(f"{host_port[0]}:{host_port[1]}: {_cause(exc)}")
+            except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
+                where = f"{host_port[0]}:{host_port[1]}"
+                if is_denied(exc):  # the sentinels' own password (sentinel_password): wrong or missing
+                    raise denied(exc, f"sentinel {where}") from exc
+                if isinstance(exc, ResponseError):  # a plain Redis, not a sentinel
+                    raise ConfigError(f"{where} does not answer as a Redis Sentinel does (MLXQ_REDIS_URL): "
+                                      f"{exc}") from exc
+                errors.append(f"{where}: {_cause(exc)}")
                 continue
-            except ResponseError as exc:  # a plain Redis, not a sentinel, or a refused password
-                if is_denied(exc):
-                    raise denied(exc, f"sentinel {host_port[0]}:{host_port[1]}") from exc
-                raise ConfigError(f"{host_port[0]}:{host_port[1]} does not answer as a Redis Sentinel does "
-                                  f"(MLXQ_REDIS_URL): {exc}") from exc
             answered += 1
             if found:
                 host = found[0].decode() if isinstance(found[0], bytes) else str(found[0])

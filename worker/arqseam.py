@@ -44,7 +44,7 @@ from mlxq.api.connection import (
     sentinel_url,
     with_retries,
 )
-from mlxq.api.errors import ConfigError, MlxqError, QueueUnavailable
+from mlxq.api.errors import AccessDenied, ConfigError, MlxqError, QueueUnavailable
 from mlxq.api.jobrecord import JOB_FUNCTION, load_record
 from mlxq.api.keys import Keys
 
@@ -374,12 +374,11 @@ async def _main(self: arq.worker.Worker) -> None:
     if self._pool is None:
         try:
             await _await_redis(spec)
-        except ConfigError as exc:  # a Sentinel set that knows no such master, or none of whose sentinels answers
+        except MlxqError as exc:  # unreachable past the deadline, refusing our credentials, or no such master
             log.error("worker cannot start: %s", exc, exc_info=debug)
-            raise SystemExit(CONFIG_ERROR_EXIT) from None
-        except MlxqError as exc:  # unreachable past the deadline, or refusing our credentials
-            log.error("worker cannot start: %s", exc, exc_info=debug)
-            raise SystemExit(REDIS_UNAVAILABLE_EXIT) from None
+            # 78 for a Sentinel set that names no master (a refused password stays 69, as it was)
+            sentinels = isinstance(exc, ConfigError) and not isinstance(exc, AccessDenied)
+            raise SystemExit(CONFIG_ERROR_EXIT if sentinels else REDIS_UNAVAILABLE_EXIT) from None
         if sentinel_url(spec.redis_url) is not None:
             self._pool = _sentinel_pool(self, spec.redis_url)
     try:

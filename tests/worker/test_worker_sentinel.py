@@ -13,22 +13,25 @@ import pytest
 import redis
 
 from mlxq.api.client import Client
-from mlxq.api.errors import JobNotFound, MlxqError, QueueUnavailable
+from mlxq.api.connection import find_master, sentinel_url
+from mlxq.api.errors import AccessDenied, ConfigError, JobNotFound, MlxqError, QueueUnavailable
 from mlxq.worker.config import WorkerConfig
-from mlxq.worker.tools.redis_server import find_redis_server
+from mlxq.worker.tools.redis_server import RedisServer, find_redis_server
 from tests.redis_faults import MASTER, Node, SentinelSet
 from tests.support import free_port, slow_steps, start_worker, terminal
 from tests.worker.test_worker_cli import arq_worker_run, mlxq, one_line
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # real Redis processes of their own
 
 
-@pytest.fixture
-def lone_sentinel(tmp_path: Path) -> Any:
-    """One sentinel watching, as MASTER, an address where nothing listens."""
+@pytest.fixture(params=[""], ids=["open"])
+def lone_sentinel(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    """One sentinel watching, as MASTER, an address where nothing listens (with the password ``param``)."""
     port, dead = free_port(), free_port()
     conf = tmp_path / "sentinel.conf"
-    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\nsentinel monitor {MASTER} 127.0.0.1 {dead} 1\n")
+    password = f"requirepass {request.param}\n" if request.param else ""
+    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n{password}"
+                    f"sentinel monitor {MASTER} 127.0.0.1 {dead} 1\n")
     node = Node(port, [find_redis_server(), str(conf), "--sentinel"])
     node.start()
     try:
@@ -75,6 +78,25 @@ def test_a_master_that_refuses_connections_is_the_unreachable_error_naming_its_a
 
     with pytest.raises(QueueUnavailable, match=f"unreachable within the 0.5s deadline .*127.0.0.1:{dead}"):
         asyncio.run(submit())
+
+
+@pytest.mark.parametrize("lone_sentinel", ["s3cret"], ids=["password"], indirect=True)
+async def test_the_sentinels_own_password_goes_in_the_query_string(lone_sentinel: Any) -> None:
+    node, dead = lone_sentinel
+    base = f"redis+sentinel://127.0.0.1:{node.port}/{MASTER}"
+    assert await find_master(sentinel_url(f"{base}?sentinel_password=s3cret"), 2) == ("127.0.0.1", dead)
+    for url in (base, f"{base}?sentinel_password=wrong"):
+        with pytest.raises(AccessDenied, match=f"^Redis at sentinel 127.0.0.1:{node.port} refused "):
+            await find_master(sentinel_url(url), 2)
+
+
+async def test_a_plain_redis_named_as_a_sentinel_is_a_configuration_error() -> None:
+    tcp = RedisServer(tcp=True).start()
+    try:
+        with pytest.raises(ConfigError, match=f"^127.0.0.1:{tcp.port} does not answer as a Redis Sentinel does"):
+            await find_master(sentinel_url(f"redis+sentinel://127.0.0.1:{tcp.port}/{MASTER}"), 2)
+    finally:
+        tcp.stop()
 
 
 async def _follow(client: Client, rid: str) -> list[Any] | str:

@@ -22,7 +22,7 @@ from mlxq.worker.tools.redis_server import RedisServer
 from tests.redis_faults import FaultProxy
 from tests.support import RunningWorker, slow_steps, start_worker, terminal
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # real Redis processes of their own
 
 
 @pytest.fixture(scope="module")
