@@ -29,7 +29,8 @@ class ClientConfig:
     """Where the queue lives and how the client talks to it."""
 
     redis_url: str = setting("MLXQ_REDIS_URL", DEFAULT_REDIS_URL, "the Redis to use; also "
-                             "rediss://HOST:PORT and unix:///path/redis.sock", parse=parse_redis_url)
+                             "rediss://HOST:PORT, unix:///path/redis.sock, or a Sentinel set: "
+                             "redis+sentinel://HOST:PORT,HOST:PORT/MASTER", parse=parse_redis_url)
     prefix: str = setting("MLXQ_PREFIX", "mlxq", "namespace of every key and channel under one Redis, arq's "
                           "included: separates deployments sharing a Redis")
     retry_deadline_s: float = setting("MLXQ_RETRY_DEADLINE", DEFAULT_RETRY_DEADLINE_S, "seconds an operation "

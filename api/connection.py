@@ -7,6 +7,11 @@ credentials or of a command raises :class:`AccessDenied` at once (redis-py files
 its ``ConnectionError``, which retrying would only repeat). The deadline runs from the operation's start, and
 each try is cut short at it: a host that drops packets, or a peer that accepts and never answers, ends the
 operation at its deadline, not a connect or read timeout later.
+
+The URL may name a Sentinel set instead of one server (:class:`SentinelUrl`):
+``redis+sentinel://[user:pass@]host1:26379,host2:26379/mymaster[/db][?sentinel_password=...]``
+(``rediss+sentinel://`` for TLS to the master). Each new connection asks the sentinels for the master's address,
+so after a failover the next connection (the next retry) goes to the promoted replica.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import parse_qs, unquote
 
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import (
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
@@ -33,9 +40,10 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .errors import AccessDenied, QueueUnavailable, UnexpectedPassword
+from .errors import AccessDenied, ConfigError, QueueUnavailable, UnexpectedPassword
 
-__all__ = ["RETRY_ON", "RetryPolicy", "client_redis", "redact", "redis_client", "retry", "with_retries"]
+__all__ = ["RETRY_ON", "SENTINEL_SCHEMES", "RetryPolicy", "SentinelUrl", "client_redis", "find_master",
+           "redact", "redis_client", "retry", "sentinel_url", "with_retries"]
 
 T = TypeVar("T")
 _DENIED = (AuthenticationError, AuthorizationError, AuthenticationWrongNumberOfArgsError, NoPermissionError)
@@ -55,15 +63,149 @@ def retry() -> Retry:
     return Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8)
 
 
-def _pool(url: str, **kwargs: Any) -> ConnectionPool:
-    return ConnectionPool.from_url(
-        url, retry=retry(), retry_on_error=RETRY_ON, socket_connect_timeout=CONNECT_TIMEOUT_S, **kwargs
-    )
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+SENTINEL_PORT = 26379
+_SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
 
 
-def redis_client(url: str, **kwargs: Any) -> Redis:
-    """A redis-py asyncio client with retries on connection errors."""
-    return Redis(connection_pool=_pool(url, **kwargs))
+@dataclass(frozen=True, slots=True)
+class SentinelUrl:
+    """A Sentinel set as ``MLXQ_REDIS_URL`` names it: the sentinels, the master's name, and how to talk to the
+    master (``username``/``password``/``db``/``ssl``, as in a plain URL) and to the sentinels themselves
+    (``sentinel_username``/``sentinel_password``, from the query string: a sentinel's own ``requirepass``)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    ssl: bool = False
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+
+    def sentinel(self, **kwargs: Any) -> Sentinel:
+        """redis-py's Sentinel for this set; ``kwargs`` go to every connection to the master (the socket
+        timeouts to the sentinels' too)."""
+        auth = {"username": self.sentinel_username, "password": self.sentinel_password}
+        to_sentinels = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+        return Sentinel(list(self.sentinels), sentinel_kwargs={**to_sentinels, **auth}, db=self.db,
+                        username=self.username, password=self.password, ssl=self.ssl, **kwargs)
+
+
+class _SentinelConnection(SentinelManagedConnection):
+    """A connection to a Sentinel set's master that asks the sentinels again at every try. redis-py's connects
+    to the address they named with the whole retry policy (about 9 s of backoff for a worker) before it asks
+    again: past a failover, the worker would lose its leases to a master that had been replaced seconds ago."""
+
+    async def connect_to(self, address: tuple[str, int]) -> None:
+        policy, self.retry = self.retry, Retry(NoBackoff(), 0)
+        try:
+            await super().connect_to(address)
+        finally:
+            self.retry = policy
+
+
+class _SentinelSSLConnection(_SentinelConnection, SentinelManagedSSLConnection):
+    """:class:`_SentinelConnection` over TLS (``rediss+sentinel://``)."""
+
+
+def _bad_sentinel(raw: str, why: str) -> ConfigError:
+    shown = "<a URL with credentials>" if "@" in raw or "password" in raw else raw
+    return ConfigError(f"{shown!r}: {why} (expected redis+sentinel://[USER:PASSWORD@]HOST:PORT,HOST:PORT/MASTER)")
+
+
+def _host_port(raw: str, item: str) -> tuple[str, int]:
+    host, port = item, ""
+    if item.startswith("["):  # [IPv6]:port
+        host, _, rest = item[1:].partition("]")
+        port = rest.removeprefix(":")
+    elif ":" in item:
+        host, _, port = item.rpartition(":")
+    if not host:
+        raise _bad_sentinel(raw, f"no host in {item!r}")
+    if port and not (port.isdigit() and 0 < int(port) < 65536):
+        raise _bad_sentinel(raw, f"bad port in {item!r}")
+    return host, int(port) if port else SENTINEL_PORT
+
+
+def sentinel_url(raw: str) -> SentinelUrl | None:
+    """The Sentinel set ``raw`` names (None for a plain ``redis://``, ``rediss://`` or ``unix://`` URL);
+    a malformed one raises :class:`ConfigError` in one line, without its password."""
+    scheme, sep, rest = raw.strip().partition("://")
+    if not sep or scheme.lower() not in SENTINEL_SCHEMES:
+        return None
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username, password = unquote(user) or None, (unquote(pw) if colon else None)
+    if not hosts:
+        raise _bad_sentinel(raw, "no sentinel address")
+    sentinels = tuple(_host_port(raw, item) for item in hosts.split(","))
+    parts = [p for p in path.split("/") if p]
+    if not parts or len(parts) > 2:
+        raise _bad_sentinel(raw, "the path must be the master's name, then optionally a database number")
+    if len(parts) == 2 and not parts[1].isdigit():
+        raise _bad_sentinel(raw, f"database {parts[1]!r} is not a number")
+    options = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    unknown = sorted(set(options) - set(_SENTINEL_OPTIONS))
+    if unknown:
+        raise _bad_sentinel(raw, f"unknown option {unknown[0]!r} (known: {', '.join(_SENTINEL_OPTIONS)})")
+    return SentinelUrl(sentinels, unquote(parts[0]), int(parts[1]) if len(parts) == 2 else 0, username, password,
+                       scheme.lower() == "rediss+sentinel", options.get("sentinel_username") or None,
+                       options.get("sentinel_password") or None)
+
+
+def _client(url: str, redis_class: type[Redis], **kwargs: Any) -> Redis:
+    """A client of the server ``url`` names: one address, or a Sentinel set's master (looked up again for each
+    new connection)."""
+    found = sentinel_url(url)
+    if found is None:
+        return redis_class(connection_pool=ConnectionPool.from_url(url, **kwargs))
+    connection = _SentinelSSLConnection if found.ssl else _SentinelConnection
+    client: Redis = found.sentinel(**kwargs).master_for(found.master, redis_class=redis_class,
+                                                        connection_class=connection)
+    return client
+
+
+async def find_master(url: SentinelUrl, timeout: float) -> tuple[str, int]:
+    """The master's address as the first sentinel that knows it answers. :class:`ConfigError` when sentinels
+    answer and none knows the master's name (retrying will not help); ``redis.exceptions.ConnectionError``
+    when no sentinel answers (within ``timeout`` each)."""
+    sentinel = url.sentinel(socket_connect_timeout=timeout, socket_timeout=timeout)
+    answered, errors = 0, []
+    try:
+        for host_port, node in zip(url.sentinels, sentinel.sentinels, strict=True):
+            try:
+                found = await node.sentinel_get_master_addr_by_name(url.master)
+            except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
+                where = f"{host_port[0]}:{host_port[1]}"
+                if is_denied(exc):  # the sentinels' own password (sentinel_password): wrong or missing
+                    raise denied(exc, f"sentinel {where}") from exc
+                if isinstance(exc, ResponseError):  # a plain Redis, not a sentinel
+                    raise ConfigError(f"{where} does not answer as a Redis Sentinel does (MLXQ_REDIS_URL): "
+                                      f"{exc}") from exc
+                errors.append(f"{where}: {_cause(exc)}")
+                continue
+            answered += 1
+            if found:
+                host = found[0].decode() if isinstance(found[0], bytes) else str(found[0])
+                return host, int(found[1])
+    finally:
+        for node in sentinel.sentinels:
+            await node.aclose()
+    hosts = ",".join(f"{h}:{p}" for h, p in url.sentinels)
+    if answered:
+        raise ConfigError(f"no sentinel of {hosts} knows a master named {url.master!r} (MLXQ_REDIS_URL)")
+    raise RedisConnectionError(f"no sentinel of {hosts} answers: {'; '.join(errors)}")
+
+
+def redis_client(url: str, *, redis_class: type[Redis] = Redis, **kwargs: Any) -> Redis:
+    """A redis-py asyncio client with retries on connection errors (of ``redis_class``: arq's is a subclass)."""
+    return _client(url, redis_class, retry=retry(), retry_on_error=RETRY_ON,
+                   socket_connect_timeout=CONNECT_TIMEOUT_S, **kwargs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +223,7 @@ def client_redis(url: str, policy: RetryPolicy) -> Redis:
     """The client's connection pool: no retries inside redis-py (the policy is applied around operations),
     and a connect timeout within the policy's deadline."""
     timeout = min(CONNECT_TIMEOUT_S, max(0.1, policy.deadline_s))
-    return Redis(connection_pool=ConnectionPool.from_url(url, socket_connect_timeout=timeout))
+    return _client(url, Redis, socket_connect_timeout=timeout)
 
 
 def _refusal(exc: BaseException) -> BaseException | None:
@@ -106,7 +248,8 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def redact(url: str) -> str:
-    """``url`` without its password (or query string, where a unix socket URL may carry one)."""
+    """``url`` without its password (or query string, where a unix socket URL, or a Sentinel URL's
+    ``sentinel_password``, may carry one)."""
     return re.sub(r"//([^:@/]*):[^@/]*@", r"//\1:***@", url.split("?", 1)[0])
 
 

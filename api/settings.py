@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from .connection import SENTINEL_SCHEMES, sentinel_url
 from .errors import ConfigError
 
 __all__ = ["Setting", "declared", "help_text", "markdown", "parse_redis_url", "read", "setting", "shared"]
@@ -96,16 +97,23 @@ def _flag(name: str, raw: str) -> bool:
 
 
 def parse_redis_url(name: str, raw: str) -> str:
-    """A Redis URL as redis-py reads it (``redis://``, ``rediss://`` or ``unix://``), else :class:`ConfigError`
-    (redis-py's own complaint is a ``ValueError`` at the first connection)."""
+    """A Redis URL as redis-py reads it (``redis://``, ``rediss://`` or ``unix://``), or a Sentinel set's
+    (``redis+sentinel://``, ``rediss+sentinel://``: :func:`~api.connection.sentinel_url`), else
+    :class:`ConfigError` (redis-py's own complaint is a ``ValueError`` at the first connection)."""
     scheme = urlsplit(raw.strip()).scheme if "://" in raw else ""
     if scheme in REDIS_SCHEMES:
+        return raw.strip()
+    if scheme in SENTINEL_SCHEMES:
+        try:
+            sentinel_url(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}={exc}") from None
         return raw.strip()
     shown, hint = raw, f" (e.g. redis://{raw.strip()})" if raw.strip() and "://" not in raw else ""
     if "@" in raw:  # never echo a password
         shown, hint = "<a URL with credentials>", " (e.g. redis://:PASSWORD@HOST:PORT)"
-    raise ConfigError(f"{name}={shown!r}: expected a URL redis://HOST:PORT, rediss://HOST:PORT or "
-                      f"unix:///PATH{hint}")
+    raise ConfigError(f"{name}={shown!r}: expected a URL redis://HOST:PORT, rediss://HOST:PORT, unix:///PATH "
+                      f"or redis+sentinel://HOST:PORT,HOST:PORT/MASTER{hint}")
 
 
 def _shown(s: Setting, default: Any) -> str:

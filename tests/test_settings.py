@@ -68,7 +68,8 @@ def test_values_parse_as_declared_and_unset_or_blank_ones_keep_their_defaults() 
     ({"MLXQ_GATEWAY_PORT": "http"}, "MLXQ_GATEWAY_PORT='http': expected an integer"),
     ({"MLXQ_GATEWAY_MAX_TOKENS": "0"}, "MLXQ_GATEWAY_MAX_TOKENS='0': expected an integer >= 1"),
     ({"MLXQ_REDIS_URL": "localhost:6379"}, "MLXQ_REDIS_URL='localhost:6379': expected a URL redis://HOST:PORT, "
-                                           "rediss://HOST:PORT or unix:///PATH (e.g. redis://localhost:6379)"),
+                                           "rediss://HOST:PORT, unix:///PATH or redis+sentinel://HOST:PORT,"
+                                           "HOST:PORT/MASTER (e.g. redis://localhost:6379)"),
 ])
 def test_a_bad_value_is_one_line_naming_its_variable(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError) as caught:

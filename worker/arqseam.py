@@ -27,12 +27,24 @@ from typing import Any, Protocol
 import arq.jobs
 import arq.version
 import arq.worker
-from arq.connections import RedisSettings
+from arq.connections import ArqRedis, RedisSettings
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from mlxq.api.connection import CONNECT_TIMEOUT_S, RETRY_ON, RetryPolicy, client_redis, redact, retry, with_retries
-from mlxq.api.errors import MlxqError
+from mlxq.api.connection import (
+    CONNECT_TIMEOUT_S,
+    RETRY_ON,
+    RetryPolicy,
+    SentinelUrl,
+    client_redis,
+    find_master,
+    redact,
+    redis_client,
+    retry,
+    sentinel_url,
+    with_retries,
+)
+from mlxq.api.errors import AccessDenied, ConfigError, MlxqError, QueueUnavailable
 from mlxq.api.jobrecord import JOB_FUNCTION, load_record
 from mlxq.api.keys import Keys
 from mlxq.api.schema import DEFAULT_TENANT
@@ -182,7 +194,7 @@ def worker_kwargs(spec: WorkerSpec) -> dict[str, Any]:
         # arq needs a function to register; the host runs mlxq's jobs without calling it.
         raise RuntimeError("mlxq jobs run through worker.arqseam, which this process did not install")
 
-    settings = RedisSettings.from_dsn(spec.redis_url)
+    settings = _redis_settings(spec.redis_url)
     settings.retry = retry()
     settings.retry_on_error = list(RETRY_ON)
     settings.conn_timeout = int(CONNECT_TIMEOUT_S)
@@ -201,6 +213,26 @@ def worker_kwargs(spec: WorkerSpec) -> dict[str, Any]:
         "job_completion_wait": spec.drain_s,
         "ctx": {_SPEC: spec},
     }
+
+
+def _redis_settings(url: str) -> RedisSettings:
+    """arq's settings for ``url``; for a Sentinel set arq's own Sentinel mode, though the worker hands arq a
+    pool of its own (:func:`_sentinel_pool`): arq's ignores the retries and the sentinels' password."""
+    found = sentinel_url(url)
+    if found is None:
+        return RedisSettings.from_dsn(url)
+    return RedisSettings(host=list(found.sentinels), sentinel=True, sentinel_master=found.master, ssl=found.ssl,
+                         database=found.db, username=found.username, password=found.password)
+
+
+def _sentinel_pool(worker: arq.worker.Worker, url: str) -> ArqRedis:
+    """arq's client of a Sentinel set's master, as ``arq.connections.create_pool`` makes it, with the worker's
+    retries: a failover is a short outage, ridden out like a Redis restart."""
+    pool = redis_client(url, redis_class=ArqRedis)
+    assert isinstance(pool, ArqRedis)
+    pool.job_serializer, pool.job_deserializer = worker.job_serializer, worker.job_deserializer
+    pool.default_queue_name, pool.expires_extra_ms = worker.queue_name, worker.expires_extra_ms
+    return pool
 
 
 def host_of(worker: arq.worker.Worker) -> Host | None:
@@ -328,6 +360,7 @@ def _signalled(handler: Callable[[arq.worker.Worker, Any], None]) -> Callable[[a
 
 
 REDIS_UNAVAILABLE_EXIT = 69  # EX_UNAVAILABLE: Redis stayed unreachable past the retries
+CONFIG_ERROR_EXIT = 78  # EX_CONFIG, as worker/settings.py's: a Sentinel set that cannot name a master
 _arq_main = arq.worker.Worker.main
 
 
@@ -342,9 +375,13 @@ async def _main(self: arq.worker.Worker) -> None:
     if self._pool is None:
         try:
             await _await_redis(spec)
-        except MlxqError as exc:  # unreachable past the deadline, or refusing our credentials
+        except MlxqError as exc:  # unreachable past the deadline, refusing our credentials, or no such master
             log.error("worker cannot start: %s", exc, exc_info=debug)
-            raise SystemExit(REDIS_UNAVAILABLE_EXIT) from None
+            # 78 for a Sentinel set that names no master (a refused password stays 69, as it was)
+            sentinels = isinstance(exc, ConfigError) and not isinstance(exc, AccessDenied)
+            raise SystemExit(CONFIG_ERROR_EXIT if sentinels else REDIS_UNAVAILABLE_EXIT) from None
+        if sentinel_url(spec.redis_url) is not None:
+            self._pool = _sentinel_pool(self, spec.redis_url)
     try:
         await _arq_main(self)
     except (RedisError, OSError) as exc:
@@ -357,11 +394,25 @@ async def _await_redis(spec: WorkerSpec) -> None:
     try cut short at the deadline), so a worker started before Redis waits for it, and one whose Redis never
     answers says so once, at the deadline."""
     policy = RetryPolicy(deadline_s=spec.connect_deadline_s, cap_s=1.0, setting="MLXQ_CONNECT_DEADLINE")
+    found = sentinel_url(spec.redis_url)
+    if found is not None:
+        await _await_sentinels(found, policy, redact(spec.redis_url))
     probe = client_redis(spec.redis_url, policy)
     try:
         await with_retries(probe.ping, policy, redact(spec.redis_url))
     finally:
         await probe.aclose()
+
+
+async def _await_sentinels(found: SentinelUrl, policy: RetryPolicy, where: str) -> None:
+    """Ask the sentinels for the master until one answers, within the policy's deadline: none answering by then,
+    or all answering that they know no such master, is a configuration the worker cannot start with."""
+    try:
+        address = await with_retries(lambda: find_master(found, CONNECT_TIMEOUT_S), policy, where)
+    except QueueUnavailable as exc:
+        raise ConfigError(f"no sentinel of {where} answered within {policy.deadline_s:g}s "
+                          f"({policy.setting}): {exc.__cause__ or exc}") from exc
+    log.debug("sentinels at %s name master %r at %s:%d", where, found.master, *address)
 
 
 _arq_close = arq.worker.Worker.close

@@ -42,7 +42,8 @@ def test_a_redis_url_without_its_scheme_is_a_bad_setting(command: list[str]) -> 
     done = mlxq(*command, env={"MLXQ_REDIS_URL": "localhost:6379"})
     assert done.returncode == 2
     assert one_line(done) == ("mlxq: MLXQ_REDIS_URL='localhost:6379': expected a URL redis://HOST:PORT, "
-                              "rediss://HOST:PORT or unix:///PATH (e.g. redis://localhost:6379)")
+                              "rediss://HOST:PORT, unix:///PATH or redis+sentinel://HOST:PORT,HOST:PORT/MASTER "
+                              "(e.g. redis://localhost:6379)")
 
 
 def test_a_wrapped_refusal_of_a_password_is_a_refusal_and_a_configuration_error() -> None:
