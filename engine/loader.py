@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import mlx_lm
 from mlx_lm.utils import load_tokenizer
 
+from . import prefix_disk
 from .backend import BatchBackend
 from .engine import Engine, Sink
 from .memory import KVBudget, KVLayout, default_headroom, default_prefix_cache_bytes, mib
@@ -27,7 +28,7 @@ from .mlx_ragged_cache import check_cache
 from .mlx_speculative import Proposer
 from .mlx_thread import MLXThread
 from .prefix_cache import PrefixCache
-from .prefix_disk import PrefixDisk, default_dir, layout_key, model_key, namespace
+from .prefix_disk import PrefixDisk, layout_key, model_key, namespace
 from .prompt import PromptEncoder
 from .sampling import make_request_logits_processors, make_request_sampler
 from .scheduler import Scheduler
@@ -274,7 +275,7 @@ async def _prefix_disk(loaded: LoadedModel, thread: MLXThread, opts: EngineOptio
                     loaded.path)
         return None
     layout = await thread.call(layout_key, loaded.model)
-    root = Path(opts.kv_dir).expanduser() if opts.kv_dir else default_dir()
+    root = Path(opts.kv_dir).expanduser() if opts.kv_dir else prefix_disk.default_dir()
     directory = namespace(root, "+".join(k for k in keys if k), layout)
     disk = await asyncio.to_thread(PrefixDisk, directory, opts.kv_disk_bytes)
     log.info("prefix cache on disk for %s: %s, at most %s", loaded.path, directory, mib(opts.kv_disk_bytes))
