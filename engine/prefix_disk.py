@@ -6,7 +6,8 @@ KV layout, :func:`namespace`): each a file of mlx-lm's prompt-cache format behin
 a SHA-256 of the rest. Files are written to a temporary name, flushed and renamed, so a half-written file (a
 kill mid-write, a full disk) never has an entry's name; a file whose checksum does not match is logged once,
 deleted, and its request prefills cold. The tier holds at most ``max_bytes`` in at most ``max_entries`` files,
-least recently used out first (a file's mtime is its last use, so the order survives a restart).
+least recently used out first (a file's mtime is its last use, so the order survives a restart), and the index
+in memory holds at most ``MAX_TOKENS`` tokens of them.
 
 Nothing here runs disk I/O on the model's MLX thread: :meth:`PrefixDisk.save` hands an entry's evaluated
 arrays to a writer thread (dropped when more than ``max_pending`` bytes wait), and :meth:`PrefixDisk.load`
@@ -49,6 +50,7 @@ _SUFFIX = ".kv"
 _TEMP = ".tmp"
 _TRIE = "disk"  # PromptTrie's model key: one model per directory
 MAX_ENTRIES = 1024
+MAX_TOKENS = 1 << 18  # tokens of every entry together: the index (a trie of them) stays some tens of MiB at most
 MAX_PENDING = 1 << 30  # bytes handed to the writer and not written yet; more is dropped, not queued
 WAIT_S = 2.0  # a request waits at most this long for its prefix to load, then prefills cold
 
@@ -141,6 +143,7 @@ class PrefixDisk:
         self._index: dict[str, _Entry] = {}
         self._trie = PromptTrie()
         self._bytes = 0
+        self._tokens = 0  # of every entry indexed
         self._pending: set[str] = set()
         self._pending_bytes = 0
         self._loading: set[str] = set()
@@ -279,7 +282,8 @@ class PrefixDisk:
         with self._lock:
             if key in self._index or key in self._pending:
                 return False
-            if nbytes > self.max_bytes or (bounded and self._pending_bytes + nbytes > self.max_pending):
+            behind = bounded and self._pending_bytes + nbytes > self.max_pending
+            if nbytes > self.max_bytes or len(tokens) > MAX_TOKENS or behind:
                 self.counts.dropped += 1
                 return False
             self._pending.add(key)
@@ -300,7 +304,7 @@ class PrefixDisk:
             if not self.writable:
                 return
             data = _encode(tokens, cache, kind, trimmable)
-            self._make_room(len(data))
+            self._make_room(len(data), len(tokens))
             _write_file(tmp, data)
             os.replace(tmp, self._path(key))
             self._commit(key, tokens, len(data), kind, trimmable)
@@ -328,17 +332,19 @@ class PrefixDisk:
         with self._lock:
             self._index[key] = _Entry(tuple(tokens), nbytes, kind, trimmable, time.time())
             self._bytes += nbytes
+            self._tokens += len(tokens)
             self._trie.add(_TRIE, tokens, key)
             self.counts.writes += 1
             shorter = [k for _, k in self._trie.pop_prefixes(_TRIE, tokens)] if trimmable else []
         for k in shorter:
             self._forget(k, delete=True, in_trie=False)
 
-    def _make_room(self, nbytes: int) -> None:
-        """Delete the least recently used entries until ``nbytes`` more fit."""
+    def _make_room(self, nbytes: int, tokens: int) -> None:
+        """Delete the least recently used entries until an entry of ``nbytes`` and ``tokens`` fits."""
         while True:
             with self._lock:
-                over = self._bytes + nbytes > self.max_bytes or len(self._index) >= self.max_entries
+                over = (self._bytes + nbytes > self.max_bytes or len(self._index) >= self.max_entries
+                        or self._tokens + tokens > MAX_TOKENS)
                 if not over or not self._index:
                     return
                 key = min(self._index, key=lambda k: self._index[k].used)
@@ -350,6 +356,7 @@ class PrefixDisk:
             if entry is None:
                 return
             self._bytes -= entry.nbytes
+            self._tokens -= len(entry.tokens)
             if in_trie:
                 with contextlib.suppress(KeyError):
                     self._trie.pop(_TRIE, list(entry.tokens))
@@ -379,12 +386,14 @@ class PrefixDisk:
                     p.unlink()
         found.sort(key=lambda kv: kv[1].used, reverse=True)  # the most recent first: they stay within bounds
         for key, entry in found:
-            if len(self._index) >= self.max_entries or self._bytes + entry.nbytes > self.max_bytes:
+            if (len(self._index) >= self.max_entries or self._bytes + entry.nbytes > self.max_bytes
+                    or self._tokens + len(entry.tokens) > MAX_TOKENS):
                 with contextlib.suppress(OSError):
                     self._path(key).unlink()
                 continue
             self._index[key] = entry
             self._bytes += entry.nbytes
+            self._tokens += len(entry.tokens)
             self._trie.add(_TRIE, list(entry.tokens), key)
         if self._index:
             log.info("prefix cache on disk: %d entries (%.1f MiB) in %s", len(self._index), self._bytes / (1 << 20),
