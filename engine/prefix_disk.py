@@ -2,17 +2,19 @@
 worker starts from the prefixes it had.
 
 :class:`PrefixDisk` holds one model's entries in one directory (named by the caller after the model's weights and
-KV layout, :func:`namespace`): each a file of mlx-lm's prompt-cache format behind a header with its tokens and
-a SHA-256 of the rest. Files are written to a temporary name, flushed and renamed, so a half-written file (a
-kill mid-write, a full disk) never has an entry's name; a file whose checksum does not match is logged once,
-deleted, and its request prefills cold. The tier holds at most ``max_bytes`` in at most ``max_entries`` files,
-least recently used out first (a file's mtime is its last use, so the order survives a restart), and the index
-in memory holds at most ``MAX_TOKENS`` tokens of them.
+KV layout, :func:`namespace`): each a file of mlx-lm's prompt-cache format (safetensors) followed by a
+trailer with its tokens and a SHA-256 of everything before it. Files are written to a temporary name, flushed
+and renamed, so a half-written file (a kill mid-write, a full disk) never has an entry's name; a file whose
+checksum does not match is logged once, deleted, and its request prefills cold. The tier holds at most
+``max_bytes`` in at most ``max_entries`` files, least recently used out first (a file's mtime is its last use,
+so the order survives a restart), and the index in memory holds at most ``MAX_TOKENS`` tokens of them.
 
 Nothing here runs disk I/O on the model's MLX thread: :meth:`PrefixDisk.save` hands an entry's evaluated
 arrays to a writer thread (dropped when more than ``max_pending`` bytes wait), and :meth:`PrefixDisk.load`
 reads on a reader thread, which evaluates the arrays on its own stream and queues them for the MLX thread to
-take (:meth:`PrefixDisk.arrived`). A write that fails for the disk (full, read-only) turns writing off with
+take (:meth:`PrefixDisk.arrived`). MLX reads and writes the arrays by path, never through a Python file
+object: its callbacks into Python from another thread deadlock against the MLX thread (the GIL against
+MLX's own locks). A write that fails for the disk (full, read-only) turns writing off with
 one log line; entries already there are still read.
 """
 
@@ -23,7 +25,6 @@ import contextlib
 import copy
 import errno
 import hashlib
-import io
 import json
 import logging
 import os
@@ -45,9 +46,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1  # bumped when the file format changes: a new namespace, old files never read
 MAGIC = b"MLXQKV1\n"
-_HEAD = struct.Struct("<8s32sI")  # magic, SHA-256 of everything after the head, length of the JSON header
-_SUFFIX = ".kv"
-_TEMP = ".tmp"
+_TAIL = struct.Struct("<I32s8s")  # the JSON header's length, SHA-256 of everything before the digest, magic
+_SUFFIX = ".kv.safetensors"  # MLX picks the format by the name
+_TEMP = ".tmp.safetensors"
 _TRIE = "disk"  # PromptTrie's model key: one model per directory
 MAX_ENTRIES = 1024
 MAX_TOKENS = 1 << 18  # tokens of every entry together: the index (a trie of them) stays some tens of MiB at most
@@ -242,16 +243,10 @@ class PrefixDisk:
 
     def _read_file(self, path: Path) -> tuple[list[Any], list[int], str]:
         data = path.read_bytes()
-        if len(data) < _HEAD.size:
-            raise ValueError("truncated")
-        magic, digest, meta_len = _HEAD.unpack_from(data)
-        if magic != MAGIC:
-            raise ValueError("not an entry of this format")
-        if hashlib.sha256(memoryview(data)[_HEAD.size - 4:]).digest() != digest:
+        meta, digest_end = _parse_tail(data)
+        if hashlib.sha256(memoryview(data)[:digest_end]).digest() != data[digest_end:digest_end + 32]:
             raise ValueError("checksum mismatch")
-        meta = json.loads(data[_HEAD.size:_HEAD.size + meta_len])
-        payload = _Named(memoryview(data)[_HEAD.size + meta_len:])
-        cache = load_prompt_cache(payload)
+        cache = load_prompt_cache(str(path))  # by path: MLX reads the file itself (safetensors ignore the trailer)
         mx.eval([c.state for c in cache])  # on this thread's own stream, not the model's
         return cache, [int(t) for t in meta["tokens"]], str(meta["kind"])
 
@@ -303,11 +298,10 @@ class PrefixDisk:
         try:
             if not self.writable:
                 return
-            data = _encode(tokens, cache, kind, trimmable)
-            self._make_room(len(data), len(tokens))
-            _write_file(tmp, data)
+            self._make_room(nbytes, len(tokens))
+            size = _write_file(tmp, tokens, cache, kind, trimmable)
             os.replace(tmp, self._path(key))
-            self._commit(key, tokens, len(data), kind, trimmable)
+            self._commit(key, tokens, size, kind, trimmable)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -369,7 +363,7 @@ class PrefixDisk:
         """Index the entries a previous run left (their headers only) and delete half-written files."""
         found: list[tuple[str, _Entry]] = []
         for p in self.dir.iterdir():
-            if p.name.endswith(_TEMP):
+            if p.name.endswith(_TEMP) or p.name.endswith(".tmp"):
                 with contextlib.suppress(OSError):
                     p.unlink()
                 continue
@@ -437,41 +431,50 @@ class _Once:
             fn()
 
 
-class _Named(io.BytesIO):
-    """An entry's payload in memory, named as mlx-lm's loader wants (it picks the format by the name)."""
-
-    name = "entry.safetensors"
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    """``data`` to ``path``, on the disk when this returns (written whole, or an OSError)."""
-    with open(path, "wb") as f:
-        f.write(data)
+def _write_file(path: Path, tokens: list[int], cache: list[Any], kind: str, trimmable: bool) -> int:
+    """An entry's whole file at ``path`` (mlx-lm's prompt-cache format, then the trailer), on the disk when this
+    returns (or an OSError); its size."""
+    save_prompt_cache(str(path), cache)  # by path: MLX writes the file itself
+    meta = json.dumps({"tokens": tokens, "kind": kind, "trimmable": trimmable}).encode()
+    with open(path, "r+b") as f:
+        h = hashlib.sha256()
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+        h.update(meta + struct.pack("<I", len(meta)))
+        f.write(meta + _TAIL.pack(len(meta), h.digest(), MAGIC))
         f.flush()
         os.fsync(f.fileno())
+        return f.tell()
 
 
 def _key(tokens: Iterable[int]) -> str:
     return hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:40]
 
 
-def _encode(tokens: list[int], cache: list[Any], kind: str, trimmable: bool) -> bytes:
-    """A whole entry file: the head, a JSON header (tokens, kind), mlx-lm's prompt-cache format."""
-    payload = io.BytesIO()
-    save_prompt_cache(payload, cache)  # type: ignore[arg-type]  # mx.save_safetensors takes a file object
-    meta = json.dumps({"tokens": tokens, "kind": kind, "trimmable": trimmable}).encode()
-    body = struct.pack("<I", len(meta)) + meta + payload.getvalue()
-    return MAGIC + hashlib.sha256(body).digest() + body
+def _parse_tail(data: bytes) -> tuple[dict[str, Any], int]:
+    """An entry's JSON header and where its digest starts, from the file's last bytes (the whole file, or
+    enough of its end)."""
+    if len(data) < _TAIL.size:
+        raise ValueError("truncated")
+    meta_len, _, magic = _TAIL.unpack_from(data, len(data) - _TAIL.size)
+    if magic != MAGIC:
+        raise ValueError("not an entry of this format (or cut short)")
+    digest_end = len(data) - 40
+    start = digest_end - 4 - meta_len
+    if start < 0:
+        raise ValueError("truncated")
+    meta: dict[str, Any] = json.loads(data[start:start + meta_len])
+    return meta, digest_end
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
-    """An entry file's JSON header (its data is checked when it is read)."""
+    """An entry file's JSON header, read from its end (its data is checked when it is read)."""
     with open(path, "rb") as f:
-        head = f.read(_HEAD.size)
-        if len(head) < _HEAD.size:
+        size = f.seek(0, os.SEEK_END)
+        if size < _TAIL.size:
             raise ValueError("truncated")
-        magic, _, meta_len = _HEAD.unpack(head)
-        if magic != MAGIC:
-            raise ValueError("not an entry of this format")
-        meta: dict[str, Any] = json.loads(f.read(meta_len))
-    return meta
+        f.seek(size - _TAIL.size)
+        meta_len = _TAIL.unpack(f.read(_TAIL.size))[0]
+        back = min(size, _TAIL.size + 4 + meta_len)
+        f.seek(size - back)
+        return _parse_tail(f.read(back))[0]

@@ -132,9 +132,9 @@ async def test_a_restarted_engine_starts_the_next_turn_from_disk_with_the_same_t
 async def test_a_corrupt_entry_is_logged_once_and_prefilled_cold(
         lm: Any, tiny_model: Path, tmp_path: Path, outputs: Outputs, caplog: pytest.LogCaptureFixture) -> None:
     prompt, answer = await a_conversation_on_disk(lm, tiny_model, tmp_path, outputs)
-    (entry,) = [p for p in tmp_path.rglob("*.kv")]
+    (entry,) = [p for p in tmp_path.rglob("*.kv.safetensors")]
     data = bytearray(entry.read_bytes())
-    for i in range(len(data) - 64, len(data) - 32):  # flip bytes in the arrays' data (the header stays readable)
+    for i in range(len(data) // 2, len(data) // 2 + 32):  # flip bytes in the arrays' data (the trailer stays)
         data[i] ^= 0xFF
     entry.write_bytes(bytes(data))
     engine, _ = await start_engine(str(tiny_model), outputs.sink, options(tmp_path))
@@ -155,8 +155,8 @@ async def test_a_corrupt_entry_is_logged_once_and_prefilled_cold(
 
 async def test_a_half_written_file_is_never_read(lm: Any, tiny_model: Path, tmp_path: Path, outputs: Outputs) -> None:
     prompt, answer = await a_conversation_on_disk(lm, tiny_model, tmp_path, outputs)
-    (entry,) = [p for p in tmp_path.rglob("*.kv")]
-    half = entry.with_name(entry.name.replace(".kv", ".1.2.tmp"))  # a write killed before its rename
+    (entry,) = [p for p in tmp_path.rglob("*.kv.safetensors")]
+    half = entry.with_name(entry.name.replace(".kv.", ".1.2.tmp."))  # a write killed before its rename
     half.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
     entry.unlink()
     engine, _ = await start_engine(str(tiny_model), outputs.sink, options(tmp_path))
@@ -173,8 +173,8 @@ async def test_a_half_written_file_is_never_read(lm: Any, tiny_model: Path, tmp_
 async def test_a_full_disk_turns_writing_off_with_one_log_line_and_jobs_end_well(
         lm: Any, tiny_model: Path, tmp_path: Path, outputs: Outputs, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    def full(path: Path, data: bytes) -> None:
-        path.write_bytes(data[:10])  # what fitted
+    def full(path: Path, *entry: Any) -> int:
+        path.write_bytes(b"what fitted")
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(prefix_disk, "_write_file", full)
@@ -188,7 +188,7 @@ async def test_a_full_disk_turns_writing_off_with_one_log_line_and_jobs_end_well
         assert [r.message for r in caplog.records if "writing off" in r.message] == [caplog.records[0].message]
         assert len(caplog.records) == 1 and "the disk is full" in caplog.records[0].message
         assert not disk_of(engine).writable and len(disk_of(engine)) == 0
-        assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("*.kv"))
+        assert not list(tmp_path.rglob("*.tmp*")) and not list(tmp_path.rglob("*.kv.safetensors"))
     finally:
         await engine.aclose()
 
@@ -224,7 +224,7 @@ async def test_the_tier_stays_within_its_byte_bound_least_recently_used_out_firs
         for i in range(1, 6):
             await outputs.run(engine, f"r{i}", list(lm[1].encode(f"request number {i} " * 12)))
             assert await asyncio.to_thread(disk.flush)
-            on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.kv"))
+            on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.kv.safetensors"))
             assert 0 < disk.nbytes == on_disk <= bound
         assert 2 <= len(disk) < 5
         latest, oldest = (list(lm[1].encode(f"request number {i} " * 12)) for i in (5, 1))

@@ -48,7 +48,7 @@ async def test_a_restarted_worker_starts_the_next_turn_from_disk(worker_config: 
         assert running.service.engine.stats.prefix_disk_hits == 0
     finally:
         await running.close()
-    assert list(tmp_path.rglob("*.kv"))  # written, and kept at the stop
+    assert list(tmp_path.rglob("*.kv.safetensors"))  # written, and kept at the stop
     port = free_port()
     running = await start_worker(config_with(config, metrics_port=port, metrics_addr="127.0.0.1"))
     try:
@@ -86,7 +86,7 @@ async def test_a_worker_process_restarted_between_two_turns_starts_the_second_fr
         if how == "sigterm":
             assert await asyncio.to_thread(first_worker.stop, 60) == 0  # SIGTERM: a graceful stop
         else:  # written as it was cached, before any stop: a killed worker leaves it too
-            await wait_for(lambda: bool(list(kv_dir.rglob("*.kv"))), "the entry on disk", timeout=30)
+            await wait_for(lambda: bool(list(kv_dir.rglob("*.kv.safetensors"))), "the entry on disk", timeout=30)
             first_worker.kill()
     finally:
         first_worker.kill()
