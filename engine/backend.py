@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 from .request import ImageInputs, RequestOutput
 
-__all__ = ["BatchBackend", "BatchToken", "CachingBackend", "GeneratedToken", "LayerCache", "LogprobsAsked",
-           "PrefixHit", "PrefixStore", "SequenceCache", "Started"]
+__all__ = ["BatchBackend", "BatchToken", "CachingBackend", "DiskCounts", "GeneratedToken", "LayerCache",
+           "LogprobsAsked", "PrefixHit", "PrefixStore", "SequenceCache", "Started"]
 
 # A token whose log-probabilities are asked for: its output, the token, the vector it was sampled from (the
 # backend's own array over the vocabulary) and how many top alternatives to report.
@@ -188,6 +188,18 @@ class PrefixHit:
     tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class DiskCounts:
+    """The prefix cache's tier on disk, as counted since the engine started (bytes and entries: now)."""
+
+    hits: int  # entries read from disk for a request
+    misses: int  # requests whose prefix neither memory nor disk held
+    errors: int  # entries that could not be read (their requests prefilled cold)
+    writes: int
+    bytes: int
+    entries: int
+
+
 class PrefixStore(Protocol):
     """The prefix (prompt) KV cache as the cache strategy uses it (real: ``engine.prefix_cache.PrefixCache``)."""
 
@@ -209,3 +221,18 @@ class PrefixStore(Protocol):
         ...
 
     def clear(self) -> None: ...
+
+    def prefetch(self, tokens: list[int], done: Callable[[], None]) -> bool:
+        """Start loading a longer prefix of ``tokens`` than memory holds from a slower tier; True: ``done`` is
+        called (on another thread) once the next :meth:`fetch` can find it."""
+        ...
+
+    def persist(self) -> None:
+        """At a graceful stop (on the MLX thread): keep what memory holds in the slower tier."""
+        ...
+
+    def close(self) -> None:
+        """Stop the slower tier's threads, its writes finished (blocking; not on the MLX thread)."""
+        ...
+
+    def disk_counts(self) -> DiskCounts | None: ...

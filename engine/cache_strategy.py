@@ -221,4 +221,9 @@ class ReuseCaches:
         if p is not None:
             stats.prefix_hits, stats.prefix_misses, stats.prefix_tokens_saved = p.hits, p.misses, p.tokens_saved
             stats.prefix_cache_bytes, stats.prefix_cache_entries = p.nbytes, len(p)
+            disk = p.disk_counts()
+            if disk is not None:
+                stats.prefix_disk_hits, stats.prefix_disk_misses = disk.hits, disk.misses
+                stats.prefix_disk_errors, stats.prefix_disk_writes = disk.errors, disk.writes
+                stats.prefix_disk_bytes, stats.prefix_disk_entries = disk.bytes, disk.entries
 

@@ -9,11 +9,16 @@ while more keep arriving less than a fifth of the admission window apart, up to 
 window's end, so a burst prefills as one batch; meanwhile a backend that embeds its rows (``engine/vlm.py``)
 embeds each arrival. :meth:`Engine.claim_capacity` tells the worker how many more requests fit soon.
 
+A request whose prompt's prefix is on disk and not in memory (``prefix_disk.py``) waits outside the scheduler
+while a reader thread loads it, and comes back through the inbox once it is in memory (or the wait is over):
+the MLX thread never waits on the disk, and the other rows go on decoding meanwhile.
+
 It imports no MLX: the backend is ``backend.py``'s protocol, and the thread a :class:`StepThread`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -88,6 +93,9 @@ class Engine:
         self._last_arrival = 0.0
         self._arrived = threading.Event()
         self._clock = clock  # of the admission window (tests drive it by hand)
+        self._loading: dict[str, EngineRequest] = {}  # waiting for their prefix to load from disk
+        self._loaded: set[str] = set()  # back from loading: they go in as they are
+        self._aborted: dict[str, _Abort] = {}  # aborted while on their way back from loading
 
     def add(self, req: EngineRequest) -> None:
         """Queue a request (thread-safe); a dead engine fails it at once."""
@@ -155,10 +163,19 @@ class Engine:
         return self.scheduler.room.paused
 
     async def aclose(self) -> None:
-        """Stop ticking and join the MLX thread; returns only once no MLX call is running."""
+        """Stop ticking, hand the warm prefixes to the disk tier, and join the MLX thread; returns only once no
+        MLX call is running and the disk's writes are finished (bounded)."""
         with self._lock:
             self._closed = True
+        prefix = self.scheduler.prefix_cache
+        if prefix is not None and not self.dead:
+            try:
+                await asyncio.wrap_future(self.thread.submit(prefix.persist))
+            except Exception:
+                log.warning("could not keep the prefix cache on disk at the stop", exc_info=True)
         await self.thread.aclose()
+        if prefix is not None:
+            await asyncio.to_thread(prefix.close)
 
     def _post(self, cmd: EngineRequest | _Abort) -> None:
         self._inbox.append(cmd)
@@ -237,13 +254,56 @@ class Engine:
         while self._inbox:
             cmd = self._inbox.popleft()
             if isinstance(cmd, EngineRequest):
+                gone = self._aborted.pop(cmd.rid, None) if self._aborted else None
+                if gone is not None:
+                    self._drained += 1
+                    outs.append(terminal(cmd.rid, gone.reason, 0, gone.code, gone.message))
+                    continue
+                if self._load_prefix(cmd):
+                    continue
                 self._drained += 1
                 self.scheduler.add(cmd)
             else:
                 out = self.scheduler.abort(cmd.rid, cmd.reason, cmd.code, cmd.message)
+                if out is None:
+                    out = self._abort_loading(cmd)
                 if out is not None:
                     outs.append(out)
         return outs
+
+    def _load_prefix(self, req: EngineRequest) -> bool:
+        """Whether ``req`` waits for its prompt's prefix to load from disk (it comes back through the inbox)."""
+        prefix = self.scheduler.prefix_cache
+        with self._lock:
+            if prefix is None or req.rid in self._loaded:
+                self._loaded.discard(req.rid)
+                return False
+            self._loading[req.rid] = req  # before the load starts: its end may come at once
+
+        def done() -> None:  # on the reader's thread or a timer's
+            with self._lock:
+                back = self._loading.pop(req.rid, None)
+                if back is None:  # aborted meanwhile
+                    return
+                self._loaded.add(req.rid)
+            self._post(back)
+
+        if prefix.prefetch(req.prompt_tokens, done):
+            return True
+        with self._lock:
+            self._loading.pop(req.rid, None)
+        return False
+
+    def _abort_loading(self, cmd: _Abort) -> RequestOutput | None:
+        with self._lock:
+            req = self._loading.pop(cmd.rid, None)
+            if req is None:
+                if cmd.rid in self._loaded:  # back in the inbox, behind this abort: it ends when drained
+                    self._loaded.discard(cmd.rid)
+                    self._aborted[cmd.rid] = cmd
+                return None
+            self._inbox_requests -= 1  # it never reaches the scheduler
+        return terminal(cmd.rid, cmd.reason, 0, cmd.code, cmd.message)
 
     def _emit(self, outs: list[RequestOutput]) -> None:
         # Nothing is held once the engine goes idle: no later tick would send it.

@@ -3,6 +3,7 @@ vision-language checkpoint (one whose config.json has a ``vision_config``), whic
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import mlx_lm
 from mlx_lm.utils import load_tokenizer
 
+from . import prefix_disk
 from .backend import BatchBackend
 from .engine import Engine, Sink
 from .memory import KVBudget, KVLayout, default_headroom, default_prefix_cache_bytes, mib
@@ -26,6 +28,7 @@ from .mlx_ragged_cache import check_cache
 from .mlx_speculative import Proposer
 from .mlx_thread import MLXThread
 from .prefix_cache import PrefixCache
+from .prefix_disk import PrefixDisk, layout_key, model_key, namespace
 from .prompt import PromptEncoder
 from .sampling import make_request_logits_processors, make_request_sampler
 from .scheduler import Scheduler
@@ -59,6 +62,10 @@ class EngineOptions:
     # the share of the machine's memory the default rules give this engine (1/n with n engines in a process)
     memory_share: float = 1.0
     speculation: Speculation | None = None  # speculative decoding (engine/mlx_speculative.py); None: plain decoding
+    # the prefix cache's tier on disk (engine/prefix_disk.py): its bound in bytes (0: off) and root directory
+    # ("": prefix_disk.default_dir())
+    kv_disk_bytes: int = 0
+    kv_dir: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +248,8 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
         draft_bytes = model_bytes(draft.model)
     memory, prefix = memory_plan(loaded, layout, opts, caches=caches, draft_bytes=draft_bytes)
     stats.device = device_memory().describe()
+    if prefix is not None and opts.kv_disk_bytes > 0:
+        prefix.disk = await _prefix_disk(loaded, thread, opts)
     scheduler = Scheduler(
         backend,
         capacity=opts.capacity,
@@ -255,6 +264,23 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
     )
     return Engine(thread, scheduler, sink, make_backend=make_backend, stream_interval_s=opts.stream_interval_s,
                   prefill_batch=opts.prefill_batch_size, stream_rate=opts.stream_rate)
+
+
+async def _prefix_disk(loaded: LoadedModel, thread: MLXThread, opts: EngineOptions) -> PrefixDisk | None:
+    """The prefix cache's tier on disk, in a directory named by the model's weights (and its draft's) and its KV
+    layout; None (logged) when the weights cannot be told apart (no local files)."""
+    paths = [loaded.path] + ([opts.speculation.draft] if opts.speculation and opts.speculation.draft else [])
+    keys = [await asyncio.to_thread(model_key, p) for p in paths]
+    if any(k is None for k in keys):
+        log.warning("prefix cache on disk off for %s: its weights are not local files to name its entries by",
+                    loaded.path)
+        return None
+    layout = await thread.call(layout_key, loaded.model)
+    root = Path(opts.kv_dir).expanduser() if opts.kv_dir else prefix_disk.default_dir()
+    directory = namespace(root, "+".join(k for k in keys if k), layout)
+    disk = await asyncio.to_thread(PrefixDisk, directory, opts.kv_disk_bytes)
+    log.info("prefix cache on disk for %s: %s, at most %s", loaded.path, directory, mib(opts.kv_disk_bytes))
+    return disk
 
 
 async def _load_draft(loaded: LoadedModel, thread: MLXThread, spec: Speculation | None) -> LoadedModel | None:

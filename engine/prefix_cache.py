@@ -10,14 +10,21 @@ and a stored cache drops the entries that are its prefixes, as mlx-lm's server d
 Two bounds keep it off the hot path: prompts shorter than ``min_tokens`` are neither looked up nor stored (a
 hit would save less prefill than the copies cost), and the entries are few (``max_entries``): mlx-lm's lookup
 walks every entry that shares the prompt's longest cached prefix, on the engine thread.
+
+With a tier on disk (``prefix_disk.py``) every stored entry is also handed to its writer, so a restarted worker
+(even one killed) finds it; :meth:`PrefixCache.prefetch` starts reading a prompt's prefix from disk when the
+disk holds more of it than memory does, and the entry joins the memory tier at the next fetch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
 
-from .backend import PrefixHit, SequenceCache
+from .backend import DiskCounts, PrefixHit, SequenceCache
+from .prefix_disk import PrefixDisk
 
 __all__ = ["PrefixCache", "PrefixHit"]  # PrefixHit: backend.py's, returned by fetch
 
@@ -30,7 +37,8 @@ class PrefixCache:
     """KV caches of prompt prefixes, at most ``max_bytes`` of them (LRU) in at most ``max_entries`` entries;
     prefixes shorter than ``min_tokens`` are not worth it."""
 
-    def __init__(self, max_bytes: int, max_entries: int = MAX_ENTRIES, min_tokens: int = MIN_TOKENS) -> None:
+    def __init__(self, max_bytes: int, max_entries: int = MAX_ENTRIES, min_tokens: int = MIN_TOKENS,
+                 disk: PrefixDisk | None = None) -> None:
         if max_bytes <= 0:
             raise ValueError("a prefix cache needs a positive byte bound (0 disables it: build none)")
         self.max_bytes = max_bytes
@@ -39,6 +47,7 @@ class PrefixCache:
         self.hits = 0
         self.misses = 0
         self.tokens_saved = 0
+        self.disk = disk
 
     @property
     def nbytes(self) -> int:
@@ -52,6 +61,7 @@ class PrefixCache:
         """The longest cached prefix of ``tokens`` (a copy), or None (not counted for short prompts)."""
         if len(tokens) <= self.min_tokens:
             return None
+        self._take_arrived()
         cache, rest = self._lru.fetch_nearest_cache(_MODEL, tokens)
         n = len(tokens) - len(rest)
         if cache is None or n < self.min_tokens:
@@ -77,6 +87,62 @@ class PrefixCache:
             if e.nbytes > self.max_bytes:  # it would evict everything, then itself
                 continue
             self._lru.insert_cache(_MODEL, list(e.tokens), e.cache, cache_type=kind)
+            if self.disk is not None:
+                self.disk.save(list(e.tokens), e.cache, kind, e.trimmable)
+
+    def prefetch(self, tokens: list[int], done: Callable[[], None]) -> bool:
+        """Start reading from disk the entry that holds more of ``tokens`` than memory does (by at least
+        ``min_tokens``); True if one is being read, and ``done`` will be called (on another thread) once it
+        has arrived, failed, or waited too long. The next :meth:`fetch` then finds it in memory."""
+        if self.disk is None or len(tokens) <= self.min_tokens:
+            return False
+        self._take_arrived()
+        held = self._held(tokens)
+        found = self.disk.lookup(tokens)
+        if found is None or found.tokens < held + self.min_tokens:
+            if held < self.min_tokens and self.disk.readable:
+                self.disk.counts.misses += 1
+            return False
+        return self.disk.load(found.key, done)
+
+    def persist(self) -> None:
+        """Hand every entry not on disk yet to the disk's writer (at a graceful stop: the warm ones survive)."""
+        if self.disk is None:
+            return
+        # mlx-lm 0.32's LRUPromptCache keeps its order in _lru (per kind) and its entries in _trie.
+        for kind, order in self._lru._lru._lrus.items():
+            for model, tokens in list(order):
+                entry = self._lru._trie.get(model, tokens)
+                self.disk.save(list(tokens), entry.prompt_cache, kind, SequenceCache(entry.prompt_cache,
+                               list(tokens)).trimmable, bounded=False)
+
+    def close(self) -> None:
+        """Finish the disk's writes (bounded) and stop its threads; blocking, off the MLX thread."""
+        if self.disk is not None:
+            self.disk.close()
+
+    def disk_counts(self) -> DiskCounts | None:
+        """The disk tier's counters, or None without one."""
+        d = self.disk
+        if d is None:
+            return None
+        return DiskCounts(d.counts.hits, d.counts.misses, d.counts.errors, d.counts.writes, d.nbytes, len(d))
+
+    def _held(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` the memory tier holds (its trie's answer, without copying a cache)."""
+        found = self._lru._trie.search(_MODEL, tokens)  # mlx-lm 0.32's trie: read, never changed here
+        if found.exact is not None:
+            return len(tokens)
+        short = len(found.shorter) if found.shorter is not None else 0
+        return max(short, found.common_prefix if found.longer is not None else 0)
+
+    def _take_arrived(self) -> None:
+        """Entries read from disk since the last call join the memory tier."""
+        if self.disk is None:
+            return
+        for tokens, cache, kind in self.disk.arrived():
+            if sum(int(c.nbytes) for c in cache) <= self.max_bytes:
+                self._lru.insert_cache(_MODEL, tokens, cache, cache_type=kind)
 
     def clear(self) -> None:
         """Drop every entry (after an engine failure: memory may be what failed)."""

@@ -34,6 +34,13 @@ class EngineStats:
     prefix_tokens_saved: int = 0  # prompt tokens not prefilled thanks to a hit
     prefix_cache_bytes: int = 0
     prefix_cache_entries: int = 0
+    # Its tier on disk (engine/prefix_disk.py), as of the last sync (it counts on its own threads).
+    prefix_disk_hits: int = 0  # entries read from disk for a request
+    prefix_disk_misses: int = 0  # requests whose prefix neither memory nor disk held
+    prefix_disk_errors: int = 0  # entries unreadable (corrupt): their requests prefilled cold
+    prefix_disk_writes: int = 0
+    prefix_disk_bytes: int = 0
+    prefix_disk_entries: int = 0
     # Speculative decoding (engine/mlx_speculative.py).
     spec_steps: int = 0  # steps that scored proposals
     spec_drafted: int = 0  # tokens proposed to rows that could take them

@@ -3,7 +3,10 @@ arq worker serving it. Nothing here touches another Redis server or downloads an
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,18 @@ import redis
 from tests.support import RunningWorker, start_worker
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# No test writes the prefix cache's disk tier into the user's cache directory: workers made here (MLXQ_KV_DIR
+# unset: the default directory) and the worker processes tests start (they inherit MLXQ_KV_DIR) use the session's.
+_KV_DIR = Path(tempfile.mkdtemp(prefix="mlxq-kv-"))
+atexit.register(shutil.rmtree, _KV_DIR, True)
+os.environ.setdefault("MLXQ_KV_DIR", str(_KV_DIR))
+try:
+    from mlxq.engine import prefix_disk
+
+    prefix_disk.default_dir = lambda: _KV_DIR
+except ImportError:  # a producer-only install: no engine, no disk tier
+    pass
 
 # Tiers: `pytest -m "not slow"` is the everyday run; the README's test command (and .ci/run) runs them all.
 # Each test module marks its own tier (`pytestmark`): slow (long fault, soak and load runs, and those that build

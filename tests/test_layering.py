@@ -95,7 +95,7 @@ ENGINE_CORE = frozenset({
 })
 ENGINE_ADAPTERS = frozenset({
     "constrain", "loader", "mlx_batch", "mlx_generation", "mlx_memory", "mlx_process", "mlx_proposers",
-    "mlx_ragged_cache", "mlx_speculative", "mlx_thread", "prefix_cache", "sampling", "vlm",
+    "mlx_ragged_cache", "mlx_speculative", "mlx_thread", "prefix_cache", "prefix_disk", "sampling", "vlm",
 })
 _MLX = ("mlx", "mlx_lm", "mlx_vlm", "llguidance")
 

@@ -120,6 +120,10 @@ class WorkerConfig:
                                            shown="75 % of the memory MLX may use, less the weights and prefix caches")
     prefix_cache_gb: float | None = setting("MLXQ_PREFIX_CACHE_GB", None, "GiB of cached prompt prefixes per model; "
                                             "0: off", minimum=0, shown="a tenth of memory, at most 4")
+    kv_disk_gb: float = setting("MLXQ_KV_DISK_GB", 4.0, "GiB of cached prompt prefixes kept on disk per model (written "
+                                "as they are cached, read back after a restart); 0: off", minimum=0)
+    kv_dir: str = setting("MLXQ_KV_DIR", "", "where the prefix cache on disk lives (a directory per model's weights "
+                          "and KV layout)", shown="$XDG_CACHE_HOME/mlxq/kv (~/.cache/mlxq/kv)")
     priority_aging_s: float = shared(ClientConfig, "priority_aging_s")
     # One value for the whole process, whatever the models (engine/mlx_process.py).
     mlx_memory_gb: float | None = setting("MLXQ_MLX_MEMORY_GB", None, "GiB: MLX's memory limit, for the whole "

@@ -182,6 +182,10 @@ _ENGINE_COUNTERS = (  # name, EngineStats field(s) summed, help
     ("mlxq:prefix_cache_queries", ("prefix_hits", "prefix_misses"), "Requests that looked for a cached prefix."),
     ("mlxq:prefix_cache_hits", ("prefix_hits",), "Requests that reused a cached prefix."),
     ("mlxq:prefix_cache_tokens_saved", ("prefix_tokens_saved",), "Prompt tokens not prefilled thanks to a hit."),
+    ("mlxq:prefix_disk_hits", ("prefix_disk_hits",), "Cached prefixes read from disk for a request (after a restart)."),
+    ("mlxq:prefix_disk_misses", ("prefix_disk_misses",), "Requests whose prefix neither memory nor disk held."),
+    ("mlxq:prefix_disk_errors", ("prefix_disk_errors",),
+     "Prefixes on disk that could not be read (corrupt): their requests prefilled cold."),
     ("mlxq:num_preemptions", ("preemptions",), "Sequences taken out of the batch for higher-priority ones."),
     ("mlxq:preemption_resumes", ("resumes",), "Preempted sequences resumed from their own KV cache."),
     ("mlxq:preemption_recomputes", ("recomputes",), "Preempted sequences resumed by prefilling again."),
@@ -192,13 +196,15 @@ _ENGINE_COUNTERS = (  # name, EngineStats field(s) summed, help
     ("mlxq:spec_decode_num_accepted_tokens", ("spec_accepted",), "Proposed tokens the model agreed with."),
     ("mlxq:spec_decode_num_steps", ("spec_steps",), "Steps that scored proposals."),
 )
-_STATS_GAUGES = ("kv_cache_peak_bytes", "prefix_cache_bytes", "prefix_cache_entries")
+_STATS_GAUGES = ("kv_cache_peak_bytes", "prefix_cache_bytes", "prefix_cache_entries", "prefix_disk_bytes")
 _ENGINE_GAUGES = (
     ("mlxq:kv_cache_usage_bytes", "kv_bytes", "KV-cache bytes in use (the batch's, and preempted ones held)."),
     ("mlxq:kv_cache_peak_bytes", "kv_bytes_peak", "Most KV-cache bytes in use since the start."),
     ("mlxq:kv_cache_headroom_bytes", "kv_headroom_bytes", "KV-cache bytes the batch may hold."),
     ("mlxq:prefix_cache_bytes", "prefix_cache_bytes", "Bytes of cached prompt prefixes."),
     ("mlxq:prefix_cache_entries", "prefix_cache_entries", "Cached prompt prefixes."),
+    ("mlxq:prefix_disk_bytes", "prefix_disk_bytes", "Bytes of cached prompt prefixes on disk."),
+    ("mlxq:prefix_disk_entries", "prefix_disk_entries", "Cached prompt prefixes on disk."),
     ("mlxq:spec_decode_k", "spec_k", "Tokens proposed per sequence at the last step (0: plain decoding)."),
 )
 

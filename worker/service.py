@@ -85,7 +85,8 @@ class ModelService:
                              stream_interval_s=cfg.stream_interval_ms / 1000, stream_rate=cfg.stream_rate,
                              kv_headroom_bytes=_bytes(cfg.kv_headroom_gb, share),
                              prefix_cache_bytes=_bytes(cfg.prefix_cache_gb, 1.0), aging_s=cfg.priority_aging_s,
-                             memory_share=share, speculation=_speculation(cfg, self.served))
+                             memory_share=share, speculation=_speculation(cfg, self.served),
+                             kv_disk_bytes=int(cfg.kv_disk_gb * (1 << 30)), kv_dir=cfg.kv_dir)
         self.engine, self.model = await start_engine(self.served.path, sink, opts)
         loop = asyncio.get_running_loop()
 

@@ -1,0 +1,480 @@
+"""The prefix cache's tier on disk (an MLX adapter): KV caches of prompt prefixes kept in files, so a restarted
+worker starts from the prefixes it had.
+
+:class:`PrefixDisk` holds one model's entries in one directory (named by the caller after the model's weights and
+KV layout, :func:`namespace`): each a file of mlx-lm's prompt-cache format (safetensors) followed by a
+trailer with its tokens and a SHA-256 of everything before it. Files are written to a temporary name, flushed
+and renamed, so a half-written file (a kill mid-write, a full disk) never has an entry's name; a file whose
+checksum does not match is logged once, deleted, and its request prefills cold. The tier holds at most
+``max_bytes`` in at most ``max_entries`` files, least recently used out first (a file's mtime is its last use,
+so the order survives a restart), and the index in memory holds at most ``MAX_TOKENS`` tokens of them.
+
+Nothing here runs disk I/O on the model's MLX thread: :meth:`PrefixDisk.save` hands an entry's evaluated
+arrays to a writer thread (dropped when more than ``max_pending`` bytes wait), and :meth:`PrefixDisk.load`
+reads on a reader thread, which evaluates the arrays on its own stream and queues them for the MLX thread to
+take (:meth:`PrefixDisk.arrived`). MLX reads and writes the arrays by path, never through a Python file
+object: its callbacks into Python from another thread deadlock against the MLX thread (the GIL against
+MLX's own locks). A write that fails for the disk (full, read-only) turns writing off with
+one log line; entries already there are still read.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import copy
+import errno
+import hashlib
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import PromptTrie, load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+__all__ = ["DiskHit", "PrefixDisk", "default_dir", "layout_key", "model_key", "namespace"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bumped when the file format changes: a new namespace, old files never read
+MAGIC = b"MLXQKV1\n"
+_TAIL = struct.Struct("<I32s8s")  # the JSON header's length, SHA-256 of everything before the digest, magic
+_SUFFIX = ".kv.safetensors"  # MLX picks the format by the name
+_TEMP = ".tmp.safetensors"
+_TRIE = "disk"  # PromptTrie's model key: one model per directory
+MAX_ENTRIES = 1024
+MAX_TOKENS = 1 << 18  # tokens of every entry together: the index (a trie of them) stays some tens of MiB at most
+MAX_PENDING = 1 << 30  # bytes handed to the writer and not written yet; more is dropped, not queued
+WAIT_S = 2.0  # a request waits at most this long for its prefix to load, then prefills cold
+
+
+def default_dir() -> Path:
+    """``$XDG_CACHE_HOME/mlxq/kv`` (``~/.cache/mlxq/kv`` when unset)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlxq" / "kv"
+
+
+def model_key(path: str) -> str | None:
+    """A digest of a model's weights as files: config.json's bytes and every other file's name, size and mtime
+    (a changed or re-downloaded model gets another key). None when ``path`` is not a local directory."""
+    local = Path(path).expanduser()
+    if not local.is_dir():
+        try:  # a hub id: its snapshot in the local Hugging Face cache
+            from huggingface_hub import snapshot_download
+
+            local = Path(snapshot_download(path, local_files_only=True))
+        except Exception:
+            return None
+    h = hashlib.sha256(f"mlxq-kv-{FORMAT}".encode())
+    try:
+        h.update((local / "config.json").read_bytes())
+        for f in sorted(p for p in local.iterdir() if p.is_file()):
+            st = f.stat()  # follows the hub cache's symlinks to the blobs
+            h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def layout_key(model: Any) -> str:
+    """A digest of what the model's KV caches hold (on its MLX thread): each layer's cache class and its
+    arrays' dtypes and shapes after one token (so KV quantization or another dtype gets another key)."""
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    states = [c.state for c in cache]
+    mx.eval(states)
+    desc = [type(c).__name__ for c in cache]
+    flat: list[tuple[str, Any]] = tree_flatten(states)  # type: ignore[assignment]
+    for name, v in flat:
+        desc.append(f"{name}:{v.dtype}:{v.shape}" if isinstance(v, mx.array) else f"{name}:{v!r}")
+    return hashlib.sha256("\n".join(desc).encode()).hexdigest()
+
+
+def namespace(root: Path, model: str, layout: str) -> Path:
+    """The directory of one model's entries under ``root``."""
+    return root / f"{model[:20]}-{layout[:12]}"
+
+
+@dataclass(frozen=True, slots=True)
+class DiskHit:
+    """The entry on disk that holds most of a prompt: its key and how many of the prompt's tokens it holds."""
+
+    key: str
+    tokens: int
+
+
+@dataclass(slots=True)
+class _Entry:
+    tokens: tuple[int, ...]
+    nbytes: int  # of its file
+    kind: str
+    trimmable: bool
+    used: float  # last stored or read (the file's mtime)
+
+
+@dataclass(slots=True)
+class _Counts:
+    hits: int = 0  # entries read and handed to the MLX thread
+    misses: int = 0  # lookups that found nothing on disk worth reading (counted by the caller)
+    errors: int = 0  # entries that could not be read (corrupt, unreadable): their requests prefilled cold
+    writes: int = 0
+    dropped: int = 0  # entries not written: the writer was behind
+    logged: set[str] = field(default_factory=set)
+
+
+class PrefixDisk:
+    """One model's prefix entries on disk, in ``directory``; see the module docstring."""
+
+    def __init__(self, directory: Path, max_bytes: int, *, max_entries: int = MAX_ENTRIES,
+                 max_pending: int = MAX_PENDING, wait_s: float = WAIT_S) -> None:
+        self.dir = directory
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.max_pending = max_pending
+        self.wait_s = wait_s
+        self.counts = _Counts()
+        self._lock = threading.Lock()
+        self._index: dict[str, _Entry] = {}
+        self._trie = PromptTrie()
+        self._bytes = 0
+        self._tokens = 0  # of every entry indexed
+        self._pending: set[str] = set()
+        self._pending_bytes = 0
+        self._loading: set[str] = set()
+        self._arrived: list[tuple[list[int], list[Any], str]] = []
+        self.writable = self.readable = True
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._scan()
+        except OSError as exc:
+            self.writable = self.readable = False
+            log.warning("prefix cache on disk off: cannot use %s (%s)", self.dir, exc.strerror or exc)
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxq-kv-write")
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxq-kv-read")
+
+    # --- state -------------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the entries' files."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # --- lookups and reads (called on the MLX thread; the I/O runs on the reader thread) ------------
+    def lookup(self, tokens: list[int]) -> DiskHit | None:
+        """The entry on disk holding the longest prefix of ``tokens`` (a longer entry counts for what it shares
+        if it can be trimmed), or None."""
+        if not self.readable:
+            return None
+        with self._lock:
+            found = self._trie.search(_TRIE, tokens)
+            if found.exact is not None:
+                return DiskHit(self._trie.get(_TRIE, found.exact), len(tokens))
+            short = len(found.shorter) if found.shorter is not None else 0
+            if found.longer is not None and found.common_prefix > short:
+                key = self._trie.get(_TRIE, found.longer)
+                if self._index[key].trimmable:
+                    return DiskHit(key, min(len(tokens) - 1, found.common_prefix))
+            if found.shorter is not None:
+                return DiskHit(self._trie.get(_TRIE, found.shorter), short)
+        return None
+
+    def load(self, key: str, done: Callable[[], None]) -> bool:
+        """Read entry ``key`` on the reader thread; ``done`` is called once (on another thread) when it has
+        arrived (:meth:`arrived`), failed, or ``wait_s`` passed. False (``done`` never called): no read."""
+        with self._lock:
+            if key not in self._index or key in self._loading:
+                return False
+            self._loading.add(key)
+        once = _Once(done)
+        timer = threading.Timer(self.wait_s, once)
+        timer.daemon = True
+        try:
+            future = self._reader.submit(self._read, key)
+        except RuntimeError:  # closed
+            with self._lock:
+                self._loading.discard(key)
+            return False
+        timer.start()
+
+        def finished(_: concurrent.futures.Future[None]) -> None:
+            timer.cancel()
+            once()
+
+        future.add_done_callback(finished)
+        return True
+
+    def arrived(self) -> list[tuple[list[int], list[Any], str]]:
+        """Entries read since the last call: (tokens, evaluated cache, kind), for the memory tier."""
+        with self._lock:
+            out, self._arrived = self._arrived, []
+        return out
+
+    def _read(self, key: str) -> None:
+        with self._lock:
+            entry = self._index.get(key) if self.readable else None
+        try:
+            if entry is None:
+                return
+            cache, tokens, kind = self._read_file(self._path(key))
+            if tokens != list(entry.tokens):
+                raise ValueError("its tokens are not its name's")
+            with contextlib.suppress(OSError):  # a read-only directory keeps the order it had
+                os.utime(self._path(key))
+            with self._lock:
+                self._arrived.append((tokens, cache, kind))
+                entry.used = time.time()
+                self.counts.hits += 1
+        except FileNotFoundError:
+            self._forget(key, delete=False)
+        except Exception as exc:  # corrupt, truncated, unreadable: never used, the request prefills cold
+            self._broken(key, exc)
+        finally:
+            with self._lock:
+                self._loading.discard(key)
+
+    def _read_file(self, path: Path) -> tuple[list[Any], list[int], str]:
+        data = path.read_bytes()
+        meta, digest_end = _parse_tail(data)
+        if hashlib.sha256(memoryview(data)[:digest_end]).digest() != data[digest_end:digest_end + 32]:
+            raise ValueError("checksum mismatch")
+        cache = load_prompt_cache(str(path))  # by path: MLX reads the file itself (safetensors ignore the trailer)
+        mx.eval([c.state for c in cache])  # on this thread's own stream, not the model's
+        return cache, [int(t) for t in meta["tokens"]], str(meta["kind"])
+
+    def _broken(self, key: str, exc: BaseException) -> None:
+        with self._lock:
+            self.counts.errors += 1
+            first = key not in self.counts.logged
+            self.counts.logged.add(key)
+        if first:
+            log.warning("prefix cache on disk: entry %s is unreadable (%s); deleted, its request prefills cold",
+                        self._path(key).name, exc)
+        self._forget(key, delete=True)
+
+    # --- writes (saved on the MLX thread, written on the writer thread) -----------------------------
+    def has(self, tokens: list[int]) -> bool:
+        """Whether an entry for exactly ``tokens`` is on disk or on its way there."""
+        key = _key(tokens)
+        with self._lock:
+            return key in self._index or key in self._pending
+
+    def save(self, tokens: list[int], cache: list[Any], kind: str, trimmable: bool, *, bounded: bool = True) -> bool:
+        """Hand an entry (its arrays evaluated) to the writer; False when it is not written: the tier cannot
+        write, it is there already, or (``bounded``) the writer is too far behind."""
+        if not self.writable:
+            return False
+        key = _key(tokens)
+        nbytes = sum(int(c.nbytes) for c in cache)
+        with self._lock:
+            if key in self._index or key in self._pending:
+                return False
+            behind = bounded and self._pending_bytes + nbytes > self.max_pending
+            if nbytes > self.max_bytes or len(tokens) > MAX_TOKENS or behind:
+                self.counts.dropped += 1
+                return False
+            self._pending.add(key)
+            self._pending_bytes += nbytes
+        snapshot = [copy.copy(c) for c in cache]  # the caches' attributes as now; the arrays are shared
+        try:
+            self._writer.submit(self._write, key, list(tokens), snapshot, kind, trimmable, nbytes)
+        except RuntimeError:  # closed
+            with self._lock:
+                self._pending.discard(key)
+                self._pending_bytes -= nbytes
+            return False
+        return True
+
+    def _write(self, key: str, tokens: list[int], cache: list[Any], kind: str, trimmable: bool, nbytes: int) -> None:
+        tmp = self.dir / f"{key}.{os.getpid()}.{threading.get_ident()}{_TEMP}"
+        try:
+            if not self.writable:
+                return
+            self._make_room(nbytes, len(tokens))
+            size = _write_file(tmp, tokens, cache, kind, trimmable)
+            os.replace(tmp, self._path(key))
+            self._commit(key, tokens, size, kind, trimmable)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self._writes_off(exc)
+        except Exception:
+            log.exception("prefix cache on disk: could not write an entry of %d tokens", len(tokens))
+        finally:
+            with self._lock:
+                self._pending.discard(key)
+                self._pending_bytes -= nbytes
+
+    def _writes_off(self, exc: OSError) -> None:
+        with self._lock:
+            first, self.writable = self.writable, False
+        if first:
+            why = "the disk is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror or str(exc)
+            log.warning("prefix cache on disk: writing off (%s: %s); entries already there are still read", why,
+                        self.dir)
+
+    def _commit(self, key: str, tokens: list[int], nbytes: int, kind: str, trimmable: bool) -> None:
+        """Index a written entry; a trimmable one makes the entries that are its prefixes redundant."""
+        with self._lock:
+            self._index[key] = _Entry(tuple(tokens), nbytes, kind, trimmable, time.time())
+            self._bytes += nbytes
+            self._tokens += len(tokens)
+            self._trie.add(_TRIE, tokens, key)
+            self.counts.writes += 1
+            shorter = [k for _, k in self._trie.pop_prefixes(_TRIE, tokens)] if trimmable else []
+        for k in shorter:
+            self._forget(k, delete=True, in_trie=False)
+
+    def _make_room(self, nbytes: int, tokens: int) -> None:
+        """Delete the least recently used entries until an entry of ``nbytes`` and ``tokens`` fits."""
+        while True:
+            with self._lock:
+                over = (self._bytes + nbytes > self.max_bytes or len(self._index) >= self.max_entries
+                        or self._tokens + tokens > MAX_TOKENS)
+                if not over or not self._index:
+                    return
+                key = min(self._index, key=lambda k: self._index[k].used)
+            self._forget(key, delete=True)
+
+    def _forget(self, key: str, *, delete: bool, in_trie: bool = True) -> None:
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is None:
+                return
+            self._bytes -= entry.nbytes
+            self._tokens -= len(entry.tokens)
+            if in_trie:
+                with contextlib.suppress(KeyError):
+                    self._trie.pop(_TRIE, list(entry.tokens))
+        if delete:
+            with contextlib.suppress(OSError):
+                self._path(key).unlink()
+
+    # --- start and stop ----------------------------------------------------------------------------
+    def _scan(self) -> None:
+        """Index the entries a previous run left (their headers only) and delete half-written files."""
+        found: list[tuple[str, _Entry]] = []
+        for p in self.dir.iterdir():
+            if p.name.endswith(_TEMP) or p.name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+                continue
+            if not p.name.endswith(_SUFFIX):
+                continue
+            try:
+                meta, st = _read_meta(p), p.stat()
+                found.append((p.name[:-len(_SUFFIX)], _Entry(tuple(int(t) for t in meta["tokens"]), st.st_size,
+                                                             str(meta["kind"]), bool(meta["trimmable"]),
+                                                             st.st_mtime)))
+            except Exception as exc:
+                log.warning("prefix cache on disk: entry %s is unreadable (%s); deleted", p.name, exc)
+                with contextlib.suppress(OSError):
+                    p.unlink()
+        found.sort(key=lambda kv: kv[1].used, reverse=True)  # the most recent first: they stay within bounds
+        for key, entry in found:
+            if (len(self._index) >= self.max_entries or self._bytes + entry.nbytes > self.max_bytes
+                    or self._tokens + len(entry.tokens) > MAX_TOKENS):
+                with contextlib.suppress(OSError):
+                    self._path(key).unlink()
+                continue
+            self._index[key] = entry
+            self._bytes += entry.nbytes
+            self._tokens += len(entry.tokens)
+            self._trie.add(_TRIE, list(entry.tokens), key)
+        if self._index:
+            log.info("prefix cache on disk: %d entries (%.1f MiB) in %s", len(self._index), self._bytes / (1 << 20),
+                     self.dir)
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait (blocking) until the writes handed over so far are done; False if ``timeout_s`` passed first."""
+        done = threading.Event()
+        try:
+            self._writer.submit(done.set)
+        except RuntimeError:  # closed: nothing more is written
+            return True
+        return done.wait(timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish the writes handed over (up to ``timeout_s``), then stop both threads (blocking)."""
+        self.readable = False  # reads queued and not started return at once
+        flushed = self.flush(timeout_s)
+        if not flushed:
+            log.warning("prefix cache on disk: writes still running after %.0f s at the stop; left behind", timeout_s)
+        for pool, wait in ((self._reader, True), (self._writer, flushed)):
+            with contextlib.suppress(RuntimeError):  # closed already
+                pool.submit(mx.clear_streams)  # MLX streams left to the process's exit can abort it
+            pool.shutdown(wait=wait)
+
+    def _path(self, key: str) -> Path:
+        return self.dir / f"{key}{_SUFFIX}"
+
+
+class _Once:
+    """A callback run at most once, from whichever thread calls first."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+def _write_file(path: Path, tokens: list[int], cache: list[Any], kind: str, trimmable: bool) -> int:
+    """An entry's whole file at ``path`` (mlx-lm's prompt-cache format, then the trailer), on the disk when this
+    returns (or an OSError); its size."""
+    save_prompt_cache(str(path), cache)  # by path: MLX writes the file itself
+    meta = json.dumps({"tokens": tokens, "kind": kind, "trimmable": trimmable}).encode()
+    with open(path, "r+b") as f:
+        h = hashlib.sha256()
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+        h.update(meta + struct.pack("<I", len(meta)))
+        f.write(meta + _TAIL.pack(len(meta), h.digest(), MAGIC))
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+def _key(tokens: Iterable[int]) -> str:
+    return hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:40]
+
+
+def _parse_tail(data: bytes) -> tuple[dict[str, Any], int]:
+    """An entry's JSON header and where its digest starts, from the file's last bytes (the whole file, or
+    enough of its end)."""
+    if len(data) < _TAIL.size:
+        raise ValueError("truncated")
+    meta_len, _, magic = _TAIL.unpack_from(data, len(data) - _TAIL.size)
+    if magic != MAGIC:
+        raise ValueError("not an entry of this format (or cut short)")
+    digest_end = len(data) - 40
+    start = digest_end - 4 - meta_len
+    if start < 0:
+        raise ValueError("truncated")
+    meta: dict[str, Any] = json.loads(data[start:start + meta_len])
+    return meta, digest_end
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """An entry file's JSON header, read from its end (its data is checked when it is read)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size < _TAIL.size:
+            raise ValueError("truncated")
+        f.seek(size - _TAIL.size)
+        meta_len = _TAIL.unpack(f.read(_TAIL.size))[0]
+        back = min(size, _TAIL.size + 4 + meta_len)
+        f.seek(size - back)
+        return _parse_tail(f.read(back))[0]

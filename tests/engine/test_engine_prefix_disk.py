@@ -1,0 +1,285 @@
+"""The prefix cache's tier on disk (engine/prefix_disk.py) with real engines on the real tiny model: an engine
+started over the directory another left (after a graceful stop, or none: a crash) starts a conversation's next
+turn from its prefix on disk and generates exactly the greedy tokens of a cold prefill; a corrupt entry is
+logged once and prefilled cold; a half-written file is never read; a disk that fails writes turns writing off
+with one log line and every job ends well; the tier stays within its bounds; another model never reads the
+entries."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import mlxq.engine.prefix_disk as prefix_disk
+from mlxq.engine.engine import Engine
+from mlxq.engine.loader import EngineOptions, start_engine
+from mlxq.engine.prefix_cache import PrefixCache
+from mlxq.engine.prefix_disk import PrefixDisk, model_key, namespace
+from mlxq.engine.prompt import encode_prompt_with_boundary
+from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from tests.support import reference
+
+pytestmark = pytest.mark.unit
+
+SYSTEM = {"role": "system", "content": "You are the model queue server. Answer in tokens. " * 8}
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model: Path) -> Any:
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_model))
+
+
+class Outputs:
+    """Every request's tokens and final output, gathered on the event loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.tokens: dict[str, list[int]] = {}
+        self.final: dict[str, RequestOutput] = {}
+        self.changed = asyncio.Event()
+
+    def sink(self, outs: list[RequestOutput]) -> None:  # on the MLX thread
+        self.loop.call_soon_threadsafe(self._add, outs)
+
+    def _add(self, outs: list[RequestOutput]) -> None:
+        for o in outs:
+            self.tokens.setdefault(o.rid, []).extend(o.token_ids)
+            if o.finish is not None:
+                self.final[o.rid] = o
+        self.changed.set()
+
+    async def run(self, engine: Engine, rid: str, prompt: list[int]) -> list[int]:
+        engine.add(EngineRequest(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS)))
+        async with asyncio.timeout(60):
+            while rid not in self.final:
+                self.changed.clear()
+                await self.changed.wait()
+        assert self.final[rid].finish in (FinishReason.LENGTH, FinishReason.STOP), self.final[rid]
+        return self.tokens[rid]
+
+
+@pytest.fixture
+async def outputs() -> AsyncIterator[Outputs]:
+    yield Outputs()
+
+
+def options(kv_dir: Path, disk_bytes: int = 256 << 20) -> EngineOptions:
+    return EngineOptions(capacity=4, prefill_step_size=64, prefix_cache_bytes=64 << 20, kv_disk_bytes=disk_bytes,
+                         kv_dir=str(kv_dir))
+
+
+def disk_of(engine: Engine) -> PrefixDisk:
+    prefix = engine.scheduler.prefix_cache
+    assert isinstance(prefix, PrefixCache) and prefix.disk is not None
+    return prefix.disk
+
+
+def first_turn(lm: Any) -> list[int]:
+    e = encode_prompt_with_boundary(lm[1], None, [SYSTEM, {"role": "user", "content": "What is a queue?"}])
+    return e.tokens
+
+
+def next_turn(lm: Any, prompt: list[int], answer: list[int]) -> list[int]:
+    return prompt + answer + list(lm[1].encode(" And why batch the tokens of many requests together?"))
+
+
+async def a_conversation_on_disk(lm: Any, tiny_model: Path, kv_dir: Path, outputs: Outputs,
+                                 graceful: bool = True) -> tuple[list[int], list[int]]:
+    """An engine answers a conversation's first turn and stops (``graceful``) or is stopped as a killed worker
+    is (no prefix handed to the disk at the stop: only what was written meanwhile is there); the turn's prompt
+    and answer."""
+    engine, _ = await start_engine(str(tiny_model), outputs.sink, options(kv_dir))
+    try:
+        prompt = first_turn(lm)
+        answer = list(await outputs.run(engine, "turn-1", prompt))
+        assert await asyncio.to_thread(disk_of(engine).flush)
+        assert len(disk_of(engine)) == 1  # the whole turn; its system-prompt checkpoint, a prefix of it, went
+    finally:
+        if graceful:
+            await engine.aclose()
+    if not graceful:
+        await asyncio.to_thread(disk_of(engine).close, 0.0)
+        await engine.thread.aclose()
+    return prompt, answer
+
+
+@pytest.mark.parametrize("graceful", [True, False], ids=["stopped", "crashed"])
+async def test_a_restarted_engine_starts_the_next_turn_from_disk_with_the_same_tokens(
+        lm: Any, tiny_model: Path, tmp_path: Path, outputs: Outputs, graceful: bool) -> None:
+    prompt, answer = await a_conversation_on_disk(lm, tiny_model, tmp_path, outputs, graceful)
+    engine, _ = await start_engine(str(tiny_model), outputs.sink, options(tmp_path))
+    try:
+        follow = next_turn(lm, prompt, answer)
+        tokens = await outputs.run(engine, "turn-2", follow)
+        stats = engine.stats
+        assert stats.prefix_disk_hits == 1 and stats.prefix_hits == 1 and stats.prefix_disk_errors == 0
+        assert stats.prefix_tokens_saved >= len(prompt)
+    finally:
+        await engine.aclose()
+    assert tokens == reference(lm, follow, MAX_TOKENS)
+
+
+async def test_a_corrupt_entry_is_logged_once_and_prefilled_cold(
+        lm: Any, tiny_model: Path, tmp_path: Path, outputs: Outputs, caplog: pytest.LogCaptureFixture) -> None:
+    prompt, answer = await a_conversation_on_disk(lm, tiny_model, tmp_path, outputs)
+    (entry,) = [p for p in tmp_path.rglob("*.kv.safetensors")]
+    data = bytearray(entry.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 32):  # flip bytes in the arrays' data (the trailer stays)
+        data[i] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    engine, _ = await start_engine(str(tiny_model), outputs.sink, options(tmp_path))
+    try:
+        follow = next_turn(lm, prompt, answer)
+        with caplog.at_level(logging.WARNING, logger=prefix_disk.__name__):
+            first = await outputs.run(engine, "turn-2", follow)
+            again = await outputs.run(engine, "turn-2-again", follow)  # from memory now (turn-2's own entry)
+        stats = engine.stats
+        assert stats.prefix_disk_errors == 1 and stats.prefix_disk_hits == 0
+        assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+        assert "unreadable" in caplog.records[0].message and len(caplog.records) == 1
+        assert not entry.exists()
+    finally:
+        await engine.aclose()
+    assert first == again == reference(lm, follow, MAX_TOKENS)
+
+
+async def test_a_half_written_file_is_never_read(lm: Any, tiny_model: Path, tmp_path: Path, outputs: Outputs) -> None:
+    prompt, answer = await a_conversation_on_disk(lm, tiny_model, tmp_path, outputs)
+    (entry,) = [p for p in tmp_path.rglob("*.kv.safetensors")]
+    half = entry.with_name(entry.name.replace(".kv.", ".1.2.tmp."))  # a write killed before its rename
+    half.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
+    entry.unlink()
+    engine, _ = await start_engine(str(tiny_model), outputs.sink, options(tmp_path))
+    try:
+        assert not half.exists() and len(disk_of(engine)) == 0  # deleted at the start, never indexed
+        follow = next_turn(lm, prompt, answer)
+        tokens = await outputs.run(engine, "turn-2", follow)
+        assert engine.stats.prefix_disk_hits == 0 and engine.stats.prefix_disk_errors == 0
+    finally:
+        await engine.aclose()
+    assert tokens == reference(lm, follow, MAX_TOKENS)
+
+
+async def test_a_full_disk_turns_writing_off_with_one_log_line_and_jobs_end_well(
+        lm: Any, tiny_model: Path, tmp_path: Path, outputs: Outputs, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(path: Path, *entry: Any) -> int:
+        path.write_bytes(b"what fitted")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prefix_disk, "_write_file", full)
+    engine, _ = await start_engine(str(tiny_model), outputs.sink, options(tmp_path))
+    try:
+        with caplog.at_level(logging.WARNING, logger=prefix_disk.__name__):
+            prompt = first_turn(lm)
+            for i in range(3):
+                assert await outputs.run(engine, f"r{i}", prompt) == reference(lm, prompt, MAX_TOKENS)
+            await asyncio.to_thread(disk_of(engine).flush)
+        assert [r.message for r in caplog.records if "writing off" in r.message] == [caplog.records[0].message]
+        assert len(caplog.records) == 1 and "the disk is full" in caplog.records[0].message
+        assert not disk_of(engine).writable and len(disk_of(engine)) == 0
+        assert not list(tmp_path.rglob("*.tmp*")) and not list(tmp_path.rglob("*.kv.safetensors"))
+    finally:
+        await engine.aclose()
+
+
+async def test_a_directory_that_cannot_be_made_turns_the_tier_off_and_jobs_end_well(
+        lm: Any, tiny_model: Path, tmp_path: Path, outputs: Outputs, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the directory would go")
+    with caplog.at_level(logging.WARNING, logger=prefix_disk.__name__):
+        engine, _ = await start_engine(str(tiny_model), outputs.sink, options(blocker))
+    try:
+        assert len([r for r in caplog.records if "off" in r.message]) == 1
+        prompt = first_turn(lm)
+        assert await outputs.run(engine, "r", prompt) == reference(lm, prompt, MAX_TOKENS)
+        assert not disk_of(engine).writable and not disk_of(engine).readable
+    finally:
+        await engine.aclose()
+
+
+async def test_the_tier_stays_within_its_byte_bound_least_recently_used_out_first(
+        lm: Any, tiny_model: Path, tmp_path: Path, outputs: Outputs) -> None:
+    engine, _ = await start_engine(str(tiny_model), outputs.sink, options(tmp_path, 1 << 30))
+    try:
+        await outputs.run(engine, "sizer", list(lm[1].encode("request number zero " * 12)))
+        assert await asyncio.to_thread(disk_of(engine).flush)
+        one = disk_of(engine).nbytes
+    finally:
+        await engine.aclose()
+    bound = int(one * 2.5)
+    engine, _ = await start_engine(str(tiny_model), outputs.sink, options(tmp_path, bound))
+    try:
+        disk = disk_of(engine)
+        for i in range(1, 6):
+            await outputs.run(engine, f"r{i}", list(lm[1].encode(f"request number {i} " * 12)))
+            assert await asyncio.to_thread(disk.flush)
+            on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.kv.safetensors"))
+            assert 0 < disk.nbytes == on_disk <= bound
+        assert 2 <= len(disk) < 5
+        latest, oldest = (list(lm[1].encode(f"request number {i} " * 12)) for i in (5, 1))
+        hit = disk.lookup([*latest, 1])
+        assert hit is not None and hit.tokens >= len(latest)
+        hit = disk.lookup([*oldest, 1])
+        assert hit is None or hit.tokens < len(oldest) // 2  # at most the words all of them share
+    finally:
+        await engine.aclose()
+
+
+def test_another_model_never_reads_the_entries(tiny_model: Path, tmp_path: Path) -> None:
+    key = model_key(str(tiny_model))
+    assert key is not None and model_key(str(tiny_model)) == key
+    same = tmp_path / "same"
+    shutil.copytree(tiny_model, same)  # copy2: the same names, sizes and mtimes
+    assert model_key(str(same)) == key
+    config = tmp_path / "config"
+    shutil.copytree(tiny_model, config)
+    (config / "config.json").write_text((config / "config.json").read_text().replace("{", '{"changed": 1, ', 1))
+    weights = tmp_path / "weights"
+    shutil.copytree(tiny_model, weights)
+    (weights / "model.safetensors").touch()  # re-written weights
+    keys = {key, model_key(str(config)), model_key(str(weights))}
+    assert len(keys) == 3 and None not in keys
+    dirs = {namespace(tmp_path, str(k), "layout") for k in keys} | {namespace(tmp_path, key, "other-layout")}
+    assert len(dirs) == 4
+    assert model_key(str(tmp_path / "nowhere")) is None
+
+
+async def test_a_request_aborted_while_its_prefix_loads_ends_once(
+        lm: Any, tiny_model: Path, tmp_path: Path, outputs: Outputs, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt, answer = await a_conversation_on_disk(lm, tiny_model, tmp_path, outputs)
+    gate = asyncio.Event()
+    read = PrefixDisk._read
+
+    def slow(self: PrefixDisk, key: str) -> None:  # the reader thread waits until the abort is in
+        asyncio.run_coroutine_threadsafe(gate.wait(), outputs.loop).result(30)
+        read(self, key)
+
+    monkeypatch.setattr(PrefixDisk, "_read", slow)
+    engine, _ = await start_engine(str(tiny_model), outputs.sink, options(tmp_path))
+    try:
+        follow = next_turn(lm, prompt, answer)
+        engine.add(EngineRequest("gone", follow, SamplingParams(max_tokens=MAX_TOKENS)))
+        await asyncio.sleep(0.2)
+        engine.abort("gone")
+        async with asyncio.timeout(30):
+            while "gone" not in outputs.final:
+                outputs.changed.clear()
+                await outputs.changed.wait()
+        gate.set()
+        assert outputs.final["gone"].finish is FinishReason.CANCELLED and outputs.tokens["gone"] == []
+        assert await outputs.run(engine, "next", follow) == reference(lm, follow, MAX_TOKENS)
+        assert engine.claim_capacity() == engine.scheduler.room.admissible
+    finally:
+        gate.set()
+        await engine.aclose()
