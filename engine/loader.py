@@ -19,7 +19,7 @@ from mlx_lm.utils import load_tokenizer
 from . import prefix_disk
 from .backend import BatchBackend
 from .engine import Engine, Sink
-from .memory import KVBudget, KVLayout, default_headroom, default_prefix_cache_bytes, mib
+from .memory import DeviceMemory, KVBudget, KVLayout, default_headroom, default_prefix_cache_bytes, mib
 from .mlx_batch import MLXBatch
 from .mlx_memory import device_memory, measure_layout, model_bytes
 from .mlx_process import mlx_process
@@ -246,8 +246,9 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
         extra = await thread.call(measure_layout, draft.model, opts.prefill_step_size)
         layout = dataclasses.replace(layout, bytes_per_token=layout.bytes_per_token + extra.bytes_per_token)
         draft_bytes = model_bytes(draft.model)
-    memory, prefix = memory_plan(loaded, layout, opts, caches=caches, draft_bytes=draft_bytes)
-    stats.device = device_memory().describe()
+    device = device_memory()
+    stats.device = device.describe()
+    memory, prefix = memory_plan(loaded, layout, opts, device, caches=caches, draft_bytes=draft_bytes)
     if prefix is not None and opts.kv_disk_bytes > 0:
         prefix.disk = await _prefix_disk(loaded, thread, opts)
     scheduler = Scheduler(
@@ -340,12 +341,11 @@ def _detokenizers(loaded: LoadedModel) -> Callable[[], Any]:
     return lambda: loaded.tokenizer.detokenizer
 
 
-def memory_plan(loaded: LoadedModel, layout: KVLayout, opts: EngineOptions, *, caches: bool = True,
-                draft_bytes: int = 0) -> tuple[KVBudget, PrefixCache | None]:
-    """The KV budget and the prefix cache of an engine, from its options or the defaults of engine/memory.py.
-    A backend that cannot hand caches out (``caches=False``, mlx-vlm's) has no prefix cache, so the default
-    headroom reserves nothing for one."""
-    device = device_memory()
+def memory_plan(loaded: LoadedModel, layout: KVLayout, opts: EngineOptions, device: DeviceMemory, *,
+                caches: bool = True, draft_bytes: int = 0) -> tuple[KVBudget, PrefixCache | None]:
+    """The KV budget and the prefix cache of an engine on ``device``, from its options or the defaults of
+    engine/memory.py. A backend that cannot hand caches out (``caches=False``, mlx-vlm's) has no prefix cache, so
+    the default headroom reserves nothing for one."""
     usable = int(device.usable * opts.memory_share)
     prefix_bytes = opts.prefix_cache_bytes
     if not caches:
