@@ -22,7 +22,6 @@ from .jobrecord import read_job
 from .keys import Keys
 from .registry import models_of
 from .schema import PRIORITY_MIN, GenerateRequest, decode_event
-from .tenants import use as tenant_use
 
 __all__ = ["job", "overview", "retry_dead_letter"]
 
@@ -55,12 +54,8 @@ async def overview(client: Client) -> dict[str, Any]:
                        "by_priority": await _by_priority(client, name) if q else {},
                        "served": asdict(m) if m else None,
                        "history": [asdict(p) for p in history[name]]})
-    queued: dict[str, int] = {}
-    for q in queues.values():
-        for tenant, n in q.tenants.items():
-            queued[tenant] = queued.get(tenant, 0) + n
     return {"at": now, "redis": client.where, "prefix": keys.prefix, "models": models,
-            "tenants": [t.to_json() for t in await tenant_use(redis, keys, queued)],
+            "tenants": [t.to_json() for t in await client.tenants(list(queues.values()))],
             "workers": [w.model_dump(mode="json") for w in workers],
             "lost": await _lost(client, {w.id for w in workers}, now),
             "running": await _running(client), "recent": ended,
