@@ -31,6 +31,7 @@ from .backend import BatchBackend
 from .pacer import Pacer
 from .request import EngineRequest, ErrorCode, FinishReason, RequestOutput, terminal
 from .scheduler import Scheduler, StepFailed
+from .shares import GroupShare
 from .stats import EngineStats
 
 __all__ = ["Engine", "EngineStats", "StepThread"]
@@ -157,6 +158,17 @@ class Engine:
         if room.outranked is None or room.admissible > 0:
             return 0
         return max(0, room.outranked_rows - self._pending())
+
+    def groups_open(self) -> tuple[GroupShare, ...]:
+        """When this engine has no room: each running group's part of the batch, which a new request of a group
+        below its share takes from at once (``shares.py``); () when it has room, runs nothing, or a request is
+        on its way or waits unstarted (thread-safe; as of the last step)."""
+        if self.dead or self._closed:
+            return ()
+        room = self.scheduler.room
+        if not room.groups or room.admissible > 0 or self._pending():
+            return ()
+        return room.groups
 
     def paused(self) -> int:
         """Its preempted requests, waiting to resume (thread-safe; as of the last step)."""

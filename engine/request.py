@@ -93,7 +93,8 @@ class EngineRequest:
     system prompt, see ``engine/prompt.py``); the engine caches their KV there. 0: none. ``images``: the
     prompt's images, for a model that accepts them (None: a text prompt). ``format``: what its output must
     match (None: free text). ``parts``: the model's think and tool-call markers, to report reasoning and tool calls
-    apart from the answer (None: one text).
+    apart from the answer (None: one text). ``group`` and ``weight``: who it is for (a tenant) and that group's
+    weight: between groups, the batch is shared by weight (``engine/shares.py``), priority orders within one.
     """
 
     rid: str
@@ -106,6 +107,8 @@ class EngineRequest:
     images: ImageInputs | None = None
     format: Format | None = None
     parts: PartMarkers | None = None
+    group: str = ""
+    weight: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .sequence import Sequence
+from .shares import GroupShare, Shares
 from .waiting import WaitingQueue
 
 __all__ = ["Room"]
@@ -23,6 +24,9 @@ class Room:
     outranked: int | None = None
     outranked_rows: int = 0  # running sequences of that priority: as many such requests start at once
     paused: int = 0  # of the waiting, the preempted ones (started, waiting to resume)
+    # Each running group's part (``shares.py``), while no request that has not started yet waits: a new request
+    # of a group below its share would start at once (taking an above-share group's place). () otherwise.
+    groups: tuple[GroupShare, ...] = ()
 
     @property
     def admissible(self) -> int:
@@ -30,11 +34,14 @@ class Room:
         return max(0, min(self.free_slots, self.kv_rows) - self.waiting)
 
     @classmethod
-    def of(cls, free_slots: int, waiting: WaitingQueue[Sequence], kv_rows: int, running: Mapping[int, int]) -> Room:
-        """The room of a batch with ``running`` sequences per priority: its lowest priority is outranked while
-        every waiting sequence has started (is preempted) already."""
+    def of(cls, free_slots: int, waiting: WaitingQueue[Sequence], kv_rows: int, running: Mapping[int, int],
+           shares: Shares | None = None) -> Room:
+        """The room of a batch with ``running`` sequences per priority (and per group, ``shares``): its lowest
+        priority is outranked, and its groups' parts are open, while every waiting sequence has started (is
+        preempted) already."""
         paused = sum(1 for s in waiting if s.admitted)
         if running and paused == len(waiting):
             lowest = min(running)
-            return cls(free_slots, len(waiting), kv_rows, lowest, running[lowest], paused)
+            groups = shares.snapshot() if shares is not None else ()
+            return cls(free_slots, len(waiting), kv_rows, lowest, running[lowest], paused, groups)
         return cls(free_slots, len(waiting), kv_rows, paused=paused)

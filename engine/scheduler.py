@@ -7,7 +7,10 @@ the rest), runs one batch step and hands each row's tokens to its :class:`~engin
 
 Preemption (as vLLM's, counting slots as well as memory): running sequences of strictly lower priority whose
 aged key is no better leave for a waiting one, lowest and latest first, as few as make room (the plan:
-``preemption.py``). How a sequence enters the batch and what becomes of its cache is the backend's
+``preemption.py``). Requests of several groups (a worker's tenants) share the batch by weight (``shares.py``):
+priority preempts only within a group; a waiting request of a group below its share takes the place of a
+sequence of a group above it, and while the head of the queue cannot join, such a request behind it may.
+How a sequence enters the batch and what becomes of its cache is the backend's
 :class:`~engine.cache_strategy.CacheStrategy`; a step's tokens go into its outputs by ``step_outputs.py``. It
 imports no MLX: the backend's protocols are ``backend.py``'s.
 """
@@ -31,6 +34,7 @@ from .preemption import Preemption, drop_held_caches, plan_preemption
 from .request import EngineRequest, ErrorCode, FinishReason, RequestOutput, SamplingParams, terminal
 from .room import Room
 from .sequence import Detokenizer, Sequence
+from .shares import Shares
 from .stats import EngineStats
 from .step_outputs import StepOutputs
 from .waiting import WaitingQueue, priority_key
@@ -91,6 +95,7 @@ class Scheduler:
         self._deadlines = Deadlines()
         self._orders = itertools.count()
         self._priorities: Counter[int] = Counter()  # running sequences per priority
+        self._shares = Shares()  # running sequences per group, and the waiting ones' groups
         self._deferred: Preemption | None = None
         self._typical_end = 0.0  # running mean of admitted requests' ``end`` (for Room)
         self._room_dirty = True
@@ -148,7 +153,7 @@ class Scheduler:
         arrival = req.arrival or self._clock()
         seq = Sequence.of(req, self._new_detokenizer(), priority_key(arrival, req.priority, self.aging_s),
                           next(self._orders))
-        self._waiting.push(req.rid, seq.key, seq.order, seq)
+        self._push(seq)
         self._room_dirty = True
         self._deadlines.add(req.deadline)
 
@@ -160,7 +165,7 @@ class Scheduler:
             self.backend.remove([seq.uid])
             self.kv.read()
         else:
-            seq = self._waiting.remove(rid)
+            seq = self._take(rid)
             if seq is None:
                 return None
             self._unhold(seq)
@@ -177,6 +182,7 @@ class Scheduler:
         self._deferred = None
         self._rejected = []
         self._priorities.clear()
+        self._shares.clear()
         self._cache.clear()  # memory may be what failed
         self.kv.clear()
         self._update_room()
@@ -259,18 +265,21 @@ class Scheduler:
         while self._waiting:
             seq = self._waiting.peek()
             assert seq is not None
-            urgent = self._outranks_running(seq)
             plan = None
             if not self.kv.fits(seq):
-                plan = plan_preemption(seq, self._running.values(), min(self._priorities, default=None), self.kv,
-                                       self._cache.holds_caches)
+                plan = self._plan(seq)
                 if plan is None:
-                    if not drop_held_caches(seq, self._waiting, self.kv, self._unhold):
+                    other = self._below_share(seq)
+                    plan = self._plan(other) if other is not None else None
+                    if plan is not None and other is not None:
+                        seq = other
+                    elif not drop_held_caches(seq, self._waiting, self.kv, self._unhold):
                         return at_once
-                elif not (urgent and self.kv.fits(seq, slots=False)):
-                    self._preempt(plan)
-                    plan = None
-            self._waiting.remove(seq.rid)  # not pop(): a preempted sequence may share its key
+            urgent = self._starts_at_once(seq, plan)
+            if plan is not None and not (urgent and self.kv.fits(seq, slots=False)):
+                self._preempt(plan)
+                plan = None
+            self._take(seq.rid)  # not pop(): a preempted sequence may share its key
             at_once += self._launch(seq, outs, urgent)
             if plan is not None and seq.rid in self._uid_of:
                 # Only a slot was short: the victims leave at the start of the next step, so its first token,
@@ -279,12 +288,34 @@ class Scheduler:
                 return at_once
         return at_once
 
-    def _outranks_running(self, seq: Sequence) -> bool:
-        """Whether ``seq`` starts at once: a new request of higher priority than some running sequence is
-        prefilled on its own before the next decode step, its first token sampled from that prefill (in
-        mlx-lm's batch a joining prompt waits for three decode steps of the whole batch)."""
-        return (self._cache.starts_at_once and not seq.admitted and seq.req.images is None
-                and bool(self._priorities) and min(self._priorities) < seq.req.priority)
+    def _plan(self, seq: Sequence) -> Preemption | None:
+        return plan_preemption(seq, self._running.values(), min(self._priorities, default=None), self.kv,
+                               self._cache.holds_caches, self._shares)
+
+    def _below_share(self, head: Sequence) -> Sequence | None:
+        """While ``head`` cannot join: the waiting request of another group that is furthest below its share,
+        if some running group is above it (the earliest of that group's); None if none is."""
+        if not self._shares.mixed:  # the common case: one group waits
+            return None
+        best: tuple[float, float, int] | None = None
+        found = None
+        for seq in self._waiting:
+            if seq.req.group == head.req.group or not self._shares.below(seq.req):
+                continue
+            rank = (self._shares.load_after(seq.req), seq.key, seq.order)
+            if best is None or rank < best:
+                best, found = rank, seq
+        return found
+
+    def _starts_at_once(self, seq: Sequence, plan: Preemption | None) -> bool:
+        """Whether ``seq`` starts at once: a new request of higher priority than some running sequence, or one
+        taking another group's place, is prefilled on its own before the next decode step, its first token
+        sampled from that prefill (in mlx-lm's batch a joining prompt waits for three decode steps of the whole
+        batch)."""
+        if not self._cache.starts_at_once or seq.admitted or seq.req.images is not None:
+            return False
+        return ((bool(self._priorities) and min(self._priorities) < seq.req.priority)
+                or (plan is not None and plan.across))
 
     def _launch(self, seq: Sequence, outs: StepOutputs, at_once: bool = False) -> int:
         """Insert ``seq`` into the batch: a new request, or a preempted one resuming. ``at_once``: prefill it
@@ -310,12 +341,13 @@ class Scheduler:
                                             str(exc))
             return 0
         except Exception as exc:
-            self._waiting.push(req.rid, seq.key, seq.order, seq)  # still owned here, so fail_all() reaches it
+            self._push(seq)  # still owned here, so fail_all() reaches it
             raise StepFailed(list(outs.by_rid.values())) from exc
         seq.uid, seq.admitted = uid, True
         self._running[uid] = seq
         self._uid_of[req.rid] = uid
         self._priorities[req.priority] += 1
+        self._shares.join(req)
         self.kv.join(seq)
         self._room_dirty = True
         self.kv.reserve()
@@ -338,9 +370,10 @@ class Scheduler:
         taken = self._cache.take(plan.victims)
         for v in plan.victims:
             self._park(v, taken.get(v.uid), plan.hold)
-            log.info("request %s preempted (priority %d, %d tokens generated; %s) for request %s (priority %d)",
+            log.info("request %s preempted (priority %d, %d tokens generated; %s) for request %s (priority %d%s)",
                      v.rid, v.req.priority, v.generated, "cache held" if v.held else "to recompute",
-                     plan.top.rid, plan.top.req.priority)
+                     plan.top.rid, plan.top.req.priority,
+                     f"; group {v.req.group!r} above its share" if v.req.group != plan.top.req.group else "")
         self.stats.preemptions += len(plan.victims)
         self.kv.reserve()
 
@@ -362,7 +395,7 @@ class Scheduler:
             return
         self.kv.hold(seq.held_bytes)
         seq.uid = -1
-        self._waiting.push(seq.rid, seq.key, seq.order, seq)
+        self._push(seq)
 
     def _unhold(self, seq: Sequence) -> SequenceCache | None:
         """Take a waiting sequence's held cache from it (to resume from, or dropped); None if it holds none."""
@@ -374,6 +407,17 @@ class Scheduler:
         return held
 
     # --- bookkeeping -------------------------------------------------------------------------------
+    def _push(self, seq: Sequence) -> None:
+        self._waiting.push(seq.rid, seq.key, seq.order, seq)
+        self._shares.wait(seq.req)
+
+    def _take(self, rid: str) -> Sequence | None:
+        """Take a waiting sequence out of the queue; None if ``rid`` is not waiting."""
+        seq = self._waiting.remove(rid)
+        if seq is not None:
+            self._shares.unwait(seq.req)
+        return seq
+
     def _pop_running(self, rid: str) -> Sequence | None:
         uid = self._uid_of.pop(rid, None)
         if uid is None:
@@ -386,6 +430,7 @@ class Scheduler:
             self._priorities[seq.req.priority] = left
         else:
             del self._priorities[seq.req.priority]
+        self._shares.leave(seq.req)
         self.kv.leave(seq)
         self._room_dirty = True
         return seq
@@ -396,4 +441,5 @@ class Scheduler:
         # Before its first request, a typical one is taken to fill the context: a cold worker claims what it
         # can surely start, and learns the typical size from what it admits.
         typical = int(self._typical_end) or self.context_length or (self.memory.layout.step if self.memory else 1)
-        self.room = Room.of(self.capacity - running, self._waiting, self.kv.kv_rows(typical), self._priorities)
+        self.room = Room.of(self.capacity - running, self._waiting, self.kv.kv_rows(typical), self._priorities,
+                            self._shares)

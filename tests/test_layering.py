@@ -90,7 +90,7 @@ def test_the_runtime_imports_none_of_its_tools() -> None:
 # what touches MLX, mlx-lm, mlx-vlm or llguidance. Every module of engine/ is one or the other.
 ENGINE_CORE = frozenset({
     "__init__", "admission", "backend", "cache_strategy", "deadlines", "engine", "memory", "pacer", "parts",
-    "preemption", "prompt", "request", "room", "scheduler", "sequence", "spec_tuner", "speculation", "stats",
+    "preemption", "prompt", "request", "room", "scheduler", "sequence", "shares", "spec_tuner", "speculation", "stats",
     "step_outputs", "stops", "waiting",
 })
 ENGINE_ADAPTERS = frozenset({

@@ -15,6 +15,7 @@ from mlxq.engine.mlx_batch import MLXBatch
 from mlxq.engine.mlx_memory import measure_layout, usable_memory_bytes
 from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
 from mlxq.engine.scheduler import Room, Scheduler
+from mlxq.engine.shares import GroupShare
 from tests.engine.fakes import Run, ToyBatch, req, scheduler, toy_generate
 
 pytestmark = pytest.mark.unit
@@ -155,7 +156,8 @@ def test_room_is_free_slots_bounded_by_kv_minus_waiting() -> None:
     for i in range(3):
         s.add(req(f"r{i}", 4, max_tokens=12))  # 16 tokens: up to 190 bytes a row; 950 bytes: 5 such rows
     run.step(s)
-    assert s.room == Room(free_slots=3, waiting=0, kv_rows=2, outranked=0, outranked_rows=3) and s.room.admissible == 2
+    assert s.room == Room(free_slots=3, waiting=0, kv_rows=2, outranked=0, outranked_rows=3,
+                          groups=(GroupShare("", 3, 1.0),)) and s.room.admissible == 2
     s.add(req("w0", 4, max_tokens=12))
     s.add(req("w1", 4, max_tokens=12))
     s.add(req("w2", 4, max_tokens=12))

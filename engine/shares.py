@@ -1,0 +1,105 @@
+"""Groups sharing one batch by weight (a worker's tenants): who may take whose place.
+
+A request's ``group`` (``EngineRequest.group``; "" for all by default) shares the batch with the others by its
+``weight``: a group's *load* is its running sequences ÷ its weight. Priority orders requests within a group;
+between groups the load decides. A waiting request may take a running sequence's place (preempt it) when that
+sequence is of its own group and of lower priority (as before groups), or of another group whose load, even after
+the move, stays at least the request's group's load after it: ``(r_u - 1) / w_u >= (r_g + 1) / w_g``. The move
+then never reverses (the group it came from is not below the other after it), so two groups do not preempt each
+other back and forth; at equal loads nobody moves. With a single group nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from .request import EngineRequest
+
+__all__ = ["GroupShare", "Shares"]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupShare:
+    """One group's part of the batch, as the worker reads it: its running sequences and weight."""
+
+    group: str
+    running: int
+    weight: float
+
+    @property
+    def spare(self) -> float:
+        """Its load after giving one sequence up: a request of another group whose load after joining is at
+        most this may take one of its places."""
+        return (self.running - 1) / self.weight
+
+
+class Shares:
+    """The running sequences per group and each group's weight (the last joining request's); the groups of the
+    waiting requests, counted (a scheduler looks past the head of its queue only while they differ)."""
+
+    __slots__ = ("running", "waiting", "weights")
+
+    def __init__(self) -> None:
+        self.running: Counter[str] = Counter()
+        self.waiting: Counter[str] = Counter()
+        self.weights: dict[str, float] = {}
+
+    def join(self, req: EngineRequest) -> None:
+        self.running[req.group] += 1
+        self.weights[req.group] = _weight(req)
+
+    def leave(self, req: EngineRequest) -> None:
+        _drop(self.running, req.group)
+        if req.group not in self.running:
+            self.weights.pop(req.group, None)
+
+    def wait(self, req: EngineRequest) -> None:
+        self.waiting[req.group] += 1
+
+    def unwait(self, req: EngineRequest) -> None:
+        _drop(self.waiting, req.group)
+
+    def clear(self) -> None:
+        self.running.clear()
+        self.waiting.clear()
+        self.weights.clear()
+
+    @property
+    def mixed(self) -> bool:
+        """Whether requests of more than one group wait."""
+        return len(self.waiting) > 1
+
+    def load_after(self, req: EngineRequest) -> float:
+        """``req``'s group's load once ``req`` runs too."""
+        return (self.running[req.group] + 1) / _weight(req)
+
+    def spare(self, group: str) -> float:
+        return (self.running[group] - 1) / self.weights[group]
+
+    def yields_to(self, victim: EngineRequest, top: EngineRequest, taken: int = 0) -> bool:
+        """Whether running ``victim`` of another group may leave for ``top`` (``taken``: sequences of its group
+        already leaving for it)."""
+        group = victim.group
+        running = self.running[group] - taken
+        return running > 0 and (running - 1) / self.weights[group] >= self.load_after(top)
+
+    def below(self, top: EngineRequest) -> bool:
+        """Whether some running group is above ``top``'s share: one of its sequences may leave for ``top``."""
+        after = self.load_after(top)
+        return any(g != top.group and self.spare(g) >= after for g in self.running)
+
+    def snapshot(self) -> tuple[GroupShare, ...]:
+        return tuple(GroupShare(g, n, self.weights[g]) for g, n in self.running.items())
+
+
+def _weight(req: EngineRequest) -> float:
+    return req.weight if req.weight > 0 else 1.0
+
+
+def _drop(counter: Counter[str], key: str) -> None:
+    left = counter[key] - 1
+    if left > 0:
+        counter[key] = left
+    else:
+        del counter[key]
