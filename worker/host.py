@@ -40,7 +40,7 @@ from .config import WorkerConfig
 from .health import HealthReporter, TokenRate, package_version
 from .jobs.run import Run, State
 from .jobs.table import RunTable
-from .jobs.transitions import Due, DueEntry, EntryStatus, LogTTL, Outranking, Transitions
+from .jobs.transitions import BelowShare, Due, DueEntry, EntryStatus, LogTTL, Outranking, Transitions
 from .leases import LeaseKeeper
 from .metrics import Metrics
 from .reaper import Reaper
@@ -52,6 +52,15 @@ __all__ = ["ENGINE_DEAD_EXIT", "WorkerHost"]
 log = logging.getLogger(__name__)
 ENGINE_DEAD_EXIT = 70  # EX_SOFTWARE: the supervisor restarts the worker
 _VERSION = package_version()
+
+
+def _weight(raw: bytes | None) -> float:
+    """A tenant's weight as its policy entry holds it (1: none, or not a positive number)."""
+    try:
+        weight = float(raw) if raw is not None else 1.0
+    except ValueError:
+        return 1.0
+    return weight if weight > 0 else 1.0
 
 
 class WorkerHost:
@@ -164,7 +173,8 @@ class WorkerHost:
 
     async def _read_queues(self) -> None:
         """The depth of each served model's queues, per tenant, and each tenant's running jobs (for the
-        metrics), once a heartbeat."""
+        metrics), and those tenants' weights (their jobs' weights in the engines: engine/shares.py), once a
+        heartbeat."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for name in self.services:
                 pipe.smembers(self.keys.backlog(name))
@@ -172,10 +182,17 @@ class WorkerHost:
             *backlogs, running = await pipe.execute()
         pairs = [(name, tenant) for name, members in zip(self.services, backlogs)
                  for tenant in sorted({DEFAULT_TENANT, *(m.decode() for m in members)})]
+        named = sorted({tenant for _, tenant in pairs} | {k.decode() for k in running})
         async with self.redis.pipeline(transaction=False) as pipe:
             for name, tenant in pairs:
                 pipe.zcard(self.keys.queue(name, tenant))
-            depths = await pipe.execute()
+            for tenant in named:
+                pipe.hget(self.keys.tenant(tenant), "weight")
+            replies = await pipe.execute()
+        depths, weights = replies[:len(pairs)], replies[len(pairs):]
+        tenant_weights = {t: _weight(w) for t, w in zip(named, weights)}
+        for service in self.services.values():
+            service.weights = tenant_weights
         self.tenant_depths = {pair: int(n) for pair, n in zip(pairs, depths)}
         self.queue_depths = {name: sum(n for (m, _), n in self.tenant_depths.items() if m == name)
                              for name in self.services}
@@ -196,16 +213,24 @@ class WorkerHost:
             service.claimed([entry for entry in started if by_model[entry.rid] is service])
         return Claims({entry.rid: self._run(by_model[entry.rid], entry) for entry in started}, due.left)
 
-    def _quotas(self, free: int) -> tuple[dict[str, int], int, dict[str, Outranking]]:
+    def _quotas(self, free: int) -> tuple[dict[str, int], int, dict[str, Outranking], dict[str, BelowShare]]:
         """CLAIM's arguments: each queue up to its engine's room, and a full engine one job that outranks its
-        running sequences (it starts at once, preempting one of them: priority is no use if it waits in Redis)."""
+        running sequences (it starts at once, preempting one of them: priority is no use if it waits in Redis),
+        or one job of a tenant below its share there (it starts at once in the place of a job of a tenant above
+        it, engine/shares.py: between tenants the share decides, and a job waiting in Redis behind another
+        tenant's flood would get no share)."""
         quotas = {service.queue: min(free, service.room()) for service in self.services.values()}
         outranking: dict[str, Outranking] = {}
+        below_share: dict[str, BelowShare] = {}
         for service in self.services.values():
-            need = service.outranking() if quotas[service.queue] == 0 and free > 0 else None
+            if quotas[service.queue] or free <= 0:
+                continue
+            need, below = service.outranking(), service.below_share()
             if need is not None:
                 quotas[service.queue], outranking[service.queue] = min(free, need.count), need
-        return quotas, free, outranking
+            if below is not None:
+                quotas[service.queue], below_share[service.queue] = max(1, quotas[service.queue]), below
+        return quotas, free, outranking, below_share
 
     async def _put_aside(self, due: Due) -> None:
         for entry in due.entries:

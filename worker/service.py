@@ -31,7 +31,7 @@ from mlxq.engine.speculation import SpecKind, Speculation
 
 from . import media
 from .config import ServedModel, WorkerConfig
-from .jobs.transitions import DueEntry, Outranking
+from .jobs.transitions import BelowShare, DueEntry, Outranking
 from .toolcalls import CallGrammarError, ToolCalls, call_grammar, template_messages, template_tools
 from .translate import to_engine_format, to_engine_request
 
@@ -76,6 +76,7 @@ class ModelService:
         self._grammars: Grammars | None = None  # built for the first job with a response format
         self._grammars_lock = asyncio.Lock()
         self._token_texts: dict[int, str] = {}
+        self.weights: dict[str, float] = {}  # tenant -> weight, as the host last read the policies
 
     async def load(self, sink: Sink) -> None:
         """Load the model on a new MLX thread of its own and start its engine."""
@@ -131,6 +132,18 @@ class ModelService:
         if lowest is None or lowest >= PRIORITY_MAX or count == 0:
             return None
         return Outranking(lowest + 1, int(self.config.priority_aging_s * 1000), count)
+
+    def below_share(self) -> BelowShare | None:
+        """What a queued job's tenant must be for this model's full engine to take it now: below its share of the
+        batch, so it starts at once in the place of a running job of a tenant above it (engine/shares.py); None
+        when the engine has room, or no such job could start now (one at a time: the next once it started)."""
+        engine = self.engine
+        if self.state is not ModelState.SERVING or engine is None or self._unpaused() >= self.config.jobs_per_model:
+            return None
+        groups = engine.groups_open()
+        if not groups:
+            return None
+        return BelowShare(max(g.spare for g in groups), {g.group: g.running for g in groups})
 
     def _unpaused(self) -> int:
         """Its jobs in this worker less those preempted and waiting to resume."""
@@ -248,7 +261,7 @@ class ModelService:
         req = self._fitted(req, len(tokens))
         deadline = time.monotonic() + self.config.job_timeout_s
         return to_engine_request(req, tokens, deadline, cache_boundary=cache_boundary, images=images, format=format,
-                                 parts=parts, enqueue_ms=enqueue_ms)
+                                 parts=parts, enqueue_ms=enqueue_ms, weight=self.weights.get(req.tenant, 1.0))
 
     def _token_text(self, token: int) -> str:
         """One token's text, as the tokenizer decodes it alone (memoized: a vocabulary is finite)."""

@@ -36,12 +36,13 @@ _ERROR_CODES = {
 def to_engine_request(
     req: GenerateRequest, tokens: list[int], deadline: float | None, *, cache_boundary: int = 0,
     images: ImageInputs | None = None, format: Format | None = None, parts: PartMarkers | None = None,
-    enqueue_ms: int = 0,
+    enqueue_ms: int = 0, weight: float = 1.0,
 ) -> EngineRequest:
     """A validated wire request and its prompt tokens (the first ``cache_boundary`` of them its system prompt:
     see engine/prompt.py; its images prepared: see worker/media.py), as the engine takes them. It arrived when
     it was enqueued (``enqueue_ms``, epoch ms; now if 0), so its priority ages in the engine from then, as it
-    did in the queue."""
+    did in the queue. Its tenant is its engine group, of ``weight`` (the tenant's): tenants share the batch by
+    weight (engine/shares.py)."""
     params = SamplingParams(
         max_tokens=req.max_tokens,
         temperature=req.temperature,
@@ -58,7 +59,8 @@ def to_engine_request(
     now = time.monotonic()
     arrival = now - max(0.0, time.time() - enqueue_ms / 1000) if enqueue_ms else now
     return EngineRequest(req.id, tokens, params, arrival=arrival, deadline=deadline, priority=req.priority,
-                         cache_boundary=cache_boundary, images=images, format=format, parts=parts)
+                         cache_boundary=cache_boundary, images=images, format=format, parts=parts, group=req.tenant,
+                         weight=weight)
 
 
 def to_engine_format(req: GenerateRequest) -> ResponseFormat | None:

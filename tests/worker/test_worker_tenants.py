@@ -21,7 +21,7 @@ from mlxq.api.errors import BadRequest, JobFailed, QueueFull
 from mlxq.api.keys import Keys
 from mlxq.api.schema import ErrorCode, FinishReason
 from mlxq.worker.jobs.run import Run
-from mlxq.worker.jobs.transitions import EntryStatus, LogTTL, Record, Transitions, Write
+from mlxq.worker.jobs.transitions import BelowShare, EntryStatus, LogTTL, Record, Transitions, Write
 from tests.support import RunningWorker, config_with, free_port, start_worker
 from tests.worker.test_worker_metrics import scrape, value
 
@@ -126,6 +126,29 @@ async def test_priority_orders_a_tenants_own_jobs_only(client: Client, r: aredis
     started = [run.rid for run in await claim(worker(r), 4)]
     assert started[0] in high + urgent  # each tenant's first is its highest priority
     assert set(started) & set(high) and urgent[0] in started and len(set(started) & set(low)) == 1
+
+
+async def test_a_full_engine_claims_only_a_tenant_below_its_share_there(client: Client, r: aredis.Redis) -> None:
+    flood = await fill(client, "acme", 3)
+    t = worker(r)
+    queue = KEYS.queue(MODEL)
+    # acme runs 2 there (spare load (2 - 1) / 1 = 1): acme's own load after one more would be 3, globex's 1
+    due = await t.claim({queue: 1}, 1, below_share={queue: BelowShare(1.0, {"acme": 2})})
+    assert due.entries == [] and due.left  # acme's jobs are no one's to take there; they stay queued
+    probe = await fill(client, "globex", 2)
+    due = await t.claim({queue: 1}, 1, below_share={queue: BelowShare(1.0, {"acme": 2})})
+    (first,) = [e.rid for e in due.entries]
+    assert first in probe and due.left
+    # at equal loads (1 each: spare 0) nobody is below: nothing is taken
+    due = await t.claim({queue: 1}, 1, below_share={queue: BelowShare(0.0, {"acme": 1, "globex": 1})})
+    assert due.entries == [] and due.left
+    # weight 3: globex's load after one more, (1 + 1) / 3, is within acme's spare 1
+    await tenants.store(r, KEYS, "globex", weight=3)
+    due = await t.claim({queue: 1}, 1, below_share={queue: BelowShare(1.0, {"acme": 2, "globex": 1})})
+    assert [e.rid for e in due.entries] == [rid for rid in probe if rid != first]
+    # with room (no below_share), the flood is claimed as before
+    due = await t.claim({queue: 3}, 3)
+    assert {e.rid for e in due.entries} == set(flood)
 
 
 async def test_a_tenant_alone_uses_every_slot_and_one_back_from_idle_gets_no_credit(client: Client,

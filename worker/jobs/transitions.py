@@ -54,7 +54,7 @@ from mlxq.api.tenants import LUA_QUEUE_OF, SHARE_TTL_S
 
 from .run import Run, Wire
 
-__all__ = ["Due", "DueEntry", "EntryStatus", "Lapsed", "LogTTL", "Lost", "Outranking", "Record", "Script",
+__all__ = ["BelowShare", "Due", "DueEntry", "EntryStatus", "Lapsed", "LogTTL", "Lost", "Outranking", "Record", "Script",
            "Transitions", "Write"]
 
 _LAPSED_PER_SWEEP = 500
@@ -121,6 +121,21 @@ class Outranking:
     def arg(self) -> str:
         """As CLAIM takes it (it recovers a queued job's priority from its score: ``api.keys.queue_score``)."""
         return f"{self.priority} {self.aging_ms} {PRIORITY_MIN}"
+
+
+@dataclass(frozen=True, slots=True)
+class BelowShare:
+    """What a queued job's tenant must be for a full engine to take it: below its share of the batch
+    (engine/shares.py), its load there once the job runs, (running there + 1) ÷ its weight, at most ``spare``
+    (the most loaded running tenant's load less one job); it then starts at once in that tenant's place.
+    ``running``: each tenant's jobs running in that engine."""
+
+    spare: float
+    running: dict[str, int]
+
+    def arg(self) -> str:
+        """As CLAIM takes it: "<spare> <tenant> <running> ..." (a tenant's name has no space)."""
+        return " ".join([repr(self.spare), *(f"{t} {n}" for t, n in self.running.items())])
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +234,9 @@ end
 # each one's priority recovered from its score and its record's enqueue time (records end with "et":<ms>}:
 # api.jobrecord.job_record; GETRANGE reads only that tail), among the first _OUTRANK_READ entries that could
 # have them (api.keys.queue_score: never above enqueue time); then the share TTL s, the mean work per job assumed
-# before a tenant's first job ends.
+# before a tenant's first job ends; then (fair share across tenants, apart from the rest) per queue "" or what a
+# tenant must be for a full engine to take its job (BelowShare.arg): from such a queue only tenants below their
+# share there are read as usual (the others, by priority as above if the queue has a priority need, or not at all).
 # Returns {epoch, left 0|1, {id, queue, "started", score, job, try, last event or false, cancelled 0|1} |
 # {id, queue, "deferred" | "gone" | "poison"}, ...}.
 _OUTRANK_READ = 128  # queue entries CLAIM looks through for a job that outranks a full engine
@@ -236,6 +253,14 @@ local share_ttl, mean0 = ARGV[10 + 2 * queues], tonumber(ARGV[11 + 2 * queues])
 local left = 0
 local function is_job_id(id)  -- what a producer makes; anything else in a queue is poison
   return #id <= 64 and string.match(id, '^[%w_.:%-]+$') ~= nil
+end
+-- fair share across tenants: a full engine takes a job of a tenant below its share there (BelowShare)
+local function below_share(arg)  -- {spare, running = {tenant = n}}, or nil
+  local spare, rest = string.match(arg or '', '^(%S+)(.*)$')
+  if not spare then return nil end
+  local s = {spare = tonumber(spare), running = {}}
+  for t, n in string.gmatch(rest, '(%S+) (%d+)') do s.running[t] = tonumber(n) end
+  return s
 end
 local function outranking(key, need, aging, pmin, n)
   -- the first n queued jobs of priority >= need; score = enqueue - (priority - pmin) * aging
@@ -276,6 +301,9 @@ local function capped(t)
   local p = policy(t)
   return (p[2] > 0 and running[t] >= p[2]) or p[4] == true
 end
+local function below(s, t)  -- t's load in that engine once its job runs there is at most the spare load
+  return ((s.running[t] or 0) + 1) / policy(t)[1] <= s.spare
+end
 -- models[q] = {share key, floor, tenants = {{t, key, entries, pos, vt, run, mean, weight}, ...}}
 local models = {}
 for q = 4, #KEYS do
@@ -289,6 +317,7 @@ for q = 4, #KEYS do
     if not seen[t] then seen[t] = true; names[#names + 1] = t end
   end
   m.floor = tonumber(redis.call('HGET', m.share, '~floor') or '0')
+  local fs = below_share(ARGV[8 + 2 * queues + q])
   -- (the backlogged tenants' queues are read below; a model with none queued and none running forgets its
   -- accounts: nobody is owed anything, and nothing is left behind in Redis)
   for _, t in ipairs(names) do
@@ -297,10 +326,12 @@ for q = 4, #KEYS do
       redis.call('SREM', backlog, t)
     elseif quota <= 0 or capped(t) then
       if redis.call('ZCOUNT', key, '-inf', now) > 0 then left = 1 end
+    elseif fs and not below(fs, t) and ARGV[6 + q + queues] == '' then  -- at or above its share there
+      if redis.call('ZCOUNT', key, '-inf', now) > 0 then left = 1 end
     else
       local entries, more = {}, false
       local need, aging, pmin = string.match(ARGV[6 + q + queues], '^(%-?%d+) (%d+) (%-?%d+)$')
-      if need then
+      if need and not (fs and below(fs, t)) then
         entries, more = outranking(key, tonumber(need), tonumber(aging), tonumber(pmin), quota)
       else
         local raw = redis.call('ZRANGEBYSCORE', key, '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit)
@@ -680,17 +711,20 @@ class Transitions:
         """Set the deployment's epoch unless Redis has one (a fresh or emptied server); CLAIM keeps it."""
         await self.redis.set(self.keys.epoch(), uuid.uuid4().hex, nx=True, ex=_EPOCH_TTL_S)
 
-    async def claim(self, quotas: dict[str, int], most: int, outranking: dict[str, Outranking] | None = None
-                    ) -> Due:
+    async def claim(self, quotas: dict[str, int], most: int, outranking: dict[str, Outranking] | None = None,
+                    below_share: dict[str, BelowShare] | None = None) -> Due:
         """Claim up to ``most`` due jobs, lowest score first across the queues, each queue up to its quota;
-        from a queue in ``outranking``, only jobs of at least its priority (up to its quota)."""
+        from a queue in ``outranking``, only jobs of at least its priority (up to its quota); from a queue in
+        ``below_share``, jobs of the tenants below their share in its full engine (and the others' by priority,
+        if it is in ``outranking`` too)."""
         queues = list(quotas)
         now = int(time.time() * 1000)
         outranking = outranking or {}
         needs = [outranking[q].arg() if q in outranking else "" for q in queues]
+        fair = [below_share[q].arg() if below_share and q in below_share else "" for q in queues]
         args = [now, most, self.worker_id, self.lease_ms, self.keys.prefix, uuid.uuid4().hex,
                 _EPOCH_TTL_S, _TRIES_TTL_S, max(_READ_MIN, 2 * most), *(quotas[q] for q in queues), *needs,
-                SHARE_TTL_S, _MEAN_WORK]
+                SHARE_TTL_S, _MEAN_WORK, *fair]
         keys = [self.keys.running(), self.keys.epoch(), self.keys.deadlines(), *queues]
         epoch, left, *rows = await self._claim.run(self.redis, keys, args)
         return Due([_due_entry(row, epoch.decode()) for row in rows], bool(left))
