@@ -150,6 +150,10 @@ def test_targets_are_judged_from_the_reported_numbers(results: dict[str, Any]) -
     enq = targets["enqueue jobs/s (sequential awaits)"]
     assert enq["value"] == results["enqueue"]["sequential_jobs_s"]
     assert all(isinstance(t["passed"], bool) for t in results["targets"])
+    tenants = results["tenants"]  # issue 37's phase, in the same table
+    assert targets["tenants max-running 2 on two workers: most running (tiny)"]["value"] == tenants["most_running"]
+    iso = targets["tenants isolation: B's queue wait p50 flooded / alone (tiny)"]
+    assert iso["passed"] is (iso["value"] <= 2)
 
 
 def test_image_jobs_are_measured_on_mlx_vlm_and_through_the_queue(results: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ from .runs import (
     TtftProbe,
 )
 from .scheduling import SchedulingResult
+from .tenants import Results as TenantsResult
 from .vision import VisionResult
 
 __all__ = ["BenchResult", "SizeResult"]
@@ -57,4 +58,5 @@ class BenchResult:
     seconds: float
     vision: list[VisionResult]  # image jobs, one per generated qwen2_vl
     models: ModelsResult  # two engines in one worker process
+    tenants: TenantsResult | None = None  # issue 37's phase (tests/perf/tenants.py; also tenants.md)
 

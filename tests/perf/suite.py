@@ -77,6 +77,9 @@ from .runs import (
     TtftProbe,
 )
 from .scheduling import run_scheduling
+from .tenants import Phases, tenants_targets
+from .tenants import run as run_tenants
+from .tenants import write as write_tenants
 from .vision import run_vision, vision_targets
 
 __all__ = ["pick_threads", "run_suite"]
@@ -118,11 +121,15 @@ def _run(cfg: BenchConfig, out: Path) -> BenchResult:
         models = run_models(cfg, site)
         say("enqueue: one producer, no worker")
         enqueue = asyncio.run(enqueue_phase(server.url, cfg))
+    say("tenants: fair share, isolation, max-running (tests/perf/tenants.py)")
+    tenants = run_tenants(Phases.quick() if cfg.quick else Phases(), out)  # its own Redis and workers
+    write_tenants(tenants, out)
     machine["loadavg_end"] = _loadavg()
     machine["probe_ms_end"] = _speed_probe_ms()
     machine["mlx_vlm"] = importlib.metadata.version("mlx-vlm")
-    targets = size_targets(sizes, enqueue) + vision_targets(vision) + models_targets(models)
-    return BenchResult(machine, cfg, sizes, enqueue, targets, time.perf_counter() - t0, vision, models)
+    targets = (size_targets(sizes, enqueue) + vision_targets(vision) + models_targets(models)
+               + tenants_targets(tenants))
+    return BenchResult(machine, cfg, sizes, enqueue, targets, time.perf_counter() - t0, vision, models, tenants)
 
 
 def _bench_size(size: str, cfg: BenchConfig, site: Site) -> SizeResult:

@@ -30,7 +30,9 @@ from mlxq.worker.tools.bench.runs import say
 from mlxq.worker.tools.process import WorkerProcess
 from mlxq.worker.tools.redis_server import RedisServer
 
-__all__ = ["main"]
+from .runs import Target
+
+__all__ = ["Phases", "Results", "main", "run", "tenants_targets", "write"]
 
 _SHARE_TOLERANCE = 0.10  # of the weight's share
 _ISOLATION_LIMIT = 2.0
@@ -236,6 +238,30 @@ def markdown(r: Results) -> str:
                       "| target | value | limit | |", "|---|---:|---:|---|", *rows, ""])
 
 
+def tenants_targets(r: Results) -> list[Target]:
+    """Issue 37's targets as the research suite's targets table lists them (tests/perf/suite.py)."""
+    iso = r.isolation
+    out = [Target(f"tenants share {s.weights[0]}:{s.weights[1]}: first tenant's share of tokens ({r.size})",
+                  round(s.first_share, 3), f"{s.want:.3f} ± {_SHARE_TOLERANCE * s.want:.3f}", s.passed)
+           for s in r.shares]
+    out.append(Target(f"tenants isolation: B's queue wait p50 flooded / alone ({r.size})", round(iso.ratio, 2),
+                      f"<= {_ISOLATION_LIMIT:g}", iso.ratio <= _ISOLATION_LIMIT))
+    out.append(Target(f"tenants max-running 2 on two workers: most running ({r.size})", r.most_running, "<= 2",
+                      r.most_running <= 2))
+    return out
+
+
+def write(result: Results, out: Path) -> str:
+    """``tenants.md`` and ``tenants.json`` in ``out``; the markdown."""
+    text = markdown(result)
+    (out / "tenants.md").write_text(text)
+    data: dict[str, Any] = asdict(result)
+    data["targets"] = {"share": [s.passed for s in result.shares], "isolation_ratio": result.isolation.ratio,
+                       "most_running": result.most_running}
+    (out / "tenants.json").write_text(json.dumps(data, indent=2))
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m tests.perf.tenants", description=__doc__)
     ap.add_argument("--out", default="perf-out")
@@ -243,14 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = run(Phases.quick() if args.quick else Phases(), out)
-    text = markdown(result)
-    (out / "tenants.md").write_text(text)
-    data: dict[str, Any] = asdict(result)
-    data["targets"] = {"share": [s.passed for s in result.shares], "isolation_ratio": result.isolation.ratio,
-                       "most_running": result.most_running}
-    (out / "tenants.json").write_text(json.dumps(data, indent=2))
-    print(text)
+    print(write(run(Phases.quick() if args.quick else Phases(), out), out))
     return 0
 
 
