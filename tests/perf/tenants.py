@@ -22,11 +22,12 @@ import statistics
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from mlxq.api.client import Client
+from mlxq.api.config import ClientConfig
 from mlxq.api.schema import DoneEvent, ErrorEvent
 from mlxq.worker.tools.bench.runs import say
 from mlxq.worker.tools.process import WorkerProcess
@@ -112,7 +113,9 @@ class _Deployment:
         proc.wait_ready()
 
     def client(self, tenant: str | None = None) -> Client:
-        return Client(self.server.url, prefix=self.prefix, tenant=tenant, retry_deadline=30)
+        # Its jobs wait as long as the backlog takes (no expiry).
+        config = replace(ClientConfig.from_env(), job_expiry_s=0)
+        return Client(self.server.url, prefix=self.prefix, tenant=tenant, retry_deadline=30, config=config)
 
     def stop(self) -> None:
         for w in self.workers:
@@ -209,11 +212,7 @@ _PHASES = ("share", "isolation", "cap")
 
 
 def run(p: Phases, out: Path, phases: tuple[str, ...] = _PHASES) -> Results:
-    import os
-
     from mlxq.worker.tools.tinymodel import ensure_model
-
-    os.environ["MLXQ_JOB_EXPIRY"] = "0"  # the clients' jobs wait as long as the backlog takes
 
     model = str(ensure_model(p.size))
     (out / "logs").mkdir(parents=True, exist_ok=True)
