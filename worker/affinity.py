@@ -7,7 +7,10 @@ with a prompt the cache would store (its prefill stores it), and while the entry
 cached, in memory or on disk. Each heartbeat asks the engine, on its MLX thread, which of the keys no running job
 holds are still cached (a short trie lookup of each key's first ``ANCHOR_TOKENS`` prompt tokens), and drops the
 rest; the bound (``MAX_KEYS``) drops the least recently used. The advertisement lives ``ttl`` (a few
-heartbeats): a stopped worker removes it, and a dead or frozen one's lapses; CLAIM counts a holder live until then.
+heartbeats): a stopped (or draining) worker removes it, and a dead or frozen one's lapses; CLAIM counts a holder
+live until then. A worker with a prefix cache is listed from its first heartbeat, even holding nothing: CLAIM
+leaves a job nobody holds to the live worker holding the fewest keys (for at most the same wait), so the
+conversations, and their work, spread over the fleet.
 """
 
 from __future__ import annotations
@@ -180,11 +183,10 @@ class Advertiser:
     def _write_model(self, pipe: Redis, model: str, keys: list[str], now_ms: int) -> None:
         own, holders = self.keys.affinity_keys(model, self.worker_id), self.keys.affinity_holders(model)
         pipe.delete(own)
-        if not keys:
-            pipe.zrem(holders, self.worker_id)
-            return
-        pipe.sadd(own, *keys)
-        pipe.pexpire(own, self.ttl_ms)
+        if keys:
+            pipe.sadd(own, *keys)
+            pipe.pexpire(own, self.ttl_ms)
+        # listed even holding nothing: a live worker with fewer keys is the one to take a job nobody holds
         pipe.zadd(holders, {self.worker_id: now_ms + self.ttl_ms})
         pipe.pexpire(holders, self.ttl_ms)
 

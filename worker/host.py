@@ -111,6 +111,8 @@ class WorkerHost:
             service.on_dead = host._on_model_dead
             assert service.engine is not None
             service.engine.on_step = host.metrics.step_timer(service.name)
+            if service.engine.prefix_min_tokens is not None:  # advertised from the first heartbeat on
+                host.affinity.model(service.name)
         if config.metrics_port:
             host.metrics_url = host.metrics.serve(config.metrics_port, config.metrics_addr)
             log.info("metrics on %s", host.metrics_url)

@@ -1,6 +1,7 @@
 """CLAIM's prefix affinity on a real Redis: a worker prefers the queued jobs whose affinity key it advertises,
-leaves one another live worker holds to it for at most the wait, never waits for a lapsed (dead) holder, and
-never lets affinity reorder jobs of different priority."""
+leaves one another live worker holds to it for at most the wait (and one nobody holds to a live worker holding
+fewer keys), never waits for a lapsed (dead) holder, and never lets affinity reorder jobs of different
+priority."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def key_of(conversation: str) -> str:
 
 async def advertise(r: aredis.Redis, name: str, *conversations: str, ttl_s: float = 30.0) -> Advertiser:
     adv = Advertiser(r, KEYS, name, ttl_s)
+    adv.model(MODEL)  # a worker serving it with a prefix cache: listed even holding nothing
     for c in conversations:
         adv.started(MODEL, key_of(c), [1, 2, 3])
     await adv.write()
@@ -99,6 +101,21 @@ async def test_a_lapsed_holder_is_dead_and_a_stopped_one_withdrew(client: Client
     await stopped.remove()
     started, _ = await claim(worker(r, "w1"), 1)
     assert [(e.rid, e.affinity) for e in started] == [(two, Affinity.NONE)]
+
+
+async def test_a_job_nobody_holds_waits_for_the_live_worker_holding_fewer_keys(client: Client,
+                                                                                r: aredis.Redis) -> None:
+    await advertise(r, "w1", "old")
+    await advertise(r, "w2")  # live, holding nothing
+    new = await submit(client, "new")
+    started, left = await claim(worker(r, "w1"), 1)
+    assert started == [] and left  # w2 is the one to take it: conversations spread over the fleet
+    started, _ = await claim(worker(r, "w2"), 1)
+    assert [(e.rid, e.affinity) for e in started] == [(new, Affinity.NONE)]
+    late = await submit(client, "late")
+    await asyncio.sleep(0.1)
+    started, _ = await claim(worker(r, "w1", wait_ms=50), 1)  # w2 did not take it within the wait: w1 does
+    assert [(e.rid, e.affinity) for e in started] == [(late, Affinity.NONE)]
 
 
 async def test_affinity_never_jumps_a_job_of_higher_priority(client: Client, r: aredis.Redis) -> None:

@@ -246,24 +246,35 @@ _MEAN_WORK = 256  # tokens a tenant's job is assumed to cost before one of its j
 # (another live worker holds it and it became due less than the wait ago: skipped, left queued), "elsewhere"
 # (another holds it, but it waited past the bound), "none" (a key nobody live holds) or "" (no key, or affinity
 # off: ARGV wait < 0, no worker advertises for the model, or jobs read to outrank a full engine, which start at
-# once). ``head`` takes the first entry not skipped, unless a "mine" one of at least its priority (the lead of
-# its score below its enqueue time: api.keys.queue_score) is among the entries read: priority, the tenants'
-# shares and the read limit stand; only the order within a tenant's read entries changes. Costs: one GETRANGE
-# per entry looked at, one SISMEMBER per live holder and distinct key, and none at all while no worker of the
+# once). A "none" job also waits (at most as long) while another live advertiser holds fewer keys than this
+# worker: the keys spread over the fleet, and with them the conversations' work. ``head`` takes the first entry
+# not skipped, unless a "mine" one of at least its priority (the lead of its score below its enqueue time:
+# api.keys.queue_score) is among the entries read: priority, the tenants' shares and the read limit stand; only
+# the order within a tenant's read entries changes. Costs: one GETRANGE per entry looked at, one SCARD per live
+# advertiser and one SISMEMBER per live advertiser and distinct key, and none at all while no worker of the
 # model advertises.
 _AFFINITY_LUA = r"""
 local affinity_wait = tonumber(ARGV[12 + 2 * queues]) or -1
-local function holders(m)  -- this worker's key set (if it advertises) and the other live holders' sets
+local function holders(m)  -- this worker's key set (if it advertises), the other live holders' sets, and
+  -- whether one of them holds fewer keys than this worker (then it is the one to take a job nobody holds)
   if m.holders then return m.holders end
-  local h = {mine = false, others = {}, seen = {}}
+  local h = {mine = false, others = {}, seen = {}, fewer = false}
   m.holders = h
   if affinity_wait < 0 then return h end
   local zkey = P .. ':affholders:' .. m.model
   redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now)  -- lapsed: dead, frozen or stopped
+  local mine_n, fewest = 0, nil
   for _, w in ipairs(redis.call('ZRANGE', zkey, 0, -1)) do
     local set = P .. ':affkeys:' .. m.model .. ':' .. w
-    if w == ARGV[3] then h.mine = set else h.others[#h.others + 1] = set end
+    local n = redis.call('SCARD', set)
+    if w == ARGV[3] then
+      h.mine, mine_n = set, n
+    else
+      h.others[#h.others + 1] = set
+      if not fewest or n < fewest then fewest = n end
+    end
   end
+  h.fewer = h.mine and fewest ~= nil and fewest < mine_n
   return h
 end
 local function affinity(m, s, e)  -- the entry's class (see above), computed once per call
@@ -287,8 +298,11 @@ local function affinity(m, s, e)  -- the entry's class (see above), computed onc
     end
     h.seen[ak] = held
   end
-  if held == 'theirs' then  -- waits from when it became due: enqueued, or deferred to its score
-    held = now - math.max(et, e[2]) < affinity_wait and 'wait' or 'elsewhere'
+  -- a job another live worker holds waits for it, one nobody holds for the live worker holding the fewest keys
+  -- (so conversations spread over the fleet), from when it became due: enqueued, or deferred to its score
+  if held == 'theirs' or (held == 'none' and h.fewer) then
+    local waiting = now - math.max(et, e[2]) < affinity_wait
+    held = waiting and 'wait' or (held == 'theirs' and 'elsewhere' or 'none')
   end
   e.aff = held
   return held
