@@ -185,7 +185,8 @@ async def _run_setup(fleet: _Fleet, name: str, systems: list[str], plan: Plan, o
     return setup
 
 
-SETUPS: tuple[tuple[str, dict[str, str], bool], ...] = (("affinity", {}, False), ("no affinity", {}, True), ("cache off", {"MLXQ_PREFIX_CACHE_GB": "0"}, False))
+SETUPS: tuple[tuple[str, dict[str, str], bool], ...] = (  # name, the workers' settings, a key of its own per turn
+    ("affinity", {}, False), ("no affinity", {}, True), ("cache off", {"MLXQ_PREFIX_CACHE_GB": "0"}, False))
 
 
 def run(plan: Plan, out: Path) -> list[Setup]:
