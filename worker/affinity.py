@@ -133,6 +133,7 @@ class Advertiser:
         self.placements: dict[str, Placements] = {}
         self._written: dict[str, int] = {}  # model -> the holdings' version last written
         self._pending: asyncio.Task[None] | None = None
+        self._withdrawn = False  # stopping or draining: it takes no more jobs, so it advertises nothing
 
     def model(self, name: str) -> Holdings:
         if name not in self.holdings:
@@ -167,7 +168,7 @@ class Advertiser:
         """Write the models' key sets whose holdings changed (``force``: all of them, renewing their TTL)."""
         now_ms = int(time.time() * 1000)
         changed = {m: h for m, h in self.holdings.items() if force or h.version != self._written.get(m)}
-        if not changed:
+        if not changed or self._withdrawn:
             return
         try:
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -191,7 +192,9 @@ class Advertiser:
         pipe.pexpire(holders, self.ttl_ms)
 
     async def remove(self) -> None:
-        """At the stop: this worker holds nothing any more (a dead one's advertisement lapses instead)."""
+        """At the stop (or the drain's start): this worker takes no more jobs, so it advertises nothing from here
+        on (a dead one's advertisement lapses instead)."""
+        self._withdrawn = True
         if self._pending is not None:
             self._pending.cancel()
         try:

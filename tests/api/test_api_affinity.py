@@ -71,3 +71,21 @@ def test_the_job_record_ends_with_the_key_and_the_enqueue_time() -> None:
     assert envelope.affinity == "00ff00ff00ff00ff" and envelope.enqueue_ms == 1234 and not envelope.problem
     plain = job_record({"model": "m", "prompt": "x"}, 1234)
     assert "ak" not in json.loads(plain) and read_job(plain, 1 << 20).affinity == ""
+
+
+def test_the_openai_gateway_passes_prompt_cache_key_and_refuses_a_bad_one() -> None:
+    from mlxq.api.gateway.config import GatewayConfig
+    from mlxq.api.gateway.errors import GatewayError
+    from mlxq.api.gateway.openai_api import CHAT, COMPLETIONS
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": "conv-7"}
+    ask = CHAT.parse(json.dumps(body).encode(), GatewayConfig())
+    assert ask.request.prompt_cache_key == "conv-7"
+    assert affinity_key(ask.request) == affinity_key(chat({"role": "user", "content": "other"},
+                                                          prompt_cache_key="conv-7"))
+    plain = CHAT.parse(json.dumps({**body, "prompt_cache_key": None}).encode(), GatewayConfig())
+    assert plain.request.prompt_cache_key is None
+    completion = {"model": "m", "prompt": "hello", "prompt_cache_key": "conv-7"}
+    assert COMPLETIONS.parse(json.dumps(completion).encode(), GatewayConfig()).request.prompt_cache_key == "conv-7"
+    with pytest.raises(GatewayError, match="prompt_cache_key"):
+        CHAT.parse(json.dumps({**body, "prompt_cache_key": "k" * 300}).encode(), GatewayConfig())

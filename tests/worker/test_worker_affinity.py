@@ -14,6 +14,8 @@ import pytest
 
 from mlxq.api.client import Client
 from mlxq.api.schema import StartEvent, TokenEvent, WorkerStatus
+from mlxq.api.status import collect as collect_report
+from mlxq.api.status import render
 from mlxq.engine.prompt import encode_prompt_with_boundary
 from mlxq.worker.tools.process import WorkerProcess
 from tests.support import RunningWorker, collect, config_with, free_port, reference, slow_steps, start_worker, terminal
@@ -77,6 +79,12 @@ async def test_each_conversations_next_turn_starts_on_the_worker_holding_it(work
         assert tuple(map(sum, zip(placed(a), placed(b)))) == (4, 0, 4)
         assert sum(w.service.engine.stats.prefix_hits for w in workers.values()) >= 4
         assert all(m.affinity_keys >= 1 for w in workers.values() if placed(w)[2] for m in w.host.status().models)
+        await asyncio.gather(*(w.host.health.beat() for w in workers.values()))
+        report = await collect_report(client)
+        assert "AFFINITY" in render(report) and "PREFIX" in render(report)
+        records = report.to_json()["workers"]
+        assert sum(r["models"][0]["affinity_holder"] for r in records) == 4
+        assert sum(r["models"][0]["affinity_none"] for r in records) == 4
     finally:
         await a.close()
         await b.close()
