@@ -16,7 +16,7 @@ the cache off (target ≥ 8x), and each worker's share of the turns (target: nei
 the workers' own affinity counters (``mlxq status``'s, from their health records).
 
 ``python3 -m tests.perf.affinity --out DIR`` writes ``affinity.md`` and ``affinity.json`` (``--quick``: the tiny
-model, shorter prompts, fewer turns).
+model, shorter prompts, fewer turns; ``--size``, ``--system-tokens``, ``--turns`` change one of them).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -246,10 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m tests.perf.affinity", description=__doc__)
     ap.add_argument("--out", default="perf-out")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--size", help="the generated model (default small; --quick: tiny, whose context is 512)")
+    ap.add_argument("--system-tokens", type=int, help="each conversation's system prompt (default 1500)")
+    ap.add_argument("--turns", type=int, help="turns per conversation (default 5)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plan = Plan.quick() if args.quick else Plan()
+    changes = {"size": args.size, "system_tokens": args.system_tokens, "turns": args.turns}
+    plan = replace(plan, **{k: v for k, v in changes.items() if v is not None})
     setups = run(plan, out)
     text = markdown(plan, setups)
     (out / "affinity.md").write_text(text)
