@@ -18,9 +18,14 @@ __all__ = ["JOB_FUNCTION", "Envelope", "job_record", "load_record", "read_job", 
 JOB_FUNCTION = "generate"  # the arq function name of every mlxq job
 
 
-def job_record(payload: dict[str, Any], enqueue_ms: int) -> bytes:
-    """arq's job record for a job of ours: JSON, never pickle."""
-    envelope: dict[str, Any] = {"t": None, "f": JOB_FUNCTION, "a": [payload], "k": {}, "et": enqueue_ms}
+def job_record(payload: dict[str, Any], enqueue_ms: int, affinity: str = "") -> bytes:
+    """arq's job record for a job of ours: JSON, never pickle. It ends with the job's affinity key (if any, hex:
+    api/affinity.py) and its enqueue time, ``"ak":"<key>","et":<ms>}``, where CLAIM reads them (a short GETRANGE
+    of the tail, never the whole record)."""
+    envelope: dict[str, Any] = {"t": None, "f": JOB_FUNCTION, "a": [payload], "k": {}}
+    if affinity:
+        envelope["ak"] = affinity
+    envelope["et"] = enqueue_ms
     return json.dumps(envelope, separators=(",", ":")).encode()
 
 
@@ -31,6 +36,7 @@ class Envelope:
     payload: Any
     enqueue_ms: int
     problem: str = ""
+    affinity: str = ""  # the job's affinity key (api/affinity.py); "": none
 
 
 def read_job(data: bytes, max_bytes: int) -> Envelope:
@@ -47,7 +53,8 @@ def read_job(data: bytes, max_bytes: int) -> Envelope:
     args, kwargs = d["a"], d["k"]
     if len(args) != 1 or kwargs:
         return Envelope(None, d["et"], "undecodable job: the job must carry one payload")
-    return Envelope(args[0], d["et"])
+    affinity = d.get("ak")
+    return Envelope(args[0], d["et"], affinity=affinity if isinstance(affinity, str) else "")
 
 
 def _check_envelope(d: Any) -> None:

@@ -81,6 +81,7 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound)
 MAX_TOOLS = 128  # OpenAI's bound
 MAX_TOOLS_CHARS = 256 << 10  # the tools' definitions as JSON
 MAX_TOOL_CALLS = 64  # in one assistant message
+MAX_CACHE_KEY_CHARS = 256  # a prompt_cache_key (a routing hint: hashed, never stored whole)
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 
 
@@ -375,6 +376,9 @@ class GenerateRequest(BaseModel):
     tools: list[Tool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
+    # OpenAI's routing hint: jobs sharing it (a conversation's turns) prefer the worker whose prefix cache holds
+    # their prompt's start (api/affinity.py); unset, the producer derives one from the system turn and tools.
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_KEY_CHARS)
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> GenerateRequest:
@@ -585,6 +589,13 @@ class ModelStatus(BaseModel):
     kv_headroom_bytes: int = 0  # what its KV caches may fill (0: no KV admission)
     prefix_hits: int = 0  # admissions that reused a cached prompt prefix, since it started
     prefix_misses: int = 0  # admissions that looked for one and found none
+    # Prefix affinity (api/affinity.py): its jobs CLAIM placed here because it held their key, here after they
+    # waited past MLXQ_AFFINITY_WAIT_MS for the live worker holding it, or here with no live worker holding it;
+    # and the keys it advertises now.
+    affinity_holder: int = 0
+    affinity_elsewhere: int = 0
+    affinity_none: int = 0
+    affinity_keys: int = 0
     device: str = ""  # where MLX runs it (name, backend, usable memory)
 
 

@@ -90,16 +90,31 @@ def tenant_table(tenants: list[TenantUse]) -> list[str]:
 
 
 def _worker_rows(report: Report) -> list[list[str]]:
-    rows = [["WORKER", "HOST", "PID", "MODEL", "STATE", "CAP", "RUN", "WAIT", "TOK/S", "SPECULATION", "UPTIME",
-             "VERSION"]]
+    rows = [["WORKER", "HOST", "PID", "MODEL", "STATE", "CAP", "RUN", "WAIT", "TOK/S", "SPECULATION", "PREFIX",
+             "AFFINITY", "UPTIME", "VERSION"]]
     for w in report.workers:
         for i, m in enumerate(w.models):
             state = "draining" if w.draining and m.state.value == "serving" else m.state.value
             head = [w.id, w.host, str(w.pid)] if i == 0 else ["", "", ""]
             tail = [_age(report.at - w.started_at), w.version] if i == 0 else ["", ""]
             rows.append([*head, m.name, state, str(m.capacity), str(m.running), str(m.waiting),
-                         f"{m.tokens_per_s:.1f}", _speculation(m), *tail])
+                         f"{m.tokens_per_s:.1f}", _speculation(m), _prefix(m), _affinity(m), *tail])
     return rows
+
+
+def _prefix(m: ModelStatus) -> str:
+    """Its prefix cache's hits and lookups."""
+    looked = m.prefix_hits + m.prefix_misses
+    return f"{m.prefix_hits}/{looked} hit" if looked else "-"
+
+
+def _affinity(m: ModelStatus) -> str:
+    """How CLAIM placed its jobs with an affinity key (held here / here after the wait / no holder), and the
+    keys it advertises."""
+    placed = m.affinity_holder + m.affinity_elsewhere + m.affinity_none
+    if not placed and not m.affinity_keys:
+        return "-"
+    return f"{m.affinity_holder}/{m.affinity_elsewhere}/{m.affinity_none} {m.affinity_keys}k"
 
 
 def _speculation(m: ModelStatus) -> str:

@@ -222,6 +222,10 @@ class PrefixStore(Protocol):
 
     def clear(self) -> None: ...
 
+    def holds(self, prompts: list[list[int]]) -> list[bool]:
+        """Whether memory or disk still holds (nearly) all of each of ``prompts``."""
+        ...
+
     def prefetch(self, tokens: list[int], done: Callable[[], None]) -> bool:
         """Start loading a longer prefix of ``tokens`` than memory holds from a slower tier; True: ``done`` is
         called (on another thread) once the next :meth:`fetch` can find it."""

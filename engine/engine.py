@@ -174,6 +174,20 @@ class Engine:
         """Its preempted requests, waiting to resume (thread-safe; as of the last step)."""
         return self.scheduler.room.paused
 
+    @property
+    def prefix_min_tokens(self) -> int | None:
+        """The shortest prompt its prefix cache stores (None: no prefix cache)."""
+        prefix = self.scheduler.prefix_cache
+        return prefix.min_tokens if prefix is not None else None
+
+    async def prefix_holds(self, prompts: list[list[int]]) -> list[bool]:
+        """Whether its prefix cache (memory or disk) still holds each of ``prompts``; asked on its MLX thread."""
+        prefix = self.scheduler.prefix_cache
+        if prefix is None or self.dead or self._closed:
+            return [False] * len(prompts)
+        held: list[bool] = await asyncio.wrap_future(self.thread.submit(prefix.holds, prompts))
+        return held
+
     async def aclose(self) -> None:
         """Stop ticking, hand the warm prefixes to the disk tier, and join the MLX thread; returns only once no
         MLX call is running and the disk's writes are finished (bounded)."""

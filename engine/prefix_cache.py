@@ -105,6 +105,19 @@ class PrefixCache:
             return False
         return self.disk.load(found.key, done)
 
+    def holds(self, prompts: list[list[int]]) -> list[bool]:
+        """Whether memory or disk still holds (nearly) all of each of ``prompts`` (a prompt's start, for the
+        worker's prefix affinity): a lookup in each tier's trie, no cache copied, nothing read from disk."""
+        out = []
+        for tokens in prompts:
+            need = max(1, len(tokens) - 1)  # an exact hit gives its last token back to feed
+            held = self._held(tokens) >= need
+            if not held and self.disk is not None:
+                found = self.disk.lookup(tokens)
+                held = found is not None and found.tokens >= need
+            out.append(held)
+        return out
+
     def persist(self) -> None:
         """Hand every entry not on disk yet to the disk's writer (at a graceful stop: the warm ones survive)."""
         if self.disk is None:

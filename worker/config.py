@@ -124,6 +124,9 @@ class WorkerConfig:
                                 "as they are cached, read back after a restart); 0: off", minimum=0)
     kv_dir: str = setting("MLXQ_KV_DIR", "", "where the prefix cache on disk lives (a directory per model's weights "
                           "and KV layout)", shown="$XDG_CACHE_HOME/mlxq/kv (~/.cache/mlxq/kv)")
+    affinity_wait_ms: float = setting("MLXQ_AFFINITY_WAIT_MS", 500.0, "a queued job whose prompt start another live "
+                                      "worker's prefix cache holds waits at most this long for that worker, then "
+                                      "any worker takes it (a worker always prefers jobs it holds)", minimum=0)
     priority_aging_s: float = shared(ClientConfig, "priority_aging_s")
     # One value for the whole process, whatever the models (engine/mlx_process.py).
     mlx_memory_gb: float | None = setting("MLXQ_MLX_MEMORY_GB", None, "GiB: MLX's memory limit, for the whole "

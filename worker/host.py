@@ -34,6 +34,7 @@ from mlxq.engine.mlx_process import MLXLimits, mlx_process
 from mlxq.engine.request import RequestOutput
 
 from . import waker
+from .affinity import Advertiser, affinity_ttl_s
 from .arqseam import Claims, Outcome
 from .cancels import CancelWatcher
 from .config import WorkerConfig
@@ -76,14 +77,16 @@ class WorkerHost:
         # health-check read on the event loop, which shares the GIL with the engines).
         self._writer = Redis(connection_pool=redis.connection_pool, single_connection_client=True)
         self.transitions = Transitions(redis, self.keys, config.worker_id, ttl, config.lease_ttl_s,
-                                       writer=self._writer)
+                                       writer=self._writer, affinity_wait_ms=int(config.affinity_wait_ms))
+        # Which affinity keys this worker's prefix caches hold, advertised for CLAIM (worker/affinity.py).
+        self.affinity = Advertiser(redis, self.keys, config.worker_id, affinity_ttl_s(config.heartbeat_s))
         # The runs in an engine, by job id: every change to one, and every event write, is the table's.
         self.runs = RunTable(self.transitions, output_events, self._abort, give_up_s=config.lease_ttl_s)
         self.publisher = self.runs.publisher
         self.leases = LeaseKeeper(self.transitions, self.runs, config.lease_ttl_s, self.runs.lose)
         self.reaper = Reaper(self.runs, config.max_tries, config.reap_interval_s)
         self.health = HealthReporter(redis, self.keys, config.worker_id, self.status, config.heartbeat_s,
-                                     before=self._read_queues)
+                                     before=self._before_beat)
         self.metrics = Metrics()
         self.runs.on_ended = self.metrics.ended
         self.runs.on_write = self.metrics.redis_write.observe
@@ -117,6 +120,8 @@ class WorkerHost:
             service.on_dead = host._on_model_dead
             assert service.engine is not None
             service.engine.on_step = host.metrics.step_timer(service.name)
+            if service.engine.prefix_min_tokens is not None:  # advertised from the first heartbeat on
+                host.affinity.model(service.name)
         if config.metrics_port:
             host.metrics_url = host.metrics.serve(config.metrics_port, config.metrics_addr)
             log.info("metrics on %s", host.metrics_url)
@@ -140,6 +145,7 @@ class WorkerHost:
     async def aclose(self) -> None:
         """Leave the registry, abort what still runs, stop the engines (joining their MLX threads), close Redis."""
         await self.health.remove()
+        await self.affinity.remove()
         for run in list(self.runs.values()):
             self._abort(run)
         await asyncio.gather(*(s.aclose() for s in self.services.values()))
@@ -155,11 +161,13 @@ class WorkerHost:
         """A stop signal came: say so in the health record now (no new jobs are taken from here on)."""
         self.draining = True
         asyncio.get_running_loop().create_task(self.health.beat())
+        asyncio.get_running_loop().create_task(self.affinity.remove())  # jobs need not wait for a leaving worker
 
     def status(self) -> WorkerStatus:
         """This worker's health record."""
         tokens = self.runs.stats.tokens_by_model
-        models = [s.status(self._rates[name].rate(tokens.get(name, 0))) for name, s in self.services.items()]
+        models = [s.status(self._rates[name].rate(tokens.get(name, 0))).model_copy(update=self._affinity_fields(name))
+                  for name, s in self.services.items()]
         return WorkerStatus(id=self.config.worker_id, host=socket.gethostname(), pid=os.getpid(), version=_VERSION,
                             started_at=self.started_at, updated_at=time.time(), draining=self.draining, models=models,
                             metrics_url=self._public_metrics_url())
@@ -170,6 +178,23 @@ class WorkerHost:
         if self.config.metrics_addr in ("0.0.0.0", "::", ""):  # listening everywhere: name this host
             return f"http://{socket.gethostname()}:{self.config.metrics_port}/metrics"
         return self.metrics_url
+
+    def _affinity_fields(self, model: str) -> dict[str, int]:
+        placed, holdings = self.affinity.placements.get(model), self.affinity.holdings.get(model)
+        if placed is None or holdings is None:
+            return {}
+        return {"affinity_holder": placed.holder, "affinity_elsewhere": placed.elsewhere,
+                "affinity_none": placed.none, "affinity_keys": len(holdings)}
+
+    async def _before_beat(self) -> None:
+        """Each heartbeat: the queues' depths, and the affinity keys the prefix caches still hold."""
+        await self._read_queues()
+        checks = {name: s.engine.prefix_holds for name, s in self.services.items()
+                  if s.engine is not None and s.engine.prefix_min_tokens is not None and s.state is not ModelState.DEAD}
+        try:
+            await self.affinity.refresh(checks)
+        except Exception:  # an engine stopping under the check: the next beat looks again
+            log.warning("could not check the prefix affinity keys", exc_info=True)
 
     async def _read_queues(self) -> None:
         """The depth of each served model's queues, per tenant, and each tenant's running jobs (for the
@@ -209,6 +234,9 @@ class WorkerHost:
         await self._put_aside(due)
         started = [entry for entry in due.entries if entry.status is EntryStatus.STARTED]
         by_model = {entry.rid: self.services[self.keys.queue_of(entry.queue)[0]] for entry in started}
+        for entry in started:
+            self.affinity.model(by_model[entry.rid].name)
+            self.affinity.placements[by_model[entry.rid].name].add(entry.affinity)
         for service in self.services.values():
             service.claimed([entry for entry in started if by_model[entry.rid] is service])
         return Claims({entry.rid: self._run(by_model[entry.rid], entry) for entry in started}, due.left)
@@ -302,17 +330,31 @@ class WorkerHost:
         except BadRequest as exc:
             log.info("job %s rejected: %s", run.rid, exc)
             return await self.runs.reject(run, str(exc))
-        return await self._generate(service, run, prepared)
+        return await self._generate(service, run, prepared, envelope.affinity)
 
-    async def _generate(self, service: ModelService, run: Run, prepared: Prepared) -> State:
+    async def _generate(self, service: ModelService, run: Run, prepared: Prepared, affinity: str = "") -> State:
         if not self.runs.admit(run, prepared.token_text, prepared.tools):
             return run.state
+        held = self._holds(service, prepared, affinity)
+        if held:
+            self.affinity.started(service.name, affinity, prepared.request.prompt_tokens)
         service.add(prepared.request)
         try:
             return await run.finished
         except asyncio.CancelledError:  # shutdown or arq's timeout: hand the job back, or end it on its last try
             await asyncio.shield(self.runs.interrupt(run, self.config.max_tries))
             raise
+        finally:
+            if held:
+                self.affinity.holdings[service.name].ended(affinity)
+
+    @staticmethod
+    def _holds(service: ModelService, prepared: Prepared, affinity: str) -> bool:
+        """Whether the job's prompt goes into the model's prefix cache, so that its worker holds its key."""
+        least = service.engine.prefix_min_tokens if service.engine is not None else None
+        request = prepared.request
+        return bool(affinity) and least is not None and request.images is None and \
+            len(request.prompt_tokens) >= least
 
     def _abort(self, run: Run) -> None:
         """Drop a run's sequence from its engine (between steps; an id the engine lacks is ignored)."""

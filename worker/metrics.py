@@ -21,6 +21,8 @@ from prometheus_client.registry import Collector
 
 from mlxq.api.schema import DoneEvent, ErrorEvent
 
+from .jobs.transitions import Affinity
+
 if TYPE_CHECKING:
     from .host import WorkerHost
     from .jobs.run import Run, Wire
@@ -174,6 +176,7 @@ class _HostCollector(Collector):
             dead.add_metric([name], 1 if status.state.value == "dead" else 0)
         yield from (running, waiting, queued, dead)
         yield from _tenant_gauges(h)
+        yield from _affinity(h)
         yield from _engine_gauges(h)
         yield GaugeMetricFamily("mlxq:worker_draining", "1 while the worker shuts down.", value=int(h.draining))
 
@@ -221,6 +224,23 @@ def _tenant_gauges(host: WorkerHost) -> Iterator[Metric]:
     for tenant, n in sorted(host.tenants_running.items()):
         running.add_metric([tenant], n)
     yield from (queued, running)
+
+
+def _affinity(host: WorkerHost) -> Iterator[Metric]:
+    """Prefix affinity (worker/affinity.py): how CLAIM placed this worker's jobs that carry an affinity key, and
+    the keys it advertises."""
+    placed = CounterMetricFamily("mlxq:affinity_placements", "Jobs with an affinity key this worker started: "
+                                 "outcome holder (its prefix cache held the key), elsewhere (after waiting "
+                                 "MLXQ_AFFINITY_WAIT_MS for the live worker holding it), none (no live worker "
+                                 "held it).", labels=[*_MODEL, "outcome"])
+    keys = GaugeMetricFamily("mlxq:affinity_keys", "Affinity keys this worker advertises (its prefix caches hold "
+                             "their prompts' starts).", labels=_MODEL)
+    for name in host.services:
+        p, held = host.affinity.placements.get(name), host.affinity.holdings.get(name)
+        for outcome in Affinity:
+            placed.add_metric([name, outcome.value], p.counts[outcome] if p is not None else 0)
+        keys.add_metric([name], len(held) if held is not None else 0)
+    yield from (placed, keys)
 
 
 def _engine_counters(host: WorkerHost) -> Iterator[Metric]:

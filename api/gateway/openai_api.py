@@ -1,8 +1,9 @@
 """OpenAI's API over the queue: ``/v1/chat/completions`` and ``/v1/completions``, requests in and responses out.
 
 Mapped: the messages (``developer`` is a system turn) or prompt, the sampling fields (and mlx-lm's and vLLM's
-``top_k``, ``min_p``, ``repetition_penalty``, mlxq's ``priority``), ``stop``, ``metadata``, ``user``, streaming
-with ``stream_options.include_usage``; ``response_format`` (and mlxq's ``regex`` and ``grammar``); reasoning as
+``top_k``, ``min_p``, ``repetition_penalty``, mlxq's ``priority``), ``stop``, ``metadata``, ``user``,
+``prompt_cache_key`` (which worker's prefix cache a job prefers), streaming with
+``stream_options.include_usage``; ``response_format`` (and mlxq's ``regex`` and ``grammar``); reasoning as
 ``reasoning_content`` (``chat_template_kwargs.enable_thinking``); ``tools``, ``tool_choice`` and
 ``parallel_tool_calls`` (a streamed call comes whole in one delta); ``image_url`` parts; both APIs'
 ``logprobs``; ``n`` up to 8, one job per choice (``seed + i`` for choice i). Refused with a 400 that names
@@ -71,6 +72,8 @@ class _Common(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     priority: int | None = None
+    # OpenAI's routing hint: a conversation's jobs prefer the worker whose prefix cache holds its start.
+    prompt_cache_key: str | None = None
     # Accepted and without effect here.
     service_tier: str | None = None
     store: bool | None = None
@@ -163,6 +166,8 @@ def _job(body: _Common, config: GatewayConfig, max_tokens: int | None, **prompt:
     metadata = dict(body.metadata or {})
     if body.user:
         metadata.setdefault("user", body.user)
+    if body.prompt_cache_key is not None:
+        fields["prompt_cache_key"] = body.prompt_cache_key
     try:
         req = GenerateRequest(model=body.model, max_tokens=max_tokens or config.default_max_tokens,
                               fit_max_tokens=max_tokens is None, stop=[s for s in stops if s], metadata=metadata,

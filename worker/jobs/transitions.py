@@ -54,8 +54,8 @@ from mlxq.api.tenants import LUA_QUEUE_OF, SHARE_TTL_S
 
 from .run import Run, Wire
 
-__all__ = ["BelowShare", "Due", "DueEntry", "EntryStatus", "Lapsed", "LogTTL", "Lost", "Outranking", "Record", "Script",
-           "Transitions", "Write"]
+__all__ = ["Affinity", "BelowShare", "Due", "DueEntry", "EntryStatus", "Lapsed", "LogTTL", "Lost", "Outranking",
+           "Record", "Script", "Transitions", "Write"]
 
 _LAPSED_PER_SWEEP = 500
 _READ_MIN = 16  # due entries CLAIM reads per queue, at least (poison and deferred entries may come first)
@@ -84,6 +84,16 @@ class EntryStatus(enum.Enum):
     POISON = "poison"  # the queue entry is no job id a producer makes: for REJECT
 
 
+class Affinity(enum.Enum):
+    """How CLAIM's prefix affinity placed a started job (one with an affinity key): on a worker whose prefix cache
+    holds its key, elsewhere once it waited past the bound for the live one that does, or where no live worker held
+    it."""
+
+    HOLDER = "holder"
+    ELSEWHERE = "elsewhere"
+    NONE = "none"
+
+
 @dataclass(frozen=True, slots=True)
 class LogTTL:
     """Replay-log TTLs, and how long arq's result record of an ended job is kept (0: none); seconds."""
@@ -106,6 +116,7 @@ class DueEntry:
     attempt: int = 0
     last: Event | None = None  # the job's last logged event (an earlier run's)
     cancelled: bool = False
+    affinity: Affinity | None = None  # None: affinity did not place it (no key, affinity off, or outranking)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,13 +245,115 @@ end
 # each one's priority recovered from its score and its record's enqueue time (records end with "et":<ms>}:
 # api.jobrecord.job_record; GETRANGE reads only that tail), among the first _OUTRANK_READ entries that could
 # have them (api.keys.queue_score: never above enqueue time); then the share TTL s, the mean work per job assumed
-# before a tenant's first job ends; then (fair share across tenants, apart from the rest) per queue "" or what a
-# tenant must be for a full engine to take its job (BelowShare.arg): from such a queue only tenants below their
-# share there are read as usual (the others, by priority as above if the queue has a priority need, or not at all).
-# Returns {epoch, left 0|1, {id, queue, "started", score, job, try, last event or false, cancelled 0|1} |
+# before a tenant's first job ends; then the affinity wait ms (< 0: affinity off; see _AFFINITY_LUA above); then
+# (fair share across tenants, apart from the rest) per queue "" or what a tenant must be for a full engine to take
+# its job (BelowShare.arg): from such a queue only tenants below their share there are read as usual (the others,
+# by priority as above if the queue has a priority need, or not at all).
+# Returns {epoch, left 0|1, {id, queue, "started", score, job, try, last event or false, cancelled 0|1,
+# affinity "holder" | "elsewhere" | "none" | ""} |
 # {id, queue, "deferred" | "gone" | "poison"}, ...}.
 _OUTRANK_READ = 128  # queue entries CLAIM looks through for a job that outranks a full engine
 _MEAN_WORK = 256  # tokens a tenant's job is assumed to cost before one of its jobs ends
+
+# Prefix affinity (api/affinity.py, worker/affinity.py): which of a tenant's read entries CLAIM takes next
+# (``head``), in place of simply its first. A job record's tail holds its affinity key ("ak":"<hex>", before
+# "et"); each worker advertises the keys its prefix cache holds, per model, in the set
+# ``<prefix>:affkeys:<model>:<worker>``, and itself in ``<prefix>:affholders:<model>`` scored by when that
+# advertisement lapses (ms): a holder is live until then. An entry is "mine" (this worker holds its key), "wait"
+# (another live worker holds it and it became due less than the wait ago: skipped, left queued), "elsewhere"
+# (another holds it, but it waited past the bound), "none" (a key nobody live holds) or "" (no key, or affinity
+# off: ARGV wait < 0, no worker advertises for the model, or jobs read to outrank a full engine, which start at
+# once). A "none" job also waits (at most as long) while another live advertiser holds fewer keys than this
+# worker: the keys spread over the fleet, and with them the conversations' work. ``head`` takes the first entry
+# not skipped, unless a "mine" one of at least its priority (the lead of its score below its enqueue time:
+# api.keys.queue_score) is among the entries read: priority, the tenants' shares and the read limit stand; only
+# the order within a tenant's read entries changes. Costs: one GETRANGE per entry looked at, one SCARD per live
+# advertiser and one SISMEMBER per live advertiser and distinct key, and none at all while no worker of the
+# model advertises.
+_AFFINITY_LUA = r"""
+local affinity_wait = tonumber(ARGV[12 + 2 * queues]) or -1
+local function holders(m)  -- this worker's key set (if it advertises), the other live holders' sets, and
+  -- whether one of them holds fewer keys than this worker (then it is the one to take a job nobody holds)
+  if m.holders then return m.holders end
+  local h = {mine = false, others = {}, seen = {}, fewer = false}
+  m.holders = h
+  if affinity_wait < 0 then return h end
+  local zkey = P .. ':affholders:' .. m.model
+  redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now)  -- lapsed: dead, frozen or stopped
+  local mine_n, fewest = 0, nil
+  for _, w in ipairs(redis.call('ZRANGE', zkey, 0, -1)) do
+    local set = P .. ':affkeys:' .. m.model .. ':' .. w
+    local n = redis.call('SCARD', set)
+    if w == ARGV[3] then
+      h.mine, mine_n = set, n
+    else
+      h.others[#h.others + 1] = set
+      if not fewest or n < fewest then fewest = n end
+    end
+  end
+  h.fewer = h.mine and fewest ~= nil and fewest < mine_n
+  return h
+end
+local function affinity(m, s, e)  -- the entry's class (see above), computed once per call
+  if e.aff then return e.aff end
+  local h = holders(m)
+  if s.urgent or (not h.mine and #h.others == 0) then return '' end  -- placed as ever (took() tells if keyed)
+  local tail = redis.call('GETRANGE', P .. ':{' .. e[1] .. '}:job', -64, -1)
+  local et = tonumber(string.match(tail, '"et":(%d+)}$'))
+  e.aff, e.lead = '', et and et - e[2] or -math.huge  -- no record (gone, poison): any job may go first
+  local ak = string.match(tail, '"ak":"(%x+)","et":%d+}$')
+  if not ak then return e.aff end
+  local held = h.seen[ak]
+  if held == nil then
+    held = 'none'
+    if h.mine and redis.call('SISMEMBER', h.mine, ak) == 1 then
+      held = 'mine'
+    else
+      for _, set in ipairs(h.others) do
+        if redis.call('SISMEMBER', set, ak) == 1 then held = 'theirs'; break end
+      end
+    end
+    h.seen[ak] = held
+  end
+  -- a job another live worker holds waits for it, one nobody holds for the live worker holding the fewest keys
+  -- (so conversations spread over the fleet), from when it became due: enqueued, or deferred to its score
+  if held == 'theirs' or (held == 'none' and h.fewer) then
+    local waiting = now - math.max(et, e[2]) < affinity_wait
+    held = waiting and 'wait' or (held == 'theirs' and 'elsewhere' or 'none')
+  end
+  e.aff = held
+  return held
+end
+local function head(m, s)  -- the index of the entry CLAIM takes next from tenant s, or nil
+  if s.pick ~= nil then return s.pick or nil end
+  local first = nil
+  local h = holders(m)
+  for i = s.pos, #s.entries do
+    local e = s.entries[i]
+    if not e.done then
+      local class = affinity(m, s, e)
+      if class == 'mine' and (not first or e.lead >= s.entries[first].lead) then first = i; break end
+      if class ~= 'wait' and not first then
+        first = i
+        if not h.mine then break end  -- holding nothing, no later entry is preferred
+      end
+    end
+  end
+  s.pick = first or false
+  return first
+end
+local function took(s, e)  -- the entry starts (or is deferred/rejected): the next head is looked for again
+  e.done, s.pick = true, nil
+  while s.pos <= #s.entries and s.entries[s.pos].done do s.pos = s.pos + 1 end
+  if e.aff == nil and affinity_wait >= 0 and not s.urgent then  -- nobody advertises: keyed jobs count "none"
+    local tail = redis.call('GETRANGE', P .. ':{' .. e[1] .. '}:job', -64, -1)
+    e.aff = string.match(tail, '"ak":"%x+","et":%d+}$') and 'none' or ''
+  end
+  local outcome = e.aff or ''
+  if outcome == 'mine' then outcome = 'holder' end
+  return outcome
+end
+"""
 
 _CLAIM = _SHARE_LUA + """
 local P = ARGV[5]
@@ -310,14 +423,14 @@ for q = 4, #KEYS do
   local quota = tonumber(ARGV[6 + q])
   local model = string.sub(KEYS[q], #P + 8)
   local backlog = P .. ':backlog:' .. model
-  local m = {share = P .. ':share:' .. model, tenants = {}, quota = quota}
+  local m = {share = P .. ':share:' .. model, tenants = {}, quota = quota, model = model}
   models[q] = m
   local names, seen = {'default'}, {default = true}
   for _, t in ipairs(redis.call('SMEMBERS', backlog)) do
     if not seen[t] then seen[t] = true; names[#names + 1] = t end
   end
   m.floor = tonumber(redis.call('HGET', m.share, '~floor') or '0')
-  local fs = below_share(ARGV[8 + 2 * queues + q])
+  local fs = below_share(ARGV[9 + 2 * queues + q])
   -- (the backlogged tenants' queues are read below; a model with none queued and none running forgets its
   -- accounts: nobody is owed anything, and nothing is left behind in Redis)
   for _, t in ipairs(names) do
@@ -342,7 +455,8 @@ for q = 4, #KEYS do
       if #entries > 0 then
         local acct = redis.call('HMGET', m.share, t, t .. ':r', t .. ':a')
         m.tenants[#m.tenants + 1] = {t = t, key = key, entries = entries, pos = 1, vt = tonumber(acct[1]) or 0,
-          run = tonumber(acct[2]) or 0, mean = tonumber(acct[3]) or mean0, weight = policy(t)[1]}
+          run = tonumber(acct[2]) or 0, mean = tonumber(acct[3]) or mean0, weight = policy(t)[1],
+          urgent = need ~= nil}
       end
     end
   end
@@ -366,12 +480,13 @@ end
 local function fair(s)  -- a tenant's virtual work, its running jobs counted at its mean work per job
   return s.vt + s.run * s.mean / s.weight
 end
+AFFINITY
 local function next_of(m)  -- the model's next job: from its tenant with the least virtual work
   local best, key
   for _, s in ipairs(m.tenants) do
-    if s.pos <= #s.entries and not capped(s.t) then
+    if head(m, s) and not capped(s.t) then
       local k = fair(s)
-      if not best or k < key or (k == key and s.entries[s.pos][2] < best.entries[best.pos][2]) then
+      if not best or k < key or (k == key and s.entries[head(m, s)][2] < best.entries[head(m, best)][2]) then
         best, key = s, k
       end
     end
@@ -386,14 +501,17 @@ while true do
     local m = models[q]
     if (taken[q] or 0) < m.quota then
       local s = next_of(m)
-      if s and (not pick or s.entries[s.pos][2] < pick.entries[pick.pos][2]) then pick, pq = s, q end
+      if s and (not pick or s.entries[head(m, s)][2] < pick.entries[head(models[pq], pick)][2]) then
+        pick, pq = s, q
+      end
     end
   end
   if not pick or started >= most then break end
   local m = models[pq]
-  local id, score = pick.entries[pick.pos][1], pick.entries[pick.pos][2]
+  local entry = pick.entries[head(m, pick)]
+  local id, score = entry[1], entry[2]
   local queue = pick.key
-  pick.pos = pick.pos + 1
+  local outcome = took(pick, entry)
   if not is_job_id(id) then
     out[#out + 1] = {id, queue, 'poison'}
   else
@@ -421,7 +539,7 @@ while true do
         redis.call('ZREM', KEYS[3], id .. '@' .. queue)
         local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
         out[#out + 1] = {id, queue, 'started', string.format('%d', score), job, try, last and last[2][2] or false,
-                         redis.call('EXISTS', base .. 'cancel')}
+                         redis.call('EXISTS', base .. 'cancel'), outcome}
       else
         redis.call('ZADD', queue, now + tonumber(ARGV[4]), id)
         out[#out + 1] = {id, queue, 'deferred'}
@@ -429,14 +547,14 @@ while true do
     end
   end
 end
-for q = 4, #KEYS do  -- due jobs left behind: for lack of quota, a cap, or the read limit
+for q = 4, #KEYS do  -- due jobs left behind: for lack of quota, a cap, the read limit, or another's affinity
   for _, s in ipairs(models[q].tenants) do
     if s.pos <= #s.entries then left = 1 end
   end
 end
 out[2] = left
 return out
-""".replace("OUTRANK_READ", str(_OUTRANK_READ))
+""".replace("OUTRANK_READ", str(_OUTRANK_READ)).replace("AFFINITY", _AFFINITY_LUA, 1)
 
 # running -> running | ended | queued, and queued -> ended (expired), for several jobs in one call (one round
 # trip per engine step).
@@ -697,13 +815,14 @@ class Transitions:
     """The transitions of a worker's jobs (of any of its queues), as typed calls of their scripts."""
 
     def __init__(self, redis: Redis, keys: Keys, worker_id: str, ttl: LogTTL, lease_ttl_s: float,
-                 writer: Redis | None = None) -> None:
+                 writer: Redis | None = None, affinity_wait_ms: int = -1) -> None:
         self.redis = redis
         self.writer = writer or redis  # EMIT calls' connection
         self.keys = keys
         self.worker_id = worker_id
         self.ttl = ttl
         self.lease_ms = int(lease_ttl_s * 1000)
+        self.affinity_wait_ms = affinity_wait_ms  # how long a job waits for the live worker holding its prefix
         self._claim, self._emit, self._refresh = Script.of(_CLAIM), Script.of(_EMIT), Script.of(_REFRESH)
         self._sweep, self._lapse, self._reject = Script.of(_SWEEP), Script.of(_LAPSE), Script.of(_REJECT)
 
@@ -724,7 +843,7 @@ class Transitions:
         fair = [below_share[q].arg() if below_share and q in below_share else "" for q in queues]
         args = [now, most, self.worker_id, self.lease_ms, self.keys.prefix, uuid.uuid4().hex,
                 _EPOCH_TTL_S, _TRIES_TTL_S, max(_READ_MIN, 2 * most), *(quotas[q] for q in queues), *needs,
-                SHARE_TTL_S, _MEAN_WORK, *fair]
+                SHARE_TTL_S, _MEAN_WORK, self.affinity_wait_ms, *fair]
         keys = [self.keys.running(), self.keys.epoch(), self.keys.deadlines(), *queues]
         epoch, left, *rows = await self._claim.run(self.redis, keys, args)
         return Due([_due_entry(row, epoch.decode()) for row in rows], bool(left))
@@ -811,6 +930,6 @@ def _due_entry(row: list[bytes], epoch: str) -> DueEntry:
     rid, queue, status = row[0].decode(errors="backslashreplace"), row[1].decode(), EntryStatus(row[2].decode())
     if status is not EntryStatus.STARTED:
         return DueEntry(rid, queue, status, epoch, row[0])
-    _score, job, attempt, last, cancelled = row[3:]
+    _score, job, attempt, last, cancelled, placed = row[3:]
     return DueEntry(rid, queue, status, epoch, row[0], job, int(attempt), decode_event(last) if last else None,
-                    bool(cancelled))
+                    bool(cancelled), Affinity(placed.decode()) if placed else None)

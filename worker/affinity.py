@@ -1,0 +1,213 @@
+"""Prefix affinity, a worker's side: which affinity keys (api/affinity.py) its prefix caches hold, advertised in
+Redis for CLAIM (worker/jobs/transitions.py), and how CLAIM placed its jobs.
+
+A worker cannot ask its prefix cache which keys it holds (the cache knows tokens, not keys), so it keeps an
+approximation per model (:class:`Holdings`): a job's key is held from the moment the job goes into the engine
+with a prompt the cache would store (its prefill stores it), and while the entry its prompt's start made is still
+cached, in memory or on disk. Each heartbeat asks the engine, on its MLX thread, which of the keys no running job
+holds are still cached (a short trie lookup of each key's first ``ANCHOR_TOKENS`` prompt tokens), and drops the
+rest; the bound (``MAX_KEYS``) drops the least recently used. The advertisement lives ``ttl`` (a few
+heartbeats): a stopped (or draining) worker removes it, and a dead or frozen one's lapses; CLAIM counts a holder
+live until then. A worker with a prefix cache is listed from its first heartbeat, even holding nothing: CLAIM
+leaves a job nobody holds to the live worker holding the fewest keys (for at most the same wait), so the
+conversations, and their work, spread over the fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from mlxq.api.keys import Keys
+
+from .jobs.transitions import Affinity
+
+__all__ = ["ANCHOR_TOKENS", "MAX_KEYS", "Advertiser", "Holdings", "Placements", "affinity_ttl_s"]
+
+log = logging.getLogger(__name__)
+
+MAX_KEYS = 256  # keys advertised per model: more than the prefix cache's entries in memory and on disk
+ANCHOR_TOKENS = 256  # a key's prompt start looked up in the cache to tell whether the key is still held
+
+# (model's prompts) -> whether the model's prefix cache still holds each one's start; on the MLX thread
+Check = Callable[[list[list[int]]], Awaitable[list[bool]]]
+
+
+class Holdings:
+    """One model's affinity keys whose prompts its prefix cache holds (an approximation: see the module
+    docstring), at most ``max_keys``, least recently used dropped first."""
+
+    def __init__(self, max_keys: int = MAX_KEYS) -> None:
+        self.max_keys = max_keys
+        self._anchors: OrderedDict[str, list[int]] = OrderedDict()
+        self._running: Counter[str] = Counter()
+        self.version = 0  # changes whenever the keys do: the advertisement is rewritten
+
+    def __len__(self) -> int:
+        return len(self._anchors)
+
+    def keys(self) -> list[str]:
+        return list(self._anchors)
+
+    def started(self, key: str, prompt: Sequence[int]) -> None:
+        """A job of ``key`` went into the engine: its prompt's prefill stores its start in the cache."""
+        new = key not in self._anchors
+        self._anchors[key] = list(prompt[:ANCHOR_TOKENS])
+        self._anchors.move_to_end(key)
+        self._running[key] += 1
+        while len(self._anchors) > self.max_keys:
+            oldest = next((k for k in self._anchors if not self._running[k]), None)
+            if oldest is None:
+                break
+            del self._anchors[oldest]
+            new = True
+        if new:
+            self.version += 1
+
+    def ended(self, key: str) -> None:
+        """A job of ``key`` left the engine (its entry is stored by then, or its key is checked at the next
+        heartbeat)."""
+        self._running[key] -= 1
+        if self._running[key] <= 0:
+            del self._running[key]
+
+    def idle(self) -> dict[str, list[int]]:
+        """The keys no job in the engine holds, with their prompts' starts: those a heartbeat checks."""
+        return {k: a for k, a in self._anchors.items() if not self._running[k]}
+
+    def keep(self, checked: dict[str, list[int]], held: Sequence[bool]) -> None:
+        """Drop the checked keys the cache no longer holds (evicted), unless a job of theirs started since."""
+        gone = [k for k, h in zip(checked, held) if not h and not self._running[k] and k in self._anchors]
+        for k in gone:
+            del self._anchors[k]
+        if gone:
+            self.version += 1
+
+    def clear(self) -> None:
+        """The cache was emptied (its engine failed): nothing is held."""
+        if self._anchors:
+            self._anchors.clear()
+            self.version += 1
+
+
+@dataclass(slots=True)
+class Placements:
+    """How CLAIM placed one model's jobs on this worker (jobs with an affinity key only)."""
+
+    counts: Counter[Affinity] = field(default_factory=Counter)
+
+    def add(self, placed: Affinity | None) -> None:
+        if placed is not None:
+            self.counts[placed] += 1
+
+    @property
+    def holder(self) -> int:
+        return self.counts[Affinity.HOLDER]
+
+    @property
+    def elsewhere(self) -> int:
+        return self.counts[Affinity.ELSEWHERE]
+
+    @property
+    def none(self) -> int:
+        return self.counts[Affinity.NONE]
+
+
+class Advertiser:
+    """Writes a worker's holdings to Redis (``Keys.affinity_keys`` and ``Keys.affinity_holders``, per model):
+    at once when a key is added, and every heartbeat after checking the cache; removes them at the stop."""
+
+    def __init__(self, redis: Redis, keys: Keys, worker_id: str, ttl_s: float) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.worker_id = worker_id
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.holdings: dict[str, Holdings] = {}
+        self.placements: dict[str, Placements] = {}
+        self._written: dict[str, int] = {}  # model -> the holdings' version last written
+        self._pending: asyncio.Task[None] | None = None
+        self._withdrawn = False  # stopping or draining: it takes no more jobs, so it advertises nothing
+
+    def model(self, name: str) -> Holdings:
+        if name not in self.holdings:
+            self.holdings[name] = Holdings()
+            self.placements[name] = Placements()
+        return self.holdings[name]
+
+    def started(self, model: str, key: str, prompt: Sequence[int]) -> None:
+        """A job of ``key`` went into ``model``'s engine: advertise its key now if it is new."""
+        holdings = self.model(model)
+        holdings.started(key, prompt)
+        if holdings.version != self._written.get(model) and self._pending is None:
+            self._pending = asyncio.get_running_loop().create_task(self._write_soon())
+
+    async def _write_soon(self) -> None:
+        try:
+            await self.write()
+        finally:
+            self._pending = None
+
+    async def refresh(self, checks: Mapping[str, Check]) -> None:
+        """Each heartbeat: drop the keys each model's cache evicted (``checks``: the models with a prefix cache),
+        then rewrite every advertisement (its TTL too)."""
+        for name, check in checks.items():
+            holdings = self.model(name)
+            idle = holdings.idle()
+            if idle:
+                holdings.keep(idle, await check(list(idle.values())))
+        await self.write(force=True)
+
+    async def write(self, force: bool = False) -> None:
+        """Write the models' key sets whose holdings changed (``force``: all of them, renewing their TTL)."""
+        now_ms = int(time.time() * 1000)
+        changed = {m: h for m, h in self.holdings.items() if force or h.version != self._written.get(m)}
+        if not changed or self._withdrawn:
+            return
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                for model, holdings in changed.items():
+                    self._write_model(pipe, model, holdings.keys(), now_ms)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:  # the next heartbeat writes them again
+            log.warning("could not advertise the prefix affinity keys: %r", exc)
+            return
+        for model, holdings in changed.items():
+            self._written[model] = holdings.version
+
+    def _write_model(self, pipe: Redis, model: str, keys: list[str], now_ms: int) -> None:
+        own, holders = self.keys.affinity_keys(model, self.worker_id), self.keys.affinity_holders(model)
+        pipe.delete(own)
+        if keys:
+            pipe.sadd(own, *keys)
+            pipe.pexpire(own, self.ttl_ms)
+        # listed even holding nothing: a live worker with fewer keys is the one to take a job nobody holds
+        pipe.zadd(holders, {self.worker_id: now_ms + self.ttl_ms})
+        pipe.pexpire(holders, self.ttl_ms)
+
+    async def remove(self) -> None:
+        """At the stop (or the drain's start): this worker takes no more jobs, so it advertises nothing from here
+        on (a dead one's advertisement lapses instead)."""
+        self._withdrawn = True
+        if self._pending is not None:
+            self._pending.cancel()
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                for model in self.holdings:
+                    pipe.delete(self.keys.affinity_keys(model, self.worker_id))
+                    pipe.zrem(self.keys.affinity_holders(model), self.worker_id)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("could not withdraw the prefix affinity keys (they lapse on their own): %r", exc)
+
+
+def affinity_ttl_s(heartbeat_s: float) -> float:
+    """How long an advertisement lives: three heartbeats (one missed write is no death), at least two seconds."""
+    return max(2.0, 3 * heartbeat_s)
+
