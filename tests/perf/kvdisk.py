@@ -4,10 +4,11 @@ model through an embedded Redis:
 - **stream**: chat jobs whose prompts never repeat (each a system message of its own, so a job stores two
   entries, its system prompt's and its whole conversation's, and every one goes to disk while none is read
   back), ``concurrency`` kept in flight; tok/s with the tier on (``MLXQ_KV_DISK_GB``, one directory for the
-  whole run, so later runs also evict) against the tier off (``MLXQ_KV_DISK_GB=0``). Each run starts its own
-  worker; runs alternate, the order swapped each round. Target: on ÷ off ≥ 0.97 (the median of each round's
-  ratio, and best run against best run). Each run also says what the tier did (entries written, dropped
-  because the writer was behind) and how long the worker took to start;
+  whole run, so later runs also evict) against the tier off (``MLXQ_KV_DISK_GB=0``): two workers, started
+  first, whose runs alternate (the order swapped each round; the other idle meanwhile), so background load on a
+  shared machine falls on both alike. Target: on ÷ off ≥ 0.97 (the median of each round's ratio, and best run
+  against best run). Each run also says what the tier did so far (entries written, dropped because the writer
+  was behind) and how long its worker took to start;
 - **index**: how long opening the tier takes with 1,024 small entries on disk (entries of the tiny model: the
   start-up scan reads only their trailers), with the files in the page cache and out of it.
 
@@ -44,8 +45,8 @@ class Plan:
     """What a run does (``quick``: a smoke run)."""
 
     size: str = "small"
-    rounds: int = 4
-    jobs: int = 24  # per run
+    rounds: int = 8
+    jobs: int = 16  # per run
     concurrency: int = 8
     max_tokens: int = 64
     system_words: int = 60
@@ -56,7 +57,7 @@ class Plan:
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(size="tiny", rounds=2, jobs=12, concurrency=4, max_tokens=16, system_words=60, user_words=20,
+        return cls(size="tiny", rounds=2, jobs=8, concurrency=4, max_tokens=16, system_words=60, user_words=20,
                    index_entries=64)
 
 
@@ -133,17 +134,25 @@ def _messages(rng: random.Random, tag: str, plan: Plan) -> list[dict[str, str]]:
             {"role": "user", "content": words(plan.user_words)}]
 
 
-async def _stream(url: str, prefix: str, plan: Plan, tag: str) -> tuple[int, int, float]:
+async def _warm(url: str, prefix: str, plan: Plan, tag: str) -> None:
+    """A fresh worker's first jobs (not measured)."""
+    from mlxq.api.client import Client
+
+    rng = random.Random(tag)
+    async with Client(url, prefix=prefix, retry_deadline=30) as client:
+        for i in range(2):
+            await client.generate(model="m", messages=_messages(rng, f"{tag}-{i}", plan), max_tokens=plan.max_tokens,
+                                  timeout=600)
+
+
+async def _burst(url: str, prefix: str, plan: Plan, tag: str) -> tuple[int, int, float]:
     """``plan.jobs`` jobs, ``plan.concurrency`` in flight: (tokens generated, prompt tokens, seconds)."""
     from mlxq.api.client import Client
 
     rng = random.Random(tag)
-    convs = [_messages(rng, f"{tag}-{i}", plan) for i in range(plan.jobs + 2)]
+    queue = [_messages(rng, f"{tag}-{i}", plan) for i in range(plan.jobs)]
+    tokens = prompt = 0
     async with Client(url, prefix=prefix, retry_deadline=30) as client:
-        for warm in convs[:2]:  # the first jobs of a fresh worker are not measured
-            await client.generate(model="m", messages=warm, max_tokens=plan.max_tokens, timeout=600)
-        queue = list(convs[2:])
-        tokens = prompt = 0
 
         async def one() -> None:
             nonlocal tokens, prompt
@@ -156,6 +165,34 @@ async def _stream(url: str, prefix: str, plan: Plan, tag: str) -> tuple[int, int
         start = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(plan.concurrency)))
         return tokens, prompt, time.perf_counter() - start
+
+
+class _Worker:
+    """A worker process with the tier on or off, under a Redis prefix of its own."""
+
+    def __init__(self, server: Any, model: str, plan: Plan, out: Path, kv_dir: Path, disk: bool) -> None:
+        from mlxq.worker.tools.process import WorkerProcess
+
+        self.url, self.plan, self.disk = server.url, plan, disk
+        self.prefix = f"mlxq-bench-kvdisk-{uuid.uuid4().hex[:6]}"
+        env = {"MLXQ_MODEL": model, "MLXQ_MODEL_NAME": "m", "MLXQ_REDIS_URL": self.url, "MLXQ_PREFIX": self.prefix,
+               "MLXQ_BATCH_CAPACITY": str(plan.concurrency), "MLXQ_JOB_EXPIRY": "0", "MLXQ_HEARTBEAT": "0.5",
+               "MLXQ_KV_DISK_GB": str(plan.disk_gb if disk else 0), "MLXQ_KV_DIR": str(kv_dir),
+               "OPENBLAS_NUM_THREADS": "1"}
+        t0 = time.perf_counter()
+        self.proc = WorkerProcess(env, out / "logs" / f"worker-kvdisk-{'on' if disk else 'off'}.log").start()
+        self.proc.wait_ready(timeout=300)
+        self.ready_s = time.perf_counter() - t0
+        asyncio.run(_warm(self.url, self.prefix, plan, f"warm-{uuid.uuid4().hex[:8]}"))
+
+    def run(self, rnd: int) -> Run:
+        tokens, prompt, seconds = asyncio.run(_burst(self.url, self.prefix, self.plan, uuid.uuid4().hex))
+        time.sleep(1.2)  # the last jobs' writes land (so they do not slow the other worker's run), and two beats
+        assert self.proc.proc is not None
+        m = _record(self.url, self.prefix, self.proc.proc.pid)
+        return Run(rnd, self.disk, self.plan.jobs, tokens, prompt // max(1, self.plan.jobs), seconds, self.ready_s,
+                   m.prefix_disk_writes, m.prefix_disk_dropped, m.prefix_disk_hits, m.prefix_disk_entries,
+                   m.prefix_disk_bytes)
 
 
 def _record(url: str, prefix: str, pid: int) -> Any:
@@ -176,46 +213,28 @@ def _record(url: str, prefix: str, pid: int) -> Any:
     raise RuntimeError("the worker's health record is gone")
 
 
-def _run(server: Any, model: str, plan: Plan, out: Path, kv_dir: Path, rnd: int, disk: bool) -> Run:
-    from mlxq.worker.tools.process import WorkerProcess
-
-    prefix = f"mlxq-bench-kvdisk-{uuid.uuid4().hex[:6]}"
-    env = {"MLXQ_MODEL": model, "MLXQ_MODEL_NAME": "m", "MLXQ_REDIS_URL": server.url, "MLXQ_PREFIX": prefix,
-           "MLXQ_BATCH_CAPACITY": str(plan.concurrency), "MLXQ_JOB_EXPIRY": "0", "MLXQ_HEARTBEAT": "0.5",
-           "MLXQ_KV_DISK_GB": str(plan.disk_gb if disk else 0), "MLXQ_KV_DIR": str(kv_dir),
-           "OPENBLAS_NUM_THREADS": "1"}
-    name = f"{'on' if disk else 'off'}-{rnd}"
-    t0 = time.perf_counter()
-    worker = WorkerProcess(env, out / "logs" / f"worker-kvdisk-{name}.log").start()
-    try:
-        worker.wait_ready(timeout=300)
-        ready = time.perf_counter() - t0
-        tokens, prompt, seconds = asyncio.run(_stream(server.url, prefix, plan, f"{name}-{uuid.uuid4().hex[:8]}"))
-        time.sleep(1.2)  # two beats: the record counts what the run's writes did
-        assert worker.proc is not None
-        m = _record(server.url, prefix, worker.proc.pid)
-    finally:
-        worker.stop()
-    return Run(rnd, disk, plan.jobs, tokens, prompt // max(1, plan.jobs), seconds, ready, m.prefix_disk_writes,
-               m.prefix_disk_dropped, m.prefix_disk_hits, m.prefix_disk_entries, m.prefix_disk_bytes)
-
-
 def stream(plan: Plan, model: str, out: Path) -> list[Run]:
-    """Runs with the tier on and off, alternating (the order swapped each round)."""
+    """Two workers, the tier on and off, both started first; their runs alternate (the order swapped each round),
+    the other worker idle meanwhile."""
     from mlxq.worker.tools.bench.runs import say
     from mlxq.worker.tools.redis_server import RedisServer
 
-    runs = []
+    runs: list[Run] = []
     kv_dir = Path(tempfile.mkdtemp(prefix="mlxq-kvdisk-", dir=out))
+    workers: list[_Worker] = []
     try:
         with RedisServer() as server:
-            for rnd in range(plan.rounds):
-                for disk in ((True, False) if rnd % 2 == 0 else (False, True)):
-                    runs.append(_run(server, model, plan, out, kv_dir, rnd, disk))
-                    r = runs[-1]
-                    say(f"[kvdisk] round {rnd} tier {'on ' if disk else 'off'}: {r.tok_s:.1f} tok/s ({r.tokens} "
-                        f"tokens in {r.seconds:.1f} s); written {r.writes}, dropped {r.dropped}, "
-                        f"held {r.disk_entries}; ready in {r.ready_s:.1f} s")
+            try:
+                workers = [_Worker(server, model, plan, out, kv_dir, disk) for disk in (True, False)]
+                for rnd in range(plan.rounds):
+                    for w in (workers if rnd % 2 == 0 else workers[::-1]):
+                        runs.append(r := w.run(rnd))
+                        say(f"[kvdisk] round {rnd} tier {'on ' if r.disk else 'off'}: {r.tok_s:.1f} tok/s "
+                            f"({r.tokens} tokens in {r.seconds:.1f} s); so far written {r.writes}, dropped "
+                            f"{r.dropped}, held {r.disk_entries}")
+            finally:
+                for w in workers:
+                    w.proc.stop()
     finally:
         shutil.rmtree(kv_dir, ignore_errors=True)
     return runs
@@ -278,9 +297,10 @@ def _open_ms(directory: Path, entries: int) -> float:
 def markdown(r: Results) -> str:
     p = r.plan
     lines = [f"# The prefix cache on disk: a stream that never repeats ({p.size} model)", "",
-             f"BLAS: {r.blas}. Each run: a fresh worker (capacity {p.concurrency}), 2 jobs unmeasured, then "
-             f"{p.jobs} chat jobs, {p.concurrency} in flight, {p.max_tokens} tokens each (greedy); the tier on: "
-             f"`MLXQ_KV_DISK_GB={p.disk_gb:g}`, one directory for every run.", "",
+             f"BLAS: {r.blas}. Two workers (capacity {p.concurrency}), the tier on (`MLXQ_KV_DISK_GB="
+             f"{p.disk_gb:g}`) and off, 2 jobs each unmeasured; then runs of {p.jobs} chat jobs, {p.concurrency} in "
+             f"flight, {p.max_tokens} tokens each (greedy), alternating. Written, dropped, held: the tier's "
+             "counters so far.", "",
              "| round | tier | tok/s | tokens | s | prompt tokens | written | dropped | disk hits | held | "
              "held MiB | worker ready s |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for x in r.runs:
