@@ -596,6 +596,16 @@ class ModelStatus(BaseModel):
     affinity_elsewhere: int = 0
     affinity_none: int = 0
     affinity_keys: int = 0
+    # The prefix cache's tier on disk (all 0 without one): prefixes read from it for a request, requests whose
+    # prefix neither memory nor disk held, entries unreadable (their requests prefilled cold), entries written
+    # and not written (the writer too far behind), and what it holds now.
+    prefix_disk_hits: int = 0
+    prefix_disk_misses: int = 0
+    prefix_disk_errors: int = 0
+    prefix_disk_writes: int = 0
+    prefix_disk_dropped: int = 0
+    prefix_disk_bytes: int = 0
+    prefix_disk_entries: int = 0
     device: str = ""  # where MLX runs it (name, backend, usable memory)
 
 

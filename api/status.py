@@ -2,8 +2,8 @@
 
 For every model with a queue or a live worker: jobs waiting, the age of the oldest, and what its live workers
 do now; each tenant with a policy entry or jobs queued or running (its policy, and its live use); then each
-live worker (host, pid, models, capacity, running and waiting sequences, tokens per second
-over the last minute, uptime, version). As text for a terminal, or JSON for scripts.
+live worker (host, pid, models, capacity, running and waiting sequences, tokens per second over the last
+minute, prefix-cache hits in memory and on disk, uptime, version). As text for a terminal, or JSON for scripts.
 """
 
 from __future__ import annotations
@@ -90,22 +90,27 @@ def tenant_table(tenants: list[TenantUse]) -> list[str]:
 
 
 def _worker_rows(report: Report) -> list[list[str]]:
-    rows = [["WORKER", "HOST", "PID", "MODEL", "STATE", "CAP", "RUN", "WAIT", "TOK/S", "SPECULATION", "PREFIX",
-             "AFFINITY", "UPTIME", "VERSION"]]
+    rows = [["WORKER", "HOST", "PID", "MODEL", "STATE", "CAP", "RUN", "WAIT", "TOK/S", "PREFIX HITS", "AFFINITY",
+             "SPECULATION", "UPTIME", "VERSION"]]
     for w in report.workers:
         for i, m in enumerate(w.models):
             state = "draining" if w.draining and m.state.value == "serving" else m.state.value
             head = [w.id, w.host, str(w.pid)] if i == 0 else ["", "", ""]
             tail = [_age(report.at - w.started_at), w.version] if i == 0 else ["", ""]
             rows.append([*head, m.name, state, str(m.capacity), str(m.running), str(m.waiting),
-                         f"{m.tokens_per_s:.1f}", _speculation(m), _prefix(m), _affinity(m), *tail])
+                         f"{m.tokens_per_s:.1f}", _prefix(m), _affinity(m), _speculation(m), *tail])
     return rows
 
 
 def _prefix(m: ModelStatus) -> str:
-    """Its prefix cache's hits and lookups."""
-    looked = m.prefix_hits + m.prefix_misses
-    return f"{m.prefix_hits}/{looked} hit" if looked else "-"
+    """Its prefix cache: the share of lookups that hit, and its tier on disk (``40% of 10; disk 3 hits, 12 held``)."""
+    looks = m.prefix_hits + m.prefix_misses
+    text = f"{m.prefix_hits / looks:.0%} of {looks}" if looks else "-"
+    if m.prefix_disk_hits or m.prefix_disk_entries or m.prefix_disk_writes:
+        text += f"; disk {m.prefix_disk_hits} hits, {m.prefix_disk_entries} held"
+        if m.prefix_disk_errors:
+            text += f", {m.prefix_disk_errors} unreadable"
+    return text
 
 
 def _affinity(m: ModelStatus) -> str:

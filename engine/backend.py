@@ -196,6 +196,7 @@ class DiskCounts:
     misses: int  # requests whose prefix neither memory nor disk held
     errors: int  # entries that could not be read (their requests prefilled cold)
     writes: int
+    dropped: int  # entries not written: the writer was too far behind
     bytes: int
     entries: int
 

@@ -139,7 +139,8 @@ class PrefixCache:
         d = self.disk
         if d is None:
             return None
-        return DiskCounts(d.counts.hits, d.counts.misses, d.counts.errors, d.counts.writes, d.nbytes, len(d))
+        c = d.counts
+        return DiskCounts(c.hits, c.misses, c.errors, c.writes, c.dropped, d.nbytes, len(d))
 
     def _held(self, tokens: list[int]) -> int:
         """How many of ``tokens`` the memory tier holds (its trie's answer, without copying a cache)."""

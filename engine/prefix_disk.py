@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import copy
 import errno
+import gc
 import hashlib
 import json
 import logging
@@ -31,7 +32,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -360,7 +361,28 @@ class PrefixDisk:
 
     # --- start and stop ----------------------------------------------------------------------------
     def _scan(self) -> None:
-        """Index the entries a previous run left (their headers only) and delete half-written files."""
+        """Index the entries a previous run left (their headers only) and delete half-written files. It runs
+        while the engine is built, so the index is whole before the first job (and frozen out of the collector's
+        sight with the rest of the start: worker/host.py)."""
+        with _collector_paused():  # a dict per token: the collector's passes over them cost 4x the work itself
+            found = self._trailers()
+            found.sort(key=lambda kv: kv[1].used, reverse=True)  # the most recent first: they stay within bounds
+            for key, entry in found:
+                if (len(self._index) >= self.max_entries or self._bytes + entry.nbytes > self.max_bytes
+                        or self._tokens + len(entry.tokens) > MAX_TOKENS):
+                    with contextlib.suppress(OSError):
+                        self._path(key).unlink()
+                    continue
+                self._index[key] = entry
+                self._bytes += entry.nbytes
+                self._tokens += len(entry.tokens)
+                self._trie.add(_TRIE, list(entry.tokens), key)
+        if self._index:
+            log.info("prefix cache on disk: %d entries (%.1f MiB) in %s", len(self._index), self._bytes / (1 << 20),
+                     self.dir)
+
+    def _trailers(self) -> list[tuple[str, _Entry]]:
+        """Every entry file's key and trailer; half-written and unreadable files deleted."""
         found: list[tuple[str, _Entry]] = []
         for p in self.dir.iterdir():
             if p.name.endswith(_TEMP) or p.name.endswith(".tmp"):
@@ -371,27 +393,14 @@ class PrefixDisk:
                 continue
             try:
                 meta, st = _read_meta(p), p.stat()
-                found.append((p.name[:-len(_SUFFIX)], _Entry(tuple(int(t) for t in meta["tokens"]), st.st_size,
+                found.append((p.name[:-len(_SUFFIX)], _Entry(tuple(map(int, meta["tokens"])), st.st_size,
                                                              str(meta["kind"]), bool(meta["trimmable"]),
                                                              st.st_mtime)))
             except Exception as exc:
                 log.warning("prefix cache on disk: entry %s is unreadable (%s); deleted", p.name, exc)
                 with contextlib.suppress(OSError):
                     p.unlink()
-        found.sort(key=lambda kv: kv[1].used, reverse=True)  # the most recent first: they stay within bounds
-        for key, entry in found:
-            if (len(self._index) >= self.max_entries or self._bytes + entry.nbytes > self.max_bytes
-                    or self._tokens + len(entry.tokens) > MAX_TOKENS):
-                with contextlib.suppress(OSError):
-                    self._path(key).unlink()
-                continue
-            self._index[key] = entry
-            self._bytes += entry.nbytes
-            self._tokens += len(entry.tokens)
-            self._trie.add(_TRIE, list(entry.tokens), key)
-        if self._index:
-            log.info("prefix cache on disk: %d entries (%.1f MiB) in %s", len(self._index), self._bytes / (1 << 20),
-                     self.dir)
+        return found
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait (blocking) until the writes handed over so far are done; False if ``timeout_s`` passed first."""
@@ -415,6 +424,19 @@ class PrefixDisk:
 
     def _path(self, key: str) -> Path:
         return self.dir / f"{key}{_SUFFIX}"
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic collector off for a while (it was on): building many containers at once, each of its
+    passes would walk them all again."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class _Once:

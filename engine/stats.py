@@ -38,7 +38,8 @@ class EngineStats:
     prefix_disk_hits: int = 0  # entries read from disk for a request
     prefix_disk_misses: int = 0  # requests whose prefix neither memory nor disk held
     prefix_disk_errors: int = 0  # entries unreadable (corrupt): their requests prefilled cold
-    prefix_disk_writes: int = 0
+    prefix_disk_writes: int = 0  # entries written
+    prefix_disk_dropped: int = 0  # entries not written: the writer was too far behind (or one too large)
     prefix_disk_bytes: int = 0
     prefix_disk_entries: int = 0
     # Speculative decoding (engine/mlx_speculative.py).

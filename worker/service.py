@@ -46,6 +46,17 @@ class BadRequest(Exception):
     """The job can never succeed as sent; becomes an ``error(bad_request)`` event."""
 
 
+# The health record's fields (ModelStatus) read from the engine's counters (EngineStats): record field, stat.
+_RECORD_STATS = (
+    ("drafted", "spec_drafted"), ("accepted", "spec_accepted"), ("spec_k", "spec_k"), ("kv_bytes", "kv_bytes"),
+    ("kv_headroom_bytes", "kv_headroom_bytes"), ("prefix_hits", "prefix_hits"), ("prefix_misses", "prefix_misses"),
+    ("prefix_disk_hits", "prefix_disk_hits"), ("prefix_disk_misses", "prefix_disk_misses"),
+    ("prefix_disk_errors", "prefix_disk_errors"), ("prefix_disk_writes", "prefix_disk_writes"),
+    ("prefix_disk_dropped", "prefix_disk_dropped"), ("prefix_disk_bytes", "prefix_disk_bytes"),
+    ("prefix_disk_entries", "prefix_disk_entries"), ("device", "device"),
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """A claimed job ready for its model's engine: the engine's request, the parser of its tool calls (None: the
@@ -153,17 +164,13 @@ class ModelService:
         """Its part of the worker's health record."""
         running = self.engine.scheduler.num_running if self.engine is not None else 0
         stats = self.engine.stats if self.engine is not None else None
+        counters = {f: getattr(stats, name) for f, name in _RECORD_STATS} if stats is not None else {}
         model = self.model
         return ModelStatus(name=self.name, state=self.state, capacity=self.config.capacity, running=running,
                            waiting=max(0, len(self.active) - running), tokens_per_s=round(tokens_per_s, 1),
                            accepts_images=model is not None and model.accepts_images,
                            context_length=model.context_length if model is not None else None, error=self.error,
-                           speculation=self.config.speculation(self.served),
-                           drafted=stats.spec_drafted if stats else 0, accepted=stats.spec_accepted if stats else 0,
-                           spec_k=stats.spec_k if stats else 0, kv_bytes=stats.kv_bytes if stats else 0,
-                           kv_headroom_bytes=stats.kv_headroom_bytes if stats else 0,
-                           prefix_hits=stats.prefix_hits if stats else 0,
-                           prefix_misses=stats.prefix_misses if stats else 0, device=stats.device if stats else "")
+                           speculation=self.config.speculation(self.served), **counters)
 
     # --- jobs ----------------------------------------------------------------------------------------
     def claimed(self, entries: Sequence[DueEntry]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import logging
 import shutil
 from collections.abc import AsyncIterator
@@ -283,3 +284,32 @@ async def test_a_request_aborted_while_its_prefix_loads_ends_once(
     finally:
         gate.set()
         await engine.aclose()
+
+
+@pytest.mark.parametrize("collector", [True, False], ids=["collector-on", "collector-off"])
+def test_the_index_is_read_at_the_start_and_the_collector_left_as_it_was(lm: Any, tmp_path: Path,
+                                                                         collector: bool) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(lm[0])
+    lm[0](mx.array([list(range(80))]), cache=cache)
+    mx.eval([c.state for c in cache])
+    prompts = [[i, *range(100, 180)] for i in range(3)]  # the scan reads trailers: their tokens are what it indexes
+    disk = PrefixDisk(tmp_path, 1 << 30)
+    assert all(disk.save(p, cache, "assistant", True) for p in prompts)
+    disk.close()
+    was = gc.isenabled()
+    (gc.enable if collector else gc.disable)()
+    try:
+        reopened = PrefixDisk(tmp_path, 1 << 30)  # the collector is paused while it builds the index
+        assert gc.isenabled() is collector
+    finally:
+        (gc.enable if was else gc.disable)()
+    try:
+        assert len(reopened) == 3
+        for p in prompts:
+            hit = reopened.lookup(p)
+            assert hit is not None and hit.tokens == len(p)
+    finally:
+        reopened.close()

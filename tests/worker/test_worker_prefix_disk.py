@@ -1,7 +1,7 @@
 """The prefix cache on disk through real workers: a conversation's next turn, after its worker was restarted (in
 this process; and, slow, a worker process stopped by SIGTERM or killed by SIGKILL between the turns), starts
-from its prefix on disk (the disk hit counters of the engine and of /metrics say so) with mlx-lm's greedy
-tokens."""
+from its prefix on disk (the disk hit counters of the engine, of /metrics and of the health record say so) with
+mlx-lm's greedy tokens."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from mlxq.api.client import Client
+from mlxq.api.status import collect, render
 from mlxq.engine.prompt import encode_prompt_with_boundary
 from mlxq.worker.tools.process import WorkerProcess
 from tests.support import config_with, free_port, reference, start_worker, wait_for
@@ -61,6 +62,15 @@ async def test_a_restarted_worker_starts_the_next_turn_from_disk(worker_config: 
         assert value(samples, "mlxq:prefix_disk_hits_total", model_name="tiny") == 1
         assert value(samples, "mlxq:prefix_disk_entries", model_name="tiny") >= 1
         assert value(samples, "mlxq:prefix_disk_bytes", model_name="tiny") > 0
+        await running.host.health.beat()  # the health record (mlxq status, the dashboard) counts the same
+        (record,) = (await client.workers())[0].models
+        assert (record.prefix_disk_hits, record.prefix_disk_errors, record.prefix_hits) == (1, 0, 1)
+        assert record.prefix_disk_entries == value(samples, "mlxq:prefix_disk_entries", model_name="tiny") >= 1
+        assert record.prefix_disk_bytes == value(samples, "mlxq:prefix_disk_bytes", model_name="tiny") > 0
+        for name in ("writes", "dropped"):  # both read the engine's counters, and it has not stepped since
+            assert getattr(record, f"prefix_disk_{name}") == value(samples, f"mlxq:prefix_disk_{name}_total",
+                                                                   model_name="tiny")
+        assert "disk 1 hits" in render(await collect(client))
     finally:
         await running.close()
     assert result.token_ids == reference(lm, tokens_of(lm, messages), MAX_TOKENS)
@@ -102,3 +112,14 @@ async def test_a_worker_process_restarted_between_two_turns_starts_the_second_fr
     finally:
         second_worker.kill()
     assert result.token_ids == reference(lm, tokens_of(lm, messages), MAX_TOKENS)
+
+
+def test_the_health_record_reads_each_of_its_counters_from_the_engines() -> None:
+    from mlxq.api.schema import ModelStatus
+    from mlxq.engine.stats import EngineStats
+    from mlxq.worker.service import _RECORD_STATS
+
+    disk = {f for f in EngineStats.__dataclass_fields__ if f.startswith("prefix_disk_")}
+    assert disk <= {stat for _, stat in _RECORD_STATS}  # every counter of the tier on disk is in the record
+    for field, stat in _RECORD_STATS:
+        assert field in ModelStatus.model_fields and stat in EngineStats.__dataclass_fields__

@@ -130,10 +130,12 @@ function drawOverview(data) {
     const room = w.models.reduce((n, m) => n + (m.kv_headroom_bytes || 0), 0);
     const hits = w.models.reduce((n, m) => n + (m.prefix_hits || 0), 0);
     const looks = hits + w.models.reduce((n, m) => n + (m.prefix_misses || 0), 0);
+    const disk = prefixDisk(w.models);
     const devices = [...new Set(w.models.map((m) => m.device).filter(Boolean))].join(", ") || "-";
     rows.push(row([w.id, w.host + " (pid " + w.pid + ")", state, w.models.map((m) => m.name).join(", "), used + " / " + cap,
       w.models.reduce((n, m) => n + m.waiting, 0), w.models.reduce((n, m) => n + m.tokens_per_s, 0).toFixed(1),
-      room ? bytes(kv) + " / " + bytes(room) : "-", looks ? Math.round((100 * hits) / looks) + "% of " + looks : "-",
+      room ? bytes(kv) + " / " + bytes(room) : "-",
+      (looks ? Math.round((100 * hits) / looks) + "% of " + looks : "-") + disk,
       spec, devices, w.version, age(data.at - w.updated_at) + " ago"]));
   }
   for (const w of data.lost) {
@@ -142,6 +144,14 @@ function drawOverview(data) {
     rows.push(tr);
   }
   fill("workers", rows, "no workers", 13);
+}
+
+function prefixDisk(models) {  // the tier on disk: ", disk: 3 hits, 120 MiB in 40" (nothing without one)
+  const sum = (f) => models.reduce((n, m) => n + (m[f] || 0), 0);
+  const hits = sum("prefix_disk_hits"), entries = sum("prefix_disk_entries"), errors = sum("prefix_disk_errors");
+  if (!hits && !entries && !sum("prefix_disk_writes")) return "";
+  return ", disk: " + hits + " hits, " + bytes(sum("prefix_disk_bytes")) + " in " + entries +
+    (errors ? ", " + errors + " unreadable" : "");
 }
 
 function drawTenants(tenants) {
