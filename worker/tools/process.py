@@ -24,10 +24,12 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 
 class WorkerProcess:
-    """A worker subprocess configured by ``MLXQ_*`` variables; its log goes to ``log_path``."""
+    """A worker subprocess configured by ``MLXQ_*`` variables; its log goes to ``log_path``. ``settings``: the arq
+    settings it runs (a benchmark's simulated worker names its own)."""
 
-    def __init__(self, env: Mapping[str, str], log_path: Path) -> None:
+    def __init__(self, env: Mapping[str, str], log_path: Path, settings: str = "mlxq.worker.Settings") -> None:
         self.env = {**os.environ, **env}
+        self.settings = settings
         self.env.setdefault("TRANSFORMERS_VERBOSITY", "error")
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
@@ -36,7 +38,7 @@ class WorkerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "arq", "mlxq.worker.Settings"],
+                [sys.executable, "-m", "arq", self.settings],
                 env=self.env, cwd=_ROOT, stdout=log, stderr=subprocess.STDOUT,
             )
         return self
