@@ -241,10 +241,10 @@ class _Fleet:
         ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads and sockets
         for _ in range(self.cfg.subscribers):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_subscriber_main, daemon=True,
-                               args=(theirs, self.server.url, self.prefix, self.gateway.url if self.gateway else None))
-            proc.start()
-            self.subs.append((proc, ours))
+            sub = ctx.Process(target=_subscriber_main, daemon=True,
+                              args=(theirs, self.server.url, self.prefix, self.gateway.url if self.gateway else None))
+            sub.start()
+            self.subs.append((sub, ours))
         for _, conn in self.subs:
             if not conn.poll(120) or conn.recv() != "ready":
                 raise RuntimeError("a subscriber process did not start")
@@ -292,13 +292,17 @@ class _CpuMeter:
         self.before = {k: [cpu_seconds(p) for p in v] for k, v in self.pids.items()}
         self.busy0, self.wall0 = _machine_busy(), time.monotonic()
         self.redis = redis.Redis.from_url(fleet.server.url)
-        self.cmds0 = int(self.redis.info("stats")["total_commands_processed"])
+        self.cmds0 = self._commands()
+
+    def _commands(self) -> int:
+        info: dict[str, Any] = self.redis.info("stats")  # type: ignore[assignment]
+        return int(info["total_commands_processed"])
 
     def stop(self) -> tuple[Cpu, float]:
         wall = time.monotonic() - self.wall0
         used = {k: [(cpu_seconds(p) - b) / wall for p, b in zip(v, self.before[k])] for k, v in self.pids.items()}
         busy = _machine_busy()[0] - self.busy0[0]
-        commands = (int(self.redis.info("stats")["total_commands_processed"]) - self.cmds0) / wall
+        commands = (self._commands() - self.cmds0) / wall
         self.redis.close()
         cpu = Cpu(used["redis"][0], used["workers"], used["gateway"][0] if used["gateway"] else None,
                   used["subscribers"], busy / wall, os.cpu_count() or 1)
