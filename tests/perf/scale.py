@@ -149,9 +149,13 @@ class Level:
 
 @dataclass(frozen=True, slots=True)
 class Enqueue:
+    """One producer's submits with ``concurrency`` in flight, and the CPU each job cost the producer and Redis."""
+
     concurrency: int
     jobs: int
     jobs_s: float
+    producer_us: float  # the producer's CPU per job
+    redis_us: float  # Redis's CPU per job
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,7 +365,7 @@ def _quantile(bins: Counter[int], q: float) -> float:
 
 
 # --- one producer's enqueues -------------------------------------------------------------------------
-async def _enqueue(url: str, cfg: ScaleConfig) -> list[Enqueue]:
+async def _enqueue(url: str, redis_pid: int | None, cfg: ScaleConfig) -> list[Enqueue]:
     results = []
     async with Client(url, prefix=f"mlxq-scale-enq-{uuid.uuid4().hex[:6]}") as client:
         await client.submit(model=_NOBODY, prompt="warm up", max_tokens=1)  # opens the connections
@@ -374,11 +378,15 @@ async def _enqueue(url: str, cfg: ScaleConfig) -> list[Enqueue]:
                     left -= 1
                     await client.submit(model=_NOBODY, prompt=f"job {left}", max_tokens=1)
 
-            t0 = time.perf_counter()
+            t0, cpu0, redis0 = time.perf_counter(), time.process_time(), cpu_seconds(redis_pid)
             await asyncio.gather(*(producer() for _ in range(c)))
             rate = cfg.enqueue_jobs / (time.perf_counter() - t0)
-            results.append(Enqueue(c, cfg.enqueue_jobs, rate))
-            say(f"[scale] enqueue: {rate:8.0f} jobs/s with {c} submits in flight")
+            per_job = 1e6 / cfg.enqueue_jobs
+            result = Enqueue(c, cfg.enqueue_jobs, rate, (time.process_time() - cpu0) * per_job,
+                             (cpu_seconds(redis_pid) - redis0) * per_job)
+            results.append(result)
+            say(f"[scale] enqueue: {rate:8.0f} jobs/s with {c} submits in flight (CPU per job: producer "
+                f"{result.producer_us:.0f} µs, Redis {result.redis_us:.0f} µs)")
             await client.redis.flushdb()  # the next round starts from an empty queue
     return results
 
@@ -400,7 +408,7 @@ def run(cfg: ScaleConfig, out: Path) -> ScaleResult:
         for proc in fleet.workers:
             proc.stop()  # the enqueue phase measures the producer and Redis alone
         fleet.workers = []
-        enqueue = asyncio.run(_enqueue(fleet.server.url, cfg))
+        enqueue = asyncio.run(_enqueue(fleet.server.url, fleet.pids()["redis"][0], cfg))
     finally:
         fleet.stop()
     return ScaleResult(cfg, levels, enqueue)
@@ -418,7 +426,8 @@ def markdown(r: ScaleResult) -> str:
     verdict = (f"Delivery degraded first at {first.streams} streams (p99 {first.p99_ms:.1f} ms, delivered "
                f"{first.delivered:.3f}); bottleneck there: {first.bottleneck}." if first else
                f"Delivery held (p99 ≤ {_P99_TARGET_MS:g} ms, ≥ 0.95 delivered) at every level measured.")
-    enq = [f"| {e.concurrency} | {e.jobs} | {e.jobs_s:.0f} |" for e in r.enqueue]
+    enq = [f"| {e.concurrency} | {e.jobs} | {e.jobs_s:.0f} | {e.producer_us:.0f} | {e.redis_us:.0f} |"
+           for e in r.enqueue]
     errors = [f"- N={lv.streams}: {e}" for lv in r.levels for e in lv.errors]
     return "\n".join([
         f"# The control plane's ceiling ({'quick run, ' if cfg.quick else ''}{cfg.rate:g} tokens/s a stream, "
@@ -429,7 +438,9 @@ def markdown(r: ScaleResult) -> str:
         "| streams | engines | via gateway | p50 ms | p99 ms | max ms | delivered | completed | Redis cores | "
         "Redis cores per 1,000 | Redis cmds/s | workers | gateway | subscribers | machine | bottleneck |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---|", *rows, "", verdict, "",
-        "## One producer's enqueues (`Client.submit`)", "", "| submits in flight | jobs | jobs/s |", "|---:|---:|---:|",
+        "## One producer's enqueues (`Client.submit`)", "",
+        "| submits in flight | jobs | jobs/s | producer CPU µs/job | Redis CPU µs/job |",
+        "|---:|---:|---:|---:|---:|",
         *enq, "", *(["## Stream errors", "", *errors, ""] if errors else [])])
 
 
