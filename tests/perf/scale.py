@@ -71,13 +71,14 @@ class ScaleConfig:
     rows: int = 64  # rows per simulated engine (a full batch of a real one)
     gateway_share: float = 0.2
     stop_p99_ms: float = 1000.0
+    ramp_s: float = 2.0  # before a level's window opens (plus a second per 1,000 streams): submits, claims
     enqueue_jobs: int = 20_000
     enqueue_concurrency: tuple[int, ...] = (1, 16, 64, 256)
     quick: bool = False
 
     @classmethod
     def quick_config(cls) -> ScaleConfig:
-        return cls(levels=(2, 4), window_s=2.0, workers=1, subscribers=1, rows=2, gateway_share=0.5,
+        return cls(levels=(2, 4), window_s=2.0, workers=1, subscribers=1, rows=2, gateway_share=0.5, ramp_s=1.0,
                    enqueue_jobs=300, enqueue_concurrency=(1, 16), quick=True)
 
     @property
@@ -327,7 +328,7 @@ def _bottleneck(cpu: Cpu) -> str:
 
 def _level(fleet: _Fleet, n: int, window_s: float) -> Level:
     cfg = fleet.cfg
-    ramp_s = 2.0 + n / 1000  # submits, claims and the first tokens, before the window opens
+    ramp_s = cfg.ramp_s + n / 1000  # submits, claims and the first tokens, before the window opens
     t0 = time.time() + ramp_s
     t1 = t0 + window_s
     max_tokens = math.ceil(cfg.rate * (ramp_s + window_s + 1.0))
