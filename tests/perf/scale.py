@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 import redis
 
 from mlxq.api.client import Client
+from mlxq.api.config import ClientConfig
 from mlxq.worker.tools.bench.http import SseClient
 from mlxq.worker.tools.bench.runs import say
 from mlxq.worker.tools.process import GatewayProcess, WorkerProcess
@@ -131,6 +132,7 @@ class Level:
     """One level's measurements."""
 
     streams: int
+    rate: float
     engines: int
     via_gateway: int
     p50_ms: float
@@ -142,10 +144,18 @@ class Level:
     cpu: Cpu
     redis_commands_s: float
     bottleneck: str
+    redis_idle: float  # Redis's cores with the same fleet and no stream (heartbeats, polls, leases' loops)
 
     @property
     def redis_cores_per_1000(self) -> float:
-        return self.cpu.redis / self.streams * 1000
+        """Redis's cores per 1,000 streams, less what the idle fleet costs it."""
+        return max(0.0, self.cpu.redis - self.redis_idle) / self.streams * 1000
+
+    @property
+    def redis_us_per_token(self) -> float:
+        """Redis's CPU per token delivered (µs), less the idle fleet's: its cost per event of one token."""
+        tokens_s = self.streams * self.delivered * self.rate
+        return max(0.0, self.cpu.redis - self.redis_idle) / tokens_s * 1e6 if tokens_s else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +336,16 @@ def _bottleneck(cpu: Cpu) -> str:
     return f"none found (busiest: {top} {procs[top]:.2f} cores; machine {cpu.machine:.2f} of {cpu.cores})"
 
 
-def _level(fleet: _Fleet, n: int, window_s: float) -> Level:
+def _idle(fleet: _Fleet, window_s: float) -> float:
+    """Redis's cores over a window with the fleet up and no stream."""
+    meter = _CpuMeter(fleet)
+    time.sleep(window_s)
+    cpu, _ = meter.stop()
+    say(f"[scale] idle fleet: redis {cpu.redis:.3f} cores; workers {sum(cpu.workers):.2f}")
+    return cpu.redis
+
+
+def _level(fleet: _Fleet, n: int, window_s: float, idle: float = 0.0) -> Level:
     cfg = fleet.cfg
     ramp_s = cfg.ramp_s + n / 1000  # submits, claims and the first tokens, before the window opens
     t0 = time.time() + ramp_s
@@ -343,11 +362,12 @@ def _level(fleet: _Fleet, n: int, window_s: float) -> Level:
     bins: Counter[int] = sum((g.bins for g in got), Counter())
     tokens = sum(g.tokens for g in got)
     p50, p99, top = _quantile(bins, 0.5), _quantile(bins, 0.99), _quantile(bins, 1.0)
-    level = Level(n, math.ceil(n / cfg.rows), sum(g for o in orders for _, g in o.streams), p50, p99, top,
+    level = Level(n, cfg.rate, math.ceil(n / cfg.rows), sum(g for o in orders for _, g in o.streams), p50, p99, top,
                   tokens / (n * cfg.rate * window_s), sum(g.completed for g in got),
-                  [e for g in got for e in g.errors][:5], cpu, commands, _bottleneck(cpu))
+                  [e for g in got for e in g.errors][:5], cpu, commands, _bottleneck(cpu), idle)
     say(f"[scale] N={n:<5} delivery p50 {p50:7.1f} ms p99 {p99:7.1f} ms; delivered {level.delivered:.3f}; "
-        f"redis {cpu.redis:.2f} cores ({level.redis_cores_per_1000:.2f} per 1,000 streams); workers "
+        f"redis {cpu.redis:.2f} cores ({level.redis_cores_per_1000:.2f} per 1,000 streams, "
+        f"{level.redis_us_per_token:.1f} µs a token, idle fleet's taken off); workers "
         f"{sum(cpu.workers):.2f}; subscribers {sum(cpu.subscribers):.2f}; machine {cpu.machine:.2f}/{cpu.cores}; "
         f"bottleneck: {level.bottleneck}")
     return level
@@ -368,7 +388,8 @@ def _quantile(bins: Counter[int], q: float) -> float:
 # --- one producer's enqueues -------------------------------------------------------------------------
 async def _enqueue(url: str, redis_pid: int | None, cfg: ScaleConfig) -> list[Enqueue]:
     results = []
-    async with Client(url, prefix=f"mlxq-scale-enq-{uuid.uuid4().hex[:6]}") as client:
+    uncapped = dataclasses.replace(ClientConfig.from_env(), max_queued=0)  # every job of a round stays queued
+    async with Client(url, prefix=f"mlxq-scale-enq-{uuid.uuid4().hex[:6]}", config=uncapped) as client:
         await client.submit(model=_NOBODY, prompt="warm up", max_tokens=1)  # opens the connections
         for c in cfg.enqueue_concurrency:
             left = cfg.enqueue_jobs
@@ -401,8 +422,9 @@ def run(cfg: ScaleConfig, out: Path) -> ScaleResult:
     try:
         fleet.start()
         _level(fleet, cfg.subscribers * 2, 1.0)  # warm-up (connections, first imports); not recorded
+        idle = _idle(fleet, cfg.window_s)
         for n in cfg.levels:
-            levels.append(_level(fleet, n, cfg.window_s))
+            levels.append(_level(fleet, n, cfg.window_s, idle))
             if levels[-1].p99_ms > cfg.stop_p99_ms:
                 say(f"[scale] delivery p99 past {cfg.stop_p99_ms:g} ms: no higher level")
                 break
@@ -419,6 +441,7 @@ def markdown(r: ScaleResult) -> str:
     cfg = r.config
     rows = [f"| {lv.streams} | {lv.engines} | {lv.via_gateway} | {lv.p50_ms:.1f} | {lv.p99_ms:.1f} | {lv.max_ms:.0f} | "
             f"{lv.delivered:.3f} | {lv.completed}/{lv.streams} | {lv.cpu.redis:.2f} | {lv.redis_cores_per_1000:.2f} | "
+            f"{lv.redis_us_per_token:.1f} | "
             f"{lv.redis_commands_s:.0f} | {' + '.join(f'{c:.2f}' for c in lv.cpu.workers)} | "
             f"{'-' if lv.cpu.gateway is None else f'{lv.cpu.gateway:.2f}'} | "
             f"{' + '.join(f'{c:.2f}' for c in lv.cpu.subscribers)} | {lv.cpu.machine:.2f}/{lv.cpu.cores} | "
@@ -437,8 +460,11 @@ def markdown(r: ScaleResult) -> str:
         "Delivery: engine output -> the text in a subscriber's hands. CPU in cores over the window; machine: every "
         "process on it (others' too).", "",
         "| streams | engines | via gateway | p50 ms | p99 ms | max ms | delivered | completed | Redis cores | "
-        "Redis cores per 1,000 | Redis cmds/s | workers | gateway | subscribers | machine | bottleneck |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---|", *rows, "", verdict, "",
+        "Redis cores per 1,000 | Redis µs a token | Redis cmds/s | workers | gateway | subscribers | machine | "
+        "bottleneck |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---|", *rows, "",
+        f"Redis with the fleet up and no stream: {r.levels[0].redis_idle if r.levels else 0:.3f} cores (taken off "
+        "the per-1,000 and per-token figures).", "", verdict, "",
         "## One producer's enqueues (`Client.submit`)", "",
         "| submits in flight | jobs | jobs/s | producer CPU µs/job | Redis CPU µs/job |",
         "|---:|---:|---:|---:|---:|",
@@ -472,6 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data: dict[str, Any] = asdict(result)
     for lv, d in zip(result.levels, data["levels"]):
         d["redis_cores_per_1000"] = lv.redis_cores_per_1000
+        d["redis_us_per_token"] = lv.redis_us_per_token
     (out / "scale.json").write_text(json.dumps(data, indent=2))
     print(text)
     return 0
