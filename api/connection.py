@@ -27,7 +27,13 @@ from urllib.parse import parse_qs, unquote
 
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
+from redis.asyncio.sentinel import (
+    MasterNotFoundError,
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import (
     AuthenticationError,
@@ -83,13 +89,55 @@ class SentinelUrl:
     sentinel_username: str | None = None
     sentinel_password: str | None = None
 
-    def sentinel(self, **kwargs: Any) -> Sentinel:
+    def sentinel(self, *, strict: bool = False, **kwargs: Any) -> Sentinel:
         """redis-py's Sentinel for this set; ``kwargs`` go to every connection to the master (the socket
-        timeouts to the sentinels' too)."""
+        timeouts to the sentinels' too). ``strict``: a master name the sentinels answer they do not know raises
+        :class:`ConfigError` at once, not a connection error to retry."""
         auth = {"username": self.sentinel_username, "password": self.sentinel_password}
         to_sentinels = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
-        return Sentinel(list(self.sentinels), sentinel_kwargs={**to_sentinels, **auth}, db=self.db,
-                        username=self.username, password=self.password, ssl=self.ssl, **kwargs)
+        kind = _StrictSentinel if strict else Sentinel
+        return kind(list(self.sentinels), sentinel_kwargs={**to_sentinels, **auth}, db=self.db,
+                    username=self.username, password=self.password, ssl=self.ssl, **kwargs)
+
+
+class _StrictSentinel(Sentinel):
+    """redis-py's Sentinel, except that a master name no answering sentinel monitors is a configuration error:
+    redis-py's ``MasterNotFoundError`` is a connection error, retried until the client's deadline."""
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        try:
+            address: tuple[str, int] = await super().discover_master(service_name)
+            return address
+        except MasterNotFoundError:
+            if not await self._unknown(service_name):
+                raise  # unreachable sentinels, or a master they know is down (a failover under way)
+        hosts = ",".join(f"{c.connection_pool.connection_kwargs.get('host')}:"
+                         f"{c.connection_pool.connection_kwargs.get('port')}" for c in self.sentinels)
+        raise ConfigError(f"no sentinel of {hosts} knows a master named {service_name!r} (MLXQ_REDIS_URL)")
+
+    async def _unknown(self, name: str) -> bool:
+        """Whether a sentinel answers and none of those answering monitors ``name``."""
+        answered = False
+        for node in self.sentinels:
+            try:
+                masters = await node.sentinel_masters()
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                continue
+            if name in masters:
+                return False
+            answered = True
+        return answered
+
+
+class _SentinelPool(SentinelConnectionPool):
+    """The master's connection pool, which closes the sentinels' connections too when its client is closed (a
+    full disconnect): redis-py's leaves them open. A failover's disconnect (idle connections only) keeps them."""
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        await super().disconnect(inuse_connections)
+        if inuse_connections:
+            for node in self.sentinel_manager.sentinels:
+                await node.connection_pool.disconnect()
 
 
 class _SentinelConnection(SentinelManagedConnection):
@@ -158,15 +206,15 @@ def sentinel_url(raw: str) -> SentinelUrl | None:
                        options.get("sentinel_password") or None)
 
 
-def _client(url: str, redis_class: type[Redis], **kwargs: Any) -> Redis:
+def _client(url: str, redis_class: type[Redis], *, strict: bool = False, **kwargs: Any) -> Redis:
     """A client of the server ``url`` names: one address, or a Sentinel set's master (looked up again for each
-    new connection)."""
+    new connection; ``strict``: see :meth:`SentinelUrl.sentinel`). Closing it closes the sentinels' connections."""
     found = sentinel_url(url)
     if found is None:
         return redis_class(connection_pool=ConnectionPool.from_url(url, **kwargs))
     connection = _SentinelSSLConnection if found.ssl else _SentinelConnection
-    client: Redis = found.sentinel(**kwargs).master_for(found.master, redis_class=redis_class,
-                                                        connection_class=connection)
+    client: Redis = found.sentinel(strict=strict, **kwargs).master_for(
+        found.master, redis_class=redis_class, connection_class=connection, connection_pool_class=_SentinelPool)
     return client
 
 
@@ -221,9 +269,10 @@ class RetryPolicy:
 
 def client_redis(url: str, policy: RetryPolicy) -> Redis:
     """The client's connection pool: no retries inside redis-py (the policy is applied around operations),
-    and a connect timeout within the policy's deadline."""
+    and a connect timeout within the policy's deadline. A Sentinel master's name that the sentinels do not know
+    raises :class:`ConfigError` at the first operation (retrying would only ask them again)."""
     timeout = min(CONNECT_TIMEOUT_S, max(0.1, policy.deadline_s))
-    return _client(url, Redis, socket_connect_timeout=timeout)
+    return _client(url, Redis, strict=True, socket_connect_timeout=timeout)
 
 
 def _refusal(exc: BaseException) -> BaseException | None:

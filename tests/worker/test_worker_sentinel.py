@@ -16,6 +16,7 @@ from mlxq.api.client import Client
 from mlxq.api.connection import find_master, sentinel_url
 from mlxq.api.errors import AccessDenied, ConfigError, JobNotFound, MlxqError, QueueUnavailable
 from mlxq.worker.config import WorkerConfig
+from mlxq.worker.tools.process import WorkerProcess
 from mlxq.worker.tools.redis_server import RedisServer, find_redis_server
 from tests.redis_faults import MASTER, Node, SentinelSet
 from tests.support import free_port, slow_steps, start_worker, terminal
@@ -154,3 +155,66 @@ async def test_the_masters_death_mid_stream_ends_every_job_once(tmp_path: Path, 
     for rid in rids:  # acknowledged before the master died: replicated (loopback replicates within a ms)
         assert not isinstance(outcomes[rid], str), f"job {rid} lost"
     assert all(not isinstance(e, MlxqError) for e in ended.values())
+
+
+@pytest.fixture
+def watched_master(tmp_path: Path) -> Any:
+    """A Redis master and one sentinel watching it as MASTER: the sentinel URL and the sentinel."""
+    master = RedisServer(tcp=True).start()
+    port = free_port()
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
+                    f"sentinel monitor {MASTER} 127.0.0.1 {master.port} 1\n")
+    node = Node(port, [find_redis_server(), str(conf), "--sentinel"])
+    node.start()
+    try:
+        for _ in range(200):
+            with contextlib.suppress(redis.RedisError, OSError):
+                node.client().ping()
+                break
+            time.sleep(0.05)
+        yield f"redis+sentinel://127.0.0.1:{port}/{MASTER}", node
+    finally:
+        node.kill()
+        master.stop()
+
+
+async def test_a_client_given_a_master_name_no_sentinel_knows_fails_at_once(lone_sentinel: Any) -> None:
+    node, _ = lone_sentinel
+    # A deadline no test waits out: before, the name went unrecognised until the deadline (QueueUnavailable).
+    async with Client(f"redis+sentinel://127.0.0.1:{node.port}/nosuchmaster", retry_deadline=3600) as client:
+        with pytest.raises(ConfigError, match=f"^no sentinel of 127.0.0.1:{node.port} knows a master named "
+                                              "'nosuchmaster' \\(MLXQ_REDIS_URL\\)$"):
+            await client.submit(model="tiny", prompt="hi")
+
+
+def _sentinel_clients(node: Node) -> int:
+    with contextlib.closing(node.client()) as probe:
+        return len(probe.client_list()) - 1  # less the probe itself
+
+
+async def test_closing_a_client_closes_its_connections_to_the_sentinels(watched_master: Any) -> None:
+    url, node = watched_master
+    before = _sentinel_clients(node)
+    client = Client(url)
+    await client.submit(model="tiny", prompt="hi")  # asks the sentinel for the master, then enqueues there
+    assert _sentinel_clients(node) > before
+    await client.aclose()
+    for _ in range(100):  # the sentinel sees the close a moment later
+        if _sentinel_clients(node) == before:
+            break
+        await asyncio.sleep(0.05)
+    assert _sentinel_clients(node) == before
+
+
+def test_a_worker_process_is_awaited_through_a_sentinel_url(watched_master: Any, tiny_model: Path,
+                                                            tmp_path: Path) -> None:
+    # What `mlxq demo` and `mlxq bench` do with MLXQ_REDIS_URL: read the worker's health record synchronously.
+    url, _ = watched_master
+    proc = WorkerProcess({"MLXQ_MODEL": str(tiny_model), "MLXQ_MODEL_NAME": "tiny", "MLXQ_REDIS_URL": url},
+                         tmp_path / "worker.log").start()
+    try:
+        status = proc.wait_ready()
+        assert [m.name for m in status.models] == ["tiny"]
+    finally:
+        assert proc.stop() == 0

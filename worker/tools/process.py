@@ -3,6 +3,7 @@ benchmarks and tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,11 +11,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import redis
+import redis.sentinel
 
+from mlxq.api.connection import sentinel_url
 from mlxq.api.keys import Keys
 from mlxq.api.schema import ModelState, WorkerStatus
 
@@ -24,10 +27,12 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 
 class WorkerProcess:
-    """A worker subprocess configured by ``MLXQ_*`` variables; its log goes to ``log_path``."""
+    """A worker subprocess configured by ``MLXQ_*`` variables; its log goes to ``log_path``. ``settings``: the arq
+    settings it runs (a benchmark's simulated worker names its own)."""
 
-    def __init__(self, env: Mapping[str, str], log_path: Path) -> None:
+    def __init__(self, env: Mapping[str, str], log_path: Path, settings: str = "mlxq.worker.Settings") -> None:
         self.env = {**os.environ, **env}
+        self.settings = settings
         self.env.setdefault("TRANSFORMERS_VERBOSITY", "error")
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
@@ -36,7 +41,7 @@ class WorkerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "arq", "mlxq.worker.Settings"],
+                [sys.executable, "-m", "arq", self.settings],
                 env=self.env, cwd=_ROOT, stdout=log, stderr=subprocess.STDOUT,
             )
         return self
@@ -44,9 +49,8 @@ class WorkerProcess:
     def wait_ready(self, timeout: float = 120.0) -> WorkerStatus:
         """Block until the worker's health record shows every model it serves loaded; returns that record."""
         keys = Keys(self.env.get("MLXQ_PREFIX", "mlxq"))
-        client = redis.Redis.from_url(self.env["MLXQ_REDIS_URL"])
         end = time.monotonic() + timeout
-        try:
+        with _sync_client(self.env["MLXQ_REDIS_URL"]) as client:
             while time.monotonic() < end:
                 if self.proc is None or self.proc.poll() is not None:
                     raise RuntimeError(f"worker exited early; log:\n{self.tail()}")
@@ -54,8 +58,6 @@ class WorkerProcess:
                 if status is not None and all(m.state is ModelState.SERVING for m in status.models):
                     return status
                 time.sleep(0.05)
-        finally:
-            client.close()
         raise RuntimeError(f"worker not ready after {timeout}s; log:\n{self.tail()}")
 
     def _status(self, client: redis.Redis, keys: Keys) -> WorkerStatus | None:
@@ -94,6 +96,31 @@ class WorkerProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+@contextlib.contextmanager
+def _sync_client(url: str) -> Iterator[redis.Redis]:
+    """A blocking client of the Redis ``url`` names: one server, or a Sentinel set's master (the sentinels'
+    connections closed with it)."""
+    found = sentinel_url(url)
+    if found is None:
+        client = redis.Redis.from_url(url)
+        try:
+            yield client
+        finally:
+            client.close()
+        return
+    sentinel = redis.sentinel.Sentinel(
+        list(found.sentinels), sentinel_kwargs={"username": found.sentinel_username,
+                                                "password": found.sentinel_password},
+        db=found.db, username=found.username, password=found.password, ssl=found.ssl)
+    master = sentinel.master_for(found.master)
+    try:
+        yield master
+    finally:
+        master.close()
+        for node in sentinel.sentinels:
+            node.close()
 
 
 class GatewayProcess:
