@@ -109,17 +109,31 @@ class Tuner:
         many plain steps at about as many rows, timed lately (a machine whose speed drifts moves both alike: a
         plain step timed slow must not make an older timing of a k look fast)."""
         size, cost = _size(rows), seconds / rows
-        self._elapsed += seconds
+        plain = self.charge(rows, k, seconds)
         if k:
-            plain = self._nearest(size, 0, rows) or self._ranked(size, 0, rows)
             if not plain:
                 return
-            cost /= statistics.median(plain)
-            # What plain decoding would have made in this time, against what this step made; the block's first
-            # step, never timed (it pays the change of k: a draft's catch-up), is taken to have lost as much.
-            made = sum(self.acceptance ** j for j in range(k + 1))
-            self._lost += max(0.0, seconds * (1 - made / cost)) * self.block / (self.block - 1)
+            cost /= plain
         self._seconds.setdefault((size, k), deque(maxlen=4 * self.KEEP)).append((rows, cost))
+
+    def charge(self, rows: int, k: int, seconds: float) -> float:
+        """A step of ``k`` at ``rows`` rows took ``seconds``, counted in what tries and looks at speculation may
+        lose; on its own, a step that is no sample of its k's time (the first of a block, which pays the draft's
+        catch-up; one after rows joined or left; one that built a new shape): what it cost is charged, never
+        taken for what the k costs. Returns plain decoding's time per row it was measured against (0: none)."""
+        self._elapsed += seconds
+        if not k:
+            return 0.0
+        size = _size(rows)
+        plain = self._nearest(size, 0, rows) or self._ranked(size, 0, rows)
+        if not plain:
+            return 0.0
+        per_row = statistics.median(plain)
+        # The time this step took beyond what plain decoding would take to make as many tokens (less: a gain,
+        # which pays for later looks: what speculation loses is bounded over the run, not look by look).
+        made = sum(self.acceptance ** j for j in range(k + 1))
+        self._lost += seconds - made * rows * per_row
+        return per_row
 
     def _nearest(self, size: int, k: int, rows: int) -> list[float]:
         """Timings of ``k``: plain decoding's the latest at about ``rows`` rows (within an eighth, or one); a
