@@ -45,9 +45,11 @@ class Tuner:
         self.ks = tuple(range(max_k + 1))
         self.block = block
         self.explore = explore
-        # The share of the time that tries and looks at a k slower than plain decoding may lose: where a
-        # verification costs many plain steps (a device that builds per shape, a compute-bound one), speculation
-        # then costs at most that much over a worker's life (its first try aside).
+        # The share of the time that tries and looks at a k slower than plain decoding may lose, net of what
+        # speculation gained: where a verification costs many plain steps (a device that builds per shape, a
+        # compute-bound one), speculation then costs at most that much over a worker's life (its first try aside).
+        # Every step of a k counts, those that are no sample of its time too (:meth:`charge`): the first of a
+        # block (a draft's catch-up), one after rows joined or left, one that built a new shape (on CUDA).
         self.budget = budget
         self._seconds: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (size, k) -> (rows, time per row)
         self._kept = 1.0  # proposals kept, and rejected (decayed sums): the acceptance rate is kept / both
@@ -55,8 +57,8 @@ class Tuner:
         self._k = 0
         self._left = 0  # steps left in the current block
         self._looks: dict[int, _Looks] = {}  # per batch size
-        self._elapsed = 0.0  # seconds of the steps timed
-        self._lost = 0.0  # of them, lost by steps of a k to what plain decoding would have made in that time
+        self._elapsed = 0.0  # seconds of the steps timed or charged
+        self._lost = 0.0  # of them, lost (net) by steps of a k to what plain decoding would have made in that time
 
     @property
     def acceptance(self) -> float:

@@ -9,12 +9,13 @@ batch runs in this process on one MLX thread (no Redis: the queue adds the same 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -61,6 +62,11 @@ class Report:
     rows: list[Row] = field(default_factory=list)
     ngram_overhead: dict[int, float] = field(default_factory=dict)  # N -> lookup tok/s / plain tok/s
     loaded: dict[int, tuple[float, float]] = field(default_factory=dict)  # N -> plain, speculative tok/s, full load
+    # N -> distinct shapes of attention over several positions in the fully loaded runs: the speculative batch's
+    # passes by kind (verify, draft, draft-prefill), and every attention call's (q, k, mask) in the plain and the
+    # speculative runs (the target's prefill chunks included); on CUDA each new one builds a cuDNN graph
+    loaded_shapes: dict[int, dict[str, int]] = field(default_factory=dict)
+    fixed_shapes: bool = False  # whether the batch kept its shapes repeating (on by default on CUDA only)
     copying: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # N -> plain, lookup tok/s, taken
     pair: Pair = field(default_factory=lambda: Pair())
 
@@ -155,10 +161,16 @@ class Bench:
                     ks[batch._spec.stats.spec_k] += 1
         return tokens / (time.perf_counter() - start), ks
 
-    def load(self, batch: Any, n: int, seed: int, rounds: int = 3) -> float:
+    def load(self, batch: Any, n: int, seed: int, rounds: int = 3,
+             shapes: dict[str, set[tuple[Any, ...]]] | None = None) -> float:
         """Decode tok/s of a fully loaded batch: ``n`` requests in flight, each one that ends replaced, until
         ``rounds * n`` were sent; timed from the first token to the last replacement (no burst's tail, where
-        rows that speculation sped up unevenly leave a few behind)."""
+        rows that speculation sped up unevenly leave a few behind). The shapes of attention over several
+        positions met go in ``shapes`` (see :func:`watching`)."""
+        with watching(batch, shapes if shapes is not None else {}):
+            return self._load(batch, n, seed, rounds)
+
+    def _load(self, batch: Any, n: int, seed: int, rounds: int) -> float:
         import mlx.core as mx
 
         prompts = self.prompts(rounds * n, seed)
@@ -182,6 +194,37 @@ class Bench:
                 if sent == len(prompts):
                     elapsed = time.perf_counter() - start
         return tokens / elapsed
+
+
+@contextlib.contextmanager
+def watching(batch: Any, shapes: dict[str, set[tuple[Any, ...]]]) -> Iterator[None]:
+    """Collect, while it runs, the shapes of every attention over several query positions (``"attention"``: q, k
+    and mask, the target's prefill chunks included) and of the speculative batch's passes by kind."""
+    import mlx.core as mx
+
+    attention, spec = mx.fast.scaled_dot_product_attention, batch._spec
+
+    def recording(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        if q.shape[2] > 1:
+            mask = kwargs.get("mask")
+            shapes.setdefault("attention", set()).add((q.shape, k.shape, getattr(mask, "shape", mask)))
+        return attention(q, k, v, **kwargs)
+
+    mx.fast.scaled_dot_product_attention = recording
+    if spec is not None:
+        saw_before = spec.saw
+
+        def saw(kind: str, *shape: int) -> None:
+            shapes.setdefault(kind, set()).add(shape)
+            saw_before(kind, *shape)
+
+        spec.saw = saw
+    try:
+        yield
+    finally:
+        mx.fast.scaled_dot_product_attention = attention
+        if spec is not None:
+            del spec.saw
 
 
 def pair_alpha(bench: Bench) -> float:
@@ -309,9 +352,16 @@ def measure(sizes: Sequence[int], max_tokens: int, fixed: Sequence[int], repeats
         report.rows.append(row)
         say(f"N={n}: plain {row.plain_tps:.1f} tok/s, speculative {row.spec_tps:.1f} ({row.speedup:.2f}x), k used "
             f"{dict(sorted(ks.items()))}, fixed {({k: round(v / row.plain_tps, 2) for k, v in fixed_tps.items()})}")
-        loaded = [(bench.load(plain, n, seed=40 + r), bench.load(spec, n, seed=40 + r)) for r in range(repeats)]
+        met: tuple[dict[str, set[tuple[Any, ...]]], dict[str, set[tuple[Any, ...]]]] = ({}, {})
+        loaded = [(bench.load(plain, n, seed=40 + r, shapes=met[0]), bench.load(spec, n, seed=40 + r, shapes=met[1]))
+                  for r in range(repeats)]
         report.loaded[n] = (max(p for p, _ in loaded), max(q for _, q in loaded))
-        say(f"N={n} fully loaded: plain {report.loaded[n][0]:.1f} tok/s, speculative {report.loaded[n][1]:.1f}")
+        report.fixed_shapes = spec._spec.fixed_shapes
+        report.loaded_shapes[n] = {"plain attention": len(met[0].get("attention", ())),
+                                   **{("speculative " * (kind == "attention")) + kind: len(v)
+                                      for kind, v in sorted(met[1].items())}}
+        say(f"N={n} fully loaded: plain {report.loaded[n][0]:.1f} tok/s, speculative {report.loaded[n][1]:.1f}; "
+            f"distinct shapes over several positions {report.loaded_shapes[n]}")
         lookup = bench.batch("ngram", n)
         bench.run(lookup, n, seed=1)
         ngram = max(bench.run(lookup, n, seed=10 + r)[0] for r in range(repeats))
@@ -349,6 +399,12 @@ def markdown(report: Report) -> str:
     lines += ["", "Fully loaded (N requests in flight, each that ends replaced, 3N in all; no burst's tail), "
               "speculative ÷ plain tok/s: " + ", ".join(f"N={n}: {q / p:.2f} ({p:.1f} -> {q:.1f})"
                                                          for n, (p, q) in report.loaded.items())]
+    lines += ["", "Distinct shapes of attention over several positions in the fully loaded runs (on CUDA each new one "
+              "builds a cuDNN graph, ~50 ms; shapes kept repeating: " + ("yes" if report.fixed_shapes else "no") +
+              "): the speculative batch's passes (verify, draft, draft-prefill: rows held, positions, keys) and "
+              "every attention call's (q, k, mask), the target's prefill chunks included, in the plain and "
+              "speculative runs: " + "; ".join(f"N={n}: " + ", ".join(f"{kind} {c}" for kind, c in kinds.items())
+                                               for n, kinds in report.loaded_shapes.items())]
     lines += ["", "Prompt lookup (MLXQ_SPECULATE=ngram) on prompts whose text never repeats (random weights: the "
               "output does not quote the prompt), lookup tok/s ÷ plain tok/s: "
               + ", ".join(f"N={n}: {v:.2f}" for n, v in report.ngram_overhead.items()), ""]
