@@ -80,6 +80,7 @@ class Pair:
     shape: str = "small"
     dtype: str = "float32"
     device: str = "cpu"
+    repeat_shapes: bool | None = None  # the batch's shapes kept repeating (None: MLX's choice, on CUDA only)
 
     def sizes(self) -> tuple[str, str]:
         """The draft's and the target's names in tinymodel's SIZES (registered here for a custom shape)."""
@@ -117,6 +118,7 @@ class Bench:
                 loaded[0].set_dtype(getattr(mx, pair.dtype))
         self.stream = mx.new_stream(mx.cpu if pair.device == "cpu" else mx.default_device())
         self.max_tokens = max_tokens
+        self.repeat_shapes = pair.repeat_shapes
 
     def prompts(self, n: int, seed: int) -> list[list[int]]:
         import random
@@ -135,7 +137,7 @@ class Bench:
         proposer = DraftModel(self.draft[0], 512) if kind == "draft" else PromptLookup() if kind == "ngram" else None
         return MLXBatch(self.target[0] if model is None else model, self.target[1].eos_token_ids,
                         capacity=max(n, 1), prefill_batch_size=8, prefill_step_size=512, stream=self.stream,
-                        proposer=proposer, stats=EngineStats())
+                        proposer=proposer, stats=EngineStats(), fixed_shapes=self.repeat_shapes)
 
     def run(self, batch: Any, n: int, seed: int) -> tuple[float, Counter[int]]:
         """Decode tok/s of one burst of ``n`` of the bench's prompts, and the steps of each k."""
@@ -416,6 +418,9 @@ def markdown(report: Report) -> str:
     return "\n".join(lines)
 
 
+SHAPES = {"auto": None, "repeat": True, "free": False}  # --shapes: Pair.repeat_shapes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m tests.perf.speculative", description=__doc__)
     p.add_argument("--out", default="perf-out")
@@ -427,12 +432,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "default"],
                    help="MLX's CPU, or its default device (the GPU where there is one)")
+    p.add_argument("--shapes", default="auto", choices=["auto", "repeat", "free"],
+                   help="the speculative batch's shapes: kept repeating (as on CUDA), free (as elsewhere), or auto")
     args = p.parse_args(argv)
     if args.device == "cpu":  # OpenBLAS serves the CPU's matrix products; a GPU run needs no re-exec
         reexec_with_openblas(["-m", "tests.perf.speculative", *(argv if argv is not None else sys.argv[1:])])
     report = measure([int(x) for x in args.concurrency.split(",")], args.max_tokens,
                      [int(x) for x in args.fixed.split(",") if x], args.repeats,
-                     Pair(args.pair, args.dtype, args.device))
+                     Pair(args.pair, args.dtype, args.device, SHAPES[args.shapes]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "speculative.md").write_text(markdown(report))
