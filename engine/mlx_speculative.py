@@ -59,6 +59,7 @@ class SpecBatch(MaskedGenerationBatch):
     fixed_shapes: bool  # passes over several positions keep their shapes (:func:`repeat_shapes`)
     most_rows: int  # the batch's capacity (where shapes repeat, the caches hold rows in buckets up to it)
     shapes: set[tuple[str, int, int, int]]  # (pass, rows held, positions, keys) of passes over several positions
+    SHAPES_KEPT = 4096  # where shapes do not repeat (elsewhere than CUDA) nearly every pass has its own: a bound
 
     @classmethod
     def make(cls, model: Any, sampler: Any, proposer: Proposer, tuner: Tuner, stats: EngineStats,
@@ -100,7 +101,7 @@ class SpecBatch(MaskedGenerationBatch):
         """A pass over several positions had this shape: a new one, where shapes repeat, makes its step no sample
         (on CUDA it built a cuDNN graph, a cost paid once; the step is charged to its k)."""
         shape = (kind, rows, positions, keys)
-        if shape not in self.shapes:
+        if shape not in self.shapes and len(self.shapes) < self.SHAPES_KEPT:
             self.shapes.add(shape)
             if self.fixed_shapes:
                 self.untimed()
