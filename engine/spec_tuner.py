@@ -72,15 +72,13 @@ class Tuner:
 
     def _next(self, rows: int) -> int:
         size = _size(rows)
-        for k in self.ks:  # each k timed at this size first
+        for k in self.ks:  # each k timed at this size first (the rest at once where one timed pays: they repay it)
             if len(self._seconds.get((size, k), ())) < self.TRIES:
-                return k if not k or self._affordable() else 0
+                paying = any(g >= self.MARGIN for g in self._gains(size, rows).values())
+                return k if not k or paying or self._affordable() else 0
         if len(self._nearest(size, 0, rows)) < self.TRIES:  # plain decoding is timed at about this many rows
             return 0  # (no catch-up to pay)
-        a = self.acceptance
-        # Tokens a step of k makes per plain step's time; plain decoding makes one.
-        gain = {k: sum(a ** j for j in range(k + 1)) / statistics.median(self._nearest(size, k, rows))
-                for k in self.ks[1:]}
+        gain = self._gains(size, rows)
         best = max(gain, key=lambda k: gain[k], default=0)
         if best and gain[best] < self.MARGIN:  # a gain within the timings' noise is no gain
             best = 0
@@ -100,6 +98,12 @@ class Tuner:
             return 0
         look = neighbours[(looks.taken // 2) % len(neighbours)] if neighbours else best
         return look if look == best or self._affordable() else best
+
+    def _gains(self, size: int, rows: int) -> dict[int, float]:
+        """Tokens a step of each k timed at this size makes per plain step's time (plain decoding makes one)."""
+        a = self.acceptance
+        return {k: sum(a ** j for j in range(k + 1)) / statistics.median(self._nearest(size, k, rows))
+                for k in self.ks[1:] if len(self._seconds.get((size, k), ())) >= self.TRIES}
 
     def _affordable(self) -> bool:
         """Whether a try or look at speculation fits the budget of what such steps may lose."""
