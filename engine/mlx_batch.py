@@ -80,7 +80,7 @@ class MLXBatch:
         self._spec: SpecBatch | None = None
         if proposer is not None:  # speculative decoding: the generator's decode batch is one that speculates
             self._spec = SpecBatch.make(model, self._gen.sampler, proposer, Tuner(max_k),
-                                        stats if stats is not None else EngineStats(), fixed_shapes)
+                                        stats if stats is not None else EngineStats(), fixed_shapes, capacity)
         # Its own batches step constrained rows' masks at once (mlx-lm's classes stay as they are).
         masked(self._gen, self._spec)
 
@@ -182,7 +182,7 @@ class MLXBatch:
         else:
             prompts, generated = self._gen.next()
         if prompts and self._spec is not None:
-            self._spec.untimed()  # the decode step being timed spans this prompt work
+            self._spec.prompted()  # the decode step being timed spans this prompt work
         if self._watch and prompts:
             self._checkpoint(prompts)
         return generated  # type: ignore[no-any-return]

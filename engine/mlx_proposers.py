@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch, _extend_cache
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from .mlx_ragged_cache import _ints, ragged, rollback
+from .mlx_ragged_cache import _ints, forward, ragged, rollback
 
 if TYPE_CHECKING:
     from .mlx_speculative import SpecBatch
@@ -22,7 +22,13 @@ class DraftModel:
     """A smaller model of the same vocabulary, with its own batched cache kept in step with the target's rows.
 
     Between steps a row's draft cache holds its tokens but the last (``fed[i]`` of them), so a step's first
-    draft call feeds every row the same two tokens (its last and its pending one) in one forward pass."""
+    draft call feeds every row the same two tokens (its last and its pending one) in one forward pass.
+
+    Where the batch's shapes repeat (:attr:`SpecBatch.fixed_shapes`), every pass over several positions is one of a
+    few shapes: a joining row's history is prefilled in whole chunks of ``CHUNK`` (left-padded, through a cache
+    whose keys are whole buffers), and what rows catch up on before proposing in chunks of a power of two."""
+
+    CHUNK = 64  # positions of a pass over a row's history, where shapes repeat
 
     def __init__(self, model: Any, prefill_step: int) -> None:
         self.model = model
@@ -32,13 +38,32 @@ class DraftModel:
 
     def joined(self, batch: SpecBatch, start: int) -> None:
         history = [list(t[:-1]) for t in batch.tokens[start:]]
-        prefill = PromptProcessingBatch(self.model, list(range(len(history))),
-                                        [make_prompt_cache(self.model) for _ in history],
-                                        prefill_step_size=self.prefill_step)
-        if any(history):
-            prefill.prompt(history)
-        self.cache = ragged(_extend_cache(self.cache, prefill.prompt_cache), batch.fixed_shapes)
+        if batch.fixed_shapes:
+            caches = self._prefill(batch, history)
+        else:
+            prefill = PromptProcessingBatch(self.model, list(range(len(history))),
+                                            [make_prompt_cache(self.model) for _ in history],
+                                            prefill_step_size=self.prefill_step)
+            if any(history):
+                prefill.prompt(history)
+            caches = prefill.prompt_cache
+        self.cache = ragged(_extend_cache(self.cache, caches), batch.fixed_shapes, batch.most_rows)
         self.fed.extend(len(h) for h in history)
+
+    def _prefill(self, batch: SpecBatch, history: list[list[int]]) -> list[Any]:
+        """Each row's ``history`` in a cache of its own, fed in whole chunks (left-padded), attending over whole
+        buffers: its passes' shapes depend on how many buffers of 256 it spans alone, not on its length."""
+        out: list[Any] = []
+        for h in history:
+            pad = -len(h) % self.CHUNK
+            cache = ragged([BatchKVCache([pad]) for _ in make_prompt_cache(self.model)], True, batch.most_rows)
+            tokens = mx.array([[0] * pad + h], dtype=mx.uint32)
+            for i in range(0, pad + len(h), self.CHUNK):
+                self.model(tokens[:, i:i + self.CHUNK], cache=cache)
+                batch.saw("draft-prefill", 1, self.CHUNK, int(cache[0].keys.shape[2]))
+            mx.eval([c.state for c in cache])
+            out = _extend_cache(out, cache)
+        return out
 
     def filter(self, keep: list[int]) -> None:
         self.fed = [self.fed[i] for i in keep]
@@ -51,7 +76,9 @@ class DraftModel:
     def propose(self, batch: SpecBatch, pending: mx.array, k: int) -> mx.array:
         feeds = [t[f:] for t, f in zip(batch.tokens, self.fed)]
         n = len(feeds[0])
-        if all(len(f) == n for f in feeds):
+        if batch.fixed_shapes:
+            logits = self._catch_up(batch, [[*f, p] for f, p in zip(feeds, _ints(pending))])
+        elif all(len(f) == n for f in feeds):
             inputs = mx.concatenate([mx.array(feeds, dtype=pending.dtype).reshape(len(feeds), n), pending[:, None]],
                                     axis=1)
             logits = self.model(inputs, cache=self.cache)[:, -1, :]
@@ -64,9 +91,31 @@ class DraftModel:
             rollback(self.cache, [width - len(r) for r in rows])
         drafts = [mx.argmax(logits, axis=-1)]
         for _ in range(k - 1):
-            drafts.append(mx.argmax(self.model(drafts[-1][:, None], cache=self.cache)[:, -1, :], axis=-1))
+            drafts.append(mx.argmax(forward(self.model, drafts[-1][:, None], self.cache)[:, -1, :], axis=-1))
         self.fed = [len(t) + k for t in batch.tokens]  # its tokens, the pending one, k - 1 proposals
         return mx.stack(drafts, axis=1).astype(pending.dtype)
+
+    def _catch_up(self, batch: SpecBatch, rows: list[list[int]]) -> mx.array:
+        """Each row's logits after its tokens ``rows`` (what the draft has not seen, the pending one last), fed in
+        passes of few shapes: the last pass over each row's last tokens, right-padded to a power of two (at most
+        ``CHUNK``); what comes before them in whole chunks; each pass's padding taken off its row's end after it."""
+        longest = max(len(r) for r in rows)
+        width = min(1 << max(1, (longest - 1).bit_length()), self.CHUNK)
+        heads = [r[:max(0, len(r) - width)] for r in rows]
+        for i in range(0, max(len(h) for h in heads), self.CHUNK):
+            self._pass(batch, [h[i:i + self.CHUNK] for h in heads], self.CHUNK)
+        tails = [r[len(h):] for r, h in zip(rows, heads)]
+        out = self._pass(batch, tails, width)
+        last = mx.array([len(t) - 1 for t in tails])[:, None, None]
+        return mx.take_along_axis(out, last, axis=1)[:, 0, :]
+
+    def _pass(self, batch: SpecBatch, rows: list[list[int]], width: int) -> mx.array:
+        """The draft over ``rows`` right-padded to ``width``, the padding taken off each row's end after it."""
+        out = forward(self.model, mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.uint32), self.cache)
+        held = self.cache[0]
+        batch.saw("draft", len(held.ends), width, int(held.keys.shape[2]))
+        rollback(self.cache, [width - len(r) for r in rows])
+        return out
 
     def settle(self, accepted: list[int], k: int) -> None:
         # Keep all but the last kept token (see the class): of the k new positions, as many as it accepted.

@@ -9,7 +9,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-__all__ = ["RaggedKVCache", "check_cache", "ragged", "repeat_shapes", "rollback"]
+__all__ = ["HeldRows", "RaggedKVCache", "check_cache", "forward", "held_rows", "ragged", "repeat_shapes", "rollback"]
 
 
 def check_cache(model: Any) -> str | None:
@@ -22,22 +22,45 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
     """mlx-lm's batched KV cache in which each row ends where its own tokens end (``ends``), so a row takes
     positions off its end without moving the others or copying the cache: the next tokens of a row are written
     at its end, over what it dropped, and each row attends only up to its own end. Rows are left-padded to the
-    longest (as in mlx-lm's), which a row that keeps fewer proposals falls behind."""
+    longest (as in mlx-lm's), which a row that keeps fewer proposals falls behind.
 
-    ends: list[int]
+    With :attr:`fixed` it also holds its rows in a bucket (:func:`held_rows`): the first :attr:`real` are the
+    batch's, the spare ones after them copies of its last row, so that the shapes of its passes repeat as rows join
+    and leave. Every pass through it then feeds the rows it holds (:func:`forward`)."""
+
+    ends: list[int]  # of every row held, spare ones included
     keys: Any
     values: Any
 
     fixed: bool  # a pass over several positions attends over the whole buffer (see :meth:`make_mask`)
+    real: int  # the batch's rows: the first ones held
+    most: int  # the most rows a bucket holds (0: no bound; the batch's capacity)
 
     @classmethod
-    def adopt(cls, cache: BatchKVCache, fixed: bool = False) -> RaggedKVCache:
+    def adopt(cls, cache: BatchKVCache, fixed: bool = False, most: int = 0) -> RaggedKVCache:
         """``cache`` (every row ending at its last position) as a ragged cache, in place."""
         cache.__class__ = cls
         adopted = cast(RaggedKVCache, cache)
-        adopted.ends = [cache._idx] * int(cache.offset.shape[0])
-        adopted.fixed = fixed
+        rows = int(cache.offset.shape[0])
+        adopted.ends = [cache._idx] * rows
+        adopted.fixed, adopted.most, adopted.real = fixed, most, rows
+        adopted._hold(list(range(rows)))
         return adopted
+
+    def _held(self, rows: int) -> int:
+        return held_rows(rows, self.most) if self.fixed else rows
+
+    def _hold(self, rows: list[int]) -> None:
+        """Keep rows ``rows`` (indices of those held) as the batch's, and spare copies of the last up to a bucket."""
+        self.real = len(rows)
+        idx = rows + rows[-1:] * (self._held(len(rows)) - len(rows))
+        if not rows or idx == list(range(len(self.ends))):
+            return
+        at = mx.array(idx)
+        if self.keys is not None:
+            self.keys, self.values = self.keys[at], self.values[at]
+        self.offset, self.left_padding = self.offset[at], self.left_padding[at]
+        self.ends = [self.ends[i] for i in idx]
 
     @property
     def _even(self) -> bool:
@@ -89,11 +112,13 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
         attends over the whole buffer (its length moves in steps of 256), the positions past each row's end
         masked: on CUDA an attention over several query positions runs a cuDNN graph built and cached per exact
         shape, and a key length that grows by a different amount every step built a new graph every step."""
-        spread = self.fixed and N > 1 and self.keys is not None
+        spread = self.fixed and N > 1
         if self._even and not spread:
             return super().make_mask(N, return_array=return_array, **kwargs)
         width = max(self.ends) + N
-        if spread:
+        if spread and self.keys is None:  # the buffer the pass will make (:meth:`_align`)
+            width = -(-width // self.step) * self.step
+        elif spread:
             self._align(width, self.keys, self.values)
             width = int(self.keys.shape[2])
         query = mx.array(self.ends)[:, None] + mx.arange(N)[None]  # each row's new positions
@@ -102,9 +127,11 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
         return mask[:, None]
 
     def retreat(self, drop: Sequence[int]) -> None:
-        """Take ``drop[i]`` positions off the end of row ``i``."""
+        """Take ``drop[i]`` positions off the end of row ``i`` (spare rows as their batch's last row)."""
+        drop = list(drop)
+        drop += drop[self.real - 1:self.real] * (len(self.ends) - len(drop))
         self.ends = [e - d for e, d in zip(self.ends, drop)]
-        self.offset = self.offset - mx.array(list(drop))
+        self.offset = self.offset - mx.array(drop)
         self._idx = max(self.ends)
 
     def trim(self, n: int) -> int:
@@ -113,21 +140,27 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
         return n
 
     def filter(self, batch_indices: Any) -> None:
-        ends = [self.ends[i] for i in batch_indices]
+        keep = [int(i) for i in batch_indices]
+        keep += keep[-1:] * (self._held(len(keep)) - len(keep))  # spare rows: copies of the last one kept
+        ends = [self.ends[i] for i in keep]
         shift = self._idx
-        super().filter(batch_indices)
+        super().filter(mx.array(keep) if self.fixed else batch_indices)
         shift -= self._idx  # the padding every kept row had, cut from their fronts
         self.ends = [e - shift for e in ends]
         self._idx = max(self.ends)
+        self.real = len(batch_indices)
 
     def extend(self, other: Any) -> None:
-        ours = self.ends
+        ours, real = self.ends, self.real
+        held = len(ours)
         theirs = other.ends if isinstance(other, RaggedKVCache) else [other._idx] * int(other.offset.shape[0])
+        added = other.real if isinstance(other, RaggedKVCache) else len(theirs)
         top = max(self._idx, other._idx)
         base_self, base_other = self._idx, other._idx
         super().extend(other)
         self.ends = [e + top - base_self for e in ours] + [e + top - base_other for e in theirs]
         self._idx = max(self.ends)
+        self._hold([*range(real), *range(held, held + added)])  # the spare rows of both left out
 
     def extract(self, idx: int) -> KVCache:
         cache = KVCache()
@@ -138,9 +171,38 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
         return cache
 
 
-def ragged(caches: list[Any], fixed: bool = False) -> list[Any]:
-    """A batch's caches as :class:`RaggedKVCache` (adopted in place; ``fixed``: see :meth:`RaggedKVCache.make_mask`)."""
-    return [c if isinstance(c, RaggedKVCache) else RaggedKVCache.adopt(c, fixed) for c in caches]
+def ragged(caches: list[Any], fixed: bool = False, most: int = 0) -> list[Any]:
+    """A batch's caches as :class:`RaggedKVCache` (adopted in place; ``fixed``: see :meth:`RaggedKVCache.make_mask`;
+    ``most``: the most rows a bucket holds)."""
+    return [c if isinstance(c, RaggedKVCache) else RaggedKVCache.adopt(c, fixed, most) for c in caches]
+
+
+def held_rows(rows: int, most: int = 0) -> int:
+    """The rows a batch of ``rows`` holds where shapes repeat: 1, 2, 4, 8, then whole eights (no more than ``most``
+    where that holds them), so rows joining and leaving move a pass between a few shapes."""
+    size = 1 << max(0, rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
+    return min(size, most) if most >= rows else size
+
+
+def forward(model: Any, inputs: mx.array, cache: Sequence[Any]) -> mx.array:
+    """``model`` over ``inputs`` (one row each of the batch's) through ``cache``: where it holds spare rows, they are
+    fed copies of the last row's inputs (so they stay copies of it) and their outputs dropped."""
+    rows = inputs.shape[0]
+    held = len(cache[0].ends) if cache and isinstance(cache[0], RaggedKVCache) else rows
+    if held == rows:
+        return model(inputs, cache=cache)  # type: ignore[no-any-return]
+    spare = mx.broadcast_to(inputs[-1:], (held - rows, *inputs.shape[1:]))
+    return model(mx.concatenate([inputs, spare]), cache=cache)[:rows]  # type: ignore[no-any-return]
+
+
+class HeldRows:
+    """A model whose every call goes through :func:`forward` (a batch's decode steps, as mlx-lm calls its model)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self, inputs: mx.array, cache: Sequence[Any]) -> mx.array:
+        return forward(self.model, inputs, cache)
 
 
 def repeat_shapes() -> bool:

@@ -17,7 +17,7 @@ from typing import Any, Protocol, cast
 import mlx.core as mx
 
 from .mlx_generation import MaskedGenerationBatch
-from .mlx_ragged_cache import _ints, ragged, repeat_shapes, rollback
+from .mlx_ragged_cache import HeldRows, _ints, ragged, repeat_shapes, rollback
 from .sampling import RowSampler
 from .spec_tuner import Tuner
 from .stats import EngineStats
@@ -52,24 +52,33 @@ class SpecBatch(MaskedGenerationBatch):
     tuner: Tuner
     stats: EngineStats
     _last: tuple[int, int, float] | None  # rows, k and start of the step being timed
-    _untimed: int  # steps from the one being timed on that are no sample of their k (prompts, rows joined or left)
+    _untimed: int  # steps from the one being timed on that are no sample of their k (rows joined or left, a new
+    # shape, a change of k): their time is charged to the k all the same
+    _prompted: bool  # the step being timed spans prompt work (plain decoding pays it alike: neither)
     _prior: int  # the k of the step before the one being timed (-1: none)
     fixed_shapes: bool  # passes over several positions keep their shapes (:func:`repeat_shapes`)
+    most_rows: int  # the batch's capacity (where shapes repeat, the caches hold rows in buckets up to it)
+    shapes: set[tuple[str, int, int, int]]  # (pass, rows held, positions, keys) of passes over several positions
+    SHAPES_KEPT = 4096  # where shapes do not repeat (elsewhere than CUDA) nearly every pass has its own: a bound
 
     @classmethod
     def make(cls, model: Any, sampler: Any, proposer: Proposer, tuner: Tuner, stats: EngineStats,
-             fixed_shapes: bool | None = None) -> SpecBatch:
+             fixed_shapes: bool | None = None, most_rows: int = 0) -> SpecBatch:
         batch: SpecBatch = cls.empty(model, sampler)
         batch.proposer, batch.tuner, batch.stats = proposer, tuner, stats
         batch.fixed_shapes = repeat_shapes() if fixed_shapes is None else fixed_shapes
-        batch._last, batch._untimed, batch._prior = None, 0, -1
+        batch.most_rows = most_rows
+        if batch.fixed_shapes:  # the caches hold rows in buckets: every pass feeds them all
+            batch.model = HeldRows(model)  # type: ignore[assignment]  # mlx-lm calls it as its model
+        batch._last, batch._untimed, batch._prompted, batch._prior = None, 0, False, -1
+        batch.shapes = set()
         return batch
 
     def extend(self, batch: Any) -> None:
         start = len(self.uids)
         self.untimed(2)  # the caches are joined lazily: the next step copies them
         super().extend(batch)
-        self.prompt_cache = ragged(self.prompt_cache, self.fixed_shapes)
+        self.prompt_cache = ragged(self.prompt_cache, self.fixed_shapes, self.most_rows)
         self.proposer.joined(self, start)
 
     def filter(self, keep: list[int]) -> None:
@@ -80,8 +89,22 @@ class SpecBatch(MaskedGenerationBatch):
             self._last = None  # what follows is idle time
 
     def untimed(self, steps: int = 1) -> None:
-        """The step being timed, and ``steps - 1`` after it, are no sample of their ``k``."""
+        """The step being timed, and ``steps - 1`` after it, are no sample of their ``k`` (their time is charged to
+        it: :meth:`Tuner.charge`)."""
         self._untimed = max(self._untimed, steps)
+
+    def prompted(self) -> None:
+        """The step being timed spans prompt work: neither a sample of its ``k`` nor charged to it."""
+        self._prompted = True
+
+    def saw(self, kind: str, rows: int, positions: int, keys: int) -> None:
+        """A pass over several positions had this shape: a new one, where shapes repeat, makes its step no sample
+        (on CUDA it built a cuDNN graph, a cost paid once; the step is charged to its k)."""
+        shape = (kind, rows, positions, keys)
+        if shape not in self.shapes and len(self.shapes) < self.SHAPES_KEPT:
+            self.shapes.add(shape)
+            if self.fixed_shapes:
+                self.untimed()
 
     def next(self) -> list[Any]:
         if not self.uids:
@@ -102,12 +125,16 @@ class SpecBatch(MaskedGenerationBatch):
         return responses  # type: ignore[no-any-return]
 
     def _time(self, now: float, k: int) -> None:
-        """Record the step that ends now, if it was one of a run of the same ``k``; start timing the next."""
-        if self._last is not None and not self._untimed and self._last[1] == k == self._prior:
-            rows, _, start = self._last
-            self.tuner.record(rows, k, now - start)
+        """Record the step that ends now: a sample of its ``k`` if it was one of a run of the same ``k``, else
+        charged to it (a change of k, rows joined or left, a new shape); start timing the next."""
+        if self._last is not None and not self._prompted:
+            rows, last, start = self._last
+            if not self._untimed and last == k == self._prior:
+                self.tuner.record(rows, k, now - start)
+            elif rows:
+                self.tuner.charge(rows, last, now - start)
         self._prior = self._last[1] if self._last is not None else -1
-        self._last, self._untimed = (0, k, now), max(0, self._untimed - 1)
+        self._last, self._untimed, self._prompted = (0, k, now), max(0, self._untimed - 1), False
 
     def _choose(self, takes: list[bool]) -> int:
         if any(self.logits_processors or ()):  # penalties and format masks run a row at a time: plain steps
@@ -119,6 +146,8 @@ class SpecBatch(MaskedGenerationBatch):
     def _speculate(self, k: int, drafts: mx.array, takes: list[bool]) -> list[Any]:
         pending, pending_logprobs = self._next_tokens, self._next_logprobs
         logits = self.model(mx.concatenate([pending[:, None], drafts], axis=1), cache=self.prompt_cache)
+        held = self.prompt_cache[0]
+        self.saw("verify", len(held.ends), k + 1, int(held.keys.shape[2]) if held.fixed else held._idx)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         choice = mx.argmax(logprobs, axis=-1)
         samplers = self.samplers or []

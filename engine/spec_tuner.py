@@ -45,9 +45,11 @@ class Tuner:
         self.ks = tuple(range(max_k + 1))
         self.block = block
         self.explore = explore
-        # The share of the time that tries and looks at a k slower than plain decoding may lose: where a
-        # verification costs many plain steps (a device that builds per shape, a compute-bound one), speculation
-        # then costs at most that much over a worker's life (its first try aside).
+        # The share of the time that tries and looks at a k slower than plain decoding may lose, net of what
+        # speculation gained: where a verification costs many plain steps (a device that builds per shape, a
+        # compute-bound one), speculation then costs at most that much over a worker's life (its first try aside).
+        # Every step of a k counts, those that are no sample of its time too (:meth:`charge`): the first of a
+        # block (a draft's catch-up), one after rows joined or left, one that built a new shape (on CUDA).
         self.budget = budget
         self._seconds: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (size, k) -> (rows, time per row)
         self._kept = 1.0  # proposals kept, and rejected (decayed sums): the acceptance rate is kept / both
@@ -55,8 +57,8 @@ class Tuner:
         self._k = 0
         self._left = 0  # steps left in the current block
         self._looks: dict[int, _Looks] = {}  # per batch size
-        self._elapsed = 0.0  # seconds of the steps timed
-        self._lost = 0.0  # of them, lost by steps of a k to what plain decoding would have made in that time
+        self._elapsed = 0.0  # seconds of the steps timed or charged
+        self._lost = 0.0  # of them, lost (net) by steps of a k to what plain decoding would have made in that time
 
     @property
     def acceptance(self) -> float:
@@ -70,15 +72,13 @@ class Tuner:
 
     def _next(self, rows: int) -> int:
         size = _size(rows)
-        for k in self.ks:  # each k timed at this size first
+        for k in self.ks:  # each k timed at this size first (the rest at once where one timed pays: they repay it)
             if len(self._seconds.get((size, k), ())) < self.TRIES:
-                return k if not k or self._affordable() else 0
+                paying = any(g >= self.MARGIN for g in self._gains(size, rows).values())
+                return k if not k or paying or self._affordable() else 0
         if len(self._nearest(size, 0, rows)) < self.TRIES:  # plain decoding is timed at about this many rows
             return 0  # (no catch-up to pay)
-        a = self.acceptance
-        # Tokens a step of k makes per plain step's time; plain decoding makes one.
-        gain = {k: sum(a ** j for j in range(k + 1)) / statistics.median(self._nearest(size, k, rows))
-                for k in self.ks[1:]}
+        gain = self._gains(size, rows)
         best = max(gain, key=lambda k: gain[k], default=0)
         if best and gain[best] < self.MARGIN:  # a gain within the timings' noise is no gain
             best = 0
@@ -99,6 +99,12 @@ class Tuner:
         look = neighbours[(looks.taken // 2) % len(neighbours)] if neighbours else best
         return look if look == best or self._affordable() else best
 
+    def _gains(self, size: int, rows: int) -> dict[int, float]:
+        """Tokens a step of each k timed at this size makes per plain step's time (plain decoding makes one)."""
+        a = self.acceptance
+        return {k: sum(a ** j for j in range(k + 1)) / statistics.median(self._nearest(size, k, rows))
+                for k in self.ks[1:] if len(self._seconds.get((size, k), ())) >= self.TRIES}
+
     def _affordable(self) -> bool:
         """Whether a try or look at speculation fits the budget of what such steps may lose."""
         return self._lost <= self.budget * self._elapsed
@@ -109,17 +115,31 @@ class Tuner:
         many plain steps at about as many rows, timed lately (a machine whose speed drifts moves both alike: a
         plain step timed slow must not make an older timing of a k look fast)."""
         size, cost = _size(rows), seconds / rows
-        self._elapsed += seconds
+        plain = self.charge(rows, k, seconds)
         if k:
-            plain = self._nearest(size, 0, rows) or self._ranked(size, 0, rows)
             if not plain:
                 return
-            cost /= statistics.median(plain)
-            # What plain decoding would have made in this time, against what this step made; the block's first
-            # step, never timed (it pays the change of k: a draft's catch-up), is taken to have lost as much.
-            made = sum(self.acceptance ** j for j in range(k + 1))
-            self._lost += max(0.0, seconds * (1 - made / cost)) * self.block / (self.block - 1)
+            cost /= plain
         self._seconds.setdefault((size, k), deque(maxlen=4 * self.KEEP)).append((rows, cost))
+
+    def charge(self, rows: int, k: int, seconds: float) -> float:
+        """A step of ``k`` at ``rows`` rows took ``seconds``, counted in what tries and looks at speculation may
+        lose; on its own, a step that is no sample of its k's time (the first of a block, which pays the draft's
+        catch-up; one after rows joined or left; one that built a new shape): what it cost is charged, never
+        taken for what the k costs. Returns plain decoding's time per row it was measured against (0: none)."""
+        self._elapsed += seconds
+        if not k:
+            return 0.0
+        size = _size(rows)
+        plain = self._nearest(size, 0, rows) or self._ranked(size, 0, rows)
+        if not plain:
+            return 0.0
+        per_row = statistics.median(plain)
+        # The time this step took beyond what plain decoding would take to make as many tokens (less: a gain,
+        # which pays for later looks: what speculation loses is bounded over the run, not look by look).
+        made = sum(self.acceptance ** j for j in range(k + 1))
+        self._lost += seconds - made * rows * per_row
+        return per_row
 
     def _nearest(self, size: int, k: int, rows: int) -> list[float]:
         """Timings of ``k``: plain decoding's the latest at about ``rows`` rows (within an eighth, or one); a

@@ -336,3 +336,81 @@ def test_verification_shapes_repeat_where_asked_and_tokens_stay_exact(
     assert len(set(seen[False])) > len(seen[False]) // 2
     assert {shape[-1] % 256 for shape in seen[True]} == {0}
     assert len(set(seen[True])) < len(set(seen[False])) - 1, (sorted(set(seen[True])), sorted(set(seen[False])))
+
+
+def attention_shapes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """The shapes (q, k, v, mask) of every attention over several query positions that the speculative batch runs
+    (its verifications and the draft's passes, the draft's prefill of joining rows; the target's own prefill is
+    mlx-lm's prompt batch, outside it), recorded as MLX is called."""
+    from mlxq.engine.mlx_speculative import SpecBatch
+
+    seen: list[tuple[Any, ...]] = []
+    inside = [0]
+    attention = mx.fast.scaled_dot_product_attention
+
+    def recording(q: mx.array, k: mx.array, v: mx.array, **kwargs: Any) -> mx.array:
+        mask = kwargs.get("mask")
+        if inside[0] and q.shape[2] > 1:
+            seen.append((tuple(q.shape), tuple(k.shape), tuple(v.shape), getattr(mask, "shape", mask)))
+        return attention(q, k, v, **kwargs)
+
+    def within(method: Any) -> Any:
+        def run(self: SpecBatch, *args: Any) -> Any:
+            inside[0] += 1
+            try:
+                return method(self, *args)
+            finally:
+                inside[0] -= 1
+        return run
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recording)
+    monkeypatch.setattr(SpecBatch, "next", within(SpecBatch.next))
+    monkeypatch.setattr(SpecBatch, "extend", within(SpecBatch.extend))
+    return seen
+
+
+def loaded_run(target: Any, proposer: Proposer, stream: mx.Stream, fixed: bool, n: int,
+               seed: int) -> tuple[list[EngineRequest], Run, EngineStats, MLXBatch]:
+    """``n`` requests of random prompt lengths and max_tokens through a batch of 8: 8 in flight, rows joining as
+    others end."""
+    model, tokenizer = target
+    stats = EngineStats()
+    batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=8, prefill_batch_size=8, prefill_step_size=64,
+                     stream=stream, proposer=proposer, stats=stats, fixed_shapes=fixed)
+    s = Scheduler(batch, capacity=8, new_detokenizer=lambda: tokenizer.detokenizer,
+                  make_sampler=make_request_sampler, make_processors=make_request_logits_processors, stats=stats)
+    reqs = requests(tokenizer, n, seed=seed)
+    for r in reqs:
+        s.add(r)
+    run = Run()
+    drain(s, run, stream)
+    return reqs, run, stats, batch
+
+
+@pytest.mark.slow
+def test_a_fully_loaded_run_meets_few_attention_shapes_where_shapes_repeat(
+        pair: tuple[Any, Any], stream: mx.Stream, ks: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CUDA every new shape of an attention over several positions builds a cuDNN graph (~50 ms). Where shapes
+    # repeat, the batch holds its rows in buckets (1, 2, 4, 8), verifies over whole buffers of 256 keys, and the
+    # draft prefills and catches up in passes of a few widths: over a run with rows joining and leaving, the
+    # shapes met are a few, however long the run; without it they grow with the run.
+    seen = attention_shapes(monkeypatch)
+    target = pair[0]
+    counts = {}
+    for fixed, n in ((True, 12), (True, 48), (False, 12), (False, 48)):
+        seen.clear()
+        reqs, run, stats, batch = loaded_run(target, proposer_of("draft", pair), stream, fixed, n, seed=n)
+        for r in reqs:
+            assert run.tokens(r.rid) == reference(target, r.prompt_tokens, r.params.max_tokens), (fixed, r.rid)
+        assert stats.spec_steps > 20 and len(seen) > 100
+        counts[fixed, n] = len(set(seen))
+        if fixed:
+            assert {q[0] for q, *_ in seen} <= {1, 2, 4, 8}  # rows held in buckets
+            assert {k[2] % 256 for _, k, *_ in seen} == {0}  # keys: whole buffers
+            widths = {q[2] for q, *_ in seen}
+            assert widths <= {2, 3, 4, 5, 8, 16, 32, 64}, widths  # k + 1, the draft's catch-up widths, its chunk
+            spec = batch._spec
+            assert spec is not None and {s[0] for s in spec.shapes} == {"verify", "draft", "draft-prefill"}
+    # tiny-target's context is 512: two buffers; so at most 4 row buckets x 8 widths x 2 buffers, and far fewer
+    assert counts[True, 48] <= 24 and counts[True, 48] - counts[True, 12] <= 6, counts
+    assert counts[False, 48] > 3 * counts[True, 48] and counts[False, 48] > counts[False, 12] + 20, counts

@@ -9,12 +9,13 @@ batch runs in this process on one MLX thread (no Redis: the queue adds the same 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -61,6 +62,11 @@ class Report:
     rows: list[Row] = field(default_factory=list)
     ngram_overhead: dict[int, float] = field(default_factory=dict)  # N -> lookup tok/s / plain tok/s
     loaded: dict[int, tuple[float, float]] = field(default_factory=dict)  # N -> plain, speculative tok/s, full load
+    # N -> distinct shapes of attention over several positions in the fully loaded runs: the speculative batch's
+    # passes by kind (verify, draft, draft-prefill), and every attention call's (q, k, mask) in the plain and the
+    # speculative runs (the target's prefill chunks included); on CUDA each new one builds a cuDNN graph
+    loaded_shapes: dict[int, dict[str, int]] = field(default_factory=dict)
+    fixed_shapes: bool = False  # whether the batch kept its shapes repeating (on by default on CUDA only)
     copying: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # N -> plain, lookup tok/s, taken
     pair: Pair = field(default_factory=lambda: Pair())
 
@@ -74,6 +80,7 @@ class Pair:
     shape: str = "small"
     dtype: str = "float32"
     device: str = "cpu"
+    repeat_shapes: bool | None = None  # the batch's shapes kept repeating (None: MLX's choice, on CUDA only)
 
     def sizes(self) -> tuple[str, str]:
         """The draft's and the target's names in tinymodel's SIZES (registered here for a custom shape)."""
@@ -111,6 +118,7 @@ class Bench:
                 loaded[0].set_dtype(getattr(mx, pair.dtype))
         self.stream = mx.new_stream(mx.cpu if pair.device == "cpu" else mx.default_device())
         self.max_tokens = max_tokens
+        self.repeat_shapes = pair.repeat_shapes
 
     def prompts(self, n: int, seed: int) -> list[list[int]]:
         import random
@@ -129,7 +137,7 @@ class Bench:
         proposer = DraftModel(self.draft[0], 512) if kind == "draft" else PromptLookup() if kind == "ngram" else None
         return MLXBatch(self.target[0] if model is None else model, self.target[1].eos_token_ids,
                         capacity=max(n, 1), prefill_batch_size=8, prefill_step_size=512, stream=self.stream,
-                        proposer=proposer, stats=EngineStats())
+                        proposer=proposer, stats=EngineStats(), fixed_shapes=self.repeat_shapes)
 
     def run(self, batch: Any, n: int, seed: int) -> tuple[float, Counter[int]]:
         """Decode tok/s of one burst of ``n`` of the bench's prompts, and the steps of each k."""
@@ -155,10 +163,16 @@ class Bench:
                     ks[batch._spec.stats.spec_k] += 1
         return tokens / (time.perf_counter() - start), ks
 
-    def load(self, batch: Any, n: int, seed: int, rounds: int = 3) -> float:
+    def load(self, batch: Any, n: int, seed: int, rounds: int = 3,
+             shapes: dict[str, set[tuple[Any, ...]]] | None = None) -> float:
         """Decode tok/s of a fully loaded batch: ``n`` requests in flight, each one that ends replaced, until
         ``rounds * n`` were sent; timed from the first token to the last replacement (no burst's tail, where
-        rows that speculation sped up unevenly leave a few behind)."""
+        rows that speculation sped up unevenly leave a few behind). The shapes of attention over several
+        positions met go in ``shapes`` (see :func:`watching`)."""
+        with watching(batch, shapes if shapes is not None else {}):
+            return self._load(batch, n, seed, rounds)
+
+    def _load(self, batch: Any, n: int, seed: int, rounds: int) -> float:
         import mlx.core as mx
 
         prompts = self.prompts(rounds * n, seed)
@@ -182,6 +196,37 @@ class Bench:
                 if sent == len(prompts):
                     elapsed = time.perf_counter() - start
         return tokens / elapsed
+
+
+@contextlib.contextmanager
+def watching(batch: Any, shapes: dict[str, set[tuple[Any, ...]]]) -> Iterator[None]:
+    """Collect, while it runs, the shapes of every attention over several query positions (``"attention"``: q, k
+    and mask, the target's prefill chunks included) and of the speculative batch's passes by kind."""
+    import mlx.core as mx
+
+    attention, spec = mx.fast.scaled_dot_product_attention, batch._spec
+
+    def recording(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        if q.shape[2] > 1:
+            mask = kwargs.get("mask")
+            shapes.setdefault("attention", set()).add((q.shape, k.shape, getattr(mask, "shape", mask)))
+        return attention(q, k, v, **kwargs)
+
+    mx.fast.scaled_dot_product_attention = recording
+    if spec is not None:
+        saw_before = spec.saw
+
+        def saw(kind: str, *shape: int) -> None:
+            shapes.setdefault(kind, set()).add(shape)
+            saw_before(kind, *shape)
+
+        spec.saw = saw
+    try:
+        yield
+    finally:
+        mx.fast.scaled_dot_product_attention = attention
+        if spec is not None:
+            del spec.saw
 
 
 def pair_alpha(bench: Bench) -> float:
@@ -309,9 +354,16 @@ def measure(sizes: Sequence[int], max_tokens: int, fixed: Sequence[int], repeats
         report.rows.append(row)
         say(f"N={n}: plain {row.plain_tps:.1f} tok/s, speculative {row.spec_tps:.1f} ({row.speedup:.2f}x), k used "
             f"{dict(sorted(ks.items()))}, fixed {({k: round(v / row.plain_tps, 2) for k, v in fixed_tps.items()})}")
-        loaded = [(bench.load(plain, n, seed=40 + r), bench.load(spec, n, seed=40 + r)) for r in range(repeats)]
+        met: tuple[dict[str, set[tuple[Any, ...]]], dict[str, set[tuple[Any, ...]]]] = ({}, {})
+        loaded = [(bench.load(plain, n, seed=40 + r, shapes=met[0]), bench.load(spec, n, seed=40 + r, shapes=met[1]))
+                  for r in range(repeats)]
         report.loaded[n] = (max(p for p, _ in loaded), max(q for _, q in loaded))
-        say(f"N={n} fully loaded: plain {report.loaded[n][0]:.1f} tok/s, speculative {report.loaded[n][1]:.1f}")
+        report.fixed_shapes = spec._spec.fixed_shapes
+        report.loaded_shapes[n] = {"plain attention": len(met[0].get("attention", ())),
+                                   **{("speculative " * (kind == "attention")) + kind: len(v)
+                                      for kind, v in sorted(met[1].items())}}
+        say(f"N={n} fully loaded: plain {report.loaded[n][0]:.1f} tok/s, speculative {report.loaded[n][1]:.1f}; "
+            f"distinct shapes over several positions {report.loaded_shapes[n]}")
         lookup = bench.batch("ngram", n)
         bench.run(lookup, n, seed=1)
         ngram = max(bench.run(lookup, n, seed=10 + r)[0] for r in range(repeats))
@@ -349,6 +401,12 @@ def markdown(report: Report) -> str:
     lines += ["", "Fully loaded (N requests in flight, each that ends replaced, 3N in all; no burst's tail), "
               "speculative ÷ plain tok/s: " + ", ".join(f"N={n}: {q / p:.2f} ({p:.1f} -> {q:.1f})"
                                                          for n, (p, q) in report.loaded.items())]
+    lines += ["", "Distinct shapes of attention over several positions in the fully loaded runs (on CUDA each new one "
+              "builds a cuDNN graph, ~50 ms; shapes kept repeating: " + ("yes" if report.fixed_shapes else "no") +
+              "): the speculative batch's passes (verify, draft, draft-prefill: rows held, positions, keys) and "
+              "every attention call's (q, k, mask), the target's prefill chunks included, in the plain and "
+              "speculative runs: " + "; ".join(f"N={n}: " + ", ".join(f"{kind} {c}" for kind, c in kinds.items())
+                                               for n, kinds in report.loaded_shapes.items())]
     lines += ["", "Prompt lookup (MLXQ_SPECULATE=ngram) on prompts whose text never repeats (random weights: the "
               "output does not quote the prompt), lookup tok/s ÷ plain tok/s: "
               + ", ".join(f"N={n}: {v:.2f}" for n, v in report.ngram_overhead.items()), ""]
@@ -358,6 +416,9 @@ def markdown(report: Report) -> str:
               "(proposals taken): " + ", ".join(f"N={n}: {q / p:.2f}x ({p:.1f} -> {q:.1f} tok/s, {t:.2f})"
                                                  for n, (p, q, t) in report.copying.items()), ""]
     return "\n".join(lines)
+
+
+SHAPES = {"auto": None, "repeat": True, "free": False}  # --shapes: Pair.repeat_shapes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -371,12 +432,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "default"],
                    help="MLX's CPU, or its default device (the GPU where there is one)")
+    p.add_argument("--shapes", default="auto", choices=["auto", "repeat", "free"],
+                   help="the speculative batch's shapes: kept repeating (as on CUDA), free (as elsewhere), or auto")
     args = p.parse_args(argv)
     if args.device == "cpu":  # OpenBLAS serves the CPU's matrix products; a GPU run needs no re-exec
         reexec_with_openblas(["-m", "tests.perf.speculative", *(argv if argv is not None else sys.argv[1:])])
     report = measure([int(x) for x in args.concurrency.split(",")], args.max_tokens,
                      [int(x) for x in args.fixed.split(",") if x], args.repeats,
-                     Pair(args.pair, args.dtype, args.device))
+                     Pair(args.pair, args.dtype, args.device, SHAPES[args.shapes]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "speculative.md").write_text(markdown(report))
