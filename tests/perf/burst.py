@@ -80,7 +80,8 @@ def _measure(args: argparse.Namespace, paths: list[str], out: Path) -> dict[str,
                                 **env}, out / "logs" / "burst-worker.log").start()
         stack.callback(worker.stop)
         worker.wait_ready()
-        pids = {"queue": [worker.proc.pid if worker.proc else 0]}
+        assert worker.proc is not None
+        pids = {"queue": [worker.proc.pid]}
         server = ServerPath(model, args.n, env, out / "logs" / "burst-mlx_lm-server.log") if "server" in paths else None
         if server is not None:
             stack.callback(server.close)
@@ -91,8 +92,8 @@ def _measure(args: argparse.Namespace, paths: list[str], out: Path) -> dict[str,
                                      out / "logs" / "burst-gateway.log").start()
             stack.callback(gateway.stop)
             gateway.wait_ready()
-            pids["gateway"] = [worker.proc.pid if worker.proc else 0, gateway.pid or 0]
-        say(f"[{args.size}] N={args.n}: {', '.join(paths)} ready; BLAS {blas_of(worker.proc.pid if worker.proc else None)}")
+            pids["gateway"] = [worker.proc.pid, gateway.pid or 0]
+        say(f"[{args.size}] N={args.n}: {', '.join(paths)} ready; BLAS {blas_of(worker.proc.pid)}")
         return asyncio.run(_alternate(args, paths, model, redis.url, prefix, server, gateway, pids))
 
 
