@@ -173,10 +173,7 @@ class MLXBatch:
         return int(self._gen.prompt_cache_nbytes) + draft
 
     def step(self) -> Sequence[GeneratedToken]:
-        if self._joins_ready():
-            self._decoded = False
-            prompts, generated = self._prompts_only(join=True)
-        elif self._decoded:
+        if self._decoded:
             self._decoded = False
             prompts, generated = self._prompts_only()
         elif self._both_due():
@@ -209,30 +206,15 @@ class MLXBatch:
         finally:
             self._gen.completion_batch_size = full
 
-    def _joins_ready(self) -> bool:
-        """Whether every row being prompted has only its last token left, so the next step of mlx-lm's would
-        decode the batch before they join it. They join first (:meth:`_prompts_only` with ``join``): joining
-        prefills nothing (it starts their first token's pass), and they then get their first token from the
-        batch's next decode pass instead of the one after it (one decode pass of the batch sooner per group of
-        a burst; the same passes run)."""
-        processing = self._gen._currently_processing
-        return bool(processing) and all(len(s[0]) == 1 and len(s[0][0]) == 1 for s in processing)
-
-    def _prompts_only(self, *, join: bool = False) -> tuple[Any, Any]:
+    def _prompts_only(self) -> tuple[Any, Any]:
         """mlx-lm's step without its decode step: prefilled rows join, the next chunk is prefilled. Its decode
-        batch's ``next`` is shadowed for the call (the batch still counts its rows, so room is as usual).
-        ``join``: no new prompts are taken in either (the step only moves the ready rows into the batch)."""
-        gen = self._gen
-        batch = gen._generation_batch
+        batch's ``next`` is shadowed for the call (the batch still counts its rows, so room is as usual)."""
+        batch = self._gen._generation_batch
         batch.next = _no_tokens
-        prefill = gen.prefill_batch_size
-        if join:
-            gen.prefill_batch_size = 0
         try:
-            return gen.next()  # type: ignore[no-any-return]
+            return self._gen.next()  # type: ignore[no-any-return]
         finally:
             del batch.next
-            gen.prefill_batch_size = prefill
 
     def _checkpoint(self, prompts: Sequence[Any]) -> None:
         # A watched sequence's first segment end is its checkpoint (its later ones are mlx-lm's own split).
