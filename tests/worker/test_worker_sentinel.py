@@ -25,22 +25,30 @@ from tests.worker.test_worker_cli import arq_worker_run, mlxq, one_line
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # real Redis processes of their own
 
 
+def _sentinel(tmp_path: Path, master_port: int, extra: str = "") -> Node:
+    """One sentinel on a free port watching, as MASTER, the Redis at ``master_port`` (``extra``: more of its
+    configuration), answering pings."""
+    port = free_port()
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n{extra}"
+                    f"sentinel monitor {MASTER} 127.0.0.1 {master_port} 1\n")
+    node = Node(port, [find_redis_server(), str(conf), "--sentinel"])
+    node.start()
+    for _ in range(200):
+        with contextlib.suppress(redis.RedisError, OSError):
+            node.client().ping()
+            break
+        time.sleep(0.05)
+    return node
+
+
 @pytest.fixture(params=[""], ids=["open"])
 def lone_sentinel(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
     """One sentinel watching, as MASTER, an address where nothing listens (with the password ``param``)."""
-    port, dead = free_port(), free_port()
-    conf = tmp_path / "sentinel.conf"
+    dead = free_port()
     password = f"requirepass {request.param}\n" if request.param else ""
-    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n{password}"
-                    f"sentinel monitor {MASTER} 127.0.0.1 {dead} 1\n")
-    node = Node(port, [find_redis_server(), str(conf), "--sentinel"])
-    node.start()
+    node = _sentinel(tmp_path, dead, password)
     try:
-        for _ in range(200):
-            with contextlib.suppress(redis.RedisError, OSError):
-                node.client().ping()
-                break
-            time.sleep(0.05)
         yield node, dead
     finally:
         node.kill()
@@ -161,19 +169,9 @@ async def test_the_masters_death_mid_stream_ends_every_job_once(tmp_path: Path, 
 def watched_master(tmp_path: Path) -> Any:
     """A Redis master and one sentinel watching it as MASTER: the sentinel URL and the sentinel."""
     master = RedisServer(tcp=True).start()
-    port = free_port()
-    conf = tmp_path / "sentinel.conf"
-    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
-                    f"sentinel monitor {MASTER} 127.0.0.1 {master.port} 1\n")
-    node = Node(port, [find_redis_server(), str(conf), "--sentinel"])
-    node.start()
+    node = _sentinel(tmp_path, master.port)
     try:
-        for _ in range(200):
-            with contextlib.suppress(redis.RedisError, OSError):
-                node.client().ping()
-                break
-            time.sleep(0.05)
-        yield f"redis+sentinel://127.0.0.1:{port}/{MASTER}", node
+        yield f"redis+sentinel://127.0.0.1:{node.port}/{MASTER}", node
     finally:
         node.kill()
         master.stop()
