@@ -532,8 +532,7 @@ while true do
           redis.call('HINCRBY', m.share, t .. ':r', 1)
           redis.call('HINCRBY', m.share, '~r', 1)
           redis.call('HINCRBY', P .. ':tenants:running', t, 1)
-          redis.call('EXPIRE', m.share, share_ttl)
-          redis.call('EXPIRE', P .. ':tenants:running', share_ttl)
+          m.counted = true  -- its share hash and the running counts expire once, after the loop
         end
         redis.call('ZREM', queue, id)
         redis.call('ZREM', KEYS[3], id .. '@' .. queue)
@@ -547,11 +546,17 @@ while true do
     end
   end
 end
+local counted = false
 for q = 4, #KEYS do  -- due jobs left behind: for lack of quota, a cap, the read limit, or another's affinity
   for _, s in ipairs(models[q].tenants) do
     if s.pos <= #s.entries then left = 1 end
   end
+  if models[q].counted then
+    counted = true
+    redis.call('EXPIRE', models[q].share, share_ttl)
+  end
 end
+if counted then redis.call('EXPIRE', P .. ':tenants:running', share_ttl) end
 out[2] = left
 return out
 """.replace("OUTRANK_READ", str(_OUTRANK_READ)).replace("AFFINITY", _AFFINITY_LUA, 1)
