@@ -74,15 +74,15 @@ class Shares:
         """``req``'s group's load once ``req`` runs too."""
         return (self.running[req.group] + 1) / _weight(req)
 
-    def spare(self, group: str) -> float:
-        return (self.running[group] - 1) / self.weights[group]
+    def spare(self, group: str, taken: int = 0) -> float:
+        """``group``'s load after giving up one more sequence (``taken``: sequences already leaving)."""
+        return (self.running[group] - taken - 1) / self.weights[group]
 
     def yields_to(self, victim: EngineRequest, top: EngineRequest, taken: int = 0) -> bool:
         """Whether running ``victim`` of another group may leave for ``top`` (``taken``: sequences of its group
         already leaving for it)."""
         group = victim.group
-        running = self.running[group] - taken
-        return running > 0 and (running - 1) / self.weights[group] >= self.load_after(top)
+        return self.running[group] - taken > 0 and self.spare(group, taken) >= self.load_after(top)
 
     def below(self, top: EngineRequest) -> bool:
         """Whether some running group is above ``top``'s share: one of its sequences may leave for ``top``."""
