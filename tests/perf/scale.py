@@ -145,6 +145,9 @@ class Level:
     redis_commands_s: float
     bottleneck: str
     redis_idle: float  # Redis's cores with the same fleet and no stream (heartbeats, polls, leases' loops)
+    # Per Redis command (``INFO commandstats``) over the window: (calls, µs inside Redis), the scripts' inner
+    # commands counted under their own names too (so EVALSHA's µs include theirs)
+    commandstats: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def redis_cores_per_1000(self) -> float:
@@ -308,20 +311,27 @@ class _CpuMeter:
         self.busy0, self.wall0 = _machine_busy(), time.monotonic()
         self.redis = redis.Redis.from_url(fleet.server.url)
         self.cmds0 = self._commands()
+        self.stats0 = self._commandstats()
 
     def _commands(self) -> int:
         info: dict[str, Any] = self.redis.info("stats")  # type: ignore[assignment]
         return int(info["total_commands_processed"])
 
-    def stop(self) -> tuple[Cpu, float]:
+    def _commandstats(self) -> dict[str, tuple[int, int]]:
+        info: dict[str, Any] = self.redis.info("commandstats")  # type: ignore[assignment]
+        return {k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for k, v in info.items()}
+
+    def stop(self) -> tuple[Cpu, float, dict[str, tuple[int, int]]]:
         wall = time.monotonic() - self.wall0
         used = {k: [(cpu_seconds(p) - b) / wall for p, b in zip(v, self.before[k])] for k, v in self.pids.items()}
         busy = _machine_busy()[0] - self.busy0[0]
         commands = (self._commands() - self.cmds0) / wall
+        stats = {k: (c - self.stats0.get(k, (0, 0))[0], u - self.stats0.get(k, (0, 0))[1])
+                 for k, (c, u) in self._commandstats().items()}
         self.redis.close()
         cpu = Cpu(used["redis"][0], used["workers"], used["gateway"][0] if used["gateway"] else None,
                   used["subscribers"], busy / wall, os.cpu_count() or 1)
-        return cpu, commands
+        return cpu, commands, {k: v for k, v in stats.items() if v[0] > 0 and k != "info"}
 
 
 def _bottleneck(cpu: Cpu) -> str:
@@ -340,7 +350,7 @@ def _idle(fleet: _Fleet, window_s: float) -> float:
     """Redis's cores over a window with the fleet up and no stream."""
     meter = _CpuMeter(fleet)
     time.sleep(window_s)
-    cpu, _ = meter.stop()
+    cpu, _, _ = meter.stop()
     say(f"[scale] idle fleet: redis {cpu.redis:.3f} cores; workers {sum(cpu.workers):.2f}")
     return cpu.redis
 
@@ -357,20 +367,30 @@ def _level(fleet: _Fleet, n: int, window_s: float, idle: float = 0.0) -> Level:
     time.sleep(max(0.0, t0 - time.time()))
     meter = _CpuMeter(fleet)
     time.sleep(max(0.0, t1 - time.time()))
-    cpu, commands = meter.stop()
+    cpu, commands, stats = meter.stop()
     got = [conn.recv() for _, conn in fleet.subs]
     bins: Counter[int] = sum((g.bins for g in got), Counter())
     tokens = sum(g.tokens for g in got)
     p50, p99, top = _quantile(bins, 0.5), _quantile(bins, 0.99), _quantile(bins, 1.0)
     level = Level(n, cfg.rate, math.ceil(n / cfg.rows), sum(g for o in orders for _, g in o.streams), p50, p99, top,
                   tokens / (n * cfg.rate * window_s), sum(g.completed for g in got),
-                  [e for g in got for e in g.errors][:5], cpu, commands, _bottleneck(cpu), idle)
+                  [e for g in got for e in g.errors][:5], cpu, commands, _bottleneck(cpu), idle, stats)
     say(f"[scale] N={n:<5} delivery p50 {p50:7.1f} ms p99 {p99:7.1f} ms; delivered {level.delivered:.3f}; "
         f"redis {cpu.redis:.2f} cores ({level.redis_cores_per_1000:.2f} per 1,000 streams, "
         f"{level.redis_us_per_token:.1f} µs a token, idle fleet's taken off); workers "
         f"{sum(cpu.workers):.2f}; subscribers {sum(cpu.subscribers):.2f}; machine {cpu.machine:.2f}/{cpu.cores}; "
         f"bottleneck: {level.bottleneck}")
+    say(f"[scale] N={n:<5} Redis per token: {_per_token(level, window_s)}")
     return level
+
+
+def _per_token(level: Level, window_s: float) -> str:
+    """The busiest Redis commands of a level, as calls and µs inside Redis per token delivered."""
+    tokens = level.streams * level.delivered * level.rate * window_s
+    if not tokens:
+        return "no token"
+    top = sorted(level.commandstats.items(), key=lambda kv: -kv[1][1])[:8]
+    return ", ".join(f"{k} {c / tokens:.2f}x {u / tokens:.1f} µs" for k, (c, u) in top)
 
 
 def _quantile(bins: Counter[int], q: float) -> float:

@@ -91,6 +91,48 @@ async def test_events_go_live_on_the_documented_channel_and_duplicates_are_not_r
         await r.aclose()
 
 
+async def test_a_runs_token_appends_are_written_as_records_are_and_set_the_logs_ttl_a_tenth_as_often(
+        redis_url: str) -> None:
+    # A run's one-event appends after its first take EMIT's token path: the same lease check, log entries and
+    # publishes (a duplicate not published again), answered in the caller's order among the other records
+    r = aredis.Redis.from_url(redis_url)
+    pubsub = r.pubsub()
+    try:
+        await pubsub.subscribe(KEYS.events("a"))
+        assert await pubsub.get_message(timeout=5.0) is not None  # the subscribe's ack
+        a, b, stale = run("a"), run("b"), run("stale")
+        for x, holder in ((a, "w1:1"), (b, "w1:1"), (stale, "w2:2")):
+            await r.set(KEYS.lease(x.rid), holder)
+        t = transitions(r)
+        evs = tokens(a, 4)
+        assert await t.write([Record(a, evs[:1], Write.APPEND), Record(stale, tokens(stale, 1), Write.APPEND)]) == [
+            True, False]  # first appends: records, which set the log's TTL
+        await r.expire(KEYS.log("a"), 100)  # to see whether the next appends set it again
+        records = [Record(a, evs[1:2], Write.APPEND), Record(b, [b.start(1, "w1"), *tokens(b, 1)], Write.APPEND),
+                   Record(stale, tokens(stale, 1), Write.APPEND)]
+        assert await t.write(records) == [True, True, False]
+        assert 90 < await r.ttl(KEYS.log("a")) <= 100  # left as the first append set it
+        assert await t.write([Record(a, evs[1:3], Write.APPEND)]) == [True]  # a retried write and one more
+        assert await t.write([Record(a, evs[2:3], Write.APPEND)]) == [True]  # a duplicate alone
+        assert [eid for eid, _ in await logged(r, "a")] == [b"0-1", b"1-1", b"2-1"]
+        a.log_ttl_at -= TTL.live / 10  # a tenth of the TTL later: the next append sets it again
+        assert await t.write([Record(a, evs[3:], Write.APPEND)]) == [True]
+        assert 590 < await r.ttl(KEYS.log("a")) <= 600
+        await r.delete(KEYS.lease("a"))  # the lease lost: the token path refuses too
+        assert await t.write([Record(a, tokens(a, 1), Write.APPEND)]) == [False]
+        got = []
+        while len(got) < 4:
+            msg = await pubsub.get_message(timeout=5.0)
+            assert msg is not None, f"only {len(got)} of 4 events published"
+            got.append(msg["data"].decode())
+        assert got == [e.model_dump_json() for e in evs]
+        assert await pubsub.get_message(timeout=0.2) is None  # nothing published twice, nothing refused
+        assert not await r.exists(KEYS.log("stale"))
+    finally:
+        await pubsub.aclose()
+        await r.aclose()
+
+
 async def test_end_finishes_the_job_keeps_arqs_result_record_and_shortens_the_log_ttl(redis_url: str) -> None:
     from mlxq.worker.arqseam import arq_job
 

@@ -101,6 +101,7 @@ class Run:
     token_text: Callable[[int], str] | None = None
     tools: ToolCalls | None = None  # its request gave tools: its calls, parsed as they complete
     finished: asyncio.Future[State] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    log_ttl_at: float = 0.0  # when (monotonic) this run's last write set its log's TTL (see Transitions.write)
     _wire: tuple[str, bytes, bytes] | None = field(default=None, repr=False, compare=False)  # see wire_names
 
     def _next(self) -> int:
@@ -108,13 +109,11 @@ class Run:
         return seq
 
     def wire_names(self) -> tuple[bytes, bytes]:
-        """Its queue, id and owner as an EMIT record heads them: their lengths (``b"<q> <id> <owner> "``) and
-        the three, encoded (once: the run writes a record per step it sends)."""
+        """Its id and owner as an EMIT token append names them, encoded (once: the run writes one per step it
+        sends)."""
         cached = self._wire
         if cached is None or cached[0] != self.owner:
-            queue, rid, owner = self.queue.encode(), self.rid.encode(), self.owner.encode()
-            cached = self._wire = (self.owner, b"%d %d %d " % (len(queue), len(rid), len(owner)),
-                                   b"".join((queue, rid, owner)))
+            cached = self._wire = (self.owner, self.rid.encode(), self.owner.encode())
         return cached[1], cached[2]
 
     def settle(self, state: State) -> None:

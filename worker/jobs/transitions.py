@@ -60,6 +60,9 @@ __all__ = ["Affinity", "BelowShare", "Due", "DueEntry", "EntryStatus", "Lapsed",
 _LAPSED_PER_SWEEP = 500
 _READ_MIN = 16  # due entries CLAIM reads per queue, at least (poison and deferred entries may come first)
 _EPOCH_TTL_S = 7 * 86_400  # refreshed at every claim
+# A run's token appends set its log's TTL (LogTTL.live) this many times a TTL, not on every append
+_LOG_TTL_REFRESHES = 10
+_APPENDS_PER_READ = 256  # token appends whose leases EMIT reads in one MGET (within Lua's unpack limit)
 _TRIES_TTL_S = 86_400  # a job's record lives at most this long too (api.client.JOB_TTL_MS)
 _DEAD_LETTERS_KEPT = 1000
 _DEAD_LETTER_TTL_S = 7 * 86_400
@@ -564,10 +567,12 @@ return out
 # running -> running | ended | queued, and queued -> ended (expired), for several jobs in one call (one round
 # trip per engine step).
 # KEYS: running, epoch, deadlines. ARGV: record count, live TTL s, done TTL s, now ms, prefix, result TTL ms, every
-# record in one argument (each "<size>\n<record>"), share TTL s, job TTL ms. A record is a line "<queue bytes>
-# <rid bytes> <owner bytes> <write> <first seq> <result bytes>", then queue, rid, owner and result back to back,
-# a newline, and its events (JSON texts, which never hold a raw newline) joined by newlines; event i is logged as entry
-# "<first seq + i>-1" and published on the job's channel.
+# record in one argument (each "<size>\n<record>"), share TTL s, job TTL ms, then the token appends: rid, owner,
+# entry id ("<seq>-1"), event, rid, owner, ... (a run's one-event appends while its log's TTL is fresh: N per engine
+# step, so they skip the records' parsing, the EXPIRE and a GET each; written as an "a" record is). A record is a
+# line "<queue bytes> <rid bytes> <owner bytes> <write> <first seq> <result bytes>", then queue, rid, owner and
+# result back to back, a newline, and its events (JSON texts, which never hold a raw newline) joined by newlines;
+# event i is logged as entry "<first seq + i>-1" and published on the job's channel.
 # The caller may write if (by write): a/e/h: owner is a run's token and the lease holds it, or owner is ""
 # (the reaper) and nobody holds the lease, the job is listed as running, and its log's next seq is the
 # record's first (two reapers cannot both act on one job); l: owner is the epoch the run started in and the
@@ -580,7 +585,8 @@ return out
 # count), queue the job again in its old place (the score CLAIM listed it with), due at once, its tenant
 # backlogged again. l: append, log kept for the done TTL. x: as e, and the job's deadline is dropped. e and x
 # also add the ended job to its model's history and the recent list (_HISTORY).
-# Returns 1 (written) or 0 (refused) per record. An entry id already logged (a duplicate) is not published.
+# Returns 1 (written) or 0 (refused) per record, then per token append. An entry id already logged (a duplicate) is
+# not published.
 _EMIT = _SHARE_LUA + r"""
 HISTORY
 local out = {}
@@ -674,6 +680,32 @@ for j = 1, tonumber(ARGV[1]) do
     out[j] = 0
   end
 end
+-- The token appends: a lease check, the log entry and its publish; nothing to parse, the log's TTL left as is.
+local n = #out
+for from = 10, #ARGV, 4 * APPENDS_PER_READ do  -- the leases read APPENDS_PER_READ at a time: one MGET each
+  local last = math.min(#ARGV, from + 4 * APPENDS_PER_READ - 1)
+  local bases, leases = {}, {}
+  for i = from, last, 4 do
+    local base = ARGV[5] .. ':{' .. ARGV[i] .. '}:'
+    bases[#bases + 1] = base
+    leases[#leases + 1] = base .. 'lease'
+  end
+  local held = redis.call('MGET', unpack(leases))
+  for k, base in ipairs(bases) do
+    local i = from + 4 * (k - 1)
+    n = n + 1
+    if held[k] == ARGV[i + 1] then
+      local event = ARGV[i + 3]
+      local r = redis.pcall('XADD', base .. 'log', ARGV[i + 2], 'e', event)
+      if type(r) ~= 'table' or not r.err then
+        redis.call('PUBLISH', base .. 'events', event)
+      end
+      out[n] = 1
+    else
+      out[n] = 0
+    end
+  end
+end
 return out
 """
 
@@ -715,7 +747,7 @@ end
 """.replace("HIST_EDGES", history.lua_edges()).replace("BUCKET_S", str(history.BUCKET_S)).replace(
     "HISTORY_TTL", str(history.HISTORY_TTL_S)).replace("RECENT_KEPT", str(history.RECENT_KEPT)).replace(
     "RECENT_TTL", str(history.RECENT_TTL_S))
-_EMIT = _EMIT.replace("HISTORY", _HISTORY, 1)
+_EMIT = _EMIT.replace("HISTORY", _HISTORY, 1).replace("APPENDS_PER_READ", str(_APPENDS_PER_READ))
 
 # Extends leases still held by their run. KEYS: none. ARGV: lease ms, prefix, then rid, token, rid, token...
 # Returns 1 (extended) or 0 (lost) per job.
@@ -863,19 +895,33 @@ class Transitions:
     async def write(self, records: Sequence[Record]) -> list[bool]:
         """One EMIT call: each record's events, and its write; whether each was allowed. Only the run table
         calls it, one call at a time."""
-        args: list[object] = [len(records), self.ttl.live, self.ttl.done, int(time.time() * 1000), self.keys.prefix,
+        now = time.monotonic()
+        fresh = now - self.ttl.live / _LOG_TTL_REFRESHES  # a log whose TTL was set since needs none now
+        general: list[Record] = []
+        order: list[int] = []  # where each record's answer is: general ones first, then the token appends
+        appends: list[object] = []
+        for r in records:
+            run = r.run
+            if r.write is Write.APPEND and len(r.events) == 1 and run.owner and run.log_ttl_at > fresh:
+                order.append(~(len(appends) // 4))
+                rid, owner = run.wire_names()
+                appends += (rid, owner, b"%d-1" % r.events[0].seq, r.events[0].model_dump_json())
+            else:
+                order.append(len(general))
+                general.append(r)
+        args: list[object] = [len(general), self.ttl.live, self.ttl.done, int(time.time() * 1000), self.keys.prefix,
                               max(1, self.ttl.result) * 1000]
-        args.append(b"".join(b"%d\n%s" % (len(r), r) for r in map(self._record, records)))
-        args += [SHARE_TTL_S, _TRIES_TTL_S * 1000]
+        args.append(b"".join(b"%d\n%s" % (len(r), r) for r in map(self._record, general)))
+        args += [SHARE_TTL_S, _TRIES_TTL_S * 1000, *appends]
         keys = [self.keys.running(), self.keys.epoch(), self.keys.deadlines()]
         result = await self._emit.run(self.writer, keys, args)
-        return [r == 1 for r in result]
+        for r, ok in zip(general, result):
+            if ok == 1 and r.write is Write.APPEND:
+                r.run.log_ttl_at = now  # it set the log's TTL
+        return [result[i if i >= 0 else len(general) + ~i] == 1 for i in order]
 
     def _record(self, r: Record) -> bytes:
         run, events, write = r.run, r.events, r.write
-        if write is Write.APPEND and len(events) == 1:  # a job's token event of a step: N per step
-            lengths, names = run.wire_names()
-            return b"%sa %d 0\n%s\n%s" % (lengths, events[0].seq, names, events[0].model_dump_json().encode())
         queue, rid = run.queue.encode(), run.rid.encode()
         owner = (run.epoch if write is Write.LOST else run.owner).encode()
         result = self._result(run, events[-1]) if write is Write.END and events else b""
