@@ -45,6 +45,8 @@ def test_every_stream_was_delivered_and_timed_from_the_engines_output(results_fi
     assert len(cpu["workers"]) == 1 and len(cpu["subscribers"]) == 1 and cpu["gateway"] is not None
     assert min(cpu["redis"], *cpu["workers"], *cpu["subscribers"], cpu["gateway"]) >= 0
     assert level["redis_commands_s"] > 0 and level["bottleneck"]
+    stats = level["commandstats"]  # calls and µs per command over the window: the token events' own among them
+    assert all(stats[c][0] > 0 and stats[c][1] >= 0 for c in ("evalsha", "xadd", "publish"))
 
 
 def test_one_producers_enqueue_rate_and_cpu_per_job_are_measured(results_file: dict[str, Any]) -> None:
