@@ -328,14 +328,18 @@ async def test_paced_engine_sends_first_token_then_the_rest_with_the_end() -> No
 
 
 async def test_idle_engine_waits_for_announced_requests_and_admits_them_together() -> None:
-    engine, backend, _, outputs = make_engine(delay=0.001)
+    # The window moves only when the test says: however slow the machine, it cannot close before "c" is in.
+    # Once all are in, the burst lingers a fifth of it (0.1 s of its thread's sleep) until the test ends it.
+    clock = ManualClock()
+    engine, backend, _, outputs = make_engine(delay=0.001, clock=clock)
     try:
-        engine.expect(3, within_s=30.0)
+        engine.expect(3, within_s=0.5)
         engine.add(request("a", max_tokens=5))
         await waiting_for_arrivals(engine)  # two more are announced: it waits instead of stepping
         assert backend.steps == 0
         engine.add(request("b", max_tokens=5))
         engine.add(request("c", max_tokens=5))
+        clock.advance(0.5)  # the window closes: the engine steps once its thread looks again
         await outputs.wait_finished(["a", "b", "c"])
         assert backend.inserted_at_step == [0, 0, 0]
     finally:
