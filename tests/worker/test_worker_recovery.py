@@ -74,13 +74,6 @@ async def wait_until(predicate: Any, timeout: float, what: str) -> None:
         await asyncio.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mlxq.worker.tools.tinymodel import ensure_model
-
-    return ensure_model("small", root=tmp_path_factory.mktemp("small"))
-
-
 @pytest.fixture
 def spawn(redis_url: str, small_model: Path, tmp_path: Path) -> Any:
     procs: list[WorkerProcess] = []
