@@ -107,13 +107,15 @@ class _Deployment:
         self.prefix = f"mlxq-bench-tenants-{uuid.uuid4().hex[:6]}"
         self.workers: list[WorkerProcess] = []
 
-    def start(self, name: str, capacity: int = 8) -> None:
+    def start(self, *names: str, capacity: int = 8) -> None:
+        """A worker per name, started side by side (their imports overlap), then waited for."""
         env = {"MLXQ_MODEL": self.model, "MLXQ_MODEL_NAME": "m", "MLXQ_REDIS_URL": self.server.url,
                "MLXQ_PREFIX": self.prefix, "MLXQ_BATCH_CAPACITY": str(capacity), "MLXQ_JOB_EXPIRY": "0",
                "OPENBLAS_NUM_THREADS": "1"}
-        proc = WorkerProcess(env, self.out / "logs" / f"worker-tenants-{name}.log").start()
-        self.workers.append(proc)
-        proc.wait_ready()
+        procs = [WorkerProcess(env, self.out / "logs" / f"worker-tenants-{name}.log").start() for name in names]
+        self.workers += procs
+        for proc in procs:
+            proc.wait_ready()
 
     def client(self, tenant: str | None = None) -> Client:
         # Its jobs wait as long as the backlog takes (no expiry).
@@ -193,8 +195,7 @@ async def _isolation(d: _Deployment, p: Phases) -> Isolation:
 
 async def _cap(d: _Deployment, p: Phases) -> int:
     d.prefix = f"mlxq-bench-tenants-{uuid.uuid4().hex[:6]}"
-    d.start("cap-1")
-    d.start("cap-2")
+    d.start("cap-1", "cap-2")
     try:
         async with d.client() as c:
             await c.set_tenant("a", max_running=2)
