@@ -106,10 +106,6 @@ async def test_a_worker_claims_only_what_its_kv_headroom_can_start_and_another_t
         await wide.close()
 
 
-async def _events(client: Client, rid: str) -> list[Any]:
-    return [ev async for ev in client.events(rid, timeout=120)]
-
-
 async def _start(client: Client, rid: str) -> Any:
     """The job's start event, as soon as it comes."""
     async for ev in client.events(rid, timeout=120):

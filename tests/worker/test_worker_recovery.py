@@ -78,12 +78,14 @@ async def wait_until(predicate: Any, timeout: float, what: str) -> None:
 def spawn(redis_url: str, small_model: Path, tmp_path: Path) -> Any:
     procs: list[WorkerProcess] = []
 
-    def start(name: str, url: str = redis_url, **env: str) -> WorkerProcess:
+    def start(name: str, url: str = redis_url, ready: bool = True, **env: str) -> WorkerProcess:
+        """A worker process, waited for unless ``ready`` is false (it starts while the test goes on)."""
         base = {"MLXQ_MODEL": str(small_model), "MLXQ_MODEL_NAME": "small", "MLXQ_REDIS_URL": url,
                 "MLXQ_BATCH_CAPACITY": "8", **FAST_RECOVERY, **env}
         proc = WorkerProcess(base, tmp_path / f"{name}.log").start()
         procs.append(proc)
-        proc.wait_ready(timeout=120)
+        if ready:
+            proc.wait_ready(timeout=120)
         return proc
 
     yield start
@@ -132,6 +134,7 @@ async def test_sigterm_drains_short_jobs_and_requeues_long_ones(spawn: Any, clie
     long, long_tasks = await submit_and_follow(client, 3, max_tokens=200)
     await wait_until(lambda: all(f.tokens() >= 2 for f in long), 60, "long jobs decoding")
     first.signal(signal.SIGTERM)
+    spawn("b", ready=False)  # it starts during a's drain; the queue is empty until a hands the long jobs back
     await asyncio.wait_for(short_tasks, 60)
     for f in short:
         assert [e.type for e in f.events].count("reset") == 0
@@ -141,7 +144,6 @@ async def test_sigterm_drains_short_jobs_and_requeues_long_ones(spawn: Any, clie
     log = first.log_path.read_text()
     assert "Traceback" not in log
     assert "handed back to the queue" in log
-    spawn("b")
     await asyncio.wait_for(long_tasks, 120)
     for f in long:
         end = check_one_terminal(f)
