@@ -78,23 +78,14 @@ def test_a_draft_that_cannot_serve_its_target_is_one_line_and_exit_78(pair: tupl
         ({"MLXQ_DRAFT_MODEL": str(other)}, f"worker cannot start: draft model {other} cannot draft for {pair[0]}: "
                                            "its vocabulary differs"),
     ]
-    procs = []
-    for setting, _ in cases:  # the workers start side by side: each is mostly its interpreter's imports
+    for setting, message in cases:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}
         env.update({"MLXQ_MODEL": str(pair[0]), "MLXQ_MODEL_NAME": "target", "MLXQ_REDIS_URL": redis_url}, **setting)
-        procs.append(subprocess.Popen([sys.executable, "-m", "arq", "mlxq.worker.Settings"], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        for proc, (_, message) in zip(procs, cases, strict=True):
-            _, stderr = proc.communicate(timeout=120)
-            assert proc.returncode == 78, stderr
-            assert "Traceback" not in stderr, stderr
-            assert message in stderr.strip().splitlines()[-1], stderr
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        proc = subprocess.run([sys.executable, "-m", "arq", "mlxq.worker.Settings"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 78, proc.stderr
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert message in proc.stderr.strip().splitlines()[-1], proc.stderr
 
 
 def test_models_name_their_drafts_in_mlxq_models() -> None:
