@@ -93,6 +93,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small generated model (another vocabulary than the tiny one's), read-only: one for the session."""
+    from mlxq.worker.tools.tinymodel import ensure_model
+
+    return ensure_model("small", root=tmp_path_factory.mktemp("small"))
+
+
+@pytest.fixture(scope="session")
 def tiny_think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with think markers and a template that opens a think block (worker/tools/tinymodel.py)."""
     from mlxq.worker.tools.tinymodel import ensure_model

@@ -125,8 +125,9 @@ def text_of(events: list[Any]) -> str:
     return "".join(e.text for e in events if e.type == "token")
 
 
-def slow_steps(running: RunningWorker, delay: float) -> None:
-    """Make every engine step take at least ``delay`` (still real MLX work), to land cancels mid-phase."""
+def slow_steps(running: RunningWorker, delay: float) -> Callable[[], None]:
+    """Make every engine step take at least ``delay`` (still real MLX work), to land cancels mid-phase; the
+    function returned puts the steps back to full speed (for what the test no longer times, e.g. references)."""
     import time
 
     backend = running.service.engine.scheduler.backend
@@ -136,7 +137,11 @@ def slow_steps(running: RunningWorker, delay: float) -> None:
         time.sleep(delay)
         return step()
 
+    def full_speed() -> None:
+        backend.step = step  # one attribute write: the engine thread's next step reads it
+
     backend.step = slow
+    return full_speed
 
 
 def reference(lm: Any, prompt_tokens: list[int], max_tokens: int) -> list[int]:

@@ -59,10 +59,11 @@ def ks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def make(target: Any, proposer: Proposer | None, stream: mx.Stream, *, capacity: int = 32,
-         prefix: PrefixCache | None = None) -> tuple[Scheduler, EngineStats]:
+         prefix: PrefixCache | None = None, prefill_batch: int = 8) -> tuple[Scheduler, EngineStats]:
     model, tokenizer = target
     stats = EngineStats()
-    batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=capacity, prefill_batch_size=8, prefill_step_size=64,
+    batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=capacity, prefill_batch_size=prefill_batch,
+                     prefill_step_size=64,
                      stream=stream, proposer=proposer, stats=stats)
     return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer,
                      make_sampler=make_request_sampler, make_processors=make_request_logits_processors,
@@ -284,7 +285,8 @@ def test_sampled_tokens_keep_the_targets_distribution(pair: tuple[Any, Any], str
     monkeypatch.setattr(Tuner, "choose", lambda self, rows: 3)
     prompt = target[1].encode("the river and the stone")
     mx.random.seed(3)
-    s, stats = make(target, proposer_of("draft", pair), stream, capacity=64)
+    # Every row prefills the same prompt: a whole batch of them per prefill step (8 at a time: 150 steps).
+    s, stats = make(target, proposer_of("draft", pair), stream, capacity=64, prefill_batch=64)
     for i in range(n):  # unseeded: each row keeps proposals by the speculative-sampling rule
         s.add(EngineRequest(f"s{i}", prompt, SamplingParams(max_tokens=2, temperature=temperature)))
     run = Run()

@@ -328,14 +328,18 @@ async def test_paced_engine_sends_first_token_then_the_rest_with_the_end() -> No
 
 
 async def test_idle_engine_waits_for_announced_requests_and_admits_them_together() -> None:
-    engine, backend, _, outputs = make_engine(delay=0.001)
+    # The window moves only when the test says: however slow the machine, it cannot close before "c" is in.
+    # Once all are in, the burst lingers a fifth of it (0.1 s of its thread's sleep) until the test ends it.
+    clock = ManualClock()
+    engine, backend, _, outputs = make_engine(delay=0.001, clock=clock)
     try:
-        engine.expect(3, within_s=30.0)
+        engine.expect(3, within_s=0.5)
         engine.add(request("a", max_tokens=5))
         await waiting_for_arrivals(engine)  # two more are announced: it waits instead of stepping
         assert backend.steps == 0
         engine.add(request("b", max_tokens=5))
         engine.add(request("c", max_tokens=5))
+        clock.advance(0.5)  # the window closes: the engine steps once its thread looks again
         await outputs.wait_finished(["a", "b", "c"])
         assert backend.inserted_at_step == [0, 0, 0]
     finally:
@@ -370,20 +374,20 @@ async def test_idle_engine_waits_for_no_more_than_one_prefill_batch() -> None:
 
 
 async def test_idle_engine_keeps_waiting_while_a_burst_keeps_arriving() -> None:
-    clock = ManualClock()
+    clock = ManualClock()  # its steps are exact binary fractions: a lull lands exactly on its bound
     engine, backend, _, outputs = make_engine(delay=0.001, clock=clock)
     try:
-        engine.expect(2, within_s=5.0)  # a lull of a fifth of that (1 s) ends the wait
+        engine.expect(2, within_s=1.25)  # a lull of a fifth of that (0.25 s) ends the wait
         engine.add(request("a", max_tokens=3))
         engine.add(request("b", max_tokens=3))
         await waiting_for_arrivals(engine)
         for rid in ("c", "d"):  # claimed later, each less than a lull after the last: still part of the burst
-            clock.advance(0.9)
-            engine.expect(1, within_s=5.0)
+            clock.advance(0.1875)
+            engine.expect(1, within_s=1.25)
             engine.add(request(rid, max_tokens=3))
             await waiting_for_arrivals(engine)
-        assert backend.steps == 0  # 1.8 s since the first arrival, but never a lull
-        clock.advance(1.0)  # a lull: the wait ends (its thread sees it within the 1 s it sleeps at most)
+        assert backend.steps == 0  # 0.375 s since the first arrival, more than a lull, but never a lull
+        clock.advance(0.25)  # a lull: the wait ends (its thread sees it within the 0.25 s it sleeps at most)
         await outputs.wait_finished(["a", "b", "c", "d"])
         assert backend.inserted_at_step == [0, 0, 0, 0]
     finally:

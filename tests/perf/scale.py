@@ -79,7 +79,7 @@ class ScaleConfig:
 
     @classmethod
     def quick_config(cls) -> ScaleConfig:
-        return cls(levels=(2, 4), window_s=2.0, workers=1, subscribers=1, rows=2, gateway_share=0.5, ramp_s=1.0,
+        return cls(levels=(2, 4), window_s=2.0, workers=1, subscribers=1, rows=2, gateway_share=0.5, ramp_s=0.5,
                    enqueue_jobs=300, enqueue_concurrency=(1, 16), quick=True)
 
     @property
@@ -251,11 +251,9 @@ class _Fleet:
                 proc = WorkerProcess({**env, "MLXQ_MODELS": spec}, self.out / "logs" / f"simworker-{w}.log",
                                      settings="tests.perf.simworker.Settings").start()
                 self.workers.append(proc)
-        for proc in self.workers:
-            proc.wait_ready(timeout=300)
+        # Every process starts before any is waited for: their imports overlap.
         if self.cfg.gateway_share > 0:
             self.gateway = GatewayProcess(env, self.out / "logs" / "gateway.log").start()
-            self.gateway.wait_ready()
         ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads and sockets
         for _ in range(self.cfg.subscribers):
             ours, theirs = ctx.Pipe()
@@ -263,6 +261,10 @@ class _Fleet:
                               args=(theirs, self.server.url, self.prefix, self.gateway.url if self.gateway else None))
             sub.start()
             self.subs.append((sub, ours))
+        for proc in self.workers:
+            proc.wait_ready(timeout=300)
+        if self.gateway is not None:
+            self.gateway.wait_ready()
         for _, conn in self.subs:
             if not conn.poll(120) or conn.recv() != "ready":
                 raise RuntimeError("a subscriber process did not start")

@@ -3,8 +3,8 @@
 - **share**: two tenants backlogged on one worker (capacity 8), weights 1:1 and 3:1: each one's share of the
   tokens generated while both are backlogged (jobs that ended before the first tenant's queue drained, less the
   last batch's worth), against its weight's share (target: within ±10 % of it);
-- **isolation**: tenant B sends a job a second while tenant A floods the queue; B's queue wait (its ``done``
-  event's ``timings.queue_ms``) p50 against B's with A idle (target: within 2x);
+- **isolation**: tenant B sends a job a second (``--quick``: five a second) while tenant A floods the queue; B's
+  queue wait (its ``done`` event's ``timings.queue_ms``) p50 against B's with A idle (target: within 2x);
 - **max-running**: a tenant with ``max-running 2`` on two workers at once: the most of its jobs running,
   from its jobs' start and end events as one subscriber receives them (target: never 3).
 
@@ -49,13 +49,16 @@ class Phases:
     share_jobs: int = 120  # per tenant
     share_tokens: int = 32
     flood_jobs: int = 1000
-    probe_jobs: int = 15  # B's jobs, one a second
+    probe_jobs: int = 15  # B's jobs, one every probe_interval_s
     probe_tokens: int = 16
+    probe_interval_s: float = 1.0
     cap_jobs: int = 24  # per tenant, max-running phase
 
     @classmethod
     def quick(cls) -> Phases:
-        return cls(size="tiny", share_jobs=40, share_tokens=16, flood_jobs=200, probe_jobs=5, cap_jobs=8)
+        # B's probes 0.2 s apart: a tiny model's job takes a few ms, and the tests' quick runs wait out the pauses.
+        return cls(size="tiny", share_jobs=40, share_tokens=16, flood_jobs=200, probe_jobs=5, probe_interval_s=0.2,
+                   cap_jobs=8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +107,15 @@ class _Deployment:
         self.prefix = f"mlxq-bench-tenants-{uuid.uuid4().hex[:6]}"
         self.workers: list[WorkerProcess] = []
 
-    def start(self, name: str, capacity: int = 8) -> None:
+    def start(self, *names: str, capacity: int = 8) -> None:
+        """A worker per name, started side by side (their imports overlap), then waited for."""
         env = {"MLXQ_MODEL": self.model, "MLXQ_MODEL_NAME": "m", "MLXQ_REDIS_URL": self.server.url,
                "MLXQ_PREFIX": self.prefix, "MLXQ_BATCH_CAPACITY": str(capacity), "MLXQ_JOB_EXPIRY": "0",
                "OPENBLAS_NUM_THREADS": "1"}
-        proc = WorkerProcess(env, self.out / "logs" / f"worker-tenants-{name}.log").start()
-        self.workers.append(proc)
-        proc.wait_ready()
+        procs = [WorkerProcess(env, self.out / "logs" / f"worker-tenants-{name}.log").start() for name in names]
+        self.workers += procs
+        for proc in procs:
+            proc.wait_ready()
 
     def client(self, tenant: str | None = None) -> Client:
         # Its jobs wait as long as the backlog takes (no expiry).
@@ -167,7 +172,7 @@ async def _probes(c: Client, p: Phases) -> list[float]:
         t0 = time.monotonic()
         rid = await c.submit(model="m", prompt=f"a question {i}", max_tokens=p.probe_tokens)
         waits.append((await _follow(c, rid)).timings.queue_ms)
-        await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
+        await asyncio.sleep(max(0.0, p.probe_interval_s - (time.monotonic() - t0)))
     return waits
 
 
@@ -190,8 +195,7 @@ async def _isolation(d: _Deployment, p: Phases) -> Isolation:
 
 async def _cap(d: _Deployment, p: Phases) -> int:
     d.prefix = f"mlxq-bench-tenants-{uuid.uuid4().hex[:6]}"
-    d.start("cap-1")
-    d.start("cap-2")
+    d.start("cap-1", "cap-2")
     try:
         async with d.client() as c:
             await c.set_tenant("a", max_running=2)

@@ -24,13 +24,6 @@ PROMPTS = ["Hello world", "Once upon a time", "the quick brown fox", "x y", "Wha
 
 
 @pytest.fixture(scope="module")
-def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mlxq.worker.tools.tinymodel import ensure_model
-
-    return ensure_model("small", root=tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
 def references(tiny_model: Path, small_model: Path) -> dict[str, tuple[Any, Any]]:
     import mlx_lm
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,12 +18,16 @@ from tests.support import config_with, start_worker
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
-async def _ends_in_order(client: Client, rids: list[str]) -> list[str]:
+async def _ends_in_order(client: Client, rids: list[str], after_first: Callable[[], None] = lambda: None
+                         ) -> list[str]:
+    """The jobs in the order they ended; ``after_first`` is called once the first has ended."""
     order: list[str] = []
 
     async def follow(rid: str) -> None:
         await client.result(rid, timeout=60)
         order.append(rid)
+        if len(order) == 1:
+            after_first()
 
     await asyncio.gather(*(follow(rid) for rid in rids))
     return order
@@ -73,8 +78,7 @@ async def test_a_worker_claims_only_what_its_kv_headroom_can_start_and_another_t
     narrow = await start_worker(config_with(worker_config, kv_headroom_gb=0.001, worker_id="narrow"))
     wide = await start_worker(config_with(worker_config, worker_id="wide"))
     try:
-        for w in (narrow, wide):
-            slow_steps(w, 0.01)
+        full_speeds = [slow_steps(w, 0.01) for w in (narrow, wide)]
         memory = narrow.service.engine.scheduler.memory
         assert memory is not None
         room = memory.rows_that_fit(12 + 400, 0)  # a job's prompt and max_tokens, as the engine charges it
@@ -88,18 +92,26 @@ async def test_a_worker_claims_only_what_its_kv_headroom_can_start_and_another_t
 
         watcher = asyncio.ensure_future(watch())
         rids = [await client.submit(model="tiny", prompt=f"job {i}", max_tokens=400) for i in range(12)]
-        starts = [next(e for e in await _events(client, rid) if e.type == "start") for rid in rids]
-        watcher.cancel()
+        starts = [await _start(client, rid) for rid in rids]
+        watcher.cancel()  # every job claimed: none is left to hold
+        for full_speed in full_speeds:
+            full_speed()  # what is left of the jobs is not timed
         ran_on = [s.worker for s in starts]
         assert max(held) <= room, (max(held), room)  # never more than it could start (arq's slots would allow 10)
         assert ran_on.count("narrow") >= 1 and ran_on.count("wide") >= 1
+        for rid in rids:
+            assert (await client.result(rid, timeout=120)).usage.completion_tokens == 400
     finally:
         await narrow.close()
         await wide.close()
 
 
-async def _events(client: Client, rid: str) -> list[Any]:
-    return [ev async for ev in client.events(rid, timeout=120)]
+async def _start(client: Client, rid: str) -> Any:
+    """The job's start event, as soon as it comes."""
+    async for ev in client.events(rid, timeout=120):
+        if ev.type == "start":
+            return ev
+    raise AssertionError(f"job {rid} ended without a start event")
 
 
 async def test_priority_moves_a_job_in_its_queue_without_shortening_its_keys_ttls(client: Client,
@@ -145,19 +157,27 @@ async def test_a_preempted_job_streams_through_redis_with_no_gap_duplicate_or_re
     bytes_per_token = measure_layout(load(str(tiny_model))[0]).bytes_per_token
     headroom_gb = 800 * bytes_per_token / (1 << 30)
     running = await start_worker(config_with(worker_config, capacity=4, kv_headroom_gb=headroom_gb))
-    slow_steps(running, 0.01)  # the low job is still decoding when the urgent one comes
+    full_speed = slow_steps(running, 0.01)  # the low job is still decoding when the urgent one comes
     try:
         prompt = "a job of low priority"
         low = await client.submit(model="tiny", prompt=prompt, max_tokens=100, priority=-5)
         events: list[Any] = []
         urgent: str | None = None
+        stats = running.service.engine.stats
+
+        async def full_speed_once_preempted() -> None:  # what follows the preemption is not timed
+            while stats.preemptions < 1:
+                await asyncio.sleep(0.01)
+            full_speed()
+
+        speed = asyncio.ensure_future(full_speed_once_preempted())
         async for ev in client.events(low, timeout=120):
             events.append(ev)
             if ev.type == "token" and urgent is None:
                 urgent = await client.submit(model="tiny", prompt="urgent", max_tokens=400, priority=100)
+        speed.cancel()
         assert urgent is not None
         assert (await client.result(urgent, timeout=120)).usage.completion_tokens == 400
-        stats = running.service.engine.stats
         assert stats.preemptions >= 1 and stats.resumes + stats.recomputes >= 1
         types = [e.type for e in events]
         assert types.count("start") == 1 and types[0] == "start" and "reset" not in types
@@ -178,7 +198,7 @@ async def test_a_worker_whose_batch_is_full_still_claims_a_job_that_outranks_its
     # not wait in Redis until one ends. It is claimed, starts at once (a low job steps aside, holding its
     # cache) and ends long before them; the low jobs' text is what they make alone.
     running = await start_worker(config_with(worker_config, capacity=2))
-    slow_steps(running, 0.01)
+    full_speed = slow_steps(running, 0.01)
     try:
         prompts = {"low 1": "a long job of low priority", "low 2": "another long job of low priority"}
         lows = {await client.submit(model="tiny", prompt=p, max_tokens=300, priority=-1): p for p in prompts.values()}
@@ -188,7 +208,7 @@ async def test_a_worker_whose_batch_is_full_still_claims_a_job_that_outranks_its
                 await asyncio.sleep(0.01)
         assert running.service.room() == 0
         urgent = await client.submit(model="tiny", prompt="urgent", max_tokens=20, priority=5)
-        order = await _ends_in_order(client, [urgent, *lows])
+        order = await _ends_in_order(client, [urgent, *lows], full_speed)  # the order is settled once one ended
         assert order[0] == urgent and engine.stats.preemptions >= 1
         for rid, prompt in lows.items():
             events = [ev async for ev in client.events(rid, timeout=60)]
@@ -209,7 +229,7 @@ async def test_a_burst_of_jobs_that_outrank_a_full_batch_all_start_before_any_sl
     # Each would start at once by the engine's own rule (a low one steps aside), so each is claimed at once:
     # paused jobs do not fill the cap, and a claim takes every such job, not one per poll.
     running = await start_worker(config_with(worker_config, capacity=4))
-    slow_steps(running, 0.01)
+    full_speed = slow_steps(running, 0.01)
     try:
         lows = [await client.submit(model="tiny", prompt=f"a long low job {i}", max_tokens=200) for i in range(4)]
         engine = running.service.engine
@@ -229,6 +249,8 @@ async def test_a_burst_of_jobs_that_outrank_a_full_batch_all_start_before_any_sl
                 if ev.type == "token":
                     firsts.setdefault(rid, asyncio.get_running_loop().time())
             ends[rid] = asyncio.get_running_loop().time()
+            if all(h in ends for h in highs):  # every first token is in: the rest is not timed
+                full_speed()
 
         await asyncio.gather(*(follow(rid) for rid in [*highs, *lows]))
         assert max(firsts[h] for h in highs) < min(ends.values())  # every one before any job ended: no slot freed

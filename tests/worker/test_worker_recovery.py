@@ -74,23 +74,18 @@ async def wait_until(predicate: Any, timeout: float, what: str) -> None:
         await asyncio.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mlxq.worker.tools.tinymodel import ensure_model
-
-    return ensure_model("small", root=tmp_path_factory.mktemp("small"))
-
-
 @pytest.fixture
 def spawn(redis_url: str, small_model: Path, tmp_path: Path) -> Any:
     procs: list[WorkerProcess] = []
 
-    def start(name: str, url: str = redis_url, **env: str) -> WorkerProcess:
+    def start(name: str, url: str = redis_url, ready: bool = True, **env: str) -> WorkerProcess:
+        """A worker process, waited for unless ``ready`` is false (it starts while the test goes on)."""
         base = {"MLXQ_MODEL": str(small_model), "MLXQ_MODEL_NAME": "small", "MLXQ_REDIS_URL": url,
                 "MLXQ_BATCH_CAPACITY": "8", **FAST_RECOVERY, **env}
         proc = WorkerProcess(base, tmp_path / f"{name}.log").start()
         procs.append(proc)
-        proc.wait_ready(timeout=120)
+        if ready:
+            proc.wait_ready(timeout=120)
         return proc
 
     yield start
@@ -115,7 +110,8 @@ async def submit_and_follow(client: Client, n: int, max_tokens: int, timeout: fl
 
 async def test_sigkill_mid_decode_jobs_reset_and_finish_on_another_worker(spawn: Any, client: Client) -> None:
     first = spawn("a")
-    followers, tasks = await submit_and_follow(client, 5, max_tokens=120)
+    # 60 tokens: killed at its third, a has ~57 steps (~1 s on the small model) left to outlast the kill's latency.
+    followers, tasks = await submit_and_follow(client, 5, max_tokens=60)
     await wait_until(lambda: all(f.tokens() >= 3 for f in followers), 60, "every job decoding")
     first.kill()
     spawn("b")
@@ -127,7 +123,7 @@ async def test_sigkill_mid_decode_jobs_reset_and_finish_on_another_worker(spawn:
         assert starts(f) == [1, 2]  # the dead worker's run, then b's
         before, *_, final = f.runs()
         assert len(before) > 0 and final.startswith(before)  # the re-run continues what was seen
-        assert end.usage.completion_tokens == 120
+        assert end.usage.completion_tokens == 60
 
 
 async def test_sigterm_drains_short_jobs_and_requeues_long_ones(spawn: Any, client: Client) -> None:
@@ -138,6 +134,7 @@ async def test_sigterm_drains_short_jobs_and_requeues_long_ones(spawn: Any, clie
     long, long_tasks = await submit_and_follow(client, 3, max_tokens=200)
     await wait_until(lambda: all(f.tokens() >= 2 for f in long), 60, "long jobs decoding")
     first.signal(signal.SIGTERM)
+    spawn("b", ready=False)  # it starts during a's drain; the queue is empty until a hands the long jobs back
     await asyncio.wait_for(short_tasks, 60)
     for f in short:
         assert [e.type for e in f.events].count("reset") == 0
@@ -147,7 +144,6 @@ async def test_sigterm_drains_short_jobs_and_requeues_long_ones(spawn: Any, clie
     log = first.log_path.read_text()
     assert "Traceback" not in log
     assert "handed back to the queue" in log
-    spawn("b")
     await asyncio.wait_for(long_tasks, 120)
     for f in long:
         end = check_one_terminal(f)
@@ -191,11 +187,11 @@ async def test_worker_and_client_survive_a_redis_restart(small_model: Path, tmp_
 
 
 # --- issue 13: the delivery guarantee under a frozen worker and lost data ------------------------------
-async def pause_one_rescue_with_another(spawn: Any, client: Client, **env: str
+async def pause_one_rescue_with_another(spawn: Any, client: Client, max_tokens: int = 150, **env: str
                                         ) -> tuple[WorkerProcess, list[Follower], asyncio.Future[Any]]:
     """Worker a runs four jobs and freezes (SIGSTOP: a Mac asleep) past its leases; worker b re-runs them."""
     paused = spawn("a", **env)
-    followers, tasks = await submit_and_follow(client, 4, max_tokens=150)
+    followers, tasks = await submit_and_follow(client, 4, max_tokens=max_tokens)
     await wait_until(lambda: all(f.tokens() >= 3 for f in followers), 60, "every job decoding on a")
     paused.signal(signal.SIGSTOP)
     spawn("b", **env)
@@ -210,7 +206,8 @@ def starts(f: Follower) -> list[int]:
 async def test_a_frozen_worker_that_wakes_after_its_jobs_ended_elsewhere_publishes_nothing(
     spawn: Any, client: Client, redis_url: str
 ) -> None:
-    paused, followers, tasks = await pause_one_rescue_with_another(spawn, client, MLXQ_DONE_TTL="1")
+    # a wakes only after b has ended the jobs: they need not be long, only outlast the freeze's latency on a.
+    paused, followers, tasks = await pause_one_rescue_with_another(spawn, client, max_tokens=60, MLXQ_DONE_TTL="1")
     await asyncio.wait_for(tasks, 120)
     for f in followers:
         assert isinstance(check_one_terminal(f), DoneEvent) and starts(f) == [1, 2]

@@ -67,11 +67,9 @@ async def test_jobs_on_a_speculating_worker_equal_plain_greedy_decoding(mode: st
     assert _speculation(status).startswith(f"{mode} ") and " k=" in _speculation(status)
 
 
-def test_a_draft_that_cannot_serve_its_target_is_one_line_and_exit_78(pair: tuple[Path, Path], tiny_model: Path,
+def test_a_draft_that_cannot_serve_its_target_is_one_line_and_exit_78(pair: tuple[Path, Path], small_model: Path,
                                                                        tmp_path: Path, redis_url: str) -> None:
-    from mlxq.worker.tools.tinymodel import ensure_model
-
-    other = ensure_model("small", root=tmp_path)  # another vocabulary
+    other = small_model  # another vocabulary
     cases = [
         ({"MLXQ_DRAFT_MODEL": str(tmp_path / "none")}, f"mlxq worker: draft model of target: no model directory at "
                                                        f"{tmp_path / 'none'}"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,9 +20,10 @@ from tests.support import RunningWorker, config_with, slow_steps, start_worker
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
-async def events_of(client: Client, rids: list[str]
+async def events_of(client: Client, rids: list[str], after_first: Callable[[], None] = lambda: None
                     ) -> tuple[dict[str, list[Any]], dict[str, float], dict[str, float]]:
-    """Each job's events to its end, and when its start and its end came (one subscription per job)."""
+    """Each job's events to its end, and when its start and its end came (one subscription per job);
+    ``after_first`` is called once the first job has ended."""
     events: dict[str, list[Any]] = {}
     starts: dict[str, float] = {}
     ends: dict[str, float] = {}
@@ -33,6 +35,8 @@ async def events_of(client: Client, rids: list[str]
             if ev.type == "start":
                 starts.setdefault(rid, time.monotonic())
         ends[rid] = time.monotonic()
+        if len(ends) == 1:
+            after_first()
 
     await asyncio.gather(*(follow(rid) for rid in rids))
     return events, starts, ends
@@ -57,7 +61,7 @@ async def assert_as_alone(client: Client, events: list[Any], prompt: str, max_to
 async def test_a_tenant_below_its_share_starts_at_once_ahead_of_another_tenants_flood(
         worker_config: Any, redis_url: str) -> None:
     running = await start_worker(config_with(worker_config, capacity=2))
-    slow_steps(running, 0.01)
+    full_speed = slow_steps(running, 0.01)
     try:
         async with Client(redis_url, tenant="acme") as acme, Client(redis_url, tenant="globex") as globex:
             prompts = [f"a long batch job {i}" for i in range(5)]
@@ -66,7 +70,8 @@ async def test_a_tenant_below_its_share_starts_at_once_ahead_of_another_tenants_
             first_two = [rid for rid, _ in running.service.active]
             assert len(first_two) == 2 and set(first_two) < set(flood)  # the rest of the flood waits in Redis
             probe = await globex.submit(model="tiny", prompt="a short question", max_tokens=8)
-            events, starts, ends = await events_of(acme, [probe, *flood])
+            # Full speed once the first job ended: the order the test checks is settled by then.
+            events, starts, ends = await events_of(acme, [probe, *flood], full_speed)
             queued_before = [rid for rid in flood if rid not in first_two]
             assert all(starts[probe] < starts[rid] for rid in queued_before)  # not behind acme's flood
             assert ends[probe] < min(ends[rid] for rid in flood)  # nor behind the jobs running when it came
@@ -82,7 +87,7 @@ async def test_a_tenant_below_its_share_starts_at_once_ahead_of_another_tenants_
 async def test_a_tenant_at_its_share_preempts_only_its_own_jobs_whatever_its_priority(
         worker_config: Any, redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
     running = await start_worker(config_with(worker_config, capacity=2))
-    slow_steps(running, 0.01)
+    full_speed = slow_steps(running, 0.01)
     try:
         async with Client(redis_url, tenant="acme") as acme, Client(redis_url, tenant="globex") as globex:
             theirs = await acme.submit(model="tiny", prompt="acme's long job", max_tokens=120)
@@ -90,7 +95,7 @@ async def test_a_tenant_at_its_share_preempts_only_its_own_jobs_whatever_its_pri
             await full(running, 2)  # one each: both at their share
             with caplog.at_level(logging.INFO, logger=scheduler.__name__):
                 urgent = await globex.submit(model="tiny", prompt="urgent", max_tokens=8, priority=5)
-                events, _, ends = await events_of(acme, [theirs, own, urgent])
+                events, _, ends = await events_of(acme, [theirs, own, urgent], full_speed)  # as above: settled
             preempted = [r.getMessage() for r in caplog.records if " preempted " in r.getMessage()]
             assert len(preempted) == 1 and preempted[0].startswith(f"request {own} preempted")  # its own job
             assert running.service.engine.stats.preemptions == 1
