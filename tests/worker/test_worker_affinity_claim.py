@@ -130,7 +130,9 @@ async def test_affinity_never_jumps_a_job_of_higher_priority(client: Client, r: 
 
 
 async def test_affinity_off_keeps_the_queue_order(client: Client, r: aredis.Redis) -> None:
-    ids = [await submit(client, conv) for conv in ("a", "b")]
+    first = await submit(client, "a")
+    await asyncio.sleep(0.002)  # enqueued a later millisecond: jobs of one score go in id order, not enqueue order
+    ids = [first, await submit(client, "b")]
     await advertise(r, "w1", "b")
     await advertise(r, "w2", "a")
     started, _ = await claim(worker(r, "w1", wait_ms=-1), 2)
