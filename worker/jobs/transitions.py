@@ -442,8 +442,9 @@ for q = 4, #KEYS do
     if not seen[t] then seen[t] = true; names[#names + 1] = t end
   end
   m.backlogged = #members  -- the backlog's size as this call leaves it (EXISTS without a call)
-  local acct = redis.call('HMGET', m.share, '~floor', '~r')
-  m.floor, m.running = tonumber(acct[1]) or 0, acct[2] ~= false
+  -- the model's floor and running count, and the default tenant's account (the one read with one tenant)
+  local acct = redis.call('HMGET', m.share, '~floor', '~r', 'default', 'default:r', 'default:a')
+  m.floor, m.running, m.default = tonumber(acct[1]) or 0, acct[2] ~= false, {acct[3], acct[4], acct[5]}
   local fs = below_share(ARGV[9 + 2 * queues + q])
   -- (the backlogged tenants' queues are read below; a model with none queued and none running forgets its
   -- accounts: nobody is owed anything, and nothing is left behind in Redis)
@@ -471,7 +472,7 @@ for q = 4, #KEYS do
       end
       if more then left = 1 end
       if #entries > 0 then
-        local acct = redis.call('HMGET', m.share, t, t .. ':r', t .. ':a')
+        local acct = t == 'default' and m.default or redis.call('HMGET', m.share, t, t .. ':r', t .. ':a')
         m.tenants[#m.tenants + 1] = {t = t, key = key, entries = entries, pos = 1, vt = tonumber(acct[1]) or 0,
           run = tonumber(acct[2]) or 0, mean = tonumber(acct[3]) or mean0, weight = policy(t)[1],
           urgent = need ~= nil, ids = {}, rows = {}, members = {}}
@@ -535,7 +536,7 @@ while true do
     out[#out + 1] = {id, queue, 'poison'}
   else
     local base = P .. ':{' .. id .. '}:'
-    local job, tries = unpack(redis.call('MGET', base .. 'job', base .. 'tries'))
+    local job, tries, cancel = unpack(redis.call('MGET', base .. 'job', base .. 'tries', base .. 'cancel'))
     if not job then
       out[#out + 1] = {id, queue, 'gone'}
     else
@@ -553,7 +554,7 @@ while true do
         running[pick.t] = running[pick.t] + 1
         local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
         out[#out + 1] = {id, queue, 'started', string.format('%d', score), job, try, last and last[2][2] or false,
-                         redis.call('EXISTS', base .. 'cancel'), outcome}
+                         cancel and 1 or 0, outcome}
       else
         redis.call('ZADD', queue, now + tonumber(ARGV[4]), id)
         out[#out + 1] = {id, queue, 'deferred'}
