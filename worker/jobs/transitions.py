@@ -744,8 +744,9 @@ local function history(queue, rid, owner, text)
     total_ms = num(t.total_ms) or false, prompt_tokens = num(u.prompt_tokens) or false,
     completion_tokens = num(u.completion_tokens) or false, at_ms = now,
     worker = string.match(owner, '^(.*):%d+$') or ''})
-  redis.call('LPUSH', ARGV[5] .. ':recent', summary)
-  redis.call('LTRIM', ARGV[5] .. ':recent', 0, RECENT_KEPT - 1)
+  if redis.call('LPUSH', ARGV[5] .. ':recent', summary) > RECENT_KEPT then  -- one over: trimmed back
+    redis.call('LTRIM', ARGV[5] .. ':recent', 0, RECENT_KEPT - 1)
+  end
   redis.call('EXPIRE', ARGV[5] .. ':recent', RECENT_TTL)
 end
 """.replace("HIST_EDGES", history.lua_edges()).replace("BUCKET_S", str(history.BUCKET_S)).replace(
