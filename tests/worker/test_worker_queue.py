@@ -593,10 +593,11 @@ async def test_a_jobs_end_keeps_the_recent_list_bounded_and_its_history_expiring
     r = aredis.Redis.from_url(redis_url)
     keys = Keys("mlxq")
     await r.lpush(keys.recent(), *[b"{}"] * RECENT_KEPT)
-    rids = [await client.submit(model="tiny", prompt="Hello world", max_tokens=4) for _ in range(2)]
-    for rid in rids:
-        terminal(await collect(client, rid))
-    assert await r.llen(keys.recent()) == RECENT_KEPT
+    rids: list[str] = []
+    for _ in range(2):  # each end: one over the bound, trimmed back
+        rids.append(await client.submit(model="tiny", prompt="Hello world", max_tokens=4))
+        terminal(await collect(client, rids[-1]))
+        assert await r.llen(keys.recent()) == RECENT_KEPT
     assert {json.loads(s)["id"] for s in await r.lrange(keys.recent(), 0, 1)} == set(rids)
     assert await r.ttl(keys.recent()) > 0
     buckets = [k async for k in r.scan_iter(match=keys.history("tiny", 0).rsplit(":", 1)[0] + ":*")]
