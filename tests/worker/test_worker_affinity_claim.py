@@ -103,6 +103,16 @@ async def test_a_lapsed_holder_is_dead_and_a_stopped_one_withdrew(client: Client
     assert [(e.rid, e.affinity) for e in started] == [(two, Affinity.NONE)]
 
 
+async def test_a_worker_listed_holding_nothing_counts_keyed_jobs_none_in_queue_order(client: Client,
+                                                                                      r: aredis.Redis) -> None:
+    keyed = await submit(client, "a")
+    await asyncio.sleep(0.002)  # a later millisecond: queue order is enqueue order
+    plain = await submit(client, None)
+    await advertise(r, "w1")  # listed, no key: the one live advertiser holds nothing
+    started, left = await claim(worker(r, "w1"), 2)
+    assert [(e.rid, e.affinity) for e in started] == [(keyed, Affinity.NONE), (plain, None)] and not left
+
+
 async def test_a_job_nobody_holds_waits_for_the_live_worker_holding_fewer_keys(client: Client,
                                                                                 r: aredis.Redis) -> None:
     await advertise(r, "w1", "old")
@@ -130,7 +140,9 @@ async def test_affinity_never_jumps_a_job_of_higher_priority(client: Client, r: 
 
 
 async def test_affinity_off_keeps_the_queue_order(client: Client, r: aredis.Redis) -> None:
-    ids = [await submit(client, conv) for conv in ("a", "b")]
+    first = await submit(client, "a")
+    await asyncio.sleep(0.002)  # enqueued a later millisecond: jobs of one score go in id order, not enqueue order
+    ids = [first, await submit(client, "b")]
     await advertise(r, "w1", "b")
     await advertise(r, "w2", "a")
     started, _ = await claim(worker(r, "w1", wait_ms=-1), 2)

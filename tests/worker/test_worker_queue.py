@@ -13,6 +13,8 @@ import redis.asyncio as aredis
 
 from mlxq.api.client import Client
 from mlxq.api.errors import BadRequest, JobFailed
+from mlxq.api.history import RECENT_KEPT
+from mlxq.api.keys import Keys
 from mlxq.api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, GenerateRequest, decode_event
 from mlxq.engine.prompt import encode_prompt
 from tests.support import (
@@ -582,3 +584,23 @@ async def test_two_deployments_share_one_redis_without_sharing_ids_or_keys(worke
         await r.aclose()
         for w in workers:
             await w.close()
+
+
+async def test_a_jobs_end_keeps_the_recent_list_bounded_and_its_history_expiring(worker: RunningWorker,
+                                                                                 client: Client,
+                                                                                 redis_url: str) -> None:
+    # EMIT trims the recent list only once it is one over, and gives a history bucket its TTL when it is new
+    r = aredis.Redis.from_url(redis_url)
+    keys = Keys("mlxq")
+    await r.lpush(keys.recent(), *[b"{}"] * RECENT_KEPT)
+    rids: list[str] = []
+    for _ in range(2):  # each end: one over the bound, trimmed back
+        rids.append(await client.submit(model="tiny", prompt="Hello world", max_tokens=4))
+        terminal(await collect(client, rids[-1]))
+        assert await r.llen(keys.recent()) == RECENT_KEPT
+    assert {json.loads(s)["id"] for s in await r.lrange(keys.recent(), 0, 1)} == set(rids)
+    assert await r.ttl(keys.recent()) > 0
+    buckets = [k async for k in r.scan_iter(match=keys.history("tiny", 0).rsplit(":", 1)[0] + ":*")]
+    assert buckets and all([await r.ttl(k) > 0 for k in buckets])
+    assert sum([int(await r.hget(k, "n") or 0) for k in buckets]) == 2
+    await r.aclose()

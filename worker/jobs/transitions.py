@@ -37,6 +37,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -215,7 +216,8 @@ local function model_tenant(P, queue)  -- the model and tenant of a queue name (
   if string.sub(queue, 1, #q) == q then return string.sub(queue, #q + 1), 'default' end
   return nil, nil
 end
-local function share_left(P, queue, ttl)  -- a running job left (ended or handed back): count it out
+local function share_left(P, queue, ttl, later)  -- a running job left (ended or handed back): count it out
+  -- (later: the caller writes the share hash again and sets its TTL then)
   local model, tenant = model_tenant(P, queue)
   if not model then return nil, nil, nil end
   local share, running = P .. ':share:' .. model, P .. ':tenants:running'
@@ -224,7 +226,7 @@ local function share_left(P, queue, ttl)  -- a running job left (ended or handed
     if redis.call('HINCRBY', share, field, -1) <= 0 then redis.call('HDEL', share, field) end
   end
   if redis.call('HINCRBY', running, tenant, -1) <= 0 then redis.call('HDEL', running, tenant) end
-  redis.call('EXPIRE', share, ttl)
+  if not later then redis.call('EXPIRE', share, ttl) end
   redis.call('EXPIRE', running, ttl)
   return model, tenant, share
 end
@@ -253,8 +255,11 @@ end
 # its job (BelowShare.arg): from such a queue only tenants below their share there are read as usual (the others,
 # by priority as above if the queue has a priority need, or not at all).
 # Returns {epoch, left 0|1, {id, queue, "started", score, job, try, last event or false, cancelled 0|1,
-# affinity "holder" | "elsewhere" | "none" | ""} |
+# affinity "holder" | "elsewhere" | "none" | "" | "?" (nobody holds a key: "none" if the job has one)} |
 # {id, queue, "deferred" | "gone" | "poison"}, ...}.
+# Its cost with one tenant and no advertiser, beyond the jobs' own reads and writes: the backlog, the model's
+# share account and the tenant's policy (one read each), and per tenant queue one write each of the running
+# list, the queue, the deadlines and the three running counts (not one per started job).
 _OUTRANK_READ = 128  # queue entries CLAIM looks through for a job that outranks a full engine
 _MEAN_WORK = 256  # tokens a tenant's job is assumed to cost before one of its jobs ends
 
@@ -270,9 +275,9 @@ _MEAN_WORK = 256  # tokens a tenant's job is assumed to cost before one of its j
 # worker: the keys spread over the fleet, and with them the conversations' work. ``head`` takes the first entry
 # not skipped, unless a "mine" one of at least its priority (the lead of its score below its enqueue time:
 # api.keys.queue_score) is among the entries read: priority, the tenants' shares and the read limit stand; only
-# the order within a tenant's read entries changes. Costs: one GETRANGE per entry looked at, one SCARD per live
-# advertiser and one SISMEMBER per live advertiser and distinct key, and none at all while no worker of the
-# model advertises.
+# the order within a tenant's read entries changes. Costs: one ZRANGE of the advertisers, one GETRANGE per entry
+# looked at, one SCARD per live advertiser and one SISMEMBER per live advertiser and distinct key; no GETRANGE
+# while no live worker advertises a key for the model (an advertiser holding none holds no job's key).
 _AFFINITY_LUA = r"""
 local affinity_wait = tonumber(ARGV[12 + 2 * queues]) or -1
 local function holders(m)  -- this worker's key set (if it advertises), the other live holders' sets, and
@@ -282,18 +287,24 @@ local function holders(m)  -- this worker's key set (if it advertises), the othe
   m.holders = h
   if affinity_wait < 0 then return h end
   local zkey = P .. ':affholders:' .. m.model
-  redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now)  -- lapsed: dead, frozen or stopped
-  local mine_n, fewest = 0, nil
-  for _, w in ipairs(redis.call('ZRANGE', zkey, 0, -1)) do
-    local set = P .. ':affkeys:' .. m.model .. ':' .. w
-    local n = redis.call('SCARD', set)
-    if w == ARGV[3] then
-      h.mine, mine_n = set, n
+  local listed = redis.call('ZRANGE', zkey, 0, -1, 'WITHSCORES')  -- one read while nobody's advertisement lapsed
+  local mine_n, fewest, lapsed = 0, nil, false
+  for i = 1, #listed, 2 do
+    local w = listed[i]
+    if tonumber(listed[i + 1]) <= now then
+      lapsed = true  -- dead, frozen or stopped
     else
-      h.others[#h.others + 1] = set
-      if not fewest or n < fewest then fewest = n end
+      local set = P .. ':affkeys:' .. m.model .. ':' .. w
+      local n = redis.call('SCARD', set)
+      if w == ARGV[3] then
+        h.mine, mine_n = n > 0 and set, n  -- an empty set holds no key: no entry is "mine"
+      else
+        h.others[#h.others + 1] = set
+        if not fewest or n < fewest then fewest = n end
+      end
     end
   end
+  if lapsed then redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now) end
   h.fewer = h.mine and fewest ~= nil and fewest < mine_n
   return h
 end
@@ -348,9 +359,8 @@ end
 local function took(s, e)  -- the entry starts (or is deferred/rejected): the next head is looked for again
   e.done, s.pick = true, nil
   while s.pos <= #s.entries and s.entries[s.pos].done do s.pos = s.pos + 1 end
-  if e.aff == nil and affinity_wait >= 0 and not s.urgent then  -- nobody advertises: keyed jobs count "none"
-    local tail = redis.call('GETRANGE', P .. ':{' .. e[1] .. '}:job', -64, -1)
-    e.aff = string.match(tail, '"ak":"%x+","et":%d+}$') and 'none' or ''
+  if e.aff == nil and affinity_wait >= 0 and not s.urgent then  -- nobody advertises: a keyed job counts "none"
+    e.aff = '?'  -- the caller tells from the job record it gets back (no GETRANGE here)
   end
   local outcome = e.aff or ''
   if outcome == 'mine' then outcome = 'holder' end
@@ -403,7 +413,8 @@ local function policy(t)  -- {weight, max running, tokens per minute}
     local v = redis.call('HMGET', P .. ':tenant:' .. t, 'weight', 'max_running', 'tokens_per_minute')
     p = {tonumber(v[1]) or 1, tonumber(v[2]) or 0, tonumber(v[3]) or 0}
     if p[1] <= 0 then p[1] = 1 end
-    running[t] = tonumber(redis.call('HGET', P .. ':tenants:running', t) or '0')
+    running[t] = 0  -- read only where a cap needs it
+    if p[2] > 0 then running[t] = tonumber(redis.call('HGET', P .. ':tenants:running', t) or '0') end
     if p[3] > 0 then  -- the last minute's tokens: this minute's, and the previous minute's part still inside
       local cur = tonumber(redis.call('GET', P .. ':tpm:' .. t .. ':' .. minute) or '0')
       local prev = tonumber(redis.call('GET', P .. ':tpm:' .. t .. ':' .. (minute - 1)) or '0')
@@ -429,21 +440,29 @@ for q = 4, #KEYS do
   local m = {share = P .. ':share:' .. model, tenants = {}, quota = quota, model = model}
   models[q] = m
   local names, seen = {'default'}, {default = true}
-  for _, t in ipairs(redis.call('SMEMBERS', backlog)) do
+  local members = redis.call('SMEMBERS', backlog)
+  for _, t in ipairs(members) do
     if not seen[t] then seen[t] = true; names[#names + 1] = t end
   end
-  m.floor = tonumber(redis.call('HGET', m.share, '~floor') or '0')
+  m.backlogged = #members  -- the backlog's size as this call leaves it (EXISTS without a call)
+  -- the model's floor and running count, and the default tenant's account (the one read with one tenant)
+  local acct = redis.call('HMGET', m.share, '~floor', '~r', 'default', 'default:r', 'default:a')
+  m.floor, m.running, m.default = tonumber(acct[1]) or 0, acct[2] ~= false, {acct[3], acct[4], acct[5]}
   local fs = below_share(ARGV[9 + 2 * queues + q])
   -- (the backlogged tenants' queues are read below; a model with none queued and none running forgets its
   -- accounts: nobody is owed anything, and nothing is left behind in Redis)
+  local function gone(t, key)  -- no due entry read: is its queue gone? (then it leaves the backlog)
+    if redis.call('EXISTS', key) == 0 then
+      m.backlogged = m.backlogged - redis.call('SREM', backlog, t)
+      return true
+    end
+    return false
+  end
   for _, t in ipairs(names) do
     local key = queue_of(P, model, t)
-    if redis.call('EXISTS', key) == 0 then
-      redis.call('SREM', backlog, t)
-    elseif quota <= 0 or capped(t) then
-      if redis.call('ZCOUNT', key, '-inf', now) > 0 then left = 1 end
-    elseif fs and not below(fs, t) and ARGV[6 + q + queues] == '' then  -- at or above its share there
-      if redis.call('ZCOUNT', key, '-inf', now) > 0 then left = 1 end
+    if quota <= 0 or capped(t) or (fs and not below(fs, t) and ARGV[6 + q + queues] == '') then
+      -- no quota, capped, or at or above its share in a full engine
+      if redis.call('ZCOUNT', key, '-inf', now) > 0 then left = 1 else gone(t, key) end
     else
       local entries, more = {}, false
       local need, aging, pmin = string.match(ARGV[6 + q + queues], '^(%-?%d+) (%d+) (%-?%d+)$')
@@ -456,17 +475,18 @@ for q = 4, #KEYS do
       end
       if more then left = 1 end
       if #entries > 0 then
-        local acct = redis.call('HMGET', m.share, t, t .. ':r', t .. ':a')
+        local acct = t == 'default' and m.default or redis.call('HMGET', m.share, t, t .. ':r', t .. ':a')
         m.tenants[#m.tenants + 1] = {t = t, key = key, entries = entries, pos = 1, vt = tonumber(acct[1]) or 0,
           run = tonumber(acct[2]) or 0, mean = tonumber(acct[3]) or mean0, weight = policy(t)[1],
-          urgent = need ~= nil}
+          urgent = need ~= nil, ids = {}, rows = {}, members = {}}
+      elseif not more then
+        gone(t, key)
       end
     end
   end
 end
 for q = 4, #KEYS do
-  local model = string.sub(KEYS[q], #P + 8)
-  if redis.call('EXISTS', P .. ':backlog:' .. model) == 0 and redis.call('HEXISTS', models[q].share, '~r') == 0 then
+  if models[q].backlogged <= 0 and not models[q].running then
     redis.call('DEL', models[q].share)
   end
 end
@@ -519,29 +539,25 @@ while true do
     out[#out + 1] = {id, queue, 'poison'}
   else
     local base = P .. ':{' .. id .. '}:'
-    local job = redis.call('GET', base .. 'job')
+    local job, tries, cancel = unpack(redis.call('MGET', base .. 'job', base .. 'tries', base .. 'cancel'))
     if not job then
       out[#out + 1] = {id, queue, 'gone'}
     else
-      local try = tonumber(redis.call('GET', base .. 'tries') or '0') + 1
+      local try = tonumber(tries or '0') + 1
       if redis.call('SET', base .. 'lease', ARGV[3] .. ':' .. try, 'NX', 'PX', ARGV[4]) then
         started = started + 1
         taken[pq] = (taken[pq] or 0) + 1
         redis.call('SET', base .. 'tries', try, 'EX', ARGV[8])
-        if redis.call('HSET', KEYS[1], id, string.format('%d', score) .. ' ' .. queue) == 1 then
-          local t = pick.t
-          pick.run = pick.run + 1
-          running[t] = running[t] + 1
-          redis.call('HINCRBY', m.share, t .. ':r', 1)
-          redis.call('HINCRBY', m.share, '~r', 1)
-          redis.call('HINCRBY', P .. ':tenants:running', t, 1)
-          m.counted = true  -- its share hash and the running counts expire once, after the loop
-        end
-        redis.call('ZREM', queue, id)
-        redis.call('ZREM', KEYS[3], id .. '@' .. queue)
+        -- listed running, out of its queue and deadlines: written after the loop, once per tenant queue
+        pick.ids[#pick.ids + 1] = id
+        pick.rows[#pick.rows + 1] = id
+        pick.rows[#pick.rows + 1] = string.format('%d', score) .. ' ' .. queue
+        pick.members[#pick.members + 1] = id .. '@' .. queue
+        pick.run = pick.run + 1  -- counted at once for this call's next picks (the caps, the shares)
+        running[pick.t] = running[pick.t] + 1
         local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
         out[#out + 1] = {id, queue, 'started', string.format('%d', score), job, try, last and last[2][2] or false,
-                         redis.call('EXISTS', base .. 'cancel'), outcome}
+                         cancel and 1 or 0, outcome}
       else
         redis.call('ZADD', queue, now + tonumber(ARGV[4]), id)
         out[#out + 1] = {id, queue, 'deferred'}
@@ -549,14 +565,31 @@ while true do
     end
   end
 end
+local function each(cmd, key, list)  -- one call per 512 arguments (Lua's stack bounds unpack); the replies' sum
+  local n = 0
+  for i = 1, #list, 512 do n = n + redis.call(cmd, key, unpack(list, i, math.min(i + 511, #list))) end
+  return n
+end
 local counted = false
 for q = 4, #KEYS do  -- due jobs left behind: for lack of quota, a cap, the read limit, or another's affinity
-  for _, s in ipairs(models[q].tenants) do
+  local m = models[q]
+  for _, s in ipairs(m.tenants) do
     if s.pos <= #s.entries then left = 1 end
+    if #s.ids > 0 then  -- its started jobs: running (counted once each: a job already listed is not again)
+      local new = each('HSET', KEYS[1], s.rows)
+      each('ZREM', s.key, s.ids)
+      each('ZREM', KEYS[3], s.members)
+      if new > 0 then
+        redis.call('HINCRBY', m.share, s.t .. ':r', new)
+        redis.call('HINCRBY', m.share, '~r', new)
+        redis.call('HINCRBY', P .. ':tenants:running', s.t, new)
+        m.counted = true  -- its share hash and the running counts expire once, below
+      end
+    end
   end
-  if models[q].counted then
+  if m.counted then
     counted = true
-    redis.call('EXPIRE', models[q].share, share_ttl)
+    redis.call('EXPIRE', m.share, share_ttl)
   end
 end
 if counted then redis.call('EXPIRE', P .. ':tenants:running', share_ttl) end
@@ -643,19 +676,22 @@ for j = 1, tonumber(ARGV[1]) do
       requeue_at = entry and string.match(entry, '^(%-?%d+) ') or ARGV[4]
     end
     if (write == 'e' or write == 'h') and redis.call('HDEL', KEYS[1], rid) == 1 then
-      local model, tenant, share = share_left(ARGV[5], queue, ARGV[8])
       local pt, ct = string.match(final or '', '"usage":{"prompt_tokens":(%d+),"completion_tokens":(%d+)}')
-      if model and write == 'e' and pt then  -- charge its work: fair share, mean work, tokens per minute
+      local charge = write == 'e' and pt ~= nil
+      local model, tenant, share = share_left(ARGV[5], queue, ARGV[8], charge)
+      if model and charge then  -- charge its work: fair share, mean work, tokens per minute
         local work = tonumber(pt) + tonumber(ct)
         local weight = tonumber(redis.call('HGET', ARGV[5] .. ':tenant:' .. tenant, 'weight') or '1') or 1
         if weight <= 0 then weight = 1 end
-        redis.call('HINCRBYFLOAT', share, tenant, work / weight)
-        local mean = tonumber(redis.call('HGET', share, tenant .. ':a') or '')
-        redis.call('HSET', share, tenant .. ':a', string.format('%.17g', mean and 0.8 * mean + 0.2 * work or work))
+        local acct = redis.call('HMGET', share, tenant, tenant .. ':a')  -- one read, one write (the script is atomic)
+        local mean = tonumber(acct[2] or '')
+        redis.call('HSET', share, tenant, string.format('%.17g', (tonumber(acct[1] or '') or 0) + work / weight),
+                   tenant .. ':a', string.format('%.17g', mean and 0.8 * mean + 0.2 * work or work))
         redis.call('EXPIRE', share, ARGV[8])
         local bucket = ARGV[5] .. ':tpm:' .. tenant .. ':' .. math.floor(tonumber(ARGV[4]) / 60000)
-        redis.call('INCRBY', bucket, work)
-        redis.call('EXPIRE', bucket, 120)
+        if redis.call('INCRBY', bucket, work) == work then  -- new this minute: its TTL once (it outlives its read)
+          redis.call('EXPIRE', bucket, 120)
+        end
       end
       if model and write == 'h' then
         redis.call('SADD', ARGV[5] .. ':backlog:' .. model, tenant)
@@ -729,19 +765,20 @@ local function history(queue, rid, owner, text)
   local t = type(ev.timings) == 'table' and ev.timings or {}
   local u = type(ev.usage) == 'table' and ev.usage or {}
   local ttft, wait, tokens = num(t.ttft_ms), num(t.queue_ms), num(u.completion_tokens) or 0
-  redis.call('HINCRBY', key, 'n', 1)
+  local first = redis.call('HINCRBY', key, 'n', 1) == 1  -- a new bucket: its TTL once (it outlives its window)
   if ev.type == 'error' then redis.call('HINCRBY', key, 'err', 1) end
   if tokens > 0 then redis.call('HINCRBY', key, 'tok', tokens) end
   if ttft then redis.call('HINCRBY', key, 't' .. bin(ttft), 1) end
   if wait then redis.call('HINCRBY', key, 'w' .. bin(wait), 1) end
-  redis.call('EXPIRE', key, HISTORY_TTL)
+  if first then redis.call('EXPIRE', key, HISTORY_TTL) end
   local summary = cjson.encode({id = rid, model = model, type = ev.type,
     reason = ev.finish_reason or ev.code or '', ttft_ms = ttft or false, queue_ms = wait or false,
     total_ms = num(t.total_ms) or false, prompt_tokens = num(u.prompt_tokens) or false,
     completion_tokens = num(u.completion_tokens) or false, at_ms = now,
     worker = string.match(owner, '^(.*):%d+$') or ''})
-  redis.call('LPUSH', ARGV[5] .. ':recent', summary)
-  redis.call('LTRIM', ARGV[5] .. ':recent', 0, RECENT_KEPT - 1)
+  if redis.call('LPUSH', ARGV[5] .. ':recent', summary) > RECENT_KEPT then  -- one over: trimmed back
+    redis.call('LTRIM', ARGV[5] .. ':recent', 0, RECENT_KEPT - 1)
+  end
   redis.call('EXPIRE', ARGV[5] .. ':recent', RECENT_TTL)
 end
 """.replace("HIST_EDGES", history.lua_edges()).replace("BUCKET_S", str(history.BUCKET_S)).replace(
@@ -983,4 +1020,15 @@ def _due_entry(row: list[bytes], epoch: str) -> DueEntry:
         return DueEntry(rid, queue, status, epoch, row[0])
     _score, job, attempt, last, cancelled, placed = row[3:]
     return DueEntry(rid, queue, status, epoch, row[0], job, int(attempt), decode_event(last) if last else None,
-                    bool(cancelled), Affinity(placed.decode()) if placed else None)
+                    bool(cancelled), _placed(placed, job))
+
+
+_KEYED = re.compile(rb'"ak":"[0-9a-fA-F]+","et":\d+}$')  # a job record's tail with an affinity key (api.jobrecord)
+
+
+def _placed(placed: bytes, job: bytes) -> Affinity | None:
+    """CLAIM's affinity outcome; "?": nobody advertised for the model, so a keyed job counts "none" (told here, from
+    the record CLAIM returns, rather than by one more read in the script)."""
+    if placed == b"?":
+        return Affinity.NONE if _KEYED.search(job, max(0, len(job) - 64)) else None
+    return Affinity(placed.decode()) if placed else None
