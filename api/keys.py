@@ -58,6 +58,11 @@ class Keys:
         """Set of the affinity keys whose prompts ``worker_id``'s prefix cache for ``model`` holds (with a TTL)."""
         return f"{self.prefix}:affkeys:{model}:{worker_id}"
 
+    def affinity_full(self, model: str) -> str:
+        """Zset of the advertising workers whose engines for ``model`` are full (no free slot or KV headroom),
+        scored by when that mark lapses (ms): CLAIM does not keep their keys' jobs waiting for them."""
+        return f"{self.prefix}:afffull:{model}"
+
     def share(self, model: str) -> str:
         """Hash of ``model``'s fair-share accounts: ``<tenant>`` its virtual work (tokens ÷ weight),
         ``<tenant>:r`` its jobs running, ``<tenant>:a`` its mean work per job; ``~r`` the model's jobs running,

@@ -213,8 +213,14 @@ class PrefixStore(Protocol):
     def nbytes(self) -> int: ...
     def __len__(self) -> int: ...
 
-    def fetch(self, tokens: list[int]) -> PrefixHit | None:
-        """The longest cached prefix of ``tokens`` (a copy), or None."""
+    def fetch(self, tokens: list[int], key: str = "") -> PrefixHit | None:
+        """The longest cached prefix of ``tokens`` (a copy), or None; ``key``: the request's affinity key, kept
+        with the entries its prompt makes."""
+        ...
+
+    def tagged(self) -> list[tuple[str, list[int]]]:
+        """The affinity keys the slower tier's entries carry, each with its entry's tokens, least recently used
+        first (thread-safe)."""
         ...
 
     def store(self, entries: list[SequenceCache], kind: str) -> None:

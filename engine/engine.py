@@ -180,6 +180,12 @@ class Engine:
         prefix = self.scheduler.prefix_cache
         return prefix.min_tokens if prefix is not None else None
 
+    def prefix_tagged(self) -> list[tuple[str, list[int]]]:
+        """The affinity keys (``EngineRequest.affinity``) its prefix cache's entries on disk carry, each with its
+        entry's tokens, least recently used first (thread-safe): what a restarted worker holds already."""
+        prefix = self.scheduler.prefix_cache
+        return prefix.tagged() if prefix is not None else []
+
     async def prefix_holds(self, prompts: list[list[int]]) -> list[bool]:
         """Whether its prefix cache (memory or disk) still holds each of ``prompts``; asked on its MLX thread."""
         prefix = self.scheduler.prefix_cache

@@ -13,11 +13,14 @@ walks every entry that shares the prompt's longest cached prefix, on the engine 
 
 With a tier on disk (``prefix_disk.py``) every stored entry is also handed to its writer, so a restarted worker
 (even one killed) finds it; :meth:`PrefixCache.prefetch` starts reading a prompt's prefix from disk when the
-disk holds more of it than memory does, and the entry joins the memory tier at the next fetch.
+disk holds more of it than memory does, and the entry joins the memory tier at the next fetch. An entry on disk
+carries the affinity keys (``EngineRequest.affinity``, opaque here) of the prompts whose start it holds, so a
+restarted worker knows which keys its disk holds (:meth:`PrefixCache.tagged`) before any of their jobs runs.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -31,6 +34,9 @@ __all__ = ["PrefixCache", "PrefixHit"]  # PrefixHit: backend.py's, returned by f
 _MODEL = "model"  # the cache serves one model: one trie
 MAX_ENTRIES = 32
 MIN_TOKENS = 64
+TAG_TOKENS = 256  # a tagged prompt's start: an entry whose tokens begin with it carries the prompt's key
+MAX_TAGGED = 1024  # prompt starts remembered with their keys (least recently fetched dropped first)
+KEYS_PER_START = 8  # keys remembered for one start (conversations sharing a long system prompt)
 
 
 class PrefixCache:
@@ -48,6 +54,8 @@ class PrefixCache:
         self.misses = 0
         self.tokens_saved = 0
         self.disk = disk
+        # the tagged prompts' starts by their first ``min_tokens`` tokens: {key: start}
+        self._tags: OrderedDict[tuple[int, ...], dict[str, tuple[int, ...]]] = OrderedDict()
 
     @property
     def nbytes(self) -> int:
@@ -57,10 +65,13 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def fetch(self, tokens: list[int]) -> PrefixHit | None:
-        """The longest cached prefix of ``tokens`` (a copy), or None (not counted for short prompts)."""
+    def fetch(self, tokens: list[int], key: str = "") -> PrefixHit | None:
+        """The longest cached prefix of ``tokens`` (a copy), or None (not counted for short prompts); ``key``
+        (if any) is kept with the entries its prompt's start makes (:meth:`tag`)."""
         if len(tokens) <= self.min_tokens:
             return None
+        if key:
+            self.tag(tokens, key)
         self._take_arrived()
         cache, rest = self._lru.fetch_nearest_cache(_MODEL, tokens)
         n = len(tokens) - len(rest)
@@ -88,7 +99,32 @@ class PrefixCache:
                 continue
             self._lru.insert_cache(_MODEL, list(e.tokens), e.cache, cache_type=kind)
             if self.disk is not None:
-                self.disk.save(list(e.tokens), e.cache, kind, e.trimmable)
+                self.disk.save(list(e.tokens), e.cache, kind, e.trimmable, keys=self._keys_of(e.tokens))
+
+    def tag(self, prompt: list[int], key: str) -> None:
+        """Remember ``key`` for ``prompt``'s start: entries stored from here on whose tokens begin with it carry
+        it to disk (bounded: the least recently tagged starts are forgotten)."""
+        start = tuple(prompt[:TAG_TOKENS])
+        head = start[:self.min_tokens]
+        keys = self._tags.setdefault(head, {})
+        keys.pop(key, None)
+        keys[key] = start
+        while len(keys) > KEYS_PER_START:
+            del keys[next(iter(keys))]
+        self._tags.move_to_end(head)
+        while len(self._tags) > MAX_TAGGED:
+            self._tags.popitem(last=False)
+
+    def _keys_of(self, tokens: list[int]) -> list[str]:
+        """The keys tagged for the starts ``tokens`` begin with."""
+        keys = self._tags.get(tuple(tokens[:self.min_tokens]))
+        if not keys:
+            return []
+        return [k for k, start in keys.items() if tuple(tokens[:len(start)]) == start]
+
+    def tagged(self) -> list[tuple[str, list[int]]]:
+        """The keys the entries on disk carry, each with its entry's tokens, least recently used first."""
+        return self.disk.tagged() if self.disk is not None else []
 
     def prefetch(self, tokens: list[int], done: Callable[[], None]) -> bool:
         """Start reading from disk the entry that holds more of ``tokens`` than memory does (by at least
@@ -127,7 +163,7 @@ class PrefixCache:
             for model, tokens in list(order):
                 entry = self._lru._trie.get(model, tokens)
                 self.disk.save(list(tokens), entry.prompt_cache, kind, SequenceCache(entry.prompt_cache,
-                               list(tokens)).trimmable, bounded=False)
+                               list(tokens)).trimmable, bounded=False, keys=self._keys_of(list(tokens)))
 
     def close(self) -> None:
         """Finish the disk's writes (bounded) and stop its threads; blocking, off the MLX thread."""

@@ -7,7 +7,9 @@ trailer with its tokens and a SHA-256 of everything before it. Files are written
 and renamed, so a half-written file (a kill mid-write, a full disk) never has an entry's name; a file whose
 checksum does not match is logged once, deleted, and its request prefills cold. The tier holds at most
 ``max_bytes`` in at most ``max_entries`` files, least recently used out first (a file's mtime is its last use,
-so the order survives a restart), and the index in memory holds at most ``MAX_TOKENS`` tokens of them.
+so the order survives a restart), and the index in memory holds at most ``MAX_TOKENS`` tokens of them. An
+entry's trailer also carries the caller's keys for it (opaque strings: the worker's affinity keys), listed at
+the start by :meth:`PrefixDisk.tagged`.
 
 Nothing here runs disk I/O on the model's MLX thread: :meth:`PrefixDisk.save` hands an entry's evaluated
 arrays to a writer thread (dropped when more than ``max_pending`` bytes wait), and :meth:`PrefixDisk.load`
@@ -32,7 +34,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,7 @@ class _Entry:
     kind: str
     trimmable: bool
     used: float  # last stored or read (the file's mtime)
+    keys: tuple[str, ...] = ()  # the caller's keys for it (PrefixCache.tag)
 
 
 @dataclass(slots=True)
@@ -268,9 +271,10 @@ class PrefixDisk:
         with self._lock:
             return key in self._index or key in self._pending
 
-    def save(self, tokens: list[int], cache: list[Any], kind: str, trimmable: bool, *, bounded: bool = True) -> bool:
-        """Hand an entry (its arrays evaluated) to the writer; False when it is not written: the tier cannot
-        write, it is there already, or (``bounded``) the writer is too far behind."""
+    def save(self, tokens: list[int], cache: list[Any], kind: str, trimmable: bool, *, bounded: bool = True,
+             keys: Sequence[str] = ()) -> bool:
+        """Hand an entry (its arrays evaluated) to the writer, with the caller's ``keys`` for it; False when it is
+        not written: the tier cannot write, it is there already, or (``bounded``) the writer is too far behind."""
         if not self.writable:
             return False
         key = _key(tokens)
@@ -286,7 +290,7 @@ class PrefixDisk:
             self._pending_bytes += nbytes
         snapshot = [copy.copy(c) for c in cache]  # the caches' attributes as now; the arrays are shared
         try:
-            self._writer.submit(self._write, key, list(tokens), snapshot, kind, trimmable, nbytes)
+            self._writer.submit(self._write, key, list(tokens), snapshot, _Meta(kind, trimmable, tuple(keys)), nbytes)
         except RuntimeError:  # closed
             with self._lock:
                 self._pending.discard(key)
@@ -294,15 +298,15 @@ class PrefixDisk:
             return False
         return True
 
-    def _write(self, key: str, tokens: list[int], cache: list[Any], kind: str, trimmable: bool, nbytes: int) -> None:
+    def _write(self, key: str, tokens: list[int], cache: list[Any], meta: _Meta, nbytes: int) -> None:
         tmp = self.dir / f"{key}.{os.getpid()}.{threading.get_ident()}{_TEMP}"
         try:
             if not self.writable:
                 return
             self._make_room(nbytes, len(tokens))
-            size = _write_file(tmp, tokens, cache, kind, trimmable)
+            size = _write_file(tmp, tokens, cache, meta)
             os.replace(tmp, self._path(key))
-            self._commit(key, tokens, size, kind, trimmable)
+            self._commit(key, tokens, size, meta)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -322,15 +326,15 @@ class PrefixDisk:
             log.warning("prefix cache on disk: writing off (%s: %s); entries already there are still read", why,
                         self.dir)
 
-    def _commit(self, key: str, tokens: list[int], nbytes: int, kind: str, trimmable: bool) -> None:
+    def _commit(self, key: str, tokens: list[int], nbytes: int, meta: _Meta) -> None:
         """Index a written entry; a trimmable one makes the entries that are its prefixes redundant."""
         with self._lock:
-            self._index[key] = _Entry(tuple(tokens), nbytes, kind, trimmable, time.time())
+            self._index[key] = _Entry(tuple(tokens), nbytes, meta.kind, meta.trimmable, time.time(), meta.keys)
             self._bytes += nbytes
             self._tokens += len(tokens)
             self._trie.add(_TRIE, tokens, key)
             self.counts.writes += 1
-            shorter = [k for _, k in self._trie.pop_prefixes(_TRIE, tokens)] if trimmable else []
+            shorter = [k for _, k in self._trie.pop_prefixes(_TRIE, tokens)] if meta.trimmable else []
         for k in shorter:
             self._forget(k, delete=True, in_trie=False)
 
@@ -395,12 +399,24 @@ class PrefixDisk:
                 meta, st = _read_meta(p), p.stat()
                 found.append((p.name[:-len(_SUFFIX)], _Entry(tuple(map(int, meta["tokens"])), st.st_size,
                                                              str(meta["kind"]), bool(meta["trimmable"]),
-                                                             st.st_mtime)))
+                                                             st.st_mtime, tuple(map(str, meta.get("keys", ()))))))
             except Exception as exc:
                 log.warning("prefix cache on disk: entry %s is unreadable (%s); deleted", p.name, exc)
                 with contextlib.suppress(OSError):
                     p.unlink()
         return found
+
+    def tagged(self) -> list[tuple[str, list[int]]]:
+        """Each key the entries carry, with its entry's tokens, least recently used first (a key on several
+        entries: once, with its most recent)."""
+        with self._lock:
+            entries = sorted(self._index.values(), key=lambda e: e.used)
+        latest: dict[str, tuple[int, ...]] = {}
+        for e in entries:
+            for k in e.keys:
+                latest.pop(k, None)  # a more recent entry moves it later
+                latest[k] = e.tokens
+        return [(k, list(tokens)) for k, tokens in latest.items()]
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait (blocking) until the writes handed over so far are done; False if ``timeout_s`` passed first."""
@@ -453,11 +469,20 @@ class _Once:
             fn()
 
 
-def _write_file(path: Path, tokens: list[int], cache: list[Any], kind: str, trimmable: bool) -> int:
+@dataclass(frozen=True, slots=True)
+class _Meta:
+    """What an entry's trailer says besides its tokens."""
+
+    kind: str
+    trimmable: bool
+    keys: tuple[str, ...]
+
+
+def _write_file(path: Path, tokens: list[int], cache: list[Any], m: _Meta) -> int:
     """An entry's whole file at ``path`` (mlx-lm's prompt-cache format, then the trailer), on the disk when this
     returns (or an OSError); its size."""
     save_prompt_cache(str(path), cache)  # by path: MLX writes the file itself
-    meta = json.dumps({"tokens": tokens, "kind": kind, "trimmable": trimmable}).encode()
+    meta = json.dumps({"tokens": tokens, "kind": m.kind, "trimmable": m.trimmable, "keys": list(m.keys)}).encode()
     with open(path, "r+b") as f:
         h = hashlib.sha256()
         while chunk := f.read(1 << 20):

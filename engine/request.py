@@ -109,6 +109,7 @@ class EngineRequest:
     parts: PartMarkers | None = None
     group: str = ""
     weight: float = 1.0
+    affinity: str = ""  # an opaque key of the caller's for prompts alike (its prefix affinity): see PrefixCache.tag
 
 
 @dataclass(frozen=True, slots=True)

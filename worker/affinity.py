@@ -4,13 +4,20 @@ Redis for CLAIM (worker/jobs/transitions.py), and how CLAIM placed its jobs.
 A worker cannot ask its prefix cache which keys it holds (the cache knows tokens, not keys), so it keeps an
 approximation per model (:class:`Holdings`): a job's key is held from the moment the job goes into the engine
 with a prompt the cache would store (its prefill stores it), and while the entry its prompt's start made is still
-cached, in memory or on disk. Each heartbeat asks the engine, on its MLX thread, which of the keys no running job
-holds are still cached (a short trie lookup of each key's first ``ANCHOR_TOKENS`` prompt tokens), and drops the
-rest; the bound (``MAX_KEYS``) drops the least recently used. The advertisement lives ``ttl`` (a few
+cached, in memory or on disk (the disk's entries carry their keys: a restarted worker advertises them from its
+first heartbeat, :meth:`Holdings.seed`). Each heartbeat asks the engine, on its MLX thread, which of the keys no
+running job holds are still cached (a short trie lookup of each key's first ``ANCHOR_TOKENS`` prompt tokens), and
+drops the rest; the bound (``MAX_KEYS``) drops the least recently used. The advertisement lives ``ttl`` (a few
 heartbeats): a stopped (or draining) worker removes it, and a dead or frozen one's lapses; CLAIM counts a holder
 live until then. A worker with a prefix cache is listed from its first heartbeat, even holding nothing: CLAIM
 leaves a job nobody holds to the live worker holding the fewest keys (for at most the same wait), so the
 conversations, and their work, spread over the fleet.
+
+A worker whose engine for a model is full (no free slot, or no KV headroom) says so
+(``Keys.affinity_full``): CLAIM then lets another worker take its keys' jobs at once rather than after the wait.
+The mark is written only when the engine fills or frees (checked at each claim, each job's end and each
+heartbeat), at most once per ``FULL_EVERY_S`` (a flapping engine's states in between are coalesced), and renewed
+with the advertisement.
 """
 
 from __future__ import annotations
@@ -29,12 +36,13 @@ from mlxq.api.keys import Keys
 
 from .jobs.transitions import Affinity
 
-__all__ = ["ANCHOR_TOKENS", "MAX_KEYS", "Advertiser", "Holdings", "Placements", "affinity_ttl_s"]
+__all__ = ["ANCHOR_TOKENS", "FULL_EVERY_S", "MAX_KEYS", "Advertiser", "Holdings", "Placements", "affinity_ttl_s"]
 
 log = logging.getLogger(__name__)
 
 MAX_KEYS = 256  # keys advertised per model: more than the prefix cache's entries in memory and on disk
 ANCHOR_TOKENS = 256  # a key's prompt start looked up in the cache to tell whether the key is still held
+FULL_EVERY_S = 0.2  # the full mark is written at most this often per worker (one Redis write, a few a second at most)
 
 # (model's prompts) -> whether the model's prefix cache still holds each one's start; on the MLX thread
 Check = Callable[[list[list[int]]], Awaitable[list[bool]]]
@@ -70,6 +78,14 @@ class Holdings:
             new = True
         if new:
             self.version += 1
+
+    def seed(self, tagged: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """At the start: the keys the prefix cache's tier on disk holds (least recently used first), as a
+        previous run of this worker left them; each heartbeat checks them as any other."""
+        for key, tokens in tagged:
+            if key not in self._anchors and len(self._anchors) < self.max_keys:
+                self._anchors[key] = list(tokens[:ANCHOR_TOKENS])
+                self.version += 1
 
     def ended(self, key: str) -> None:
         """A job of ``key`` left the engine (its entry is stored by then, or its key is checked at the next
@@ -124,15 +140,22 @@ class Advertiser:
     """Writes a worker's holdings to Redis (``Keys.affinity_keys`` and ``Keys.affinity_holders``, per model):
     at once when a key is added, and every heartbeat after checking the cache; removes them at the stop."""
 
-    def __init__(self, redis: Redis, keys: Keys, worker_id: str, ttl_s: float) -> None:
+    def __init__(self, redis: Redis, keys: Keys, worker_id: str, ttl_s: float,
+                 full_every_s: float = FULL_EVERY_S) -> None:
         self.redis = redis
         self.keys = keys
         self.worker_id = worker_id
         self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.full_every_s = full_every_s
         self.holdings: dict[str, Holdings] = {}
         self.placements: dict[str, Placements] = {}
+        self.full: set[str] = set()  # the models whose engines are full now
+        self.full_writes = 0  # full marks written or cleared on a change (not the heartbeat's renewals)
         self._written: dict[str, int] = {}  # model -> the holdings' version last written
+        self._full_written: set[str] = set()  # the full marks as last written
+        self._full_at = -float("inf")  # when (monotonic) a change to them was last written
         self._pending: asyncio.Task[None] | None = None
+        self._full_pending: asyncio.Task[None] | None = None
         self._withdrawn = False  # stopping or draining: it takes no more jobs, so it advertises nothing
 
     def model(self, name: str) -> Holdings:
@@ -154,6 +177,50 @@ class Advertiser:
         finally:
             self._pending = None
 
+    def set_full(self, model: str, full: bool) -> None:
+        """Whether ``model``'s engine is full now: a change is written soon (rate-limited), an unchanged state
+        costs nothing."""
+        if model not in self.holdings or (model in self.full) == full:
+            return
+        if full:
+            self.full.add(model)
+        else:
+            self.full.discard(model)
+        if self._full_pending is None and not self._withdrawn:
+            self._full_pending = asyncio.get_running_loop().create_task(self._write_full_soon())
+
+    async def _write_full_soon(self) -> None:
+        """Write the marks that changed, at most once per ``full_every_s``, until a pause finds none changed."""
+        try:
+            while not self._withdrawn:
+                await asyncio.sleep(max(0.0, self._full_at + self.full_every_s - time.monotonic()))
+                marked = set(self.full)
+                changed = marked ^ self._full_written  # states that flapped back meanwhile write nothing
+                if not changed or self._withdrawn:
+                    return
+                self._full_at = time.monotonic()
+                now_ms = int(time.time() * 1000)
+                try:
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for model in changed:
+                            self._write_full(pipe, model, model in marked, now_ms)
+                        await pipe.execute()
+                except (RedisError, OSError) as exc:  # the next heartbeat writes them again
+                    log.warning("could not mark the engines full or free for prefix affinity: %r", exc)
+                    return
+                self._full_written = marked
+                self.full_writes += 1
+        finally:
+            self._full_pending = None
+
+    def _write_full(self, pipe: Redis, model: str, full: bool, now_ms: int) -> None:
+        key = self.keys.affinity_full(model)
+        if full:
+            pipe.zadd(key, {self.worker_id: now_ms + self.ttl_ms})
+            pipe.pexpire(key, self.ttl_ms)
+        else:
+            pipe.zrem(key, self.worker_id)
+
     async def refresh(self, checks: Mapping[str, Check]) -> None:
         """Each heartbeat: drop the keys each model's cache evicted (``checks``: the models with a prefix cache),
         then rewrite every advertisement (its TTL too)."""
@@ -174,12 +241,16 @@ class Advertiser:
             async with self.redis.pipeline(transaction=True) as pipe:
                 for model, holdings in changed.items():
                     self._write_model(pipe, model, holdings.keys(), now_ms)
+                    if force:  # the full marks renewed (or cleared) with the advertisement
+                        self._write_full(pipe, model, model in self.full, now_ms)
                 await pipe.execute()
         except (RedisError, OSError) as exc:  # the next heartbeat writes them again
             log.warning("could not advertise the prefix affinity keys: %r", exc)
             return
         for model, holdings in changed.items():
             self._written[model] = holdings.version
+        if force:
+            self._full_written = self.full & set(changed)
 
     def _write_model(self, pipe: Redis, model: str, keys: list[str], now_ms: int) -> None:
         own, holders = self.keys.affinity_keys(model, self.worker_id), self.keys.affinity_holders(model)
@@ -195,13 +266,15 @@ class Advertiser:
         """At the stop (or the drain's start): this worker takes no more jobs, so it advertises nothing from here
         on (a dead one's advertisement lapses instead)."""
         self._withdrawn = True
-        if self._pending is not None:
-            self._pending.cancel()
+        for task in (self._pending, self._full_pending):
+            if task is not None:
+                task.cancel()
         try:
             async with self.redis.pipeline(transaction=True) as pipe:
                 for model in self.holdings:
                     pipe.delete(self.keys.affinity_keys(model, self.worker_id))
                     pipe.zrem(self.keys.affinity_holders(model), self.worker_id)
+                    pipe.zrem(self.keys.affinity_full(model), self.worker_id)
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             log.warning("could not withdraw the prefix affinity keys (they lapse on their own): %r", exc)

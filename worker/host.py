@@ -121,7 +121,7 @@ class WorkerHost:
             assert service.engine is not None
             service.engine.on_step = host.metrics.step_timer(service.name)
             if service.engine.prefix_min_tokens is not None:  # advertised from the first heartbeat on
-                host.affinity.model(service.name)
+                host.affinity.model(service.name).seed(service.engine.prefix_tagged())  # what its disk holds
         if config.metrics_port:
             host.metrics_url = host.metrics.serve(config.metrics_port, config.metrics_addr)
             log.info("metrics on %s", host.metrics_url)
@@ -186,9 +186,19 @@ class WorkerHost:
         return {"affinity_holder": placed.holder, "affinity_elsewhere": placed.elsewhere,
                 "affinity_none": placed.none, "affinity_keys": len(holdings)}
 
+    def _mark_full(self) -> None:
+        """Whether each model's engine takes no more jobs now (its room, or this worker's arq slots, are used up):
+        CLAIM then gives its prefixes' jobs to other workers at once (worker/affinity.py; written on a change
+        only)."""
+        slots_full = sum(len(s.active) for s in self.services.values()) >= self.config.arq_max_jobs
+        for name, service in self.services.items():
+            self.affinity.set_full(name, slots_full or service.room() == 0)
+
     async def _before_beat(self) -> None:
-        """Each heartbeat: the queues' depths, and the affinity keys the prefix caches still hold."""
+        """Each heartbeat: the queues' depths, and the affinity keys the prefix caches still hold (and whether
+        each engine is full: its KV headroom changes between claims)."""
         await self._read_queues()
+        self._mark_full()
         checks = {name: s.engine.prefix_holds for name, s in self.services.items()
                   if s.engine is not None and s.engine.prefix_min_tokens is not None and s.state is not ModelState.DEAD}
         try:
@@ -239,6 +249,7 @@ class WorkerHost:
             self.affinity.placements[by_model[entry.rid].name].add(entry.affinity)
         for service in self.services.values():
             service.claimed([entry for entry in started if by_model[entry.rid] is service])
+        self._mark_full()
         return Claims({entry.rid: self._run(by_model[entry.rid], entry) for entry in started}, due.left)
 
     def _quotas(self, free: int) -> tuple[dict[str, int], int, dict[str, Outranking], dict[str, BelowShare]]:
@@ -295,6 +306,7 @@ class WorkerHost:
             return Outcome.FAILED
         finally:
             service.release(entry)
+            self._mark_full()
         log.debug("job %s: %s in %.3fs", entry.rid, state.value, time.monotonic() - t0)
         return Outcome.COMPLETE if state is State.ENDED else Outcome.RETRIED
 
@@ -337,6 +349,7 @@ class WorkerHost:
             return run.state
         held = self._holds(service, prepared, affinity)
         if held:
+            prepared.request.affinity = affinity  # kept with its prefix's entries on disk: known after a restart
             self.affinity.started(service.name, affinity, prepared.request.prompt_tokens)
         service.add(prepared.request)
         try:

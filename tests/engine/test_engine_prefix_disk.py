@@ -59,8 +59,8 @@ class Outputs:
                 self.final[o.rid] = o
         self.changed.set()
 
-    async def run(self, engine: Engine, rid: str, prompt: list[int]) -> list[int]:
-        engine.add(EngineRequest(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS)))
+    async def run(self, engine: Engine, rid: str, prompt: list[int], key: str = "") -> list[int]:
+        engine.add(EngineRequest(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS), affinity=key))
         async with asyncio.timeout(60):
             while rid not in self.final:
                 self.changed.clear()
@@ -95,14 +95,14 @@ def next_turn(lm: Any, prompt: list[int], answer: list[int]) -> list[int]:
 
 
 async def a_conversation_on_disk(lm: Any, tiny_model: Path, kv_dir: Path, outputs: Outputs,
-                                 graceful: bool = True) -> tuple[list[int], list[int]]:
-    """An engine answers a conversation's first turn and stops (``graceful``) or is stopped as a killed worker
-    is (no prefix handed to the disk at the stop: only what was written meanwhile is there); the turn's prompt
-    and answer."""
+                                 graceful: bool = True, key: str = "") -> tuple[list[int], list[int]]:
+    """An engine answers a conversation's first turn (of affinity ``key``) and stops (``graceful``) or is
+    stopped as a killed worker is (no prefix handed to the disk at the stop: only what was written meanwhile is
+    there); the turn's prompt and answer."""
     engine, _ = await start_engine(str(tiny_model), outputs.sink, options(kv_dir))
     try:
         prompt = first_turn(lm)
-        answer = list(await outputs.run(engine, "turn-1", prompt))
+        answer = list(await outputs.run(engine, "turn-1", prompt, key))
         assert await asyncio.to_thread(disk_of(engine).flush)
         assert len(disk_of(engine)) == 1  # the whole turn; its system-prompt checkpoint, a prefix of it, went
     finally:
@@ -128,6 +128,21 @@ async def test_a_restarted_engine_starts_the_next_turn_from_disk_with_the_same_t
     finally:
         await engine.aclose()
     assert tokens == reference(lm, follow, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("graceful", [True, False], ids=["stopped", "crashed"])
+async def test_a_restarted_engine_lists_the_affinity_keys_its_entries_on_disk_carry(
+        lm: Any, tiny_model: Path, tmp_path: Path, outputs: Outputs, graceful: bool) -> None:
+    prompt, answer = await a_conversation_on_disk(lm, tiny_model, tmp_path, outputs, graceful, key="conv-1")
+    engine, _ = await start_engine(str(tiny_model), outputs.sink, options(tmp_path))
+    try:
+        ((key, tokens),) = engine.prefix_tagged()  # before any request: from the index read at the start
+        assert key == "conv-1" and tokens == prompt + answer[:len(tokens) - len(prompt)]
+        await outputs.run(engine, "untagged", first_turn(lm)[::-1])  # a request without a key adds none
+        assert await asyncio.to_thread(disk_of(engine).flush)
+        assert [k for k, _ in engine.prefix_tagged()] == ["conv-1"] and len(disk_of(engine)) == 2
+    finally:
+        await engine.aclose()
 
 
 async def test_a_corrupt_entry_is_logged_once_and_prefilled_cold(

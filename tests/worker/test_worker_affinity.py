@@ -1,7 +1,7 @@
 """Prefix affinity through real workers: a conversation's next turn starts on the worker whose prefix cache holds
 its start (in this process: two workers; the outcome counters of the health record and /metrics say so), with
-mlx-lm's greedy tokens; a busy holder, and (slow, two worker processes) a killed or frozen one, leave the next
-turn to the other worker once it waited the bound."""
+mlx-lm's greedy tokens; a full holder leaves the next turn to the other worker at once, and (slow, two worker
+processes) a killed or frozen one once it waited the bound."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.asyncio import Redis
 
 from mlxq.api.client import Client
 from mlxq.api.schema import StartEvent, TokenEvent, WorkerStatus
@@ -106,35 +107,67 @@ async def test_the_same_turn_gives_the_same_greedy_tokens_with_and_without_affin
     assert tuple(map(sum, zip(placed(a), placed(b)))) == (1, 0, 2)  # the third's key: held by nobody
 
 
-async def test_a_busy_holder_leaves_the_next_turn_to_the_other_worker_after_the_wait(worker_config: Any,
-                                                                                     client: Client) -> None:
-    a, b = await two_workers(worker_config, max_jobs=1)  # one job at a time: a running one makes it busy
+async def full_mark(w: RunningWorker) -> float | None:
+    """The worker's full mark for the model in Redis (its lapse time, ms), or None."""
+    host = w.host
+    score: float | None = await host.redis.zscore(host.keys.affinity_full("tiny"), host.config.worker_id)
+    return score
+
+
+async def until(check: Any) -> None:
+    """Wait (polling) until ``check()`` is true: what a worker writes in the background lands."""
+    while not await check():
+        await asyncio.sleep(0.01)
+
+
+async def test_a_full_holder_leaves_the_next_turn_to_the_other_worker_at_once(worker_config: Any,
+                                                                              client: Client) -> None:
+    # one job at a time (a running one fills it), and a wait longer than the test's: only the full mark lets
+    # another worker take the holder's key
+    a, b = await two_workers(worker_config, max_jobs=1, affinity_wait_ms=3_600_000.0)
     workers = {"aff-a": a, "aff-b": b}
     try:
         first = conversation(5)
         holder, _, answer = await run(client, first)
         other = next(w for name, w in workers.items() if name != holder)
-        slow_steps(workers[holder], 0.02)  # its next job runs long enough to keep it busy
+        await until(lambda: _cleared(workers[holder]))  # full while it ran that turn, free once it ended
+        slow_steps(workers[holder], 0.02)  # its next job runs long enough to keep it full
         # the holder takes it (greedy, the tiny model never stops before its max_tokens on these prompts)
         busy = await client.submit(model="tiny", messages=first, max_tokens=200)
         async for ev in client.events(busy, timeout=60):
             if isinstance(ev, StartEvent):
                 assert ev.worker == holder
                 break
+        else:
+            pytest.fail("the holder's long job ended without starting")
+        await until(lambda: _marked(workers[holder]))
         ran, _, _ = await run(client, next_turn(first, answer))
         assert ran != holder
-        assert placed(other) == (0, 1, placed(other)[2])  # taken elsewhere, after waiting for the busy holder
+        assert placed(other) == (0, 1, placed(other)[2])  # taken elsewhere: its holder was full
         await client.cancel(busy)
+        await until(lambda: _cleared(workers[holder]))  # freed: its mark goes (it takes its keys' jobs again)
+        assert workers[holder].host.affinity.full_writes >= 2
     finally:
         await a.close()
         await b.close()
 
 
+async def _marked(w: RunningWorker) -> bool:
+    return await full_mark(w) is not None
+
+
+async def _cleared(w: RunningWorker) -> bool:
+    return await full_mark(w) is None
+
+
 # --- two worker processes --------------------------------------------------------------------------------
-def start_process(name: str, redis_url: str, tiny_model: Path, tmp_path: Path, port: int) -> WorkerProcess:
+def start_process(name: str, redis_url: str, tiny_model: Path, tmp_path: Path, port: int,
+                  disk: bool = False) -> WorkerProcess:
+    """A worker process; ``disk``: with its prefix cache's tier on disk, in a directory of its own."""
     env = {"MLXQ_MODEL": str(tiny_model), "MLXQ_MODEL_NAME": "tiny", "MLXQ_REDIS_URL": redis_url,
-           "MLXQ_KV_DISK_GB": "0", "MLXQ_METRICS_PORT": str(port), "MLXQ_METRICS_ADDR": "127.0.0.1",
-           "MLXQ_LEASE_TTL": "2", "MLXQ_REAP_INTERVAL": "0.5"}
+           "MLXQ_KV_DISK_GB": "0.25" if disk else "0", "MLXQ_KV_DIR": str(tmp_path / f"{name}-kv"),
+           "MLXQ_METRICS_PORT": str(port), "MLXQ_METRICS_ADDR": "127.0.0.1", "MLXQ_LEASE_TTL": "2",
+           "MLXQ_REAP_INTERVAL": "0.5"}
     return WorkerProcess(env, tmp_path / f"{name}.log").start()
 
 
@@ -167,4 +200,40 @@ async def test_a_killed_or_frozen_holder_leaves_the_next_turn_to_the_other_worke
     finally:
         for proc in procs.values():
             proc.signal(signal.SIGCONT)
+            proc.kill()
+
+
+@pytest.mark.slow
+async def test_a_restarted_holder_advertises_its_prefixes_on_disk_and_takes_their_next_turn(
+        redis_url: str, tiny_model: Path, tmp_path: Path, client: Client) -> None:
+    ports = {"one": free_port(), "two": free_port()}
+    procs = {name: start_process(name, redis_url, tiny_model, tmp_path, port, disk=True)
+             for name, port in ports.items()}
+    ids: dict[str, str] = {}
+    redis = Redis.from_url(redis_url)
+    try:
+        for name, proc in procs.items():
+            status: WorkerStatus = await asyncio.to_thread(proc.wait_ready, 180)
+            ids[status.id] = name
+        first = conversation(8)
+        holder_id, _, answer = await run(client, first)
+        holder = ids[holder_id]
+        held = await redis.smembers(client.keys.affinity_keys("tiny", holder_id))
+        assert len(held) == 1
+        assert await asyncio.to_thread(procs[holder].stop) == 0  # SIGTERM: its warm prefixes go to its disk
+        procs[holder] = start_process(holder, redis_url, tiny_model, tmp_path, ports[holder], disk=True)
+        status = await asyncio.to_thread(procs[holder].wait_ready, 180)
+        ids[status.id] = holder
+        # advertised by its first heartbeat, before any job of the key ran on it
+        assert await redis.smembers(client.keys.affinity_keys("tiny", status.id)) == held
+        samples = await asyncio.to_thread(scrape, ports[holder])
+        assert value(samples, "mlxq:affinity_keys", model_name="tiny") == 1
+        ran, _, _ = await run(client, next_turn(first, answer))
+        assert ran == status.id
+        samples = await asyncio.to_thread(scrape, ports[holder])
+        assert value(samples, "mlxq:affinity_placements_total", model_name="tiny", outcome="holder") == 1
+        assert value(samples, "mlxq:prefix_disk_hits_total", model_name="tiny") == 1  # its prefix, from disk
+    finally:
+        await redis.aclose()
+        for proc in procs.values():
             proc.kill()

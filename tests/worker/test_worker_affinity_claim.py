@@ -1,7 +1,7 @@
 """CLAIM's prefix affinity on a real Redis: a worker prefers the queued jobs whose affinity key it advertises,
 leaves one another live worker holds to it for at most the wait (and one nobody holds to a live worker holding
-fewer keys), never waits for a lapsed (dead) holder, and never lets affinity reorder jobs of different
-priority."""
+fewer keys), never waits for a lapsed (dead) holder nor for a full one, and never lets affinity reorder jobs of
+different priority."""
 
 from __future__ import annotations
 
@@ -126,6 +126,69 @@ async def test_a_job_nobody_holds_waits_for_the_live_worker_holding_fewer_keys(c
     await asyncio.sleep(0.1)
     started, _ = await claim(worker(r, "w1", wait_ms=50), 1)  # w2 did not take it within the wait: w1 does
     assert [(e.rid, e.affinity) for e in started] == [(late, Affinity.NONE)]
+
+
+async def written(adv: Advertiser) -> None:
+    """The full marks' changes handed over so far are written (or found unchanged)."""
+    while adv._full_pending is not None:
+        await asyncio.sleep(0.01)
+
+
+async def test_a_full_holder_leaves_its_keys_jobs_to_another_worker_at_once(client: Client,
+                                                                            r: aredis.Redis) -> None:
+    held = await submit(client, "held")
+    w2 = await advertise(r, "w2", "held")
+    w2.set_full(MODEL, True)
+    await written(w2)
+    assert 0 < await r.pttl(KEYS.affinity_full(MODEL)) <= 30_000
+    started, _ = await claim(worker(r, "w1"), 1)  # the wait is longer than the test: no waiting for w2
+    assert [(e.rid, e.affinity) for e in started] == [(held, Affinity.ELSEWHERE)]
+    w2.set_full(MODEL, False)  # freed: its keys' jobs wait for it again
+    await written(w2)
+    again = await submit(client, "held")
+    started, left = await claim(worker(r, "w1"), 1)
+    assert started == [] and left
+    w3 = await advertise(r, "w3", "held")  # a second holder, full too: the job still goes at once
+    w3.set_full(MODEL, True)
+    w2.set_full(MODEL, True)
+    await written(w2)
+    await written(w3)
+    started, _ = await claim(worker(r, "w1"), 1)
+    assert [(e.rid, e.affinity) for e in started] == [(again, Affinity.ELSEWHERE)]
+    await w2.remove()  # a stopped worker's mark goes with its advertisement
+    assert [m.decode() for m in await r.zrange(KEYS.affinity_full(MODEL), 0, -1)] == ["w3"]
+
+
+async def test_a_full_worker_holding_fewer_keys_does_not_hold_up_a_job_nobody_holds(client: Client,
+                                                                                     r: aredis.Redis) -> None:
+    await advertise(r, "w1", "old")
+    w2 = await advertise(r, "w2")  # live, holding nothing, but full
+    w2.set_full(MODEL, True)
+    await written(w2)
+    new = await submit(client, "new")
+    started, _ = await claim(worker(r, "w1"), 1)
+    assert [(e.rid, e.affinity) for e in started] == [(new, Affinity.NONE)]
+
+
+async def test_the_full_mark_is_written_on_a_change_only_and_flapping_coalesces(r: aredis.Redis) -> None:
+    adv = await advertise(r, "w1")
+    adv.set_full(MODEL, False)  # as it was: nothing to write
+    await written(adv)
+    assert adv.full_writes == 0
+    adv.set_full(MODEL, True)
+    await written(adv)
+    assert adv.full_writes == 1 and await r.zscore(KEYS.affinity_full(MODEL), "w1") is not None
+    for _ in range(10):  # full and free again within the write interval: nothing changed to write
+        adv.set_full(MODEL, False)
+        adv.set_full(MODEL, True)
+    await written(adv)
+    assert adv.full_writes == 1
+    adv.set_full(MODEL, False)
+    await written(adv)
+    assert adv.full_writes == 2 and await r.zscore(KEYS.affinity_full(MODEL), "w1") is None
+    adv.set_full("unserved", True)  # a model it advertises nothing for: no mark
+    await written(adv)
+    assert adv.full_writes == 2
 
 
 async def test_affinity_never_jumps_a_job_of_higher_priority(client: Client, r: aredis.Redis) -> None:

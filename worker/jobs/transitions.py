@@ -267,17 +267,20 @@ _MEAN_WORK = 256  # tokens a tenant's job is assumed to cost before one of its j
 # (``head``), in place of simply its first. A job record's tail holds its affinity key ("ak":"<hex>", before
 # "et"); each worker advertises the keys its prefix cache holds, per model, in the set
 # ``<prefix>:affkeys:<model>:<worker>``, and itself in ``<prefix>:affholders:<model>`` scored by when that
-# advertisement lapses (ms): a holder is live until then. An entry is "mine" (this worker holds its key), "wait"
-# (another live worker holds it and it became due less than the wait ago: skipped, left queued), "elsewhere"
-# (another holds it, but it waited past the bound), "none" (a key nobody live holds) or "" (no key, or affinity
-# off: ARGV wait < 0, no worker advertises for the model, or jobs read to outrank a full engine, which start at
-# once). A "none" job also waits (at most as long) while another live advertiser holds fewer keys than this
-# worker: the keys spread over the fleet, and with them the conversations' work. ``head`` takes the first entry
-# not skipped, unless a "mine" one of at least its priority (the lead of its score below its enqueue time:
-# api.keys.queue_score) is among the entries read: priority, the tenants' shares and the read limit stand; only
-# the order within a tenant's read entries changes. Costs: one ZRANGE of the advertisers, one GETRANGE per entry
-# looked at, one SCARD per live advertiser and one SISMEMBER per live advertiser and distinct key; no GETRANGE
-# while no live worker advertises a key for the model (an advertiser holding none holds no job's key).
+# advertisement lapses (ms): a holder is live until then. A holder whose engine is full is also in
+# ``<prefix>:afffull:<model>`` (scored the same way, written only when it fills or frees, rate-limited): its keys'
+# jobs do not wait for it. An entry is "mine" (this worker holds its key), "wait" (another live worker that is
+# not full holds it and it became due less than the wait ago: skipped, left queued), "elsewhere" (another holds
+# it, but it waited past the bound, or every other holder is full), "none" (a key nobody live holds) or "" (no
+# key, or affinity off: ARGV wait < 0, no worker advertises for the model, or jobs read to outrank a full engine,
+# which start at once). A "none" job also waits (at most as long) while another live advertiser that is not full
+# holds fewer keys than this worker: the keys spread over the fleet, and with them the conversations' work.
+# ``head`` takes the first entry not skipped, unless a "mine" one of at least its priority (the lead of its score
+# below its enqueue time: api.keys.queue_score) is among the entries read: priority, the tenants' shares and the
+# read limit stand; only the order within a tenant's read entries changes. Costs: one ZRANGE of the advertisers,
+# one GETRANGE per entry looked at, one SCARD per live advertiser, one ZRANGEBYSCORE of the full ones (when
+# others advertise), one SISMEMBER per live advertiser and distinct key; no GETRANGE while no live worker
+# advertises a key for the model (an advertiser holding none holds no job's key).
 _AFFINITY_LUA = r"""
 local affinity_wait = tonumber(ARGV[12 + 2 * queues]) or -1
 local function holders(m)  -- this worker's key set (if it advertises), the other live holders' sets, and
@@ -288,23 +291,28 @@ local function holders(m)  -- this worker's key set (if it advertises), the othe
   if affinity_wait < 0 then return h end
   local zkey = P .. ':affholders:' .. m.model
   local listed = redis.call('ZRANGE', zkey, 0, -1, 'WITHSCORES')  -- one read while nobody's advertisement lapsed
-  local mine_n, fewest, lapsed = 0, nil, false
+  local live, lapsed = {}, false
   for i = 1, #listed, 2 do
-    local w = listed[i]
-    if tonumber(listed[i + 1]) <= now then
-      lapsed = true  -- dead, frozen or stopped
-    else
-      local set = P .. ':affkeys:' .. m.model .. ':' .. w
-      local n = redis.call('SCARD', set)
-      if w == ARGV[3] then
-        h.mine, mine_n = n > 0 and set, n  -- an empty set holds no key: no entry is "mine"
-      else
-        h.others[#h.others + 1] = set
-        if not fewest or n < fewest then fewest = n end
-      end
+    if tonumber(listed[i + 1]) <= now then lapsed = true else live[#live + 1] = listed[i] end
+  end
+  if lapsed then redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now) end  -- dead, frozen or stopped
+  local full = {}
+  if #live > 1 or (#live == 1 and live[1] ~= ARGV[3]) then  -- others advertise: which are full
+    for _, w in ipairs(redis.call('ZRANGEBYSCORE', P .. ':afffull:' .. m.model, now, '+inf')) do
+      full[w] = true
     end
   end
-  if lapsed then redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now) end
+  local mine_n, fewest = 0, nil
+  for _, w in ipairs(live) do
+    local set = P .. ':affkeys:' .. m.model .. ':' .. w
+    local n = redis.call('SCARD', set)
+    if w == ARGV[3] then
+      h.mine, mine_n = n > 0 and set, n  -- an empty set holds no key: no entry is "mine"
+    else
+      h.others[#h.others + 1] = {set, full[w] or false}
+      if not full[w] and (not fewest or n < fewest) then fewest = n end
+    end
+  end
   h.fewer = h.mine and fewest ~= nil and fewest < mine_n
   return h
 end
@@ -323,8 +331,11 @@ local function affinity(m, s, e)  -- the entry's class (see above), computed onc
     if h.mine and redis.call('SISMEMBER', h.mine, ak) == 1 then
       held = 'mine'
     else
-      for _, set in ipairs(h.others) do
-        if redis.call('SISMEMBER', set, ak) == 1 then held = 'theirs'; break end
+      for _, o in ipairs(h.others) do  -- a full holder's key: taken elsewhere at once, unless another holds it
+        if redis.call('SISMEMBER', o[1], ak) == 1 then
+          if not o[2] then held = 'theirs'; break end
+          held = 'full'
+        end
       end
     end
     h.seen[ak] = held
@@ -334,6 +345,8 @@ local function affinity(m, s, e)  -- the entry's class (see above), computed onc
   if held == 'theirs' or (held == 'none' and h.fewer) then
     local waiting = now - math.max(et, e[2]) < affinity_wait
     held = waiting and 'wait' or (held == 'theirs' and 'elsewhere' or 'none')
+  elseif held == 'full' then
+    held = 'elsewhere'
   end
   e.aff = held
   return held
