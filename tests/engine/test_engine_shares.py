@@ -110,7 +110,7 @@ def test_one_group_keeps_priority_preemption_as_it_was() -> None:
     assert_exact(run, [low, same, high])
 
 
-def test_the_room_shows_each_running_groups_part_only_while_nothing_unstarted_waits() -> None:
+def test_the_room_shows_each_running_groups_part_with_its_unstarted_requests_queued() -> None:
     s = scheduler(ToyBatch(), capacity=3, clock=Clock(10.0))
     run = Run()
     for i in range(2):
@@ -119,9 +119,13 @@ def test_the_room_shows_each_running_groups_part_only_while_nothing_unstarted_wa
     run.step(s)
     assert set(s.room.groups) == {GroupShare("a", 2, 2.0), GroupShare("b", 1, 1.0)}
     assert GroupShare("a", 2, 2.0).spare == 0.5
-    add(s, "a2", "a", 3, max_tokens=10, weight=2.0)  # waits, unstarted: no group's part is open
+    add(s, "a2", "a", 3, max_tokens=10, weight=2.0)  # waits, unstarted: counted as its group's, not running
+    add(s, "c0", "c", 4, max_tokens=10)  # a group with none running shows too (its spare is never used)
     run.step(s)
-    assert s.room.groups == () and s.num_waiting == 1
+    assert set(s.room.groups) == {GroupShare("a", 2, 2.0, queued=1), GroupShare("b", 1, 1.0),
+                                  GroupShare("c", 0, 1.0, queued=1)}
+    assert s.num_waiting == 2 and GroupShare("a", 2, 2.0, queued=1).taken == 3
+    assert s.room.outranked is None  # a priority is outranked only while nothing unstarted waits
     run.drain(s)
     assert s.room.groups == ()
 
