@@ -50,6 +50,35 @@ def test_a_group_below_its_share_takes_the_place_of_a_group_above_it_and_everyon
     assert s.stats.preemptions == 1 and s.stats.resumes == 1
 
 
+def test_a_group_below_its_share_starts_at_once_in_a_free_slot_not_with_the_others_joining() -> None:
+    # A flood's jobs refill the slots they free together: one of a light group joining then is prefilled on its
+    # own and has its first token in the step it joins, instead of being prefilled with the flood's.
+    s = scheduler(ToyBatch(), capacity=4, clock=Clock(10.0))
+    run = Run()
+    a = [add(s, f"a{i}", "a", i, max_tokens=6, arrival=10.0 + i / 10) for i in range(2)]
+    run.step(s, 2)
+    more = [add(s, f"a{i}", "a", i, max_tokens=6, arrival=10.0 + i / 10) for i in (2, 3)]  # queued before b0
+    b = add(s, "b0", "b", 9, max_tokens=4, arrival=11.0)  # a's load 2 - 1 >= b's 0 + 1: below its share
+    run.step(s)
+    assert run.tokens("b0") == toy_generate(b.prompt_tokens, 1)  # its first token, in the step it joined
+    assert s.stats.started_at_once == 1 and s.stats.preemptions == 0
+    assert all(run.tokens(r.rid) == [] for r in more)  # they joined the batch as usual
+    run.drain(s)
+    assert_exact(run, [*a, *more, b])
+
+
+def test_a_group_at_its_share_joins_a_free_slot_as_usual() -> None:
+    s = scheduler(ToyBatch(), capacity=3, clock=Clock(10.0))
+    run = Run()
+    a = add(s, "a0", "a", 1, max_tokens=6, arrival=10.0)
+    b = add(s, "b0", "b", 2, max_tokens=6, arrival=10.1)
+    run.step(s, 2)
+    late = add(s, "b1", "b", 3, max_tokens=4, arrival=10.2)  # a's spare 0 < b's load after it, 2
+    run.drain(s)
+    assert s.stats.started_at_once == 0 and s.stats.preemptions == 0
+    assert_exact(run, [a, b, late])
+
+
 def test_equal_loads_never_preempt_across_groups_and_priority_reaches_only_its_own_group() -> None:
     s = scheduler(ToyBatch(), capacity=2, clock=Clock(10.0))
     run = Run()
