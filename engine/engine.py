@@ -22,9 +22,9 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from .backend import BatchBackend
@@ -83,11 +83,13 @@ class Engine:
         self._make_backend = make_backend
         self._inbox: deque[EngineRequest | _Abort] = deque()
         self._inbox_requests = 0  # requests added and not yet through a scheduler step (claim_capacity)
-        self._drained = 0  # of those, the ones this tick took from the inbox
+        self._inbox_groups: Counter[str] = Counter()  # those requests' groups (groups_open)
+        self._drained: list[str] = []  # of those, the groups of the ones this tick took from the inbox
         self._lock = threading.Lock()
         self._scheduled = False
         self._closed = False
         self._expected = 0  # requests announced by expect() and not added yet
+        self._expected_groups: Counter[str] = Counter()  # the groups expect() named for them
         self._prefill_batch = prefill_batch  # no point waiting for more than one prefill takes
         self._expect_until = 0.0
         self._gap_s = 0.0  # after the announced ones are in, wait while arrivals come closer than this
@@ -106,16 +108,21 @@ class Engine:
             return
         with self._lock:
             self._expected = max(0, self._expected - 1)
+            _drop(self._expected_groups, req.group)
             self._inbox_requests += 1
+            self._inbox_groups[req.group] += 1
             self._last_arrival = self._clock()
         self._post(req)
         self._arrived.set()
 
-    def expect(self, n: int, within_s: float) -> None:
-        """Announce ``n`` requests about to be added (thread-safe): an idle engine waits up to ``within_s``
-        for them before its first step."""
+    def expect(self, n: int, within_s: float, groups: Iterable[str] = ()) -> None:
+        """Announce ``n`` requests about to be added (thread-safe), of ``groups`` (one each, if known): an idle
+        engine waits up to ``within_s`` for them before its first step."""
         with self._lock:
+            if self._clock() >= self._expect_until:  # the earlier announcements' window is over
+                self._expected_groups.clear()
             self._expected += n
+            self._expected_groups.update(groups)
             self._last_arrival = self._clock()
             self._expect_until = self._last_arrival + within_s
             self._gap_s = within_s / 5
@@ -160,15 +167,25 @@ class Engine:
         return max(0, room.outranked_rows - self._pending())
 
     def groups_open(self) -> tuple[GroupShare, ...]:
-        """When this engine has no room: each running group's part of the batch, which a new request of a group
-        below its share takes from at once (``shares.py``); () when it has room, runs nothing, or a request is
-        on its way or waits unstarted (thread-safe; as of the last step)."""
+        """When this engine has no room (counting the requests on their way): each running group's part of the
+        batch, which a new request of a group below its share takes from at once (``shares.py``), with its
+        requests waiting unstarted, added and not taken in yet, or announced counted as queued (so a claim does
+        not take a second one on the same ground before the first is in); () when it has room or runs nothing
+        (thread-safe; as of the last step). A request on its way does not close the parts: a flood's next job
+        is on its way at most moments, and a job of a tenant below its share must not wait for a step to end."""
         if self.dead or self._closed:
             return ()
         room = self.scheduler.room
-        if not room.groups or room.admissible > 0 or self._pending():
+        if not room.groups or room.admissible > self._pending():
             return ()
-        return room.groups
+        with self._lock:
+            on_way = self._inbox_groups.copy()
+            if self._clock() < self._expect_until:
+                on_way.update(self._expected_groups)
+        if not on_way:
+            return room.groups
+        shown = [replace(g, queued=g.queued + on_way.pop(g.group, 0)) for g in room.groups]
+        return (*shown, *(GroupShare(group, 0, 1.0, n) for group, n in on_way.items() if n > 0))
 
     def paused(self) -> int:
         """Its preempted requests, waiting to resume (thread-safe; as of the last step)."""
@@ -236,8 +253,10 @@ class Engine:
                 finally:  # the drained requests now count in the scheduler's room (or have ended)
                     if self._drained:
                         with self._lock:
-                            self._inbox_requests -= self._drained
-                        self._drained = 0
+                            self._inbox_requests -= len(self._drained)
+                            for group in self._drained:
+                                _drop(self._inbox_groups, group)
+                        self._drained = []
             except Exception as exc:  # an engine step failed: fail what was in flight, keep serving
                 self._on_failure(exc)
             with self._lock:
@@ -288,12 +307,12 @@ class Engine:
             if isinstance(cmd, EngineRequest):
                 gone = self._aborted.pop(cmd.rid, None) if self._aborted else None
                 if gone is not None:
-                    self._drained += 1
+                    self._drained.append(cmd.group)
                     outs.append(terminal(cmd.rid, gone.reason, 0, gone.code, gone.message))
                     continue
                 if self._load_prefix(cmd):
                     continue
-                self._drained += 1
+                self._drained.append(cmd.group)
                 self.scheduler.add(cmd)
             else:
                 out = self.scheduler.abort(cmd.rid, cmd.reason, cmd.code, cmd.message)
@@ -335,6 +354,7 @@ class Engine:
                     self._aborted[cmd.rid] = cmd
                 return None
             self._inbox_requests -= 1  # it never reaches the scheduler
+            _drop(self._inbox_groups, req.group)
         return terminal(cmd.rid, cmd.reason, 0, cmd.code, cmd.message)
 
     def _emit(self, outs: list[RequestOutput]) -> None:
@@ -364,3 +384,12 @@ class Engine:
             with self._lock:
                 self._closed = True
             self.on_dead()
+
+
+def _drop(counter: Counter[str], key: str) -> None:
+    """One less of ``key`` (none left: gone from the counter, so an empty counter is falsy)."""
+    left = counter[key] - 1
+    if left > 0:
+        counter[key] = left
+    else:
+        counter.pop(key, None)

@@ -4,8 +4,9 @@ A small model decodes a step in a millisecond or two; sending every step's token
 more CPU downstream (events, Redis, every subscriber parsing them) than the step itself, and that CPU comes
 out of the decode on a busy host. Holding tokens for a few milliseconds turns many one-token events into
 a few larger ones, as vLLM's and SGLang's ``stream_interval`` do, but by time instead of token count, so a
-slow model (a step longer than the interval) still streams every step. A request's first token (its time
-to first token) and its finish are never held.
+slow model (a step longer than the interval) still streams every step. A request's start (the end of its
+time queued), its first token (its time to first token) and its finish are never held: a start held for the
+interval would wait for the next step to end, a whole step on a busy batch.
 
 A batch of many rows sends that many outputs per interval: with a ``rate``, the interval grows with the
 requests held so that no more than ``rate`` outputs a second go out (64 rows at 1,600 a second: every 40 ms),
@@ -62,8 +63,8 @@ class Pacer:
                 held[out.rid] = out
             elif acc is not out:  # (the held output itself, written in place by the step: nothing to merge)
                 merge_into(acc, out)
-            if out.finish is not None or (out.token_ids and out.completion_tokens == len(out.token_ids)):
-                self._urgent[out.rid] = None  # its end, or its first token (completion_tokens counts it)
+            if out.finish is not None or out.started or (out.token_ids and out.completion_tokens == len(out.token_ids)):
+                self._urgent[out.rid] = None  # its end, its start, or its first token (completion_tokens counts it)
         now = self._clock()
         if flush or now - self._last >= self.interval():
             self._last = now

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,8 +25,8 @@ class Room:
     outranked: int | None = None
     outranked_rows: int = 0  # running sequences of that priority: as many such requests start at once
     paused: int = 0  # of the waiting, the preempted ones (started, waiting to resume)
-    # Each running group's part (``shares.py``), while no request that has not started yet waits: a new request
-    # of a group below its share would start at once (taking an above-share group's place). () otherwise.
+    # Each running group's part (``shares.py``), its unstarted waiting requests counted as queued: a new request
+    # of a group below its share would start at once (taking an above-share group's place). () when none runs.
     groups: tuple[GroupShare, ...] = ()
 
     @property
@@ -37,11 +38,13 @@ class Room:
     def of(cls, free_slots: int, waiting: WaitingQueue[Sequence], kv_rows: int, running: Mapping[int, int],
            shares: Shares | None = None) -> Room:
         """The room of a batch with ``running`` sequences per priority (and per group, ``shares``): its lowest
-        priority is outranked, and its groups' parts are open, while every waiting sequence has started (is
-        preempted) already."""
-        paused = sum(1 for s in waiting if s.admitted)
-        if running and paused == len(waiting):
+        priority is outranked while every waiting sequence has started (is preempted) already; its groups' parts
+        show while any runs, each with its requests waiting unstarted (a request of a group below its share starts
+        at once past them: ``Scheduler._below_share``)."""
+        unstarted = Counter(s.req.group for s in waiting if not s.admitted)
+        paused = len(waiting) - sum(unstarted.values())
+        groups = shares.snapshot(unstarted) if shares is not None and running else ()
+        if running and not unstarted:
             lowest = min(running)
-            groups = shares.snapshot() if shares is not None else ()
             return cls(free_slots, len(waiting), kv_rows, lowest, running[lowest], paused, groups)
-        return cls(free_slots, len(waiting), kv_rows, paused=paused)
+        return cls(free_slots, len(waiting), kv_rows, paused=paused, groups=groups)

@@ -308,14 +308,15 @@ class Scheduler:
         return found
 
     def _starts_at_once(self, seq: Sequence, plan: Preemption | None) -> bool:
-        """Whether ``seq`` starts at once: a new request of higher priority than some running sequence, or one
-        taking another group's place, is prefilled on its own before the next decode step, its first token
-        sampled from that prefill (in mlx-lm's batch a joining prompt waits for three decode steps of the whole
-        batch)."""
+        """Whether ``seq`` starts at once: a new request of higher priority than some running sequence, or of a
+        group below its share (taking another group's place, or a free slot beside a group above its share), is
+        prefilled on its own before the next decode step, its first token sampled from that prefill (in mlx-lm's
+        batch a joining prompt waits for three decode steps of the whole batch, and is prefilled with the others
+        joining then: a light tenant's job would wait for a flood's refill of the batch)."""
         if not self._cache.starts_at_once or seq.admitted or seq.req.images is not None:
             return False
         return ((bool(self._priorities) and min(self._priorities) < seq.req.priority)
-                or (plan is not None and plan.across))
+                or (plan is not None and plan.across) or self._shares.below(seq.req))
 
     def _launch(self, seq: Sequence, outs: StepOutputs, at_once: bool = False) -> int:
         """Insert ``seq`` into the batch: a new request, or a preempted one resuming. ``at_once``: prefill it

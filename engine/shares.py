@@ -12,6 +12,7 @@ other back and forth; at equal loads nobody moves. With a single group nothing c
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .request import EngineRequest
@@ -26,6 +27,12 @@ class GroupShare:
     group: str
     running: int
     weight: float
+    queued: int = 0  # its requests taken in and not started: waiting unstarted, on their way, or announced
+
+    @property
+    def taken(self) -> int:
+        """Its requests this engine holds or will: running, and queued (each counts against its share)."""
+        return self.running + self.queued
 
     @property
     def spare(self) -> float:
@@ -89,8 +96,12 @@ class Shares:
         after = self.load_after(top)
         return any(g != top.group and self.spare(g) >= after for g in self.running)
 
-    def snapshot(self) -> tuple[GroupShare, ...]:
-        return tuple(GroupShare(g, n, self.weights[g]) for g, n in self.running.items())
+    def snapshot(self, unstarted: Mapping[str, int] | None = None) -> tuple[GroupShare, ...]:
+        """Each running group's part, and each group's ``unstarted`` requests (waiting, not started yet) as its
+        queued ones (a group with none running shows with weight 1: its spare is never used)."""
+        unstarted = unstarted or {}
+        shown = [GroupShare(g, n, self.weights[g], unstarted.get(g, 0)) for g, n in self.running.items()]
+        return tuple(shown + [GroupShare(g, 0, 1.0, n) for g, n in unstarted.items() if g not in self.running])
 
 
 def _weight(req: EngineRequest) -> float:

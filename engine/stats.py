@@ -27,7 +27,7 @@ class EngineStats:
     preemptions: int = 0  # sequences taken out of the batch for a higher-priority request
     resumes: int = 0  # preempted sequences put back with their KV cache (no recomputation)
     recomputes: int = 0  # preempted sequences put back by prefilling prompt + generated tokens again
-    started_at_once: int = 0  # requests that outranked a running one: prefilled alone, first token at once
+    started_at_once: int = 0  # requests that outranked a running one or were below their group's share: prefilled alone
     # Prefix (prompt) cache (engine/prefix_cache.py).
     prefix_hits: int = 0  # admissions that reused a cached prefix
     prefix_misses: int = 0  # admissions that found none (prompts too short to be worth a lookup not counted)

@@ -147,14 +147,15 @@ class ModelService:
     def below_share(self) -> BelowShare | None:
         """What a queued job's tenant must be for this model's full engine to take it now: below its share of the
         batch, so it starts at once in the place of a running job of a tenant above it (engine/shares.py); None
-        when the engine has room, or no such job could start now (one at a time: the next once it started)."""
+        when the engine has room, or no such job could start now. Each tenant's jobs count its running ones and
+        those on their way or waiting unstarted, so a claim takes no more than the share has room for."""
         engine = self.engine
         if self.state is not ModelState.SERVING or engine is None or self._unpaused() >= self.config.jobs_per_model:
             return None
         groups = engine.groups_open()
         if not groups:
             return None
-        return BelowShare(max(g.spare for g in groups), {g.group: g.running for g in groups})
+        return BelowShare(max(g.spare for g in groups), {g.group: g.taken for g in groups})
 
     def _unpaused(self) -> int:
         """Its jobs in this worker less those preempted and waiting to resume."""
@@ -178,7 +179,8 @@ class ModelService:
         waits for all of them (up to ``admit_wait_ms``) before its first step."""
         self.active.update((entry.rid, entry.attempt) for entry in entries)
         if entries and self.engine is not None:
-            self.engine.expect(len(entries), self.config.admit_wait_ms / 1000)
+            tenants = [self.config.keys.queue_of(entry.queue)[1] for entry in entries]  # their requests' groups
+            self.engine.expect(len(entries), self.config.admit_wait_ms / 1000, tenants)
 
     def release(self, entry: DueEntry) -> None:
         """A claimed job left this worker (ended, handed back, fenced, or failed)."""

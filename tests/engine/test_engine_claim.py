@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 
@@ -12,6 +13,7 @@ from mlxq.engine.backend import BatchToken
 from mlxq.engine.engine import Engine
 from mlxq.engine.mlx_thread import MLXThread
 from mlxq.engine.request import RequestOutput
+from mlxq.engine.shares import GroupShare
 from tests.engine.fakes import ToyBatch, req, scheduler
 
 pytestmark = pytest.mark.unit
@@ -156,4 +158,33 @@ async def test_a_full_engine_takes_one_outranking_request_per_sequence_of_the_lo
         await until(lambda: engine.scheduler.stats.preemptions == 1 and engine.paused() == 1)
         await until(lambda: engine.outranking_room() == 2)
     finally:
+        await engine.aclose()
+
+
+async def test_a_full_engine_opens_its_groups_parts_counting_the_requests_on_their_way() -> None:
+    # A flood refills every freed slot at once, so a request of its group is nearly always on its way; a tenant
+    # below its share must still be claimable then (it used to wait for that request to be taken in).
+    clock = ManualClock()
+    engine = Engine(MLXThread("claim-groups"), scheduler(SlowToyBatch(), capacity=2), sink, clock=clock)
+    a = GroupShare("a", 2, 1.0)
+    gate, busy = threading.Event(), threading.Event()
+    try:
+        for rid in ("a1", "a2"):
+            engine.add(req(rid, max_tokens=10_000, group="a"))
+        await until(lambda: engine.claim_capacity() == 0 and engine.groups_open() == (a,))
+        engine.expect(1, within_s=0.05, groups=["a"])  # the flood's next job, claimed: a's, on its way
+        assert engine.groups_open() == (GroupShare("a", 2, 1.0, queued=1),)
+        engine.expect(1, within_s=0.05, groups=["b"])  # one of b's, claimed on that ground: b's, on its way
+        assert set(engine.groups_open()) == {GroupShare("a", 2, 1.0, queued=1), GroupShare("b", 0, 1.0, queued=1)}
+        clock.advance(0.05)  # their window is over: they never came
+        assert engine.groups_open() == (a,)
+        engine.thread.submit(lambda: (busy.set(), gate.wait(20)))  # the MLX thread is mid-step
+        await asyncio.to_thread(busy.wait, 20)
+        engine.add(req("b1", max_tokens=10_000, group="b"))  # added, not taken in yet
+        assert set(engine.groups_open()) == {a, GroupShare("b", 0, 1.0, queued=1)}
+        gate.set()
+        await until(lambda: engine.scheduler.stats.preemptions == 1)  # b1 took one of a's places
+        await until(lambda: set(engine.groups_open()) == {GroupShare("a", 1, 1.0), GroupShare("b", 1, 1.0)})
+    finally:
+        gate.set()
         await engine.aclose()

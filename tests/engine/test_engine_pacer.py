@@ -1,4 +1,4 @@
-"""The Pacer: step outputs held up to an interval and merged per request; first tokens and ends never held."""
+"""The Pacer: step outputs held up to an interval and merged per request; starts, first tokens and ends never held."""
 
 from __future__ import annotations
 
@@ -30,13 +30,16 @@ def test_zero_interval_passes_every_step_through() -> None:
     assert not pacer.holding
 
 
-def test_first_token_goes_out_at_once_later_ones_wait_for_the_interval() -> None:
+def test_start_and_first_token_go_out_at_once_later_ones_wait_for_the_interval() -> None:
     clock = Clock()
     pacer = Pacer(0.010, clock)
+    pacer.push([token("b", 1, 1)])  # another request's send: the interval starts again
     started = RequestOutput("a", started=True, prompt_tokens=5)  # admission: no token yet
-    assert pacer.push([started]) == []  # held: it goes out with the first token
+    (start,) = pacer.push([started])  # its time queued ends now, not with the next step's send
+    assert (start.started, start.prompt_tokens, start.token_ids) == (True, 5, [])
+    assert pacer.holding is False
     (first,) = pacer.push([token("a", 7, 1)])
-    assert (first.started, first.prompt_tokens, first.token_ids) == (True, 5, [7])
+    assert (first.started, first.token_ids) == (False, [7])
     clock.now += 0.003
     assert pacer.push([token("a", 8, 2)]) == []
     clock.now += 0.003

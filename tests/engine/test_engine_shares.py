@@ -50,6 +50,35 @@ def test_a_group_below_its_share_takes_the_place_of_a_group_above_it_and_everyon
     assert s.stats.preemptions == 1 and s.stats.resumes == 1
 
 
+def test_a_group_below_its_share_starts_at_once_in_a_free_slot_not_with_the_others_joining() -> None:
+    # A flood's jobs refill the slots they free together: one of a light group joining then is prefilled on its
+    # own and has its first token in the step it joins, instead of being prefilled with the flood's.
+    s = scheduler(ToyBatch(), capacity=4, clock=Clock(10.0))
+    run = Run()
+    a = [add(s, f"a{i}", "a", i, max_tokens=6, arrival=10.0 + i / 10) for i in range(2)]
+    run.step(s, 2)
+    more = [add(s, f"a{i}", "a", i, max_tokens=6, arrival=10.0 + i / 10) for i in (2, 3)]  # queued before b0
+    b = add(s, "b0", "b", 9, max_tokens=4, arrival=11.0)  # a's load 2 - 1 >= b's 0 + 1: below its share
+    run.step(s)
+    assert run.tokens("b0") == toy_generate(b.prompt_tokens, 1)  # its first token, in the step it joined
+    assert s.stats.started_at_once == 1 and s.stats.preemptions == 0
+    assert all(run.tokens(r.rid) == [] for r in more)  # they joined the batch as usual
+    run.drain(s)
+    assert_exact(run, [*a, *more, b])
+
+
+def test_a_group_at_its_share_joins_a_free_slot_as_usual() -> None:
+    s = scheduler(ToyBatch(), capacity=3, clock=Clock(10.0))
+    run = Run()
+    a = add(s, "a0", "a", 1, max_tokens=6, arrival=10.0)
+    b = add(s, "b0", "b", 2, max_tokens=6, arrival=10.1)
+    run.step(s, 2)
+    late = add(s, "b1", "b", 3, max_tokens=4, arrival=10.2)  # a's spare 0 < b's load after it, 2
+    run.drain(s)
+    assert s.stats.started_at_once == 0 and s.stats.preemptions == 0
+    assert_exact(run, [a, b, late])
+
+
 def test_equal_loads_never_preempt_across_groups_and_priority_reaches_only_its_own_group() -> None:
     s = scheduler(ToyBatch(), capacity=2, clock=Clock(10.0))
     run = Run()
@@ -110,7 +139,7 @@ def test_one_group_keeps_priority_preemption_as_it_was() -> None:
     assert_exact(run, [low, same, high])
 
 
-def test_the_room_shows_each_running_groups_part_only_while_nothing_unstarted_waits() -> None:
+def test_the_room_shows_each_running_groups_part_with_its_unstarted_requests_queued() -> None:
     s = scheduler(ToyBatch(), capacity=3, clock=Clock(10.0))
     run = Run()
     for i in range(2):
@@ -119,9 +148,13 @@ def test_the_room_shows_each_running_groups_part_only_while_nothing_unstarted_wa
     run.step(s)
     assert set(s.room.groups) == {GroupShare("a", 2, 2.0), GroupShare("b", 1, 1.0)}
     assert GroupShare("a", 2, 2.0).spare == 0.5
-    add(s, "a2", "a", 3, max_tokens=10, weight=2.0)  # waits, unstarted: no group's part is open
+    add(s, "a2", "a", 3, max_tokens=10, weight=2.0)  # waits, unstarted: counted as its group's, not running
+    add(s, "c0", "c", 4, max_tokens=10)  # a group with none running shows too (its spare is never used)
     run.step(s)
-    assert s.room.groups == () and s.num_waiting == 1
+    assert set(s.room.groups) == {GroupShare("a", 2, 2.0, queued=1), GroupShare("b", 1, 1.0),
+                                  GroupShare("c", 0, 1.0, queued=1)}
+    assert s.num_waiting == 2 and GroupShare("a", 2, 2.0, queued=1).taken == 3
+    assert s.room.outranked is None  # a priority is outranked only while nothing unstarted waits
     run.drain(s)
     assert s.room.groups == ()
 

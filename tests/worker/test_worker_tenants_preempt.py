@@ -104,3 +104,27 @@ async def test_a_tenant_at_its_share_preempts_only_its_own_jobs_whatever_its_pri
             await assert_as_alone(globex, events[own], "globex's long job", 120)
     finally:
         await running.close()
+
+
+async def test_a_job_of_the_flood_on_its_way_does_not_hold_back_a_tenant_below_its_share(
+        worker_config: Any, redis_url: str) -> None:
+    # A flood refills each freed slot at once, so one of its jobs is nearly always between the claim and the
+    # engine's next step; a full engine used to close its tenants' parts meanwhile, and a job of a tenant below
+    # its share waited in Redis for the fallback poll.
+    running = await start_worker(config_with(worker_config, capacity=2))
+    slow_steps(running, 0.01)
+    try:
+        async with Client(redis_url, tenant="acme") as acme, Client(redis_url, tenant="globex") as globex:
+            flood = [await acme.submit(model="tiny", prompt=f"a long batch job {i}", max_tokens=120) for i in range(2)]
+            await full(running, 2)
+            engine = running.service.engine
+            engine.expect(1, 60.0, ["acme"])  # the flood's next job, claimed: on its way (it never comes)
+            share = running.service.below_share()
+            assert share is not None and share.spare == 1.0 and share.running == {"acme": 3}
+            probe = await globex.submit(model="tiny", prompt="a short question", max_tokens=8)
+            events, starts, ends = await events_of(acme, [probe, *flood])
+            assert ends[probe] < min(ends[rid] for rid in flood)  # it took one of acme's places
+            assert engine.stats.preemptions >= 1 and engine.stats.started_at_once >= 1
+            assert all(evs[-1].type == "done" for evs in events.values())
+    finally:
+        await running.close()
