@@ -172,16 +172,22 @@ def start_process(name: str, redis_url: str, tiny_model: Path, tmp_path: Path, p
 
 
 @pytest.mark.slow
+async def ready(procs: dict[str, WorkerProcess]) -> dict[str, str]:
+    """Each started worker's name by its worker id, once all are ready."""
+    ids: dict[str, str] = {}
+    for name, proc in procs.items():
+        status: WorkerStatus = await asyncio.to_thread(proc.wait_ready, 180)
+        ids[status.id] = name
+    return ids
+
+
 @pytest.mark.parametrize("how", ["sigkill", "sigstop"])
 async def test_a_killed_or_frozen_holder_leaves_the_next_turn_to_the_other_worker(
         redis_url: str, tiny_model: Path, tmp_path: Path, client: Client, how: str) -> None:
     ports = {"one": free_port(), "two": free_port()}
     procs = {name: start_process(name, redis_url, tiny_model, tmp_path, port) for name, port in ports.items()}
-    ids: dict[str, str] = {}
     try:
-        for name, proc in procs.items():
-            status: WorkerStatus = await asyncio.to_thread(proc.wait_ready, 180)
-            ids[status.id] = name
+        ids = await ready(procs)
         first = conversation(7)
         holder_id, _, answer = await run(client, first)
         holder = ids[holder_id]
@@ -209,12 +215,9 @@ async def test_a_restarted_holder_advertises_its_prefixes_on_disk_and_takes_thei
     ports = {"one": free_port(), "two": free_port()}
     procs = {name: start_process(name, redis_url, tiny_model, tmp_path, port, disk=True)
              for name, port in ports.items()}
-    ids: dict[str, str] = {}
     redis = Redis.from_url(redis_url)
     try:
-        for name, proc in procs.items():
-            status: WorkerStatus = await asyncio.to_thread(proc.wait_ready, 180)
-            ids[status.id] = name
+        ids = await ready(procs)
         first = conversation(8)
         holder_id, _, answer = await run(client, first)
         holder = ids[holder_id]
