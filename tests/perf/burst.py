@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -55,11 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--paths: some of {','.join(_PATHS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = _measure(args, paths, out)
+    runs, splits = _measure(args, paths, out)
     summary = {p: _summary(rs) for p, rs in runs.items()}
+    records = {p: [_run_record(r, sp) for r, sp in zip(rs, splits[p], strict=True)] for p, rs in runs.items()}
     (out / "burst.json").write_text(json.dumps({"args": vars(args), "blas": blas_of(), "summary": summary,
-                                                "runs": {p: [_run_record(r) for r in rs] for p, rs in runs.items()}},
-                                               indent=1))
+                                                "runs": records}, indent=1))
     for p, s in summary.items():
         say(f"{p:8} TTFT p50 per run {s['ttft_p50_runs']}: median {s['ttft_p50_median']:.0f} ms, best "
             f"{s['ttft_p50_best']:.0f} ms; tok/s per run {s['tok_s_runs']}: median {s['tok_s_median']:.1f}, best "
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _measure(args: argparse.Namespace, paths: list[str], out: Path) -> dict[str, list[Run]]:
+def _measure(args: argparse.Namespace, paths: list[str], out: Path
+             ) -> tuple[dict[str, list[Run]], dict[str, list[Split | None]]]:
     from mlxq.worker.tools.tinymodel import ensure_model
 
     model = str(ensure_model(args.size))
@@ -99,7 +101,7 @@ def _measure(args: argparse.Namespace, paths: list[str], out: Path) -> dict[str,
 
 async def _alternate(args: argparse.Namespace, paths: list[str], model: str, url: str, prefix: str,
                      server: ServerPath | None, gateway: GatewayProcess | None, pids: dict[str, list[int]]
-                     ) -> dict[str, list[Run]]:
+                     ) -> tuple[dict[str, list[Run]], dict[str, list[Split | None]]]:
     prompts = prompt_batch(args.n)
     async with Client(url, prefix=prefix) as client:
         http = None
@@ -114,6 +116,7 @@ async def _alternate(args: argparse.Namespace, paths: list[str], model: str, url
         }
         everyone = {pid for ps in pids.values() for pid in ps}
         runs: dict[str, list[Run]] = {p: [] for p in paths}
+        split: dict[str, list[Split | None]] = {p: [] for p in paths}
         try:
             for k in range(args.runs + 1):  # the first round warms every path up (kernels, connections)
                 for p in paths:
@@ -121,11 +124,41 @@ async def _alternate(args: argparse.Namespace, paths: list[str], model: str, url
                         run = await asyncio.wait_for(run_of[p](args.max_tokens if k else 8), TIMEOUT_S)
                     if k:
                         runs[p].append(run)
-                        say(f"run {k} {p:8} {run.tok_s:7.1f} tok/s, TTFT p50 {percentile(run.ttft_ms, 50):6.0f} ms")
+                        split[p].append(await _split(client, run))
+                        say(f"run {k} {p:8} {run.tok_s:7.1f} tok/s, TTFT p50 {percentile(run.ttft_ms, 50):6.0f} ms"
+                            + _split_text(split[p][-1]))
         finally:
             if http is not None:
                 await http.aclose()
-    return runs
+    return runs, split
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Where a run's TTFT went, per job (p50s): in the worker (enqueue -> first token published, the job's own
+    ``ttft_ms``; of it, enqueue -> admitted) and outside it (the client's TTFT less that: the submit, the HTTP
+    request and the gateway for that path, and the first token's way back)."""
+
+    worker_ms: float
+    outside_ms: float
+    admit_ms: float  # of the worker's part, enqueue -> the engine admitted the job (``queue_ms``)
+
+
+async def _split(client: Client, run: Run) -> Split | None:
+    """The run's split, from its jobs' results (queue and gateway paths; None for a path without job ids)."""
+    if not run.rids or not all(run.rids):
+        return None
+    results = await asyncio.gather(*(client.result(rid, timeout=10) for rid in run.rids))
+    worker = [r.timings.ttft_ms or 0.0 for r in results]
+    outside = [c - w for c, w in zip(run.ttft_ms, worker, strict=True)]
+    return Split(percentile(worker, 50), percentile(outside, 50), percentile([r.timings.queue_ms for r in results], 50))
+
+
+def _split_text(split: Split | None) -> str:
+    if split is None:
+        return ""
+    return (f" (in the worker {split.worker_ms:.0f}, of which to admission {split.admit_ms:.0f}; outside it "
+            f"{split.outside_ms:.0f})")
 
 
 @contextlib.contextmanager
@@ -155,8 +188,11 @@ def _summary(runs: list[Run]) -> dict[str, object]:
             "tok_s_median": percentile(toks, 50), "tok_s_best": max(toks)}
 
 
-def _run_record(run: Run) -> dict[str, object]:
-    return {"tokens": run.tokens, "seconds": run.seconds, "ttft_ms": [round(t, 1) for t in run.ttft_ms]}
+def _run_record(run: Run, split: Split | None) -> dict[str, object]:
+    where = {} if split is None else {"ttft_p50_in_worker_ms": round(split.worker_ms, 1),
+                                      "ttft_p50_outside_worker_ms": round(split.outside_ms, 1),
+                                      "queue_ms_p50": round(split.admit_ms, 1)}
+    return {"tokens": run.tokens, "seconds": run.seconds, "ttft_ms": [round(t, 1) for t in run.ttft_ms], **where}
 
 
 if __name__ == "__main__":

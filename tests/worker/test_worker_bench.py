@@ -201,7 +201,8 @@ class SseServer:
                 self.requests += 1
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                              b"transfer-encoding: chunked\r\n\r\n")
-                for data in (b'{"choices":[{"text":"hi"}]}', b'{"choices":[],"usage":{"completion_tokens":1}}',
+                for data in (b'{"id":"cmpl-j1","choices":[{"text":"hi"}]}',
+                             b'{"id":"cmpl-j1","choices":[],"usage":{"completion_tokens":1}}',
                              b"[DONE]"):
                     frame = b"data: %s\n\n" % data
                     writer.write(b"%x\r\n%s\r\n" % (len(frame), frame))
@@ -220,6 +221,7 @@ async def _two_streams(server: SseServer) -> SseClient:
         for _ in range(2):
             trace = await stream(http, "tiny", "hello", 1)
             assert trace.tokens == 1 and trace.first_token is not None and trace.ended is not None
+            assert trace.rid == "j1"  # the job's id, from the chunk's "cmpl-<id>": its TTFT splits at the worker
     finally:
         await http.aclose()
         listening.close()

@@ -604,3 +604,14 @@ async def test_a_jobs_end_keeps_the_recent_list_bounded_and_its_history_expiring
     assert buckets and all([await r.ttl(k) > 0 for k in buckets])
     assert sum([int(await r.hget(k, "n") or 0) for k in buckets]) == 2
     await r.aclose()
+
+
+async def test_the_benchs_queue_run_names_each_job_so_its_ttft_splits_at_the_worker(worker: RunningWorker,
+                                                                                   client: Client) -> None:
+    from mlxq.worker.tools.bench.paths import run_queue
+
+    run = await run_queue(client, "tiny", PROMPTS[:4], 6)
+    assert len(run.rids) == len(run.ttft_ms) == 4 and len(set(run.rids)) == 4
+    results = await asyncio.gather(*(client.result(rid, timeout=10) for rid in run.rids))
+    assert sum(r.usage.completion_tokens for r in results) == run.tokens
+    assert all(r.timings.ttft_ms is not None for r in results)  # what tests.perf.burst splits the client's TTFT by

@@ -110,11 +110,13 @@ class Trace:
     first_token: float | None = None
     ended: float | None = None
     tokens: int = 0
+    rid: str = ""  # its job's id
 
 
 def _burst(t0: float, traces: list[Trace]) -> Run:
     end = max(t.ended or t0 for t in traces)
-    return Run(sum(t.tokens for t in traces), end - t0, [((t.first_token or end) - t.submitted) * 1000 for t in traces])
+    return Run(sum(t.tokens for t in traces), end - t0, [((t.first_token or end) - t.submitted) * 1000 for t in traces],
+               [t.rid for t in traces])
 
 
 async def run_queue(client: Client, model: str, prompts: list[str], max_tokens: int) -> Run:
@@ -126,6 +128,7 @@ async def run_queue(client: Client, model: str, prompts: list[str], max_tokens: 
 async def _follow(client: Client, model: str, prompt: str, max_tokens: int) -> Trace:
     trace = Trace(time.perf_counter())
     async for ev in client.submit_and_follow(model=model, prompt=prompt, max_tokens=max_tokens, timeout=TIMEOUT_S):
+        trace.rid = ev.id
         if ev.type == "token" and trace.first_token is None:
             trace.first_token = time.perf_counter()
         elif isinstance(ev, DoneEvent):
@@ -153,6 +156,7 @@ async def stream(http: SseClient, model: str, prompt: str, max_tokens: int) -> T
             trace.ended = time.perf_counter()
             continue
         chunk = json.loads(data)
+        trace.rid = trace.rid or chunk.get("id", "").partition("-")[2]  # "cmpl-<job id>"
         if "error" in chunk:
             raise RuntimeError(f"the gateway's stream failed: {chunk['error']}")
         if trace.first_token is None and chunk["choices"] and chunk["choices"][0]["text"]:

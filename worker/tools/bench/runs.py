@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -57,6 +57,7 @@ class Run:
     tokens: int
     seconds: float
     ttft_ms: list[float]
+    rids: list[str] = field(default_factory=list)  # the jobs' ids, in ttft_ms's order (queue and gateway paths)
 
     @property
     def tok_s(self) -> float:
