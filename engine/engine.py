@@ -24,14 +24,14 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .backend import BatchBackend
 from .pacer import Pacer
 from .request import EngineRequest, ErrorCode, FinishReason, RequestOutput, terminal
 from .scheduler import Scheduler, StepFailed
-from .shares import GroupShare
+from .shares import GroupShare, with_queued
 from .stats import EngineStats
 
 __all__ = ["Engine", "EngineStats", "StepThread"]
@@ -182,10 +182,7 @@ class Engine:
             on_way = self._inbox_groups.copy()
             if self._clock() < self._expect_until:
                 on_way.update(self._expected_groups)
-        if not on_way:
-            return room.groups
-        shown = [replace(g, queued=g.queued + on_way.pop(g.group, 0)) for g in room.groups]
-        return (*shown, *(GroupShare(group, 0, 1.0, n) for group, n in on_way.items() if n > 0))
+        return with_queued(room.groups, on_way)
 
     def paused(self) -> int:
         """Its preempted requests, waiting to resume (thread-safe; as of the last step)."""

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .request import EngineRequest
 
-__all__ = ["GroupShare", "Shares"]
+__all__ = ["GroupShare", "Shares", "with_queued"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,10 +98,19 @@ class Shares:
 
     def snapshot(self, unstarted: Mapping[str, int] | None = None) -> tuple[GroupShare, ...]:
         """Each running group's part, and each group's ``unstarted`` requests (waiting, not started yet) as its
-        queued ones (a group with none running shows with weight 1: its spare is never used)."""
-        unstarted = unstarted or {}
-        shown = [GroupShare(g, n, self.weights[g], unstarted.get(g, 0)) for g, n in self.running.items()]
-        return tuple(shown + [GroupShare(g, 0, 1.0, n) for g, n in unstarted.items() if g not in self.running])
+        queued ones (see :func:`with_queued`)."""
+        parts = tuple(GroupShare(g, n, self.weights[g]) for g, n in self.running.items())
+        return with_queued(parts, unstarted or {})
+
+
+def with_queued(parts: tuple[GroupShare, ...], queued: Mapping[str, int]) -> tuple[GroupShare, ...]:
+    """``parts`` with each group's ``queued`` requests added to its queued ones; a group queued that none of them
+    shows gets a part of its own (none running, weight 1: its spare is never used)."""
+    if not queued:
+        return parts
+    shown = {g.group for g in parts}
+    return (*(replace(g, queued=g.queued + queued.get(g.group, 0)) for g in parts),
+            *(GroupShare(group, 0, 1.0, n) for group, n in queued.items() if n > 0 and group not in shown))
 
 
 def _weight(req: EngineRequest) -> float:
