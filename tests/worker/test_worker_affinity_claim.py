@@ -50,7 +50,11 @@ async def advertise(r: aredis.Redis, name: str, *conversations: str, ttl_s: floa
 
 
 async def submit(client: Client, conversation: str | None, **fields: object) -> str:
-    return await client.submit(model=MODEL, prompt="x", prompt_cache_key=conversation, **fields)
+    """One job; the next one submitted is enqueued a later millisecond (jobs of one score go in id order, not
+    enqueue order), so the queue holds them in submit order."""
+    rid = await client.submit(model=MODEL, prompt="x", prompt_cache_key=conversation, **fields)
+    await asyncio.sleep(0.002)
+    return rid
 
 
 async def claim(t: Transitions, n: int) -> tuple[list[DueEntry], bool]:
@@ -106,7 +110,6 @@ async def test_a_lapsed_holder_is_dead_and_a_stopped_one_withdrew(client: Client
 async def test_a_worker_listed_holding_nothing_counts_keyed_jobs_none_in_queue_order(client: Client,
                                                                                       r: aredis.Redis) -> None:
     keyed = await submit(client, "a")
-    await asyncio.sleep(0.002)  # a later millisecond: queue order is enqueue order
     plain = await submit(client, None)
     await advertise(r, "w1")  # listed, no key: the one live advertiser holds nothing
     started, left = await claim(worker(r, "w1"), 2)
@@ -203,9 +206,7 @@ async def test_affinity_never_jumps_a_job_of_higher_priority(client: Client, r: 
 
 
 async def test_affinity_off_keeps_the_queue_order(client: Client, r: aredis.Redis) -> None:
-    first = await submit(client, "a")
-    await asyncio.sleep(0.002)  # enqueued a later millisecond: jobs of one score go in id order, not enqueue order
-    ids = [first, await submit(client, "b")]
+    ids = [await submit(client, conv) for conv in ("a", "b")]
     await advertise(r, "w1", "b")
     await advertise(r, "w2", "a")
     started, _ = await claim(worker(r, "w1", wait_ms=-1), 2)
