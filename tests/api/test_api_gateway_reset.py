@@ -3,7 +3,7 @@
 Worker a runs two streamed jobs and is shut down mid-decode (SIGTERM with no drain: it hands its running
 jobs back, as every worker does on shutdown); worker b re-runs them. The greedy stream continues seamlessly
 (the re-run repeats the text already sent, which the gateway skips); the sampled one ends with an error event
-rather than text that no longer holds, and its job is cancelled.
+rather than text that no longer holds, and its job is cancelled (unless it ended first).
 """
 
 from __future__ import annotations
@@ -83,7 +83,9 @@ async def test_a_reset_mid_stream_continues_greedy_text_and_ends_sampled_text_wi
     assert error["code"] == "internal" and "differs from the text already streamed" in error["message"]
     sampled_events = await events_of(queue, sampled_rid)
     assert [e.type for e in sampled_events].count("reset") == 1
-    end = sampled_events[-1]  # the gateway cancelled the job it no longer streams
-    assert isinstance(end, DoneEvent) and end.finish_reason is FinishReason.CANCELLED
+    # The gateway cancels the job it no longer streams, unless the re-run sampled its own end first (a race the
+    # sampling decides: CI saw the re-run stop after a few tokens, before the cancel reached it).
+    end = sampled_events[-1]
+    assert isinstance(end, DoneEvent) and end.finish_reason in (FinishReason.CANCELLED, FinishReason.STOP)
     assert first.proc is not None and first.proc.wait(30) == 0
     assert "handed back to the queue" in first.log_path.read_text()
