@@ -15,8 +15,9 @@ turns (which holds its prefix; target ≥ 90 %), the fleet's TTFT p50 (enqueue �
 the cache off (target ≥ 8x), and each worker's share of the turns (target: neither below 0.8 of the other's); and
 the workers' own affinity counters (``mlxq status``'s, from their health records).
 
-``python3 -m tests.perf.affinity --out DIR`` writes ``affinity.md`` and ``affinity.json`` (``--quick``: the tiny
-model, shorter prompts, fewer turns; ``--size``, ``--system-tokens``, ``--turns`` change one of them).
+``python3 -m tests.perf.affinity --out DIR`` writes ``affinity.md`` and ``affinity.json`` (``--setups``: some of the
+three; ``--quick``: the tiny model, shorter prompts, fewer turns; ``--size``, ``--system-tokens``, ``--turns`` change
+one of them).
 """
 
 from __future__ import annotations
@@ -189,7 +190,10 @@ SETUPS: tuple[tuple[str, dict[str, str], bool], ...] = (  # name, the workers' s
     ("affinity", {}, False), ("no affinity", {}, True), ("cache off", {"MLXQ_PREFIX_CACHE_GB": "0"}, False))
 
 
-def run(plan: Plan, out: Path) -> list[Setup]:
+_NAMES = tuple(setup[0] for setup in SETUPS)
+
+
+def run(plan: Plan, out: Path, names: tuple[str, ...] = _NAMES) -> list[Setup]:
     from transformers import AutoTokenizer
 
     from mlxq.worker.tools.tinymodel import ensure_model
@@ -200,7 +204,7 @@ def run(plan: Plan, out: Path) -> list[Setup]:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     setups = []
     with RedisServer() as server:
-        for name, env, own_keys in SETUPS:
+        for name, env, own_keys in (s for s in SETUPS if s[0] in names):
             fleet = _Fleet(server, model, out, name.replace(" ", "-"), env)
             try:
                 setup = asyncio.run(_run_setup(fleet, name, systems, plan, own_keys))
@@ -217,8 +221,9 @@ def markdown(plan: Plan, setups: list[Setup]) -> str:
     by = {s.name: s for s in setups}
     aff, off = by["affinity"], by["cache off"]
     speedup = off.ttft_p50_ms / max(1e-3, aff.ttft_p50_ms)
-    rows = [f"| later turns starting on a worker holding their prefix | {aff.on_holder:.1%} (no affinity: "
-            f"{by['no affinity'].on_holder:.1%}) | ≥ {_HOLDER_TARGET:.0%} | "
+    other = f" (no affinity: {by['no affinity'].on_holder:.1%})" if "no affinity" in by else ""
+    rows = [f"| later turns starting on a worker holding their prefix | {aff.on_holder:.1%}{other} | "
+            f"≥ {_HOLDER_TARGET:.0%} | "
             f"{'PASS' if aff.on_holder >= _HOLDER_TARGET else 'MISS'} |",
             f"| fleet TTFT p50, cache off ÷ affinity ({off.ttft_p50_ms:.0f} ms ÷ {aff.ttft_p50_ms:.0f} ms) | "
             f"{speedup:.1f}x | ≥ {_TTFT_TARGET:g}x | {'PASS' if speedup >= _TTFT_TARGET else 'MISS'} |",
@@ -249,13 +254,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", help="the generated model (default small; --quick: tiny, whose context is 512)")
     ap.add_argument("--system-tokens", type=int, help="each conversation's system prompt (default 1500)")
     ap.add_argument("--turns", type=int, help="turns per conversation (default 5)")
+    ap.add_argument("--setups", default=",".join(_NAMES),
+                    help="which setups to run, comma-separated (default all; affinity and cache off are needed)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plan = Plan.quick() if args.quick else Plan()
     changes = {"size": args.size, "system_tokens": args.system_tokens, "turns": args.turns}
     plan = replace(plan, **{k: v for k, v in changes.items() if v is not None})
-    setups = run(plan, out)
+    names = tuple(n.strip() for n in args.setups.split(","))
+    if not {"affinity", "cache off"} <= set(names) or not set(names) <= set(_NAMES):
+        ap.error(f"--setups: 'affinity' and 'cache off' are needed, of {list(_NAMES)}")
+    setups = run(plan, out, names)
     text = markdown(plan, setups)
     (out / "affinity.md").write_text(text)
     data: dict[str, Any] = {"plan": asdict(plan), "setups": [
