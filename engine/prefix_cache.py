@@ -99,7 +99,9 @@ class PrefixCache:
                 continue
             self._lru.insert_cache(_MODEL, list(e.tokens), e.cache, cache_type=kind)
             if self.disk is not None:
-                self.disk.save(list(e.tokens), e.cache, kind, e.trimmable, keys=self._keys_of(e.tokens))
+                # a system prompt's checkpoint waits for its turn's entry, which supersedes it (prefix_disk.py)
+                self.disk.save(list(e.tokens), e.cache, kind, e.trimmable, keys=self._keys_of(e.tokens),
+                               defer=kind == "system")
 
     def tag(self, prompt: list[int], key: str) -> None:
         """Remember ``key`` for ``prompt``'s start: entries stored from here on whose tokens begin with it carry

@@ -11,6 +11,12 @@ so the order survives a restart), and the index in memory holds at most ``MAX_TO
 entry's trailer also carries the caller's keys for it (opaque strings: the worker's affinity keys), listed at
 the start by :meth:`PrefixDisk.tagged`.
 
+A checkpoint of a prompt still being answered (``save(..., defer=True)``: a system prompt's) waits ``defer_s``
+before its write: when its turn ends first, the turn's entry (trimmable, so it holds the checkpoint's tokens too)
+supersedes it and it is never written (an entry's shorter prefixes are deleted when it lands anyway). On a stream
+of prompts that never repeat that halves the writes; a worker killed within ``defer_s`` of a first prefill, its
+turn unfinished, loses only that checkpoint (the turn's retry prefills cold), and a graceful stop writes it.
+
 Nothing here runs disk I/O on the model's MLX thread: :meth:`PrefixDisk.save` hands an entry's evaluated
 arrays to a writer thread (dropped when more than ``max_pending`` bytes wait), and :meth:`PrefixDisk.load`
 reads on a reader thread, which evaluates the arrays on its own stream and queues them for the MLX thread to
@@ -66,6 +72,7 @@ MAX_ENTRIES = 1024
 MAX_TOKENS = 1 << 18  # tokens of every entry together: the index (a trie of them) stays some tens of MiB at most
 MAX_PENDING = 1 << 30  # bytes handed to the writer and not written yet; more is dropped, not queued
 WAIT_S = 2.0  # a request waits at most this long for its prefix to load, then prefills cold
+DEFER_S = 5.0  # a deferred checkpoint's wait for the entry that supersedes it (a turn's end), then it is written
 
 
 def default_dir() -> Path:
@@ -146,12 +153,13 @@ class PrefixDisk:
     """One model's prefix entries on disk, in ``directory``; see the module docstring."""
 
     def __init__(self, directory: Path, max_bytes: int, *, max_entries: int = MAX_ENTRIES,
-                 max_pending: int = MAX_PENDING, wait_s: float = WAIT_S) -> None:
+                 max_pending: int = MAX_PENDING, wait_s: float = WAIT_S, defer_s: float = DEFER_S) -> None:
         self.dir = directory
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self.max_pending = max_pending
         self.wait_s = wait_s
+        self.defer_s = defer_s
         self.counts = _Counts()
         self._lock = threading.Lock()
         self._index: dict[str, _Entry] = {}
@@ -160,6 +168,7 @@ class PrefixDisk:
         self._tokens = 0  # of every entry indexed
         self._pending: set[str] = set()
         self._pending_bytes = 0
+        self._deferred: dict[str, _Write] = {}  # pending too, waiting for an entry to supersede them
         self._loading: set[str] = set()
         self._arrived: list[tuple[list[int], list[Any], str]] = []
         self.writable = self.readable = True
@@ -281,9 +290,10 @@ class PrefixDisk:
             return key in self._index or key in self._pending
 
     def save(self, tokens: list[int], cache: list[Any], kind: str, trimmable: bool, *, bounded: bool = True,
-             keys: Sequence[str] = ()) -> bool:
-        """Hand an entry (its arrays evaluated) to the writer, with the caller's ``keys`` for it; False when it is
-        not written: the tier cannot write, it is there already, or (``bounded``) the writer is too far behind."""
+             keys: Sequence[str] = (), defer: bool = False) -> bool:
+        """Hand an entry (its arrays evaluated) to the writer, with the caller's ``keys`` for it (``defer``: after
+        ``defer_s``, unless an entry saved meanwhile supersedes it); False when it is not written: the tier cannot
+        write, it is there already, or (``bounded``) the writer is too far behind."""
         if not self.writable:
             return False
         key = _key(tokens)
@@ -297,15 +307,51 @@ class PrefixDisk:
                 return False
             self._pending.add(key)
             self._pending_bytes += nbytes
+            superseded = self._supersede(tokens) if trimmable else []
+        for w in superseded:
+            if w.timer is not None:
+                w.timer.cancel()
+            self._done(w.key, w.nbytes)
         snapshot = [copy.copy(c) for c in cache]  # the caches' attributes as now; the arrays are shared
-        try:
-            self._writer.submit(self._write, key, list(tokens), snapshot, _Meta(kind, trimmable, tuple(keys)), nbytes)
-        except RuntimeError:  # closed
+        write = _Write(key, list(tokens), snapshot, _Meta(kind, trimmable, tuple(keys)), nbytes)
+        if defer and self.defer_s > 0:
+            write.timer = timer = threading.Timer(self.defer_s, self._submit_deferred, (key,))
+            timer.daemon = True
             with self._lock:
-                self._pending.discard(key)
-                self._pending_bytes -= nbytes
+                self._deferred[key] = write
+            timer.start()
+            return True
+        return self._submit(write)
+
+    def _supersede(self, tokens: list[int]) -> list[_Write]:
+        """The deferred checkpoints that ``tokens`` (a trimmable entry's) begin with, taken out (under the lock)."""
+        out = [w for w in self._deferred.values() if len(w.tokens) < len(tokens) and tokens[:len(w.tokens)] == w.tokens]
+        for w in out:
+            del self._deferred[w.key]
+        return out
+
+    def _submit_deferred(self, key: str | None = None) -> None:
+        """Hand the deferred checkpoint ``key`` (None: every one) to the writer, if no entry superseded it."""
+        with self._lock:
+            writes = [self._deferred.pop(k) for k in ([key] if key is not None else list(self._deferred))
+                      if k in self._deferred]
+        for w in writes:
+            if w.timer is not None:
+                w.timer.cancel()
+            self._submit(w)
+
+    def _submit(self, w: _Write) -> bool:
+        try:
+            self._writer.submit(self._write, w.key, w.tokens, w.cache, w.meta, w.nbytes)
+        except RuntimeError:  # closed
+            self._done(w.key, w.nbytes)
             return False
         return True
+
+    def _done(self, key: str, nbytes: int) -> None:
+        with self._lock:
+            self._pending.discard(key)
+            self._pending_bytes -= nbytes
 
     def _write(self, key: str, tokens: list[int], cache: list[Any], meta: _Meta, nbytes: int) -> None:
         tmp = self.dir / f"{key}.{os.getpid()}.{threading.get_ident()}{_TEMP}"
@@ -323,9 +369,7 @@ class PrefixDisk:
         except Exception:
             log.exception("prefix cache on disk: could not write an entry of %d tokens", len(tokens))
         finally:
-            with self._lock:
-                self._pending.discard(key)
-                self._pending_bytes -= nbytes
+            self._done(key, nbytes)
 
     def _writes_off(self, exc: OSError) -> None:
         with self._lock:
@@ -428,7 +472,9 @@ class PrefixDisk:
         return [(k, list(tokens)) for k, tokens in latest.items()]
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait (blocking) until the writes handed over so far are done; False if ``timeout_s`` passed first."""
+        """Wait (blocking) until the writes handed over so far (the deferred ones too) are done; False if
+        ``timeout_s`` passed first."""
+        self._submit_deferred()
         done = threading.Event()
         try:
             self._writer.submit(done.set)
@@ -485,6 +531,18 @@ class _Meta:
     kind: str
     trimmable: bool
     keys: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class _Write:
+    """An entry handed to the writer (or deferred: ``timer`` hands it over)."""
+
+    key: str
+    tokens: list[int]
+    cache: list[Any]
+    meta: _Meta
+    nbytes: int
+    timer: threading.Timer | None = None
 
 
 def _write_file(path: Path, tokens: list[int], cache: list[Any], m: _Meta) -> int:

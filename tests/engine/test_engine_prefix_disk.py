@@ -104,7 +104,7 @@ async def a_conversation_on_disk(lm: Any, tiny_model: Path, kv_dir: Path, output
         prompt = first_turn(lm)
         answer = list(await outputs.run(engine, "turn-1", prompt, key))
         assert await asyncio.to_thread(disk_of(engine).flush)
-        assert len(disk_of(engine)) == 1  # the whole turn; its system-prompt checkpoint, a prefix of it, went
+        assert len(disk_of(engine)) == 1  # the whole turn; its system-prompt checkpoint, a prefix of it, superseded
     finally:
         if graceful:
             await engine.aclose()
@@ -328,3 +328,45 @@ def test_the_index_is_read_at_the_start_and_the_collector_left_as_it_was(lm: Any
             assert hit is not None and hit.tokens == len(p)
     finally:
         reopened.close()
+
+
+def an_entry(lm: Any) -> list[Any]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(lm[0])
+    lm[0](mx.array([list(range(80))]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def test_a_deferred_checkpoint_superseded_by_its_turn_is_never_written(lm: Any, tmp_path: Path) -> None:
+    cache = an_entry(lm)
+    system, turn, other = list(range(100, 180)), list(range(100, 200)), [7, *range(100, 180)]
+    disk = PrefixDisk(tmp_path, 1 << 30, defer_s=600.0)  # only the turn's entry or the flush ends the wait
+    try:
+        assert disk.save(system, cache, "system", True, defer=True) and disk.has(system)  # on its way
+        assert disk.save(other, cache, "system", True, defer=True)  # no turn supersedes it: written at the flush
+        assert disk.save(turn, cache, "assistant", True)
+        assert disk.flush()
+        assert disk.counts.writes == 2 and len(disk) == 2 and not disk.has(system)
+        assert sorted(len(p.name) for p in tmp_path.iterdir()) == [len(f"{'0' * 40}.kv.safetensors")] * 2
+        hit = disk.lookup([*system, 1])  # the turn's entry holds the checkpoint's tokens
+        assert hit is not None and hit.tokens == len(system)
+        hit = disk.lookup([*other, 1])
+        assert hit is not None and hit.tokens == len(other)
+    finally:
+        disk.close()
+
+
+async def test_a_deferred_checkpoint_no_turn_supersedes_is_written_after_its_wait(lm: Any, tmp_path: Path) -> None:
+    cache = an_entry(lm)
+    disk = PrefixDisk(tmp_path, 1 << 30, defer_s=0.05)
+    try:
+        assert disk.save(list(range(100, 180)), cache, "system", True, defer=True)
+        async with asyncio.timeout(30):  # its timer hands it to the writer: no flush, no other save
+            while disk.counts.writes == 0:
+                await asyncio.sleep(0.02)
+        assert len(disk) == 1 and len(list(tmp_path.glob("*.kv.safetensors"))) == 1
+    finally:
+        disk.close()
