@@ -57,7 +57,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import PromptTrie, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-__all__ = ["DiskHit", "PrefixDisk", "default_dir", "layout_key", "model_key", "namespace"]
+__all__ = ["DiskHit", "PrefixDisk", "Reach", "default_dir", "layout_key", "model_key", "namespace", "reach"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,49 @@ class DiskHit:
     tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """How far a prompt goes into a trie of entries (mlx-lm's ``PromptTrie``), found by one walk down its tokens.
+
+    mlx-lm's ``PromptTrie.search`` finds the shortest entry longer than the prompt by a depth-first walk of
+    everything below where the prompt leaves the trie, copying the path at each step: ~1 ms a prompt at a few
+    hundred tokens and 32 entries, run for every idle affinity key each heartbeat (on the MLX thread), so with
+    the tier on (whose keys stay held) it grew with the disk's entries. Any entry below serves the callers here
+    (a longer entry is trimmed to the common part), and every node of the trie has one at or below it (an entry
+    popped takes its emptied nodes with it), so one walk down the tokens and one down a branch suffice."""
+
+    walked: int  # tokens the prompt shares with some entry at or below where it stopped
+    exact: Any  # the value of the entry of exactly the prompt's tokens, or None
+    shorter: Any  # the value of the longest entry that is a proper prefix of the prompt, or None
+    shorter_len: int
+    node: dict[Any, Any]  # where the walk stopped (holds an entry at or below it when walked > 0)
+
+
+def reach(trie: PromptTrie, model: Any, tokens: Sequence[int]) -> Reach:
+    """One walk of ``tokens`` down ``trie``'s entries of ``model`` (see :class:`Reach`)."""
+    node: dict[Any, Any] = trie._trie.get(model, {})  # mlx-lm's trie as 0.32 keeps it: nested dicts by token
+    shorter, shorter_len, walked = None, 0, 0
+    for tok in tokens:
+        if "__value__" in node:
+            shorter, shorter_len = node["__value__"], walked
+        nxt = node.get(tok)
+        if nxt is None:
+            break
+        node, walked = nxt, walked + 1
+    exact = node.get("__value__") if walked == len(tokens) else None
+    return Reach(walked, exact, shorter if shorter_len > 0 else None, shorter_len, node)
+
+
+def below(node: dict[Any, Any]) -> Any:
+    """The value of an entry at or below ``node`` (down its first branch each step); None if there is none
+    (never, while the trie is kept as mlx-lm keeps it)."""
+    while "__value__" not in node:
+        if not node:
+            return None
+        node = next(iter(node.values()))
+    return node["__value__"]
+
+
 @dataclass(slots=True)
 class _Entry:
     tokens: tuple[int, ...]
@@ -197,16 +240,15 @@ class PrefixDisk:
         if not self.readable:
             return None
         with self._lock:
-            found = self._trie.search(_TRIE, tokens)
+            found = reach(self._trie, _TRIE, tokens)
             if found.exact is not None:
-                return DiskHit(self._trie.get(_TRIE, found.exact), len(tokens))
-            short = len(found.shorter) if found.shorter is not None else 0
-            if found.longer is not None and found.common_prefix > short:
-                key = self._trie.get(_TRIE, found.longer)
-                if self._index[key].trimmable:
-                    return DiskHit(key, min(len(tokens) - 1, found.common_prefix))
+                return DiskHit(found.exact, len(tokens))
+            if found.walked > found.shorter_len:  # an entry longer than the part in common: trimmed to it
+                key = below(found.node)
+                if key is not None and self._index[key].trimmable:
+                    return DiskHit(key, min(len(tokens) - 1, found.walked))
             if found.shorter is not None:
-                return DiskHit(self._trie.get(_TRIE, found.shorter), short)
+                return DiskHit(found.shorter, found.shorter_len)
         return None
 
     def load(self, key: str, done: Callable[[], None]) -> bool:

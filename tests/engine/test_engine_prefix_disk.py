@@ -370,3 +370,33 @@ async def test_a_deferred_checkpoint_no_turn_supersedes_is_written_after_its_wai
         assert len(disk) == 1 and len(list(tmp_path.glob("*.kv.safetensors"))) == 1
     finally:
         disk.close()
+
+
+def test_one_walk_down_the_trie_holds_what_mlx_lm_s_search_finds() -> None:
+    """reach() (the heartbeat's and the lookups' walk) answers as mlx-lm's PromptTrie.search on random tries:
+    the tokens held (an exact entry, a shorter one, or a longer one trimmed to the common part), and the entry
+    below it begins with that common part and is longer."""
+    import random
+
+    from mlx_lm.models.cache import PromptTrie
+
+    rng = random.Random(1)
+    checked = 0
+    for _ in range(200):
+        trie, entries = PromptTrie(), []
+        for _ in range(rng.randrange(1, 12)):  # entries branching off each other, as prompts' prefixes do
+            base = rng.choice(entries) if entries and rng.random() < 0.5 else []
+            e = base[:rng.randrange(len(base) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(1, 8))]
+            entries.append(e)
+            trie.add("m", e, tuple(e))
+        for _ in range(20):
+            q = rng.choice(entries)[:rng.randrange(1, 10)] + [rng.randrange(4) for _ in range(rng.randrange(4))]
+            f, r = trie.search("m", q), prefix_disk.reach(trie, "m", q)
+            old = len(q) if f.exact is not None else max(len(f.shorter or []),
+                                                         f.common_prefix if f.longer is not None else 0)
+            assert (len(q) if r.exact is not None else max(r.shorter_len, r.walked)) == old
+            if r.exact is None and r.walked > r.shorter_len:
+                longer = prefix_disk.below(r.node)
+                assert list(longer[:r.walked]) == q[:r.walked] and len(longer) > r.walked
+                checked += 1
+    assert checked > 100
