@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
 
 from .backend import DiskCounts, PrefixHit, SequenceCache
-from .prefix_disk import PrefixDisk
+from .prefix_disk import PrefixDisk, reach
 
 __all__ = ["PrefixCache", "PrefixHit"]  # PrefixHit: backend.py's, returned by fetch
 
@@ -99,7 +99,9 @@ class PrefixCache:
                 continue
             self._lru.insert_cache(_MODEL, list(e.tokens), e.cache, cache_type=kind)
             if self.disk is not None:
-                self.disk.save(list(e.tokens), e.cache, kind, e.trimmable, keys=self._keys_of(e.tokens))
+                # a system prompt's checkpoint waits for its turn's entry, which supersedes it (prefix_disk.py)
+                self.disk.save(list(e.tokens), e.cache, kind, e.trimmable, keys=self._keys_of(e.tokens),
+                               defer=kind == "system")
 
     def tag(self, prompt: list[int], key: str) -> None:
         """Remember ``key`` for ``prompt``'s start: entries stored from here on whose tokens begin with it carry
@@ -180,11 +182,10 @@ class PrefixCache:
 
     def _held(self, tokens: list[int]) -> int:
         """How many of ``tokens`` the memory tier holds (its trie's answer, without copying a cache)."""
-        found = self._lru._trie.search(_MODEL, tokens)  # mlx-lm 0.32's trie: read, never changed here
+        found = reach(self._lru._trie, _MODEL, tokens)  # mlx-lm 0.32's trie: read, never changed here
         if found.exact is not None:
             return len(tokens)
-        short = len(found.shorter) if found.shorter is not None else 0
-        return max(short, found.common_prefix if found.longer is not None else 0)
+        return max(found.shorter_len, found.walked)  # walked: an entry below holds that much (trimmed)
 
     def _take_arrived(self) -> None:
         """Entries read from disk since the last call join the memory tier."""

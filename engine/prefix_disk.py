@@ -3,13 +3,19 @@ worker starts from the prefixes it had.
 
 :class:`PrefixDisk` holds one model's entries in one directory (named by the caller after the model's weights and
 KV layout, :func:`namespace`): each a file of mlx-lm's prompt-cache format (safetensors) followed by a
-trailer with its tokens and a SHA-256 of everything before it. Files are written to a temporary name, flushed
-and renamed, so a half-written file (a kill mid-write, a full disk) never has an entry's name; a file whose
-checksum does not match is logged once, deleted, and its request prefills cold. The tier holds at most
+trailer with its tokens and a CRC-32 of everything before it. Files are written to a temporary name and
+renamed, so a half-written file (a kill mid-write, a full disk) never has an entry's name; a file whose checksum
+does not match is logged once, deleted, and its request prefills cold. The tier holds at most
 ``max_bytes`` in at most ``max_entries`` files, least recently used out first (a file's mtime is its last use,
 so the order survives a restart), and the index in memory holds at most ``MAX_TOKENS`` tokens of them. An
 entry's trailer also carries the caller's keys for it (opaque strings: the worker's affinity keys), listed at
 the start by :meth:`PrefixDisk.tagged`.
+
+A checkpoint of a prompt still being answered (``save(..., defer=True)``: a system prompt's) waits ``defer_s``
+before its write: when its turn ends first, the turn's entry (trimmable, so it holds the checkpoint's tokens too)
+supersedes it and it is never written (an entry's shorter prefixes are deleted when it lands anyway). On a stream
+of prompts that never repeat that halves the writes; a worker killed within ``defer_s`` of a first prefill, its
+turn unfinished, loses only that checkpoint (the turn's retry prefills cold), and a graceful stop writes it.
 
 Nothing here runs disk I/O on the model's MLX thread: :meth:`PrefixDisk.save` hands an entry's evaluated
 arrays to a writer thread (dropped when more than ``max_pending`` bytes wait), and :meth:`PrefixDisk.load`
@@ -18,6 +24,13 @@ take (:meth:`PrefixDisk.arrived`). MLX reads and writes the arrays by path, neve
 object: its callbacks into Python from another thread deadlock against the MLX thread (the GIL against
 MLX's own locks). A write that fails for the disk (full, read-only) turns writing off with
 one log line; entries already there are still read.
+
+Durability, by choice: a written entry is not fsynced. A killed process (kill -9 included) loses nothing the
+kernel has (its page cache outlives the process), so the restart guarantee holds; only an OS crash or a power
+cut can lose or tear files not yet flushed by the kernel, and the checksum catches those on read (the request
+prefills cold). The checksum guards against torn and truncated writes and bit rot, not against tampering, which
+is why CRC-32 (~1 ms for a 4 MiB entry) serves where SHA-256 cost twice that on the writer; an fsync per file
+cost a disk flush each (~250 a round of the kvdisk benchmark) for a case the checksum already covers.
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ import os
 import struct
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,13 +57,14 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import PromptTrie, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-__all__ = ["DiskHit", "PrefixDisk", "default_dir", "layout_key", "model_key", "namespace"]
+__all__ = ["DiskHit", "PrefixDisk", "Reach", "default_dir", "layout_key", "model_key", "namespace", "reach"]
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bumped when the file format changes: a new namespace, old files never read
-MAGIC = b"MLXQKV1\n"
-_TAIL = struct.Struct("<I32s8s")  # the JSON header's length, SHA-256 of everything before the digest, magic
+FORMAT = 2  # bumped when the file format changes: a new namespace, old files never read
+MAGIC = b"MLXQKV2\n"
+_TAIL = struct.Struct("<II8s")  # the JSON header's length, CRC-32 of everything before it, magic
+_CRC = 4  # bytes of the CRC in _TAIL
 _SUFFIX = ".kv.safetensors"  # MLX picks the format by the name
 _TEMP = ".tmp.safetensors"
 _TRIE = "disk"  # PromptTrie's model key: one model per directory
@@ -57,6 +72,7 @@ MAX_ENTRIES = 1024
 MAX_TOKENS = 1 << 18  # tokens of every entry together: the index (a trie of them) stays some tens of MiB at most
 MAX_PENDING = 1 << 30  # bytes handed to the writer and not written yet; more is dropped, not queued
 WAIT_S = 2.0  # a request waits at most this long for its prefix to load, then prefills cold
+DEFER_S = 5.0  # a deferred checkpoint's wait for the entry that supersedes it (a turn's end), then it is written
 
 
 def default_dir() -> Path:
@@ -113,6 +129,49 @@ class DiskHit:
     tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """How far a prompt goes into a trie of entries (mlx-lm's ``PromptTrie``), found by one walk down its tokens.
+
+    mlx-lm's ``PromptTrie.search`` finds the shortest entry longer than the prompt by a depth-first walk of
+    everything below where the prompt leaves the trie, copying the path at each step: ~1 ms a prompt at a few
+    hundred tokens and 32 entries, run for every idle affinity key each heartbeat (on the MLX thread), so with
+    the tier on (whose keys stay held) it grew with the disk's entries. Any entry below serves the callers here
+    (a longer entry is trimmed to the common part), and every node of the trie has one at or below it (an entry
+    popped takes its emptied nodes with it), so one walk down the tokens and one down a branch suffice."""
+
+    walked: int  # tokens the prompt shares with some entry at or below where it stopped
+    exact: Any  # the value of the entry of exactly the prompt's tokens, or None
+    shorter: Any  # the value of the longest entry that is a proper prefix of the prompt, or None
+    shorter_len: int
+    node: dict[Any, Any]  # where the walk stopped (holds an entry at or below it when walked > 0)
+
+
+def reach(trie: PromptTrie, model: Any, tokens: Sequence[int]) -> Reach:
+    """One walk of ``tokens`` down ``trie``'s entries of ``model`` (see :class:`Reach`)."""
+    node: dict[Any, Any] = trie._trie.get(model, {})  # mlx-lm's trie as 0.32 keeps it: nested dicts by token
+    shorter, shorter_len, walked = None, 0, 0
+    for tok in tokens:
+        if "__value__" in node:
+            shorter, shorter_len = node["__value__"], walked
+        nxt = node.get(tok)
+        if nxt is None:
+            break
+        node, walked = nxt, walked + 1
+    exact = node.get("__value__") if walked == len(tokens) else None
+    return Reach(walked, exact, shorter if shorter_len > 0 else None, shorter_len, node)
+
+
+def below(node: dict[Any, Any]) -> Any:
+    """The value of an entry at or below ``node`` (down its first branch each step); None if there is none
+    (never, while the trie is kept as mlx-lm keeps it)."""
+    while "__value__" not in node:
+        if not node:
+            return None
+        node = next(iter(node.values()))
+    return node["__value__"]
+
+
 @dataclass(slots=True)
 class _Entry:
     tokens: tuple[int, ...]
@@ -137,12 +196,13 @@ class PrefixDisk:
     """One model's prefix entries on disk, in ``directory``; see the module docstring."""
 
     def __init__(self, directory: Path, max_bytes: int, *, max_entries: int = MAX_ENTRIES,
-                 max_pending: int = MAX_PENDING, wait_s: float = WAIT_S) -> None:
+                 max_pending: int = MAX_PENDING, wait_s: float = WAIT_S, defer_s: float = DEFER_S) -> None:
         self.dir = directory
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self.max_pending = max_pending
         self.wait_s = wait_s
+        self.defer_s = defer_s
         self.counts = _Counts()
         self._lock = threading.Lock()
         self._index: dict[str, _Entry] = {}
@@ -151,6 +211,7 @@ class PrefixDisk:
         self._tokens = 0  # of every entry indexed
         self._pending: set[str] = set()
         self._pending_bytes = 0
+        self._deferred: dict[str, _Write] = {}  # pending too, waiting for an entry to supersede them
         self._loading: set[str] = set()
         self._arrived: list[tuple[list[int], list[Any], str]] = []
         self.writable = self.readable = True
@@ -179,16 +240,15 @@ class PrefixDisk:
         if not self.readable:
             return None
         with self._lock:
-            found = self._trie.search(_TRIE, tokens)
+            found = reach(self._trie, _TRIE, tokens)
             if found.exact is not None:
-                return DiskHit(self._trie.get(_TRIE, found.exact), len(tokens))
-            short = len(found.shorter) if found.shorter is not None else 0
-            if found.longer is not None and found.common_prefix > short:
-                key = self._trie.get(_TRIE, found.longer)
-                if self._index[key].trimmable:
-                    return DiskHit(key, min(len(tokens) - 1, found.common_prefix))
+                return DiskHit(found.exact, len(tokens))
+            if found.walked > found.shorter_len:  # an entry longer than the part in common: trimmed to it
+                key = below(found.node)
+                if key is not None and self._index[key].trimmable:
+                    return DiskHit(key, min(len(tokens) - 1, found.walked))
             if found.shorter is not None:
-                return DiskHit(self._trie.get(_TRIE, found.shorter), short)
+                return DiskHit(found.shorter, found.shorter_len)
         return None
 
     def load(self, key: str, done: Callable[[], None]) -> bool:
@@ -247,8 +307,8 @@ class PrefixDisk:
 
     def _read_file(self, path: Path) -> tuple[list[Any], list[int], str]:
         data = path.read_bytes()
-        meta, digest_end = _parse_tail(data)
-        if hashlib.sha256(memoryview(data)[:digest_end]).digest() != data[digest_end:digest_end + 32]:
+        meta, crc_at = _parse_tail(data)
+        if zlib.crc32(memoryview(data)[:crc_at]) != int.from_bytes(data[crc_at:crc_at + _CRC], "little"):
             raise ValueError("checksum mismatch")
         cache = load_prompt_cache(str(path))  # by path: MLX reads the file itself (safetensors ignore the trailer)
         mx.eval([c.state for c in cache])  # on this thread's own stream, not the model's
@@ -272,9 +332,10 @@ class PrefixDisk:
             return key in self._index or key in self._pending
 
     def save(self, tokens: list[int], cache: list[Any], kind: str, trimmable: bool, *, bounded: bool = True,
-             keys: Sequence[str] = ()) -> bool:
-        """Hand an entry (its arrays evaluated) to the writer, with the caller's ``keys`` for it; False when it is
-        not written: the tier cannot write, it is there already, or (``bounded``) the writer is too far behind."""
+             keys: Sequence[str] = (), defer: bool = False) -> bool:
+        """Hand an entry (its arrays evaluated) to the writer, with the caller's ``keys`` for it (``defer``: after
+        ``defer_s``, unless an entry saved meanwhile supersedes it); False when it is not written: the tier cannot
+        write, it is there already, or (``bounded``) the writer is too far behind."""
         if not self.writable:
             return False
         key = _key(tokens)
@@ -288,15 +349,51 @@ class PrefixDisk:
                 return False
             self._pending.add(key)
             self._pending_bytes += nbytes
+            superseded = self._supersede(tokens) if trimmable else []
+        for w in superseded:
+            if w.timer is not None:
+                w.timer.cancel()
+            self._done(w.key, w.nbytes)
         snapshot = [copy.copy(c) for c in cache]  # the caches' attributes as now; the arrays are shared
-        try:
-            self._writer.submit(self._write, key, list(tokens), snapshot, _Meta(kind, trimmable, tuple(keys)), nbytes)
-        except RuntimeError:  # closed
+        write = _Write(key, list(tokens), snapshot, _Meta(kind, trimmable, tuple(keys)), nbytes)
+        if defer and self.defer_s > 0:
+            write.timer = timer = threading.Timer(self.defer_s, self._submit_deferred, (key,))
+            timer.daemon = True
             with self._lock:
-                self._pending.discard(key)
-                self._pending_bytes -= nbytes
+                self._deferred[key] = write
+            timer.start()
+            return True
+        return self._submit(write)
+
+    def _supersede(self, tokens: list[int]) -> list[_Write]:
+        """The deferred checkpoints that ``tokens`` (a trimmable entry's) begin with, taken out (under the lock)."""
+        out = [w for w in self._deferred.values() if len(w.tokens) < len(tokens) and tokens[:len(w.tokens)] == w.tokens]
+        for w in out:
+            del self._deferred[w.key]
+        return out
+
+    def _submit_deferred(self, key: str | None = None) -> None:
+        """Hand the deferred checkpoint ``key`` (None: every one) to the writer, if no entry superseded it."""
+        with self._lock:
+            writes = [self._deferred.pop(k) for k in ([key] if key is not None else list(self._deferred))
+                      if k in self._deferred]
+        for w in writes:
+            if w.timer is not None:
+                w.timer.cancel()
+            self._submit(w)
+
+    def _submit(self, w: _Write) -> bool:
+        try:
+            self._writer.submit(self._write, w.key, w.tokens, w.cache, w.meta, w.nbytes)
+        except RuntimeError:  # closed
+            self._done(w.key, w.nbytes)
             return False
         return True
+
+    def _done(self, key: str, nbytes: int) -> None:
+        with self._lock:
+            self._pending.discard(key)
+            self._pending_bytes -= nbytes
 
     def _write(self, key: str, tokens: list[int], cache: list[Any], meta: _Meta, nbytes: int) -> None:
         tmp = self.dir / f"{key}.{os.getpid()}.{threading.get_ident()}{_TEMP}"
@@ -314,9 +411,7 @@ class PrefixDisk:
         except Exception:
             log.exception("prefix cache on disk: could not write an entry of %d tokens", len(tokens))
         finally:
-            with self._lock:
-                self._pending.discard(key)
-                self._pending_bytes -= nbytes
+            self._done(key, nbytes)
 
     def _writes_off(self, exc: OSError) -> None:
         with self._lock:
@@ -419,7 +514,9 @@ class PrefixDisk:
         return [(k, list(tokens)) for k, tokens in latest.items()]
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait (blocking) until the writes handed over so far are done; False if ``timeout_s`` passed first."""
+        """Wait (blocking) until the writes handed over so far (the deferred ones too) are done; False if
+        ``timeout_s`` passed first."""
+        self._submit_deferred()
         done = threading.Event()
         try:
             self._writer.submit(done.set)
@@ -478,19 +575,30 @@ class _Meta:
     keys: tuple[str, ...]
 
 
+@dataclass(slots=True)
+class _Write:
+    """An entry handed to the writer (or deferred: ``timer`` hands it over)."""
+
+    key: str
+    tokens: list[int]
+    cache: list[Any]
+    meta: _Meta
+    nbytes: int
+    timer: threading.Timer | None = None
+
+
 def _write_file(path: Path, tokens: list[int], cache: list[Any], m: _Meta) -> int:
-    """An entry's whole file at ``path`` (mlx-lm's prompt-cache format, then the trailer), on the disk when this
-    returns (or an OSError); its size."""
+    """An entry's whole file at ``path`` (mlx-lm's prompt-cache format, then the trailer), handed to the kernel
+    when this returns (or an OSError; not fsynced: see the module docstring); its size."""
     save_prompt_cache(str(path), cache)  # by path: MLX writes the file itself
     meta = json.dumps({"tokens": tokens, "kind": m.kind, "trimmable": m.trimmable, "keys": list(m.keys)}).encode()
     with open(path, "r+b") as f:
-        h = hashlib.sha256()
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-        h.update(meta + struct.pack("<I", len(meta)))
-        f.write(meta + _TAIL.pack(len(meta), h.digest(), MAGIC))
-        f.flush()
-        os.fsync(f.fileno())
+        crc, buf = 0, bytearray(1 << 20)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+        crc = zlib.crc32(meta + struct.pack("<I", len(meta)), crc)  # the trailer up to the CRC
+        f.write(meta + _TAIL.pack(len(meta), crc, MAGIC))
         return f.tell()
 
 
@@ -499,19 +607,19 @@ def _key(tokens: Iterable[int]) -> str:
 
 
 def _parse_tail(data: bytes) -> tuple[dict[str, Any], int]:
-    """An entry's JSON header and where its digest starts, from the file's last bytes (the whole file, or
+    """An entry's JSON header and where its checksum starts, from the file's last bytes (the whole file, or
     enough of its end)."""
     if len(data) < _TAIL.size:
         raise ValueError("truncated")
     meta_len, _, magic = _TAIL.unpack_from(data, len(data) - _TAIL.size)
     if magic != MAGIC:
         raise ValueError("not an entry of this format (or cut short)")
-    digest_end = len(data) - 40
-    start = digest_end - 4 - meta_len
+    crc_at = len(data) - _TAIL.size + 4
+    start = crc_at - 4 - meta_len
     if start < 0:
         raise ValueError("truncated")
     meta: dict[str, Any] = json.loads(data[start:start + meta_len])
-    return meta, digest_end
+    return meta, crc_at
 
 
 def _read_meta(path: Path) -> dict[str, Any]:

@@ -104,7 +104,7 @@ async def a_conversation_on_disk(lm: Any, tiny_model: Path, kv_dir: Path, output
         prompt = first_turn(lm)
         answer = list(await outputs.run(engine, "turn-1", prompt, key))
         assert await asyncio.to_thread(disk_of(engine).flush)
-        assert len(disk_of(engine)) == 1  # the whole turn; its system-prompt checkpoint, a prefix of it, went
+        assert len(disk_of(engine)) == 1  # the whole turn; its system-prompt checkpoint, a prefix of it, superseded
     finally:
         if graceful:
             await engine.aclose()
@@ -328,3 +328,75 @@ def test_the_index_is_read_at_the_start_and_the_collector_left_as_it_was(lm: Any
             assert hit is not None and hit.tokens == len(p)
     finally:
         reopened.close()
+
+
+def an_entry(lm: Any) -> list[Any]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(lm[0])
+    lm[0](mx.array([list(range(80))]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def test_a_deferred_checkpoint_superseded_by_its_turn_is_never_written(lm: Any, tmp_path: Path) -> None:
+    cache = an_entry(lm)
+    system, turn, other = list(range(100, 180)), list(range(100, 200)), [7, *range(100, 180)]
+    disk = PrefixDisk(tmp_path, 1 << 30, defer_s=600.0)  # only the turn's entry or the flush ends the wait
+    try:
+        assert disk.save(system, cache, "system", True, defer=True) and disk.has(system)  # on its way
+        assert disk.save(other, cache, "system", True, defer=True)  # no turn supersedes it: written at the flush
+        assert disk.save(turn, cache, "assistant", True)
+        assert disk.flush()
+        assert disk.counts.writes == 2 and len(disk) == 2 and not disk.has(system)
+        assert sorted(len(p.name) for p in tmp_path.iterdir()) == [len(f"{'0' * 40}.kv.safetensors")] * 2
+        hit = disk.lookup([*system, 1])  # the turn's entry holds the checkpoint's tokens
+        assert hit is not None and hit.tokens == len(system)
+        hit = disk.lookup([*other, 1])
+        assert hit is not None and hit.tokens == len(other)
+    finally:
+        disk.close()
+
+
+async def test_a_deferred_checkpoint_no_turn_supersedes_is_written_after_its_wait(lm: Any, tmp_path: Path) -> None:
+    cache = an_entry(lm)
+    disk = PrefixDisk(tmp_path, 1 << 30, defer_s=0.05)
+    try:
+        assert disk.save(list(range(100, 180)), cache, "system", True, defer=True)
+        async with asyncio.timeout(30):  # its timer hands it to the writer: no flush, no other save
+            while disk.counts.writes == 0:
+                await asyncio.sleep(0.02)
+        assert len(disk) == 1 and len(list(tmp_path.glob("*.kv.safetensors"))) == 1
+    finally:
+        disk.close()
+
+
+def test_one_walk_down_the_trie_holds_what_mlx_lm_s_search_finds() -> None:
+    """reach() (the heartbeat's and the lookups' walk) answers as mlx-lm's PromptTrie.search on random tries:
+    the tokens held (an exact entry, a shorter one, or a longer one trimmed to the common part), and the entry
+    below it begins with that common part and is longer."""
+    import random
+
+    from mlx_lm.models.cache import PromptTrie
+
+    rng = random.Random(1)
+    checked = 0
+    for _ in range(200):
+        trie, entries = PromptTrie(), []
+        for _ in range(rng.randrange(1, 12)):  # entries branching off each other, as prompts' prefixes do
+            base = rng.choice(entries) if entries and rng.random() < 0.5 else []
+            e = base[:rng.randrange(len(base) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(1, 8))]
+            entries.append(e)
+            trie.add("m", e, tuple(e))
+        for _ in range(20):
+            q = rng.choice(entries)[:rng.randrange(1, 10)] + [rng.randrange(4) for _ in range(rng.randrange(4))]
+            f, r = trie.search("m", q), prefix_disk.reach(trie, "m", q)
+            old = len(q) if f.exact is not None else max(len(f.shorter or []),
+                                                         f.common_prefix if f.longer is not None else 0)
+            assert (len(q) if r.exact is not None else max(r.shorter_len, r.walked)) == old
+            if r.exact is None and r.walked > r.shorter_len:
+                longer = prefix_disk.below(r.node)
+                assert list(longer[:r.walked]) == q[:r.walked] and len(longer) > r.walked
+                checked += 1
+    assert checked > 100
