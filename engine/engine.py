@@ -96,6 +96,7 @@ class Engine:
         self._last_arrival = 0.0
         self._arrived = threading.Event()
         self._clock = clock  # of the admission window (tests drive it by hand)
+        scheduler.on_room = self._settle_drained
         self._loading: dict[str, EngineRequest] = {}  # waiting for their prefix to load from disk
         self._loaded: set[str] = set()  # back from loading: they go in as they are
         self._aborted: dict[str, _Abort] = {}  # aborted while on their way back from loading
@@ -247,13 +248,8 @@ class Engine:
                         self.stats.steps += 1
                         self.on_step(time.perf_counter() - t0)
                         self._emit(outs)
-                finally:  # the drained requests now count in the scheduler's room (or have ended)
-                    if self._drained:
-                        with self._lock:
-                            self._inbox_requests -= len(self._drained)
-                            for group in self._drained:
-                                _drop(self._inbox_groups, group)
-                        self._drained = []
+                finally:  # (a failed step, or no step: the scheduler did not settle them)
+                    self._settle_drained()
             except Exception as exc:  # an engine step failed: fail what was in flight, keep serving
                 self._on_failure(exc)
             with self._lock:
@@ -264,6 +260,16 @@ class Engine:
             if self.thread.queued:
                 self.thread.submit(self._tick)
                 return
+
+    def _settle_drained(self) -> None:
+        """The requests drained from the inbox count in the scheduler's room now (or have ended): no longer on
+        their way. Called by the scheduler mid-step (``Scheduler.on_room``), before its batch step."""
+        if self._drained:
+            with self._lock:
+                self._inbox_requests -= len(self._drained)
+                for group in self._drained:
+                    _drop(self._inbox_groups, group)
+            self._drained = []
 
     def _await_expected(self) -> None:
         ahead = getattr(self.scheduler.backend, "embed_ahead", None)  # only a backend that embeds its rows

@@ -101,6 +101,9 @@ class Scheduler:
         self._room_dirty = True
         self.backend = backend
         self.room = Room(capacity, 0, capacity)
+        # Called each step once the room counts what the step admitted, before the batch step: the engine's
+        # requests added before the step stop counting as on their way there (Engine._settle_drained).
+        self.on_room: Callable[[], None] = lambda: None
         self._update_room()  # what the KV headroom allows, before the first step
 
     # --- state -------------------------------------------------------------------------------------
@@ -202,6 +205,9 @@ class Scheduler:
         if self._deferred is not None:
             self._preempt_deferred()
         started_at_once = self._admit(outs)
+        if self._room_dirty:  # a claim during the batch step sees what this one admitted (a long first prefill)
+            self._update_room()
+        self.on_room()
         if self._running:
             # A request started at once (see _admit) has its first token: it goes out now, not after a decode.
             if not started_at_once:

@@ -188,3 +188,33 @@ async def test_a_full_engine_opens_its_groups_parts_counting_the_requests_on_the
     finally:
         gate.set()
         await engine.aclose()
+
+
+class GatedToyBatch(SlowToyBatch):
+    """Its steps wait for ``gate``: the test looks at the engine while the batch step runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.stepping = threading.Event(), threading.Event()
+
+    def step(self) -> list[BatchToken]:
+        self.stepping.set()
+        self.gate.wait(20)
+        return super().step()
+
+
+async def test_during_a_step_the_room_counts_what_that_step_admitted() -> None:
+    # An idle engine's first batch prefill can be a long step; a claim meanwhile must see the batch full of the
+    # group it admitted (a tenant below its share is claimed then, not after the step), and nothing on its way.
+    batch = GatedToyBatch()
+    engine = Engine(MLXThread("claim-mid-step"), scheduler(batch, capacity=2), sink)
+    try:
+        for rid in ("a1", "a2"):
+            engine.add(req(rid, max_tokens=10_000, group="a"))
+        await asyncio.to_thread(batch.stepping.wait, 20)  # the step that admitted both is in its batch step
+        assert engine.scheduler.room.free_slots == 0 and engine.claim_capacity() == 0
+        assert engine.groups_open() == (GroupShare("a", 2, 1.0),)  # both running; none counted on its way
+        assert engine.scheduler.stats.steps == 0  # (still the first step)
+    finally:
+        batch.gate.set()
+        await engine.aclose()

@@ -3,8 +3,9 @@
 - **share**: two tenants backlogged on one worker (capacity 8), weights 1:1 and 3:1: each one's share of the
   tokens generated while both are backlogged (jobs that ended before the first tenant's queue drained, less the
   last batch's worth), against its weight's share (target: within ±10 % of it);
-- **isolation**: tenant B sends a job a second (``--quick``: five a second) while tenant A floods the queue; B's
-  queue wait (its ``done`` event's ``timings.queue_ms``) p50 against B's with A idle (target: within 2x);
+- **isolation**: tenant B sends a job a second on a clock (``--quick``: five a second), whether or not its last one
+  ended, while tenant A floods the queue; B's queue wait (its ``done`` event's ``timings.queue_ms``) p50 against
+  B's with A idle (target: within 2x);
 - **max-running**: a tenant with ``max-running 2`` on two workers at once: the most of its jobs running,
   from its jobs' start and end events as one subscriber receives them (target: never 3).
 
@@ -167,13 +168,17 @@ async def _share(d: _Deployment, p: Phases, weights: tuple[int, int]) -> Share:
 
 
 async def _probes(c: Client, p: Phases) -> list[float]:
-    waits = []
+    """B's jobs, one every ``probe_interval_s`` on a clock, and each one's queue wait. Sent on a clock, not after
+    the last one's end: a job that outlasts the interval (a flooded one does) would have its successor submitted
+    at its own end, which the engine emits at a step's end, so every probe would come just as the next step
+    began and wait for all of it (at ~1.8 s a job, one every 1.8 s, not one a second)."""
+    t0 = time.monotonic()
+    follows = []
     for i in range(p.probe_jobs):
-        t0 = time.monotonic()
+        await asyncio.sleep(max(0.0, t0 + i * p.probe_interval_s - time.monotonic()))
         rid = await c.submit(model="m", prompt=f"a question {i}", max_tokens=p.probe_tokens)
-        waits.append((await _follow(c, rid)).timings.queue_ms)
-        await asyncio.sleep(max(0.0, p.probe_interval_s - (time.monotonic() - t0)))
-    return waits
+        follows.append(asyncio.create_task(_follow(c, rid)))
+    return [(await f).timings.queue_ms for f in follows]
 
 
 async def _isolation(d: _Deployment, p: Phases) -> Isolation:

@@ -21,7 +21,7 @@ from mlxq.api.errors import BadRequest, JobFailed, QueueFull
 from mlxq.api.keys import Keys
 from mlxq.api.schema import ErrorCode, FinishReason
 from mlxq.worker.jobs.run import Run
-from mlxq.worker.jobs.transitions import BelowShare, EntryStatus, LogTTL, Record, Transitions, Write
+from mlxq.worker.jobs.transitions import BelowShare, EntryStatus, LogTTL, Outranking, Record, Transitions, Write
 from tests.support import RunningWorker, config_with, free_port, start_worker
 from tests.worker.test_worker_metrics import scrape, value
 
@@ -149,6 +149,25 @@ async def test_a_full_engine_claims_only_a_tenant_below_its_share_there(client: 
     # with room (no below_share), the flood is claimed as before
     due = await t.claim({queue: 3}, 3)
     assert {e.rid for e in due.entries} == set(flood)
+
+
+async def test_a_full_engine_takes_only_as_many_of_a_below_share_tenants_jobs_as_its_share_has_room_for(
+        client: Client, r: aredis.Redis) -> None:
+    # A full engine of priority-0 jobs may take as many outranking jobs as it runs (one each); a tenant below its
+    # share took that many of its own too, out of the fair order, where one job brought it to its share.
+    await tenants.store(r, KEYS, "acme", weight=3)
+    probe = await fill(client, "globex", 5)
+    await fill(client, "acme", 5)
+    t, queue = worker(r), KEYS.queue(MODEL)
+    need = {queue: Outranking(priority=1, aging_ms=1000, count=8)}  # none of theirs outranks priority 0
+    # acme 7 (spare (7 - 1) / 3 = 2), globex 1: one more globex job is its share, a second would be above it
+    due = await t.claim({queue: 8}, 8, need, {queue: BelowShare(2.0, {"acme": 7, "globex": 1})})
+    first = {e.rid for e in due.entries}
+    assert len(first) == 1 and first < set(probe) and due.left
+    # globex running none beside acme's 10 (spare 3): three of its jobs stay within it
+    due = await t.claim({queue: 8}, 8, need, {queue: BelowShare(3.0, {"acme": 10})})
+    more = {e.rid for e in due.entries}
+    assert len(more) == 3 and more < set(probe) - first and due.left
 
 
 async def test_a_tenant_alone_uses_every_slot_and_one_back_from_idle_gets_no_credit(client: Client,

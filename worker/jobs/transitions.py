@@ -482,8 +482,12 @@ for q = 4, #KEYS do
       if need and not (fs and below(fs, t)) then
         entries, more = outranking(key, tonumber(need), tonumber(aging), tonumber(pmin), quota)
       else
-        local raw = redis.call('ZRANGEBYSCORE', key, '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit)
-        more = #raw >= 2 * limit
+        local n = limit
+        if fs and below(fs, t) then  -- a full engine takes only the jobs that keep it within its share there
+          n = math.max(1, math.floor(fs.spare * policy(t)[1] - (fs.running[t] or 0) + 1e-9))
+        end
+        local raw = redis.call('ZRANGEBYSCORE', key, '-inf', now, 'WITHSCORES', 'LIMIT', 0, n)
+        more = #raw >= 2 * n
         for i = 1, #raw, 2 do entries[#entries + 1] = {raw[i], tonumber(raw[i + 1])} end
       end
       if more then left = 1 end
