@@ -95,6 +95,7 @@ class WorkerHost:
         self.tenant_depths: dict[tuple[str, str], int] = {}  # (model, tenant) -> jobs waiting, all workers'
         self.tenants_running: dict[str, int] = {}  # tenant -> jobs running fleet-wide
         self.dead_lettered = 0
+        self._marking = False  # a _mark_full() is due at the end of this event-loop pass
         self.draining = False
         self.started_at = time.time()
         self._rates = {name: TokenRate() for name in self.services}
@@ -193,6 +194,17 @@ class WorkerHost:
         slots_full = sum(len(s.active) for s in self.services.values()) >= self.config.arq_max_jobs
         for name, service in self.services.items():
             self.affinity.set_full(name, slots_full or service.room() == 0)
+
+    def _mark_full_soon(self) -> None:
+        """:meth:`_mark_full` once, after this event-loop pass: the jobs one EMIT call ended all leave in one pass,
+        and each released job's look at every engine's room would be the same but for the last."""
+        if not self._marking:
+            self._marking = True
+            asyncio.get_running_loop().call_soon(self._marked)
+
+    def _marked(self) -> None:
+        self._marking = False
+        self._mark_full()
 
     async def _before_beat(self) -> None:
         """Each heartbeat: the queues' depths, and the affinity keys the prefix caches still hold (and whether
@@ -306,7 +318,7 @@ class WorkerHost:
             return Outcome.FAILED
         finally:
             service.release(entry)
-            self._mark_full()
+            self._mark_full_soon()
         log.debug("job %s: %s in %.3fs", entry.rid, state.value, time.monotonic() - t0)
         return Outcome.COMPLETE if state is State.ENDED else Outcome.RETRIED
 
