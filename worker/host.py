@@ -196,8 +196,9 @@ class WorkerHost:
             self.affinity.set_full(name, slots_full or service.room() == 0)
 
     def _mark_full_soon(self) -> None:
-        """:meth:`_mark_full` once, after this event-loop pass: the jobs one EMIT call ended all leave in one pass,
-        and each released job's look at every engine's room would be the same but for the last."""
+        """:meth:`_mark_full` once, after this event-loop pass: the jobs one EMIT call ended all leave in one pass
+        (and the poll claims in the next), and each one's look at every engine's room would be the same but for
+        the last's. The marks are written rate-limited anyway (worker/affinity.py)."""
         if not self._marking:
             self._marking = True
             asyncio.get_running_loop().call_soon(self._marked)
@@ -261,7 +262,8 @@ class WorkerHost:
             self.affinity.placements[by_model[entry.rid].name].add(entry.affinity)
         for service in self.services.values():
             service.claimed([entry for entry in started if by_model[entry.rid] is service])
-        self._mark_full()
+        if started:  # (a claim that started nothing changed no engine's room; the heartbeat looks at its KV)
+            self._mark_full_soon()
         return Claims({entry.rid: self._run(by_model[entry.rid], entry) for entry in started}, due.left)
 
     def _quotas(self, free: int) -> tuple[dict[str, int], int, dict[str, Outranking], dict[str, BelowShare]]:
