@@ -95,6 +95,7 @@ class WorkerHost:
         self.tenant_depths: dict[tuple[str, str], int] = {}  # (model, tenant) -> jobs waiting, all workers'
         self.tenants_running: dict[str, int] = {}  # tenant -> jobs running fleet-wide
         self.dead_lettered = 0
+        self._marking = False  # a _mark_full() is due at the end of this event-loop pass
         self.draining = False
         self.started_at = time.time()
         self._rates = {name: TokenRate() for name in self.services}
@@ -194,6 +195,18 @@ class WorkerHost:
         for name, service in self.services.items():
             self.affinity.set_full(name, slots_full or service.room() == 0)
 
+    def _mark_full_soon(self) -> None:
+        """:meth:`_mark_full` once, after this event-loop pass: the jobs one EMIT call ended all leave in one pass
+        (and the poll claims in the next), and each one's look at every engine's room would be the same but for
+        the last's. The marks are written rate-limited anyway (worker/affinity.py)."""
+        if not self._marking:
+            self._marking = True
+            asyncio.get_running_loop().call_soon(self._marked)
+
+    def _marked(self) -> None:
+        self._marking = False
+        self._mark_full()
+
     async def _before_beat(self) -> None:
         """Each heartbeat: the queues' depths, and the affinity keys the prefix caches still hold (and whether
         each engine is full: its KV headroom changes between claims)."""
@@ -249,7 +262,8 @@ class WorkerHost:
             self.affinity.placements[by_model[entry.rid].name].add(entry.affinity)
         for service in self.services.values():
             service.claimed([entry for entry in started if by_model[entry.rid] is service])
-        self._mark_full()
+        if started:  # (a claim that started nothing changed no engine's room; the heartbeat looks at its KV)
+            self._mark_full_soon()
         return Claims({entry.rid: self._run(by_model[entry.rid], entry) for entry in started}, due.left)
 
     def _quotas(self, free: int) -> tuple[dict[str, int], int, dict[str, Outranking], dict[str, BelowShare]]:
@@ -306,7 +320,7 @@ class WorkerHost:
             return Outcome.FAILED
         finally:
             service.release(entry)
-            self._mark_full()
+            self._mark_full_soon()
         log.debug("job %s: %s in %.3fs", entry.rid, state.value, time.monotonic() - t0)
         return Outcome.COMPLETE if state is State.ENDED else Outcome.RETRIED
 

@@ -38,6 +38,21 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 _STEP = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
+@dataclass(slots=True)
+class _JobMetrics:
+    """One (model, tenant)'s children of the metrics a job's end observes (``Metrics.ended``)."""
+
+    prompt_tokens: Any
+    e2e: Any
+    queue_time: Any
+    ttft: Any
+    tpot: Any
+    tenant_generated: Any
+    tenant_prompt: Any
+    tenant_queue_time: Any
+    outcomes: dict[tuple[str, str], tuple[Any, ...]] = field(default_factory=dict)  # (type, reason) -> counters
+
+
 @dataclass
 class Metrics:
     """The registry of one worker process."""
@@ -73,6 +88,7 @@ class Metrics:
         self.redis_write = Histogram("mlxq:redis_write_seconds", "One EMIT call (every job's events of a step).",
                                      buckets=_STEP, registry=r)
         self._server: Any = None
+        self._jobs: dict[tuple[str, str], _JobMetrics] = {}  # (model, tenant) -> its children (ended())
 
     def watch(self, host: WorkerHost) -> None:
         """Read ``host``'s counters and gauges at every scrape."""
@@ -80,27 +96,55 @@ class Metrics:
 
     def ended(self, run: Run, end: Wire) -> None:
         """A job this worker ran ended with ``end`` (its terminal event): its outcome and timings."""
-        model = run.model
+        m = self._job_metrics(run.model, run.tenant)
         if isinstance(end, ErrorEvent):
-            self.failure.labels(model, end.code.value).inc()
+            outcome = ("error", end.code.value)
         elif isinstance(end, DoneEvent):
-            self.success.labels(model, end.finish_reason.value).inc()
-        self.prompt_tokens.labels(model).inc(run.prompt_tokens)
-        tenant = run.tenant
-        self.tenant_ended.labels(model, tenant, end.type).inc()
-        self.tenant_generated.labels(model, tenant).inc(run.completion_tokens)
-        self.tenant_prompt.labels(model, tenant).inc(run.prompt_tokens)
+            outcome = ("done", end.finish_reason.value)
+        else:
+            outcome = (end.type, "")
+        counters = m.outcomes.get(outcome)
+        if counters is None:
+            counters = m.outcomes[outcome] = self._outcome_counters(run.model, run.tenant, *outcome)
+        for counter in counters:
+            counter.inc()
+        m.prompt_tokens.inc(run.prompt_tokens)
+        m.tenant_generated.inc(run.completion_tokens)
+        m.tenant_prompt.inc(run.prompt_tokens)
         now, enqueued = time.time(), run.enqueue_ms / 1000
         if run.enqueue_ms and run.admitted_at is not None:
-            self.tenant_queue_time.labels(model, tenant).observe(max(0.0, run.admitted_at - enqueued))
+            m.tenant_queue_time.observe(max(0.0, run.admitted_at - enqueued))
         if run.enqueue_ms:
-            self.e2e.labels(model).observe(max(0.0, now - enqueued))
+            m.e2e.observe(max(0.0, now - enqueued))
             if run.admitted_at is not None:
-                self.queue_time.labels(model).observe(max(0.0, run.admitted_at - enqueued))
+                m.queue_time.observe(max(0.0, run.admitted_at - enqueued))
             if run.first_token_at is not None:
-                self.ttft.labels(model).observe(max(0.0, run.first_token_at - enqueued))
+                m.ttft.observe(max(0.0, run.first_token_at - enqueued))
         if run.first_token_at is not None and run.completion_tokens > 1:
-            self.tpot.labels(model).observe((now - run.first_token_at) / (run.completion_tokens - 1))
+            m.tpot.observe((now - run.first_token_at) / (run.completion_tokens - 1))
+
+    def _job_metrics(self, model: str, tenant: str) -> _JobMetrics:
+        """The per-job metrics' children for ``model`` and ``tenant``, looked up once: ``labels()`` checks and
+        locks at every call (a few µs each, ten a job end, on the event loop)."""
+        m = self._jobs.get((model, tenant))
+        if m is None:
+            m = self._jobs[model, tenant] = _JobMetrics(
+                prompt_tokens=self.prompt_tokens.labels(model), e2e=self.e2e.labels(model),
+                queue_time=self.queue_time.labels(model), ttft=self.ttft.labels(model), tpot=self.tpot.labels(model),
+                tenant_generated=self.tenant_generated.labels(model, tenant),
+                tenant_prompt=self.tenant_prompt.labels(model, tenant),
+                tenant_queue_time=self.tenant_queue_time.labels(model, tenant))
+        return m
+
+    def _outcome_counters(self, model: str, tenant: str, kind: str, reason: str) -> tuple[Any, ...]:
+        """The counters one job end of ``kind`` (its event's type) and ``reason`` (finish reason or error code)
+        adds one to."""
+        ended = self.tenant_ended.labels(model, tenant, kind)
+        if kind == "error":
+            return (self.failure.labels(model, reason), ended)
+        if kind == "done":
+            return (self.success.labels(model, reason), ended)
+        return (ended,)
 
     def step_timer(self, model: str) -> Callable[[float], None]:
         """What an engine calls (on its MLX thread) with each step's duration."""

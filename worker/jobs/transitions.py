@@ -259,7 +259,8 @@ end
 # {id, queue, "deferred" | "gone" | "poison"}, ...}.
 # Its cost with one tenant and no advertiser, beyond the jobs' own reads and writes: the backlog, the model's
 # share account and the tenant's policy (one read each), and per tenant queue one write each of the running
-# list, the queue, the deadlines and the three running counts (not one per started job).
+# list, the queue, the deadlines and the three running counts (not one per started job); their hashes' TTLs
+# only where a count starts from none (a running count's TTL is set again by each of its jobs' ends).
 _OUTRANK_READ = 128  # queue entries CLAIM looks through for a job that outranks a full engine
 _MEAN_WORK = 256  # tokens a tenant's job is assumed to cost before one of its jobs ends
 
@@ -568,12 +569,13 @@ while true do
         -- listed running, out of its queue and deadlines: written after the loop, once per tenant queue
         pick.ids[#pick.ids + 1] = id
         pick.rows[#pick.rows + 1] = id
-        pick.rows[#pick.rows + 1] = string.format('%d', score) .. ' ' .. queue
+        local listed = string.format('%d', score)
+        pick.rows[#pick.rows + 1] = listed .. ' ' .. queue
         pick.members[#pick.members + 1] = id .. '@' .. queue
         pick.run = pick.run + 1  -- counted at once for this call's next picks (the caps, the shares)
         running[pick.t] = running[pick.t] + 1
         local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
-        out[#out + 1] = {id, queue, 'started', string.format('%d', score), job, try, last and last[2][2] or false,
+        out[#out + 1] = {id, queue, 'started', listed, job, try, last and last[2][2] or false,
                          cancel and 1 or 0, outcome}
       else
         redis.call('ZADD', queue, now + tonumber(ARGV[4]), id)
@@ -597,17 +599,15 @@ for q = 4, #KEYS do  -- due jobs left behind: for lack of quota, a cap, the read
       each('ZREM', s.key, s.ids)
       each('ZREM', KEYS[3], s.members)
       if new > 0 then
-        redis.call('HINCRBY', m.share, s.t .. ':r', new)
-        redis.call('HINCRBY', m.share, '~r', new)
-        redis.call('HINCRBY', P .. ':tenants:running', s.t, new)
-        m.counted = true  -- its share hash and the running counts expire once, below
+        -- a count that starts here may have made its hash: it expires (once, below); a count running already
+        -- leaves the TTL as is (each of its jobs' end or hand-back sets it again, as EMIT and SWEEP count out)
+        if redis.call('HINCRBY', m.share, s.t .. ':r', new) == new then m.counted = true end
+        if redis.call('HINCRBY', m.share, '~r', new) == new then m.counted = true end
+        if redis.call('HINCRBY', P .. ':tenants:running', s.t, new) == new then counted = true end
       end
     end
   end
-  if m.counted then
-    counted = true
-    redis.call('EXPIRE', m.share, share_ttl)
-  end
+  if m.counted then redis.call('EXPIRE', m.share, share_ttl) end
 end
 if counted then redis.call('EXPIRE', P .. ':tenants:running', share_ttl) end
 out[2] = left
