@@ -4,9 +4,12 @@ A small model decodes a step in a millisecond or two; sending every step's token
 more CPU downstream (events, Redis, every subscriber parsing them) than the step itself, and that CPU comes
 out of the decode on a busy host. Holding tokens for a few milliseconds turns many one-token events into
 a few larger ones, as vLLM's and SGLang's ``stream_interval`` do, but by time instead of token count, so a
-slow model (a step longer than the interval) still streams every step. A request's start (the end of its
-time queued), its first token (its time to first token) and its finish are never held: a start held for the
-interval would wait for the next step to end, a whole step on a busy batch.
+slow model (a step longer than the interval) still streams every step. A request's first token (its time to
+first token) and its finish are never held. Its start is held like a token, and goes out with its first token
+(two or three steps later in mlx-lm's batch), one send where there would be two, but stamped when its step handed
+it over (``started_at``): its time queued ends there, not when the pacer sends it. (Sent at once, each admitting
+step's starts took a send of their own: a churn of short jobs made half again as many writes to Redis, and a
+job's end waited behind them.)
 
 A batch of many rows sends that many outputs per interval: with a ``rate``, the interval grows with the
 requests held so that no more than ``rate`` outputs a second go out (64 rows at 1,600 a second: every 40 ms),
@@ -29,10 +32,12 @@ class Pacer:
     It holds one merged output per request, so a push costs the same however long outputs have been held.
     """
 
-    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic, *, rate: float = 0.0) -> None:
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic, *, rate: float = 0.0,
+                 wall: Callable[[], float] = time.time) -> None:
         self.interval_s = interval_s
         self.rate = rate  # most outputs a second (0: no bound); the interval grows with the requests held
         self._clock = clock
+        self._wall = wall  # stamps starts (epoch seconds, as the jobs' enqueue times)
         self._held: dict[str, RequestOutput] = {}
         self._urgent: dict[str, None] = {}  # held requests to send now (an ordered set)
         self._last = clock()
@@ -58,13 +63,15 @@ class Pacer:
         (``flush``: everything)."""
         held = self._held
         for out in outs:
+            if out.started and not out.started_at:
+                out.started_at = self._wall()
             acc = held.get(out.rid)
             if acc is None:
                 held[out.rid] = out
             elif acc is not out:  # (the held output itself, written in place by the step: nothing to merge)
                 merge_into(acc, out)
-            if out.finish is not None or out.started or (out.token_ids and out.completion_tokens == len(out.token_ids)):
-                self._urgent[out.rid] = None  # its end, its start, or its first token (completion_tokens counts it)
+            if out.finish is not None or (out.token_ids and out.completion_tokens == len(out.token_ids)):
+                self._urgent[out.rid] = None  # its end, or its first token (completion_tokens counts it)
         now = self._clock()
         if flush or now - self._last >= self.interval():
             self._last = now

@@ -146,6 +146,7 @@ class RequestOutput:
     reasoning: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token of ``token_ids``, when asked
     calls: list[str] = field(default_factory=list)
+    started_at: float = 0.0  # with ``started``: when its step handed it over (epoch s; the pacer stamps it)
 
 
 def terminal(rid: str, reason: FinishReason, generated: int, code: ErrorCode | None = None,
@@ -170,7 +171,7 @@ def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
             merged[out.rid] = RequestOutput(
                 out.rid, list(out.token_ids), out.text, out.started, out.prompt_tokens,
                 out.completion_tokens, out.finish, out.error_code, out.error_message, out.stop_sequence,
-                out.reasoning, list(out.logprobs), list(out.calls),
+                out.reasoning, list(out.logprobs), list(out.calls), out.started_at,
             )
         else:
             merge_into(acc, out)
@@ -193,6 +194,7 @@ def merge_into(acc: RequestOutput, out: RequestOutput) -> None:
     if out.finish is None and not out.started:  # a plain decode step: the common case, per token
         return
     acc.started = acc.started or out.started
+    acc.started_at = acc.started_at or out.started_at
     acc.prompt_tokens = acc.prompt_tokens or out.prompt_tokens
     acc.finish, acc.error_code, acc.error_message = out.finish, out.error_code, out.error_message
     acc.stop_sequence = out.stop_sequence

@@ -1,4 +1,5 @@
-"""The Pacer: step outputs held up to an interval and merged per request; starts, first tokens and ends never held."""
+"""The Pacer: step outputs held up to an interval and merged per request; first tokens and ends never held, starts
+stamped when their step handed them over."""
 
 from __future__ import annotations
 
@@ -30,16 +31,18 @@ def test_zero_interval_passes_every_step_through() -> None:
     assert not pacer.holding
 
 
-def test_start_and_first_token_go_out_at_once_later_ones_wait_for_the_interval() -> None:
-    clock = Clock()
-    pacer = Pacer(0.010, clock)
+def test_start_waits_for_the_first_token_stamped_when_its_step_ended_later_tokens_wait_for_the_interval() -> None:
+    clock, wall = Clock(), Clock()
+    wall.now = 1_700_000_000.0
+    pacer = Pacer(0.010, clock, wall=wall)
     pacer.push([token("b", 1, 1)])  # another request's send: the interval starts again
     started = RequestOutput("a", started=True, prompt_tokens=5)  # admission: no token yet
-    (start,) = pacer.push([started])  # its time queued ends now, not with the next step's send
-    assert (start.started, start.prompt_tokens, start.token_ids) == (True, 5, [])
-    assert pacer.holding is False
+    assert pacer.push([started]) == []  # held: it goes out with the first token, in one send
+    assert started.started_at == 1_700_000_000.0  # ... but its time queued ended here
+    wall.now += 0.002  # two steps later
     (first,) = pacer.push([token("a", 7, 1)])
-    assert (first.started, first.token_ids) == (False, [7])
+    assert (first.started, first.prompt_tokens, first.token_ids) == (True, 5, [7])
+    assert first.started_at == 1_700_000_000.0
     clock.now += 0.003
     assert pacer.push([token("a", 8, 2)]) == []
     clock.now += 0.003
@@ -105,7 +108,7 @@ def test_a_step_writing_into_the_held_outputs_sends_what_merging_its_own_sends()
     def sent(in_place: bool) -> list[list[tuple[object, ...]]]:
         clock = Clock()
         sched = scheduler(ToyBatch(), capacity=4)
-        pacer = Pacer(0.010, clock)
+        pacer = Pacer(0.010, clock, wall=clock)
         for rid, n in (("a", 9), ("b", 3), ("c", 12)):
             sched.add(req(rid, 3, max_tokens=n))
         batches = []

@@ -8,6 +8,7 @@ import json
 import time
 from typing import Any
 
+import pytest
 import redis.asyncio as aredis
 
 from mlxq.api.jobrecord import JOB_FUNCTION, job_record, read_job
@@ -409,6 +410,21 @@ def test_a_run_numbers_its_events_and_builds_each_kind() -> None:
     assert isinstance(evs[0], StartEvent) and evs[0].prompt_tokens == 5
     assert TokenEvent.model_validate_json(evs[2].model_dump_json()).index == 1
     assert isinstance(evs[-1], DoneEvent) and evs[-1].usage.completion_tokens == 2
+
+
+def test_a_runs_time_queued_ends_when_the_step_that_admitted_it_ended_not_when_its_start_was_sent() -> None:
+    from mlxq.worker.translate import output_events
+
+    async def build() -> list[Any]:
+        job = run("r-2")  # enqueued at 1_700_000_000.250
+        # the pacer held the start for its first token, two steps later: one output carries both
+        out = RequestOutput("r-2", [7], "x", started=True, prompt_tokens=5, completion_tokens=1,
+                            started_at=1_700_000_000.500)
+        return [*output_events(out, job, "w1"), job.done(FinishReason.LENGTH)]
+
+    start, _, done = asyncio.run(build())
+    assert isinstance(start, StartEvent) and isinstance(done, DoneEvent)
+    assert done.timings.queue_ms == pytest.approx(250.0)
 
 
 # --- expiry of queued jobs -------------------------------------------------------------------------------

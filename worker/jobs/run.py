@@ -122,11 +122,11 @@ class Run:
         if not self.finished.done():
             self.finished.set_result(state)
 
-    def start(self, prompt_tokens: int, worker: str) -> StartEvent:
-        """The engine admitted the job."""
+    def start(self, prompt_tokens: int, worker: str, at: float = 0.0) -> StartEvent:
+        """The engine admitted the job: the step that did ended ``at`` (epoch s; 0: now)."""
         self.prompt_tokens = prompt_tokens
         if self.admitted_at is None:
-            self.admitted_at = time.time()
+            self.admitted_at = at or time.time()
         return StartEvent(id=self.rid, seq=self._next(), model=self.model, worker=worker,
                           prompt_tokens=prompt_tokens, attempt=self.attempt)
 
