@@ -223,8 +223,5 @@ class ReuseCaches:
             stats.prefix_cache_bytes, stats.prefix_cache_entries = p.nbytes, len(p)
             disk = p.disk_counts()
             if disk is not None:
-                stats.prefix_disk_hits, stats.prefix_disk_misses = disk.hits, disk.misses
-                stats.prefix_disk_errors, stats.prefix_disk_writes = disk.errors, disk.writes
-                stats.prefix_disk_dropped = disk.dropped
-                stats.prefix_disk_bytes, stats.prefix_disk_entries = disk.bytes, disk.entries
+                stats.take_disk(disk)
 

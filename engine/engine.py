@@ -189,6 +189,15 @@ class Engine:
         """Its preempted requests, waiting to resume (thread-safe; as of the last step)."""
         return self.scheduler.room.paused
 
+    def counters(self) -> EngineStats:
+        """Its counters, the disk tier's as of now (thread-safe): the tier's threads count on their own, and a step
+        copies their counts in, so an idle engine's would stay as they were at its last step."""
+        prefix = self.scheduler.prefix_cache
+        disk = prefix.disk_counts() if prefix is not None else None
+        if disk is not None:
+            self.stats.take_disk(disk)
+        return self.stats
+
     @property
     def prefix_min_tokens(self) -> int | None:
         """The shortest prompt its prefix cache stores (None: no prefix cache)."""

@@ -1,11 +1,16 @@
 """The engine's counters, in one record a benchmark, a stats line or a metrics endpoint reads.
 
-The engine thread writes them; other threads only read (each field is one int, read whole).
+The engine thread writes them; other threads read them (each field is one int, read whole), and copy in the disk
+tier's counts (``take_disk``: the tier's own, so every writer writes the same).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .backend import DiskCounts
 
 __all__ = ["EngineStats"]
 
@@ -47,3 +52,10 @@ class EngineStats:
     spec_drafted: int = 0  # tokens proposed to rows that could take them
     spec_accepted: int = 0  # of those, tokens the target agreed with
     spec_k: int = 0  # tokens proposed per row at the last step (0: it decoded plainly)
+
+    def take_disk(self, disk: DiskCounts) -> None:
+        """The disk tier's counters as of now."""
+        self.prefix_disk_hits, self.prefix_disk_misses = disk.hits, disk.misses
+        self.prefix_disk_errors, self.prefix_disk_writes = disk.errors, disk.writes
+        self.prefix_disk_dropped = disk.dropped
+        self.prefix_disk_bytes, self.prefix_disk_entries = disk.bytes, disk.entries

@@ -310,7 +310,7 @@ def _services(host: WorkerHost) -> list[tuple[str, Any]]:
 
 
 def _engine(service: Any, name: str) -> int:
-    return int(getattr(service.engine.stats, name)) if service.engine is not None else 0
+    return int(getattr(service.engine.counters(), name)) if service.engine is not None else 0
 
 
 def _counter(name: str, doc: str, by_model: dict[str, int]) -> CounterMetricFamily:

@@ -164,7 +164,7 @@ class ModelService:
     def status(self, tokens_per_s: float) -> ModelStatus:
         """Its part of the worker's health record."""
         running = self.engine.scheduler.num_running if self.engine is not None else 0
-        stats = self.engine.stats if self.engine is not None else None
+        stats = self.engine.counters() if self.engine is not None else None
         counters = {f: getattr(stats, name) for f, name in _RECORD_STATS} if stats is not None else {}
         model = self.model
         return ModelStatus(name=self.name, state=self.state, capacity=self.config.capacity, running=running,
