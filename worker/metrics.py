@@ -190,6 +190,9 @@ class _HostCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         h = self.host
         p = h.runs.stats
+        for _, service in _services(h):  # the disk tier's counts as of this scrape, read once for all its metrics
+            if service.engine is not None:
+                service.engine.counters()
         yield _counter("mlxq:engine_steps", "Engine steps.", {n: _engine(s, "steps") for n, s in _services(h)})
         yield _counter("mlxq:engine_failures", "Engine steps that failed (their jobs got engine_error).",
                        {n: _engine(s, "failures") for n, s in _services(h)})
@@ -310,7 +313,7 @@ def _services(host: WorkerHost) -> list[tuple[str, Any]]:
 
 
 def _engine(service: Any, name: str) -> int:
-    return int(getattr(service.engine.counters(), name)) if service.engine is not None else 0
+    return int(getattr(service.engine.stats, name)) if service.engine is not None else 0
 
 
 def _counter(name: str, doc: str, by_model: dict[str, int]) -> CounterMetricFamily:
