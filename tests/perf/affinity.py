@@ -143,18 +143,32 @@ class _Fleet:
             w.stop()
 
 
-async def _turn(c: Client, messages: list[dict[str, str]], plan: Plan, key: str | None) -> tuple[str, str, float, int]:
-    rid = await c.submit(model="m", messages=messages, max_tokens=plan.max_tokens, prompt_cache_key=key)
-    worker, text = "", []
+@dataclass(frozen=True, slots=True)
+class TurnOut:
+    """One chat job followed to its end."""
+
+    worker: str
+    text: str
+    ttft_ms: float  # the worker's: enqueue to the first token published
+    client_ttft_ms: float  # submit to the first token event, at the client
+    prompt_tokens: int
+
+
+async def turn(c: Client, messages: list[dict[str, str]], max_tokens: int, key: str | None = None) -> TurnOut:
+    """Submit one chat job (greedy) and follow it to its end; a failed job raises."""
+    t0 = time.perf_counter()
+    rid = await c.submit(model="m", messages=messages, max_tokens=max_tokens, prompt_cache_key=key)
+    worker, text, first = "", [], 0.0
     async for ev in c.events(rid, timeout=900):
         if isinstance(ev, StartEvent):
             worker = ev.worker
         elif isinstance(ev, TokenEvent):
+            first = first or (time.perf_counter() - t0) * 1000
             text.append(ev.text)
         elif isinstance(ev, ErrorEvent):
             raise RuntimeError(f"job {rid} failed: {ev.code.value}: {ev.message}")
         elif isinstance(ev, DoneEvent):
-            return worker, "".join(text), ev.timings.ttft_ms or 0.0, ev.usage.prompt_tokens
+            return TurnOut(worker, "".join(text), ev.timings.ttft_ms or 0.0, first, ev.usage.prompt_tokens)
     raise RuntimeError(f"job {rid}: no end")
 
 
@@ -166,7 +180,8 @@ async def _conversation(c: Client, i: int, system: str, plan: Plan, own_keys: bo
         messages.append({"role": "user", "content": f"Question {k} of conversation {i}: what is a "
                                                     f"{_WORDS[(i + k) % len(_WORDS)]}?"})
         key = uuid.uuid4().hex if own_keys else None
-        worker, answer, ttft, prompt = await _turn(c, messages, plan, key)
+        out = await turn(c, messages, plan.max_tokens, key)
+        worker, answer, ttft, prompt = out.worker, out.text, out.ttft_ms, out.prompt_tokens
         setup.turns.append(Turn(i, k, worker, ttft, prompt))
         messages.append({"role": "assistant", "content": answer})
 

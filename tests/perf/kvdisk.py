@@ -36,9 +36,14 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.perf.affinity import TurnOut
 
 __all__ = ["main"]
 
@@ -366,33 +371,20 @@ def _second(first: list[dict[str, str]], answer: str) -> list[dict[str, str]]:
     return [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And what does not?"}]
 
 
-async def _timed(url: str, prefix: str, plan: Plan, messages: list[dict[str, str]]) -> tuple[str, float, float, int]:
-    """One greedy job: (its text, submit → first token event ms at the client, the worker's TTFT ms, prompt
-    tokens)."""
+async def _timed(url: str, prefix: str, plan: Plan, messages: list[dict[str, str]]) -> TurnOut:
+    """One greedy job of the restart phase, followed to its end."""
     from mlxq.api.client import Client
-    from mlxq.api.schema import DoneEvent, ErrorEvent, TokenEvent
+    from tests.perf.affinity import turn
 
-    text: list[str] = []
-    first = 0.0
     async with Client(url, prefix=prefix, retry_deadline=30) as client:
-        t0 = time.perf_counter()
-        async for ev in client.submit_and_follow(model="m", messages=messages, max_tokens=plan.restart_max_tokens,
-                                                 temperature=0.0, timeout=900):
-            if isinstance(ev, TokenEvent):
-                first = first or (time.perf_counter() - t0) * 1000
-                text.append(ev.text)
-            elif isinstance(ev, ErrorEvent):
-                raise RuntimeError(f"job failed: {ev.code.value}: {ev.message}")
-            elif isinstance(ev, DoneEvent):
-                return "".join(text), first, ev.timings.ttft_ms or 0.0, ev.usage.prompt_tokens
-    raise RuntimeError("the job's events ended before its done event")
+        return await turn(client, messages, plan.restart_max_tokens)
 
 
 def _wait_on_disk(kv_dir: Path, timeout: float = 120.0) -> int:
     """Poll ``kv_dir`` until an entry is on disk (the first turn's: its system prompt's checkpoint waits 5 s, and
-    the turn's entry supersedes it); returns how many are. A file gets an entry's name only once written whole.
-    Not the health record's ``writes``: the engine copies the tier's counters into its stats only when it steps,
-    and after the turn it is idle, so the record does not count the write yet."""
+    the turn's entry supersedes it); returns how many are. A file gets an entry's name only once written whole:
+    what a kill -9 leaves is what the directory shows, seen at once (the health record's ``writes`` counts it at
+    the next beat)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if n := len(list(kv_dir.rglob("*.kv.safetensors"))):
@@ -433,16 +425,24 @@ class _Start:
         return self.proc.proc.pid
 
 
+@contextmanager
+def _scratch(out: Path) -> Iterator[tuple[Path, str]]:
+    """A KV directory of its own (removed after) and a Redis prefix of its own."""
+    kv_dir = Path(tempfile.mkdtemp(prefix="mlxq-kvrestart-", dir=out))
+    try:
+        yield kv_dir, f"mlxq-bench-kvrestart-{uuid.uuid4().hex[:6]}"
+    finally:
+        shutil.rmtree(kv_dir, ignore_errors=True)
+
+
 def _restarted(url: str, model: str, plan: Plan, out: Path, mode: str,
                first: list[dict[str, str]]) -> tuple[Turn2, str]:
     """Turn 1 on a worker with the tier on, that worker stopped (``mode``), turn 2 on a fresh one on the same
     directory: (turn 2, turn 1's answer)."""
-    kv_dir = Path(tempfile.mkdtemp(prefix="mlxq-kvrestart-", dir=out))
-    prefix = f"mlxq-bench-kvrestart-{uuid.uuid4().hex[:6]}"
-    try:
+    with _scratch(out) as (kv_dir, prefix):
         one = _Start(url, prefix, model, plan, out, kv_dir, True, f"{mode}-first")
         try:
-            answer = asyncio.run(_timed(url, prefix, plan, first))[0]
+            answer = asyncio.run(_timed(url, prefix, plan, first)).text
             written = _wait_on_disk(kv_dir)
             if mode == "sigterm":
                 code = one.proc.stop(timeout=120)
@@ -453,28 +453,22 @@ def _restarted(url: str, model: str, plan: Plan, out: Path, mode: str,
             one.proc.kill()
         two = _Start(url, prefix, model, plan, out, kv_dir, True, f"{mode}-second")
         try:
-            text, ttft, worker_ttft, prompt = asyncio.run(_timed(url, prefix, plan, _second(first, answer)))
+            t = asyncio.run(_timed(url, prefix, plan, _second(first, answer)))
             hits = _disk_hits(url, prefix, two.pid)
         finally:
             two.proc.stop()
-    finally:
-        shutil.rmtree(kv_dir, ignore_errors=True)
-    return Turn2(mode, prompt, written, code, two.ready_s, ttft, worker_ttft, hits, text), answer
+    return Turn2(mode, t.prompt_tokens, written, code, two.ready_s, t.client_ttft_ms, t.ttft_ms, hits, t.text), answer
 
 
 def _cold(url: str, model: str, plan: Plan, out: Path, messages: list[dict[str, str]]) -> Turn2:
     """Turn 2 on a fresh worker with the tier off: nothing cached anywhere."""
-    kv_dir = Path(tempfile.mkdtemp(prefix="mlxq-kvrestart-", dir=out))
-    prefix = f"mlxq-bench-kvrestart-{uuid.uuid4().hex[:6]}"
-    try:
+    with _scratch(out) as (kv_dir, prefix):
         w = _Start(url, prefix, model, plan, out, kv_dir, False, "cold")
         try:
-            text, ttft, worker_ttft, prompt = asyncio.run(_timed(url, prefix, plan, messages))
+            t = asyncio.run(_timed(url, prefix, plan, messages))
         finally:
             w.proc.stop()
-    finally:
-        shutil.rmtree(kv_dir, ignore_errors=True)
-    return Turn2("cold", prompt, 0, None, w.ready_s, ttft, worker_ttft, 0, text)
+    return Turn2("cold", t.prompt_tokens, 0, None, w.ready_s, t.client_ttft_ms, t.ttft_ms, 0, t.text)
 
 
 def restart(plan: Plan, model: str, out: Path) -> list[Turn2]:
