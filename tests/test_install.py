@@ -11,6 +11,8 @@ import subprocess
 import sys
 import sysconfig
 import venv
+import zipfile
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +75,11 @@ def test_the_environment_sees_the_running_environments_packages_not_the_base_int
 
 
 def test_the_wheel_installs_everything_under_one_name(installed: Path) -> None:
-    import zipfile
-
     (wheel,) = (installed.parent.parent.parent / "wheels").glob("mlxq-*.whl")
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert tops == {"mlxq", "mlxq-0.1.0.dist-info"}
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "mlxq/__init__.py" in names and not [n for n in names if "_root" in n]  # api/_root/ is mlxq itself
 
 
 async def test_an_app_with_its_own_api_package_imports_the_client_and_runs_a_job(
@@ -98,3 +100,65 @@ async def test_an_app_with_its_own_api_package_imports_the_client_and_runs_a_job
     assert first == "widget app-api app-engine app-worker 5 length"
     assert Path(where).is_relative_to(installed.parent.parent)  # the wheel's copy, not this checkout's
     assert loaded == "[]"  # a producer: no arq, no MLX
+
+
+PRODUCER = r"""
+import importlib.util, sys
+sys.path.insert(0, sys.argv[1])
+elsewhere = [name for name in ("mlx", "mlx_lm", "arq", "starlette") if importlib.util.find_spec(name)]
+import mlxq
+from mlxq import *
+from mlxq import GenerateRequest
+GenerateRequest(model="tiny", prompt="Hello")
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in {"arq", "mlx", "mlx_lm", "mlx_vlm"}
+                or m.startswith(("mlxq.engine", "mlxq.worker")))
+print(elsewhere, [name for name in mlxq.__all__ if name not in globals()], loaded, mlxq.__file__, sep="\n")
+"""
+
+
+def _needed(requires: list[str]) -> list[metadata.Distribution]:
+    """The distributions ``requires`` needs, transitively (with their extras), as the running environment holds
+    them."""
+    from packaging.requirements import Requirement
+
+    found: dict[str, metadata.Distribution] = {}
+    seen: set[tuple[str, str]] = set()
+    todo = [(line, "") for line in requires]
+    while todo:
+        line, extra = todo.pop()
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate({"extra": extra}):
+            continue
+        dist = found.setdefault(req.name.lower(), metadata.distribution(req.name))
+        for wanted in ("", *req.extras):
+            if (req.name.lower(), wanted) not in seen:
+                seen.add((req.name.lower(), wanted))
+                todo.extend((line, wanted) for line in dist.requires or [])
+    return list(found.values())
+
+
+@pytest.fixture(scope="module")
+def producer_site(installed: Path) -> Path:
+    """One folder holding the wheel and what its dependencies (no extra) need, linked from the running
+    environment, and nothing else: run with ``python -I -S`` it is a producer host's environment."""
+    site = installed.parent.parent.parent / "producer"
+    (wheel,) = (installed.parent.parent.parent / "wheels").glob("mlxq-*.whl")
+    zipfile.ZipFile(wheel).extractall(site)
+    for dist in _needed(metadata.PathDistribution(site / "mlxq-0.1.0.dist-info").requires or []):
+        tops = {Path(str(f)).parts[0] for f in dist.files or []} - {"..", "__pycache__"}
+        for top in tops:
+            if not (site / top).exists():
+                (site / top).symlink_to(Path(str(dist.locate_file(top))))
+    return site
+
+
+def test_every_documented_name_imports_where_only_the_producer_dependencies_are_installed(
+        producer_site: Path) -> None:
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", PRODUCER, str(producer_site)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    reachable, missing, loaded, where = proc.stdout.strip().splitlines()
+    assert reachable == "[]"  # the environment has no MLX, arq or gateway to load
+    assert missing == "[]"  # every name of mlxq.__all__ came with the star import
+    assert loaded == "[]"
+    assert Path(where).is_relative_to(producer_site)

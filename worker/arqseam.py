@@ -10,17 +10,28 @@ Claiming, running and ending a job are mlxq's own (worker/jobs/). What crosses t
 - **Wake-ups**: :func:`wake` makes the poll look at the queue now.
 - **Stop signals**: arq's handlers call :attr:`WorkerSpec.on_stop_signal`, its ``close``
   :attr:`WorkerSpec.on_closed`.
+
+**Why a patch, not a subclass.** ``arq mlxq.worker.Settings`` is how a worker runs, and arq's CLI builds the
+Worker itself: ``cli`` calls ``run_worker`` -> ``create_worker``, which is ``Worker(**get_kwargs(settings))``,
+``get_kwargs`` keeping only the settings that name one of ``Worker.__init__``'s parameters; no setting names
+another class, and the instance is reached by no hook before its ``main`` runs (``on_startup`` gets only ``ctx``;
+the signal handlers are bound in ``__init__``). So :func:`_install` replaces ``Worker._poll_iteration``,
+``main``, ``close``, the two signal handlers, and the ``poll`` that ``Worker.main`` reads from its module, on
+arq's class, once. Each replacement serves only mlxq's workers, those whose ``ctx`` holds the
+:class:`WorkerSpec` that :func:`worker_kwargs` puts there (:func:`_spec_of`), and hands any other Worker to
+arq's own method unchanged: a plain arq worker in the same process keeps arq's behaviour (a test holds it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import enum
 import logging
 import signal
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -241,13 +252,20 @@ def host_of(worker: arq.worker.Worker) -> Host | None:
     return host
 
 
+def _spec_of(worker: arq.worker.Worker) -> WorkerSpec | None:
+    """What makes ``worker`` one of mlxq's (:func:`worker_kwargs` put it in its ``ctx``); None for any other
+    arq Worker, which each patched method hands to arq's own."""
+    spec = worker.ctx.get(_SPEC)
+    return spec if isinstance(spec, WorkerSpec) else None
+
+
 _arq_poll_iteration = arq.worker.Worker._poll_iteration
 
 
 async def _poll_iteration(self: arq.worker.Worker) -> None:
-    """``Worker._poll_iteration`` for a worker with a host: claim up to the free slots from the host's queues."""
+    """``Worker._poll_iteration`` for an mlxq worker: claim up to the free slots from its host's queues."""
     host = host_of(self)
-    if host is None:
+    if _spec_of(self) is None or host is None:  # not mlxq's, or (never, as arq runs on_startup first) no host yet
         return await _arq_poll_iteration(self)
     free = self.max_jobs - self.job_counter
     if self.allow_pick_jobs and free > 0:
@@ -312,8 +330,30 @@ def _wake_event() -> asyncio.Event:
 
 
 def wake() -> None:
-    """Make every arq poll loop on this event loop look at its queue now."""
+    """Make every mlxq worker's poll loop on this event loop look at its queue now."""
     _wake_event().set()
+
+
+_arq_poll = arq.worker.poll
+_in_mlxq_main: contextvars.ContextVar[bool] = contextvars.ContextVar("mlxq_main", default=False)
+
+
+def _poll(step: float = 0.5) -> AsyncGenerator[float, None]:
+    """``arq.worker.poll`` as ``Worker.main`` reads it: the wakeable poll in an mlxq worker's main (its task's
+    context says so: :func:`_wakeable_polls`), arq's own in any other Worker's."""
+    return _wakeable_poll(step) if _in_mlxq_main.get() else _arq_poll(step)
+
+
+@contextlib.contextmanager
+def _wakeable_polls() -> Iterator[None]:
+    """Within it, ``Worker.main`` running in this task (an mlxq worker's, :func:`_main`) polls with
+    :func:`_wakeable_poll`; a context variable, so another Worker's main task, which never runs in this one's
+    context, keeps arq's poll."""
+    token = _in_mlxq_main.set(True)
+    try:
+        yield
+    finally:
+        _in_mlxq_main.reset(token)
 
 
 async def _wakeable_poll(step: float = 0.5) -> AsyncGenerator[float, None]:
@@ -351,7 +391,7 @@ _STOPS = (signal.SIGTERM, signal.SIGINT)  # arq's close() also calls the handler
 
 def _signalled(handler: Callable[[arq.worker.Worker, Any], None]) -> Callable[[arq.worker.Worker, Any], None]:
     def handle(self: arq.worker.Worker, signum: Any) -> None:
-        spec: WorkerSpec | None = self.ctx.get(_SPEC)
+        spec = _spec_of(self)
         if spec is not None and signum in _STOPS:
             spec.on_stop_signal(self._job_completion_wait)
         handler(self, signum)
@@ -368,7 +408,7 @@ async def _main(self: arq.worker.Worker) -> None:
     """arq's main loop; for an mlxq worker, Redis staying unreachable (at start past ``connect_deadline_s``, or
     past the retries later) ends it with one line and exit status 69 for the supervisor, instead of a traceback
     (at DEBUG, with it)."""
-    spec: WorkerSpec | None = self.ctx.get(_SPEC)
+    spec = _spec_of(self)
     if spec is None:
         return await _arq_main(self)
     debug = log.isEnabledFor(logging.DEBUG)
@@ -383,7 +423,8 @@ async def _main(self: arq.worker.Worker) -> None:
         if sentinel_url(spec.redis_url) is not None:
             self._pool = _sentinel_pool(self, spec.redis_url)
     try:
-        await _arq_main(self)
+        with _wakeable_polls():
+            await _arq_main(self)
     except (RedisError, OSError) as exc:
         log.error("worker stopping: Redis at %s unreachable: %s", redact(spec.redis_url), exc, exc_info=debug)
         raise SystemExit(REDIS_UNAVAILABLE_EXIT) from None
@@ -419,19 +460,21 @@ _arq_close = arq.worker.Worker.close
 
 
 async def _close(self: arq.worker.Worker) -> None:
+    """arq's ``close``; then, for an mlxq worker, :attr:`WorkerSpec.on_closed`."""
     await _arq_close(self)
-    spec: WorkerSpec | None = self.ctx.get(_SPEC)
+    spec = _spec_of(self)
     if spec is not None:
         spec.on_closed()
 
 
 def _install() -> None:
-    """Plug the claim, the wakeable poll and the stop hooks into arq (idempotent; other Workers keep arq's)."""
+    """Plug the claim, the wakeable poll and the stop hooks into arq's Worker class (idempotent): the module
+    docstring says why a patch; each replacement hands a Worker that is not mlxq's to arq's own."""
     worker = arq.worker.Worker
     if getattr(worker, "_mlxq", False):
         return
     worker._poll_iteration = _poll_iteration  # type: ignore[method-assign]
-    arq.worker.poll = _wakeable_poll  # type: ignore[attr-defined]  # Worker.main reads it from the module
+    arq.worker.poll = _poll  # type: ignore[attr-defined]  # Worker.main reads it from the module
     for name in ("handle_sig", "handle_sig_wait_for_completion"):
         setattr(worker, name, _signalled(getattr(worker, name)))
     worker.close = _close  # type: ignore[method-assign]

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+import arq.utils
+import arq.worker
 import pytest
 import redis.asyncio as aredis
 from arq.connections import RedisSettings, create_pool
@@ -21,8 +25,20 @@ from tests.support import config_with, start_worker
 QUEUE = "plain-arq:queue"
 
 
-async def test_a_plain_arq_worker_in_the_same_process_keeps_arqs_own_claim_and_run(redis_url: str,
-                                                                                    worker: Any) -> None:
+async def test_a_plain_arq_worker_in_the_same_process_keeps_arqs_own_claim_and_run(
+        redis_url: str, worker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert getattr(Worker, "_mlxq", False)  # the seam is applied to arq's class (the mlxq worker runs beside)
+    polls: list[tuple[str, float]] = []  # which poll each Worker.main started from now on took, and its step
+
+    def spy(name: str, poll: Callable[[float], AsyncGenerator[float, None]]) -> None:
+        def record(step: float = 0.5) -> AsyncGenerator[float, None]:
+            polls.append((name, step))
+            return poll(step)
+
+        monkeypatch.setattr(arqseam, name, record)
+
+    spy("_arq_poll", arqseam._arq_poll)
+    spy("_wakeable_poll", arqseam._wakeable_poll)
     runs: list[str] = []
 
     async def job(ctx: dict[str, Any], n: int) -> int:
@@ -38,11 +54,28 @@ async def test_a_plain_arq_worker_in_the_same_process_keeps_arqs_own_claim_and_r
         jobs = [await producer.enqueue_job("job", i, _job_id=f"plain-{i}", _queue_name=QUEUE) for i in range(5)]
         assert [await j.result(timeout=30) for j in jobs if j is not None] == [0, 2, 4, 6, 8]
         assert sorted(runs) == [f"plain-{i}" for i in range(5)] and plain.jobs_complete == 5
+        assert polls == [("_arq_poll", 0.05)]  # arq's own poll: mlxq's wake-ups do not reach it
+        assert arqseam._spec_of(plain) is None and arqseam._spec_of(worker.worker) is not None
+        plain.handle_sig_wait_for_completion(signal.SIGTERM)  # arq's drain, and none of mlxq's stop hooks
+        assert not plain.allow_pick_jobs and not worker.host.draining
     finally:
         await plain.close()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await producer.aclose()
+
+
+async def test_the_poll_arq_reads_is_the_wakeable_one_only_inside_an_mlxq_workers_main() -> None:
+    arqseam._install()
+    assert arq.worker.poll is arqseam._poll
+    outside = arqseam._poll(1.0)
+    with arqseam._wakeable_polls():
+        inside = arqseam._poll(1.0)
+    after = arqseam._poll(1.0)
+    assert outside.ag_code is arq.utils.poll.__code__ and after.ag_code is arq.utils.poll.__code__
+    assert inside.ag_code is arqseam._wakeable_poll.__code__
+    for gen in (outside, inside, after):
+        await gen.aclose()
 
 
 def test_an_unsupported_arq_version_fails_at_import_with_a_clear_message() -> None:

@@ -1,8 +1,5 @@
-"""The wire schema: one generation request and the events a job emits, shared by producer and worker.
-
-Everything that crosses Redis is one of these pydantic models serialized as JSON (never pickle).
-Events form one discriminated union on ``type``; each carries the request id and a per-request
-sequence number ``seq`` (0, 1, 2, ...) so subscribers can merge live pub/sub with the replay log.
+"""The wire schema's requests: one generation job as a producer submits it (:class:`GenerateRequest`), its
+messages, content parts, tools and response formats, and the hard bounds no deployment accepts past.
 """
 
 from __future__ import annotations
@@ -10,23 +7,35 @@ from __future__ import annotations
 import base64
 import json
 import uuid
-from enum import Enum
-from json.encoder import encode_basestring  # type: ignore[attr-defined]  # the C string escaper
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
-    "EVENTS",
+    "DEFAULT_TENANT",
+    "MAX_CACHE_KEY_CHARS",
+    "MAX_CONTENT_PARTS",
+    "MAX_EXPIRY_S",
+    "MAX_FORMAT_CHARS",
+    "MAX_IMAGES",
+    "MAX_IMAGE_URL_CHARS",
+    "MAX_MESSAGES",
+    "MAX_METADATA_ITEMS",
+    "MAX_PROMPT_CHARS",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "MAX_TOKENS_CEILING",
+    "MAX_TOOLS",
+    "MAX_TOOLS_CHARS",
+    "MAX_TOOL_CALLS",
+    "MAX_TOP_LOGPROBS",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
+    "REQUEST_ID_PATTERN",
+    "TENANT_PATTERN",
+    "TOOL_NAME_PATTERN",
     "ChatMessage",
     "ContentPart",
-    "DoneEvent",
-    "ErrorCode",
-    "ErrorEvent",
-    "Event",
-    "FinishReason",
     "FunctionCall",
     "FunctionDef",
     "GenerateRequest",
@@ -36,29 +45,17 @@ __all__ = [
     "JSONObjectFormat",
     "JSONSchemaFormat",
     "JSONSchemaSpec",
-    "ModelState",
-    "ModelStatus",
     "NamedToolChoice",
     "RegexFormat",
-    "ResetEvent",
     "ResponseFormat",
-    "StartEvent",
     "TextFormat",
     "TextPart",
-    "Timings",
-    "TokenEvent",
-    "TokenLogprob",
     "Tool",
     "ToolCall",
     "ToolChoice",
-    "TopLogprob",
-    "Usage",
-    "WorkerStatus",
-    "decode_event",
     "image_data_url",
     "job_bytes_limit",
     "new_request_id",
-    "token_event_json",
 ]
 
 # Hard schema bounds: what no deployment accepts. Worker config applies tighter, model-aware limits.
@@ -89,26 +86,6 @@ def new_request_id() -> str:
     """A fresh request id (uuid4 hex); it is also the arq job id. Never reuse one."""
     return uuid.uuid4().hex
 
-
-class FinishReason(str, Enum):
-    """Why a sequence ended without an error."""
-
-    STOP = "stop"  # EOS token or a stop string
-    LENGTH = "length"  # max_tokens reached
-    CANCELLED = "cancelled"  # a client cancelled it
-    TOOL_CALLS = "tool_calls"  # the model called tools (the done event's tool_calls), then stopped
-
-
-class ErrorCode(str, Enum):
-    """Machine-readable error codes carried by :class:`ErrorEvent`."""
-
-    BAD_REQUEST = "bad_request"  # the job can never succeed as sent
-    TIMEOUT = "timeout"  # the job ran past its deadline
-    ENGINE_ERROR = "engine_error"  # the engine failed while this job was in flight
-    WORKER_LOST = "worker_lost"  # the worker running it died and no tries remain
-    DATA_LOST = "data_lost"  # Redis lost the job's data while it ran (restarted without persistence, flushed)
-    EXPIRED = "expired"  # it was still queued when its expiry passed (no worker took it in time)
-    INTERNAL = "internal"  # a bug: the message says what
 
 
 class TextPart(BaseModel):
@@ -435,207 +412,3 @@ def job_bytes_limit(max_payload_bytes: int, max_images: int, max_image_bytes: in
     So an image job fits, and no job can hold more than this of Redis."""
     return max_payload_bytes + max_images * (4 * -(-max_image_bytes // 3) + 64)
 
-
-class Usage(BaseModel):
-    """Token counts of one finished job."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    prompt_tokens: int
-    completion_tokens: int
-
-
-class Timings(BaseModel):
-    """Where a job's time went, in milliseconds (``tokens_per_s`` is completion tokens over decode time)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    queue_ms: float  # enqueue -> the engine admitted it
-    ttft_ms: float | None  # enqueue -> first token published (None if no token was made)
-    total_ms: float  # enqueue -> terminal event
-    tokens_per_s: float | None
-
-
-class _EventBase(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    id: str
-    seq: int = Field(ge=0)
-
-
-class StartEvent(_EventBase):
-    """The engine admitted the job; ``prompt_tokens`` is the tokenized prompt length."""
-
-    type: Literal["start"] = "start"
-    model: str
-    worker: str
-    prompt_tokens: int
-    attempt: int = 1
-
-
-class TopLogprob(BaseModel):
-    """One of the most likely tokens at a generated token's place: its id, log-probability and text."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    token: int
-    logprob: float
-    text: str = ""
-
-
-class TokenLogprob(BaseModel):
-    """A generated token's log-probability and text, and the most likely tokens at its place, most likely first."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    token: int
-    logprob: float
-    text: str = ""
-    top: list[TopLogprob] = Field(default_factory=list)
-
-
-class TokenEvent(_EventBase):
-    """New text: ``text`` is the delta, ``token_ids`` the tokens behind it, ``index`` the first one's index;
-    ``reasoning``: new reasoning text, apart from the answer's (only for a request with ``reasoning="split"``)."""
-
-    type: Literal["token"] = "token"
-    text: str
-    token_ids: list[int]
-    index: int
-    reasoning: str = Field(default="", exclude_if=lambda v: not v)  # left out when empty, as before it was
-    # One per token of ``token_ids``, for a request with ``logprobs`` (left out otherwise).
-    logprobs: list[TokenLogprob] | None = Field(default=None, exclude_if=lambda v: v is None)
-    # The tool calls the model completed with these tokens (for a request with tools; left out otherwise).
-    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
-
-
-def token_event_json(id: str, seq: int, text: str, token_ids: list[int], index: int, reasoning: str = "") -> str:
-    """``TokenEvent(...).model_dump_json()``, byte for byte (a property test holds it to that), without
-    building the model: a worker makes one per job per published step."""
-    ids = ",".join(map(str, token_ids))
-    tail = f',"reasoning":{encode_basestring(reasoning)}}}' if reasoning else "}"
-    return (f'{{"id":{encode_basestring(id)},"seq":{seq},"type":"token","text":{encode_basestring(text)},'
-            f'"token_ids":[{ids}],"index":{index}{tail}')
-
-
-class ResetEvent(_EventBase):
-    """The job is being run again from the start: drop the text received so far."""
-
-    type: Literal["reset"] = "reset"
-    reason: str
-    attempt: int
-
-
-class DoneEvent(_EventBase):
-    """Terminal: the job finished. Exactly one terminal event (done or error) ends every job.
-    ``stop_sequence``: the stop string (one of the request's ``stop``) that ended it, if one did."""
-
-    type: Literal["done"] = "done"
-    finish_reason: FinishReason
-    usage: Usage
-    timings: Timings
-    # Left out of the JSON when None, so a producer of an earlier release reads a new worker's event.
-    stop_sequence: str | None = Field(default=None, exclude_if=lambda v: v is None)
-    # Every tool call of the job, in order (finish_reason tool_calls when it stopped after them).
-    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
-    # Whose job it was (GenerateRequest.tenant); None from a worker of an earlier release.
-    tenant: str | None = Field(default=None, exclude_if=lambda v: v is None)
-
-
-class ErrorEvent(_EventBase):
-    """Terminal: the job failed. ``retryable`` says whether submitting it again may succeed."""
-
-    type: Literal["error"] = "error"
-    code: ErrorCode
-    message: str
-    retryable: bool = False
-
-
-Event = Annotated[
-    Union[StartEvent, TokenEvent, ResetEvent, DoneEvent, ErrorEvent],  # noqa: UP007 (needs a runtime Union)
-    Field(discriminator="type"),
-]
-EVENTS: TypeAdapter[Event] = TypeAdapter(Event)
-TERMINAL_TYPES = frozenset({"done", "error"})
-
-
-class ModelState(str, Enum):
-    """A model's engine in a worker, as its health record says."""
-
-    LOADING = "loading"
-    SERVING = "serving"
-    DEAD = "dead"  # its engine failed and could not be rebuilt: its jobs fail with engine_error
-
-
-class ModelStatus(BaseModel):
-    """One model a worker serves, in the worker's health record."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    name: str  # what clients call it (its queue is ``Keys.queue(name)``)
-    state: ModelState
-    capacity: int = 0  # sequences decoding at once
-    running: int = 0  # sequences in the batch now
-    waiting: int = 0  # claimed, not yet in the batch
-    tokens_per_s: float = 0.0  # tokens generated per second over the last minute
-    accepts_images: bool = False
-    context_length: int | None = None
-    error: str | None = None  # why it is dead
-    speculation: str = ""  # "draft" or "ngram" when it decodes speculatively, "" when it does not
-    drafted: int = 0  # tokens proposed to its sequences since it started
-    accepted: int = 0  # of those, tokens the model agreed with
-    spec_k: int = 0  # tokens proposed per sequence at its last step (0: it decoded plainly)
-    kv_bytes: int = 0  # KV-cache bytes in use (its batch's, and preempted sequences' held)
-    kv_headroom_bytes: int = 0  # what its KV caches may fill (0: no KV admission)
-    prefix_hits: int = 0  # admissions that reused a cached prompt prefix, since it started
-    prefix_misses: int = 0  # admissions that looked for one and found none
-    # Prefix affinity (api/affinity.py): its jobs CLAIM placed here because it held their key, here after they
-    # waited past MLXQ_AFFINITY_WAIT_MS for the live worker holding it, or here with no live worker holding it;
-    # and the keys it advertises now.
-    affinity_holder: int = 0
-    affinity_elsewhere: int = 0
-    affinity_none: int = 0
-    affinity_keys: int = 0
-    # The prefix cache's tier on disk (all 0 without one): prefixes read from it for a request, requests whose
-    # prefix neither memory nor disk held, entries unreadable (their requests prefilled cold), entries written
-    # and not written (the writer too far behind), and what it holds now.
-    prefix_disk_hits: int = 0
-    prefix_disk_misses: int = 0
-    prefix_disk_errors: int = 0
-    prefix_disk_writes: int = 0
-    prefix_disk_dropped: int = 0
-    prefix_disk_bytes: int = 0
-    prefix_disk_entries: int = 0
-    device: str = ""  # where MLX runs it (name, backend, usable memory)
-
-
-class WorkerStatus(BaseModel):
-    """A worker's health record (``Keys.worker(id)``): written every few seconds, gone soon after it stops."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    id: str
-    host: str
-    pid: int
-    version: str
-    started_at: float  # epoch seconds
-    updated_at: float
-    draining: bool = False  # shutting down: takes no new jobs
-    models: list[ModelStatus] = Field(default_factory=list)
-    metrics_url: str | None = None
-
-    def serves(self, model: str) -> bool:
-        """Whether this worker takes new jobs of ``model`` now."""
-        return not self.draining and any(m.name == model and m.state is ModelState.SERVING for m in self.models)
-
-
-def decode_event(data: bytes | str) -> Event:
-    """Parse one JSON event as published on a job channel or stored in its replay log."""
-    # The core validator: the TypeAdapter's Python wrapper costs more per event, and clients decode many.
-    event: Event = EVENTS.validator.validate_json(data)
-    return event
-
-
-def is_terminal(event: Event) -> bool:
-    """Whether ``event`` ends its job."""
-    return event.type in TERMINAL_TYPES
