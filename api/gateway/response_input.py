@@ -167,10 +167,13 @@ def _format(fmt: dict[str, Any]) -> dict[str, Any]:
     kind = fmt.get("type")
     if kind in ("text", "json_object"):
         return {"type": kind}
+    if kind in ("regex", "grammar"):  # the queue's own formats, as chat's response_format takes them
+        return fmt
     if kind == "json_schema":
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if fmt.get(k) is not None}
         return {"type": "json_schema", "json_schema": spec}
-    raise invalid(f"text.format of type {kind!r} is not supported (text, json_object or json_schema)",
+    raise invalid(f"text.format of type {kind!r} is not supported (text, json_object, json_schema; the queue's "
+                  "regex and grammar)",
                   "unsupported_parameter")
 
 
