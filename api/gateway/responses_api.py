@@ -122,7 +122,8 @@ class Responses:
             frames = self._frames(record, None, stored=req.store, owns_job=not req.background)
             return EventStream(frames, self.gw.streams, headers={"x-mlxq-job-id": record.job_id})
         if req.background:
-            return JSONResponse(replay(record.created, record.calls_tools, []).response)
+            return JSONResponse(replay(record.created, record.calls_tools, []).response,
+                                headers={"x-mlxq-job-id": record.job_id})
         from .app import _Gone, _unless_gone  # the app imports this module: imported here, once it is loaded
 
         events = ResponseEvents(record.created, record.calls_tools)
@@ -145,7 +146,10 @@ class Responses:
             return [], None
         chain: list[StoredResponse] = []
         rid: str | None = previous
-        while rid is not None and len(chain) < MAX_CHAIN:
+        while rid is not None:
+            if len(chain) == MAX_CHAIN:
+                raise invalid(f"previous_response_id: the conversation is longer than {MAX_CHAIN} responses; "
+                              "start a new one with its items as input", "invalid_request_error")
             record = await self.store.get(rid, tenant)
             if record is None:
                 raise _not_found(rid, "previous_response_id")
@@ -162,10 +166,10 @@ class Responses:
         return items, chain[0].root
 
     # --- following a job ------------------------------------------------------------------------------
-    async def _run(self, job_id: str, events: ResponseEvents) -> list[Step]:
-        """Follow the job to its end, feeding ``events``; the steps it took."""
+    async def _run(self, job_id: str, events: ResponseEvents, timeout: float | None = None) -> list[Step]:
+        """Follow the job to its end, feeding ``events``; the steps it took (``WaitTimeout`` after ``timeout``)."""
         steps: list[Step] = []
-        async for step in self._steps(job_id):
+        async for step in self._steps(job_id, timeout):
             steps.append(step)
             events.feed(step)
         return steps
@@ -238,12 +242,16 @@ class Responses:
         events = ResponseEvents(record.created, record.calls_tools)
         done: list[Step] = []
         try:
-            yield _frames(events.opening(), after)
+            if opening := _frames(events.opening(), after):
+                yield opening
             source = _stored(record.steps) if record.final is not None else self._steps(record.job_id)
             async for step in source:
                 done.append(step)
                 frames = _frames(events.feed(step), after)
-                yield Last(frames) if events.ended else frames
+                if events.ended:
+                    yield Last(frames)
+                elif frames:  # every event at or before starting_after: nothing to send
+                    yield frames
             if stored:
                 await self._settle(record, events, done)
         except (asyncio.CancelledError, GeneratorExit):
@@ -291,7 +299,8 @@ class Responses:
                 with contextlib.suppress(JobNotFound):
                     await self.gw.client.cancel(record.job_id)
                 with contextlib.suppress(WaitTimeout):
-                    await self._run(record.job_id, ResponseEvents(record.created, record.calls_tools))
+                    await self._run(record.job_id, ResponseEvents(record.created, record.calls_tools),
+                                    _CANCEL_WAIT_S)
             return JSONResponse((await self._refresh(record)).response)
         except Exception as exc:
             return await self._failed(request, exc)
