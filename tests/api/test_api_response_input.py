@@ -25,11 +25,12 @@ def ask(body: dict[str, Any], context: list[dict[str, Any]] | None = None, key: 
 
 
 def test_items_become_the_chat_turns_and_instructions_come_first() -> None:
-    context = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "time?"}]},
-               {"type": "reasoning", "id": "rs", "summary": []},
-               {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me see.",
-                                                                      "annotations": []}]},
-               {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"}]
+    context: list[dict[str, Any]] = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "time?"}]},
+        {"type": "reasoning", "id": "rs", "summary": []},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me see.",
+                                                               "annotations": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"}]
     job = ask({"instructions": "Be brief.", "tools": [TOOL], "tool_choice": {"type": "function", "name": "get_time"},
                "input": [{"type": "function_call_output", "call_id": "c1", "output": "noon"}]}, context, "resp_root")
     turns = [(m.role, m.content, [c.function.name for c in m.tool_calls or []]) for m in job.messages]
