@@ -116,28 +116,47 @@ class Responses:
             return await self._failed(request, exc)
 
     async def _answer(self, request: Request, req: ResponsesRequest, record: StoredResponse) -> Response:
-        if req.background:
+        headers = {"x-mlxq-job-id": record.job_id}
+        if req.background:  # answered at once; followed here to its end, which any gateway's GET records too
             self._follow(record)
-        if req.stream:
-            frames = self._frames(record, None, stored=req.store, owns_job=not req.background)
-            return EventStream(frames, self.gw.streams, headers={"x-mlxq-job-id": record.job_id})
-        if req.background:
-            return JSONResponse(replay(record.created, record.calls_tools, []).response,
-                                headers={"x-mlxq-job-id": record.job_id})
+            if req.stream:
+                return EventStream(self._frames(record, None, stored=True, owns_job=False), self.gw.streams,
+                                   headers=headers)
+            return JSONResponse(replay(record.created, record.calls_tools, []).response, headers=headers)
         from .app import _Gone, _unless_gone  # the app imports this module: imported here, once it is loaded
 
-        events = ResponseEvents(record.created, record.calls_tools)
-        events.opening()
+        steps = self._steps(record.job_id)
         try:
-            steps = await _unless_gone(request, self._run(record.job_id, events))
+            if req.stream:  # it starts once the job did: a job refused before its start is an HTTP error
+                first = await _unless_gone(request, anext(steps))
+                try:
+                    await self._refused(record, req.store, first)
+                except BaseException:
+                    await steps.aclose()
+                    raise
+                frames = self._frames(record, None, stored=req.store, owns_job=True, source=_chained(first, steps))
+                return EventStream(frames, self.gw.streams, headers=headers)
+            events = ResponseEvents(record.created, record.calls_tools)
+            events.opening()
+            done = await _unless_gone(request, _fed(steps, events))
         except _Gone:  # the client went away while it waited: its job is cancelled
+            await steps.aclose()
             await self._cancel_job(record.job_id)
             return Response(status_code=_GONE)
         if req.store:
-            await self._settle(record, events, steps)
+            await self._settle(record, events, done)
         if events.response["status"] == "failed":
             raise GatewayError(_job_problem(events.response["error"]))
-        return JSONResponse(events.response, headers={"x-mlxq-job-id": record.job_id})
+        return JSONResponse(events.response, headers=headers)
+
+    async def _refused(self, record: StoredResponse, stored: bool, first: Step) -> None:
+        """Raise the HTTP error of a job that failed before it started (``first``, its first step, its end)."""
+        if first[0] != "end" or "error" not in first[1]:
+            return
+        events = replay(record.created, record.calls_tools, [first])
+        if stored:
+            await self._settle(record, events, [first])
+        raise GatewayError(_job_problem(first[1]["error"]))
 
     async def _context(self, previous: str | None, tenant: str) -> tuple[list[dict[str, Any]], str | None]:
         """The items the previous responses of the chain leave (their inputs and outputs, oldest first), and
@@ -168,13 +187,9 @@ class Responses:
     # --- following a job ------------------------------------------------------------------------------
     async def _run(self, job_id: str, events: ResponseEvents, timeout: float | None = None) -> list[Step]:
         """Follow the job to its end, feeding ``events``; the steps it took (``WaitTimeout`` after ``timeout``)."""
-        steps: list[Step] = []
-        async for step in self._steps(job_id, timeout):
-            steps.append(step)
-            events.feed(step)
-        return steps
+        return await _fed(self._steps(job_id, timeout), events)
 
-    async def _steps(self, job_id: str, timeout: float | None = None) -> AsyncIterator[Step]:
+    async def _steps(self, job_id: str, timeout: float | None = None) -> AsyncGenerator[Step, None]:
         """The job's steps from its start (its log replayed, then live) to its end."""
         steps = JobSteps(job_id)
         try:
@@ -235,16 +250,18 @@ class Responses:
                 await self.gw.client.cancel(job_id)
 
     # --- streams --------------------------------------------------------------------------------------
-    async def _frames(self, record: StoredResponse, after: int | None, *, stored: bool, owns_job: bool
-                      ) -> AsyncGenerator[bytes, None]:
+    async def _frames(self, record: StoredResponse, after: int | None, *, stored: bool, owns_job: bool,
+                      source: AsyncGenerator[Step, None] | None = None) -> AsyncGenerator[bytes, None]:
         """The response's events from its start (those after ``after``), to its end. ``owns_job``: the stream
-        is the job's only reader (not a background response): its end before the job's cancels the job."""
+        is the job's only reader (not a background response): its end before the job's cancels the job.
+        ``source``: its job's steps, when the caller read some already."""
         events = ResponseEvents(record.created, record.calls_tools)
         done: list[Step] = []
+        if source is None:
+            source = _stored(record.steps) if record.final is not None else self._steps(record.job_id)
         try:
             if opening := _frames(events.opening(), after):
                 yield opening
-            source = _stored(record.steps) if record.final is not None else self._steps(record.job_id)
             async for step in source:
                 done.append(step)
                 frames = _frames(events.feed(step), after)
@@ -263,6 +280,7 @@ class Responses:
             yield Last(_frames([{"type": "error", "sequence_number": events.seq, "code": problem.code,
                                  "message": problem.message, "param": None}], None))
         finally:
+            await source.aclose()  # it unsubscribes now
             if owns_job and not events.ended:
                 await self._cancel_job(record.job_id)
 
@@ -377,9 +395,26 @@ def _frames(events: list[dict[str, Any]], after: int | None) -> bytes:
     return b"".join(sse(dumps(e), e["type"]) for e in events if after is None or e["sequence_number"] > after)
 
 
-async def _stored(steps: list[Step]) -> AsyncIterator[Step]:
+async def _stored(steps: list[Step]) -> AsyncGenerator[Step, None]:
     for step in steps:
         yield step
+
+
+async def _chained(first: Step, rest: AsyncGenerator[Step, None]) -> AsyncGenerator[Step, None]:
+    yield first
+    async with contextlib.aclosing(rest):
+        async for step in rest:
+            yield step
+
+
+async def _fed(steps: AsyncGenerator[Step, None], events: ResponseEvents) -> list[Step]:
+    """Every step of ``steps``, each fed to ``events``."""
+    done = []
+    async with contextlib.aclosing(steps):
+        async for step in steps:
+            done.append(step)
+            events.feed(step)
+    return done
 
 
 def _created(rid: str, req: ResponsesRequest, job: GenerateRequest) -> dict[str, Any]:

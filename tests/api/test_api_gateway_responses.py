@@ -182,6 +182,9 @@ async def test_unknown_ids_unsupported_input_and_other_tenants_are_refused_as_op
                                                          "status": "completed"}])
     with pytest.raises(openai.BadRequestError, match="'web_search'"):
         await oai.responses.create(model="tiny", input="hi", tools=[{"type": "web_search"}])
+    for stream in (False, True):  # a job the worker refuses: 400 before any stream starts, as chat's
+        with pytest.raises(openai.BadRequestError, match=r"exceeds the context"):
+            await oai.responses.create(model="tiny", input="hi", max_output_tokens=512, stream=stream)
     unstored = await oai.responses.create(model="tiny", input="hi", store=False, max_output_tokens=2)
     with pytest.raises(openai.NotFoundError):
         await oai.responses.retrieve(unstored.id)
