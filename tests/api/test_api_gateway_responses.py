@@ -16,6 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from mlxq.api.client import Client
 from mlxq.worker.tools.process import GatewayProcess
 from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, deployment
 from tests.worker.test_worker_tools import WEATHER, valid
@@ -225,12 +226,37 @@ async def test_a_background_response_outlives_the_gateway_that_created_it(
         await asyncio.to_thread(second.wait_ready)
         async with openai.AsyncOpenAI(base_url=f"{second.url}/v1", api_key="unused", max_retries=0) as here:
             done = await ended(here, bg.id)
+            replayed = [e.model_dump() async for e in await here.responses.retrieve(bg.id, stream=True)]
     finally:
         second.stop()
     chat = await oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Count:"}],
                                              max_tokens=200)
     assert done.status == "incomplete" and done.output_text == chat.choices[0].message.content
     assert (await oai.responses.retrieve(bg.id)).model_dump() == done.model_dump()  # recorded once, the same
+    assert [e.model_dump() async for e in await oai.responses.retrieve(bg.id, stream=True)] == replayed
+
+
+@pytest.mark.slow
+async def test_a_background_response_whose_worker_dies_ends_once_with_the_rerun(
+        served: tuple[Deployment, ServedGateway], oai: openai.AsyncOpenAI) -> None:
+    deployment_ = served[0]
+    bg = await oai.responses.create(model="tiny", input="Count:", background=True, max_output_tokens=LONG)
+    while not (now := await oai.responses.retrieve(bg.id)).output_text:  # started, and some text made
+        assert now.status in ("queued", "in_progress")
+        await asyncio.sleep(0.05)
+    for worker in deployment_.workers:
+        worker.kill()  # its lease lapses; the next worker runs the job again
+    deployment_.worker("tiny")
+    done = await ended(oai, bg.id)
+    chat = await oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Count:"}],
+                                             max_tokens=LONG)
+    assert done.status == "incomplete" and done.output_text == chat.choices[0].message.content
+    assert done.output_text.startswith(now.output_text)  # greedy: the re-run repeats what was made
+    events = [e async for e in await oai.responses.retrieve(bg.id, stream=True)]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert texts(events) == done.output_text and [e.type for e in events].count("response.in_progress") == 1
+    async with Client(config=deployment_.config.client) as queue:  # it did run twice
+        assert [ev.type async for ev in queue.events(bg.id.removeprefix("resp_"), timeout=30)].count("reset") == 1
 
 
 # --- function calls (tiny-tools) ------------------------------------------------------------------------
