@@ -1,6 +1,7 @@
 """The gateway's ASGI app (Starlette): OpenAI's and Anthropic's HTTP APIs in front of the queue.
 
 - ``POST /v1/chat/completions``, ``/v1/completions`` (OpenAI) and ``/v1/messages`` (Anthropic);
+- ``/v1/responses`` (OpenAI's Responses API, stored responses and background mode: ``responses_api.py``);
 - ``GET /v1/models`` (and ``/v1/models/{model}``): what live workers serve, with their worker counts, in
   Anthropic's format for a request with ``anthropic-version``;
 - ``GET /health``: 200 while Redis answers, else 503 (no key needed).

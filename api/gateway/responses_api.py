@@ -212,8 +212,6 @@ class Responses:
             try:
                 steps = await self._run(record.job_id, events)
                 await self._settle(record, events, steps)
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:  # Redis away past its retries: a later GET records the end
                 log.warning("background response %s: not followed to its end here: %s", record.id, exc)
 
@@ -271,9 +269,7 @@ class Responses:
                     yield frames
             if stored:
                 await self._settle(record, events, done)
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as exc:
+        except Exception as exc:  # not the client leaving (CancelledError, GeneratorExit): that ends it silently
             problem = problem_of(exc)
             log.warning("response %s: its stream failed: %s", record.id, problem.message)
             events.seq += 1
