@@ -1,6 +1,7 @@
 """The gateway's ASGI app (Starlette): OpenAI's and Anthropic's HTTP APIs in front of the queue.
 
 - ``POST /v1/chat/completions``, ``/v1/completions`` (OpenAI) and ``/v1/messages`` (Anthropic);
+- ``/v1/responses`` (OpenAI's Responses API, stored responses and background mode: ``responses_api.py``);
 - ``GET /v1/models`` (and ``/v1/models/{model}``): what live workers serve, with their worker counts, in
   Anthropic's format for a request with ``anthropic-version``;
 - ``GET /health``: 200 while Redis answers, else 503 (no key needed).
@@ -41,6 +42,7 @@ from .dialect import Ask, Dialect
 from .errors import GatewayError, Kind, Problem, problem_of
 from .job import Choices
 from .openai_api import CHAT, COMPLETIONS, openai_error
+from .responses_api import Responses
 from .sse import EventStream, Streams
 
 __all__ = ["Gateway", "create_app"]
@@ -65,6 +67,7 @@ class Gateway:
         self._client = client
         self._owns_client = client is None
         self.streams = Streams()
+        self.responses = Responses(self)  # /v1/responses
 
     @property
     def client(self) -> Client:
@@ -86,6 +89,7 @@ class Gateway:
             yield
         finally:
             exiting.cancel()
+            await self.responses.aclose()
             if self._owns_client and self._client is not None:
                 await self._client.aclose()
 
@@ -316,6 +320,7 @@ def create_app(config: GatewayConfig | None = None, *, client: Client | None = N
         Route("/v1/models", gw.models, methods=["GET"]),
         Route("/v1/models/{model:path}", gw.models, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
+        *gw.responses.routes(),
         *dashboard_routes(Dashboard(lambda: gw.client, gw.config.api_keys, gw.config.admin_keys)),
     ]
     return _App(gw, routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})

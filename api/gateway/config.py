@@ -20,6 +20,7 @@ DEFAULT_PORT = 8000
 # The largest job workers read with their default limits (MLXQ_MAX_PAYLOAD_BYTES, and room for MLXQ_MAX_IMAGES
 # images of MLXQ_MAX_IMAGE_BYTES each): a bigger body could not be queued. From the environment, the limits set.
 DEFAULT_MAX_BODY_BYTES = ClientConfig().max_job_bytes
+DEFAULT_RESPONSE_RETENTION_S = 30 * 86_400  # stored responses: OpenAI keeps them 30 days
 DEFAULT_MAX_TOKENS = 512  # when a request names none (OpenAI's may not): mlx_lm.server's default
 
 
@@ -56,6 +57,9 @@ class GatewayConfig:
     default_max_tokens: int = setting("MLXQ_GATEWAY_MAX_TOKENS", DEFAULT_MAX_TOKENS, "the most max_tokens "
                                       "of an OpenAI request that names none (the worker lowers it to what fits "
                                       "the context)", minimum=1)
+    response_retention_s: int = setting("MLXQ_RESPONSE_RETENTION", DEFAULT_RESPONSE_RETENTION_S, "seconds a stored "
+                                        "response (/v1/responses, store true) is kept in Redis after its last "
+                                        "write (OpenAI keeps them 30 days)", minimum=60)
     client: ClientConfig = field(default_factory=ClientConfig)
 
     @classmethod

@@ -72,3 +72,23 @@ async def test_thinking_is_a_thinking_block_before_the_text_whole_and_streamed(
         streamed = await stream.get_final_message()
     assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in whole.content]
     assert streamed.stop_reason == whole.stop_reason == "max_tokens"
+
+
+async def test_thinking_is_a_reasoning_item_before_the_message_of_a_response(oai: openai.AsyncOpenAI,
+                                                                              tiny_think_model: Path) -> None:
+    fmt: Any = thought_then_answer(tiny_think_model)
+    chat = await oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40,  # type: ignore[arg-type]
+                                             response_format=fmt)
+    message = chat.choices[0].message
+    async with oai.responses.stream(model="tiny", input=MESSAGES, max_output_tokens=40,  # type: ignore[arg-type]
+                                    extra_body={"text": {"format": fmt}}) as stream:
+        kinds = [e.type async for e in stream]
+        resp = await stream.get_final_response()
+    reasoning, answer = resp.output
+    assert reasoning.type == "reasoning" and answer.type == "message"
+    assert reasoning.content is not None and reasoning.content[0].text == (message.model_extra or {}).get(
+        "reasoning_content")
+    assert resp.output_text == message.content and kinds.index("response.reasoning_text.delta") < kinds.index(
+        "response.output_text.delta")
+    assert resp.usage is not None and 0 < resp.usage.output_tokens_details.reasoning_tokens < resp.usage.output_tokens
+
