@@ -7,6 +7,7 @@ mlx-lm alone (a strict xfail): when it passes, drop mlxq's correction (engine/ml
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,24 @@ def test_mlx_lm_alone_batches_rows_of_different_lengths_as_it_decodes_each(
     model, tokenizer = lm
     prompts = ragged(tokenizer)
     out = batch_generate(model, tokenizer, prompts, max_tokens=MAX_TOKENS, return_token_ids=True)
+    assert out.token_ids is not None
     assert [list(t) for t in out.token_ids] == [reference(lm, p, MAX_TOKENS) for p in prompts]
+
+
+def test_the_correction_is_made_on_mlxqs_model_alone_and_logged(families_root: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    import mlx_lm
+    from mlx_lm.models.nemotron_h import NemotronHMamba2Mixer
+
+    from mlxq.engine.mlx_fixes import NemotronHMixerWithLengths
+
+    path = ensure_model("tiny-nemotron_h", root=families_root)
+    with caplog.at_level(logging.INFO, logger="mlxq.engine.mlx_fixes"):
+        ours = load_model(str(path)).model
+    theirs = mlx_lm.load(str(path))[0]
+    assert [type(layer.mixer) for layer in ours.layers if layer.block_type == "M"] == [NemotronHMixerWithLengths] * 2
+    assert [type(layer.mixer) for layer in theirs.layers if layer.block_type == "M"] == [NemotronHMamba2Mixer] * 2
+    assert "corrected 2 layer(s) of mlx-lm's code" in caplog.text
 
 
 def test_a_request_alone(lm: Any, ours: Any, stream: mx.Stream) -> None:
