@@ -160,14 +160,22 @@ def test_a_ragged_batch(lm: Any, ours: Any, stream: mx.Stream) -> None:
         expect_exact(run, lm, f"r{i}", p)
 
 
-def chat(tokenizer: Any, rid: str, question: str, before: tuple[dict[str, str], ...] = ()) -> EngineRequest:
-    e = encode_prompt_with_boundary(tokenizer, None, [SYSTEM, *before, {"role": "user", "content": question}])
+def chat(tokenizer: Any, rid: str, question: str) -> EngineRequest:
+    e = encode_prompt_with_boundary(tokenizer, None, [SYSTEM, {"role": "user", "content": question}])
     return EngineRequest(rid, e.tokens, SamplingParams(max_tokens=MAX_TOKENS), cache_boundary=e.cache_boundary)
+
+
+def next_turn(tokenizer: Any, rid: str, turn: EngineRequest, answer: list[int]) -> EngineRequest:
+    """The conversation's next turn: its tokens so far (as the cache holds them: text decoded and encoded again
+    may split otherwise) and more."""
+    tokens = turn.prompt_tokens + answer + list(tokenizer.encode(" Go on: and why batch the tokens?"))
+    return EngineRequest(rid, tokens, SamplingParams(max_tokens=MAX_TOKENS), cache_boundary=turn.cache_boundary)
 
 
 def test_from_the_prefix_cache(lm: Any, ours: Any, stream: mx.Stream) -> None:
     # The first chat's system prompt is checkpointed; two more chats start from it together (a ragged batch over
-    # caches with history); a next turn starts from the first one's finished conversation.
+    # caches with history; where a cache trims, from the first's conversation cut to what they share); the first
+    # conversation's next turn starts from all of it.
     tokenizer = ours[1]
     s, run = scheduler(ours, stream, prefix=PrefixCache(64 << 20)), Run()
     first = chat(tokenizer, "first", "What is a queue?")
@@ -177,12 +185,13 @@ def test_from_the_prefix_cache(lm: Any, ours: Any, stream: mx.Stream) -> None:
     for r in others:
         s.add(r)
     drive(s, run, stream)
-    answer = tokenizer.decode(run.tokens("first"))
-    turn = chat(tokenizer, "turn-2", "Go on.", ({"role": "user", "content": "What is a queue?"},
-                                               {"role": "assistant", "content": answer}))
+    saved = s.stats.prefix_tokens_saved
+    assert s.stats.prefix_hits == 2 and saved >= 2 * first.cache_boundary
+    turn = next_turn(tokenizer, "turn-2", first, run.tokens("first"))
     s.add(turn)
     drive(s, run, stream)
-    assert s.stats.prefix_hits == 3 and s.stats.prefix_tokens_saved >= 3 * first.cache_boundary
+    assert s.stats.prefix_hits == 3
+    assert s.stats.prefix_tokens_saved - saved == len(first.prompt_tokens) + MAX_TOKENS  # the whole first turn
     for r in (first, *others, turn):
         expect_exact(run, lm, r.rid, r.prompt_tokens)
 
@@ -258,9 +267,7 @@ async def test_after_a_restart_from_the_disk_tier(lm: Any, path: Path, tmp_path:
         assert await asyncio.to_thread(disk.flush)
     finally:
         await engine.aclose()
-    answer = tokenizer.decode(outputs.run.tokens(first.rid))
-    turn = chat(tokenizer, "turn-2", "Go on.", ({"role": "user", "content": "What is a queue?"},
-                                               {"role": "assistant", "content": answer}))
+    turn = next_turn(tokenizer, "turn-2", first, outputs.run.tokens(first.rid))
     engine, _ = await start_engine(str(path), outputs.sink, options)  # a fresh engine, its memory empty
     try:
         engine.add(turn)
@@ -269,6 +276,6 @@ async def test_after_a_restart_from_the_disk_tier(lm: Any, path: Path, tmp_path:
     finally:
         await engine.aclose()
     assert stats.prefix_disk_hits == 1 and stats.prefix_disk_errors == 0
-    assert stats.prefix_tokens_saved >= first.cache_boundary
+    assert stats.prefix_tokens_saved == len(first.prompt_tokens) + MAX_TOKENS  # the whole first conversation
     for r in (first, turn):
         expect_exact(outputs.run, lm, r.rid, r.prompt_tokens)
