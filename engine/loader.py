@@ -21,6 +21,7 @@ from .backend import BatchBackend
 from .engine import Engine, Sink
 from .memory import DeviceMemory, KVBudget, KVLayout, default_headroom, default_prefix_cache_bytes, mib
 from .mlx_batch import MLXBatch
+from .mlx_fixes import correct
 from .mlx_memory import device_memory, measure_layout, model_bytes
 from .mlx_process import mlx_process
 from .mlx_proposers import DraftModel, PromptLookup
@@ -140,6 +141,7 @@ def load_model(path: str) -> LoadedModel:
                                  f"(or HF_HUB_OFFLINE is set): download it where there is a network (`hf download "
                                  f"{path}`) or set MLXQ_MODEL to a local directory") from exc
         raise ModelLoadError(f"cannot load the model at {path}: {type(exc).__name__}: {exc}") from exc
+    correct(model)  # mlx-lm's layers that batch rows of different lengths wrongly (engine/mlx_fixes.py)
     text_config = config.get("text_config")
     text_config = text_config if isinstance(text_config, dict) else {}
     ctx = (config.get("max_position_embeddings") or config.get("max_seq_len")

@@ -94,7 +94,7 @@ ENGINE_CORE = frozenset({
     "step_outputs", "stops", "waiting",
 })
 ENGINE_ADAPTERS = frozenset({
-    "constrain", "loader", "mlx_batch", "mlx_generation", "mlx_memory", "mlx_process", "mlx_proposers",
+    "constrain", "loader", "mlx_batch", "mlx_fixes", "mlx_generation", "mlx_memory", "mlx_process", "mlx_proposers",
     "mlx_ragged_cache", "mlx_speculative", "mlx_thread", "prefix_cache", "prefix_disk", "sampling", "vlm",
 })
 _MLX = ("mlx", "mlx_lm", "mlx_vlm", "llguidance")
@@ -132,11 +132,13 @@ def test_the_scheduler_fakes_import_no_mlx() -> None:
 
 def test_importing_the_mlx_adapter_patches_nothing_of_mlx_lm() -> None:
     # The constrained step is a subclass the batch owns (engine/mlx_generation.py), not a patch of mlx-lm's
-    # class for every user of the process.
+    # class for every user of the process; so are the corrected layers put onto a loaded model (engine/mlx_fixes.py).
     code = (
         "import importlib; g = importlib.import_module('mlx_lm.generate'); "
-        "before = {c: dict(vars(c)) for c in (g.GenerationBatch, g.PromptProcessingBatch, g.BatchGenerator)}; "
-        "import mlxq.engine.loader, mlxq.engine.mlx_batch, mlxq.engine.mlx_speculative; "
+        "n = importlib.import_module('mlx_lm.models.nemotron_h'); "
+        "before = {c: dict(vars(c)) for c in (g.GenerationBatch, g.PromptProcessingBatch, g.BatchGenerator, "
+        "n.NemotronHMamba2Mixer)}; "
+        "import mlxq.engine.loader, mlxq.engine.mlx_batch, mlxq.engine.mlx_speculative, mlxq.engine.mlx_fixes; "
         "changed = [c.__name__ for c, attrs in before.items() if dict(vars(c)) != attrs]; "
         "print(changed); raise SystemExit(1 if changed else 0)"
     )

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHAT_TEMPLATE",
     "EOS_TOKEN",
+    "FAMILIES",
     "FORMAT_VERSION",
     "SIZES",
     "SPECIAL_TOKENS",
@@ -132,7 +133,10 @@ _REQUIRED_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
-_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+                  "qwen3_next": "Qwen3NextForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                  "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "mixtral": "MixtralForCausalLM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +164,9 @@ class ModelSpec:
     # layers, then more layers whose output projections are scaled by ``growth``, so the two mostly agree.
     grows: str | None = None
     growth: float = 0.0
+    # The architecture's own config.json keys, beside the common ones (``FAMILIES``' layer stacks, experts,
+    # windows, latent attention); none for the qwen3 and llama models.
+    arch: tuple[tuple[str, Any], ...] = ()
 
     @property
     def head_dim(self) -> int:
@@ -203,6 +210,35 @@ SIZES["tiny-target"] = dataclasses.replace(SIZES["tiny"], name="tiny-target", nu
 SIZES["small-draft"] = dataclasses.replace(SIZES["small"], name="small-draft", num_hidden_layers=1)
 SIZES["small-target"] = dataclasses.replace(SIZES["small"], name="small-target", num_hidden_layers=12,
                                             grows="small-draft", growth=0.03)
+
+# One tiny model of each architecture family people serve (the tiny model's shape and tokenizer, the family's own
+# layers): the engine's architecture matrix (tests/engine/test_engine_families.py).
+def _family(model_type: str, layers: int = 2, **arch: Any) -> ModelSpec:
+    return dataclasses.replace(SIZES["tiny"], name=f"tiny-{model_type}", model_type=model_type,
+                               num_hidden_layers=layers, arch=tuple(arch.items()))
+
+
+_EXPERTS: dict[str, Any] = {"num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
+FAMILIES: dict[str, ModelSpec] = {spec.model_type: spec for spec in (
+    # hybrid SSM: Mamba-2 and attention layers (NVIDIA Nemotron-H)
+    _family("nemotron_h", layers=4, hybrid_override_pattern=["M", "*", "M", "-"], mamba_num_heads=8,
+            mamba_head_dim=16, mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=2, mlp_bias=False,
+            layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True),
+    # hybrid linear attention: gated delta-net and attention layers, with experts (Qwen3-Next)
+    _family("qwen3_next", linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, decoder_sparse_step=1,
+            shared_expert_intermediate_size=64, mlp_only_layers=[], partial_rotary_factor=0.25,
+            full_attention_interval=2, **_EXPERTS),
+    # sliding-window attention with sinks, its window short enough for the tests' sequences to pass it (gpt-oss)
+    _family("gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"]),
+    # multi-head latent attention and shared experts (DeepSeek-V3, whose architecture Kimi K2 has)
+    _family("deepseek_v3", kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
+            qk_nope_head_dim=16, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, **_EXPERTS),
+    _family("qwen3_moe", num_experts=4, decoder_sparse_step=1, mlp_only_layers=[], **_EXPERTS),
+    _family("mixtral", num_local_experts=4, num_experts_per_tok=2),
+)}
+SIZES.update({spec.name: spec for spec in FAMILIES.values()})
 
 
 def model_dir(size: str = "tiny", root: Path | None = None) -> Path:
@@ -269,6 +305,7 @@ def model_config(spec: ModelSpec, vocab_size: int, eos_token_id: int) -> dict[st
         "eos_token_id": eos_token_id,
         "torch_dtype": "float32",
         "mlxq": {"format_version": FORMAT_VERSION, "size": spec.name, "seed": spec.seed},
+        **dict(spec.arch),
     }
 
 
