@@ -16,11 +16,11 @@ from mlxq.api.schema import (
     TokenLogprob,
     TopLogprob,
 )
-from mlxq.engine.constrain import FormatKind, ResponseFormat
-from mlxq.engine.parts import PartMarkers
-from mlxq.engine.request import EngineRequest, Format, ImageInputs, RequestOutput, SamplingParams
-from mlxq.engine.request import ErrorCode as EngineError
-from mlxq.engine.request import FinishReason as EngineFinish
+from mlxq.engine.core.parts import PartMarkers
+from mlxq.engine.core.request import EngineRequest, Format, ImageInputs, RequestOutput, SamplingParams
+from mlxq.engine.core.request import ErrorCode as EngineError
+from mlxq.engine.core.request import FinishReason as EngineFinish
+from mlxq.engine.mlx.constrain import FormatKind, ResponseFormat
 
 from .jobs.run import Run, Wire
 
@@ -39,10 +39,10 @@ def to_engine_request(
     enqueue_ms: int = 0, weight: float = 1.0,
 ) -> EngineRequest:
     """A validated wire request and its prompt tokens (the first ``cache_boundary`` of them its system prompt:
-    see engine/prompt.py; its images prepared: see worker/media.py), as the engine takes them. It arrived when
+    see engine/core/prompt.py; its images prepared: see worker/media.py), as the engine takes them. It arrived when
     it was enqueued (``enqueue_ms``, epoch ms; now if 0), so its priority ages in the engine from then, as it
     did in the queue. Its tenant is its engine group, of ``weight`` (the tenant's): tenants share the batch by
-    weight (engine/shares.py)."""
+    weight (engine/core/shares.py)."""
     params = SamplingParams(
         max_tokens=req.max_tokens,
         temperature=req.temperature,

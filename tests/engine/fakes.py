@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxq.engine.backend import BatchToken, SequenceCache, Started
-from mlxq.engine.memory import KVBudget, KVLayout
-from mlxq.engine.request import EngineRequest, RequestOutput, SamplingParams
-from mlxq.engine.scheduler import Scheduler
+from mlxq.engine.core.backend import BatchToken, SequenceCache, Started
+from mlxq.engine.core.memory import KVBudget, KVLayout
+from mlxq.engine.core.request import EngineRequest, RequestOutput, SamplingParams
+from mlxq.engine.core.scheduler import Scheduler
 
 LAYOUT = KVLayout(bytes_per_token=10, step=4)
 

@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import pytest
 
-from mlxq.engine.backend import BatchToken
-from mlxq.engine.engine import Engine
-from mlxq.engine.mlx_thread import MLXThread
-from mlxq.engine.request import RequestOutput
-from mlxq.engine.shares import GroupShare
+from mlxq.engine.core.backend import BatchToken
+from mlxq.engine.core.engine import Engine
+from mlxq.engine.core.request import RequestOutput
+from mlxq.engine.core.shares import GroupShare
+from mlxq.engine.mlx.thread import MLXThread
 from tests.engine.fakes import ToyBatch, req, scheduler
 
 pytestmark = pytest.mark.unit

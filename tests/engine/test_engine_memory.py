@@ -10,12 +10,12 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlxq.engine.memory import DeviceMemory, KVBudget, KVLayout, default_headroom
-from mlxq.engine.mlx_batch import MLXBatch
-from mlxq.engine.mlx_memory import measure_layout, usable_memory_bytes
-from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
-from mlxq.engine.scheduler import Room, Scheduler
-from mlxq.engine.shares import GroupShare
+from mlxq.engine.core.memory import DeviceMemory, KVBudget, KVLayout, default_headroom
+from mlxq.engine.core.request import EngineRequest, FinishReason, SamplingParams
+from mlxq.engine.core.scheduler import Room, Scheduler
+from mlxq.engine.core.shares import GroupShare
+from mlxq.engine.mlx.batch import MLXBatch
+from mlxq.engine.mlx.memory import measure_layout, usable_memory_bytes
 from tests.engine.fakes import Run, ToyBatch, req, scheduler, toy_generate
 
 pytestmark = pytest.mark.unit
@@ -43,7 +43,7 @@ def test_default_headroom_rule_and_its_floor() -> None:
 def test_the_usable_memory_is_the_devices_mlx_runs_on() -> None:
     import mlx.core as mx
 
-    from mlxq.engine.mlx_memory import device_memory
+    from mlxq.engine.mlx.memory import device_memory
 
     gpu, cpu = mx.Device(mx.gpu), mx.Device(mx.cpu)
     cuda = {"device_name": "NVIDIA H100 80GB HBM3", "architecture": "sm_90", "total_memory": 85_000_000_000,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlxq.engine.pacer import Pacer
-from mlxq.engine.request import FinishReason, RequestOutput
+from mlxq.engine.core.pacer import Pacer
+from mlxq.engine.core.request import FinishReason, RequestOutput
 
 pytestmark = pytest.mark.unit
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from mlxq.engine.parts import PartMarkers, PartSplitter
-from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
-from mlxq.engine.sequence import Sequence
+from mlxq.engine.core.parts import PartMarkers, PartSplitter
+from mlxq.engine.core.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.core.sequence import Sequence
 from tests.engine.fakes import Detok
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""The prefix cache's tier on disk (engine/prefix_disk.py) with real engines on the real tiny model: an engine
+"""The prefix cache's tier on disk (engine/mlx/prefix/disk.py) with real engines on the real tiny model: an engine
 started over the directory another left (after a graceful stop, or none: a crash) starts a conversation's next
 turn from its prefix on disk and generates exactly the greedy tokens of a cold prefill; a corrupt entry is
 logged once and prefilled cold; a half-written file is never read; a disk that fails writes turns writing off
@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-import mlxq.engine.prefix_disk as prefix_disk
-from mlxq.engine.engine import Engine
-from mlxq.engine.loader import EngineOptions, start_engine
-from mlxq.engine.prefix_cache import PrefixCache
-from mlxq.engine.prefix_disk import PrefixDisk, model_key, namespace
-from mlxq.engine.prompt import encode_prompt_with_boundary
-from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+import mlxq.engine.mlx.prefix.disk as prefix_disk
+from mlxq.engine.core.engine import Engine
+from mlxq.engine.core.prompt import encode_prompt_with_boundary
+from mlxq.engine.core.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.mlx.loader import EngineOptions, start_engine
+from mlxq.engine.mlx.prefix.cache import PrefixCache
+from mlxq.engine.mlx.prefix.disk import PrefixDisk, model_key, namespace
 from tests.support import reference
 
 pytestmark = pytest.mark.unit

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mlxq.engine.request import FinishReason
-from mlxq.engine.scheduler import Scheduler
-from mlxq.engine.waiting import WaitingQueue, priority_key
+from mlxq.engine.core.request import FinishReason
+from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.core.waiting import WaitingQueue, priority_key
 from tests.engine.fakes import Clock, Run, ToyBatch, req, scheduler, toy_generate
 
 pytestmark = pytest.mark.unit

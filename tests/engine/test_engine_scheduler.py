@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from mlxq.engine.backend import BatchToken
-from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
-from mlxq.engine.scheduler import Scheduler, StepFailed
+from mlxq.engine.core.backend import BatchToken
+from mlxq.engine.core.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.core.scheduler import Scheduler, StepFailed
 
 pytestmark = pytest.mark.unit
 
@@ -663,7 +663,7 @@ def test_request_whose_insert_crashes_gets_terminal_output(backend: FakeBackend)
 
 
 def test_coalesce_merges_steps_per_request_in_order() -> None:
-    from mlxq.engine.request import coalesce
+    from mlxq.engine.core.request import coalesce
 
     outs = [
         RequestOutput("a", [1], "x", started=True, prompt_tokens=3, completion_tokens=1),
@@ -680,7 +680,7 @@ def test_coalesce_merges_steps_per_request_in_order() -> None:
 
 
 def test_coalesce_hands_back_one_output_per_request_as_it_is() -> None:
-    from mlxq.engine.request import coalesce
+    from mlxq.engine.core.request import coalesce
 
     outs = [RequestOutput("a", [1], "x", completion_tokens=1), RequestOutput("b", [2], "y", completion_tokens=4)]
     merged = coalesce(outs)
@@ -688,7 +688,7 @@ def test_coalesce_hands_back_one_output_per_request_as_it_is() -> None:
 
 
 def test_coalesce_drops_outputs_after_a_requests_end() -> None:
-    from mlxq.engine.request import coalesce
+    from mlxq.engine.core.request import coalesce
 
     outs = [
         RequestOutput("a", [1], "x", completion_tokens=1),

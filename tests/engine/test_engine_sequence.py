@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
-from mlxq.engine.sequence import EOS, LENGTH, Sequence
+from mlxq.engine.core.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.core.sequence import EOS, LENGTH, Sequence
 from tests.engine.fakes import Detok
 
 pytestmark = pytest.mark.unit

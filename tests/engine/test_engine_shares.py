@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from mlxq.engine.request import EngineRequest, FinishReason
-from mlxq.engine.scheduler import Scheduler
-from mlxq.engine.shares import GroupShare, Shares
+from mlxq.engine.core.request import EngineRequest, FinishReason
+from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.core.shares import GroupShare, Shares
 from tests.engine.fakes import Clock, Run, ToyBatch, req, scheduler, toy_generate
 
 pytestmark = pytest.mark.unit

@@ -22,7 +22,7 @@ class EngineStats:
     steps: int = 0
     failures: int = 0
     device: str = ""  # where MLX runs it (its name, backend and usable memory)
-    # Admission by KV memory (engine/memory.py).
+    # Admission by KV memory (engine/core/memory.py).
     kv_headroom_bytes: int = 0  # what the batch's KV caches may fill (0: no KV admission)
     kv_bytes: int = 0  # KV caches in use after the last step: the batch's plus preempted ones held
     kv_bytes_peak: int = 0
@@ -33,13 +33,13 @@ class EngineStats:
     resumes: int = 0  # preempted sequences put back with their KV cache (no recomputation)
     recomputes: int = 0  # preempted sequences put back by prefilling prompt + generated tokens again
     started_at_once: int = 0  # requests that outranked a running one or were below their group's share: prefilled alone
-    # Prefix (prompt) cache (engine/prefix_cache.py).
+    # Prefix (prompt) cache (engine/mlx/prefix/cache.py).
     prefix_hits: int = 0  # admissions that reused a cached prefix
     prefix_misses: int = 0  # admissions that found none (prompts too short to be worth a lookup not counted)
     prefix_tokens_saved: int = 0  # prompt tokens not prefilled thanks to a hit
     prefix_cache_bytes: int = 0
     prefix_cache_entries: int = 0
-    # Its tier on disk (engine/prefix_disk.py), as of the last sync (it counts on its own threads).
+    # Its tier on disk (engine/mlx/prefix/disk.py), as of the last sync (it counts on its own threads).
     prefix_disk_hits: int = 0  # entries read from disk for a request
     prefix_disk_misses: int = 0  # requests whose prefix neither memory nor disk held
     prefix_disk_errors: int = 0  # entries unreadable (corrupt): their requests prefilled cold
@@ -47,7 +47,7 @@ class EngineStats:
     prefix_disk_dropped: int = 0  # entries not written: the writer was too far behind (or one too large)
     prefix_disk_bytes: int = 0
     prefix_disk_entries: int = 0
-    # Speculative decoding (engine/mlx_speculative.py).
+    # Speculative decoding (engine/mlx/speculation/batch.py).
     spec_steps: int = 0  # steps that scored proposals
     spec_drafted: int = 0  # tokens proposed to rows that could take them
     spec_accepted: int = 0  # of those, tokens the target agreed with

@@ -1,6 +1,6 @@
 """KV admission: whether a sequence can join the batch, by sequence slots and KV bytes.
 
-With a :class:`~engine.memory.KVBudget`, every running row is charged as long as the longest row may grow
+With a :class:`~engine.core.memory.KVBudget`, every running row is charged as long as the longest row may grow
 (a batch pads its rows to the longest: ``memory.py``), the caches of preempted sequences held for their
 resume are charged too, and so is any excess of the caches' measured bytes over that estimate, so a wrong
 estimate cannot run away. Without one, only slots count. :class:`KVAdmission` owns that accounting (rows and

@@ -1,5 +1,5 @@
 """mlx-lm's ``BatchGenerator`` behind the scheduler's backend (an MLX adapter; its API moves between minors: mlx-lm
-is pinned). The protocols it implements are ``backend.py``'s, which import no MLX.
+is pinned). The protocols it implements are ``engine/core/backend.py``'s, which import no MLX.
 
 ``MLXBatch`` exposes the small surface the scheduler needs: insert a prompt, remove sequences, run one
 step; and, for the prefix cache and preemption (:class:`CachingBackend`), insert with a KV cache, take a
@@ -19,14 +19,14 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from .backend import GeneratedToken, LogprobsAsked, SequenceCache, Started
+from ..core.backend import GeneratedToken, LogprobsAsked, SequenceCache, Started
+from ..core.request import ImageInputs, TokenLogprob
+from ..core.speculation.tuner import Tuner
+from ..core.stats import EngineStats
 from .constrain import RowMask
-from .mlx_generation import masked
-from .mlx_process import unwired
-from .mlx_speculative import Proposer, SpecBatch
-from .request import ImageInputs, TokenLogprob
-from .spec_tuner import Tuner
-from .stats import EngineStats
+from .generation import masked
+from .process import unwired
+from .speculation.batch import Proposer, SpecBatch
 
 __all__ = ["MLXBatch", "attach_logprobs"]
 
@@ -34,7 +34,7 @@ _GENERATE = importlib.import_module("mlx_lm.generate")  # the module: the packag
 
 
 class MLXBatch:
-    """mlx-lm's BatchGenerator behind :class:`~engine.backend.CachingBackend`.
+    """mlx-lm's BatchGenerator behind :class:`~engine.core.backend.CachingBackend`.
 
     A step runs one decode step for the generating sequences or one chunk (``prefill_step_size`` tokens) of
     prefill for the sequences being prompted, so a long prompt spans several steps and can be cancelled
@@ -55,7 +55,7 @@ class MLXBatch:
         proposer: Proposer | None = None,
         max_k: int = 4,
         stats: EngineStats | None = None,
-        fixed_shapes: bool | None = None,  # verification shapes that repeat (None: on CUDA; mlx_ragged_cache.py)
+        fixed_shapes: bool | None = None,  # verification shapes that repeat (None: on CUDA; ragged_cache.py)
     ) -> None:
         self._caches = caches
         self._model = model
@@ -67,7 +67,7 @@ class MLXBatch:
         self._checkpoints: list[SequenceCache] = []
         self._stops = StopSequences([(t,) for t in sorted(self._eos)])
         # mlx-lm's generator sets the wired limit in __init__ (``maybe_set_recommended_wired_limit``) and puts
-        # back the one it found in close(): out of order with several generators (engine/mlx_process.py,
+        # back the one it found in close(): out of order with several generators (engine/mlx/process.py,
         # which sets it once per process). Made unwired, it saves None and its close() restores nothing.
         with unwired(_GENERATE, "maybe_set_recommended_wired_limit", _no_wired_limit):
             self._gen = BatchGenerator(

@@ -9,7 +9,7 @@ The default headroom (``default_headroom``): 75 % of the memory MLX may use on i
 and the prefix cache's bound (the rest covers a prompt batch's copy into the decode batch); never less than
 one full-context sequence.
 
-What a model's caches and the device measure is ``mlx_memory.py`` (MLX); this module imports no MLX.
+What a model's caches and the device measure is ``engine/mlx/memory.py`` (MLX); this module imports no MLX.
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ cancellation never reaches into a running MLX call.
 
 Requests claimed together (:meth:`Engine.expect`) reach an idle engine moments apart; its first step waits
 while more keep arriving less than a fifth of the admission window apart, up to a full prefill batch or the
-window's end, so a burst prefills as one batch; meanwhile a backend that embeds its rows (``engine/vlm.py``)
+window's end, so a burst prefills as one batch; meanwhile a backend that embeds its rows (``engine/mlx/vlm.py``)
 embeds each arrival. :meth:`Engine.claim_capacity` tells the worker how many more requests fit soon.
 
-A request whose prompt's prefix is on disk and not in memory (``prefix_disk.py``) waits outside the scheduler
+A request whose prompt's prefix is on disk and not in memory (``engine/mlx/prefix/disk.py``) waits outside the scheduler
 while a reader thread loads it, and comes back through the inbox once it is in memory (or the wait is over):
 the MLX thread never waits on the disk, and the other rows go on decoding meanwhile.
 
@@ -42,7 +42,7 @@ Sink = Callable[[list[RequestOutput]], None]
 
 
 class StepThread(Protocol):
-    """The thread an engine steps on (real: ``engine.mlx_thread.MLXThread``, the model's MLX thread)."""
+    """The thread an engine steps on (real: ``engine.mlx.thread.MLXThread``, the model's MLX thread)."""
 
     @property
     def queued(self) -> int: ...  # calls waiting for the thread

@@ -1,5 +1,5 @@
 """What proposes a speculative step's tokens (an MLX adapter): a draft model, or the row's own prompt and
-output (prompt lookup). Each follows the rows of a :class:`~engine.mlx_speculative.SpecBatch`."""
+output (prompt lookup). Each follows the rows of a :class:`~engine.mlx.speculation.batch.SpecBatch`."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch, _extend_cache
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from .mlx_ragged_cache import _ints, forward, ragged, rollback
+from ..ragged_cache import _ints, forward, ragged, rollback
 
 if TYPE_CHECKING:
-    from .mlx_speculative import SpecBatch
+    from .batch import SpecBatch
 
 __all__ = ["DraftModel", "PromptLookup"]
 

@@ -2,7 +2,7 @@
 of rows that leave it.
 
 A sequence enters by **recompute** (prefilled from nothing), **from a prefix** (only what follows its longest
-cached prefix, ``prefix_cache.py``), **resume** (its own cache, held since it was preempted) or **start at
+cached prefix, ``engine/mlx/prefix/cache.py``), **resume** (its own cache, held since it was preempted) or **start at
 once** (prefilled alone, its first token sampled, then joining as a resume does). :class:`ReuseCaches` does all
 four for a backend that hands caches out (mlx-lm's) and keeps ended rows' caches for the prefix cache;
 :class:`Recompute` is for one that cannot (mlx-vlm's).
@@ -111,7 +111,7 @@ class Recompute:
 
 
 class ReuseCaches:
-    """A backend that hands caches out (:class:`~engine.backend.CachingBackend`), with an optional prefix cache."""
+    """A backend that hands caches out (:class:`~engine.core.backend.CachingBackend`), with an optional prefix cache."""
 
     starts_at_once = True
     holds_caches = True

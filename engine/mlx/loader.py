@@ -16,24 +16,24 @@ from typing import TYPE_CHECKING, Any
 import mlx_lm
 from mlx_lm.utils import load_tokenizer
 
-from . import prefix_disk
-from .backend import BatchBackend
-from .engine import Engine, Sink
-from .memory import DeviceMemory, KVBudget, KVLayout, default_headroom, default_prefix_cache_bytes, mib
-from .mlx_batch import MLXBatch
-from .mlx_memory import device_memory, measure_layout, model_bytes
-from .mlx_process import mlx_process
-from .mlx_proposers import DraftModel, PromptLookup
-from .mlx_ragged_cache import check_cache
-from .mlx_speculative import Proposer
-from .mlx_thread import MLXThread
-from .prefix_cache import PrefixCache
-from .prefix_disk import PrefixDisk, layout_key, model_key, namespace
-from .prompt import PromptEncoder
+from ..core.backend import BatchBackend
+from ..core.engine import Engine, Sink
+from ..core.memory import DeviceMemory, KVBudget, KVLayout, default_headroom, default_prefix_cache_bytes, mib
+from ..core.prompt import PromptEncoder
+from ..core.scheduler import Scheduler
+from ..core.speculation import SpecKind, Speculation
+from ..core.stats import EngineStats
+from .batch import MLXBatch
+from .memory import device_memory, measure_layout, model_bytes
+from .prefix import disk as prefix_disk
+from .prefix.cache import PrefixCache
+from .prefix.disk import PrefixDisk, layout_key, model_key, namespace
+from .process import mlx_process
+from .ragged_cache import check_cache
 from .sampling import make_request_logits_processors, make_request_sampler
-from .scheduler import Scheduler
-from .speculation import SpecKind, Speculation
-from .stats import EngineStats
+from .speculation.batch import Proposer
+from .speculation.proposers import DraftModel, PromptLookup
+from .thread import MLXThread
 
 if TYPE_CHECKING:
     from .vlm import Vision
@@ -51,18 +51,19 @@ class EngineOptions:
     capacity: int = 32  # sequences decoding at once
     prefill_batch_size: int = 8  # prompts prefilled together
     prefill_step_size: int = 512  # prompt tokens per prefill chunk (a step boundary between chunks)
-    stream_interval_s: float = 0.0  # hold a request's tokens up to this long between outputs (see pacer.py)
+    stream_interval_s: float = 0.0  # hold a request's tokens up to this long between outputs (see engine/core/pacer.py)
     stream_rate: float = 0.0  # most outputs a second; more rows than that allows: a longer interval (0: no bound)
-    # KV bytes the batch's caches may hold (> 0); None: the default rule of engine/memory.py (75 % of usable
+    # KV bytes the batch's caches may hold (> 0); None: the default rule of engine/core/memory.py (75 % of usable
     # memory - weights - the prefix cache's bound)
     kv_headroom_bytes: int | None = None
     # the prefix cache's bound; None: a tenth of usable memory, at most 4 GiB; 0: no prefix cache
     prefix_cache_bytes: int | None = None
-    aging_s: float = 1.0  # seconds of waiting worth one priority level (engine/waiting.py)
+    aging_s: float = 1.0  # seconds of waiting worth one priority level (engine/core/waiting.py)
     # the share of the machine's memory the default rules give this engine (1/n with n engines in a process)
     memory_share: float = 1.0
-    speculation: Speculation | None = None  # speculative decoding (engine/mlx_speculative.py); None: plain decoding
-    # the prefix cache's tier on disk (engine/prefix_disk.py): its bound in bytes (0: off) and root directory
+    # speculative decoding (engine/mlx/speculation/batch.py); None: plain decoding
+    speculation: Speculation | None = None
+    # the prefix cache's tier on disk (engine/mlx/prefix/disk.py): its bound in bytes (0: off) and root directory
     # ("": prefix_disk.default_dir())
     kv_disk_bytes: int = 0
     kv_dir: str = ""
@@ -220,7 +221,7 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
     stats = EngineStats()
 
     def make_backend() -> BatchBackend:
-        if loaded.vision is not None:  # image and text rows in one mlx-vlm batch (see engine/vlm.py)
+        if loaded.vision is not None:  # image and text rows in one mlx-vlm batch (see engine/mlx/vlm.py)
             from .vlm import VLMBatch
 
             return VLMBatch(loaded.model, loaded.vision.processor, loaded.eos_token_ids, capacity=opts.capacity,
@@ -344,7 +345,7 @@ def _detokenizers(loaded: LoadedModel) -> Callable[[], Any]:
 def memory_plan(loaded: LoadedModel, layout: KVLayout, opts: EngineOptions, device: DeviceMemory, *,
                 caches: bool = True, draft_bytes: int = 0) -> tuple[KVBudget, PrefixCache | None]:
     """The KV budget and the prefix cache of an engine on ``device``, from its options or the defaults of
-    engine/memory.py. A backend that cannot hand caches out (``caches=False``, mlx-vlm's) has no prefix cache, so
+    engine/core/memory.py. A backend that cannot hand caches out (``caches=False``, mlx-vlm's) has no prefix cache, so
     the default headroom reserves nothing for one."""
     usable = int(device.usable * opts.memory_share)
     prefix_bytes = opts.prefix_cache_bytes

@@ -4,10 +4,10 @@ A step proposes ``k`` tokens for every row (a draft model, or prompt lookup), sc
 positions in one forward pass of the target, and keeps each row's prefix of proposals the target agrees with
 (greedy rows: its argmax; unseeded sampled rows: the speculative-sampling rule) plus the target's own next
 token. A row takes the positions it rejected off its own end in both models' caches, without moving the others
-(``mlx_ragged_cache.py``). Seeded, penalised and constrained rows take no proposals, so their tokens are exactly
-plain decoding's; ``k`` is chosen per step from the measured acceptance and step times (0: plain decoding), so
-speculation turns itself off where it does not pay (``spec_tuner.py``, which imports no MLX). The proposers
-are ``mlx_proposers.py``."""
+(``engine/mlx/ragged_cache.py``). Seeded, penalised and constrained rows take no proposals, so their tokens are
+exactly plain decoding's; ``k`` is chosen per step from the measured acceptance and step times (0: plain
+decoding), so speculation turns itself off where it does not pay (``engine/core/speculation/tuner.py``, which
+imports no MLX). The proposers are ``proposers.py``."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from typing import Any, Protocol, cast
 
 import mlx.core as mx
 
-from .mlx_generation import MaskedGenerationBatch
-from .mlx_ragged_cache import HeldRows, _ints, ragged, repeat_shapes, rollback
-from .sampling import RowSampler
-from .spec_tuner import Tuner
-from .stats import EngineStats
+from ...core.speculation.tuner import Tuner
+from ...core.stats import EngineStats
+from ..generation import MaskedGenerationBatch
+from ..ragged_cache import HeldRows, _ints, ragged, repeat_shapes, rollback
+from ..sampling import RowSampler
 
 __all__ = ["Proposer", "SpecBatch", "speculative_sample"]
 
@@ -45,7 +45,7 @@ class Proposer(Protocol):
 
 
 class SpecBatch(MaskedGenerationBatch):
-    """mlx-lm's generation batch (its constrained rows masked at once, ``mlx_generation.py``), stepping
+    """mlx-lm's generation batch (its constrained rows masked at once, ``engine/mlx/generation.py``), stepping
     speculatively when a proposal pays (see the module)."""
 
     proposer: Proposer

@@ -2,8 +2,8 @@
 
 It knows nothing of Redis, asyncio or threads (tests drive it with a fake backend); the engine calls it on the
 model's MLX thread. Each :meth:`Scheduler.step` expires deadlines, admits waiting requests (in priority order
-with aging, ``waiting.py``; the first that does not fit, by :class:`~engine.admission.KVAdmission`, holds back
-the rest), runs one batch step and hands each row's tokens to its :class:`~engine.sequence.Sequence`.
+with aging, ``waiting.py``; the first that does not fit, by :class:`~engine.core.admission.KVAdmission`, holds back
+the rest), runs one batch step and hands each row's tokens to its :class:`~engine.core.sequence.Sequence`.
 
 Preemption (as vLLM's, counting slots as well as memory): running sequences of strictly lower priority whose
 aged key is no better leave for a waiting one, lowest and latest first, as few as make room (the plan:
@@ -11,7 +11,7 @@ aged key is no better leave for a waiting one, lowest and latest first, as few a
 priority preempts only within a group; a waiting request of a group below its share takes the place of a
 sequence of a group above it, and while the head of the queue cannot join, such a request behind it may.
 How a sequence enters the batch and what becomes of its cache is the backend's
-:class:`~engine.cache_strategy.CacheStrategy`; a step's tokens go into its outputs by ``step_outputs.py``. It
+:class:`~engine.core.cache_strategy.CacheStrategy`; a step's tokens go into its outputs by ``step_outputs.py``. It
 imports no MLX: the backend's protocols are ``backend.py``'s.
 """
 

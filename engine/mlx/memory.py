@@ -1,5 +1,5 @@
 """What MLX measures for the KV budget (an MLX adapter): a model's cache layout and weights, and the memory of the
-device it runs on. The budget itself is ``memory.py``, which imports no MLX."""
+device it runs on. The budget itself is ``engine/core/memory.py``, which imports no MLX."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, make_prompt_cache
 
-from .memory import KV_STEP, DeviceMemory, KVLayout
+from ..core.memory import KV_STEP, DeviceMemory, KVLayout
 
 __all__ = ["device_memory", "measure_layout", "model_bytes", "usable_memory_bytes"]
 

@@ -2,7 +2,7 @@
 
 A request's format (a JSON schema, any JSON object, a regex, a Lark grammar) is compiled once per model into
 a matcher template (:meth:`Grammars.compile`, off the MLX thread, cached by its source); each row gets a copy
-(:class:`RowMask`). Every step, the batch (``engine/mlx_generation.py``) advances each constrained row's matcher by
+(:class:`RowMask`). Every step, the batch (``engine/mlx/generation.py``) advances each constrained row's matcher by
 the token the row is fed, fills all their token masks at once into one bitmask (llguidance's Rust threads,
 without the GIL, while MLX computes the logits) and applies it to the whole batch's logits in one operation.
 A complete grammar allows only an end-of-sequence token, so a constrained row ends as any other does.

@@ -1,7 +1,7 @@
 """mlx-lm's generation batch with its constrained rows masked at once (an MLX adapter).
 
 :class:`MaskedGenerationBatch` is mlx-lm's ``GenerationBatch`` whose step, when a row is constrained (its logits
-processors hold a :class:`~engine.constrain.RowMask`), fills the batch's masks while MLX computes the logits and
+processors hold a :class:`~engine.mlx.constrain.RowMask`), fills the batch's masks while MLX computes the logits and
 applies them to every row in one operation. :class:`MaskedPromptBatch` is mlx-lm's prompt batch that hands its
 prefilled rows on as such a batch (their first token is sampled there). An ``MLXBatch`` puts both into its own
 ``BatchGenerator``: mlx-lm's classes are left as they are for every other user of the process.

@@ -2,9 +2,9 @@
 
 A :class:`Sequence` accepts one token or several at once (a decode step gives one, a speculative step
 several), feeds them to its streaming detokenizer and stop strings, and writes into the step's
-:class:`~engine.request.RequestOutput` the tokens, the text to emit and, once, how it ended. A row may hold a
+:class:`~engine.core.request.RequestOutput` the tokens, the text to emit and, once, how it ended. A row may hold a
 :class:`Constraint`, the mask its next token is sampled under (the backend applies it), and a
-:class:`~engine.parts.PartSplitter` that puts its reasoning and tool calls apart from the answer.
+:class:`~engine.core.parts.PartSplitter` that puts its reasoning and tool calls apart from the answer.
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ class ImageInputs:
 
 
 class Format(Protocol):
-    """A compiled output format (``engine/constrain.py``'s ``Grammar``): each row it constrains gets its own mask."""
+    """A compiled output format (``engine/mlx/constrain.py``'s ``Grammar``): each row it constrains gets its own
+    mask."""
 
     def row(self) -> Any: ...
 
@@ -88,13 +89,13 @@ class EngineRequest:
     """One sequence to generate. ``arrival`` and ``deadline`` are ``time.monotonic()`` values (an arrival of
     0.0 means "when the scheduler gets it").
 
-    ``priority``: higher goes first, with aging (``engine/waiting.py``), and may preempt lower-priority
+    ``priority``: higher goes first, with aging (``engine/core/waiting.py``), and may preempt lower-priority
     sequences. ``cache_boundary``: how many leading prompt tokens are a reusable prefix (the chat template's
-    system prompt, see ``engine/prompt.py``); the engine caches their KV there. 0: none. ``images``: the
+    system prompt, see ``engine/core/prompt.py``); the engine caches their KV there. 0: none. ``images``: the
     prompt's images, for a model that accepts them (None: a text prompt). ``format``: what its output must
     match (None: free text). ``parts``: the model's think and tool-call markers, to report reasoning and tool calls
     apart from the answer (None: one text). ``group`` and ``weight``: who it is for (a tenant) and that group's
-    weight: between groups, the batch is shared by weight (``engine/shares.py``), priority orders within one.
+    weight: between groups, the batch is shared by weight (``engine/core/shares.py``), priority orders within one.
     """
 
     rid: str

@@ -11,7 +11,7 @@ Two bounds keep it off the hot path: prompts shorter than ``min_tokens`` are nei
 hit would save less prefill than the copies cost), and the entries are few (``max_entries``): mlx-lm's lookup
 walks every entry that shares the prompt's longest cached prefix, on the engine thread.
 
-With a tier on disk (``prefix_disk.py``) every stored entry is also handed to its writer, so a restarted worker
+With a tier on disk (``disk.py``) every stored entry is also handed to its writer, so a restarted worker
 (even one killed) finds it; :meth:`PrefixCache.prefetch` starts reading a prompt's prefix from disk when the
 disk holds more of it than memory does, and the entry joins the memory tier at the next fetch. An entry on disk
 carries the affinity keys (``EngineRequest.affinity``, opaque here) of the prompts whose start it holds, so a
@@ -26,10 +26,10 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
 
-from .backend import DiskCounts, PrefixHit, SequenceCache
-from .prefix_disk import PrefixDisk, reach
+from ...core.backend import DiskCounts, PrefixHit, SequenceCache
+from .disk import PrefixDisk, reach
 
-__all__ = ["PrefixCache", "PrefixHit"]  # PrefixHit: backend.py's, returned by fetch
+__all__ = ["PrefixCache", "PrefixHit"]  # PrefixHit: engine/core/backend.py's, returned by fetch
 
 _MODEL = "model"  # the cache serves one model: one trie
 MAX_ENTRIES = 32
@@ -99,7 +99,7 @@ class PrefixCache:
                 continue
             self._lru.insert_cache(_MODEL, list(e.tokens), e.cache, cache_type=kind)
             if self.disk is not None:
-                # a system prompt's checkpoint waits for its turn's entry, which supersedes it (prefix_disk.py)
+                # a system prompt's checkpoint waits for its turn's entry, which supersedes it (disk.py)
                 self.disk.save(list(e.tokens), e.cache, kind, e.trimmable, keys=self._keys_of(e.tokens),
                                defer=kind == "system")
 

@@ -2,8 +2,8 @@
 
 Nothing here imports MLX: a KV cache is held as it is (a list of per-layer caches, read only through
 :class:`LayerCache`), and a token's log-probabilities stay the backend's own vectors, read back by the backend
-(:meth:`BatchBackend.attach_logprobs`). The MLX adapters (``mlx_batch.py``, ``vlm.py``) implement these; the
-scheduler's tests drive them with fakes.
+(:meth:`BatchBackend.attach_logprobs`). The MLX adapters (``engine/mlx/batch.py``, ``engine/mlx/vlm.py``)
+implement these; the scheduler's tests drive them with fakes.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ class Started:
 
 
 class BatchBackend(Protocol):
-    """What the scheduler needs from a continuous batch (real: ``engine.mlx_batch.MLXBatch``,
-    ``engine.vlm.VLMBatch``; tests: a fake). ``images`` is passed only with an image request: a backend without
+    """What the scheduler needs from a continuous batch (real: ``engine.mlx.batch.MLXBatch``,
+    ``engine.mlx.vlm.VLMBatch``; tests: a fake). ``images`` is passed only with an image request: a backend without
     images may omit it."""
 
     def insert(
@@ -202,7 +202,7 @@ class DiskCounts:
 
 
 class PrefixStore(Protocol):
-    """The prefix (prompt) KV cache as the cache strategy uses it (real: ``engine.prefix_cache.PrefixCache``)."""
+    """The prefix (prompt) KV cache as the cache strategy uses it (real: ``engine.mlx.prefix.cache.PrefixCache``)."""
 
     min_tokens: int  # prompts shorter than this are neither looked up nor stored
     hits: int

@@ -1,5 +1,5 @@
 """How an engine speculates (the worker's setting): by a draft model or by prompt lookup, up to ``max_k`` tokens a
-step. What speculates is ``mlx_speculative.py``; it imports no MLX itself."""
+step. What speculates is ``engine/mlx/speculation/batch.py``; it imports no MLX itself."""
 
 from __future__ import annotations
 

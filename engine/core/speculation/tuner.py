@@ -1,5 +1,5 @@
 """The choice of each speculative step's ``k`` (how many tokens to propose a row): pure Python, from the
-acceptance the speculative batch measures and the step times it reports (``mlx_speculative.py``)."""
+acceptance the speculative batch measures and the step times it reports (``engine/mlx/speculation/batch.py``)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from .request import SamplingParams
+from ..core.request import SamplingParams
 
 __all__ = ["RowSampler", "make_request_logits_processors", "make_request_sampler"]
 

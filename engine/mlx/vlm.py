@@ -2,10 +2,10 @@
 BatchGenerator's API moves between minors).
 
 - :class:`Vision`: an image prompt's CPU half (chat template, the processor's work, image-token expansion), in
-  any thread, making no MLX array: token ids and numpy arrays (:class:`~engine.request.ImageInputs`).
-- :class:`VLMBatch`: mlx-vlm's ``BatchGenerator`` as the scheduler's ``BatchBackend`` (``backend.py``). Every row
-  carries input embeddings, so image and text rows share one batch; an idle engine embeds a burst's arrivals as
-  they come (:meth:`VLMBatch.embed_ahead`).
+  any thread, making no MLX array: token ids and numpy arrays (:class:`~engine.core.request.ImageInputs`).
+- :class:`VLMBatch`: mlx-vlm's ``BatchGenerator`` as the scheduler's ``BatchBackend``
+  (``engine/core/backend.py``). Every row carries input embeddings, so image and text rows share one batch; an
+  idle engine embeds a burst's arrivals as they come (:meth:`VLMBatch.embed_ahead`).
 
 Done here, not by mlx-vlm 0.7: per-request sampling (a non-greedy row's sampler is its last logits processor,
 :class:`RowSampler`), admission up to capacity (``completion_batch_size = capacity + prefill_batch_size``), and
@@ -31,10 +31,10 @@ from mlx_vlm.prompt_utils import apply_chat_template
 from mlx_vlm.utils import load as vlm_load
 from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
 
-from .backend import GeneratedToken, LogprobsAsked
-from .mlx_batch import attach_logprobs
-from .mlx_process import unwired
-from .request import ImageInputs
+from ..core.backend import GeneratedToken, LogprobsAsked
+from ..core.request import ImageInputs
+from .batch import attach_logprobs
+from .process import unwired
 
 __all__ = ["RowSampler", "VLMBatch", "Vision", "load_vision_model"]
 
@@ -161,7 +161,7 @@ class VLMBatch:
         self._ahead: dict[int, tuple[list[int], ImageInputs | None, dict[str, Any]]] = {}
         self._ahead_max = prefill
         # mlx-vlm's generator enters ``wired_limit()`` in __init__ (setting the wired limit) and leaves it in
-        # close(), restoring the limit it found: out of order with several generators (engine/mlx_process.py,
+        # close(), restoring the limit it found: out of order with several generators (engine/mlx/process.py,
         # which sets it once per process). Made unwired, it enters a context that does nothing.
         with unwired(_AR, "wired_limit", _no_wired_limit):
             self._gen = BatchGenerator(
