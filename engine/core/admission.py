@@ -1,23 +1,23 @@
 """KV admission: whether a sequence can join the batch, by sequence slots and KV bytes.
 
 With a :class:`~engine.core.memory.KVBudget`, every running row is charged as long as the longest row may grow
-(a batch pads its rows to the longest: ``memory.py``), the caches of preempted sequences held for their
+(a batch pads its rows to the longest: ``memory.py``), the caches of preempted sequences parked for their
 resume are charged too, and so is any excess of the caches' measured bytes over that estimate, so a wrong
 estimate cannot run away. Without one, only slots count. :class:`KVAdmission` owns that accounting (rows and
-their ends, held bytes, the last measurement) and answers the scheduler's questions: does it fit, with
-these victims gone, holding these caches; could it ever fit; how many typical requests still fit.
+their ends, parked bytes, the last measurement) and answers the scheduler's questions: does it fit, with
+these victims gone, parking these caches; could it ever fit; how many typical requests still fit.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from .memory import KVBudget, mib
 from .stats import EngineStats
 
-__all__ = ["KVAdmission", "Row"]
+__all__ = ["KVAdmission", "Parked", "Row"]
 
 
 class Row(Protocol):
@@ -28,7 +28,14 @@ class Row(Protocol):
     @property
     def length(self) -> int: ...  # tokens in its cache now
     @property
-    def held_bytes(self) -> int: ...  # its cache held while preempted (0: none)
+    def parked_bytes(self) -> int: ...  # its cache parked while preempted (0: none)
+
+
+class Parked(Protocol):
+    """A waiting sequence that may have parked its cache (preempted, to resume from it)."""
+
+    parked: Any  # its cache (None: none parked)
+    parked_bytes: int
 
 
 class KVAdmission:
@@ -42,7 +49,7 @@ class KVAdmission:
         self.stats = stats
         stats.kv_headroom_bytes = budget.headroom if budget is not None else 0
         self.rows = 0
-        self.held = 0  # bytes of caches held by preempted sequences
+        self.parked = 0  # bytes of caches parked by preempted sequences
         self._ends: Counter[int] = Counter()  # running rows by their end
         self._longest: int | None = 0  # the largest end running (None: to recompute)
         self._probe: Callable[[], int] | None = None
@@ -73,17 +80,23 @@ class KVAdmission:
             self._longest = None
         self._stale = True
 
-    def hold(self, nbytes: int) -> None:
-        self.held += nbytes
+    def park(self, nbytes: int) -> None:
+        self.parked += nbytes
 
-    def release(self, nbytes: int) -> None:
-        """A held cache is dropped or resumed from (the last reading no longer counts it)."""
-        self.held -= nbytes
-        self.stats.kv_bytes = max(0, self.stats.kv_bytes - nbytes)
+    def unpark(self, seq: Parked) -> Any:
+        """Take a waiting sequence's parked cache from it (to resume from, or dropped; the last reading no longer
+        counts it); None if it has none."""
+        cache, nbytes = seq.parked, seq.parked_bytes
+        if cache is not None:
+            self.parked -= nbytes
+            self.stats.kv_bytes = max(0, self.stats.kv_bytes - nbytes)
+            seq.parked, seq.parked_bytes = None, 0
+            self.reserve()
+        return cache
 
     def clear(self) -> None:
-        """Nothing runs or is held (after an engine failure); the failed batch is not asked again."""
-        self.rows, self.held, self._longest, self._measured, self._stale = 0, 0, 0, 0, False
+        """Nothing runs or is parked (after an engine failure); the failed batch is not asked again."""
+        self.rows, self.parked, self._longest, self._measured, self._stale = 0, 0, 0, 0, False
         self._ends.clear()
         self.stats.kv_bytes = self.stats.kv_reserved_bytes = 0
 
@@ -92,15 +105,15 @@ class KVAdmission:
         if self._probe is None:
             return
         self._measured, self._stale = self._probe(), False
-        used = self._measured + self.held
+        used = self._measured + self.parked
         self.stats.kv_bytes = used
         if used > self.stats.kv_bytes_peak:
             self.stats.kv_bytes_peak = used
 
     def reserve(self) -> None:
-        """Publish the admission estimate (what the admitted rows may grow to, and the held caches)."""
+        """Publish the admission estimate (what the admitted rows may grow to, and the parked caches)."""
         if self.budget is not None:
-            self.stats.kv_reserved_bytes = self.budget.batch_bytes(self.rows, self.longest()) + self.held
+            self.stats.kv_reserved_bytes = self.budget.batch_bytes(self.rows, self.longest()) + self.parked
 
     # --- questions -----------------------------------------------------------------------------------
     def never_fits(self, prompt: int, max_tokens: int) -> str | None:
@@ -115,11 +128,11 @@ class KVAdmission:
                         f"more than this worker's KV headroom ({mib(room)})")
         return None
 
-    def fits(self, row: Row, victims: Sequence[Row] = (), *, hold: bool = False, slots: bool = True,
-             drop_held: bool = False) -> bool:
-        """Whether ``row`` can join once ``victims`` left (holding their caches if ``hold``); ``slots=False``:
+    def fits(self, row: Row, victims: Sequence[Row] = (), *, park: bool = False, slots: bool = True,
+             drop_parked: bool = False) -> bool:
+        """Whether ``row`` can join once ``victims`` left (parking their caches if ``park``); ``slots=False``:
         whether the KV headroom has room for it beside every running row, whatever the slots;
-        ``drop_held``: whether it could once the other held caches were dropped."""
+        ``drop_parked``: whether it could once the other parked caches were dropped."""
         rows = self.rows - len(victims)
         if slots and rows >= self.capacity:
             return False
@@ -127,16 +140,16 @@ class KVAdmission:
         if budget is None:
             return True
         longest = max(row.end, self.longest(victims))
-        held = 0 if drop_held else self.held - row.held_bytes
-        if hold:
-            held += sum(budget.layout.cache_bytes(v.length) for v in victims)
-        return budget.batch_bytes(rows + 1, longest) + held + self.excess() <= budget.headroom
+        parked = 0 if drop_parked else self.parked - row.parked_bytes
+        if park:
+            parked += sum(budget.layout.cache_bytes(v.length) for v in victims)
+        return budget.batch_bytes(rows + 1, longest) + parked + self.excess() <= budget.headroom
 
     def kv_rows(self, typical: int) -> int:
         """How many more requests of ``typical`` tokens the headroom has room for beside the running ones."""
         if self.budget is None:
             return self.capacity - self.rows
-        fit = self.budget.rows_that_fit(max(self.longest(), typical), self.held + self.excess())
+        fit = self.budget.rows_that_fit(max(self.longest(), typical), self.parked + self.excess())
         # An idle engine takes one whatever the estimate says: alone, a request either fits or is refused
         # with a clear error, and a worker that claims nothing serves nobody.
         return max(fit - self.rows, 1 if self.rows == 0 else 0)

@@ -2,7 +2,7 @@
 of rows that leave it.
 
 A sequence enters by **recompute** (prefilled from nothing), **from a prefix** (only what follows its longest
-cached prefix, ``engine/mlx/prefix/cache.py``), **resume** (its own cache, held since it was preempted) or **start at
+cached prefix, ``engine/mlx/prefix/cache.py``), **resume** (its own cache, parked since it was preempted) or **start at
 once** (prefilled alone, its first token sampled, then joining as a resume does). :class:`ReuseCaches` does all
 four for a backend that hands caches out (mlx-lm's) and keeps ended rows' caches for the prefix cache;
 :class:`Recompute` is for one that cannot (mlx-vlm's).
@@ -23,7 +23,7 @@ class CacheStrategy(Protocol):
     """What the scheduler asks of a backend's caches. Every call runs on the model's MLX thread."""
 
     starts_at_once: bool  # whether :meth:`start` can run (a new request prefilled alone)
-    holds_caches: bool  # whether a preempted sequence can keep its cache to resume from
+    parks_caches: bool  # whether a preempted sequence can keep its cache to resume from
 
     @property
     def backend(self) -> BatchBackend: ...
@@ -31,8 +31,8 @@ class CacheStrategy(Protocol):
     def prepare(self, seq: Sequence) -> None:
         """A sequence about to run for the first time."""
 
-    def insert(self, seq: Sequence, held: SequenceCache | None) -> int:
-        """Put ``seq`` into the batch (resuming from ``held``, its own cache, if given); its uid. A
+    def insert(self, seq: Sequence, parked: SequenceCache | None) -> int:
+        """Put ``seq`` into the batch (resuming from ``parked``, its own cache, if given); its uid. A
         ValueError refuses this request alone."""
 
     def start(self, seq: Sequence) -> tuple[int, BatchToken]:
@@ -41,8 +41,8 @@ class CacheStrategy(Protocol):
     def take(self, seqs: list[Sequence]) -> dict[int, SequenceCache]:
         """Take rows out of the batch, with their caches where the backend hands them out."""
 
-    def park(self, seq: Sequence, cache: SequenceCache | None, hold: bool) -> str | None:
-        """A preempted sequence taken out with ``cache``: keep what its resume needs (its cache if ``hold``
+    def park(self, seq: Sequence, cache: SequenceCache | None, keep_cache: bool) -> str | None:
+        """A preempted sequence taken out with ``cache``: keep what its resume needs (its cache if ``keep_cache``
         and it can resume from it, else its tokens to recompute). A message if it cannot resume at all."""
 
     def retire(self, seq: Sequence) -> None:
@@ -69,7 +69,7 @@ class Recompute:
     """A backend without caches to hand out: every entry prefills from nothing, a resume included."""
 
     starts_at_once = False
-    holds_caches = False
+    parks_caches = False
 
     def __init__(self, backend: BatchBackend, stats: EngineStats) -> None:
         self.backend = backend
@@ -78,7 +78,7 @@ class Recompute:
     def prepare(self, seq: Sequence) -> None:
         seq.history = []  # no cache to resume from: a preemption recomputes from the tokens
 
-    def insert(self, seq: Sequence, held: SequenceCache | None) -> int:
+    def insert(self, seq: Sequence, parked: SequenceCache | None) -> int:
         req = seq.req
         if seq.admitted:
             self.stats.recomputes += 1
@@ -94,7 +94,7 @@ class Recompute:
         self.backend.remove([s.uid for s in seqs])
         return {}
 
-    def park(self, seq: Sequence, cache: SequenceCache | None, hold: bool) -> str | None:
+    def park(self, seq: Sequence, cache: SequenceCache | None, keep_cache: bool) -> str | None:
         return None
 
     def retire(self, seq: Sequence) -> None:
@@ -114,7 +114,7 @@ class ReuseCaches:
     """A backend that hands caches out (:class:`~engine.core.backend.CachingBackend`), with an optional prefix cache."""
 
     starts_at_once = True
-    holds_caches = True
+    parks_caches = True
 
     def __init__(self, backend: CachingBackend, prefix: PrefixStore | None, stats: EngineStats) -> None:
         self.backend = backend
@@ -125,15 +125,15 @@ class ReuseCaches:
     def prepare(self, seq: Sequence) -> None:
         pass  # its tokens come with its cache if it is preempted
 
-    def insert(self, seq: Sequence, held: SequenceCache | None) -> int:
+    def insert(self, seq: Sequence, parked: SequenceCache | None) -> int:
         req, backend = seq.req, self.backend
         if req.images is not None:  # a backend that hands out caches (mlx-lm's) takes no images
             raise ValueError("this model does not accept images")
         full = req.prompt_tokens + seq.history if seq.history else req.prompt_tokens
-        if held is not None:  # resume from its own cache: no recomputation
-            n = held.resume_point(full)
+        if parked is not None:  # resume from its own cache: no recomputation
+            n = parked.resume_point(full)
             self.stats.resumes += 1
-            return backend.insert(full[n:], seq.remaining, seq.sampler, seq.processors, cache=held.cache,
+            return backend.insert(full[n:], seq.remaining, seq.sampler, seq.processors, cache=parked.cache,
                                   cache_tokens=full[:n])
         if seq.admitted:
             self.stats.recomputes += 1
@@ -168,15 +168,15 @@ class ReuseCaches:
     def take(self, seqs: list[Sequence]) -> dict[int, SequenceCache]:
         return self.backend.take_caches([s.uid for s in seqs])
 
-    def park(self, seq: Sequence, cache: SequenceCache | None, hold: bool) -> str | None:
+    def park(self, seq: Sequence, cache: SequenceCache | None, keep_cache: bool) -> str | None:
         prompt = len(seq.req.prompt_tokens)
         full = seq.length
         if seq.history is None:  # its first preemption: its tokens come with its cache
             if seq.generated and (cache is None or len(cache.tokens) < full):
                 return "the engine lost the request's tokens when preempting it"
             seq.history = cache.tokens[prompt:full] if cache is not None else []
-        if hold and cache is not None and (len(cache.tokens) < full or cache.trimmable):
-            seq.held, seq.held_bytes = cache, cache.nbytes
+        if keep_cache and cache is not None and (len(cache.tokens) < full or cache.trimmable):
+            seq.parked, seq.parked_bytes = cache, cache.nbytes
         return None
 
     def retire(self, seq: Sequence) -> None:

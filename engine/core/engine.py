@@ -253,7 +253,7 @@ class Engine:
                     self._emit(self._drain_inbox())
                     if self.scheduler.has_work:
                         t0 = time.perf_counter()
-                        outs = self.scheduler.step(self._pacer.held)  # tokens join what the pacer holds
+                        outs = self.scheduler.step(self._pacer.deferred)  # tokens join what the pacer defers
                         self.stats.steps += 1
                         self.on_step(time.perf_counter() - t0)
                         self._emit(outs)
@@ -370,7 +370,7 @@ class Engine:
         return terminal(cmd.rid, cmd.reason, 0, cmd.code, cmd.message)
 
     def _emit(self, outs: list[RequestOutput]) -> None:
-        # Nothing is held once the engine goes idle: no later tick would send it.
+        # Nothing is deferred once the engine goes idle: no later tick would send it.
         due = self._pacer.push(outs, flush=not self.scheduler.has_work)
         if due:
             self._sink(due)

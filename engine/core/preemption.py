@@ -4,7 +4,7 @@ Eligible: running sequences of its own group (``shares.py``; one group unless th
 strictly lower priority whose aged key is no better, and sequences of another group above its share (whatever
 their priority: between groups the share decides). Lowest priority first, then the most loaded group's, latest
 first; the plan takes as few as make room, keeping their caches for their resume where that fits too. The
-scheduler carries the plan out (``scheduler.py``). Caches held by preempted sequences give way, the same way
+scheduler carries the plan out (``scheduler.py``). Caches parked by preempted sequences give way, the same way
 round, to a waiting one that cannot join for them.
 """
 
@@ -18,18 +18,18 @@ from .admission import KVAdmission
 from .sequence import Sequence
 from .shares import Shares
 
-__all__ = ["Preemption", "drop_held_caches", "plan_preemption"]
+__all__ = ["Preemption", "drop_parked_caches", "plan_preemption"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class Preemption:
-    """A preemption: the request it makes room for, its victims, and whether their caches are held."""
+    """A preemption: the request it makes room for, its victims, and whether their caches are parked."""
 
     top: Sequence
     victims: list[Sequence]
-    hold: bool
+    park: bool
 
     @property
     def across(self) -> bool:
@@ -38,8 +38,8 @@ class Preemption:
 
 
 def plan_preemption(top: Sequence, running: Iterable[Sequence], lowest: int | None, kv: KVAdmission,
-                    holds_caches: bool, shares: Shares | None = None) -> Preemption | None:
-    """The fewest running sequences whose leaving lets ``top`` join, and whether their caches can be held
+                    parks_caches: bool, shares: Shares | None = None) -> Preemption | None:
+    """The fewest running sequences whose leaving lets ``top`` join, and whether their caches can be parked
     then; None if no eligible set does. ``lowest``: the lowest priority running (None: none runs).
     ``shares``: the running groups (None: one group)."""
     prio, group = top.req.priority, top.req.group
@@ -58,11 +58,11 @@ def plan_preemption(top: Sequence, running: Iterable[Sequence], lowest: int | No
         eligible = _within_share(top, eligible, shares)
     if not eligible or not kv.fits(top, eligible):
         return None
-    holds = (True, False) if holds_caches else (False,)
+    parks = (True, False) if parks_caches else (False,)
     for k in range(1, len(eligible) + 1):  # as few victims as possible; keeping their caches if that fits
-        for hold in holds:
-            if kv.fits(top, eligible[:k], hold=hold):
-                return Preemption(top, eligible[:k], hold)
+        for park in parks:
+            if kv.fits(top, eligible[:k], park=park):
+                return Preemption(top, eligible[:k], park)
     return None
 
 
@@ -81,19 +81,19 @@ def _within_share(top: Sequence, eligible: list[Sequence], shares: Shares) -> li
     return kept
 
 
-def drop_held_caches(top: Sequence, waiting: Iterable[Sequence], kv: KVAdmission,
-                     unhold: Callable[[Sequence], object]) -> bool:
-    """Let ``top`` join by dropping caches held by other waiting sequences (``unhold``: they resume by
-    recomputing instead), lowest priority and latest first; whether it can join now. Without this, caches held
+def drop_parked_caches(top: Sequence, waiting: Iterable[Sequence], kv: KVAdmission,
+                       unpark: Callable[[Sequence], object]) -> bool:
+    """Let ``top`` join by dropping caches parked by other waiting sequences (``unpark``: they resume by
+    recomputing instead), lowest priority and latest first; whether it can join now. Without this, caches parked
     for sequences queued behind ``top`` could keep it out of an idle batch for good."""
-    if kv.held == top.held_bytes or not kv.fits(top, drop_held=True):
+    if kv.parked == top.parked_bytes or not kv.fits(top, drop_parked=True):
         return False
-    others = sorted((s for s in waiting if s.held is not None and s is not top),
+    others = sorted((s for s in waiting if s.parked is not None and s is not top),
                     key=lambda s: (s.req.priority, -s.key, -s.order))
     for s in others:
-        log.info("request %s drops its held cache (%d bytes; it will recompute) for request %s",
-                 s.rid, s.held_bytes, top.rid)
-        unhold(s)
+        log.info("request %s drops its parked cache (%d bytes; it will recompute) for request %s",
+                 s.rid, s.parked_bytes, top.rid)
+        unpark(s)
         if kv.fits(top):
             return True
     return False

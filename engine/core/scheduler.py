@@ -7,12 +7,11 @@ the rest), runs one batch step and hands each row's tokens to its :class:`~engin
 
 Preemption (as vLLM's, counting slots as well as memory): running sequences of strictly lower priority whose
 aged key is no better leave for a waiting one, lowest and latest first, as few as make room (the plan:
-``preemption.py``). Requests of several groups (a worker's tenants) share the batch by weight (``shares.py``):
-priority preempts only within a group; a waiting request of a group below its share takes the place of a
-sequence of a group above it, and while the head of the queue cannot join, such a request behind it may.
+``preemption.py``). Groups (a worker's tenants) share the batch by weight (``shares.py``): priority preempts
+within a group; a waiting request of a group below its share, even behind the head, takes a place of one above.
 How a sequence enters the batch and what becomes of its cache is the backend's
-:class:`~engine.core.cache_strategy.CacheStrategy`; a step's tokens go into its outputs by ``step_outputs.py``. It
-imports no MLX: the backend's protocols are ``backend.py``'s.
+:class:`~engine.core.cache_strategy.CacheStrategy` (``backend.py``'s protocols: no MLX here); a step's tokens
+go into its outputs by ``step_outputs.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -30,9 +28,10 @@ from .backend import BatchBackend, GeneratedToken, PrefixStore, SequenceCache
 from .cache_strategy import CacheStrategy, strategy_for
 from .deadlines import Deadlines
 from .memory import KVBudget
-from .preemption import Preemption, drop_held_caches, plan_preemption
+from .preemption import Preemption, drop_parked_caches, plan_preemption
 from .request import EngineRequest, ErrorCode, FinishReason, RequestOutput, SamplingParams, terminal
 from .room import Room
+from .running import Running
 from .sequence import Detokenizer, Sequence
 from .shares import Shares
 from .stats import EngineStats
@@ -52,7 +51,7 @@ class StepFailed(Exception):
         self.outputs = outputs
 
 
-_NONE_HELD: Mapping[str, RequestOutput] = MappingProxyType({})
+_NONE_DEFERRED: Mapping[str, RequestOutput] = MappingProxyType({})
 
 
 class Scheduler:
@@ -89,14 +88,12 @@ class Scheduler:
         self._make_processors = make_processors
         self._clock = clock
         self._waiting: WaitingQueue[Sequence] = WaitingQueue()
-        self._running: dict[int, Sequence] = {}
-        self._uid_of: dict[str, int] = {}
+        self._shares = Shares()  # running sequences per group, and the waiting ones' groups
+        self._running = Running(self._shares)
         self._rejected: list[RequestOutput] = []  # refused by add(): reported by the next step
         self._deadlines = Deadlines()
         self._orders = itertools.count()
-        self._priorities: Counter[int] = Counter()  # running sequences per priority
-        self._shares = Shares()  # running sequences per group, and the waiting ones' groups
-        self._deferred: Preemption | None = None
+        self._postponed: Preemption | None = None
         self._typical_end = 0.0  # running mean of admitted requests' ``end`` (for Room)
         self._room_dirty = True
         self.backend = backend
@@ -134,15 +131,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
     def request_ids(self) -> list[str]:
         return [r.rid for r in self.requests()]
 
     def requests(self) -> list[EngineRequest]:
-        return [s.req for s in self._waiting] + [s.req for s in self._running.values()]
+        return [s.req for s in self._waiting] + [s.req for s in self._running]
 
     # --- commands ----------------------------------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -171,39 +164,36 @@ class Scheduler:
             seq = self._take(rid)
             if seq is None:
                 return None
-            self._unhold(seq)
+            self.kv.unpark(seq)
         self._update_room()
         return terminal(rid, reason, seq.generated, code, message)
 
     def fail_all(self, code: ErrorCode, message: str) -> list[RequestOutput]:
         """Fail every request (the batch is unusable); the caller replaces the backend."""
-        seqs = [*self._running.values(), *self._waiting]
+        seqs = [*self._running, *self._waiting]
         outs = [terminal(s.rid, FinishReason.ERROR, s.generated, code, message) for s in seqs] + self._rejected
         self._running.clear()
-        self._uid_of.clear()
         self._waiting.clear()
-        self._deferred = None
+        self._postponed = None
         self._rejected = []
-        self._priorities.clear()
-        self._shares.clear()
         self._cache.clear()  # memory may be what failed
         self.kv.clear()
         self._update_room()
         return outs
 
     # --- the step ----------------------------------------------------------------------------------
-    def step(self, held: Mapping[str, RequestOutput] = _NONE_HELD) -> list[RequestOutput]:
-        """Expire deadlines, admit waiting requests, run one batch step, report per request. ``held``: outputs
+    def step(self, deferred: Mapping[str, RequestOutput] = _NONE_DEFERRED) -> list[RequestOutput]:
+        """Expire deadlines, admit waiting requests, run one batch step, report per request. ``deferred``: outputs
         not sent yet (the pacer's), which this step's tokens of their requests are added to in place (each then
         reported as the step's own output of its request)."""
-        outs = StepOutputs(held)
+        outs = StepOutputs(deferred)
         if self._rejected:
             for out in self._rejected:
                 outs.by_rid[out.rid] = out
             self._rejected = []
         self._expire(outs)
-        if self._deferred is not None:
-            self._preempt_deferred()
+        if self._postponed is not None:
+            self._preempt_postponed(self._postponed)
         started_at_once = self._admit(outs)
         if self._room_dirty:  # a claim during the batch step sees what this one admitted (a long first prefill)
             self._update_room()
@@ -233,7 +223,7 @@ class Scheduler:
     def _on_tokens(self, tokens: Iterable[GeneratedToken], outs: StepOutputs) -> None:
         """A step's tokens, one per row: a row that goes on with neither log-probabilities nor a format (the
         common case, N per step) takes the short way; any other goes through :meth:`_on_token`."""
-        running, by_rid, held = self._running, outs.by_rid, outs.held
+        running, by_rid, deferred = self._running, outs.by_rid, outs.deferred
         for tok in tokens:
             seq = running.get(tok.uid)
             if seq is None:  # removed since the step began
@@ -244,7 +234,7 @@ class Scheduler:
             rid = seq.req.rid
             out = by_rid.get(rid)
             if out is None:
-                out = held.get(rid)
+                out = deferred.get(rid)
                 if out is None:
                     out = RequestOutput(rid)
                 by_rid[rid] = out
@@ -275,11 +265,11 @@ class Scheduler:
             if not self.kv.fits(seq):
                 plan = self._plan(seq)
                 if plan is None:
-                    other = self._below_share(seq)
+                    other = self._shares.furthest_below(seq.req, self._waiting)
                     plan = self._plan(other) if other is not None else None
                     if plan is not None and other is not None:
                         seq = other
-                    elif not drop_held_caches(seq, self._waiting, self.kv, self._unhold):
+                    elif not drop_parked_caches(seq, self._waiting, self.kv, self.kv.unpark):
                         return at_once
             urgent = self._starts_at_once(seq, plan)
             if plan is not None and not (urgent and self.kv.fits(seq, slots=False)):
@@ -287,31 +277,16 @@ class Scheduler:
                 plan = None
             self._take(seq.rid)  # not pop(): a preempted sequence may share its key
             at_once += self._launch(seq, outs, urgent)
-            if plan is not None and seq.rid in self._uid_of:
+            if plan is not None and self._running.has(seq.rid):
                 # Only a slot was short: the victims leave at the start of the next step, so its first token,
                 # out with this step's outputs, does not wait for their caches to be copied out of the batch.
-                self._deferred = plan
+                self._postponed = plan
                 return at_once
         return at_once
 
     def _plan(self, seq: Sequence) -> Preemption | None:
-        return plan_preemption(seq, self._running.values(), min(self._priorities, default=None), self.kv,
-                               self._cache.holds_caches, self._shares)
-
-    def _below_share(self, head: Sequence) -> Sequence | None:
-        """While ``head`` cannot join: the waiting request of another group that is furthest below its share,
-        if some running group is above it (the earliest of that group's); None if none is."""
-        if not self._shares.mixed:  # the common case: one group waits
-            return None
-        best: tuple[float, float, int] | None = None
-        found = None
-        for seq in self._waiting:
-            if seq.req.group == head.req.group or not self._shares.below(seq.req):
-                continue
-            rank = (self._shares.load_after(seq.req), seq.key, seq.order)
-            if best is None or rank < best:
-                best, found = rank, seq
-        return found
+        return plan_preemption(seq, self._running, self._running.lowest_priority, self.kv,
+                               self._cache.parks_caches, self._shares)
 
     def _starts_at_once(self, seq: Sequence, plan: Preemption | None) -> bool:
         """Whether ``seq`` starts at once: a new request of higher priority than some running sequence, or of a
@@ -321,7 +296,8 @@ class Scheduler:
         joining then: a light tenant's job would wait for a flood's refill of the batch)."""
         if not self._cache.starts_at_once or seq.admitted or seq.req.images is not None:
             return False
-        return ((bool(self._priorities) and min(self._priorities) < seq.req.priority)
+        lowest = self._running.lowest_priority
+        return ((lowest is not None and lowest < seq.req.priority)
                 or (plan is not None and plan.across) or self._shares.below(seq.req))
 
     def _launch(self, seq: Sequence, outs: StepOutputs, at_once: bool = False) -> int:
@@ -330,20 +306,16 @@ class Scheduler:
         req = seq.req
         resumed = seq.admitted
         if not resumed:
-            seq.sampler, seq.processors = self._make_sampler(req.params), self._make_processors(req.params)
-            if req.format is not None:  # its mask goes to the backend with its other logits processors
-                seq.constraint = req.format.row()
-                seq.processors = [seq.constraint, *seq.processors]
-            seq.plain = seq.constraint is None and req.params.logprobs is None
+            seq.equip(self._make_sampler(req.params), self._make_processors(req.params))
             self._cache.prepare(seq)
         first = None
         try:
             if at_once:
                 uid, first = self._cache.start(seq)
             else:
-                uid = self._cache.insert(seq, self._unhold(seq))
+                uid = self._cache.insert(seq, self.kv.unpark(seq))
         except ValueError as exc:
-            self._unhold(seq)
+            self.kv.unpark(seq)
             outs.by_rid[req.rid] = terminal(req.rid, FinishReason.ERROR, seq.generated, ErrorCode.BAD_REQUEST,
                                             str(exc))
             return 0
@@ -351,10 +323,7 @@ class Scheduler:
             self._push(seq)  # still owned here, so fail_all() reaches it
             raise StepFailed(list(outs.by_rid.values())) from exc
         seq.uid, seq.admitted = uid, True
-        self._running[uid] = seq
-        self._uid_of[req.rid] = uid
-        self._priorities[req.priority] += 1
-        self._shares.join(req)
+        self._running.add(seq)
         self.kv.join(seq)
         self._room_dirty = True
         self.kv.reserve()
@@ -371,47 +340,37 @@ class Scheduler:
 
     # --- preemption --------------------------------------------------------------------------------
     def _preempt(self, plan: Preemption) -> None:
-        """Take the victims out of the batch and back into the waiting queue (with their caches if held)."""
+        """Take the victims out of the batch and back into the waiting queue (with their caches if parked)."""
         for v in plan.victims:
             self._pop_running(v.rid)
         taken = self._cache.take(plan.victims)
         for v in plan.victims:
-            self._park(v, taken.get(v.uid), plan.hold)
+            self._park(v, taken.get(v.uid), plan.park)
             log.info("request %s preempted (priority %d, %d tokens generated; %s) for request %s (priority %d%s)",
-                     v.rid, v.req.priority, v.generated, "cache held" if v.held else "to recompute",
+                     v.rid, v.req.priority, v.generated, "cache parked" if v.parked else "to recompute",
                      plan.top.rid, plan.top.req.priority,
                      f"; group {v.req.group!r} above its share" if v.req.group != plan.top.req.group else "")
         self.stats.preemptions += len(plan.victims)
         self.kv.reserve()
 
-    def _preempt_deferred(self) -> None:
-        assert self._deferred is not None
-        plan, self._deferred = self._deferred, None
+    def _preempt_postponed(self, plan: Preemption) -> None:
+        self._postponed = None
         if self._running.get(plan.top.uid) is not plan.top:  # aborted since it started: its slot is back
             return
         plan.victims = [v for v in plan.victims if self._running.get(v.uid) is v]  # any may be aborted since
         if plan.victims:
             self._preempt(plan)
 
-    def _park(self, seq: Sequence, cache: SequenceCache | None, hold: bool) -> None:
-        problem = self._cache.park(seq, cache, hold)
+    def _park(self, seq: Sequence, cache: SequenceCache | None, park: bool) -> None:
+        problem = self._cache.park(seq, cache, park)
         if problem is not None:
             log.error("request %s: %s; failing it", seq.rid, problem)
             self._rejected.append(terminal(seq.rid, FinishReason.ERROR, seq.generated, ErrorCode.ENGINE_ERROR,
                                            problem))
             return
-        self.kv.hold(seq.held_bytes)
+        self.kv.park(seq.parked_bytes)
         seq.uid = -1
         self._push(seq)
-
-    def _unhold(self, seq: Sequence) -> SequenceCache | None:
-        """Take a waiting sequence's held cache from it (to resume from, or dropped); None if it holds none."""
-        held = seq.held
-        if held is not None:
-            self.kv.release(seq.held_bytes)
-            seq.held, seq.held_bytes = None, 0
-            self.kv.reserve()
-        return held
 
     # --- bookkeeping -------------------------------------------------------------------------------
     def _push(self, seq: Sequence) -> None:
@@ -426,27 +385,16 @@ class Scheduler:
         return seq
 
     def _pop_running(self, rid: str) -> Sequence | None:
-        uid = self._uid_of.pop(rid, None)
-        if uid is None:
-            return None
-        seq = self._running.pop(uid, None)
-        if seq is None:
-            return None
-        left = self._priorities[seq.req.priority] - 1
-        if left:
-            self._priorities[seq.req.priority] = left
-        else:
-            del self._priorities[seq.req.priority]
-        self._shares.leave(seq.req)
-        self.kv.leave(seq)
-        self._room_dirty = True
+        seq = self._running.pop(rid)
+        if seq is not None:
+            self.kv.leave(seq)
+            self._room_dirty = True
         return seq
 
     def _update_room(self) -> None:
         self._room_dirty = False
-        running = len(self._running)
         # Before its first request, a typical one is taken to fill the context: a cold worker claims what it
         # can surely start, and learns the typical size from what it admits.
         typical = int(self._typical_end) or self.context_length or (self.memory.layout.step if self.memory else 1)
-        self.room = Room.of(self.capacity - running, self._waiting, self.kv.kv_rows(typical), self._priorities,
-                            self._shares)
+        self.room = Room.of(self.capacity - len(self._running), self._waiting, self.kv.kv_rows(typical),
+                            self._running.priorities, self._shares)

@@ -9,7 +9,6 @@ several), feeds them to its streaming detokenizer and stop strings, and writes i
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,8 +60,8 @@ class Sequence:
     sampler: Any = None
     processors: list[Any] = field(default_factory=list)
     history: list[int] | None = None  # the generated tokens, kept once they may be needed for a recompute
-    held: SequenceCache | None = None  # its KV cache while preempted
-    held_bytes: int = 0
+    parked: SequenceCache | None = None  # its KV cache while preempted
+    parked_bytes: int = 0
     plain: bool = False  # neither log-probabilities nor a format: its tokens take the scheduler's short way
 
     @classmethod
@@ -70,6 +69,15 @@ class Sequence:
         stops = StopMatcher(req.params.stop) if any(req.params.stop) else None
         splitter = PartSplitter(req.parts) if req.parts is not None else None
         return cls(req, detok, key, order, stops, splitter=splitter)
+
+    def equip(self, sampler: Any, processors: list[Any]) -> None:
+        """Give a new sequence its sampler and logits processors, and its format's constraint first among them
+        (its mask goes to the backend with its other processors)."""
+        self.sampler, self.processors = sampler, processors
+        if self.req.format is not None:
+            self.constraint = self.req.format.row()
+            self.processors = [self.constraint, *processors]
+        self.plain = self.constraint is None and self.req.params.logprobs is None
 
     @property
     def rid(self) -> str:
@@ -107,16 +115,6 @@ class Sequence:
             return self._end(out, FinishReason.STOP, flush=False)
         if end == LENGTH or self.generated >= self.req.params.max_tokens:
             return self._end(out, FinishReason.LENGTH)
-        return None
-
-    def accept_many(self, tokens: Tokens[int], end: str | None, out: RequestOutput) -> FinishReason | None:
-        """Take several tokens at once (``end`` is the last one's): the row ends at the first that ends it,
-        and the tokens after that one are dropped."""
-        last = len(tokens) - 1
-        for i, token in enumerate(tokens):
-            finish = self.accept(token, end if i == last else None, out)
-            if finish is not None:
-                return finish
         return None
 
     def _take_text(self, out: RequestOutput) -> bool:

@@ -12,10 +12,11 @@ other back and forth; at equal loads nobody moves. With a single group nothing c
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from .request import EngineRequest
+from .sequence import Sequence
 
 __all__ = ["GroupShare", "Shares", "with_queued"]
 
@@ -95,6 +96,21 @@ class Shares:
         """Whether some running group is above ``top``'s share: one of its sequences may leave for ``top``."""
         after = self.load_after(top)
         return any(g != top.group and self.spare(g) >= after for g in self.running)
+
+    def furthest_below(self, head: EngineRequest, waiting: Iterable[Sequence]) -> Sequence | None:
+        """While ``head`` cannot join: the waiting sequence of another group that is furthest below its share, if
+        some running group is above it (the earliest of that group's); None if none is."""
+        if not self.mixed:  # the common case: one group waits
+            return None
+        best: tuple[float, float, int] | None = None
+        found = None
+        for seq in waiting:
+            if seq.req.group == head.group or not self.below(seq.req):
+                continue
+            rank = (self.load_after(seq.req), seq.key, seq.order)
+            if best is None or rank < best:
+                best, found = rank, seq
+        return found
 
     def snapshot(self, unstarted: Mapping[str, int] | None = None) -> tuple[GroupShare, ...]:
         """Each running group's part, and each group's ``unstarted`` requests (waiting, not started yet) as its

@@ -1,6 +1,6 @@
 """One scheduler step's outputs: a record per request, each row's tokens written into its request's record.
 
-A request's tokens go into its record in ``held`` (the engine's pacer's, still unsent) when it has one, so a
+A request's tokens go into its record in ``deferred`` (the engine's pacer's, still unsent) when it has one, so a
 paced request's tokens accumulate in place. The tokens whose log-probabilities are asked for are gathered for
 the backend to read in one batched call at the step's end (``BatchBackend.attach_logprobs``).
 """
@@ -21,14 +21,14 @@ __all__ = ["StepOutputs"]
 class StepOutputs:
     """Outputs of one step, one record per request; the tokens whose log-probabilities are asked for."""
 
-    held: Mapping[str, RequestOutput]
+    deferred: Mapping[str, RequestOutput]
     by_rid: dict[str, RequestOutput] = field(default_factory=dict)
     logprobs: list[LogprobsAsked] = field(default_factory=list)
 
     def get(self, rid: str) -> RequestOutput:
         out = self.by_rid.get(rid)
         if out is None:
-            out = self.held.get(rid)
+            out = self.deferred.get(rid)
             if out is None:
                 out = RequestOutput(rid)
             self.by_rid[rid] = out

@@ -25,9 +25,10 @@ from ..core.speculation import SpecKind, Speculation
 from ..core.stats import EngineStats
 from .batch import MLXBatch
 from .memory import device_memory, measure_layout, model_bytes
-from .prefix import disk as prefix_disk
+from .prefix import directory as kv_directory
 from .prefix.cache import PrefixCache
-from .prefix.disk import PrefixDisk, layout_key, model_key, namespace
+from .prefix.directory import layout_key, model_key, namespace
+from .prefix.disk import PrefixDisk
 from .process import mlx_process
 from .ragged_cache import check_cache
 from .sampling import make_request_logits_processors, make_request_sampler
@@ -64,7 +65,7 @@ class EngineOptions:
     # speculative decoding (engine/mlx/speculation/batch.py); None: plain decoding
     speculation: Speculation | None = None
     # the prefix cache's tier on disk (engine/mlx/prefix/disk.py): its bound in bytes (0: off) and root directory
-    # ("": prefix_disk.default_dir())
+    # ("": kv_directory.default_dir())
     kv_disk_bytes: int = 0
     kv_dir: str = ""
 
@@ -278,7 +279,7 @@ async def _prefix_disk(loaded: LoadedModel, thread: MLXThread, opts: EngineOptio
                     loaded.path)
         return None
     layout = await thread.call(layout_key, loaded.model)
-    root = Path(opts.kv_dir).expanduser() if opts.kv_dir else prefix_disk.default_dir()
+    root = Path(opts.kv_dir).expanduser() if opts.kv_dir else kv_directory.default_dir()
     directory = namespace(root, "+".join(k for k in keys if k), layout)
     disk = await asyncio.to_thread(PrefixDisk, directory, opts.kv_disk_bytes)
     log.info("prefix cache on disk for %s: %s, at most %s", loaded.path, directory, mib(opts.kv_disk_bytes))

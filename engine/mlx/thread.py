@@ -68,10 +68,6 @@ class MLXThread:
         if self.kernel_thread is not None:
             os.sched_setscheduler(self.kernel_thread, os.SCHED_BATCH if batch else os.SCHED_OTHER, os.sched_param(0))
 
-    def on_thread(self) -> bool:
-        """Whether the caller is this MLX thread."""
-        return threading.get_ident() == self._thread_id
-
     @property
     def queued(self) -> int:
         """Calls waiting for the thread: a long-running call can yield to them."""

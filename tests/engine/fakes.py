@@ -189,6 +189,13 @@ def scheduler(batch: ToyBatch, capacity: int = 4, headroom: int | None = None, c
     return Scheduler(batch, capacity=capacity, new_detokenizer=Detok, clock=clock or Clock(), memory=memory, **kw)
 
 
+def waiting(s: Scheduler) -> list[str]:
+    """The ids of the scheduler's waiting requests, in queue order (``request_ids`` lists them before the running
+    ones)."""
+    ids = s.request_ids()
+    return ids[: len(ids) - s.num_running]
+
+
 def req(rid: str, prompt: list[int] | int = 3, max_tokens: int = 8, *, priority: int = 0, arrival: float = 0.0,
         **kw: Any) -> EngineRequest:
     tokens = list(range(1, prompt + 1)) if isinstance(prompt, int) else prompt

@@ -99,7 +99,7 @@ def test_priority_with_memory_pressure_on_the_real_model(lm: Any, stream: mx.Str
     prompts = {f"bg{i}": words(tokenizer, 20, i) for i in range(2)}
     prompts["vip"] = words(tokenizer, 30, 7)
     longest = max(len(p) for p in prompts.values()) + 120
-    headroom = 2 * layout.row_bytes(longest) + 1000  # two rows; not two and a held cache
+    headroom = 2 * layout.row_bytes(longest) + 1000  # two rows; not two and a parked cache
     s = make(lm, stream, capacity=8, headroom=headroom)
     run = Run()
     for rid in ("bg0", "bg1"):

@@ -16,7 +16,7 @@ from mlxq.engine.core.scheduler import Room, Scheduler
 from mlxq.engine.core.shares import GroupShare
 from mlxq.engine.mlx.batch import MLXBatch
 from mlxq.engine.mlx.memory import measure_layout, usable_memory_bytes
-from tests.engine.fakes import Run, ToyBatch, req, scheduler, toy_generate
+from tests.engine.fakes import Run, ToyBatch, req, scheduler, toy_generate, waiting
 
 pytestmark = pytest.mark.unit
 
@@ -96,7 +96,7 @@ def test_a_request_that_can_never_fit_ends_at_once_saying_by_how_much(prompt: in
     s = scheduler(batch, capacity=2, headroom=300, context_length=40)  # 300 bytes: 28 tokens in 4-token steps
     s.add(req("big", prompt, max_tokens=max_tokens))
     s.add(req("ok", 2, max_tokens=3))
-    assert s.num_waiting == 1 and s.stats.rejected_too_large == 1
+    assert len(waiting(s)) == 1 and s.stats.rejected_too_large == 1
     outs = {o.rid: o for o in s.step()}
     big = outs["big"]
     assert (big.finish, big.error_code, big.started) == (FinishReason.ERROR, "bad_request", False)

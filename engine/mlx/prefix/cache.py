@@ -27,7 +27,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
 
 from ...core.backend import DiskCounts, PrefixHit, SequenceCache
-from .disk import PrefixDisk, reach
+from .disk import PrefixDisk
+from .trie import reach
 
 __all__ = ["PrefixCache", "PrefixHit"]  # PrefixHit: engine/core/backend.py's, returned by fetch
 

@@ -2,8 +2,8 @@
 worker starts from the prefixes it had.
 
 :class:`PrefixDisk` holds one model's entries in one directory (named by the caller after the model's weights and
-KV layout, :func:`namespace`): each a file of mlx-lm's prompt-cache format (safetensors) followed by a
-trailer with its tokens and a CRC-32 of everything before it. Files are written to a temporary name and
+KV layout: ``directory.py``), each in one file (``entry_file.py``: mlx-lm's prompt-cache format and a trailer
+with its tokens and a CRC-32 of everything before it). Files are written to a temporary name and
 renamed, so a half-written file (a kill mid-write, a full disk) never has an entry's name; a file whose checksum
 does not match is logged once, deleted, and its request prefills cold. The tier holds at most
 ``max_bytes`` in at most ``max_entries`` files, least recently used out first (a file's mtime is its last use,
@@ -20,17 +20,8 @@ turn unfinished, loses only that checkpoint (the turn's retry prefills cold), an
 Nothing here runs disk I/O on the model's MLX thread: :meth:`PrefixDisk.save` hands an entry's evaluated
 arrays to a writer thread (dropped when more than ``max_pending`` bytes wait), and :meth:`PrefixDisk.load`
 reads on a reader thread, which evaluates the arrays on its own stream and queues them for the MLX thread to
-take (:meth:`PrefixDisk.arrived`). MLX reads and writes the arrays by path, never through a Python file
-object: its callbacks into Python from another thread deadlock against the MLX thread (the GIL against
-MLX's own locks). A write that fails for the disk (full, read-only) turns writing off with
-one log line; entries already there are still read.
-
-Durability, by choice: a written entry is not fsynced. A killed process (kill -9 included) loses nothing the
-kernel has (its page cache outlives the process), so the restart guarantee holds; only an OS crash or a power
-cut can lose or tear files not yet flushed by the kernel, and the checksum catches those on read (the request
-prefills cold). The checksum guards against torn and truncated writes and bit rot, not against tampering, which
-is why CRC-32 (~1 ms for a 4 MiB entry) serves where SHA-256 cost twice that on the writer; an fsync per file
-cost a disk flush each (~250 a round of the kvdisk benchmark) for a case the checksum already covers.
+take (:meth:`PrefixDisk.arrived`). A write that fails for the disk (full, read-only) turns writing off with
+one log line; entries already there are still read. Entries are not fsynced (``entry_file.py`` says why).
 """
 
 from __future__ import annotations
@@ -40,33 +31,25 @@ import contextlib
 import copy
 import errno
 import gc
-import hashlib
-import json
 import logging
 import os
-import struct
 import threading
 import time
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
-from mlx_lm.models.cache import PromptTrie, load_prompt_cache, make_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import PromptTrie
 
-__all__ = ["DiskHit", "PrefixDisk", "Reach", "default_dir", "layout_key", "model_key", "namespace", "reach"]
+from .entry_file import SUFFIX, TEMP, Meta, entry_key, read_file, read_meta, write_file
+from .trie import below, reach
+
+__all__ = ["DiskHit", "PrefixDisk"]
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # bumped when the file format changes: a new namespace, old files never read
-MAGIC = b"MLXQKV2\n"
-_TAIL = struct.Struct("<II8s")  # the JSON header's length, CRC-32 of everything before it, magic
-_CRC = 4  # bytes of the CRC in _TAIL
-_SUFFIX = ".kv.safetensors"  # MLX picks the format by the name
-_TEMP = ".tmp.safetensors"
 _TRIE = "disk"  # PromptTrie's model key: one model per directory
 MAX_ENTRIES = 1024
 MAX_TOKENS = 1 << 18  # tokens of every entry together: the index (a trie of them) stays some tens of MiB at most
@@ -75,101 +58,12 @@ WAIT_S = 2.0  # a request waits at most this long for its prefix to load, then p
 DEFER_S = 5.0  # a deferred checkpoint's wait for the entry that supersedes it (a turn's end), then it is written
 
 
-def default_dir() -> Path:
-    """``$XDG_CACHE_HOME/mlxq/kv`` (``~/.cache/mlxq/kv`` when unset)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlxq" / "kv"
-
-
-def model_key(path: str) -> str | None:
-    """A digest of a model's weights as files: config.json's bytes and every other file's name, size and mtime
-    (a changed or re-downloaded model gets another key). None when ``path`` is not a local directory."""
-    local = Path(path).expanduser()
-    if not local.is_dir():
-        try:  # a hub id: its snapshot in the local Hugging Face cache
-            from huggingface_hub import snapshot_download
-
-            local = Path(snapshot_download(path, local_files_only=True))
-        except Exception:
-            return None
-    h = hashlib.sha256(f"mlxq-kv-{FORMAT}".encode())
-    try:
-        h.update((local / "config.json").read_bytes())
-        for f in sorted(p for p in local.iterdir() if p.is_file()):
-            st = f.stat()  # follows the hub cache's symlinks to the blobs
-            h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    except OSError:
-        return None
-    return h.hexdigest()
-
-
-def layout_key(model: Any) -> str:
-    """A digest of what the model's KV caches hold (on its MLX thread): each layer's cache class and its
-    arrays' dtypes and shapes after one token (so KV quantization or another dtype gets another key)."""
-    cache = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=cache)
-    states = [c.state for c in cache]
-    mx.eval(states)
-    desc = [type(c).__name__ for c in cache]
-    flat: list[tuple[str, Any]] = tree_flatten(states)  # type: ignore[assignment]
-    for name, v in flat:
-        desc.append(f"{name}:{v.dtype}:{v.shape}" if isinstance(v, mx.array) else f"{name}:{v!r}")
-    return hashlib.sha256("\n".join(desc).encode()).hexdigest()
-
-
-def namespace(root: Path, model: str, layout: str) -> Path:
-    """The directory of one model's entries under ``root``."""
-    return root / f"{model[:20]}-{layout[:12]}"
-
-
 @dataclass(frozen=True, slots=True)
 class DiskHit:
     """The entry on disk that holds most of a prompt: its key and how many of the prompt's tokens it holds."""
 
     key: str
     tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class Reach:
-    """How far a prompt goes into a trie of entries (mlx-lm's ``PromptTrie``), found by one walk down its tokens.
-
-    mlx-lm's ``PromptTrie.search`` finds the shortest entry longer than the prompt by a depth-first walk of
-    everything below where the prompt leaves the trie, copying the path at each step: ~1 ms a prompt at a few
-    hundred tokens and 32 entries, run for every idle affinity key each heartbeat (on the MLX thread), so with
-    the tier on (whose keys stay held) it grew with the disk's entries. Any entry below serves the callers here
-    (a longer entry is trimmed to the common part), and every node of the trie has one at or below it (an entry
-    popped takes its emptied nodes with it), so one walk down the tokens and one down a branch suffice."""
-
-    walked: int  # tokens the prompt shares with some entry at or below where it stopped
-    exact: Any  # the value of the entry of exactly the prompt's tokens, or None
-    shorter: Any  # the value of the longest entry that is a proper prefix of the prompt, or None
-    shorter_len: int
-    node: dict[Any, Any]  # where the walk stopped (holds an entry at or below it when walked > 0)
-
-
-def reach(trie: PromptTrie, model: Any, tokens: Sequence[int]) -> Reach:
-    """One walk of ``tokens`` down ``trie``'s entries of ``model`` (see :class:`Reach`)."""
-    node: dict[Any, Any] = trie._trie.get(model, {})  # mlx-lm's trie as 0.32 keeps it: nested dicts by token
-    shorter, shorter_len, walked = None, 0, 0
-    for tok in tokens:
-        if "__value__" in node:
-            shorter, shorter_len = node["__value__"], walked
-        nxt = node.get(tok)
-        if nxt is None:
-            break
-        node, walked = nxt, walked + 1
-    exact = node.get("__value__") if walked == len(tokens) else None
-    return Reach(walked, exact, shorter if shorter_len > 0 else None, shorter_len, node)
-
-
-def below(node: dict[Any, Any]) -> Any:
-    """The value of an entry at or below ``node`` (down its first branch each step); None if there is none
-    (never, while the trie is kept as mlx-lm keeps it)."""
-    while "__value__" not in node:
-        if not node:
-            return None
-        node = next(iter(node.values()))
-    return node["__value__"]
 
 
 @dataclass(slots=True)
@@ -288,7 +182,7 @@ class PrefixDisk:
         try:
             if entry is None:
                 return
-            cache, tokens, kind = self._read_file(self._path(key))
+            cache, tokens, kind = read_file(self._path(key))
             if tokens != list(entry.tokens):
                 raise ValueError("its tokens are not its name's")
             with contextlib.suppress(OSError):  # a read-only directory keeps the order it had
@@ -305,15 +199,6 @@ class PrefixDisk:
             with self._lock:
                 self._loading.discard(key)
 
-    def _read_file(self, path: Path) -> tuple[list[Any], list[int], str]:
-        data = path.read_bytes()
-        meta, crc_at = _parse_tail(data)
-        if zlib.crc32(memoryview(data)[:crc_at]) != int.from_bytes(data[crc_at:crc_at + _CRC], "little"):
-            raise ValueError("checksum mismatch")
-        cache = load_prompt_cache(str(path))  # by path: MLX reads the file itself (safetensors ignore the trailer)
-        mx.eval([c.state for c in cache])  # on this thread's own stream, not the model's
-        return cache, [int(t) for t in meta["tokens"]], str(meta["kind"])
-
     def _broken(self, key: str, exc: BaseException) -> None:
         with self._lock:
             self.counts.errors += 1
@@ -327,7 +212,7 @@ class PrefixDisk:
     # --- writes (saved on the MLX thread, written on the writer thread) -----------------------------
     def has(self, tokens: list[int]) -> bool:
         """Whether an entry for exactly ``tokens`` is on disk or on its way there."""
-        key = _key(tokens)
+        key = entry_key(tokens)
         with self._lock:
             return key in self._index or key in self._pending
 
@@ -338,7 +223,7 @@ class PrefixDisk:
         write, it is there already, or (``bounded``) the writer is too far behind."""
         if not self.writable:
             return False
-        key = _key(tokens)
+        key = entry_key(tokens)
         nbytes = sum(int(c.nbytes) for c in cache)
         with self._lock:
             if key in self._index or key in self._pending:
@@ -355,7 +240,7 @@ class PrefixDisk:
                 w.timer.cancel()
             self._done(w.key, w.nbytes)
         snapshot = [copy.copy(c) for c in cache]  # the caches' attributes as now; the arrays are shared
-        write = _Write(key, list(tokens), snapshot, _Meta(kind, trimmable, tuple(keys)), nbytes)
+        write = _Write(key, list(tokens), snapshot, Meta(kind, trimmable, tuple(keys)), nbytes)
         if defer and self.defer_s > 0:
             write.timer = timer = threading.Timer(self.defer_s, self._submit_deferred, (key,))
             timer.daemon = True
@@ -395,13 +280,13 @@ class PrefixDisk:
             self._pending.discard(key)
             self._pending_bytes -= nbytes
 
-    def _write(self, key: str, tokens: list[int], cache: list[Any], meta: _Meta, nbytes: int) -> None:
-        tmp = self.dir / f"{key}.{os.getpid()}.{threading.get_ident()}{_TEMP}"
+    def _write(self, key: str, tokens: list[int], cache: list[Any], meta: Meta, nbytes: int) -> None:
+        tmp = self.dir / f"{key}.{os.getpid()}.{threading.get_ident()}{TEMP}"
         try:
             if not self.writable:
                 return
             self._make_room(nbytes, len(tokens))
-            size = _write_file(tmp, tokens, cache, meta)
+            size = write_file(tmp, tokens, cache, meta)
             os.replace(tmp, self._path(key))
             self._commit(key, tokens, size, meta)
         except OSError as exc:
@@ -421,7 +306,7 @@ class PrefixDisk:
             log.warning("prefix cache on disk: writing off (%s: %s); entries already there are still read", why,
                         self.dir)
 
-    def _commit(self, key: str, tokens: list[int], nbytes: int, meta: _Meta) -> None:
+    def _commit(self, key: str, tokens: list[int], nbytes: int, meta: Meta) -> None:
         """Index a written entry; a trimmable one makes the entries that are its prefixes redundant."""
         with self._lock:
             self._index[key] = _Entry(tuple(tokens), nbytes, meta.kind, meta.trimmable, time.time(), meta.keys)
@@ -484,15 +369,15 @@ class PrefixDisk:
         """Every entry file's key and trailer; half-written and unreadable files deleted."""
         found: list[tuple[str, _Entry]] = []
         for p in self.dir.iterdir():
-            if p.name.endswith(_TEMP) or p.name.endswith(".tmp"):
+            if p.name.endswith(TEMP) or p.name.endswith(".tmp"):
                 with contextlib.suppress(OSError):
                     p.unlink()
                 continue
-            if not p.name.endswith(_SUFFIX):
+            if not p.name.endswith(SUFFIX):
                 continue
             try:
-                meta, st = _read_meta(p), p.stat()
-                found.append((p.name[:-len(_SUFFIX)], _Entry(tuple(map(int, meta["tokens"])), st.st_size,
+                meta, st = read_meta(p), p.stat()
+                found.append((p.name[:-len(SUFFIX)], _Entry(tuple(map(int, meta["tokens"])), st.st_size,
                                                              str(meta["kind"]), bool(meta["trimmable"]),
                                                              st.st_mtime, tuple(map(str, meta.get("keys", ()))))))
             except Exception as exc:
@@ -536,7 +421,7 @@ class PrefixDisk:
             pool.shutdown(wait=wait)
 
     def _path(self, key: str) -> Path:
-        return self.dir / f"{key}{_SUFFIX}"
+        return self.dir / f"{key}{SUFFIX}"
 
 
 @contextlib.contextmanager
@@ -566,15 +451,6 @@ class _Once:
             fn()
 
 
-@dataclass(frozen=True, slots=True)
-class _Meta:
-    """What an entry's trailer says besides its tokens."""
-
-    kind: str
-    trimmable: bool
-    keys: tuple[str, ...]
-
-
 @dataclass(slots=True)
 class _Write:
     """An entry handed to the writer (or deferred: ``timer`` hands it over)."""
@@ -582,54 +458,6 @@ class _Write:
     key: str
     tokens: list[int]
     cache: list[Any]
-    meta: _Meta
+    meta: Meta
     nbytes: int
     timer: threading.Timer | None = None
-
-
-def _write_file(path: Path, tokens: list[int], cache: list[Any], m: _Meta) -> int:
-    """An entry's whole file at ``path`` (mlx-lm's prompt-cache format, then the trailer), handed to the kernel
-    when this returns (or an OSError; not fsynced: see the module docstring); its size."""
-    save_prompt_cache(str(path), cache)  # by path: MLX writes the file itself
-    meta = json.dumps({"tokens": tokens, "kind": m.kind, "trimmable": m.trimmable, "keys": list(m.keys)}).encode()
-    with open(path, "r+b") as f:
-        crc, buf = 0, bytearray(1 << 20)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-        crc = zlib.crc32(meta + struct.pack("<I", len(meta)), crc)  # the trailer up to the CRC
-        f.write(meta + _TAIL.pack(len(meta), crc, MAGIC))
-        return f.tell()
-
-
-def _key(tokens: Iterable[int]) -> str:
-    return hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:40]
-
-
-def _parse_tail(data: bytes) -> tuple[dict[str, Any], int]:
-    """An entry's JSON header and where its checksum starts, from the file's last bytes (the whole file, or
-    enough of its end)."""
-    if len(data) < _TAIL.size:
-        raise ValueError("truncated")
-    meta_len, _, magic = _TAIL.unpack_from(data, len(data) - _TAIL.size)
-    if magic != MAGIC:
-        raise ValueError("not an entry of this format (or cut short)")
-    crc_at = len(data) - _TAIL.size + 4
-    start = crc_at - 4 - meta_len
-    if start < 0:
-        raise ValueError("truncated")
-    meta: dict[str, Any] = json.loads(data[start:start + meta_len])
-    return meta, crc_at
-
-
-def _read_meta(path: Path) -> dict[str, Any]:
-    """An entry file's JSON header, read from its end (its data is checked when it is read)."""
-    with open(path, "rb") as f:
-        size = f.seek(0, os.SEEK_END)
-        if size < _TAIL.size:
-            raise ValueError("truncated")
-        f.seek(size - _TAIL.size)
-        meta_len = _TAIL.unpack(f.read(_TAIL.size))[0]
-        back = min(size, _TAIL.size + 4 + meta_len)
-        f.seek(size - back)
-        return _parse_tail(f.read(back))[0]
