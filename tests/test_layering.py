@@ -133,6 +133,17 @@ def test_the_engine_core_imports_no_mlx() -> None:
     assert _loaded_in_a_fresh_interpreter("import " + ", ".join(ENGINE_CORE)) == []
 
 
+def test_the_wheel_lists_every_package() -> None:
+    # setuptools installs only the packages pyproject.toml names: a folder left out (engine/mlx/prefix, say)
+    # would be missing from a worker installed from the wheel, though an editable install finds it.
+    import tomllib
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    found = {".".join(("mlxq", *f.parent.relative_to(ROOT).parts))
+             for top in ("api", "engine", "worker") for f in (ROOT / top).rglob("__init__.py")}
+    assert sorted(declared) == sorted(found)
+
+
 def test_the_scheduler_fakes_import_no_mlx() -> None:
     # The unit tests driven by fakes (tests/engine/fakes.py) need no MLX.
     assert _loaded_in_a_fresh_interpreter("import tests.engine.fakes") == []

@@ -114,7 +114,7 @@ class WorkerHost:
         def sink(outs: list[RequestOutput]) -> None:  # runs on an MLX thread
             loop.call_soon_threadsafe(host.publisher.feed, outs)
 
-        # MLX's process-global limits, set once before any engine exists (engine/mlx/process.py)
+        # MLX's process-global limits, set once before any engine exists (engine/mlx_process.py)
         mlx_process(MLXLimits(*host.config.mlx_limits))
         for service in host.services.values():  # one at a time: each materializes its arrays on its own thread
             await service.load(sink)
@@ -221,7 +221,7 @@ class WorkerHost:
 
     async def _read_queues(self) -> None:
         """The depth of each served model's queues, per tenant, and each tenant's running jobs (for the
-        metrics), and those tenants' weights (their jobs' weights in the engines: engine/core/shares.py), once a
+        metrics), and those tenants' weights (their jobs' weights in the engines: engine/shares.py), once a
         heartbeat."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for name in self.services:
@@ -270,7 +270,7 @@ class WorkerHost:
         """CLAIM's arguments: each queue up to its engine's room, and a full engine one job that outranks its
         running sequences (it starts at once, preempting one of them: priority is no use if it waits in Redis),
         or one job of a tenant below its share there (it starts at once in the place of a job of a tenant above
-        it, engine/core/shares.py: between tenants the share decides, and a job waiting in Redis behind another
+        it, engine/shares.py: between tenants the share decides, and a job waiting in Redis behind another
         tenant's flood would get no share)."""
         quotas = {service.queue: min(free, service.room()) for service in self.services.values()}
         outranking: dict[str, Outranking] = {}

@@ -1,4 +1,4 @@
-"""A job's tool calls: the text of each call the engine split out (``engine/core/parts.py``), parsed with the model's
+"""A job's tool calls: the text of each call the engine split out (``engine/parts.py``), parsed with the model's
 own mlx-lm tool parser (``mlx_lm/tool_parsers``, chosen by mlx-lm's tokenizer wrapper for the model family) into
 the wire's :class:`~api.schema.ToolCall` records; and the grammar that constrains a job's output to calls of
 its tools (``tool_choice`` required or named).

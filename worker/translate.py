@@ -39,10 +39,10 @@ def to_engine_request(
     enqueue_ms: int = 0, weight: float = 1.0,
 ) -> EngineRequest:
     """A validated wire request and its prompt tokens (the first ``cache_boundary`` of them its system prompt:
-    see engine/core/prompt.py; its images prepared: see worker/media.py), as the engine takes them. It arrived when
+    see engine/prompt.py; its images prepared: see worker/media.py), as the engine takes them. It arrived when
     it was enqueued (``enqueue_ms``, epoch ms; now if 0), so its priority ages in the engine from then, as it
     did in the queue. Its tenant is its engine group, of ``weight`` (the tenant's): tenants share the batch by
-    weight (engine/core/shares.py)."""
+    weight (engine/shares.py)."""
     params = SamplingParams(
         max_tokens=req.max_tokens,
         temperature=req.temperature,

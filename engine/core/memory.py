@@ -68,9 +68,10 @@ class KVBudget:
         padded to it)."""
         return rows * self.layout.row_bytes(longest) if rows > 0 else 0
 
-    def rows_that_fit(self, longest: int, held: int) -> int:
-        """How many rows of a batch whose longest sequence reaches ``longest`` fit beside ``held`` bytes."""
-        return max(0, (self.headroom - held) // self.layout.row_bytes(longest))
+    def rows_that_fit(self, longest: int, beside: int) -> int:
+        """How many rows of a batch whose longest sequence reaches ``longest`` fit beside ``beside`` bytes (parked
+        caches, say)."""
+        return max(0, (self.headroom - beside) // self.layout.row_bytes(longest))
 
 
 @dataclass(frozen=True, slots=True)

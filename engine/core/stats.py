@@ -24,7 +24,7 @@ class EngineStats:
     device: str = ""  # where MLX runs it (its name, backend and usable memory)
     # Admission by KV memory (engine/core/memory.py).
     kv_headroom_bytes: int = 0  # what the batch's KV caches may fill (0: no KV admission)
-    kv_bytes: int = 0  # KV caches in use after the last step: the batch's plus preempted ones held
+    kv_bytes: int = 0  # KV caches in use after the last step: the batch's plus preempted ones parked
     kv_bytes_peak: int = 0
     kv_reserved_bytes: int = 0  # what the admitted sequences may grow to (the admission estimate)
     rejected_too_large: int = 0  # requests that could never fit (context or headroom): error(bad_request)

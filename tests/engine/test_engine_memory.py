@@ -29,7 +29,7 @@ def test_rows_are_charged_up_to_a_step_past_their_length_and_padded_to_the_longe
     budget = KVBudget(1000, layout)
     assert budget.batch_bytes(0, 99) == 0
     assert budget.batch_bytes(3, 5) == 3 * 80  # every row as long as the longest
-    assert budget.rows_that_fit(longest=8, held=200) == 7  # (1000 - 200) // 110
+    assert budget.rows_that_fit(longest=8, beside=200) == 7  # (1000 - 200) // 110
 
 
 def test_default_headroom_rule_and_its_floor() -> None:
