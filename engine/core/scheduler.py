@@ -93,7 +93,7 @@ class Scheduler:
         self._rejected: list[RequestOutput] = []  # refused by add(): reported by the next step
         self._deadlines = Deadlines()
         self._orders = itertools.count()
-        self._postponed: Preemption | None = None
+        self._postponed: Preemption | None = None  # its victims leave at the next step's start (_admit)
         self._typical_end = 0.0  # running mean of admitted requests' ``end`` (for Room)
         self._room_dirty = True
         self.backend = backend
