@@ -24,9 +24,9 @@ _KV_DIR = Path(tempfile.mkdtemp(prefix="mlxq-kv-"))
 atexit.register(shutil.rmtree, _KV_DIR, True)
 os.environ.setdefault("MLXQ_KV_DIR", str(_KV_DIR))
 try:
-    from mlxq.engine import prefix_disk
+    import mlxq.engine.mlx.prefix.directory as kv_directory
 
-    prefix_disk.default_dir = lambda: _KV_DIR
+    kv_directory.default_dir = lambda: _KV_DIR
 except ImportError:  # a producer-only install: no engine, no disk tier
     pass
 

@@ -86,23 +86,27 @@ def test_the_runtime_imports_none_of_its_tools() -> None:
     assert offenders == {}
 
 
-# The engine's core: the scheduler and everything it works against, driven by fakes anywhere. The adapters are
-# what touches MLX, mlx-lm, mlx-vlm or llguidance. Every module of engine/ is one or the other.
-ENGINE_CORE = frozenset({
-    "__init__", "admission", "backend", "cache_strategy", "deadlines", "engine", "memory", "pacer", "parts",
-    "preemption", "prompt", "request", "room", "scheduler", "sequence", "shares", "spec_tuner", "speculation", "stats",
-    "step_outputs", "stops", "waiting",
-})
-ENGINE_ADAPTERS = frozenset({
-    "constrain", "loader", "mlx_batch", "mlx_fixes", "mlx_generation", "mlx_memory", "mlx_process", "mlx_proposers",
-    "mlx_ragged_cache", "mlx_speculative", "mlx_thread", "prefix_cache", "prefix_disk", "sampling", "vlm",
-})
+# The engine's core (engine/core/): the scheduler and everything it works against, driven by fakes anywhere. Every
+# other module of engine/ is an adapter: what touches MLX, mlx-lm, mlx-vlm or llguidance (engine/mlx/).
 _MLX = ("mlx", "mlx_lm", "mlx_vlm", "llguidance")
+
+
+def _modules(folder: Path) -> list[str]:
+    """The importable names of the modules under ``folder`` (of engine/), packages by their ``__init__``."""
+    names = []
+    for f in sorted(folder.rglob("*.py")):
+        parts = f.relative_to(ROOT).with_suffix("").parts
+        names.append(".".join(("mlxq", *(parts[:-1] if parts[-1] == "__init__" else parts))))
+    return names
+
+
+ENGINE_CORE = _modules(ROOT / "engine" / "core")
+ENGINE_ADAPTERS = sorted(set(_modules(ROOT / "engine")) - set(ENGINE_CORE) - {"mlxq.engine"})
 
 
 def _loaded_in_a_fresh_interpreter(imports: str) -> list[str]:
     """The MLX modules (and the engine's adapters) a fresh interpreter holds after ``imports``."""
-    adapters = tuple(f"mlxq.engine.{m}" for m in sorted(ENGINE_ADAPTERS))
+    adapters = tuple(ENGINE_ADAPTERS)
     code = (
         f"import sys; {imports}; "
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {_MLX!r} or m in {adapters!r}))"
@@ -112,17 +116,33 @@ def _loaded_in_a_fresh_interpreter(imports: str) -> list[str]:
     return list(ast.literal_eval(proc.stdout.strip().splitlines()[-1]))
 
 
-def test_every_engine_module_is_core_or_adapter() -> None:
-    modules = {f.stem for f in (ROOT / "engine").glob("*.py")}
-    assert modules == ENGINE_CORE | ENGINE_ADAPTERS
-    assert not ENGINE_CORE & ENGINE_ADAPTERS
+def test_the_engine_is_its_core_and_its_adapters() -> None:
+    # Two folders say which is which: nothing else under engine/ but its package's trivial __init__.
+    assert {f.name for f in (ROOT / "engine").iterdir() if not f.name.startswith((".", "__pycache__"))} == {
+        "__init__.py", "core", "mlx", "py.typed"}
+    assert "mlxq.engine.core.scheduler" in ENGINE_CORE and "mlxq.engine.mlx.batch" in ENGINE_ADAPTERS
+    # engine/__init__.py sets one environment variable before MLX reads it, and imports nothing of either side.
+    init = ROOT / "engine" / "__init__.py"
+    assert imported_roots(init) == {"os"}
+    assert not [n for n in ast.walk(ast.parse(init.read_text())) if isinstance(n, ast.ImportFrom | ast.ClassDef)]
 
 
 def test_the_engine_core_imports_no_mlx() -> None:
-    # Admit, preempt, expire and step: what is MLX's lives behind the backend's protocols (engine/backend.py),
+    # Admit, preempt, expire and step: what is MLX's lives behind the backend's protocols (engine/core/backend.py),
     # so the core runs on fakes anywhere. A fresh interpreter: what the core's imports load, transitively.
-    imports = "import " + ", ".join(f"mlxq.engine.{m}" for m in sorted(ENGINE_CORE - {"__init__"}))
-    assert _loaded_in_a_fresh_interpreter(imports) == []
+    assert _loaded_in_a_fresh_interpreter("import " + ", ".join(ENGINE_CORE)) == []
+
+
+def test_the_wheel_lists_every_package() -> None:
+    # setuptools installs only the packages pyproject.toml names: a folder left out (engine/mlx/prefix, say)
+    # would be missing from a worker installed from the wheel, though an editable install finds it.
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {path: name for name, path in setuptools["package-dir"].items()}  # mlxq itself is api/_root
+    inits = [f.parent.relative_to(ROOT) for top in ("api", "engine", "worker") for f in (ROOT / top).rglob("__init__.py")]
+    found = {folders.get(d.as_posix()) or ".".join(("mlxq", *d.parts)) for d in inits}
+    assert sorted(setuptools["packages"]) == sorted(found)
 
 
 def test_the_scheduler_fakes_import_no_mlx() -> None:
@@ -131,14 +151,15 @@ def test_the_scheduler_fakes_import_no_mlx() -> None:
 
 
 def test_importing_the_mlx_adapter_patches_nothing_of_mlx_lm() -> None:
-    # The constrained step is a subclass the batch owns (engine/mlx_generation.py), not a patch of mlx-lm's
-    # class for every user of the process; so are the corrected layers put onto a loaded model (engine/mlx_fixes.py).
+    # The constrained step is a subclass the batch owns (engine/mlx/generation.py), not a patch of mlx-lm's
+    # class for every user of the process; so are the corrected layers put onto a loaded model (engine/mlx/fixes.py).
     code = (
         "import importlib; g = importlib.import_module('mlx_lm.generate'); "
         "n = importlib.import_module('mlx_lm.models.nemotron_h'); "
         "before = {c: dict(vars(c)) for c in (g.GenerationBatch, g.PromptProcessingBatch, g.BatchGenerator, "
         "n.NemotronHMamba2Mixer)}; "
-        "import mlxq.engine.loader, mlxq.engine.mlx_batch, mlxq.engine.mlx_speculative, mlxq.engine.mlx_fixes; "
+        "import mlxq.engine.mlx.loader, mlxq.engine.mlx.batch, mlxq.engine.mlx.speculation.batch, "
+        "mlxq.engine.mlx.fixes; "
         "changed = [c.__name__ for c, attrs in before.items() if dict(vars(c)) != attrs]; "
         "print(changed); raise SystemExit(1 if changed else 0)"
     )
@@ -176,7 +197,7 @@ def test_the_worker_turns_mlx_cudas_cache_thrashing_check_off_unless_the_operato
     env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_CACHE_THRASHING_CHECK"}
     if preset is not None:
         env["MLX_ENABLE_CACHE_THRASHING_CHECK"] = preset
-    code = ("import os, sys; import mlxq.engine.loader; import mlx.core; "
+    code = ("import os, sys; import mlxq.engine.mlx.loader; import mlx.core; "
             "print(os.environ['MLX_ENABLE_CACHE_THRASHING_CHECK'])")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr

@@ -65,7 +65,7 @@ class Oracle:
     def __init__(self, path: Path) -> None:
         import mlx_vlm
 
-        from mlxq.engine.vlm import Vision
+        from mlxq.engine.mlx.vlm import Vision
 
         self.model, self.processor = mlx_vlm.load(str(path))
         self.vision = Vision(self.model, self.processor)

@@ -128,7 +128,7 @@ class WorkerConfig:
                                       "worker's prefix cache holds waits at most this long for that worker, then "
                                       "any worker takes it (a worker always prefers jobs it holds)", minimum=0)
     priority_aging_s: float = shared(ClientConfig, "priority_aging_s")
-    # One value for the whole process, whatever the models (engine/mlx_process.py).
+    # One value for the whole process, whatever the models (engine/mlx/process.py).
     mlx_memory_gb: float | None = setting("MLXQ_MLX_MEMORY_GB", None, "GiB: MLX's memory limit, for the whole "
                                           "process", minimum=0.001, shown="MLX's default")
     mlx_cache_gb: float | None = setting("MLXQ_MLX_CACHE_GB", None, "GiB of freed buffers MLX keeps for reuse, for "

@@ -30,8 +30,8 @@ from redis.exceptions import RedisError
 from mlxq.api.connection import redis_client
 from mlxq.api.jobrecord import Envelope, read_job
 from mlxq.api.schema import DEFAULT_TENANT, ErrorCode, ModelState, WorkerStatus, is_terminal
-from mlxq.engine.mlx_process import MLXLimits, mlx_process
-from mlxq.engine.request import RequestOutput
+from mlxq.engine.core.request import RequestOutput
+from mlxq.engine.mlx.process import MLXLimits, mlx_process
 
 from . import waker
 from .affinity import Advertiser, affinity_ttl_s

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from mlxq.api.schema import GenerateRequest, ImagePart, TextPart
-from mlxq.engine.request import ImageInputs
+from mlxq.engine.core.request import ImageInputs
 
 if TYPE_CHECKING:
-    from mlxq.engine.loader import LoadedModel
+    from mlxq.engine.mlx.loader import LoadedModel
 
     from .config import WorkerConfig
 

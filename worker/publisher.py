@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
-from mlxq.engine.request import RequestOutput, coalesce
+from mlxq.engine.core.request import RequestOutput, coalesce
 
 __all__ = ["Publisher"]
 

@@ -21,13 +21,13 @@ from pydantic import ValidationError
 from mlxq.api.errors import describe
 from mlxq.api.jobrecord import Envelope
 from mlxq.api.schema import PRIORITY_MAX, GenerateRequest, ModelState, ModelStatus
-from mlxq.engine.constrain import FormatKind, Grammar, GrammarError, Grammars, ResponseFormat, vocab_size
-from mlxq.engine.engine import Engine, Sink
-from mlxq.engine.loader import EngineOptions, LoadedModel, start_engine
-from mlxq.engine.parts import PartMarkers
-from mlxq.engine.prompt import EncodedPrompt, encode_prompt_with_boundary
-from mlxq.engine.request import EngineRequest, Format, ImageInputs
-from mlxq.engine.speculation import SpecKind, Speculation
+from mlxq.engine.core.engine import Engine, Sink
+from mlxq.engine.core.parts import PartMarkers
+from mlxq.engine.core.prompt import EncodedPrompt, encode_prompt_with_boundary
+from mlxq.engine.core.request import EngineRequest, Format, ImageInputs
+from mlxq.engine.core.speculation import SpecKind, Speculation
+from mlxq.engine.mlx.constrain import FormatKind, Grammar, GrammarError, Grammars, ResponseFormat, vocab_size
+from mlxq.engine.mlx.loader import EngineOptions, LoadedModel, start_engine
 
 from . import media
 from .config import ServedModel, WorkerConfig

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 from mlxq.api.connection import redact
 from mlxq.api.errors import ConfigError
-from mlxq.engine.loader import ModelLoadError, locate_model
+from mlxq.engine.mlx.loader import ModelLoadError, locate_model
 
 from . import watchdog
 from .arqseam import Host, WorkerSpec, worker_kwargs

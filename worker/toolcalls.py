@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxq.api.schema import FunctionCall, GenerateRequest, NamedToolChoice, ToolCall
-from mlxq.engine.constrain import tool_call_grammar
+from mlxq.engine.mlx.constrain import tool_call_grammar
 
 __all__ = ["CallGrammarError", "ToolCalls", "call_grammar", "template_messages", "template_tools"]
 

@@ -16,11 +16,11 @@ from mlxq.api.schema import (
     TokenLogprob,
     TopLogprob,
 )
-from mlxq.engine.constrain import FormatKind, ResponseFormat
-from mlxq.engine.parts import PartMarkers
-from mlxq.engine.request import EngineRequest, Format, ImageInputs, RequestOutput, SamplingParams
-from mlxq.engine.request import ErrorCode as EngineError
-from mlxq.engine.request import FinishReason as EngineFinish
+from mlxq.engine.core.parts import PartMarkers
+from mlxq.engine.core.request import EngineRequest, Format, ImageInputs, RequestOutput, SamplingParams
+from mlxq.engine.core.request import ErrorCode as EngineError
+from mlxq.engine.core.request import FinishReason as EngineFinish
+from mlxq.engine.mlx.constrain import FormatKind, ResponseFormat
 
 from .jobs.run import Run, Wire
 

@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxq.engine.backend import BatchToken, SequenceCache, Started
-from mlxq.engine.memory import KVBudget, KVLayout
-from mlxq.engine.request import EngineRequest, RequestOutput, SamplingParams
-from mlxq.engine.scheduler import Scheduler
+from mlxq.engine.core.backend import BatchToken, SequenceCache, Started
+from mlxq.engine.core.memory import KVBudget, KVLayout
+from mlxq.engine.core.request import EngineRequest, RequestOutput, SamplingParams
+from mlxq.engine.core.scheduler import Scheduler
 
 LAYOUT = KVLayout(bytes_per_token=10, step=4)
 
@@ -187,6 +187,13 @@ def scheduler(batch: ToyBatch, capacity: int = 4, headroom: int | None = None, c
               **kw: Any) -> Scheduler:
     memory = KVBudget(headroom, LAYOUT) if headroom is not None else None
     return Scheduler(batch, capacity=capacity, new_detokenizer=Detok, clock=clock or Clock(), memory=memory, **kw)
+
+
+def waiting(s: Scheduler) -> list[str]:
+    """The ids of the scheduler's waiting requests, in queue order (``request_ids`` lists them before the running
+    ones)."""
+    ids = s.request_ids()
+    return ids[: len(ids) - s.num_running]
 
 
 def req(rid: str, prompt: list[int] | int = 3, max_tokens: int = 8, *, priority: int = 0, arrival: float = 0.0,

@@ -9,11 +9,11 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlxq.engine.memory import KVBudget
-from mlxq.engine.mlx_batch import MLXBatch
-from mlxq.engine.mlx_memory import measure_layout
-from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
-from mlxq.engine.scheduler import Scheduler
+from mlxq.engine.core.memory import KVBudget
+from mlxq.engine.core.request import EngineRequest, FinishReason, SamplingParams
+from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.mlx.batch import MLXBatch
+from mlxq.engine.mlx.memory import measure_layout
 from tests.engine.fakes import Run
 from tests.support import reference, reference_text
 
@@ -99,7 +99,7 @@ def test_priority_with_memory_pressure_on_the_real_model(lm: Any, stream: mx.Str
     prompts = {f"bg{i}": words(tokenizer, 20, i) for i in range(2)}
     prompts["vip"] = words(tokenizer, 30, 7)
     longest = max(len(p) for p in prompts.values()) + 120
-    headroom = 2 * layout.row_bytes(longest) + 1000  # two rows; not two and a held cache
+    headroom = 2 * layout.row_bytes(longest) + 1000  # two rows; not two and a parked cache
     s = make(lm, stream, capacity=8, headroom=headroom)
     run = Run()
     for rid in ("bg0", "bg1"):
@@ -122,7 +122,7 @@ def test_priority_with_memory_pressure_on_the_real_model(lm: Any, stream: mx.Str
 
 
 def _sampling_scheduler(lm: Any, stream: mx.Stream, prefix: Any = None) -> Scheduler:
-    from mlxq.engine.sampling import make_request_logits_processors, make_request_sampler
+    from mlxq.engine.mlx.sampling import make_request_logits_processors, make_request_sampler
 
     model, tokenizer = lm
     batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=4, prefill_batch_size=8, prefill_step_size=16,
@@ -157,7 +157,7 @@ def test_a_request_started_at_once_generates_what_it_would_have_in_the_batch(lm:
 
 
 def test_a_request_started_at_once_starts_from_a_cached_prefix(lm: Any, stream: mx.Stream) -> None:
-    from mlxq.engine.prefix_cache import PrefixCache
+    from mlxq.engine.mlx.prefix.cache import PrefixCache
 
     tokenizer = lm[1]
     shared = words(tokenizer, 80, 1)

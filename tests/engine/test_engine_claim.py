@@ -9,12 +9,12 @@ from collections.abc import Callable
 
 import pytest
 
-from mlxq.engine.backend import BatchToken
-from mlxq.engine.engine import Engine
-from mlxq.engine.mlx_thread import MLXThread
-from mlxq.engine.request import RequestOutput
-from mlxq.engine.shares import GroupShare
-from tests.engine.fakes import ToyBatch, req, scheduler
+from mlxq.engine.core.backend import BatchToken
+from mlxq.engine.core.engine import Engine
+from mlxq.engine.core.request import RequestOutput
+from mlxq.engine.core.shares import GroupShare
+from mlxq.engine.mlx.thread import MLXThread
+from tests.engine.fakes import ToyBatch, req, scheduler, waiting
 
 pytestmark = pytest.mark.unit
 
@@ -63,7 +63,7 @@ async def test_free_slots_minus_waiting_added_and_announced_requests() -> None:
         await until(lambda: engine.claim_capacity() == 2)
         for rid in ("c", "d", "e"):
             engine.add(req(rid, max_tokens=10_000))
-        await until(lambda: engine.scheduler.num_running == 4 and engine.scheduler.num_waiting == 1)
+        await until(lambda: engine.scheduler.num_running == 4 and len(waiting(engine.scheduler)) == 1)
         await until(lambda: engine.claim_capacity() == 0)
         for rid in "abcde":
             engine.abort(rid)
@@ -136,7 +136,7 @@ async def test_a_full_engine_names_the_priority_a_request_must_exceed_to_start_a
         clock.advance(0.05)
         assert engine.outranked_priority() == -3
         engine.add(req("vip", max_tokens=10_000, priority=5))  # preempts "low", which waits, started
-        await until(lambda: engine.scheduler.stats.preemptions == 1 and engine.scheduler.num_waiting == 1)
+        await until(lambda: engine.scheduler.stats.preemptions == 1 and len(waiting(engine.scheduler)) == 1)
         await until(lambda: engine.outranked_priority() == 2)
         engine.dead = True
         assert engine.outranked_priority() is None

@@ -14,10 +14,18 @@ import mlx.core as mx
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlxq.engine.constrain import FormatKind, Grammar, GrammarError, Grammars, ResponseFormat, closed_schema, vocab_size
-from mlxq.engine.mlx_batch import MLXBatch
-from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
-from mlxq.engine.scheduler import Scheduler
+from mlxq.engine.core.request import EngineRequest, FinishReason, SamplingParams
+from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.mlx.batch import MLXBatch
+from mlxq.engine.mlx.constrain import (
+    FormatKind,
+    Grammar,
+    GrammarError,
+    Grammars,
+    ResponseFormat,
+    closed_schema,
+    vocab_size,
+)
 from tests.engine.fakes import Run
 
 pytestmark = pytest.mark.unit
@@ -249,7 +257,7 @@ def test_a_format_the_matcher_cannot_follow_ends_the_row_with_bad_request(tiny_t
 def test_every_token_of_a_constrained_row_is_sampled_by_the_batchs_masked_step(
         lm: Any, stream: mx.Stream, grammars: Grammars, monkeypatch: pytest.MonkeyPatch) -> None:
     # The batch's own classes (not a patch of mlx-lm's): its first token, sampled as its prefill ends, too.
-    import mlxq.engine.mlx_generation as generation
+    import mlxq.engine.mlx.generation as generation
 
     filled: list[list[int]] = []  # each masked step's fed tokens
     fill = generation.fill_masks

@@ -2,7 +2,7 @@
 ``FAMILIES``: a hybrid SSM, hybrid linear attention, sliding windows with sinks, latent attention, experts) makes
 exactly mlx-lm's single-request greedy tokens through mlxq on every path: alone, in a ragged batch, from the
 prefix cache, after a restart from the disk tier, across a preemption. What mlx-lm alone gets wrong is shown with
-mlx-lm alone (a strict xfail): when it passes, drop mlxq's correction (engine/mlx_fixes.py)."""
+mlx-lm alone (a strict xfail): when it passes, drop mlxq's correction (engine/mlx/fixes.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlxq.engine.loader import EngineOptions, load_model, start_engine
-from mlxq.engine.mlx_batch import MLXBatch
-from mlxq.engine.prefix_cache import PrefixCache
-from mlxq.engine.prompt import encode_prompt_with_boundary
-from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
-from mlxq.engine.scheduler import Scheduler
+from mlxq.engine.core.prompt import encode_prompt_with_boundary
+from mlxq.engine.core.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.mlx.batch import MLXBatch
+from mlxq.engine.mlx.loader import EngineOptions, load_model, start_engine
+from mlxq.engine.mlx.prefix.cache import PrefixCache
 from mlxq.worker.tools.tinymodel import FAMILIES, corpus, ensure_model
 from tests.engine.fakes import Run
 from tests.support import reference, reference_text
@@ -30,11 +30,11 @@ MAX_TOKENS = 12
 PREFILL_STEP = 32  # the longest prompts span several chunks; gpt_oss's window (16) is passed in a prompt
 SYSTEM = {"role": "system", "content": "You are the model queue server. Answer in tokens. " * 4}
 
-# What mlx-lm 0.32.2 alone gets wrong, by family: mlxq corrects it (engine/mlx_fixes.py).
+# What mlx-lm 0.32.2 alone gets wrong, by family: mlxq corrects it (engine/mlx/fixes.py).
 UPSTREAM_BUGS = {
     "nemotron_h": "mlx-lm 0.32.2's NemotronHMamba2Mixer passes no row lengths to ssm_update: a shorter row of a "
                   "ragged prefill keeps the state past its end (ml-explore/mlx-lm#1908); when this passes, drop "
-                  "NemotronHMixerWithLengths from engine/mlx_fixes.py",
+                  "NemotronHMixerWithLengths from engine/mlx/fixes.py",
 }
 
 # Families whose decoding row's cache cannot be taken back to its last token (recurrent state; a sliding window
@@ -131,10 +131,10 @@ def test_the_correction_is_made_on_mlxqs_model_alone_and_logged(families_root: P
     import mlx_lm
     from mlx_lm.models.nemotron_h import NemotronHMamba2Mixer
 
-    from mlxq.engine.mlx_fixes import NemotronHMixerWithLengths
+    from mlxq.engine.mlx.fixes import NemotronHMixerWithLengths
 
     path = ensure_model("tiny-nemotron_h", root=families_root)
-    with caplog.at_level(logging.INFO, logger="mlxq.engine.mlx_fixes"):
+    with caplog.at_level(logging.INFO, logger="mlxq.engine.mlx.fixes"):
         ours = load_model(str(path)).model
     theirs = mlx_lm.load(str(path))[0]
     assert [type(layer.mixer) for layer in ours.layers if layer.block_type == "M"] == [NemotronHMixerWithLengths] * 2

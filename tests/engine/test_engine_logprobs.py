@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlxq.engine.request import EngineRequest, SamplingParams
+from mlxq.engine.core.request import EngineRequest, SamplingParams
 from tests.engine.fakes import Run
 from tests.engine.test_engine_batch import drive, lm, make, stream, words  # noqa: F401  (fixtures)
 

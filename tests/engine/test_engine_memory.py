@@ -10,13 +10,13 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlxq.engine.memory import DeviceMemory, KVBudget, KVLayout, default_headroom
-from mlxq.engine.mlx_batch import MLXBatch
-from mlxq.engine.mlx_memory import measure_layout, usable_memory_bytes
-from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
-from mlxq.engine.scheduler import Room, Scheduler
-from mlxq.engine.shares import GroupShare
-from tests.engine.fakes import Run, ToyBatch, req, scheduler, toy_generate
+from mlxq.engine.core.memory import DeviceMemory, KVBudget, KVLayout, default_headroom
+from mlxq.engine.core.request import EngineRequest, FinishReason, SamplingParams
+from mlxq.engine.core.scheduler import Room, Scheduler
+from mlxq.engine.core.shares import GroupShare
+from mlxq.engine.mlx.batch import MLXBatch
+from mlxq.engine.mlx.memory import measure_layout, usable_memory_bytes
+from tests.engine.fakes import Run, ToyBatch, req, scheduler, toy_generate, waiting
 
 pytestmark = pytest.mark.unit
 
@@ -29,7 +29,7 @@ def test_rows_are_charged_up_to_a_step_past_their_length_and_padded_to_the_longe
     budget = KVBudget(1000, layout)
     assert budget.batch_bytes(0, 99) == 0
     assert budget.batch_bytes(3, 5) == 3 * 80  # every row as long as the longest
-    assert budget.rows_that_fit(longest=8, held=200) == 7  # (1000 - 200) // 110
+    assert budget.rows_that_fit(longest=8, beside=200) == 7  # (1000 - 200) // 110
 
 
 def test_default_headroom_rule_and_its_floor() -> None:
@@ -43,7 +43,7 @@ def test_default_headroom_rule_and_its_floor() -> None:
 def test_the_usable_memory_is_the_devices_mlx_runs_on() -> None:
     import mlx.core as mx
 
-    from mlxq.engine.mlx_memory import device_memory
+    from mlxq.engine.mlx.memory import device_memory
 
     gpu, cpu = mx.Device(mx.gpu), mx.Device(mx.cpu)
     cuda = {"device_name": "NVIDIA H100 80GB HBM3", "architecture": "sm_90", "total_memory": 85_000_000_000,
@@ -96,7 +96,7 @@ def test_a_request_that_can_never_fit_ends_at_once_saying_by_how_much(prompt: in
     s = scheduler(batch, capacity=2, headroom=300, context_length=40)  # 300 bytes: 28 tokens in 4-token steps
     s.add(req("big", prompt, max_tokens=max_tokens))
     s.add(req("ok", 2, max_tokens=3))
-    assert s.num_waiting == 1 and s.stats.rejected_too_large == 1
+    assert len(waiting(s)) == 1 and s.stats.rejected_too_large == 1
     outs = {o.rid: o for o in s.step()}
     big = outs["big"]
     assert (big.finish, big.error_code, big.started) == (FinishReason.ERROR, "bad_request", False)

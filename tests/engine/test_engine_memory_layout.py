@@ -12,8 +12,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import gemma3_text, lfm2
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxq.engine.memory import KV_STEP, KVBudget
-from mlxq.engine.mlx_memory import measure_layout
+from mlxq.engine.core.memory import KV_STEP, KVBudget
+from mlxq.engine.mlx.memory import measure_layout
 
 pytestmark = pytest.mark.unit
 

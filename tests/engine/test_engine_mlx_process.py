@@ -1,4 +1,4 @@
-"""MLX's process-global state (engine/mlx_process.py): the wired limit is set once per process, whatever order
+"""MLX's process-global state (engine/mlx/process.py): the wired limit is set once per process, whatever order
 the engines' batches are made and closed in; a failed batch is closed before its replacement; nothing of
 mlxq's clears MLX's cache per engine; a backend without caches reserves no prefix-cache memory.
 
@@ -16,13 +16,13 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-import mlxq.engine.mlx_process
-from mlxq.engine.engine import Engine
-from mlxq.engine.loader import start_engine
-from mlxq.engine.memory import default_headroom, default_prefix_cache_bytes
-from mlxq.engine.mlx_memory import measure_layout, model_bytes, usable_memory_bytes
-from mlxq.engine.mlx_process import MLXLimits, mlx_process
-from mlxq.engine.request import EngineRequest, RequestOutput, SamplingParams
+import mlxq.engine.mlx.process
+from mlxq.engine.core.engine import Engine
+from mlxq.engine.core.memory import default_headroom, default_prefix_cache_bytes
+from mlxq.engine.core.request import EngineRequest, RequestOutput, SamplingParams
+from mlxq.engine.mlx.loader import start_engine
+from mlxq.engine.mlx.memory import measure_layout, model_bytes, usable_memory_bytes
+from mlxq.engine.mlx.process import MLXLimits, mlx_process
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +52,7 @@ def wired(monkeypatch: pytest.MonkeyPatch) -> Iterator[Wired]:
     monkeypatch.setattr(mx, "device_info", lambda: {**info, "max_recommended_working_set_size": RECOMMENDED})
     monkeypatch.setattr(mx, "set_wired_limit", state.set)
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)  # mlx-vlm wires only on Metal
-    monkeypatch.setattr(mlxq.engine.mlx_process, "_owner", None)
+    monkeypatch.setattr(mlxq.engine.mlx.process, "_owner", None)
     yield state
 
 
@@ -145,18 +145,18 @@ def test_without_a_recommended_working_set_no_wired_limit_is_set(monkeypatch: py
     sets: list[int] = []
     monkeypatch.setattr(mx, "device_info", lambda: {"device_name": "cpu"})  # as on Linux
     monkeypatch.setattr(mx, "set_wired_limit", sets.append)
-    monkeypatch.setattr(mlxq.engine.mlx_process, "_owner", None)
+    monkeypatch.setattr(mlxq.engine.mlx.process, "_owner", None)
     assert mlx_process().wired_bytes is None and sets == []
 
 
 def test_only_the_process_owner_sets_mlx_process_state_and_nothing_clears_its_cache() -> None:
-    """The libraries' own ``mx.clear_cache`` calls stay (engine/mlx_process.py says why); mlxq adds none."""
+    """The libraries' own ``mx.clear_cache`` calls stay (engine/mlx/process.py says why); mlxq adds none."""
     setters = ("set_wired_limit(", "set_memory_limit(", "set_cache_limit(")
     for package in ("engine", "worker", "api"):
         for path in (ROOT / package).rglob("*.py"):
             source = path.read_text()
             assert "clear_cache(" not in source, path
-            if path != ROOT / "engine" / "mlx_process.py":
+            if path != ROOT / "engine" / "mlx" / "process.py":
                 assert not any(s in source for s in setters), path
 
 

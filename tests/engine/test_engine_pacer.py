@@ -1,12 +1,12 @@
-"""The Pacer: step outputs held up to an interval and merged per request; first tokens and ends never held, starts
-stamped when their step handed them over."""
+"""The Pacer: step outputs deferred up to an interval and merged per request; first tokens and ends never
+deferred, starts stamped when their step handed them over."""
 
 from __future__ import annotations
 
 import pytest
 
-from mlxq.engine.pacer import Pacer
-from mlxq.engine.request import FinishReason, RequestOutput
+from mlxq.engine.core.pacer import Pacer
+from mlxq.engine.core.request import FinishReason, RequestOutput
 
 pytestmark = pytest.mark.unit
 
@@ -28,7 +28,7 @@ def test_zero_interval_passes_every_step_through() -> None:
     pacer = Pacer(0.0, Clock())
     assert [o.token_ids for o in pacer.push([token("a", 1, 1)])] == [[1]]
     assert [o.token_ids for o in pacer.push([token("a", 2, 2)])] == [[2]]
-    assert not pacer.holding
+    assert not pacer.deferring
 
 
 def test_start_waits_for_the_first_token_stamped_when_its_step_ended_later_tokens_wait_for_the_interval() -> None:
@@ -37,7 +37,7 @@ def test_start_waits_for_the_first_token_stamped_when_its_step_ended_later_token
     pacer = Pacer(0.010, clock, wall=wall)
     pacer.push([token("b", 1, 1)])  # another request's send: the interval starts again
     started = RequestOutput("a", started=True, prompt_tokens=5)  # admission: no token yet
-    assert pacer.push([started]) == []  # held: it goes out with the first token, in one send
+    assert pacer.push([started]) == []  # deferred: it goes out with the first token, in one send
     assert started.started_at == 1_700_000_000.0  # ... but its time queued ended here
     wall.now += 0.002  # two steps later
     (first,) = pacer.push([token("a", 7, 1)])
@@ -50,10 +50,10 @@ def test_start_waits_for_the_first_token_stamped_when_its_step_ended_later_token
     clock.now += 0.005  # 11 ms after the last send
     (merged,) = pacer.push([token("a", 10, 4)])
     assert (merged.token_ids, merged.text, merged.completion_tokens) == ([8, 9, 10], "8910", 4)
-    assert not pacer.holding
+    assert not pacer.deferring
 
 
-def test_finish_flushes_what_the_request_held_merged_in_order() -> None:
+def test_finish_flushes_what_the_request_deferred_merged_in_order() -> None:
     clock = Clock()
     pacer = Pacer(1.0, clock)
     pacer.push([token("a", 1, 1), token("b", 1, 1)])  # both first tokens: out at once
@@ -61,12 +61,12 @@ def test_finish_flushes_what_the_request_held_merged_in_order() -> None:
     end = RequestOutput("a", [3], "3", completion_tokens=3, finish=FinishReason.LENGTH)
     (done,) = pacer.push([end])
     assert (done.rid, done.token_ids, done.text, done.finish) == ("a", [2, 3], "23", FinishReason.LENGTH)
-    assert pacer.holding  # b's second token still waits
+    assert pacer.deferring  # b's second token still waits
     (b,) = pacer.push([], flush=True)
     assert (b.rid, b.token_ids) == ("b", [2])
 
 
-def test_an_error_end_without_tokens_is_not_held() -> None:
+def test_an_error_end_without_tokens_is_not_deferred() -> None:
     pacer = Pacer(1.0, Clock())
     pacer.push([token("a", 1, 1)])
     pacer.push([token("a", 2, 2)])
@@ -84,8 +84,8 @@ def test_interval_is_shared_so_all_requests_go_out_together() -> None:
         clock.now += 0.004
         due = pacer.push([token(r, n, n) for r in "abc"])
         assert due == [] or sorted(o.rid for o in due) == ["a", "b", "c"]
-    # 16 ms in: one send of all three has happened, holding only what came since
-    assert pacer.holding
+    # 16 ms in: one send of all three has happened, deferring only what came since
+    assert pacer.deferring
 
 
 def test_nothing_after_a_requests_end_is_sent() -> None:
@@ -97,8 +97,8 @@ def test_nothing_after_a_requests_end_is_sent() -> None:
     assert (out.token_ids, out.finish) == ([2], FinishReason.CANCELLED)
 
 
-def test_a_step_writing_into_the_held_outputs_sends_what_merging_its_own_sends() -> None:
-    """The engine's way (engine.py): a scheduler step adds its tokens to the outputs the pacer holds, in place,
+def test_a_step_writing_into_the_deferred_outputs_sends_what_merging_its_own_sends() -> None:
+    """The engine's way (engine.py): a scheduler step adds its tokens to the outputs the pacer defers, in place,
     instead of a record per request to merge; what goes out, and when, is the same (stops, a length end, an
     abort between steps and a request joining late included)."""
     from dataclasses import astuple
@@ -115,7 +115,7 @@ def test_a_step_writing_into_the_held_outputs_sends_what_merging_its_own_sends()
         for i in range(16):
             if i == 4:
                 sched.add(req("d", 2, max_tokens=5))
-            outs = sched.step(pacer.held) if in_place else sched.step()
+            outs = sched.step(pacer.deferred) if in_place else sched.step()
             if i == 6:
                 aborted = sched.abort("c")
                 assert aborted is not None
@@ -128,7 +128,7 @@ def test_a_step_writing_into_the_held_outputs_sends_what_merging_its_own_sends()
     assert sum(len(b) for b in sent(True)) > 4  # several sends, some merged over steps
 
 
-def test_a_rate_lengthens_the_interval_in_proportion_to_the_requests_held() -> None:
+def test_a_rate_lengthens_the_interval_in_proportion_to_the_requests_deferred() -> None:
     """At 1,000 outputs a second, 40 requests go out every 40 ms (not every 10), 5 every 10 ms: what streaming
     sends a second stays bounded as the batch grows; first tokens still go out at once."""
     for rows, every_ms in ((40, 40), (5, 10)):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from mlxq.engine.parts import PartMarkers, PartSplitter
-from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
-from mlxq.engine.sequence import Sequence
+from mlxq.engine.core.parts import PartMarkers, PartSplitter
+from mlxq.engine.core.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.core.sequence import Sequence
 from tests.engine.fakes import Detok
 
 pytestmark = pytest.mark.unit
@@ -66,5 +66,5 @@ def test_a_sequence_reports_reasoning_and_calls_apart_from_its_text() -> None:
 
     req = EngineRequest("r", [9], SamplingParams(max_tokens=7), parts=PartMarkers(THINK, TOOL))
     seq, out = Sequence.of(req, Words(), 0.0, 0), RequestOutput("r")
-    assert seq.accept_many([1, 2, 3, 4, 5, 6, 7], None, out) is FinishReason.LENGTH
+    assert [seq.accept(t, None, out) for t in range(1, 8)] == [None] * 6 + [FinishReason.LENGTH]
     assert (out.text, out.reasoning, out.calls, out.token_ids) == ("ok", "why", ["{}"], [1, 2, 3, 4, 5, 6, 7])

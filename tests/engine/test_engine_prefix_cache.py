@@ -10,13 +10,13 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlxq.engine.backend import SequenceCache
-from mlxq.engine.mlx_batch import MLXBatch
-from mlxq.engine.mlx_memory import measure_layout
-from mlxq.engine.prefix_cache import PrefixCache
-from mlxq.engine.prompt import encode_prompt_with_boundary
-from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
-from mlxq.engine.scheduler import Scheduler
+from mlxq.engine.core.backend import SequenceCache
+from mlxq.engine.core.prompt import encode_prompt_with_boundary
+from mlxq.engine.core.request import EngineRequest, FinishReason, SamplingParams
+from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.mlx.batch import MLXBatch
+from mlxq.engine.mlx.memory import measure_layout
+from mlxq.engine.mlx.prefix.cache import PrefixCache
 from tests.engine.fakes import Run, ToyCache
 from tests.support import reference
 

@@ -1,4 +1,4 @@
-"""The prefix cache's tier on disk (engine/prefix_disk.py) with real engines on the real tiny model: an engine
+"""The prefix cache's tier on disk (engine/mlx/prefix/) with real engines on the real tiny model: an engine
 started over the directory another left (after a graceful stop, or none: a crash) starts a conversation's next
 turn from its prefix on disk and generates exactly the greedy tokens of a cold prefill; a corrupt entry is
 logged once and prefilled cold; a half-written file is never read; a disk that fails writes turns writing off
@@ -18,13 +18,15 @@ from typing import Any
 
 import pytest
 
-import mlxq.engine.prefix_disk as prefix_disk
-from mlxq.engine.engine import Engine
-from mlxq.engine.loader import EngineOptions, start_engine
-from mlxq.engine.prefix_cache import PrefixCache
-from mlxq.engine.prefix_disk import PrefixDisk, model_key, namespace
-from mlxq.engine.prompt import encode_prompt_with_boundary
-from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+import mlxq.engine.mlx.prefix.disk as prefix_disk
+from mlxq.engine.core.engine import Engine
+from mlxq.engine.core.prompt import encode_prompt_with_boundary
+from mlxq.engine.core.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.mlx.loader import EngineOptions, start_engine
+from mlxq.engine.mlx.prefix.cache import PrefixCache
+from mlxq.engine.mlx.prefix.directory import model_key, namespace
+from mlxq.engine.mlx.prefix.disk import PrefixDisk
+from mlxq.engine.mlx.prefix.trie import below, reach
 from tests.support import reference
 
 pytestmark = pytest.mark.unit
@@ -193,7 +195,7 @@ async def test_a_full_disk_turns_writing_off_with_one_log_line_and_jobs_end_well
         path.write_bytes(b"what fitted")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(prefix_disk, "_write_file", full)
+    monkeypatch.setattr(prefix_disk, "write_file", full)
     engine, _ = await start_engine(str(tiny_model), outputs.sink, options(tmp_path))
     try:
         with caplog.at_level(logging.WARNING, logger=prefix_disk.__name__):
@@ -391,12 +393,12 @@ def test_one_walk_down_the_trie_holds_what_mlx_lm_s_search_finds() -> None:
             trie.add("m", e, tuple(e))
         for _ in range(20):
             q = rng.choice(entries)[:rng.randrange(1, 10)] + [rng.randrange(4) for _ in range(rng.randrange(4))]
-            f, r = trie.search("m", q), prefix_disk.reach(trie, "m", q)
+            f, r = trie.search("m", q), reach(trie, "m", q)
             old = len(q) if f.exact is not None else max(len(f.shorter or []),
                                                          f.common_prefix if f.longer is not None else 0)
             assert (len(q) if r.exact is not None else max(r.shorter_len, r.walked)) == old
             if r.exact is None and r.walked > r.shorter_len:
-                longer = prefix_disk.below(r.node)
+                longer = below(r.node)
                 assert list(longer[:r.walked]) == q[:r.walked] and len(longer) > r.walked
                 checked += 1
     assert checked > 100

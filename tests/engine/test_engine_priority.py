@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mlxq.engine.request import FinishReason
-from mlxq.engine.scheduler import Scheduler
-from mlxq.engine.waiting import WaitingQueue, priority_key
-from tests.engine.fakes import Clock, Run, ToyBatch, req, scheduler, toy_generate
+from mlxq.engine.core.request import FinishReason
+from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.core.waiting import WaitingQueue, priority_key
+from tests.engine.fakes import Clock, Run, ToyBatch, req, scheduler, toy_generate, waiting
 
 pytestmark = pytest.mark.unit
 
@@ -100,7 +100,7 @@ def test_a_higher_priority_request_preempts_the_latest_lowest_and_everyone_conti
     assert run.tokens("vip") == toy_generate([6], 1) and s.stats.preemptions == 0
     run.step(s)
     assert run.started_order == ["old", "new", "vip"]
-    assert s.stats.preemptions == 1 and s.num_waiting == 1 and s.request_ids()[0] == "new"
+    assert s.stats.preemptions == 1 and len(waiting(s)) == 1 and s.request_ids()[0] == "new"
     run.drain(s)
     for rid, prompt, n in (("old", [1, 2, 3], 12), ("new", [4, 5], 12), ("vip", [6], 5)):
         assert run.tokens(rid) == toy_generate(prompt, n), rid  # no gap, no repeat, no restart
@@ -170,7 +170,7 @@ def test_preempted_twice_still_continues_exactly() -> None:
 
 
 def test_preemption_frees_kv_when_only_dropping_caches_makes_room() -> None:
-    # Memory, not slots, is the bottleneck: holding the victim's cache would leave no room for the urgent
+    # Memory, not slots, is the bottleneck: parking the victim's cache would leave no room for the urgent
     # request, so the victim's cache is dropped and it recomputes.
     batch = ToyBatch()
     s = scheduler(batch, capacity=4, headroom=450)
@@ -187,7 +187,7 @@ def test_preemption_frees_kv_when_only_dropping_caches_makes_room() -> None:
     assert max(batch.kv_seen) <= 450 and s.stats.kv_bytes_peak <= 450
 
 
-def low_preempted_holding_its_cache(headroom: int, high_tokens: int) -> tuple[ToyBatch, Scheduler, Run]:
+def low_preempted_parking_its_cache(headroom: int, high_tokens: int) -> tuple[ToyBatch, Scheduler, Run]:
     """One slot: "low" runs 4 steps, then "high" starts at once and "low" leaves, keeping its cache."""
     batch = ToyBatch()
     s = scheduler(batch, capacity=1, headroom=headroom)
@@ -199,11 +199,11 @@ def low_preempted_holding_its_cache(headroom: int, high_tokens: int) -> tuple[To
     return batch, s, run
 
 
-def test_a_held_cache_counts_against_the_headroom() -> None:
-    batch, s, run = low_preempted_holding_its_cache(1000, 4)
-    held = (10 + 4) * 10  # its prompt and 4 tokens, 10 bytes each
-    assert s.stats.kv_bytes == batch.kv_bytes() + held
-    assert s.stats.kv_reserved_bytes == s.memory.batch_bytes(1, 6) + held  # type: ignore[union-attr]
+def test_a_parked_cache_counts_against_the_headroom() -> None:
+    batch, s, run = low_preempted_parking_its_cache(1000, 4)
+    parked = (10 + 4) * 10  # its prompt and 4 tokens, 10 bytes each
+    assert s.stats.kv_bytes == batch.kv_bytes() + parked
+    assert s.stats.kv_reserved_bytes == s.memory.batch_bytes(1, 6) + parked  # type: ignore[union-attr]
     out = s.abort("low")  # a cancelled preempted request frees its cache
     assert out is not None and out.finish is FinishReason.CANCELLED and out.completion_tokens == 4
     assert s.stats.kv_bytes == batch.kv_bytes()
@@ -328,10 +328,10 @@ def test_when_memory_is_short_the_victims_leave_before_the_urgent_request_starts
     assert max(batch.kv_seen) <= 450 and s.stats.kv_bytes <= 450
 
 
-def test_caches_held_behind_the_first_waiting_request_never_keep_it_out_of_an_idle_batch() -> None:
-    # "low" is preempted holding its cache; "top" then waits first and fits the headroom alone but not beside
-    # that held cache, with nothing running to preempt: the held cache goes (low recomputes), top runs.
-    batch, s, run = low_preempted_holding_its_cache(400, 2)
+def test_caches_parked_behind_the_first_waiting_request_never_keep_it_out_of_an_idle_batch() -> None:
+    # "low" is preempted parking its cache; "top" then waits first and fits the headroom alone but not beside
+    # that parked cache, with nothing running to preempt: the parked cache goes (low recomputes), top runs.
+    batch, s, run = low_preempted_parking_its_cache(400, 2)
     assert s.stats.preemptions == 1 and s.stats.kv_reserved_bytes > s.memory.batch_bytes(1, 4)  # type: ignore[union-attr]
     s.add(req("top", 20, max_tokens=15, priority=5))
     run.drain(s)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from mlxq.engine.prompt import EncodedPrompt, PromptEncoder, encode_prompt, encode_prompt_with_boundary
+from mlxq.engine.core.prompt import EncodedPrompt, PromptEncoder, encode_prompt, encode_prompt_with_boundary
 
 pytestmark = pytest.mark.unit
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxq.engine.request import SamplingParams
-from mlxq.engine.sampling import RowSampler, make_request_logits_processors
+from mlxq.engine.core.request import SamplingParams
+from mlxq.engine.mlx.sampling import RowSampler, make_request_logits_processors
 
 pytestmark = pytest.mark.unit
 
@@ -49,7 +49,7 @@ def test_a_near_zero_temperature_draws_the_most_likely_token_in_half_precision_l
     """A model's logits are often float16: scaled by 1/T there, T = 1e-5 overflowed every token to -inf and
     the draws were uniform noise. Sampling scales in float32; below 1e-30 (where float32 would overflow too)
     the request samples greedily."""
-    from mlxq.engine.sampling import make_request_sampler
+    from mlxq.engine.mlx.sampling import make_request_sampler
 
     probs = [0.02] * 30 + [0.4]  # the last token is the most likely, log-probability -0.92
     logprobs = mx.log(mx.array([probs])).astype(mx.float16)

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from mlxq.engine.backend import BatchToken
-from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
-from mlxq.engine.scheduler import Scheduler, StepFailed
+from mlxq.engine.core.backend import BatchToken
+from mlxq.engine.core.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.core.scheduler import Scheduler, StepFailed
+from tests.engine.fakes import waiting
 
 pytestmark = pytest.mark.unit
 
@@ -181,11 +182,11 @@ def test_capacity_respected_and_waiting_admitted_as_slots_free(backend: FakeBack
     s = make(backend, capacity=2)
     for rid in ("r0", "r1", "r2", "r3"):
         s.add(request(rid))
-    assert s.has_work and s.num_waiting == 4
+    assert s.has_work and len(waiting(s)) == 4
 
     outs = by_rid(s.step())
     assert set(outs) == {"r0", "r1"}
-    assert s.num_running == 2 and s.num_waiting == 2
+    assert s.num_running == 2 and len(waiting(s)) == 2
     assert [i["prompt"] for i in backend.inserted] == [[1, 2, 3]] * 2
     assert s.request_ids() == ["r2", "r3", "r0", "r1"]
 
@@ -199,12 +200,12 @@ def test_capacity_respected_and_waiting_admitted_as_slots_free(backend: FakeBack
     outs = by_rid(s.step())
     assert outs["r0"].finish is FinishReason.LENGTH
     assert "r2" not in outs
-    assert s.num_running == 1 and s.num_waiting == 2
+    assert s.num_running == 1 and len(waiting(s)) == 2
 
     outs = by_rid(s.step())
     assert outs["r2"].started
     assert "r3" not in outs
-    assert s.num_running == 2 and s.num_waiting == 1
+    assert s.num_running == 2 and len(waiting(s)) == 1
     assert len(backend.inserted) == 3
     assert backend.max_live <= 2
 
@@ -433,7 +434,7 @@ def test_abort_waiting_request(backend: FakeBackend) -> None:
     assert (out.rid, out.finish, out.error_code) == ("wait", FinishReason.CANCELLED, None)
     assert out.completion_tokens == 0
     assert backend.removed == []
-    assert s.num_waiting == 0
+    assert len(waiting(s)) == 0
     # It is never admitted afterwards.
     backend.script.append([tok(backend.uid(0), 0, "length")])
     s.step()
@@ -464,7 +465,7 @@ def test_abort_unknown_id_returns_none(backend: FakeBackend) -> None:
     s = make(backend)
     s.add(request("r"))
     assert s.abort("nope") is None
-    assert s.num_waiting == 1
+    assert len(waiting(s)) == 1
     assert backend.removed == []
 
 
@@ -515,7 +516,7 @@ def test_deadline_expiry_of_waiting_request(backend: FakeBackend, clock: Clock) 
     assert outs["wait"].error_code == "timeout"
     assert backend.removed == []
     assert len(backend.inserted) == 1
-    assert s.num_waiting == 0
+    assert len(waiting(s)) == 0
 
 
 def test_expired_before_admission_is_never_inserted(backend: FakeBackend, clock: Clock) -> None:
@@ -558,7 +559,7 @@ def test_fail_all_fails_everything_and_clears_state(backend: FakeBackend) -> Non
         assert (out.error_code, out.error_message) == ("engine_error", "metal died")
     assert outs["run"].completion_tokens == 1
     assert not s.has_work
-    assert s.num_running == 0 and s.num_waiting == 0
+    assert s.num_running == 0 and len(waiting(s)) == 0
     assert s.request_ids() == []
     assert s.abort("run") is None and s.abort("wait") is None
     steps = backend.steps
@@ -663,7 +664,7 @@ def test_request_whose_insert_crashes_gets_terminal_output(backend: FakeBackend)
 
 
 def test_coalesce_merges_steps_per_request_in_order() -> None:
-    from mlxq.engine.request import coalesce
+    from mlxq.engine.core.request import coalesce
 
     outs = [
         RequestOutput("a", [1], "x", started=True, prompt_tokens=3, completion_tokens=1),
@@ -680,7 +681,7 @@ def test_coalesce_merges_steps_per_request_in_order() -> None:
 
 
 def test_coalesce_hands_back_one_output_per_request_as_it_is() -> None:
-    from mlxq.engine.request import coalesce
+    from mlxq.engine.core.request import coalesce
 
     outs = [RequestOutput("a", [1], "x", completion_tokens=1), RequestOutput("b", [2], "y", completion_tokens=4)]
     merged = coalesce(outs)
@@ -688,7 +689,7 @@ def test_coalesce_hands_back_one_output_per_request_as_it_is() -> None:
 
 
 def test_coalesce_drops_outputs_after_a_requests_end() -> None:
-    from mlxq.engine.request import coalesce
+    from mlxq.engine.core.request import coalesce
 
     outs = [
         RequestOutput("a", [1], "x", completion_tokens=1),

@@ -1,11 +1,11 @@
-"""engine.sequence: one row's tokens become text and an end, one token or several at once."""
+"""engine.core.sequence: one row's tokens become text and an end, one token at a time."""
 
 from __future__ import annotations
 
 import pytest
 
-from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
-from mlxq.engine.sequence import EOS, LENGTH, Sequence
+from mlxq.engine.core.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.core.sequence import EOS, LENGTH, Sequence
 from tests.engine.fakes import Detok
 
 pytestmark = pytest.mark.unit
@@ -16,6 +16,15 @@ def row(max_tokens: int = 10, stop: tuple[str, ...] = ()) -> Sequence:
     return Sequence.of(req, Detok(), 0.0, 0)
 
 
+def feed(seq: Sequence, tokens: list[int], end: str | None, out: RequestOutput) -> FinishReason | None:
+    """The scheduler's way: one token at a time (``end``: the backend's for the last), none after the row ends."""
+    for i, token in enumerate(tokens):
+        finish = seq.accept(token, end if i == len(tokens) - 1 else None, out)
+        if finish is not None:
+            return finish
+    return None
+
+
 def test_one_token_at_a_time_emits_its_text_and_counts() -> None:
     seq, out = row(), RequestOutput("r")
     assert seq.accept(5, None, out) is None
@@ -24,31 +33,22 @@ def test_one_token_at_a_time_emits_its_text_and_counts() -> None:
     assert seq.length == 5 and seq.remaining == 8
 
 
-def test_several_tokens_at_once_equal_the_same_tokens_one_by_one() -> None:
-    one, many = row(), row()
-    out1, out2 = RequestOutput("r"), RequestOutput("r")
-    for t in (4, 5, 6):
-        one.accept(t, None, out1)
-    assert many.accept_many([4, 5, 6], None, out2) is None
-    assert (out1.token_ids, out1.text, out1.completion_tokens) == (out2.token_ids, out2.text, out2.completion_tokens)
-
-
 def test_a_stop_string_inside_an_accepted_run_ends_it_there_and_drops_the_rest() -> None:
     seq, out = row(stop=("<6>",)), RequestOutput("r")
-    assert seq.accept_many([4, 5, 6, 7, 8], None, out) is FinishReason.STOP
+    assert feed(seq, [4, 5, 6, 7, 8], None, out) is FinishReason.STOP
     assert (out.text, out.stop_sequence, out.finish) == ("<4><5>", "<6>", FinishReason.STOP)
     assert out.token_ids == [4, 5, 6] and seq.generated == 3
 
 
 def test_max_tokens_cuts_an_accepted_run_with_length() -> None:
     seq, out = row(max_tokens=2), RequestOutput("r")
-    assert seq.accept_many([4, 5, 6], None, out) is FinishReason.LENGTH
+    assert feed(seq, [4, 5, 6], None, out) is FinishReason.LENGTH
     assert (out.token_ids, out.text, out.completion_tokens) == ([4, 5], "<4><5>", 2)
 
 
 def test_an_end_of_sequence_token_ends_the_row_without_text() -> None:
     seq, out = row(), RequestOutput("r")
-    assert seq.accept_many([4, 9], EOS, out) is FinishReason.STOP
+    assert feed(seq, [4, 9], EOS, out) is FinishReason.STOP
     assert (out.token_ids, out.text, out.completion_tokens) == ([4], "<4>", 1)
 
 

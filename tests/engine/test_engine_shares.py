@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from mlxq.engine.request import EngineRequest, FinishReason
-from mlxq.engine.scheduler import Scheduler
-from mlxq.engine.shares import GroupShare, Shares
-from tests.engine.fakes import Clock, Run, ToyBatch, req, scheduler, toy_generate
+from mlxq.engine.core.request import EngineRequest, FinishReason
+from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.core.shares import GroupShare, Shares
+from tests.engine.fakes import Clock, Run, ToyBatch, req, scheduler, toy_generate, waiting
 
 pytestmark = pytest.mark.unit
 
@@ -43,7 +43,7 @@ def test_a_group_below_its_share_takes_the_place_of_a_group_above_it_and_everyon
     assert run.tokens("b0") == toy_generate(b.prompt_tokens, 1)
     run.step(s)  # a1, the latest of a's, leaves at the start of the next step
     assert run.started_order == ["a0", "a1", "b0"] and s.stats.preemptions == 1
-    assert set(s.request_ids()[: s.num_waiting]) == {"a1", "a2"}
+    assert set(waiting(s)) == {"a1", "a2"}
     run.drain(s)
     assert run.started_order == ["a0", "a1", "b0", "a2"]
     assert_exact(run, [*a, b])
@@ -91,7 +91,7 @@ def test_equal_loads_never_preempt_across_groups_and_priority_reaches_only_its_o
     vip = add(s, "b2", "b", 4, max_tokens=3, priority=5, arrival=10.3)  # outranks a0, but a is not above its share
     run.step(s, 2)
     assert s.stats.preemptions == 1 and run.started_order == ["a0", "b0", "b2"]  # it took b0's place, not a0's
-    assert "a0" not in s.request_ids()[: s.num_waiting]
+    assert "a0" not in waiting(s)
     run.drain(s)
     assert_exact(run, [a, b, late, vip])
 
@@ -117,7 +117,7 @@ def test_a_request_below_its_share_is_not_held_back_by_a_preempted_one_ahead_of_
     run.step(s, 2)
     b0 = add(s, "b0", "b", 8, max_tokens=12, arrival=11.0)
     run.step(s, 2)  # a3 preempted: it waits at the head of the queue (it arrived first)
-    assert s.stats.preemptions == 1 and s.num_waiting == 1
+    assert s.stats.preemptions == 1 and len(waiting(s)) == 1
     b1 = add(s, "b1", "b", 9, max_tokens=12, arrival=12.0)  # behind a3; a's load (3 - 1) >= b's (1 + 1)
     run.step(s, 2)
     assert run.started_order == ["a0", "a1", "a2", "a3", "b0", "b1"] and s.stats.preemptions == 2
@@ -153,7 +153,7 @@ def test_the_room_shows_each_running_groups_part_with_its_unstarted_requests_que
     run.step(s)
     assert set(s.room.groups) == {GroupShare("a", 2, 2.0, queued=1), GroupShare("b", 1, 1.0),
                                   GroupShare("c", 0, 1.0, queued=1)}
-    assert s.num_waiting == 2 and GroupShare("a", 2, 2.0, queued=1).taken == 3
+    assert len(waiting(s)) == 2 and GroupShare("a", 2, 2.0, queued=1).taken == 3
     assert s.room.outranked is None  # a priority is outranked only while nothing unstarted waits
     run.drain(s)
     assert s.room.groups == ()

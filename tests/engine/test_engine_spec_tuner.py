@@ -1,4 +1,4 @@
-"""The speculative batch's choice of k (engine/spec_tuner.py): pure Python, driven by made-up step times and
+"""The speculative batch's choice of k (engine/core/speculation/tuner.py): pure Python, driven by made-up step times and
 acceptances (no MLX)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from mlxq.engine.spec_tuner import Tuner
+from mlxq.engine.core.speculation.tuner import Tuner
 
 pytestmark = pytest.mark.unit
 
@@ -95,7 +95,7 @@ def test_a_machine_slowing_down_does_not_make_speculation_look_faster() -> None:
 
 
 class Batch:
-    """Steps timed as the speculative batch times them (engine/mlx_speculative.py): a step is a sample of its k
+    """Steps timed as the speculative batch times them (engine/mlx/speculation/batch.py): a step is a sample of its k
     when the steps before and after it have the same k and nothing made it untimed (rows joined or left, a new
     shape); every other step is charged to its k (``charged=False``: left out, as before steps were charged)."""
 

@@ -1,4 +1,4 @@
-"""Speculative decoding in the batch (engine/mlx_speculative.py): every row's tokens equal plain greedy decoding's
+"""Speculative decoding in the batch (engine/mlx/speculation/batch.py): every row's tokens equal plain greedy decoding's
 whatever the proposals, with a draft model and with prompt lookup, at N = 1, 8 and 32, through stop strings,
 max_tokens, cancels, preemption, the prefix cache and rows that never take proposals."""
 
@@ -13,17 +13,17 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxq.engine.mlx_batch import MLXBatch
-from mlxq.engine.mlx_proposers import DraftModel, PromptLookup, _Lookup
-from mlxq.engine.mlx_ragged_cache import ragged, rollback
-from mlxq.engine.mlx_speculative import Proposer
-from mlxq.engine.prefix_cache import PrefixCache
-from mlxq.engine.prompt import encode_prompt_with_boundary
-from mlxq.engine.request import EngineRequest, FinishReason, SamplingParams
-from mlxq.engine.sampling import make_request_logits_processors, make_request_sampler
-from mlxq.engine.scheduler import Scheduler
-from mlxq.engine.spec_tuner import Tuner
-from mlxq.engine.stats import EngineStats
+from mlxq.engine.core.prompt import encode_prompt_with_boundary
+from mlxq.engine.core.request import EngineRequest, FinishReason, SamplingParams
+from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.core.speculation.tuner import Tuner
+from mlxq.engine.core.stats import EngineStats
+from mlxq.engine.mlx.batch import MLXBatch
+from mlxq.engine.mlx.prefix.cache import PrefixCache
+from mlxq.engine.mlx.ragged_cache import ragged, rollback
+from mlxq.engine.mlx.sampling import make_request_logits_processors, make_request_sampler
+from mlxq.engine.mlx.speculation.batch import Proposer
+from mlxq.engine.mlx.speculation.proposers import DraftModel, PromptLookup, _Lookup
 from tests.engine.fakes import Run
 from tests.support import reference
 
@@ -305,7 +305,7 @@ def test_verification_shapes_repeat_where_asked_and_tokens_stay_exact(
         pair: tuple[Any, Any], stream: mx.Stream, ks: None, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # On CUDA each distinct shape of an attention over several positions builds a cuDNN graph: with
     # fixed_shapes a pass over several positions attends over the cache's whole buffer, so its shapes repeat.
-    from mlxq.engine.mlx_ragged_cache import RaggedKVCache
+    from mlxq.engine.mlx.ragged_cache import RaggedKVCache
 
     seen: dict[bool, list[tuple[int, ...]]] = {True: [], False: []}
     original = RaggedKVCache.make_mask
@@ -344,7 +344,7 @@ def attention_shapes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     """The shapes (q, k, v, mask) of every attention over several query positions that the speculative batch runs
     (its verifications and the draft's passes, the draft's prefill of joining rows; the target's own prefill is
     mlx-lm's prompt batch, outside it), recorded as MLX is called."""
-    from mlxq.engine.mlx_speculative import SpecBatch
+    from mlxq.engine.mlx.speculation.batch import SpecBatch
 
     seen: list[tuple[Any, ...]] = []
     inside = [0]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams, coalesce
-from mlxq.engine.stops import StopMatcher, StopResult
+from mlxq.engine.core.request import EngineRequest, FinishReason, RequestOutput, SamplingParams, coalesce
+from mlxq.engine.core.stops import StopMatcher, StopResult
 from tests.engine.fakes import Run, ToyBatch, scheduler, toy_generate
 
 pytestmark = pytest.mark.unit

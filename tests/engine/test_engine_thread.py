@@ -13,11 +13,11 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlxq.engine.backend import BatchToken
-from mlxq.engine.engine import Engine
-from mlxq.engine.mlx_thread import MLXThread
-from mlxq.engine.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
-from mlxq.engine.scheduler import Scheduler
+from mlxq.engine.core.backend import BatchToken
+from mlxq.engine.core.engine import Engine
+from mlxq.engine.core.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.mlx.thread import MLXThread
 from tests.engine.test_engine_claim import ManualClock
 
 pytestmark = pytest.mark.unit

@@ -20,12 +20,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxq.engine.engine import Engine
-from mlxq.engine.loader import EngineOptions, LoadedModel, build_engine, load_model
-from mlxq.engine.mlx_thread import MLXThread
-from mlxq.engine.request import EngineRequest, FinishReason, ImageInputs, RequestOutput, SamplingParams
-from mlxq.engine.sampling import make_request_logits_processors, make_request_sampler
-from mlxq.engine.scheduler import Scheduler
+from mlxq.engine.core.engine import Engine
+from mlxq.engine.core.request import EngineRequest, FinishReason, ImageInputs, RequestOutput, SamplingParams
+from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.mlx.loader import EngineOptions, LoadedModel, build_engine, load_model
+from mlxq.engine.mlx.sampling import make_request_logits_processors, make_request_sampler
+from mlxq.engine.mlx.thread import MLXThread
 from tests.vlm_support import Oracle, chat, data_url, picture, template_messages
 
 pytestmark = pytest.mark.unit
@@ -281,7 +281,7 @@ async def test_an_image_job_cancelled_mid_prefill_leaves_the_batch_intact(
     # Driven step by step on the MLX thread: 4-token prefill chunks, so each image prompt prefills over
     # several steps and the cancel lands between two of them. Dropping the longer prompt leaves the shorter
     # one alone with padding still to prefill (the case VLMBatch works around), dropping the shorter does not.
-    from mlxq.engine.vlm import VLMBatch
+    from mlxq.engine.mlx.vlm import VLMBatch
 
     assert loaded.vision is not None
     vision = loaded.vision

@@ -310,7 +310,7 @@ def index_scan(plan: Plan, model: str, out: Path) -> IndexScan:
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxq.engine.prefix_disk import PrefixDisk
+    from mlxq.engine.mlx.prefix.disk import PrefixDisk
 
     lm = mlx_lm.load(model)[0]
     rng = random.Random(0)
@@ -344,7 +344,7 @@ def index_scan(plan: Plan, model: str, out: Path) -> IndexScan:
 
 
 def _open_ms(directory: Path, entries: int) -> float:
-    from mlxq.engine.prefix_disk import PrefixDisk
+    from mlxq.engine.mlx.prefix.disk import PrefixDisk
 
     t0 = time.perf_counter()
     disk = PrefixDisk(directory, 1 << 40)

@@ -48,9 +48,9 @@ from .runs import (
 )
 
 if TYPE_CHECKING:
-    from mlxq.engine.engine import Engine
-    from mlxq.engine.loader import LoadedModel
-    from mlxq.engine.request import RequestOutput
+    from mlxq.engine.core.engine import Engine
+    from mlxq.engine.core.request import RequestOutput
+    from mlxq.engine.mlx.loader import LoadedModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +198,7 @@ class _EngineRun:
 
     @classmethod
     async def start(cls, loaded: LoadedModel, capacity: int, thread: Any) -> _EngineRun:
-        from mlxq.engine.loader import EngineOptions, build_engine
+        from mlxq.engine.mlx.loader import EngineOptions, build_engine
 
         d = WorkerConfig()
         opts = EngineOptions(capacity, d.prefill_batch_size, d.prefill_step_size, d.stream_interval_ms / 1000,
@@ -208,7 +208,7 @@ class _EngineRun:
         return run
 
     async def run(self, tokens: list[list[int]], max_tokens: int) -> Run:
-        from mlxq.engine.request import EngineRequest, SamplingParams
+        from mlxq.engine.core.request import EngineRequest, SamplingParams
 
         rids = self.clock.begin(len(tokens))
         t0 = time.perf_counter()

@@ -294,7 +294,7 @@ def _md_policy(result: BenchResult) -> list[str]:
     lines = ["## MLX's kernel thread: SCHED_BATCH", "",
              "On Linux MLX runs a CPU stream's kernels on a thread of its own, woken for each kernel; mlxq's MLX "
              "threads (the worker's engines and this bench's raw path alike) put it under SCHED_BATCH, whose "
-             "wake-ups do not preempt the thread enqueuing them (engine/mlx_thread.py). Raw runs under each "
+             "wake-ups do not preempt the thread enqueuing them (engine/mlx/thread.py). Raw runs under each "
              "policy, in turn, each after the same idle pause:", "",
              "| size | N | default tok/s (median) | SCHED_BATCH tok/s (median) | SCHED_BATCH / default (paired) |",
              "|---|---:|---:|---:|---:|"]

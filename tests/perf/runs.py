@@ -30,7 +30,7 @@ class BenchConfig:
     tiny_repeats: int = 15  # the tiny model's runs take under a second: more pairs cost little, steady the medians
     serial_repeats: int = 1  # serial runs are N jobs back to back: already an average
     blas_repeats: int = 3  # raw runs per OpenBLAS thread count when choosing it
-    policy_repeats: int = 5  # raw run pairs per N measuring MLX's kernel thread policy (engine/mlx_thread.py)
+    policy_repeats: int = 5  # raw run pairs per N measuring MLX's kernel thread policy (engine/mlx/thread.py)
     warmup_tokens: int = 8
     ttft_probes: int = 20  # sequential N=1 requests per path for the TTFT targets
     cancel_max_tokens: int = 400  # fits the tiny model's 512-token context with the prompt
@@ -181,7 +181,7 @@ class BlasThreads:
 @dataclass(frozen=True, slots=True)
 class KernelPolicy:
     """Raw runs with the MLX stream's kernel thread under SCHED_BATCH (as every mlxq MLX thread runs it,
-    engine/mlx_thread.py) and under the default policy, in turn, at N=1 and the largest N."""
+    engine/mlx/thread.py) and under the default policy, in turn, at N=1 and the largest N."""
 
     raw_tok_s: dict[str, dict[int, list[float]]]  # "batch" / "default" -> N -> runs
     batch_over_default_paired: dict[int, float]

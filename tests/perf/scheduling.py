@@ -31,8 +31,8 @@ from mlxq.worker.tools.bench.runs import PROMPT, percentile, safe_ratio, say
 from .runs import BenchConfig
 
 if TYPE_CHECKING:
-    from mlxq.engine.engine import Engine
-    from mlxq.engine.request import EngineRequest, RequestOutput
+    from mlxq.engine.core.engine import Engine
+    from mlxq.engine.core.request import EngineRequest, RequestOutput
 
     from .paths import RawPath
 
@@ -173,7 +173,7 @@ async def run_scheduling(raw: RawPath, cfg: BenchConfig, size: str) -> Schedulin
 
 
 async def _engine(raw: RawPath, driver: _Driver, capacity: int, **options: Any) -> Engine:
-    from mlxq.engine.loader import EngineOptions, build_engine
+    from mlxq.engine.mlx.loader import EngineOptions, build_engine
 
     d = WorkerConfig()
     opts = EngineOptions(capacity, d.prefill_batch_size, d.prefill_step_size, 0.0, **options)
@@ -187,8 +187,8 @@ def _close(raw: RawPath, engine: Engine) -> None:
 # --- (a) the prefix cache ------------------------------------------------------------------------------
 async def _prefix_ttft(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: str) -> PrefixTtft:
     """Cold: an engine without a prefix cache; warm: one whose cache holds the system prompt. Alternating."""
-    from mlxq.engine.prompt import encode_prompt_with_boundary
-    from mlxq.engine.request import EngineRequest, SamplingParams
+    from mlxq.engine.core.prompt import encode_prompt_with_boundary
+    from mlxq.engine.core.request import EngineRequest, SamplingParams
 
     tokenizer = raw.loaded.tokenizer
     system = _system_prompt(tokenizer, min(_SYSTEM_TOKENS, (raw.loaded.context_length or 4096) - 64))
@@ -233,8 +233,8 @@ def _system_prompt(tokenizer: Any, tokens: int) -> str:
 
 # --- (b) over-subscription ------------------------------------------------------------------------------
 async def _oversubscribed(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: str) -> Oversubscribed:
-    from mlxq.engine.mlx_memory import measure_layout
-    from mlxq.engine.request import EngineRequest, SamplingParams
+    from mlxq.engine.core.request import EngineRequest, SamplingParams
+    from mlxq.engine.mlx.memory import measure_layout
 
     rng = random.Random(0)
     capacity = cfg.capacity
@@ -319,7 +319,7 @@ def _rss_bytes() -> int:
 async def _priority_ttft(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: str) -> PriorityTtft:
     """Idle TTFT (one prefill); then, with every slot but one decoding, a normal job joining the free slot;
     then, every slot decoding, a priority job (which preempts one)."""
-    from mlxq.engine.request import EngineRequest, SamplingParams
+    from mlxq.engine.core.request import EngineRequest, SamplingParams
 
     capacity = cfg.capacity
     engine = await _engine(raw, driver, capacity, prefix_cache_bytes=0)
@@ -380,8 +380,8 @@ async def _structured(raw: RawPath, cfg: BenchConfig, driver: _Driver, size: str
     """Alternating runs of a full batch, half constrained or all free; then alternating N = 1 TTFT probes."""
     import json
 
-    from mlxq.engine.constrain import FormatKind, Grammars, ResponseFormat, vocab_size
-    from mlxq.engine.request import EngineRequest, SamplingParams
+    from mlxq.engine.core.request import EngineRequest, SamplingParams
+    from mlxq.engine.mlx.constrain import FormatKind, Grammars, ResponseFormat, vocab_size
 
     loaded = raw.loaded
     grammars = Grammars(loaded.tokenizer._tokenizer, vocab_size(loaded.model, loaded.tokenizer),

@@ -3,7 +3,7 @@
 the control plane's benchmark (``scale.py``).
 
 A simulated model is a directory whose config.json has ``"model_type": "mlxq-sim"`` and ``tokens_per_s``
-(:func:`make_model`). Its engine is the real :class:`~mlxq.engine.engine.Engine` and scheduler over a batch
+(:func:`make_model`). Its engine is the real :class:`~mlxq.engine.core.engine.Engine` and scheduler over a batch
 that makes one token per row every ``1 / tokens_per_s`` seconds (every row steps on the same tick, as a real
 batch does) and computes nothing; each token's text is the wall-clock time it came out of the batch (``"%.6f "``),
 so a subscriber reading the text knows how long delivery took (the processes share the machine's clock).
@@ -20,12 +20,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from mlxq.engine.backend import BatchToken
-from mlxq.engine.engine import Engine, Sink
-from mlxq.engine.loader import EngineOptions, LoadedModel
-from mlxq.engine.mlx_thread import MLXThread
-from mlxq.engine.prompt import PromptEncoder
-from mlxq.engine.scheduler import Scheduler
+from mlxq.engine.core.backend import BatchToken
+from mlxq.engine.core.engine import Engine, Sink
+from mlxq.engine.core.prompt import PromptEncoder
+from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.mlx.loader import EngineOptions, LoadedModel
+from mlxq.engine.mlx.thread import MLXThread
 
 __all__ = ["SIM_TYPE", "SimBatch", "Stamps", "make_model", "start_sim_engine"]
 

@@ -130,9 +130,9 @@ class Bench:
     def batch(self, kind: str | None, n: int, model: Any = None) -> Any:
         """The engine's batch over the target (or ``model``), with the draft (``"draft"``), prompt lookup
         (``"ngram"``) or no proposer."""
-        from mlxq.engine.mlx_batch import MLXBatch
-        from mlxq.engine.mlx_proposers import DraftModel, PromptLookup
-        from mlxq.engine.stats import EngineStats
+        from mlxq.engine.core.stats import EngineStats
+        from mlxq.engine.mlx.batch import MLXBatch
+        from mlxq.engine.mlx.speculation.proposers import DraftModel, PromptLookup
 
         proposer = DraftModel(self.draft[0], 512) if kind == "draft" else PromptLookup() if kind == "ngram" else None
         return MLXBatch(self.target[0] if model is None else model, self.target[1].eos_token_ids,

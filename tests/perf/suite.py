@@ -194,7 +194,7 @@ def _probe(raw: list[float], queue: list[float]) -> TtftProbe:
 # --- BLAS and the kernel thread ---------------------------------------------------------------------
 async def _measure_policy(raw: RawPath, cfg: BenchConfig, size: str) -> KernelPolicy | None:
     """Raw runs at N=1 and the largest N with the MLX stream's kernel thread under the default policy and
-    under SCHED_BATCH, in turn (engine/mlx_thread.py says why mlxq sets it)."""
+    under SCHED_BATCH, in turn (engine/mlx/thread.py says why mlxq sets it)."""
     if raw.thread.kernel_thread is None:
         return None
     ns = sorted({1, cfg.capacity})

@@ -41,8 +41,8 @@ from .runs import BenchConfig, Site, Target, fmt_runs
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from mlxq.engine.loader import LoadedModel
-    from mlxq.engine.mlx_thread import MLXThread
+    from mlxq.engine.mlx.loader import LoadedModel
+    from mlxq.engine.mlx.thread import MLXThread
     from mlxq.worker.service import ModelService
     from mlxq.worker.tools.tinyvlm import VLMSpec
 
@@ -161,8 +161,8 @@ class _RawVision:
     """The model loaded once on this process's own MLX thread, as the worker loads it."""
 
     def __init__(self, name: str, model: str, capacity: int) -> None:
-        from mlxq.engine.loader import load_model
-        from mlxq.engine.mlx_thread import MLXThread
+        from mlxq.engine.mlx.loader import load_model
+        from mlxq.engine.mlx.thread import MLXThread
 
         self.name = name
         self.path = model
@@ -213,8 +213,8 @@ def _load_lm(path: str) -> LoadedModel:
     """The checkpoint's text model as mlx-lm loads it (its own qwen2_vl module), on the MLX thread."""
     import mlx_lm
 
-    from mlxq.engine.loader import LoadedModel
-    from mlxq.engine.prompt import PromptEncoder
+    from mlxq.engine.core.prompt import PromptEncoder
+    from mlxq.engine.mlx.loader import LoadedModel
 
     model, tokenizer = mlx_lm.load(path)[:2]
     return LoadedModel(path, model, tokenizer, None, frozenset(tokenizer.eos_token_ids), PromptEncoder(tokenizer))
@@ -227,7 +227,7 @@ def _generator(loaded: LoadedModel, capacity: int, stream: mx.Stream) -> Any:
 
     assert loaded.vision is not None
     prefill = min(WorkerConfig().prefill_batch_size, capacity)
-    # The worker's batch shape (engine/vlm.py): admission up to capacity, no log-probabilities.
+    # The worker's batch shape (engine/mlx/vlm.py): admission up to capacity, no log-probabilities.
     return BatchGenerator(loaded.model.language_model, loaded.vision.processor, stop_tokens=set(loaded.eos_token_ids),
                           completion_batch_size=capacity + prefill, prefill_batch_size=prefill,
                           prefill_step_size=WorkerConfig().prefill_step_size, compute_logprobs=False, stream=stream)
@@ -338,7 +338,7 @@ def _drain(gens: list[Any], uids: list[int], t0: float) -> Run:
 
 async def _text_rows(raw: _RawVision, cfg: BenchConfig, n: int) -> TextRows:
     """Text prompts at N on mlx-vlm's batch and on mlx-lm's, run by run in turn."""
-    from mlxq.engine.prompt import encode_prompt
+    from mlxq.engine.core.prompt import encode_prompt
 
     prompts = [encode_prompt(raw.loaded.tokenizer, None, [{"role": "user", "content": TEXT.format(i=i)}])
                for i in range(n)]
@@ -360,7 +360,7 @@ async def _text_rows(raw: _RawVision, cfg: BenchConfig, n: int) -> TextRows:
 
 async def _mixed_rows(raw: _RawVision, cfg: BenchConfig, n: int) -> MixedRows:
     """N/2 image jobs and N/2 text prompts at once: one mlx-vlm batch against text rows on mlx-lm."""
-    from mlxq.engine.prompt import encode_prompt
+    from mlxq.engine.core.prompt import encode_prompt
 
     jobs = _jobs(max(1, n // 2))
     prompts = [encode_prompt(raw.loaded.tokenizer, None, [{"role": "user", "content": TEXT.format(i=i)}])

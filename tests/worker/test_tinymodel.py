@@ -217,8 +217,8 @@ def test_concurrent_processes(tmp_path: Path) -> None:
 
 
 def test_prompt_encoder_calls_rust_directly_and_matches_transformers(tiny_model: Path) -> None:
-    from mlxq.engine.loader import load_model
-    from mlxq.engine.prompt import PromptEncoder, encode_prompt
+    from mlxq.engine.core.prompt import PromptEncoder, encode_prompt
+    from mlxq.engine.mlx.loader import load_model
 
     tokenizer = load_model(str(tiny_model)).tokenizer
     encoder = PromptEncoder(tokenizer)
@@ -234,8 +234,8 @@ def test_prompt_encoder_falls_back_when_the_rust_call_would_differ(
 ) -> None:
     from tokenizers import models
 
-    from mlxq.engine import prompt
-    from mlxq.engine.loader import load_model
+    from mlxq.engine.core import prompt
+    from mlxq.engine.mlx.loader import load_model
 
     tokenizer = load_model(str(tiny_model)).tokenizer
     rust = tokenizer._tokenizer._tokenizer

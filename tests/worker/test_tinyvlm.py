@@ -71,7 +71,7 @@ def test_greedy_generation_with_images_is_varied_and_runs_to_max_tokens(loaded: 
 
 
 def test_the_bench_s_small_qwen2_vl_loads_and_generates_with_an_image(tmp_path: Path) -> None:
-    from mlxq.engine.loader import load_model
+    from mlxq.engine.mlx.loader import load_model
     from mlxq.worker.tools.tinyvlm import SMALL_VLM
 
     path = ensure_vlm(tmp_path, SMALL_VLM)

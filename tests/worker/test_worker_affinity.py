@@ -17,7 +17,7 @@ from mlxq.api.client import Client
 from mlxq.api.schema import StartEvent, TokenEvent, WorkerStatus
 from mlxq.api.status import collect as collect_report
 from mlxq.api.status import render
-from mlxq.engine.prompt import encode_prompt_with_boundary
+from mlxq.engine.core.prompt import encode_prompt_with_boundary
 from mlxq.worker.tools.process import WorkerProcess
 from tests.support import RunningWorker, collect, config_with, free_port, reference, slow_steps, start_worker, terminal
 from tests.worker.test_worker_metrics import scrape, value

@@ -27,7 +27,7 @@ from mlx_lm.generate import generate_step
 from mlxq.api.client import Client
 from mlxq.api.keys import Keys
 from mlxq.api.schema import DoneEvent, ErrorEvent, Event, FinishReason
-from mlxq.engine.prompt import encode_prompt
+from mlxq.engine.core.prompt import encode_prompt
 from mlxq.worker.tools.process import WorkerProcess
 from mlxq.worker.tools.redis_server import RedisServer
 from tests.support import RunningWorker, config_with, start_worker

@@ -252,7 +252,7 @@ class Validator:
 
 @pytest.fixture(scope="module")
 def validator(tiny_model: Path) -> Validator:
-    from mlxq.engine.loader import load_model
+    from mlxq.engine.mlx.loader import load_model
 
     config = WorkerConfig(model=str(tiny_model), model_name=MODEL, redis_url="redis://127.0.0.1:1")
     service = ModelService(config.served[0], config)

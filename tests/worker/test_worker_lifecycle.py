@@ -14,8 +14,8 @@ import redis.asyncio as aredis
 from mlxq.api.jobrecord import JOB_FUNCTION, job_record, read_job
 from mlxq.api.keys import Keys, queue_score
 from mlxq.api.schema import DoneEvent, ErrorCode, Event, FinishReason, StartEvent, TokenEvent, decode_event
-from mlxq.engine.request import FinishReason as EngineFinish
-from mlxq.engine.request import RequestOutput
+from mlxq.engine.core.request import FinishReason as EngineFinish
+from mlxq.engine.core.request import RequestOutput
 from mlxq.worker.jobs.run import Run, State, Wire
 from mlxq.worker.jobs.table import RunTable
 from mlxq.worker.jobs.transitions import EntryStatus, LogTTL, Outranking, Record, Transitions, Write

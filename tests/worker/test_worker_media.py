@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from mlxq.api.schema import GenerateRequest, image_data_url
-from mlxq.engine.request import ImageInputs
+from mlxq.engine.core.request import ImageInputs
 from mlxq.worker import media
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.media import ImageError, ImageLimits, decode_image

@@ -16,7 +16,7 @@ import pytest
 from mlxq.api.client import Client
 from mlxq.api.errors import JobFailed, NoWorker
 from mlxq.api.schema import ErrorCode, ModelState
-from mlxq.engine.prompt import encode_prompt
+from mlxq.engine.core.prompt import encode_prompt
 from mlxq.worker.config import ServedModel, WorkerConfig, parse_models
 from tests.support import RunningWorker, config_with, reference, start_worker
 
@@ -241,7 +241,7 @@ async def test_the_process_exits_70_for_its_supervisor_once_every_engine_is_dead
 async def test_the_workers_mlx_memory_and_cache_limits_reach_the_process_owner(
         worker_config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import mlxq.worker.host
-    from mlxq.engine.mlx_process import MLXLimits
+    from mlxq.engine.mlx.process import MLXLimits
     from mlxq.worker.config import WorkerConfig
 
     env = WorkerConfig.from_env({"MLXQ_MODEL": "x", "MLXQ_MLX_MEMORY_GB": "2", "MLXQ_MLX_CACHE_GB": "0.25"})

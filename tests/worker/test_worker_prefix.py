@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from mlxq.api.client import Client
-from mlxq.engine.prompt import encode_prompt_with_boundary
+from mlxq.engine.core.prompt import encode_prompt_with_boundary
 from tests.support import RunningWorker, reference
 
 pytestmark = pytest.mark.e2e

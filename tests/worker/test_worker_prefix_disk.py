@@ -13,7 +13,7 @@ import pytest
 
 from mlxq.api.client import Client
 from mlxq.api.status import collect, render
-from mlxq.engine.prompt import encode_prompt_with_boundary
+from mlxq.engine.core.prompt import encode_prompt_with_boundary
 from mlxq.worker.tools.process import WorkerProcess
 from tests.support import config_with, free_port, reference, start_worker, wait_for
 from tests.worker.test_worker_metrics import scrape, value
@@ -118,7 +118,7 @@ async def test_a_worker_process_restarted_between_two_turns_starts_the_second_fr
 
 def test_the_health_record_reads_each_of_its_counters_from_the_engines() -> None:
     from mlxq.api.schema import ModelStatus
-    from mlxq.engine.stats import EngineStats
+    from mlxq.engine.core.stats import EngineStats
     from mlxq.worker.service import _RECORD_STATS
 
     disk = {f for f in EngineStats.__dataclass_fields__ if f.startswith("prefix_disk_")}

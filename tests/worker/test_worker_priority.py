@@ -147,7 +147,7 @@ async def test_a_preempted_job_streams_through_redis_with_no_gap_duplicate_or_re
         worker_config: Any, client: Client, tiny_model: Any) -> None:
     from mlx_lm import load
 
-    from mlxq.engine.mlx_memory import measure_layout
+    from mlxq.engine.mlx.memory import measure_layout
     from tests.support import slow_steps
 
     # A worker claims only what its batch can start, so the urgent job must look as if it fits when claimed

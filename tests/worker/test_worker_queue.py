@@ -16,7 +16,7 @@ from mlxq.api.errors import BadRequest, JobFailed
 from mlxq.api.history import RECENT_KEPT
 from mlxq.api.keys import Keys
 from mlxq.api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, GenerateRequest, decode_event
-from mlxq.engine.prompt import encode_prompt
+from mlxq.engine.core.prompt import encode_prompt
 from tests.support import (
     RunningWorker,
     collect,

@@ -16,7 +16,7 @@ import pytest
 from mlxq.api.client import Client
 from mlxq.api.schema import DoneEvent
 from mlxq.api.status import _speculation
-from mlxq.engine.prompt import encode_prompt
+from mlxq.engine.core.prompt import encode_prompt
 from tests.support import collect, config_with, reference, reference_text, start_worker, terminal, text_of
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from mlxq.api.client import Client
-from mlxq.engine import scheduler
+from mlxq.engine.core import scheduler
 from tests.support import RunningWorker, config_with, slow_steps, start_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]

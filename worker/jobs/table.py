@@ -25,7 +25,7 @@ from .run import Run, State, Wire
 from .transitions import Lapsed, Lost, Record, Transitions, Write
 
 if TYPE_CHECKING:
-    from mlxq.engine.request import RequestOutput
+    from mlxq.engine.core.request import RequestOutput
 
     from ..toolcalls import ToolCalls
 

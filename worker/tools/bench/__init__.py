@@ -99,7 +99,7 @@ def measure(cfg: BenchConfig, out: Path) -> BenchResult:
 
 
 def _load(model: str, capacity: int) -> RawPath:
-    from mlxq.engine.loader import ModelLoadError
+    from mlxq.engine.mlx.loader import ModelLoadError
 
     try:
         return RawPath(model, capacity)

@@ -24,7 +24,7 @@ from .runs import SETTLE_S, TIMEOUT_S, Run
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from mlxq.engine.loader import LoadedModel
+    from mlxq.engine.mlx.loader import LoadedModel
 
 __all__ = ["RawPath", "Trace", "frozen", "raw_run", "run_gateway", "run_queue", "stream"]
 
@@ -33,8 +33,8 @@ class RawPath:
     """The raw path: mlx-lm's ``BatchGenerator`` on this process's own MLX thread, the model loaded once."""
 
     def __init__(self, model: str, capacity: int) -> None:
-        from mlxq.engine.loader import load_model
-        from mlxq.engine.mlx_thread import MLXThread
+        from mlxq.engine.mlx.loader import load_model
+        from mlxq.engine.mlx.thread import MLXThread
 
         self.thread = MLXThread(name="mlx-bench")
         self.loaded: LoadedModel = self.thread.submit(load_model, model).result()
@@ -48,7 +48,7 @@ class RawPath:
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
         """Token ids of each prompt, as the worker encodes a raw prompt."""
-        from mlxq.engine.prompt import encode_prompt
+        from mlxq.engine.core.prompt import encode_prompt
 
         return [encode_prompt(self.loaded.tokenizer, p, None) for p in prompts]
 
