@@ -140,7 +140,8 @@ def test_the_wheel_lists_every_package() -> None:
 
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     folders = {path: name for name, path in setuptools["package-dir"].items()}  # mlxq itself is api/_root
-    inits = [f.parent.relative_to(ROOT) for top in ("api", "engine", "worker") for f in (ROOT / top).rglob("__init__.py")]
+    inits = [f.parent.relative_to(ROOT) for top in ("api", "engine", "worker")
+             for f in (ROOT / top).rglob("__init__.py")]
     found = {folders.get(d.as_posix()) or ".".join(("mlxq", *d.parts)) for d in inits}
     assert sorted(setuptools["packages"]) == sorted(found)
 
