@@ -2,14 +2,14 @@
 
 The host claims jobs from every served model's queue in one call (up to what each engine has room for) and
 runs each job as a thin coroutine (:meth:`WorkerHost._run`): decide its fate (an earlier run's end, a waiting
-cancel, no tries left, a dead engine), have its model's service prepare it (``ModelService.prepare``: one call),
-hand the request to the engine, await its end. A run never touches MLX, so cancelling it (arq's timeout,
-shutdown) only posts an abort that the engine applies between steps on its own thread. How a job moves
-(claimed, ended, handed back, reaped, fenced, expired) is worker/jobs/, and its run table makes every move: this
-module says when.
+cancel, no tries left, a dead engine), prepare it for its model (worker/jobs/prepare.py: one call, given what it
+needs of the model), hand the request to the engine, await its end. A run never touches MLX, so cancelling it
+(arq's timeout, shutdown) only posts an abort that the engine applies between steps on its own thread. How a job
+moves (claimed, ended, handed back, reaped, fenced, expired) is worker/jobs/, and its run table makes every move:
+this module says when.
 
-Shared by every model: the Redis connections, the transitions, the run table and its publisher (one EMIT per
-batch of outputs, whichever engines made them), the lease keeper, the reaper, the cancel watcher, the wake-up
+Shared by every model: the Redis connections, the transitions, the run table (one EMIT per batch of outputs,
+whichever engines made them), the tenants' weights, the lease keeper, the reaper, the cancel watcher, the wake-up
 listener and the health record. A model whose engine dies stops taking jobs and shows as dead in the health
 record; the process exits for its supervisor only when every engine is dead.
 """
@@ -39,14 +39,15 @@ from .arqseam import Claims, Outcome
 from .cancels import CancelWatcher
 from .config import WorkerConfig
 from .health import HealthReporter, TokenRate, package_version
+from .jobs.prepare import BadRequest, Prepared, prepare
 from .jobs.run import Run, State
 from .jobs.table import RunTable
 from .jobs.transitions import BelowShare, Due, DueEntry, EntryStatus, LogTTL, Outranking, Transitions
+from .jobs.translate import output_events
 from .leases import LeaseKeeper
 from .metrics import Metrics
 from .reaper import Reaper
-from .service import BadRequest, ModelService, Prepared
-from .translate import output_events
+from .service import ModelService
 
 __all__ = ["ENGINE_DEAD_EXIT", "WorkerHost"]
 
@@ -81,8 +82,7 @@ class WorkerHost:
         # Which affinity keys this worker's prefix caches hold, advertised for CLAIM (worker/affinity.py).
         self.affinity = Advertiser(redis, self.keys, config.worker_id, affinity_ttl_s(config.heartbeat_s))
         # The runs in an engine, by job id: every change to one, and every event write, is the table's.
-        self.runs = RunTable(self.transitions, output_events, self._abort, give_up_s=config.lease_ttl_s)
-        self.publisher = self.runs.publisher
+        self.runs = RunTable(self.transitions, output_events, self.services, give_up_s=config.lease_ttl_s)
         self.leases = LeaseKeeper(self.transitions, self.runs, config.lease_ttl_s, self.runs.lose)
         self.reaper = Reaper(self.runs, config.max_tries, config.reap_interval_s)
         self.health = HealthReporter(redis, self.keys, config.worker_id, self.status, config.heartbeat_s,
@@ -94,6 +94,7 @@ class WorkerHost:
         self.queue_depths: dict[str, int] = {}  # jobs waiting in each served queue, read every heartbeat
         self.tenant_depths: dict[tuple[str, str], int] = {}  # (model, tenant) -> jobs waiting, all workers'
         self.tenants_running: dict[str, int] = {}  # tenant -> jobs running fleet-wide
+        self.weights: dict[str, float] = {}  # tenant -> weight (its jobs' in the engines), read every heartbeat
         self.dead_lettered = 0
         self._marking = False  # a _mark_full() is due at the end of this event-loop pass
         self.draining = False
@@ -112,7 +113,7 @@ class WorkerHost:
         loop = asyncio.get_running_loop()
 
         def sink(outs: list[RequestOutput]) -> None:  # runs on an MLX thread
-            loop.call_soon_threadsafe(host.publisher.feed, outs)
+            loop.call_soon_threadsafe(host.runs.feed, outs)
 
         # MLX's process-global limits, set once before any engine exists (engine/mlx_process.py)
         mlx_process(MLXLimits(*host.config.mlx_limits))
@@ -129,7 +130,7 @@ class WorkerHost:
         watcher = CancelWatcher(redis=host.redis, keys=host.keys, held=host.runs.keys, on_cancel=host.runs.cancel,
                                 poll_s=config.cancel_poll_s)
         wake_channels = [host.keys.wake_channel(name) for name in host.services]
-        loops = (host.publisher.run(), watcher.run(), host.leases.run(), host.reaper.run(),
+        loops = (host.runs.publish(), watcher.run(), host.leases.run(), host.reaper.run(),
                  waker.listen(host.redis, wake_channels), host.health.run())
         host._tasks = [asyncio.create_task(c) for c in loops]
         # A full collection walks every object the collector tracks: with the models and their libraries
@@ -148,7 +149,7 @@ class WorkerHost:
         await self.health.remove()
         await self.affinity.remove()
         for run in list(self.runs.values()):
-            self._abort(run)
+            self.services[run.model].abort(run.rid)
         await asyncio.gather(*(s.aclose() for s in self.services.values()))
         for task in self._tasks:
             task.cancel()
@@ -238,9 +239,9 @@ class WorkerHost:
                 pipe.hget(self.keys.tenant(tenant), "weight")
             replies = await pipe.execute()
         depths, weights = replies[:len(pairs)], replies[len(pairs):]
-        tenant_weights = {t: _weight(w) for t, w in zip(named, weights)}
-        for service in self.services.values():
-            service.weights = tenant_weights
+        # In place: a job being prepared takes its tenant's weight as of when its request is built.
+        self.weights.clear()
+        self.weights.update({t: _weight(w) for t, w in zip(named, weights)})
         self.tenant_depths = {pair: int(n) for pair, n in zip(pairs, depths)}
         self.queue_depths = {name: sum(n for (m, _), n in self.tenant_depths.items() if m == name)
                              for name in self.services}
@@ -352,7 +353,7 @@ class WorkerHost:
             msg = f"model {service.name}'s engine on this worker is dead: {service.error}"
             return await self.runs.fail(run, ErrorCode.ENGINE_ERROR, msg)
         try:
-            prepared = await service.prepare(envelope, run.rid)
+            prepared = await prepare(envelope, run.rid, service.view, self.weights)
         except BadRequest as exc:
             log.info("job %s rejected: %s", run.rid, exc)
             return await self.runs.reject(run, str(exc))
@@ -382,10 +383,6 @@ class WorkerHost:
         request = prepared.request
         return bool(affinity) and least is not None and request.images is None and \
             len(request.prompt_tokens) >= least
-
-    def _abort(self, run: Run) -> None:
-        """Drop a run's sequence from its engine (between steps; an id the engine lacks is ignored)."""
-        self.services[run.model].abort(run.rid)
 
     def _on_model_dead(self, service: ModelService) -> None:
         asyncio.get_running_loop().create_task(self.health.beat())  # say so now: producers stop counting on it

@@ -1,6 +1,6 @@
 """Engine-side records: a request as the scheduler sees it, and what one step reports about it.
 
-These know nothing of the wire schema or Redis; ``worker/translate.py`` maps between the two.
+These know nothing of the wire schema or Redis; ``worker/jobs/translate.py`` maps between the two.
 """
 
 from __future__ import annotations

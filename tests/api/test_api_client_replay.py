@@ -1,6 +1,6 @@
 """``mlxq.api.client.Client`` delivery: pub/sub merged with the replay log, exactly once and in seq order.
 
-Redis is fakeredis; a fake worker writes events the way ``worker/publisher.py`` does
+Redis is fakeredis; a fake worker writes events the way ``worker/jobs/table.py`` does
 (``PUBLISH <events channel> json`` and ``XADD <log key> {"e": json}`` with id ``<seq>-1``).
 """
 
@@ -72,7 +72,7 @@ def simple_job() -> list[Event]:
 
 
 class FakeWorker:
-    """Writes events like the publisher: publish live, append to the log (entry id ``<seq>-1``)."""
+    """Writes events like the run table: publish live, append to the log (entry id ``<seq>-1``)."""
 
     def __init__(self, redis: Any, fake_client: Client) -> None:
         self.redis = redis

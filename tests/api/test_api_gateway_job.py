@@ -1,6 +1,6 @@
 """``api.gateway.job.JobStream``: what an HTTP client receives across resets, driven event by event.
 
-Redis is fakeredis; a fake worker writes a job's events the way ``worker/publisher.py`` does (pub/sub and the
+Redis is fakeredis; a fake worker writes a job's events the way ``worker/jobs/table.py`` does (pub/sub and the
 replay log) when it is submitted, and a health record says it serves the model. The real-worker version is
 test_api_gateway_reset.
 """

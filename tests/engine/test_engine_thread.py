@@ -105,7 +105,7 @@ class Detok:
 
 
 class Outputs:
-    """Collects engine outputs on the event loop, as the worker's publisher does."""
+    """Collects engine outputs on the event loop, as the worker's run table does."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop

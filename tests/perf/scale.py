@@ -1,6 +1,6 @@
 """The control plane's ceiling: how many concurrent token streams one Redis carries, and one producer's enqueue rate.
 
-Simulated workers (``simworker.py``: the real worker process, its claims, leases, pacer, publisher and Redis
+Simulated workers (``simworker.py``: the real worker process, its claims, leases, pacer, run table and Redis
 traffic, over engines that make ``--rate`` tokens a second per row and run no model) serve ``--rows`` rows per
 engine, each engine a model of its own (``sim-0``, ``sim-1``, ...), spread over ``--workers`` processes: a fleet of
 full batches. Subscriber processes (``--subscribers``) submit and follow the streams, most through the client's

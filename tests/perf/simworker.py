@@ -1,5 +1,5 @@
 """A worker whose engines run no model: ``python -m arq tests.perf.simworker.Settings`` is the real worker process
-(claims, lifecycle, leases, the pacer, the publisher and all their Redis traffic) whose models are simulated, for
+(claims, lifecycle, leases, the pacer, the run table and all their Redis traffic) whose models are simulated, for
 the control plane's benchmark (``scale.py``).
 
 A simulated model is a directory whose config.json has ``"model_type": "mlxq-sim"`` and ``tokens_per_s``

@@ -384,8 +384,9 @@ async def _mixed_rows(raw: _RawVision, cfg: BenchConfig, n: int) -> MixedRows:
 # --- engine: the worker's model service in this process, without Redis ------------------------------------
 class _EngineVision:
     """The worker's own ``ModelService`` (worker/service.py) in this process: its engine on an MLX thread of its
-    own, its image thread, and each job validated, prepared and added as the worker's run does; outputs timed
-    where they leave the engine. The queue path minus the transport (client, Redis, the worker's event loop)."""
+    own, its image thread, and each job prepared (worker/jobs/prepare.py) and added as the worker's run does;
+    outputs timed where they leave the engine. The queue path minus the transport (client, Redis, the worker's
+    event loop)."""
 
     def __init__(self, service: ModelService, clock: EngineClock) -> None:
         self.service = service
@@ -403,6 +404,7 @@ class _EngineVision:
 
     async def run(self, jobs: list[tuple[str, str]], max_tokens: int) -> Run:
         from mlxq.api.jobrecord import Envelope
+        from mlxq.worker.jobs.prepare import prepare
 
         service = self.service
         assert service.engine is not None
@@ -412,7 +414,7 @@ class _EngineVision:
 
         async def one(rid: str, text: str, url: str) -> None:  # a job's payload as the worker reads it
             payload = {"id": rid, "model": service.name, "messages": _messages(text, url), "max_tokens": max_tokens}
-            prepared = await service.prepare(Envelope(payload, 0), rid)  # enqueued now
+            prepared = await prepare(Envelope(payload, 0), rid, service.view, {})  # enqueued now
             service.add(prepared.request)
 
         await asyncio.gather(*(one(rid, text, url) for rid, (text, url) in zip(rids, jobs)))

@@ -42,8 +42,11 @@ from mlxq.api.schema import (
     GenerateRequest,
 )
 from mlxq.worker.config import WorkerConfig
-from mlxq.worker.service import BadRequest, ModelService
-from mlxq.worker.translate import to_engine_request
+from mlxq.worker.jobs import prompt as prompt_stage
+from mlxq.worker.jobs.model import ModelView
+from mlxq.worker.jobs.prepare import BadRequest, validate
+from mlxq.worker.jobs.prompt import Prompt, PromptError, encode
+from mlxq.worker.jobs.translate import to_engine_request
 from tests.support import RunningWorker, collect, enqueue_raw, start_worker, terminal, text_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -198,22 +201,23 @@ def wire(payload: Any) -> Any:
 
 @dataclass
 class Validator:
-    """The real ModelService validation (``validate`` + ``encode``) around the real tiny model."""
+    """The worker's real validation of a job (worker/jobs/prepare.py's ``validate``, worker/jobs/prompt.py's
+    ``encode``) around the real tiny model."""
 
-    service: ModelService
+    model: ModelView
     vocab: int
 
     @property
     def config(self) -> WorkerConfig:
-        return self.service.config
+        return self.model.config
 
     def check(self, payload: Any, job_id: str) -> tuple[GenerateRequest, list[int]] | str:
         """The accepted request and its tokens, or the BadRequest message; asserts the contract."""
         try:
-            req = self.service.validate(payload, job_id)
-            encoded = self.service.encode(req, inline=True)
+            req = validate(payload, job_id, self.model)
+            encoded = encode(req, self.model, inline=True)
             tokens = encoded.tokens
-        except BadRequest as exc:
+        except (BadRequest, PromptError) as exc:
             message = str(exc)
             assert message.strip(), "BadRequest without a message"
             # The message must be publishable as an event (JSON, valid UTF-8).
@@ -223,14 +227,14 @@ class Validator:
         assert 0 <= encoded.cache_boundary < len(tokens)  # a system-prompt prefix, never the whole prompt
         assert encoded.cache_boundary == 0 or (req.messages is not None and req.messages[0].role == "system")
         try:  # the direct Rust call (inline) and transformers (long prompts, off the loop) agree
-            assert self.service.encode(req, inline=False) == encoded
-        except BadRequest as exc:
+            assert encode(req, self.model, inline=False) == encoded
+        except PromptError as exc:
             raise AssertionError(f"only the inline tokenizer accepted the prompt: {exc}") from exc
         return req, tokens
 
     def assert_within_limits(self, req: GenerateRequest, tokens: list[int], job_id: str) -> None:
         cfg = self.config
-        ctx = self.service.model.context_length if self.service.model is not None else None
+        ctx = self.model.context_length
         assert isinstance(req, GenerateRequest)
         assert req.id == job_id
         assert req.model in (cfg.model, cfg.model_name)
@@ -247,7 +251,7 @@ class Validator:
         assert math.isfinite(req.temperature) and math.isfinite(req.top_p) and math.isfinite(req.min_p)
         # What the worker accepted re-encodes (no lone surrogates) and converts to an engine request.
         assert GenerateRequest.model_validate_json(req.model_dump_json()) == req
-        to_engine_request(req, tokens, None)
+        to_engine_request(req, Prompt(tokens, req.max_tokens), None)
 
 
 @pytest.fixture(scope="module")
@@ -255,10 +259,9 @@ def validator(tiny_model: Path) -> Validator:
     from mlxq.engine.mlx.loader import load_model
 
     config = WorkerConfig(model=str(tiny_model), model_name=MODEL, redis_url="redis://127.0.0.1:1")
-    service = ModelService(config.served[0], config)
-    service.model = load_model(str(tiny_model))
-    vocab = max(service.model.tokenizer.get_vocab().values()) + 1
-    return Validator(service, vocab)
+    model = ModelView.of(config.served[0], config, load_model(str(tiny_model)))
+    vocab = max(model.tokenizer.get_vocab().values()) + 1
+    return Validator(model, vocab)
 
 
 @settings(FUZZ, max_examples=1000)
@@ -605,20 +608,19 @@ def test_bad_request_message_is_bounded(validator: Validator, payload: dict[str,
 
 
 async def test_oversized_prompt_is_refused_without_stalling_the_worker(worker: RunningWorker, client: Client,
-                                                                       redis_url: str) -> None:
+                                                                       redis_url: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A schema-valid chat of 2 x 1M chars (the schema allows up to 1,000 x 1M) was tokenized in full, on the
     worker's event loop, before the prompt-token limit (512 here) refused it: every job's event delivery and
     lease refresh froze meanwhile. Now its character count refuses it before anything tokenizes it, and an
     ordinary job queued beside it is served."""
-    service = worker.service
     encoded: list[str] = []
-    encode = service.encode
 
-    def recording(req: GenerateRequest, inline: bool) -> Any:
+    def recording(req: GenerateRequest, model: ModelView, inline: bool) -> Any:
         encoded.append(req.id)
-        return encode(req, inline)
+        return encode(req, model, inline)
 
-    service.encode = recording
+    monkeypatch.setattr(prompt_stage, "encode", recording)
     rid = uuid.uuid4().hex
     payload = {"id": rid, "model": MODEL, "messages": [{"role": "user", "content": "a" * MAX_PROMPT_CHARS}] * 2}
     await enqueue_raw(redis_url, payload, rid, MODEL)

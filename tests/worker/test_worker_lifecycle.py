@@ -413,7 +413,7 @@ def test_a_run_numbers_its_events_and_builds_each_kind() -> None:
 
 
 def test_a_runs_time_queued_ends_when_the_step_that_admitted_it_ended_not_when_its_start_was_sent() -> None:
-    from mlxq.worker.translate import output_events
+    from mlxq.worker.jobs.translate import output_events
 
     async def build() -> list[Any]:
         job = run("r-2")  # enqueued at 1_700_000_000.250
@@ -459,15 +459,26 @@ async def test_a_queued_job_expires_once_and_one_started_meanwhile_does_not(redi
 
 # --- the run table: one terminal event per job, nothing from a fenced run ------------------------------------
 def outputs(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
-    """Engine outputs as events, as worker/translate.py makes them (text and ends only: enough here)."""
+    """Engine outputs as events, as worker/jobs/translate.py makes them (text and ends only: enough here)."""
     events: list[Wire] = [run.tokens(out.text, out.token_ids, out.completion_tokens)] if out.token_ids else []
     if out.finish is not None:
         events.append(run.done(FinishReason(out.finish.value), generated=out.completion_tokens))
     return events
 
 
+class _Service:
+    """A model's service as the run table drops sequences through it: it records each job dropped."""
+
+    def __init__(self, stopped: list[str]) -> None:
+        self.stopped = stopped
+
+    def abort(self, rid: str) -> None:
+        self.stopped.append(rid)
+
+
 def table(r: aredis.Redis, stopped: list[str]) -> RunTable:
-    return RunTable(transitions(r), outputs, lambda run: stopped.append(run.rid), give_up_s=1.0)
+    services: Any = {"m": _Service(stopped)}  # every run() here is of model "m"
+    return RunTable(transitions(r), outputs, services, give_up_s=1.0)
 
 
 async def running_job(r: aredis.Redis, rid: str, holder: str = "w1:1") -> Run:
@@ -532,22 +543,22 @@ async def test_a_fenced_run_writes_nothing_more(redis_url: str) -> None:
 
 
 async def test_a_cancel_ends_its_job_after_the_outputs_queued_before_it(redis_url: str) -> None:
-    # The table's cancel goes through the publisher, in order with the engine's outputs: what was queued before
-    # it is written first, what the step in flight makes after it is dropped, and an end the engine reported
-    # first stands. One EMIT call for the batch.
+    # The table queues a cancel in order with the engine's outputs: what was queued before it is written first,
+    # what the step in flight makes after it is dropped, and an end the engine reported first stands. One EMIT
+    # call for the batch.
     r = aredis.Redis.from_url(redis_url)
     stopped: list[str] = []
     try:
         runs = table(r, stopped)
         jobs = [await running_job(r, rid) for rid in ("a", "b", "c")]
         assert all(runs.admit(job, None, None) for job in jobs)
-        runs.publisher.feed([RequestOutput("a", [1], "x", completion_tokens=1),
-                             RequestOutput("b", [1], "y", completion_tokens=1, finish=EngineFinish.LENGTH)])
+        runs.feed([RequestOutput("a", [1], "x", completion_tokens=1),
+                   RequestOutput("b", [1], "y", completion_tokens=1, finish=EngineFinish.LENGTH)])
         for rid in ("a", "b", "c", "a"):
             runs.cancel(rid)
-        runs.publisher.feed([RequestOutput("a", [2], "late", completion_tokens=2),
-                             RequestOutput("c", [5], "late", completion_tokens=1)])
-        publishing = asyncio.create_task(runs.publisher.run())
+        runs.feed([RequestOutput("a", [2], "late", completion_tokens=2),
+                   RequestOutput("c", [5], "late", completion_tokens=1)])
+        publishing = asyncio.create_task(runs.publish())
         try:
             states = await asyncio.gather(*(asyncio.shield(job.finished) for job in jobs))
         finally:

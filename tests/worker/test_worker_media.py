@@ -1,4 +1,4 @@
-"""worker/media.py: every way an image can be refused names the image and the problem; good images decode
+"""worker/jobs/media.py: every way an image can be refused names the image and the problem; good images decode
 (data URLs, and http(s) URLs from a local server when enabled, within byte and time limits); a job's images
 reach its model's processor in prompt order, on the executor the worker gives."""
 
@@ -19,9 +19,9 @@ from PIL import Image
 
 from mlxq.api.schema import GenerateRequest, image_data_url
 from mlxq.engine.core.request import ImageInputs
-from mlxq.worker import media
 from mlxq.worker.config import WorkerConfig
-from mlxq.worker.media import ImageError, ImageLimits, decode_image
+from mlxq.worker.jobs import media
+from mlxq.worker.jobs.media import ImageError, ImageLimits, decode_image
 from tests.vlm_support import chat, png
 
 pytestmark = pytest.mark.unit
@@ -168,16 +168,15 @@ class _Processor:
 
 async def test_a_jobs_images_reach_the_processor_in_order_on_the_executor_given(server: str) -> None:
     processor = _Processor()
-    model: Any = SimpleNamespace(vision=processor, context_length=None)
     config = WorkerConfig(image_urls=True, image_fetch_timeout_s=1.0, max_image_pixels=100 * 100,
                           image_url_private=True)  # the test server is on loopback
     fetched_then_inline = chat("Compare", f"{server}/ok.png", image_data_url(png(40, 30, 2)), text_after=".")
     with ThreadPoolExecutor(1, thread_name_prefix="mlxq-images-test") as pool:
-        prompt = await media.prepare(GenerateRequest(model="m", messages=fetched_then_inline), model, config, pool)
+        model: Any = SimpleNamespace(vision=processor, context_length=None, config=config, images=pool)
+        prompt = await media.prepare(GenerateRequest(model="m", messages=fetched_then_inline), model)
         with pytest.raises(ImageError) as err:  # a fetch that fails names its image, as a decode does
-            await media.prepare(GenerateRequest(model="m", messages=chat("x", IMG, f"{server}/404")), model, config,
-                                pool)
-    assert prompt.tokens == [1, 2, 3] and prompt.images is not None and prompt.images.count == 2
+            await media.prepare(GenerateRequest(model="m", messages=chat("x", IMG, f"{server}/404")), model)
+    assert prompt is not None and prompt.tokens == [1, 2, 3] and prompt.images is not None and prompt.images.count == 2
     [(thread, sizes, messages)] = processor.calls
     assert thread.startswith("mlxq-images-test") and sizes == [(30, 20), (40, 30)]
     assert messages == [{"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image"},

@@ -371,7 +371,7 @@ async def test_a_run_that_loses_its_lease_stops_and_a_later_run_finishes_the_job
 
 
 async def test_a_run_whose_data_redis_lost_ends_once_with_data_lost(worker_config: Any, redis_url: str) -> None:
-    # FLUSHALL as a restart without persistence does; the lease keeper and the publisher both find the run
+    # FLUSHALL as a restart without persistence does; the lease keeper and the run table both find the run
     # lost, and a third caller too: the job still gets exactly one terminal event.
     running = await start_worker(config_with(worker_config, lease_ttl_s=1.0, reap_interval_s=0.2))
     slow_steps(running, 0.01)
@@ -388,7 +388,7 @@ async def test_a_run_whose_data_redis_lost_ends_once_with_data_lost(worker_confi
         await r.flushall()
         await asyncio.gather(host.runs.lose([run]), host.runs.lose([run]))
         await wait_for(lambda: host.runs.stats.data_lost == 1)
-        await asyncio.sleep(1.0)  # the lease keeper and the publisher have found it lost too
+        await asyncio.sleep(1.0)  # the lease keeper and the run table have found it lost too
         published = []
         while (msg := await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)) is not None:
             published.append(decode_event(msg["data"]))

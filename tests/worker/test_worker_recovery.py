@@ -222,7 +222,7 @@ async def test_a_frozen_worker_that_wakes_after_its_jobs_ended_elsewhere_publish
         paused.signal(signal.SIGCONT)
         fenced = "writes nothing more"
         await wait_until(lambda: paused.log_path.read_text().count(fenced) >= len(followers), 30, "a to wake")
-        late = [m async for m in _messages(pubsub, 1.5)]  # a's publisher and lease keeper both ran meanwhile
+        late = [m async for m in _messages(pubsub, 1.5)]  # a's run table and lease keeper both ran meanwhile
         assert late == [], f"the woken worker published {late}"
         for f in followers:  # no second terminal event, no recreated keys, arq's result untouched
             assert not await r.exists(f"mlxq:{{{f.rid}}}:log", f"mlxq:{{{f.rid}}}:job", f"mlxq:{{{f.rid}}}:lease")

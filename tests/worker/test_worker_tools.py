@@ -137,7 +137,7 @@ async def test_tool_choice_a_model_cannot_constrain_is_refused_with_one_error(wo
 def test_a_call_that_does_not_parse_stays_in_the_text() -> None:
     from mlx_lm.tool_parsers.json_tools import parse_tool_call
 
-    from mlxq.worker.toolcalls import ToolCalls
+    from mlxq.worker.jobs.toolcalls import ToolCalls
 
     calls = ToolCalls("r1", parse_tool_call, [CLOCK], ("<tool_call>", "</tool_call>"))
     got, rest = calls.take(['\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n', "{nope", '{"name": "f"}',

@@ -30,7 +30,7 @@ from mlxq.api.schema import (
 )
 
 if TYPE_CHECKING:
-    from ..toolcalls import ToolCalls
+    from .toolcalls import ToolCalls
 
 __all__ = ["Run", "State", "TokenLine", "Wire"]
 

@@ -4,7 +4,13 @@ Every move of a job a run of this worker holds is a verb of the :class:`RunTable
 (``apply``), a client's cancel (``cancel``), an interrupt (shutdown or arq's timeout), a lost lease, a job
 refused or failed before its engine, and the reaper's reaps and expiries. Each verb builds its events with the
 job's :class:`~.run.Run` and writes them through the transitions (worker/jobs/transitions.py), one EMIT call at
-a time.
+a time. A run's sequence is dropped from its engine through its model's service, which the table is handed.
+
+Engine outputs arrive from the MLX threads (``feed``, via ``loop.call_soon_threadsafe``) and queue up while a
+write is in flight; :meth:`RunTable.publish` hands each batch to ``apply``: every queued output of every job,
+coalesced to one per job, so Redis sees at most one round trip (one EMIT call) per engine step whatever the
+batch size, and the next step never waits for Redis. A cancel is queued in order with the outputs: it comes
+back with the batch, after the job's outputs queued before it; the job's outputs queued after it are dropped.
 """
 
 from __future__ import annotations
@@ -19,15 +25,14 @@ from typing import TYPE_CHECKING
 from redis.exceptions import RedisError
 
 from mlxq.api.schema import TERMINAL_TYPES, ErrorCode, FinishReason
+from mlxq.engine.core.request import RequestOutput, coalesce
 
-from ..publisher import Publisher
 from .run import Run, State, Wire
 from .transitions import Lapsed, Lost, Record, Transitions, Write
 
 if TYPE_CHECKING:
-    from mlxq.engine.core.request import RequestOutput
-
-    from ..toolcalls import ToolCalls
+    from ..service import ModelService
+    from .toolcalls import ToolCalls
 
 __all__ = ["Outputs", "RunStats", "RunTable"]
 
@@ -37,7 +42,7 @@ _SETTLED = {Write.END: State.ENDED, Write.LOST: State.ENDED, Write.HAND_BACK: St
 _LIVE = (State.RUNNING, State.CLOSING)  # states of a run whose lease may still be its own
 _DATA_LOST = "Redis lost this job's data while it ran (restarted without persistence, or flushed); submit it again"
 
-Outputs = Callable[["RequestOutput", Run, str], list[Wire]]  # an engine output's events (translate.output_events)
+Outputs = Callable[[RequestOutput, Run, str], list[Wire]]  # an engine output's events (translate.output_events)
 
 
 @dataclass(slots=True)
@@ -69,18 +74,20 @@ class RunTable(Mapping[str, Run]):
     job's events reach Redis in seq order.
     """
 
-    def __init__(self, transitions: Transitions, outputs: Outputs, stop: Callable[[Run], None],
+    def __init__(self, transitions: Transitions, outputs: Outputs, services: Mapping[str, ModelService],
                  give_up_s: float = 10.0) -> None:
         self.transitions = transitions
-        self.publisher = Publisher(self.apply)  # engine outputs and cancels, batched: one apply per batch
         self.stats = RunStats()
         self.on_ended: Callable[[Run, Wire], None] = _ignore  # a run's terminal event was written
         self.on_write: Callable[[float], None] = _ignore  # seconds one EMIT call took
         self._outputs = outputs  # injected: translating engine outputs loads the engine (MLX)
-        self._stop = stop  # drops a run's sequence from its engine
+        self._services = services  # by model name: a run's sequence is dropped from its model's engine
         self._give_up_s = give_up_s  # past the lease TTL, other workers own these jobs anyway
         self._runs: dict[str, Run] = {}
         self._lock = asyncio.Lock()  # one EMIT call at a time keeps every job's events in seq order
+        self._pending: list[RequestOutput] = []  # engine outputs queued for the next batch
+        self._cancels: dict[str, int] = {}  # job id -> how many of _pending were queued before its cancel
+        self._wake = asyncio.Event()
 
     def __getitem__(self, rid: str) -> Run:
         return self._runs[rid]
@@ -102,6 +109,21 @@ class RunTable(Mapping[str, Run]):
         run.token_text, run.tools = token_text, tools
         self._runs[run.rid] = run
         return True
+
+    def feed(self, outs: Sequence[RequestOutput]) -> None:
+        """Queue engine outputs for the next batch (call on the event loop thread)."""
+        self._pending.extend(outs)
+        self._wake.set()
+
+    async def publish(self) -> None:
+        """Hand queued outputs and cancels to :meth:`apply`, a batch at a time, until cancelled."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, cancels = self._pending, self._cancels
+            self._pending, self._cancels = [], {}
+            outs = [out for i, out in enumerate(batch) if i < cancels.get(out.rid, i + 1)] if cancels else batch
+            await self.apply(coalesce(outs), list(cancels), bool(batch))
 
     async def apply(self, outs: Sequence[RequestOutput], cancelled: Collection[str] = (), step: bool = True) -> None:
         """Engine outputs (one per job: ``engine.request.coalesce``) as their runs' events, then the end of each
@@ -130,11 +152,13 @@ class RunTable(Mapping[str, Run]):
     def cancel(self, rid: str) -> None:
         """A client cancelled: drop the job's sequence from its engine now, and end it ``done(cancelled)``
         after the outputs already queued for it, without waiting for the step in flight (the engine's own end
-        then finds the run gone). The publisher brings the cancel back to :meth:`apply` in its order."""
+        then finds the run gone). The cancel is queued in order with the engine's outputs, and :meth:`publish`
+        brings it back to :meth:`apply` with its batch."""
         run = self._runs.get(rid)
         if run is not None:
             self._stop(run)
-            self.publisher.cancel(rid)
+            self._cancels.setdefault(rid, len(self._pending))
+            self._wake.set()
 
     def _end_cancelled(self, cancelled: Collection[str], outs: Sequence[RequestOutput],
                        groups: dict[str, tuple[Run, list[Wire]]]) -> None:
@@ -227,6 +251,10 @@ class RunTable(Mapping[str, Run]):
         return ended
 
     # --- how the verbs change runs and write ------------------------------------------------------------
+    def _stop(self, run: Run) -> None:
+        """Drop the run's sequence from its engine (between steps; an id the engine lacks is ignored)."""
+        self._services[run.model].abort(run.rid)
+
     def _close(self, run: Run) -> None:
         """The run's end or hand-back is decided: no other verb, nor a later engine output, writes for it."""
         self._runs.pop(run.rid, None)

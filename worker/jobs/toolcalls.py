@@ -1,7 +1,8 @@
-"""A job's tool calls: the text of each call the engine split out (``engine/parts.py``), parsed with the model's
-own mlx-lm tool parser (``mlx_lm/tool_parsers``, chosen by mlx-lm's tokenizer wrapper for the model family) into
-the wire's :class:`~api.schema.ToolCall` records; and the grammar that constrains a job's output to calls of
-its tools (``tool_choice`` required or named).
+"""A job's tools, and the format its output must match: the model's call markers the engine splits its calls out
+by (``engine/parts.py``); the text of each call, parsed with the model's own mlx-lm tool parser
+(``mlx_lm/tool_parsers``, chosen by mlx-lm's tokenizer wrapper for the model family) into the wire's
+:class:`~api.schema.ToolCall` records; and the format the engine constrains the output to: the request's
+``response_format``, else the grammar of calls of its tools (``tool_choice`` required or named).
 
 A call that does not parse (a model that wrote a malformed call under ``auto``) is not lost: its text, markers
 included, goes back into the answer's text, as a model without tools would have said it. One cut off by
@@ -14,12 +15,24 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mlxq.api.schema import FunctionCall, GenerateRequest, NamedToolChoice, ToolCall
-from mlxq.engine.mlx.constrain import tool_call_grammar
+from mlxq.api.schema import (
+    FunctionCall,
+    GenerateRequest,
+    GrammarFormat,
+    JSONObjectFormat,
+    JSONSchemaFormat,
+    NamedToolChoice,
+    RegexFormat,
+    ToolCall,
+)
+from mlxq.engine.mlx.constrain import FormatKind, ResponseFormat, tool_call_grammar
 
-__all__ = ["CallGrammarError", "ToolCalls", "call_grammar", "template_messages", "template_tools"]
+if TYPE_CHECKING:
+    from .prompt import Prompt
+
+__all__ = ["CallGrammarError", "ToolCalls", "Tools", "call_grammar", "tools_of"]
 
 log = logging.getLogger(__name__)
 
@@ -83,26 +96,51 @@ class ToolCalls:
         return out
 
 
-def template_tools(req: GenerateRequest) -> list[dict[str, Any]]:
-    """The request's tools as chat templates take them (OpenAI's shape)."""
-    return [t.model_dump(exclude_none=True) for t in req.tools or []]
+@dataclass(frozen=True, slots=True)
+class Tools:
+    """What a job's tools ask of its run: the model's call markers the engine splits calls out by and the parser
+    of its calls (None: the request gives no tools, or the model has no tool-call format, so what it writes is all
+    answer); and the format its output must match, as the engine compiles it: its response_format, else the
+    grammar its tool_choice calls for (None: free text)."""
+
+    markers: tuple[str, str] | None = None
+    calls: ToolCalls | None = None
+    format: ResponseFormat | None = None
 
 
-def template_messages(req: GenerateRequest) -> list[dict[str, Any]]:
-    """The request's messages as chat templates take them: text content, and an assistant turn's calls with
-    their arguments as objects (what templates render with ``tojson``), as mlx-lm's server passes them."""
-    out: list[dict[str, Any]] = []
-    for m in req.messages or []:
-        message: dict[str, Any] = {"role": m.role, "content": m.text}
-        if m.tool_calls:
-            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
-                                      "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
-        if m.tool_call_id is not None:
-            message["tool_call_id"] = m.tool_call_id
-        if m.name is not None:
-            message["name"] = m.name
-        out.append(message)
-    return out
+def tools_of(req: GenerateRequest, prompt: Prompt, tokenizer: Any) -> Tools:
+    """A job's tools, as its ``prompt``'s chat template was shown them, and its output's format;
+    :class:`CallGrammarError` when its tool_choice needs a constrained call the model cannot give (a response
+    format, if it has one, comes first)."""
+    markers = _markers(req, tokenizer)
+    calls = ToolCalls(req.id, tokenizer.tool_parser, prompt.tools, markers) if markers is not None else None
+    if req.response_format is not None:
+        return Tools(markers, calls, _response_format(req))
+    grammar = call_grammar(req, tokenizer)
+    return Tools(markers, calls, ResponseFormat(FormatKind.LARK, grammar) if grammar is not None else None)
+
+
+def _response_format(req: GenerateRequest) -> ResponseFormat | None:
+    """What the request's response_format says its output must match, as the engine compiles it; None for free
+    text."""
+    fmt = req.response_format
+    if isinstance(fmt, JSONSchemaFormat):
+        return ResponseFormat(FormatKind.JSON_SCHEMA, fmt.schema_text)
+    if isinstance(fmt, JSONObjectFormat):
+        return ResponseFormat(FormatKind.JSON_OBJECT)
+    if isinstance(fmt, RegexFormat):
+        return ResponseFormat(FormatKind.REGEX, fmt.regex)
+    if isinstance(fmt, GrammarFormat):
+        return ResponseFormat(FormatKind.LARK, fmt.grammar)
+    return None
+
+
+def _markers(req: GenerateRequest, tokenizer: Any) -> tuple[str, str] | None:
+    """The model's tool-call markers, for a request whose tools it is shown (None: no tools, or no format with
+    both markers)."""
+    if not req.calls_tools or tokenizer is None or not getattr(tokenizer, "has_tool_calling", False):
+        return None
+    return (tokenizer.tool_call_start, tokenizer.tool_call_end) if tokenizer.tool_call_end else None
 
 
 def call_grammar(req: GenerateRequest, tokenizer: Any) -> str | None:
@@ -132,9 +170,3 @@ def _marker(tokenizer: Any, text: str, tokens: tuple[int, ...] | None) -> str:
 def _describe(choice: object) -> str:
     return f"naming {choice.function.name!r}" if isinstance(choice, NamedToolChoice) else repr(choice)
 
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text

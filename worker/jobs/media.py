@@ -5,9 +5,9 @@ limits from public addresses only (``MLXQ_IMAGE_URL_PRIVATE`` allows the rest). 
 before any decode; only :data:`FORMATS` are parsed. Every refusal is an :class:`ImageError` naming the image
 (1-based, with its place in the request); the job ends ``error(bad_request)``.
 
-Fetching runs in asyncio's default thread pool. Decoding and the model's preprocessing run on the caller's
-executor, one thread per model: that work holds the GIL, so more threads would only slow each other and the
-engine, and one thread hands a burst's images over in arrival order, for the engine to embed each meanwhile.
+Fetching runs in asyncio's default thread pool. Decoding and the model's preprocessing run on the model's image
+thread (``ModelView.images``), one per model: that work holds the GIL, so more threads would only slow each other
+and the engine, and one thread hands a burst's images over in arrival order, for the engine to embed each meanwhile.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,11 +32,10 @@ from mlxq.api.schema import GenerateRequest, ImagePart, TextPart
 from mlxq.engine.core.request import ImageInputs
 
 if TYPE_CHECKING:
-    from mlxq.engine.mlx.loader import LoadedModel
+    from ..config import WorkerConfig
+    from .model import ModelView
 
-    from .config import WorkerConfig
-
-__all__ = ["FORMATS", "ImageError", "ImageLimits", "ImagePrompt", "decode_image", "has_images", "prepare"]
+__all__ = ["FORMATS", "ImageError", "ImageLimits", "ImagePrompt", "decode_image", "prepare"]
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # the parsers PIL may run on a job's bytes
 _CHUNK = 64 * 1024
@@ -73,31 +71,27 @@ class ImageLimits:
                    config.image_fetch_timeout_s, config.image_url_private)
 
 
-def has_images(req: GenerateRequest) -> bool:
-    """Whether the request carries any image part."""
-    return bool(req.image_parts)
-
-
-async def prepare(req: GenerateRequest, model: LoadedModel, config: WorkerConfig, executor: Executor | None = None
-                  ) -> ImagePrompt:
-    """The prompt of a request with images: its images read and checked, then prepared by the model's
-    processor on ``executor`` (None: asyncio's default); its length checked as a text prompt's. Raises
-    :class:`ImageError`."""
+async def prepare(req: GenerateRequest, model: ModelView) -> ImagePrompt | None:
+    """The prompt of a request with images (None: it has none): its images read and checked, then prepared by the
+    model's processor on its image thread; its length checked as a text prompt's. Raises :class:`ImageError`."""
     n = len(req.image_parts)
+    if not n:
+        return None
     if model.vision is None:
         raise ImageError(f"the model {req.model!r} does not accept images (a text-only model): send the job "
                          f"without image parts, or to a vision-language model")
+    config = model.config
     limits = ImageLimits.of(config)
     if n > limits.max_images:
         raise ImageError(f"the job has {n} images; the limit is {limits.max_images}")
     fetched = await asyncio.to_thread(_fetch_all, req, limits) if limits.urls and _has_urls(req) else {}
     loop = asyncio.get_running_loop()
-    tokens, images = await loop.run_in_executor(executor, _prepare, req, model, limits, fetched)
+    tokens, images = await loop.run_in_executor(model.images, _prepare, req, model, limits, fetched)
     ctx = model.context_length
     limit = min(config.max_prompt_tokens, ctx or config.max_prompt_tokens)
     if len(tokens) > limit:
         raise ImageError(f"the prompt has {len(tokens)} tokens with its images; the limit is {limit}")
-    wanted = 1 if req.fit_max_tokens else req.max_tokens  # fitted to the context later (ModelService._fitted)
+    wanted = 1 if req.fit_max_tokens else req.max_tokens  # fitted to the context next (worker/jobs/prompt.py)
     if ctx is not None and len(tokens) + wanted > ctx:
         raise ImageError(f"prompt ({len(tokens)} tokens with its images) + max_tokens ({wanted}) exceeds "
                          f"the context ({ctx})")
@@ -114,7 +108,7 @@ def _fetch_all(req: GenerateRequest, limits: ImageLimits) -> dict[int, bytes]:
             for i, (where, part) in enumerate(_image_parts(req), 1) if _is_http(part.image_url.url)}
 
 
-def _prepare(req: GenerateRequest, model: LoadedModel, limits: ImageLimits, fetched: dict[int, bytes]
+def _prepare(req: GenerateRequest, model: ModelView, limits: ImageLimits, fetched: dict[int, bytes]
              ) -> tuple[list[int], ImageInputs]:
     assert model.vision is not None
     decoded = []

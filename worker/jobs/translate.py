@@ -1,30 +1,26 @@
-"""The one place where wire types (api.schema) and engine types (engine.request) meet."""
+"""Where wire types (api.schema) and engine types (engine.request) meet: a prepared job's request as the engine
+takes it, and an engine output as its run's events. (What a job's output must match is translated with its tools:
+worker/jobs/toolcalls.py.)
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from mlxq.api.schema import (
-    ErrorCode,
-    FinishReason,
-    GenerateRequest,
-    GrammarFormat,
-    JSONObjectFormat,
-    JSONSchemaFormat,
-    RegexFormat,
-    TokenLogprob,
-    TopLogprob,
-)
+from mlxq.api.schema import ErrorCode, FinishReason, GenerateRequest, TokenLogprob, TopLogprob
 from mlxq.engine.core.parts import PartMarkers
-from mlxq.engine.core.request import EngineRequest, Format, ImageInputs, RequestOutput, SamplingParams
+from mlxq.engine.core.request import EngineRequest, Format, RequestOutput, SamplingParams
 from mlxq.engine.core.request import ErrorCode as EngineError
 from mlxq.engine.core.request import FinishReason as EngineFinish
-from mlxq.engine.mlx.constrain import FormatKind, ResponseFormat
 
-from .jobs.run import Run, Wire
+from .run import Run, Wire
 
-__all__ = ["output_events", "to_engine_format", "to_engine_request"]
+if TYPE_CHECKING:
+    from .prompt import Prompt
+
+__all__ = ["output_events", "to_engine_request"]
 
 _ERROR_CODES = {
     EngineError.BAD_REQUEST: ErrorCode.BAD_REQUEST,
@@ -34,17 +30,17 @@ _ERROR_CODES = {
 
 
 def to_engine_request(
-    req: GenerateRequest, tokens: list[int], deadline: float | None, *, cache_boundary: int = 0,
-    images: ImageInputs | None = None, format: Format | None = None, parts: PartMarkers | None = None,
-    enqueue_ms: int = 0, weight: float = 1.0,
+    req: GenerateRequest, prompt: Prompt, deadline: float | None, *, format: Format | None = None,
+    tool_markers: tuple[str, str] | None = None, enqueue_ms: int = 0, weight: float = 1.0,
 ) -> EngineRequest:
-    """A validated wire request and its prompt tokens (the first ``cache_boundary`` of them its system prompt:
-    see engine/prompt.py; its images prepared: see worker/media.py), as the engine takes them. It arrived when
-    it was enqueued (``enqueue_ms``, epoch ms; now if 0), so its priority ages in the engine from then, as it
-    did in the queue. Its tenant is its engine group, of ``weight`` (the tenant's): tenants share the batch by
-    weight (engine/shares.py)."""
+    """A validated wire request and its prompt (worker/jobs/prompt.py: its tokens, the first ``cache_boundary`` of
+    them its system prompt, its images, its think markers and the max_tokens that fits after it), as the engine
+    takes them; its text split by its think markers and the model's ``tool_markers``, if any. It arrived when it
+    was enqueued (``enqueue_ms``, epoch ms; now if 0), so its priority ages in the engine from then, as it did in
+    the queue. Its tenant is its engine group, of ``weight`` (the tenant's): tenants share the batch by weight
+    (engine/shares.py)."""
     params = SamplingParams(
-        max_tokens=req.max_tokens,
+        max_tokens=prompt.max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
@@ -58,23 +54,11 @@ def to_engine_request(
     )
     now = time.monotonic()
     arrival = now - max(0.0, time.time() - enqueue_ms / 1000) if enqueue_ms else now
-    return EngineRequest(req.id, tokens, params, arrival=arrival, deadline=deadline, priority=req.priority,
-                         cache_boundary=cache_boundary, images=images, format=format, parts=parts, group=req.tenant,
-                         weight=weight)
-
-
-def to_engine_format(req: GenerateRequest) -> ResponseFormat | None:
-    """What the request's output must match, as the engine compiles it; None for free text."""
-    fmt = req.response_format
-    if isinstance(fmt, JSONSchemaFormat):
-        return ResponseFormat(FormatKind.JSON_SCHEMA, fmt.schema_text)
-    if isinstance(fmt, JSONObjectFormat):
-        return ResponseFormat(FormatKind.JSON_OBJECT)
-    if isinstance(fmt, RegexFormat):
-        return ResponseFormat(FormatKind.REGEX, fmt.regex)
-    if isinstance(fmt, GrammarFormat):
-        return ResponseFormat(FormatKind.LARK, fmt.grammar)
-    return None
+    split = prompt.think is not None or tool_markers is not None
+    parts = PartMarkers(prompt.think, tool_markers, prompt.inside) if split else None
+    return EngineRequest(req.id, prompt.tokens, params, arrival=arrival, deadline=deadline, priority=req.priority,
+                         cache_boundary=prompt.cache_boundary, images=prompt.images, format=format, parts=parts,
+                         group=req.tenant, weight=weight)
 
 
 def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
