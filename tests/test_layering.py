@@ -47,7 +47,7 @@ def test_package_imports_respect_the_layering(package: str) -> None:
 def test_producer_side_runs_without_mlx_or_arq_loaded() -> None:
     # Import the whole producer surface (the CLI a web host runs, the gateway) in a fresh interpreter.
     code = (
-        "import sys, mlxq.api.client, mlxq.api.schema, mlxq.api.keys, mlxq.api.errors, mlxq.api.cli, "
+        "import sys, mlxq.api.client, mlxq.api.schema, mlxq.api.protocol.keys, mlxq.api.errors, mlxq.api.cli, "
         "mlxq.api.gateway.app; "
         "mlxq.api.cli._parser().parse_args(['submit', '--model', 'm', 'hi']); "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm', 'arq'} "

@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from mlxq.api.keys import Keys
-
-from .jobs.transitions import Affinity
+from mlxq.api.protocol.claim import Affinity
+from mlxq.api.protocol.keys import Keys
 
 __all__ = ["ANCHOR_TOKENS", "FULL_EVERY_S", "MAX_KEYS", "Advertiser", "Holdings", "Placements", "affinity_ttl_s"]
 

@@ -28,7 +28,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from mlxq.api.connection import redis_client
-from mlxq.api.jobrecord import Envelope, read_job
+from mlxq.api.protocol.claim import BelowShare, Due, DueEntry, EntryStatus, Outranking
+from mlxq.api.protocol.emit import LogTTL
+from mlxq.api.protocol.jobrecord import Envelope, read_job
 from mlxq.api.schema import DEFAULT_TENANT, ErrorCode, ModelState, WorkerStatus, is_terminal
 from mlxq.engine.mlx_process import MLXLimits, mlx_process
 from mlxq.engine.request import RequestOutput
@@ -41,7 +43,7 @@ from .config import WorkerConfig
 from .health import HealthReporter, TokenRate, package_version
 from .jobs.run import Run, State
 from .jobs.table import RunTable
-from .jobs.transitions import BelowShare, Due, DueEntry, EntryStatus, LogTTL, Outranking, Transitions
+from .jobs.transitions import Transitions
 from .leases import LeaseKeeper
 from .metrics import Metrics
 from .reaper import Reaper

@@ -19,7 +19,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from mlxq.api.errors import describe
-from mlxq.api.jobrecord import Envelope
+from mlxq.api.protocol.claim import BelowShare, DueEntry, Outranking
+from mlxq.api.protocol.jobrecord import Envelope
 from mlxq.api.schema import PRIORITY_MAX, GenerateRequest, ModelState, ModelStatus
 from mlxq.engine.constrain import FormatKind, Grammar, GrammarError, Grammars, ResponseFormat, vocab_size
 from mlxq.engine.engine import Engine, Sink
@@ -31,7 +32,6 @@ from mlxq.engine.speculation import SpecKind, Speculation
 
 from . import media
 from .config import ServedModel, WorkerConfig
-from .jobs.transitions import BelowShare, DueEntry, Outranking
 from .toolcalls import CallGrammarError, ToolCalls, call_grammar, template_messages, template_tools
 from .translate import to_engine_format, to_engine_request
 
@@ -179,7 +179,7 @@ class ModelService:
         waits for all of them (up to ``admit_wait_ms``) before its first step."""
         self.active.update((entry.rid, entry.attempt) for entry in entries)
         if entries and self.engine is not None:
-            tenants = [self.config.keys.queue_of(entry.queue)[1] for entry in entries]  # their requests' groups
+            tenants = [entry.tenant for entry in entries]  # their requests' groups
             self.engine.expect(len(entries), self.config.admit_wait_ms / 1000, tenants)
 
     def release(self, entry: DueEntry) -> None:

@@ -13,10 +13,12 @@ import redis.asyncio as aredis
 
 from mlxq.api.affinity import affinity_key
 from mlxq.api.client import Client
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.claim import Affinity, DueEntry, EntryStatus
+from mlxq.api.protocol.emit import LogTTL
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import GenerateRequest
 from mlxq.worker.affinity import Advertiser
-from mlxq.worker.jobs.transitions import Affinity, DueEntry, EntryStatus, LogTTL, Transitions
+from mlxq.worker.jobs.transitions import Transitions
 
 pytestmark = pytest.mark.e2e
 

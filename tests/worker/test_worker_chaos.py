@@ -25,7 +25,7 @@ import redis.asyncio as aredis
 from mlx_lm.generate import generate_step
 
 from mlxq.api.client import Client
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import DoneEvent, ErrorEvent, Event, FinishReason
 from mlxq.engine.prompt import encode_prompt
 from mlxq.worker.tools.process import WorkerProcess

@@ -8,15 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schema import DEFAULT_TENANT, PRIORITY_MIN
+from ..schema import DEFAULT_TENANT, PRIORITY_MIN
 
-__all__ = ["Keys"]
+__all__ = ["QUEUE_NAMES", "Keys"]
 
 # TTLs, in seconds.
 LIVE_TTL_S = 600  # replay log while a job runs (refreshed on every write)
 DONE_TTL_S = 300  # replay log after its terminal event
 CANCEL_TTL_S = 3600
 REGISTRY_TTL_S = 86_400  # the set of workers, refreshed by every heartbeat
+
+# The queue-name format, written once: the default tenant's queue of a model is ``<prefix>:<QUEUE_PART>:<model>``
+# (arq's queue), another tenant's ``<prefix>:<TENANT_QUEUE_PART>:<tenant>:<model>``. :class:`Keys` builds and
+# parses names from these parts in Python, ``lua/queues.lua`` in the scripts (every script's prologue declares
+# them: api.protocol.scripts).
+QUEUE_NAMES: dict[str, str] = {"QUEUE_PART": "queue", "TENANT_QUEUE_PART": "tqueue", "DEFAULT_TENANT": DEFAULT_TENANT}
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +36,12 @@ class Keys:
         (``<prefix>:queue:<model>``), another's ``<prefix>:tqueue:<tenant>:<model>`` (a tenant name holds no
         ``:``, so the name says both). Workers serving ``model`` claim from all of them."""
         if tenant == DEFAULT_TENANT:
-            return f"{self.prefix}:queue:{model}"
-        return f"{self.prefix}:tqueue:{tenant}:{model}"
+            return f"{self.prefix}:{QUEUE_NAMES['QUEUE_PART']}:{model}"
+        return f"{self.tenant_queues()}{tenant}:{model}"
 
     def tenant_queues(self) -> str:
         """What the name of every tenant's queue (but the default tenant's) starts with."""
-        return f"{self.prefix}:tqueue:"
+        return f"{self.prefix}:{QUEUE_NAMES['TENANT_QUEUE_PART']}:"
 
     def queue_of(self, queue: str) -> tuple[str, str]:
         """The model and tenant a queue name (of :meth:`queue`) belongs to."""
@@ -43,7 +49,7 @@ class Keys:
         if queue.startswith(tq):
             tenant, _, model = queue[len(tq):].partition(":")
             return model, tenant
-        return queue.removeprefix(f"{self.prefix}:queue:"), DEFAULT_TENANT
+        return queue.removeprefix(self.queue("")), DEFAULT_TENANT
 
     def backlog(self, model: str) -> str:
         """Set of the tenants that may have ``model``'s jobs queued (ENQUEUE and hand-backs add, CLAIM trims)."""
@@ -177,8 +183,3 @@ def log_entry_id(seq: int) -> str:
     """Stream entry id of event ``seq``: explicit ids make replay-from-seq a plain XRANGE."""
     return f"{seq}-1"
 
-
-def seq_of_entry_id(entry_id: bytes | str) -> int:
-    """Inverse of :func:`log_entry_id`."""
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return int(text.split("-", 1)[0])
