@@ -55,13 +55,13 @@ class Keys:
         """Set of the tenants that may have ``model``'s jobs queued (ENQUEUE and hand-backs add, CLAIM trims)."""
         return f"{self.prefix}:backlog:{model}"
 
-    def affinity_holders(self, model: str) -> str:
+    def affinity_advertisers(self, model: str) -> str:
         """Zset of the workers advertising ``model``'s affinity keys, scored by when their advertisement lapses
-        (ms): CLAIM counts a holder live until then (api/affinity.py, worker/affinity.py)."""
+        (ms): CLAIM counts an advertiser live until then (api/affinity.py, worker/affinity.py)."""
         return f"{self.prefix}:affholders:{model}"
 
     def affinity_keys(self, model: str, worker_id: str) -> str:
-        """Set of the affinity keys whose prompts ``worker_id``'s prefix cache for ``model`` holds (with a TTL)."""
+        """Set of the affinity keys whose prompts ``worker_id``'s prefix cache for ``model`` has warm (with a TTL)."""
         return f"{self.prefix}:affkeys:{model}:{worker_id}"
 
     def affinity_full(self, model: str) -> str:
