@@ -58,6 +58,15 @@ def test_producer_side_runs_without_mlx_or_arq_loaded() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_the_protocol_package_imports_only_redis_pydantic_and_the_standard_library() -> None:
+    # api/protocol is what every process speaks over Redis: producers install it without MLX, arq or the engine.
+    allowed = {"redis", "pydantic", "api", "__future__"} | set(sys.stdlib_module_names)
+    files = sorted((ROOT / "api" / "protocol").rglob("*.py"))
+    assert files
+    assert {str(f.relative_to(ROOT)): sorted(imported_roots(f) - allowed) for f in files
+            if imported_roots(f) - allowed} == {}
+
+
 def test_redis_replies_are_parsed_in_c() -> None:
     # pyproject asks for redis[hiredis]: without it redis-py parses every reply and pub/sub message in Python.
     from redis.asyncio.connection import DefaultParser, _AsyncHiredisParser

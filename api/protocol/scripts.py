@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -96,10 +96,10 @@ class Layout:
                          f"{self.arg_tail}[#{self.arg_tail} + 1] = {{{fields}}} end")
         return "\n".join(lines)
 
-    def check(self) -> None:
-        """A :class:`ScriptError` unless every name is a distinct Lua name that hides no keyword or global."""
-        names = [*self.names(), *self.row]
-        _check_names(names)
+    def check(self, constants: Iterable[str] = ()) -> None:
+        """A :class:`ScriptError` unless every name (and each of ``constants``) is a distinct Lua name that hides no
+        keyword or global, and an ARGV tail has both its name and its row."""
+        _check_names([*constants, *self.names(), *self.row])
         if bool(self.arg_tail) != bool(self.row):
             raise ScriptError(f"an ARGV tail needs both its name and its row's fields: {self}")
 
@@ -163,7 +163,7 @@ def _part(name: str) -> str:
         raise ScriptError(f"no Lua part named {name!r} (lua/{name}.lua)") from None
 
 
-def _resolve(text: str, read: Any, stack: tuple[str, ...], seen: set[str]) -> str:
+def _resolve(text: str, read: Callable[[str], str], stack: tuple[str, ...], seen: set[str]) -> str:
     def include(match: re.Match[str]) -> str:
         part = match.group(1)
         if part in stack:
@@ -177,12 +177,11 @@ def _resolve(text: str, read: Any, stack: tuple[str, ...], seen: set[str]) -> st
 
 
 def compose(name: str, text: str, layout: Layout, constants: Mapping[str, Constant] | None = None,
-            read: Any = _part) -> Script:
+            read: Callable[[str], str] = _part) -> Script:
     """The script ``text`` (named ``name`` in errors): its includes resolved through ``read`` (a part's name ->
     its text), after a prologue declaring the queue-name parts, ``constants`` and ``layout``'s names."""
-    layout.check()
     consts = {**QUEUE_NAMES, **(constants or {})}
-    _check_names([*consts, *layout.names(), *layout.row])
+    layout.check(consts)
     body = _resolve(text, read, (name,), {name})
     head = [f"-- {name}: generated from its layout and constants (mlxq.api.protocol.scripts)"]
     head += [f"local {k} = {_lua(v)}" for k, v in consts.items()]
