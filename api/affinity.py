@@ -1,10 +1,10 @@
 """A job's affinity key: which of a model's jobs share a prompt's start, so they prefer one worker's prefix cache.
 
-Workers advertise the keys their prefix caches hold (``worker/affinity.py``) and CLAIM prefers, for a worker, the
-queued jobs whose key it holds, leaving a job whose key another live worker holds to that worker for at most
-``MLXQ_AFFINITY_WAIT_MS`` (``worker/jobs/transitions.py``). The key is the request's ``prompt_cache_key`` (OpenAI's
-routing hint) if it has one, else one derived here, without a tokenizer (producers load no model), from what stays
-the same across a conversation's turns:
+Workers advertise the keys their prefix caches have warm (``worker/affinity.py``) and CLAIM prefers, for a worker,
+the queued jobs whose key it has warm, leaving a job whose key another live worker has warm to that worker for at
+most ``MLXQ_AFFINITY_WAIT_MS`` (``api/protocol/lua/affinity.lua``). The key is the request's ``prompt_cache_key``
+(OpenAI's routing hint) if it has one, else one derived here, without a tokenizer (producers load no model), from
+what stays the same across a conversation's turns:
 
 - chat messages: the leading system turns, the tools, and the first turn after them (a conversation's first
   question never changes as it goes on, and it tells apart conversations that share a system prompt);

@@ -22,7 +22,6 @@ from .affinity import affinity_key
 from .config import ClientConfig
 from .connection import Failures, RetryPolicy, client_redis, denied, is_denied, redact, with_retries
 from .deltas import Delta, Deltas, Whole
-from .enqueuer import Enqueuer
 from .errors import (
     BadRequest,
     DuplicateJob,
@@ -35,8 +34,11 @@ from .errors import (
     WaitTimeout,
     describe,
 )
-from .jobrecord import job_record
-from .keys import CANCEL_TTL_S, Keys, deadline_member, log_entry_id, queue_score
+from .protocol import producer
+from .protocol.enqueuer import Enqueuer
+from .protocol.jobrecord import job_record
+from .protocol.keys import Keys, log_entry_id, queue_score
+from .protocol.producer import Enqueue
 from .registry import ModelInfo, QueueInfo, live_workers, models_of, other_prefixes, queues
 from .schema import (
     DoneEvent,
@@ -63,18 +65,6 @@ __all__ = ["Client", "Result"]
 JOB_TTL_MS = 86_400_000  # a job record lives a day (arq's default): queued, running and re-run within it
 _RESYNC_S = 1.0  # silence after which a reader re-reads the log (covers lost pub/sub messages)
 _SERVED_FOR_S = 1.0  # a model seen served is taken as served this long without reading the records again
-
-# Cancel a job that exists: KEYS job record, log, cancel key. ARGV: id, cancel channel, TTL s.
-# Returns 1 (requested), 2 (it ended already: nothing to cancel) or 0 (no such job).
-_CANCEL = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('SET', KEYS[3], '1', 'EX', ARGV[3])
-  redis.call('PUBLISH', ARGV[2], ARGV[1])
-  return 1
-end
-if redis.call('EXISTS', KEYS[2]) == 1 then return 2 end
-return 0
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +120,6 @@ class Client:
         self._subscriber: Subscriber | None = None
         self._served: dict[str, float] = {}  # model -> when a live worker was last seen serving it
         self._checking: dict[str, asyncio.Task[None]] = {}  # model -> the read of the health records under way
-        self._cancel = self._redis.register_script(_CANCEL)
 
     @property
     def redis(self) -> Redis:
@@ -176,15 +165,10 @@ class Client:
             raise BadRequest(f"the job has {len(job)} bytes of JSON; the limit is {limit}")
         cfg = self.config
         expiry_s = cfg.job_expiry_s if req.expires_in is None else req.expires_in
-        queue = self.keys.queue(req.model, req.tenant)
-        keys = [self.keys.job(req.id), self.keys.result(req.id), queue, self.keys.deadlines(),
-                self.keys.backlog(req.model), self.keys.tenant(req.tenant)]
-        args: list[str | bytes | int] = [
-            req.id, job, JOB_TTL_MS, self.keys.wake_channel(req.model),
-            queue_score(now_ms, req.priority, int(cfg.priority_aging_s * 1000)), max(0, cfg.max_queued),
-            now_ms + int(expiry_s * 1000) if expiry_s > 0 else 0, deadline_member(req.id, queue),
-            req.tenant, self.keys.prefix, req.model,
-        ]
+        expiry_ms = now_ms + int(expiry_s * 1000) if expiry_s > 0 else 0
+        keys, args = Enqueue(req.id, job, req.model, req.tenant,
+                             queue_score(now_ms, req.priority, int(cfg.priority_aging_s * 1000)),
+                             max(0, cfg.max_queued), expiry_ms, JOB_TTL_MS).call(self.keys)
         # A retry sends the same record: ENQUEUE takes it as this submit's own (its reply was lost).
         queued = await with_retries(lambda: self._enqueuer.enqueue(keys, args), self.retry, self.where)
         if queued == 0:
@@ -227,9 +211,7 @@ class Client:
         Returns False if it had ended already (nothing to cancel); raises :class:`JobNotFound` for an id that is
         neither queued, running nor recently ended.
         """
-        keys = [self.keys.job(rid), self.keys.log(rid), self.keys.cancel(rid)]
-        args: list[str | int] = [rid, self.keys.cancel_channel(), CANCEL_TTL_S]
-        outcome = await with_retries(lambda: self._cancel(keys, args, client=self._redis), self.retry, self.where)
+        outcome = await with_retries(lambda: producer.cancel(self._redis, self.keys, rid), self.retry, self.where)
         if outcome == 0:
             raise JobNotFound(f"job {rid} is unknown, or ended more than a few minutes ago")
         return bool(outcome == 1)

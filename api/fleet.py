@@ -18,8 +18,8 @@ from typing import Any
 from .client import Client
 from .errors import BadRequest, JobNotFound
 from .history import recent, series
-from .jobrecord import read_job
-from .keys import Keys
+from .protocol.jobrecord import read_job
+from .protocol.keys import Keys
 from .registry import models_of
 from .schema import PRIORITY_MIN, GenerateRequest, decode_event
 
@@ -64,7 +64,7 @@ async def overview(client: Client) -> dict[str, Any]:
 
 async def _by_priority(client: Client, model: str) -> dict[str, int]:
     """Queued jobs of the first entries, by priority (recovered from the score and the record's enqueue time:
-    ``api.keys.queue_score``)."""
+    ``api.protocol.keys.queue_score``)."""
     redis, keys = client.redis, client.keys
     entries = await redis.zrange(keys.queue(model), 0, _QUEUE_READ - 1, withscores=True)
     pipe = redis.pipeline(transaction=False)

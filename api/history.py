@@ -1,6 +1,6 @@
 """The fleet's recent history, for the dashboard's charts: bounded buckets in Redis, written by the workers.
 
-Each job's end (its EMIT call, ``worker/jobs/transitions.py``) adds it to its model's bucket of
+Each job's end (its EMIT call, ``api/protocol/lua/history.lua``) adds it to its model's bucket of
 :data:`BUCKET_S` seconds (``<prefix>:hist:<model>:<bucket>``, a hash that expires after :data:`HISTORY_TTL_S`):
 jobs ended, errors, tokens made, and histograms of time to first token and queue wait over :data:`EDGES_MS`.
 It also pushes a one-line summary onto ``<prefix>:recent`` (the newest :data:`RECENT_KEPT`). Nothing runs per
@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from .keys import Keys
+from .protocol.keys import Keys
 
 __all__ = ["BUCKET_S", "EDGES_MS", "HISTORY_TTL_S", "RECENT_KEPT", "WINDOW_S", "Point", "percentile", "recent",
            "series"]
@@ -89,7 +89,3 @@ async def recent(redis: Redis, keys: Keys, most: int = 100) -> list[dict[str, An
             continue
     return found
 
-
-def lua_edges() -> str:
-    """:data:`EDGES_MS` as a Lua table (the EMIT script's histogram bins)."""
-    return "{" + ",".join(map(str, EDGES_MS)) + "}"

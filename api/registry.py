@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from .keys import Keys
+from .protocol.keys import Keys
+from .protocol.scripts import Layout, load
 from .schema import ModelState, WorkerStatus
 
 __all__ = ["ModelInfo", "QueueInfo", "live_workers", "models_of", "other_prefixes", "queues"]
@@ -30,34 +31,8 @@ _SCAN_CHUNK = 100  # queue entries read per ZRANGE while looking for the oldest 
 _OTHERS_SCANS, _OTHERS_COUNT, _OTHERS_MOST, _OTHERS_WORKERS = 10, 1000, 5, 50
 _WORKERS_SUFFIX = Keys("").workers()  # ":workers"
 
-# A queue's depth and the enqueue time of its oldest waiting job. Entries are read in score order, each job's
-# enqueue time from the tail of its record (records end with "et":<ms>}; GETRANGE reads only that, though a
-# record may hold a megabyte of prompt). A score never exceeds its job's enqueue time (``api.keys.queue_score``
-# moves higher priorities earlier, never later), so once a score reaches the oldest time found no later entry
-# can be older: the scan reads only the jobs priority put ahead of the oldest one (at most the queue's depth).
-# The exception, an entry a worker deferred (its lease was still held) to a due time ahead of now, is read too.
-# KEYS: queue. ARGV: prefix, entries per read, now (ms).
-_QUEUE_STATS = """
-local depth = redis.call('ZCARD', KEYS[1])
-local oldest = false
-local chunk = tonumber(ARGV[2])
-local function read(id)
-  local tail = redis.call('GETRANGE', ARGV[1] .. ':{' .. id .. '}:job', -32, -1)
-  local et = tonumber(string.match(tail, '"et":(%d+)}$'))
-  if et and (not oldest or et < oldest) then oldest = et end
-end
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[3], '+inf', 'LIMIT', 0, chunk)) do
-  read(id)
-end
-for from = 0, depth - 1, chunk do
-  local entries = redis.call('ZRANGE', KEYS[1], from, from + chunk - 1, 'WITHSCORES')
-  for i = 1, #entries, 2 do
-    if oldest and tonumber(entries[i + 1]) >= oldest then return {depth, oldest} end
-    read(entries[i])
-  end
-end
-return {depth, oldest}
-"""
+# A queue's depth and the enqueue time of its oldest waiting job (lua/queue_stats.lua).
+_QUEUE_STATS = load("queue_stats", Layout(keys=("queue_key",), args=("prefix", "chunk_size", "now_ms")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +70,9 @@ async def queues(redis: Redis, keys: Keys) -> list[QueueInfo]:
     now = time.time()
     pipe = redis.pipeline(transaction=False)
     for name in names:  # the script's text each time: a status read, not a hot path
-        pipe.eval(_QUEUE_STATS, 1, name, keys.prefix, str(_SCAN_CHUNK), str(int(now * 1000)))
+        named, args = _QUEUE_STATS.layout.pack(
+            {"queue_key": name}, {"prefix": keys.prefix, "chunk_size": _SCAN_CHUNK, "now_ms": int(now * 1000)})
+        pipe.eval(_QUEUE_STATS.source, len(named), *named, *args)
     found: dict[str, QueueInfo] = {}
     for name, reply in zip(names, await pipe.execute(raise_on_error=False)):
         if isinstance(reply, Exception):  # not a queue (a key of another kind under the same name)

@@ -27,11 +27,10 @@ from typing import Any
 
 from .client import Client
 from .connection import with_retries
-from .keys import Keys
 from .schema import Event, decode_event
 
 __all__ = ["RESPONSE_ID_PREFIX", "TERMINAL", "ResponseStore", "StoredResponse", "job_events", "job_id_of",
-           "response_id_of", "response_key"]
+           "response_id_of"]
 
 RESPONSE_ID_PREFIX = "resp_"
 TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
@@ -58,11 +57,6 @@ def job_id_of(response_id: str) -> str | None:
     """The job id a response id names; None for what no response of ours is called."""
     m = _ID.match(response_id)
     return m.group(1) if m else None
-
-
-def response_key(keys: Keys, job_id: str) -> str:
-    """The record of the response of job ``job_id`` (in the job's hash slot)."""
-    return f"{keys.prefix}:{{{job_id}}}:response"
 
 
 @dataclass(slots=True)
@@ -106,7 +100,7 @@ class ResponseStore:
 
     def _key(self, response_id: str) -> str | None:
         job = job_id_of(response_id)
-        return None if job is None else response_key(self.client.keys, job)
+        return None if job is None else self.client.keys.response(job)
 
     async def create(self, response: StoredResponse) -> None:
         """Write a new response's record (before its job is queued, so any gateway finds it at once)."""

@@ -16,22 +16,13 @@ from typing import Any
 from redis.asyncio import Redis
 
 from .errors import BadRequest
-from .keys import Keys
+from .protocol.keys import Keys
 from .schema import DEFAULT_TENANT, TENANT_PATTERN
 
 __all__ = ["DEFAULT_TENANT", "Policy", "TenantUse", "check_name", "policies", "remove", "store", "use"]
 
 _NAME = re.compile(TENANT_PATTERN)
 SHARE_TTL_S = 86_400  # the fair-share accounts and running counts live a day past their last change
-
-# Lua, shared by ENQUEUE (api/enqueuer.py) and the worker's scripts: the queue of model M's jobs of tenant T
-# under prefix P, as api.keys.Keys.queue names it.
-LUA_QUEUE_OF = """
-local function queue_of(P, M, T)
-  if T == 'default' then return P .. ':queue:' .. M end
-  return P .. ':tqueue:' .. T .. ':' .. M
-end
-"""
 
 
 def check_name(name: str, field: str = "tenant") -> str:

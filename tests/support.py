@@ -75,8 +75,8 @@ async def enqueue_raw(redis_url: str, payload: Any, job_id: str, model: str = "t
 
     import redis.asyncio as aredis
 
-    from mlxq.api.jobrecord import job_record
-    from mlxq.api.keys import Keys
+    from mlxq.api.protocol.jobrecord import job_record
+    from mlxq.api.protocol.keys import Keys
 
     keys, now = Keys(prefix), int(time.time() * 1000)
     r = aredis.Redis.from_url(redis_url)

@@ -82,6 +82,20 @@ def test_the_wheel_installs_everything_under_one_name(installed: Path) -> None:
     assert "mlxq/__init__.py" in names and not [n for n in names if "_root" in n]  # api/_root/ is mlxq itself
 
 
+def test_the_wheel_ships_the_redis_scripts(installed: Path) -> None:
+    import zipfile
+
+    (wheel,) = (installed.parent.parent.parent / "wheels").glob("mlxq-*.whl")
+    shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith(".lua")}
+    assert shipped == {f"mlxq/api/protocol/lua/{f.name}" for f in (ROOT / "api" / "protocol" / "lua").glob("*.lua")}
+    # and the installed package loads them (the app test below runs ENQUEUE and CANCEL's module from the wheel)
+    out = subprocess.run([str(installed), "-c", "from mlxq.api.protocol import claim; print(claim.CLAIM.sha)"],
+                         check=True, capture_output=True, text=True, timeout=60, cwd=installed.parent)
+    from mlxq.api.protocol import claim
+
+    assert out.stdout.strip() == claim.CLAIM.sha
+
+
 async def test_an_app_with_its_own_api_package_imports_the_client_and_runs_a_job(
         installed: Path, worker: Any, redis_url: str, tmp_path: Path) -> None:
     app = tmp_path / "app"

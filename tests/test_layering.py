@@ -47,7 +47,7 @@ def test_package_imports_respect_the_layering(package: str) -> None:
 def test_producer_side_runs_without_mlx_or_arq_loaded() -> None:
     # Import the whole producer surface (the CLI a web host runs, the gateway) in a fresh interpreter.
     code = (
-        "import sys, mlxq.api.client, mlxq.api.schema, mlxq.api.keys, mlxq.api.errors, mlxq.api.cli, "
+        "import sys, mlxq.api.client, mlxq.api.schema, mlxq.api.protocol.keys, mlxq.api.errors, mlxq.api.cli, "
         "mlxq.api.gateway.app; "
         "mlxq.api.cli._parser().parse_args(['submit', '--model', 'm', 'hi']); "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm', 'arq'} "
@@ -56,6 +56,15 @@ def test_producer_side_runs_without_mlx_or_arq_loaded() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_protocol_package_imports_only_redis_pydantic_and_the_standard_library() -> None:
+    # api/protocol is what every process speaks over Redis: producers install it without MLX, arq or the engine.
+    allowed = {"redis", "pydantic", "api", "__future__"} | set(sys.stdlib_module_names)
+    files = sorted((ROOT / "api" / "protocol").rglob("*.py"))
+    assert files
+    assert {str(f.relative_to(ROOT)): sorted(imported_roots(f) - allowed) for f in files
+            if imported_roots(f) - allowed} == {}
 
 
 def test_redis_replies_are_parsed_in_c() -> None:

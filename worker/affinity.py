@@ -1,5 +1,5 @@
 """Prefix affinity, a worker's side: which affinity keys (api/affinity.py) its prefix caches hold, advertised in
-Redis for CLAIM (worker/jobs/transitions.py), and how CLAIM placed its jobs.
+Redis for CLAIM (api/protocol/lua/affinity.lua), and how CLAIM placed its jobs.
 
 A worker cannot ask its prefix cache which keys it holds (the cache knows tokens, not keys), so it keeps an
 approximation per model (:class:`Holdings`): a job's key is held from the moment the job goes into the engine
@@ -8,10 +8,10 @@ cached, in memory or on disk (the disk's entries carry their keys: a restarted w
 first heartbeat, :meth:`Holdings.seed`). Each heartbeat asks the engine, on its MLX thread, which of the keys no
 running job holds are still cached (a short trie lookup of each key's first ``ANCHOR_TOKENS`` prompt tokens), and
 drops the rest; the bound (``MAX_KEYS``) drops the least recently used. The advertisement lives ``ttl`` (a few
-heartbeats): a stopped (or draining) worker removes it, and a dead or frozen one's lapses; CLAIM counts a holder
-live until then. A worker with a prefix cache is listed from its first heartbeat, even holding nothing: CLAIM
-leaves a job nobody holds to the live worker holding the fewest keys (for at most the same wait), so the
-conversations, and their work, spread over the fleet.
+heartbeats): a stopped (or draining) worker removes it, and a dead or frozen one's lapses; CLAIM counts an
+advertiser live until then. A worker with a prefix cache is listed from its first heartbeat, even advertising no
+key: CLAIM leaves a job whose key no worker has warm to the live advertiser of the fewest keys (for at most the
+same wait), so the conversations, and their work, spread over the fleet.
 
 A worker whose engine for a model is full (no free slot, or no KV headroom) says so
 (``Keys.affinity_full``): CLAIM then lets another worker take its keys' jobs at once rather than after the wait.
@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from mlxq.api.keys import Keys
-
-from .jobs.transitions import Affinity
+from mlxq.api.protocol.claim import Affinity
+from mlxq.api.protocol.keys import Keys
 
 __all__ = ["ANCHOR_TOKENS", "FULL_EVERY_S", "MAX_KEYS", "Advertiser", "Holdings", "Placements", "affinity_ttl_s"]
 
@@ -137,7 +136,7 @@ class Placements:
 
 
 class Advertiser:
-    """Writes a worker's holdings to Redis (``Keys.affinity_keys`` and ``Keys.affinity_holders``, per model):
+    """Writes a worker's holdings to Redis (``Keys.affinity_keys`` and ``Keys.affinity_advertisers``, per model):
     at once when a key is added, and every heartbeat after checking the cache; removes them at the stop."""
 
     def __init__(self, redis: Redis, keys: Keys, worker_id: str, ttl_s: float,
@@ -253,14 +252,14 @@ class Advertiser:
             self._full_written = self.full & set(changed)
 
     def _write_model(self, pipe: Redis, model: str, keys: list[str], now_ms: int) -> None:
-        own, holders = self.keys.affinity_keys(model, self.worker_id), self.keys.affinity_holders(model)
+        own, advertisers = self.keys.affinity_keys(model, self.worker_id), self.keys.affinity_advertisers(model)
         pipe.delete(own)
         if keys:
             pipe.sadd(own, *keys)
             pipe.pexpire(own, self.ttl_ms)
-        # listed even holding nothing: a live worker with fewer keys is the one to take a job nobody holds
-        pipe.zadd(holders, {self.worker_id: now_ms + self.ttl_ms})
-        pipe.pexpire(holders, self.ttl_ms)
+        # listed even advertising no key: a live worker with fewer keys is the one to take a job nobody has warm
+        pipe.zadd(advertisers, {self.worker_id: now_ms + self.ttl_ms})
+        pipe.pexpire(advertisers, self.ttl_ms)
 
     async def remove(self) -> None:
         """At the stop (or the drain's start): this worker takes no more jobs, so it advertises nothing from here
@@ -273,7 +272,7 @@ class Advertiser:
             async with self.redis.pipeline(transaction=True) as pipe:
                 for model in self.holdings:
                     pipe.delete(self.keys.affinity_keys(model, self.worker_id))
-                    pipe.zrem(self.keys.affinity_holders(model), self.worker_id)
+                    pipe.zrem(self.keys.affinity_advertisers(model), self.worker_id)
                     pipe.zrem(self.keys.affinity_full(model), self.worker_id)
                 await pipe.execute()
         except (RedisError, OSError) as exc:

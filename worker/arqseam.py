@@ -4,7 +4,8 @@ arq runs each worker process: its poll loop, ``max_jobs`` slots, health-check ke
 Claiming, running and ending a job are mlxq's own (worker/jobs/). What crosses this seam:
 
 - **Records**: a job is stored as arq's job record, an ended job's terminal event as arq's result record
-  (``api/jobrecord.py``), so :func:`arq_job` gives an ``arq.jobs.Job`` whose ``status()`` and ``result()`` work.
+  (``api/protocol/jobrecord.py``), so :func:`arq_job` gives an ``arq.jobs.Job`` whose ``status()`` and ``result()``
+  work.
 - **Claims**: ``Worker._poll_iteration`` asks ``Host.claim`` for up to the free slots instead of reading arq's
   queue; each claimed job runs in one of arq's slots.
 - **Wake-ups**: :func:`wake` makes the poll look at the queue now.
@@ -56,8 +57,8 @@ from mlxq.api.connection import (
     with_retries,
 )
 from mlxq.api.errors import AccessDenied, ConfigError, MlxqError, QueueUnavailable
-from mlxq.api.jobrecord import JOB_FUNCTION, load_record
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.jobrecord import JOB_FUNCTION, load_record
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import DEFAULT_TENANT
 
 __all__ = [

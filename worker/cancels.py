@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 
 __all__ = ["CancelWatcher"]
 

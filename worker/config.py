@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from mlxq.api.config import ClientConfig, ToolConfig
 from mlxq.api.errors import ConfigError
 from mlxq.api.gateway.config import GatewayConfig
-from mlxq.api.keys import DONE_TTL_S, LIVE_TTL_S, Keys
+from mlxq.api.protocol.keys import DONE_TTL_S, LIVE_TTL_S, Keys
 from mlxq.api.schema import job_bytes_limit
 from mlxq.api.settings import markdown, read, setting, shared
 

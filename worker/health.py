@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from mlxq.api.keys import REGISTRY_TTL_S, Keys
+from mlxq.api.protocol.keys import REGISTRY_TTL_S, Keys
 from mlxq.api.schema import WorkerStatus
 
 __all__ = ["HealthReporter", "TokenRate", "package_version"]

@@ -28,7 +28,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from mlxq.api.connection import redis_client
-from mlxq.api.jobrecord import Envelope, read_job
+from mlxq.api.protocol.claim import BelowShare, Due, DueEntry, EntryStatus, Outranking
+from mlxq.api.protocol.emit import LogTTL
+from mlxq.api.protocol.jobrecord import Envelope, read_job
 from mlxq.api.schema import DEFAULT_TENANT, ErrorCode, ModelState, WorkerStatus, is_terminal
 from mlxq.engine.core.request import RequestOutput
 from mlxq.engine.mlx.process import MLXLimits, mlx_process
@@ -42,7 +44,7 @@ from .health import HealthReporter, TokenRate, package_version
 from .jobs.prepare import BadRequest, Prepared, prepare
 from .jobs.run import Run, State
 from .jobs.table import RunTable
-from .jobs.transitions import BelowShare, Due, DueEntry, EntryStatus, LogTTL, Outranking, Transitions
+from .jobs.transitions import Transitions
 from .jobs.translate import output_events
 from .leases import LeaseKeeper
 from .metrics import Metrics

@@ -19,9 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mlxq.api.protocol.claim import Affinity
 from mlxq.api.schema import DoneEvent, ErrorEvent
-
-from .jobs.transitions import Affinity
 
 if TYPE_CHECKING:
     from .host import WorkerHost

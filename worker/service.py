@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from mlxq.api.protocol.claim import BelowShare, DueEntry, Outranking
 from mlxq.api.schema import PRIORITY_MAX, ModelState, ModelStatus
 from mlxq.engine.core.engine import Engine, Sink
 from mlxq.engine.core.request import EngineRequest
@@ -20,7 +21,6 @@ from mlxq.engine.mlx.loader import EngineOptions, LoadedModel, start_engine
 
 from .config import ServedModel, WorkerConfig
 from .jobs.model import ModelView
-from .jobs.transitions import BelowShare, DueEntry, Outranking
 
 __all__ = ["ModelService"]
 
@@ -153,7 +153,7 @@ class ModelService:
         waits for all of them (up to ``admit_wait_ms``) before its first step."""
         self.active.update((entry.rid, entry.attempt) for entry in entries)
         if entries and self.engine is not None:
-            tenants = [self.config.keys.queue_of(entry.queue)[1] for entry in entries]  # their requests' groups
+            tenants = [entry.tenant for entry in entries]  # their requests' groups
             self.engine.expect(len(entries), self.config.admit_wait_ms / 1000, tenants)
 
     def release(self, entry: DueEntry) -> None:

@@ -2,7 +2,7 @@
 
 A short poll period adds little latency but costs a Redis round trip (and GIL time next to the MLX threads)
 every few ms even when idle; a long one adds up to a period to every job's start. Producers publish a
-wake-up on ``<prefix>:wake:<model>`` with each burst of jobs (``api.enqueuer``), and this listener makes the
+wake-up on ``<prefix>:wake:<model>`` with each burst of jobs (``api.protocol.enqueuer``), and this listener makes the
 poll look at once (``worker.arqseam.wake``), so the poll period (``MLXQ_POLL_DELAY``) is only a fallback for
 lost wake-ups and producers that send none.
 """

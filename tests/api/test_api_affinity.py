@@ -9,7 +9,7 @@ import pytest
 
 from mlxq.api.affinity import KEY_HEX, PROMPT_CHARS, affinity_key
 from mlxq.api.errors import BadRequest
-from mlxq.api.jobrecord import job_record, read_job
+from mlxq.api.protocol.jobrecord import job_record, read_job
 from mlxq.api.schema import MAX_CACHE_KEY_CHARS, GenerateRequest
 
 pytestmark = pytest.mark.unit

@@ -16,7 +16,7 @@ import pytest
 import mlxq.api.client as client_mod
 from mlxq.api.client import Client
 from mlxq.api.errors import JobFailed, JobNotFound, WaitTimeout
-from mlxq.api.keys import CANCEL_TTL_S, log_entry_id
+from mlxq.api.protocol.keys import CANCEL_TTL_S, log_entry_id
 from mlxq.api.schema import (
     DoneEvent,
     ErrorCode,

@@ -18,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from mlxq.api.client import Client
 from mlxq.api.connection import denied, is_denied, is_transient
 from mlxq.api.errors import AccessDenied, ConfigError, NoWorker, UnexpectedPassword
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import ModelState, ModelStatus, WorkerStatus
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from mlxq.api.client import Client
 from mlxq.api.errors import JobFailed
 from mlxq.api.gateway.dashboard import create_dashboard_app
 from mlxq.api.history import EDGES_MS, percentile
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 from tests.api.gateway_support import PREFIX, Deployment, ServedGateway
 
 pytestmark = pytest.mark.e2e

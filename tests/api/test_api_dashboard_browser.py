@@ -22,7 +22,7 @@ import pytest
 from mlxq.api.client import Client
 from mlxq.api.config import ClientConfig
 from mlxq.api.gateway import GatewayConfig, create_app
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 from tests.api.gateway_support import ServedGateway
 from tests.support import RunningWorker, slow_steps, start_worker
 

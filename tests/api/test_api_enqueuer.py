@@ -1,4 +1,4 @@
-"""``api.enqueuer``: submits made together reach Redis in one round trip, each with its own outcome.
+"""``api.protocol.enqueuer``: submits made together reach Redis in one round trip, each with its own outcome.
 
 On the session's real Redis server (``redis_url`` empties it before each test).
 """
@@ -13,7 +13,7 @@ import redis.asyncio as aredis
 
 from mlxq.api.client import Client
 from mlxq.api.errors import DuplicateJob
-from mlxq.api.jobrecord import read_job
+from mlxq.api.protocol.jobrecord import read_job
 
 MODEL = "m"
 

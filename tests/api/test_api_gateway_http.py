@@ -26,7 +26,7 @@ import redis.asyncio as aredis
 from mlxq.api.client import Client
 from mlxq.api.errors import NoWorker
 from mlxq.api.gateway import GatewayConfig
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import ModelState, ModelStatus, WorkerStatus, image_data_url
 from mlxq.worker.tools.redis_server import RedisServer
 from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, deployment, post

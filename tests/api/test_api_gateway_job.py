@@ -18,7 +18,7 @@ from mlxq.api.client import Client
 from mlxq.api.errors import JobFailed
 from mlxq.api.gateway.errors import GatewayError
 from mlxq.api.gateway.job import JobStream
-from mlxq.api.keys import log_entry_id
+from mlxq.api.protocol.keys import log_entry_id
 from mlxq.api.schema import (
     DoneEvent,
     ErrorCode,

@@ -19,7 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from mlxq.api.client import Client
 from mlxq.api.connection import is_denied, is_transient, redact
 from mlxq.api.errors import AccessDenied, QueueUnavailable
-from mlxq.api.keys import Keys, log_entry_id
+from mlxq.api.protocol.keys import Keys, log_entry_id
 from mlxq.api.schema import DoneEvent, FinishReason, StartEvent, Timings, Usage
 from mlxq.worker.tools.redis_server import RedisServer, find_redis_server
 from tests.peers import PEERS, silent_peer

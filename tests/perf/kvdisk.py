@@ -262,7 +262,7 @@ def _record(url: str, prefix: str, pid: int) -> Any:
     """The worker's model in its health record (it beats every half second here)."""
     import redis
 
-    from mlxq.api.keys import Keys
+    from mlxq.api.protocol.keys import Keys
     from mlxq.api.schema import WorkerStatus
 
     keys, r = Keys(prefix), redis.Redis.from_url(url)

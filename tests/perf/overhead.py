@@ -85,8 +85,9 @@ async def _claims(url: str, jobs: int = 2000, per_claim: int = 8) -> float:
     import redis.asyncio as aredis
 
     from mlxq.api.client import Client
-    from mlxq.api.keys import Keys
-    from mlxq.worker.jobs.transitions import LogTTL, Transitions
+    from mlxq.api.protocol.emit import LogTTL
+    from mlxq.api.protocol.keys import Keys
+    from mlxq.worker.jobs.transitions import Transitions
 
     prefix = f"mlxq-overhead-{uuid.uuid4().hex[:6]}"
     keys = Keys(prefix)

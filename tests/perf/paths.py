@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlxq.api.client import Client
 from mlxq.api.connection import redis_client
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import DoneEvent, ErrorEvent
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.tools import bench

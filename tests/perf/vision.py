@@ -403,7 +403,7 @@ class _EngineVision:
         return cls(service, clock)
 
     async def run(self, jobs: list[tuple[str, str]], max_tokens: int) -> Run:
-        from mlxq.api.jobrecord import Envelope
+        from mlxq.api.protocol.jobrecord import Envelope
         from mlxq.worker.jobs.prepare import prepare
 
         service = self.service

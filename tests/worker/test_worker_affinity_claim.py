@@ -13,10 +13,12 @@ import redis.asyncio as aredis
 
 from mlxq.api.affinity import affinity_key
 from mlxq.api.client import Client
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.claim import Affinity, DueEntry, EntryStatus
+from mlxq.api.protocol.emit import LogTTL
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import GenerateRequest
 from mlxq.worker.affinity import Advertiser
-from mlxq.worker.jobs.transitions import Affinity, DueEntry, EntryStatus, LogTTL, Transitions
+from mlxq.worker.jobs.transitions import Transitions
 
 pytestmark = pytest.mark.e2e
 
@@ -99,7 +101,7 @@ async def test_a_lapsed_holder_is_dead_and_a_stopped_one_withdrew(client: Client
     await asyncio.sleep(0.01)
     started, _ = await claim(worker(r, "w1"), 1)
     assert [(e.rid, e.affinity) for e in started] == [(one, Affinity.NONE)]
-    assert await r.zcard(KEYS.affinity_holders(MODEL)) == 0  # CLAIM dropped the lapsed holder
+    assert await r.zcard(KEYS.affinity_advertisers(MODEL)) == 0  # CLAIM dropped the lapsed holder
     two = await submit(client, "two")
     stopped = await advertise(r, "stopped", "two")
     await stopped.remove()
@@ -224,7 +226,7 @@ async def test_the_advertisement_has_a_ttl_and_is_bounded(r: aredis.Redis) -> No
     members = {m.decode() for m in await r.smembers(KEYS.affinity_keys(MODEL, "w1"))}  # type: ignore[misc]
     assert members == {key_of(f"c{i}") for i in (2, 3, 4)}
     assert 0 < await r.pttl(KEYS.affinity_keys(MODEL, "w1")) <= 5000
-    assert 0 < await r.pttl(KEYS.affinity_holders(MODEL)) <= 5000
+    assert 0 < await r.pttl(KEYS.affinity_advertisers(MODEL)) <= 5000
     holdings.keep(holdings.idle(), [True, False, True])  # the cache evicted c3's prompt
     await adv.write()
     members = {m.decode() for m in await r.smembers(KEYS.affinity_keys(MODEL, "w1"))}  # type: ignore[misc]

@@ -25,7 +25,7 @@ import redis.asyncio as aredis
 from mlx_lm.generate import generate_step
 
 from mlxq.api.client import Client
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import DoneEvent, ErrorEvent, Event, FinishReason
 from mlxq.engine.core.prompt import encode_prompt
 from mlxq.worker.tools.process import WorkerProcess
@@ -251,7 +251,8 @@ async def test_soak_2000_jobs_leaves_redis_at_baseline_and_rss_flat(tiny_model: 
         # What a live worker keeps: its health records (its own and arq's), the set of workers, the epoch, and
         # its place among the model's prefix-affinity advertisers (listed holding nothing: it lapses with it).
         baseline = {b"mlxq:epoch", b"mlxq:workers", f"mlxq:worker:{status.id}".encode(),
-                    Keys().arq_health(socket.gethostname(), "tiny").encode(), Keys().affinity_holders("tiny").encode()}
+                    Keys().arq_health(socket.gethostname(), "tiny").encode(),
+                    Keys().affinity_advertisers("tiny").encode()}
         assert worker.proc is not None
         proc = psutil.Process(worker.proc.pid)
         async with Client(redis_url) as client:
@@ -277,7 +278,7 @@ async def test_soak_2000_jobs_leaves_redis_at_baseline_and_rss_flat(tiny_model: 
         history = {k for k in remaining if k.startswith(b"mlxq:hist:") or k == b"mlxq:recent"}
         assert all([0 < await r.ttl(k) <= 86_400 for k in history])
         assert await r.llen(b"mlxq:recent") <= 500
-        assert 0 < await r.pttl(Keys().affinity_holders("tiny")) <= 30_000
+        assert 0 < await r.pttl(Keys().affinity_advertisers("tiny")) <= 30_000
         assert remaining - buckets - history <= baseline, remaining - buckets - history - baseline
         assert rss_end <= rss_warm * 1.05
     finally:

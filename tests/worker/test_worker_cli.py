@@ -163,7 +163,7 @@ def test_cancel_and_events_of_an_unknown_job_say_so_in_one_line(redis_url: str) 
         assert one_line(proc).startswith("mlxq: job no-such-job is unknown"), proc.stderr
     import redis
 
-    from mlxq.api.keys import Keys
+    from mlxq.api.protocol.keys import Keys
 
     r = redis.Redis.from_url(redis_url)
     try:  # no cancel key for a job that does not exist (nor anything else: the server was empty)

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from mlxq.api.client import Client
 from mlxq.api.errors import BadRequest as ClientBadRequest
-from mlxq.api.jobrecord import JOB_FUNCTION, job_record, read_job
+from mlxq.api.protocol.jobrecord import JOB_FUNCTION, job_record, read_job
 from mlxq.api.schema import (
     MAX_MESSAGES,
     MAX_PROMPT_CHARS,

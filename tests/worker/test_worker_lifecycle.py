@@ -11,14 +11,16 @@ from typing import Any
 import pytest
 import redis.asyncio as aredis
 
-from mlxq.api.jobrecord import JOB_FUNCTION, job_record, read_job
-from mlxq.api.keys import Keys, queue_score
+from mlxq.api.protocol.claim import EntryStatus, Outranking
+from mlxq.api.protocol.emit import LogTTL, Write
+from mlxq.api.protocol.jobrecord import JOB_FUNCTION, job_record, read_job
+from mlxq.api.protocol.keys import Keys, queue_score
 from mlxq.api.schema import DoneEvent, ErrorCode, Event, FinishReason, StartEvent, TokenEvent, decode_event
 from mlxq.engine.core.request import FinishReason as EngineFinish
 from mlxq.engine.core.request import RequestOutput
 from mlxq.worker.jobs.run import Run, State, Wire
 from mlxq.worker.jobs.table import RunTable
-from mlxq.worker.jobs.transitions import EntryStatus, LogTTL, Outranking, Record, Transitions, Write
+from mlxq.worker.jobs.transitions import Record, Transitions
 
 KEYS = Keys("lc-test")
 QUEUE = KEYS.queue("m")
@@ -429,7 +431,7 @@ def test_a_runs_time_queued_ends_when_the_step_that_admitted_it_ended_not_when_i
 
 # --- expiry of queued jobs -------------------------------------------------------------------------------
 async def test_a_queued_job_expires_once_and_one_started_meanwhile_does_not(redis_url: str) -> None:
-    from mlxq.api.keys import deadline_member
+    from mlxq.api.protocol.keys import deadline_member
 
     r = aredis.Redis.from_url(redis_url)
     try:

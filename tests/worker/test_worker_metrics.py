@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mlxq.api.client import Client
 from mlxq.api.errors import JobFailed
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import ErrorCode, ErrorEvent
 from tests.support import config_with, free_port, start_worker, wait_for
 

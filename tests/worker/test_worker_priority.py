@@ -122,7 +122,7 @@ async def test_priority_moves_a_job_in_its_queue_without_shortening_its_keys_ttl
     import redis.asyncio as aredis
 
     from mlxq.api.client import JOB_TTL_MS
-    from mlxq.api.keys import Keys, queue_score
+    from mlxq.api.protocol.keys import Keys, queue_score
 
     keys, queue = Keys(), Keys().queue("ghost")  # nobody serves it: the jobs stay queued
     t0 = time.monotonic()

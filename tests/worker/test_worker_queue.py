@@ -14,7 +14,7 @@ import redis.asyncio as aredis
 from mlxq.api.client import Client
 from mlxq.api.errors import BadRequest, JobFailed
 from mlxq.api.history import RECENT_KEPT
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, GenerateRequest, decode_event
 from mlxq.engine.core.prompt import encode_prompt
 from tests.support import (
@@ -288,8 +288,8 @@ async def test_arq_sees_a_finished_job_as_complete_with_its_terminal_event(worke
     from arq.jobs import Job as ArqJob
     from arq.jobs import JobStatus
 
-    from mlxq.api.jobrecord import JOB_FUNCTION
-    from mlxq.api.keys import Keys
+    from mlxq.api.protocol.jobrecord import JOB_FUNCTION
+    from mlxq.api.protocol.keys import Keys
     from mlxq.worker.arqseam import arq_job
 
     result = await client.generate(model="tiny", prompt="Hello world", max_tokens=6, timeout=60)
@@ -564,7 +564,7 @@ async def test_two_deployments_share_one_redis_without_sharing_ids_or_keys(worke
     # submit(id=X) raised DuplicateJob because the other had used X.
     from arq.jobs import JobStatus
 
-    from mlxq.api.keys import Keys
+    from mlxq.api.protocol.keys import Keys
     from mlxq.worker.arqseam import arq_job
 
     workers = [await start_worker(config_with(worker_config, prefix=p)) for p in ("alpha", "beta")]

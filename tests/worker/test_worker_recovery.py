@@ -18,7 +18,7 @@ import pytest
 import redis.asyncio as aredis
 
 from mlxq.api.client import Client
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import DoneEvent, ErrorCode, ErrorEvent, Event, FinishReason, StartEvent
 from mlxq.worker.arqseam import arq_job
 from mlxq.worker.tools.process import WorkerProcess

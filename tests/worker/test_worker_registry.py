@@ -14,7 +14,7 @@ import redis.asyncio as aredis
 from mlxq.api.client import Client
 from mlxq.api.config import ClientConfig
 from mlxq.api.errors import NoWorker, QueueFull
-from mlxq.api.keys import Keys, deadline_member
+from mlxq.api.protocol.keys import Keys, deadline_member
 from mlxq.api.schema import DoneEvent, ErrorCode, ErrorEvent, FinishReason, ModelState
 from tests.support import RunningWorker, config_with, start_worker
 

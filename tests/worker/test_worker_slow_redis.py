@@ -15,7 +15,7 @@ import pytest
 
 from mlxq.api.client import Client
 from mlxq.api.errors import QueueUnavailable
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import decode_event, is_terminal
 from mlxq.worker.config import WorkerConfig
 from mlxq.worker.tools.redis_server import RedisServer

@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aredis
 
 from mlxq.api.client import Client
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.status import collect, render
 from mlxq.worker.health import package_version
 from mlxq.worker.tools.process import WorkerProcess

@@ -18,10 +18,12 @@ from mlxq.api import tenants
 from mlxq.api.cli import main
 from mlxq.api.client import Client
 from mlxq.api.errors import BadRequest, JobFailed, QueueFull
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.claim import BelowShare, EntryStatus, Outranking
+from mlxq.api.protocol.emit import LogTTL, Write
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import ErrorCode, FinishReason
 from mlxq.worker.jobs.run import Run
-from mlxq.worker.jobs.transitions import BelowShare, EntryStatus, LogTTL, Outranking, Record, Transitions, Write
+from mlxq.worker.jobs.transitions import Record, Transitions
 from tests.support import RunningWorker, config_with, free_port, start_worker
 from tests.worker.test_worker_metrics import scrape, value
 

@@ -12,7 +12,7 @@ import redis.asyncio as aredis
 
 from mlxq.api import tenants
 from mlxq.api.client import Client
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import DoneEvent
 from tests.support import config_with, start_worker
 

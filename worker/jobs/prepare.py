@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from mlxq.api.errors import describe
-from mlxq.api.jobrecord import Envelope
+from mlxq.api.protocol.jobrecord import Envelope
 from mlxq.api.schema import GenerateRequest
 from mlxq.engine.core.request import EngineRequest
 from mlxq.engine.mlx.constrain import GrammarError

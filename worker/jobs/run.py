@@ -90,7 +90,7 @@ class Run:
     epoch: str = ""  # the deployment's epoch when the run started
     model: str = ""
     enqueue_ms: int = 0
-    tenant: str = DEFAULT_TENANT  # whose job it is (its queue says: api.keys.Keys.queue_of)
+    tenant: str = DEFAULT_TENANT  # whose job it is (its queue says: api.protocol.keys.Keys.queue_of)
     state: State = State.RUNNING
     prompt_tokens: int = 0
     completion_tokens: int = 0

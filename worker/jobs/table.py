@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
+from mlxq.api.protocol.emit import Write
+from mlxq.api.protocol.upkeep import Lapsed, Lost
 from mlxq.api.schema import TERMINAL_TYPES, ErrorCode, FinishReason
 from mlxq.engine.core.request import RequestOutput, coalesce
 
 from .run import Run, State, Wire
-from .transitions import Lapsed, Lost, Record, Transitions, Write
+from .transitions import Record, Transitions
 
 if TYPE_CHECKING:
     from ..service import ModelService

@@ -18,7 +18,7 @@ import redis
 import redis.sentinel
 
 from mlxq.api.connection import sentinel_url
-from mlxq.api.keys import Keys
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import ModelState, WorkerStatus
 
 __all__ = ["GatewayProcess", "WorkerProcess"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,57 +19,11 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import NoScriptError, ResponseError
 
-from .tenants import LUA_QUEUE_OF
+from .producer import ENQUEUE
 
-__all__ = ["ENQUEUE", "Enqueuer"]
+__all__ = ["Enqueuer"]
 
-# One round trip: refuse a reused id or a full queue, store the job record, queue it on its tenant's queue (and
-# its expiry), mark the tenant backlogged for the model, and wake the model's workers. KEYS: job record, result
-# record, the tenant's queue, deadlines, the model's backlog set, the tenant's policy. ARGV: id, job record, TTL
-# ms, wake channel ("" for none: a burst sent together wakes them once, from its last job, even if that job is
-# refused), score, most jobs queued for the model, all tenants (0: no cap), expiry ms (0: none), deadline member,
-# tenant, prefix, model. Returns 1 (queued), 0 (the id is taken), -1 (the model's queue is full) or -2 (the
-# tenant's max_queued is reached). The same record stored already is this submit's own earlier try (its reply
-# was lost): success again. The queue, the backlog set and the deadlines live as long as a job record after the
-# last enqueue. A tenant new to the backlog gets no credit for its idle time (worker/jobs/transitions.py: its
-# virtual work is lifted to the floor). The model's cap sums the backlogged tenants' queues (a producer's cost,
-# not a claim's).
-ENQUEUE = LUA_QUEUE_OF + """
-if ARGV[4] ~= '' then redis.call('PUBLISH', ARGV[4], '1') end
-local stored = redis.call('GET', KEYS[1])
-if stored then return stored == ARGV[2] and 1 or 0 end
-if redis.call('EXISTS', KEYS[2]) > 0 then return 0 end
-local own = redis.call('ZCARD', KEYS[3])
-local cap = tonumber(redis.call('HGET', KEYS[6], 'max_queued') or '0')
-if cap and cap > 0 and own >= cap then return -2 end
-if ARGV[6] ~= '0' then
-  local total, seen = own, {[ARGV[9]] = true}
-  for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do
-    if not seen[t] then
-      seen[t] = true
-      total = total + redis.call('ZCARD', queue_of(ARGV[10], ARGV[11], t))
-    end
-  end
-  if not seen['default'] then total = total + redis.call('ZCARD', queue_of(ARGV[10], ARGV[11], 'default')) end
-  if total >= tonumber(ARGV[6]) then return -1 end
-end
-redis.call('PSETEX', KEYS[1], ARGV[3], ARGV[2])
-redis.call('ZADD', KEYS[3], ARGV[5], ARGV[1])
-redis.call('PEXPIRE', KEYS[3], ARGV[3])
-if redis.call('SADD', KEYS[5], ARGV[9]) == 1 then  -- back from idle: its fair share starts at the floor
-  local share = ARGV[10] .. ':share:' .. ARGV[11]
-  local acct = redis.call('HMGET', share, ARGV[9], '~floor')
-  if tonumber(acct[2] or '0') > tonumber(acct[1] or '0') then redis.call('HSET', share, ARGV[9], acct[2]) end
-end
-redis.call('PEXPIRE', KEYS[5], ARGV[3])
-if ARGV[7] ~= '0' then
-  redis.call('ZADD', KEYS[4], ARGV[7], ARGV[8])
-  redis.call('PEXPIRE', KEYS[4], ARGV[3])
-end
-return 1
-"""
-
-_WAKE = 3  # ENQUEUE's argument naming the wake channel
+_WAKE = ENQUEUE.layout.index("wake_channel")  # a burst wakes each model once, from its last job
 
 
 @dataclass(slots=True)
@@ -85,7 +38,7 @@ class Enqueuer:
 
     def __init__(self, redis: Redis) -> None:
         self.pool = redis.connection_pool  # its settings (address, timeouts, retries) make our connection
-        self.sha = hashlib.sha1(ENQUEUE.encode()).hexdigest()
+        self.sha = ENQUEUE.sha
         self.round_trips = 0  # pipelines sent (tests and benchmarks read it)
         self._pending: list[_Call] = []
         self._sending: list[_Call] = []  # the calls of the pipeline in flight
@@ -152,7 +105,7 @@ class Enqueuer:
         results = await self._evalsha(calls)
         lost = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
         if lost:  # Redis restarted or flushed its scripts: load once, run the refused calls again
-            await self._exchange([("SCRIPT", "LOAD", ENQUEUE)])
+            await self._exchange([("SCRIPT", "LOAD", ENQUEUE.source)])
             for i, r in zip(lost, await self._evalsha([calls[i] for i in lost])):
                 results[i] = r
         return results

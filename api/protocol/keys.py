@@ -8,15 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schema import DEFAULT_TENANT, PRIORITY_MIN
+from ..schema import DEFAULT_TENANT, PRIORITY_MIN
 
-__all__ = ["Keys"]
+__all__ = ["QUEUE_NAMES", "Keys"]
 
 # TTLs, in seconds.
 LIVE_TTL_S = 600  # replay log while a job runs (refreshed on every write)
 DONE_TTL_S = 300  # replay log after its terminal event
 CANCEL_TTL_S = 3600
 REGISTRY_TTL_S = 86_400  # the set of workers, refreshed by every heartbeat
+
+# The queue-name format, written once: the default tenant's queue of a model is ``<prefix>:<QUEUE_PART>:<model>``
+# (arq's queue), another tenant's ``<prefix>:<TENANT_QUEUE_PART>:<tenant>:<model>``. :class:`Keys` builds and
+# parses names from these parts in Python, ``lua/queues.lua`` in the scripts (every script's prologue declares
+# them: api.protocol.scripts).
+QUEUE_NAMES: dict[str, str] = {"QUEUE_PART": "queue", "TENANT_QUEUE_PART": "tqueue", "DEFAULT_TENANT": DEFAULT_TENANT}
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +36,12 @@ class Keys:
         (``<prefix>:queue:<model>``), another's ``<prefix>:tqueue:<tenant>:<model>`` (a tenant name holds no
         ``:``, so the name says both). Workers serving ``model`` claim from all of them."""
         if tenant == DEFAULT_TENANT:
-            return f"{self.prefix}:queue:{model}"
-        return f"{self.prefix}:tqueue:{tenant}:{model}"
+            return f"{self.prefix}:{QUEUE_NAMES['QUEUE_PART']}:{model}"
+        return f"{self.tenant_queues()}{tenant}:{model}"
 
     def tenant_queues(self) -> str:
         """What the name of every tenant's queue (but the default tenant's) starts with."""
-        return f"{self.prefix}:tqueue:"
+        return f"{self.prefix}:{QUEUE_NAMES['TENANT_QUEUE_PART']}:"
 
     def queue_of(self, queue: str) -> tuple[str, str]:
         """The model and tenant a queue name (of :meth:`queue`) belongs to."""
@@ -43,19 +49,19 @@ class Keys:
         if queue.startswith(tq):
             tenant, _, model = queue[len(tq):].partition(":")
             return model, tenant
-        return queue.removeprefix(f"{self.prefix}:queue:"), DEFAULT_TENANT
+        return queue.removeprefix(self.queue("")), DEFAULT_TENANT
 
     def backlog(self, model: str) -> str:
         """Set of the tenants that may have ``model``'s jobs queued (ENQUEUE and hand-backs add, CLAIM trims)."""
         return f"{self.prefix}:backlog:{model}"
 
-    def affinity_holders(self, model: str) -> str:
+    def affinity_advertisers(self, model: str) -> str:
         """Zset of the workers advertising ``model``'s affinity keys, scored by when their advertisement lapses
-        (ms): CLAIM counts a holder live until then (api/affinity.py, worker/affinity.py)."""
+        (ms): CLAIM counts an advertiser live until then (api/affinity.py, worker/affinity.py)."""
         return f"{self.prefix}:affholders:{model}"
 
     def affinity_keys(self, model: str, worker_id: str) -> str:
-        """Set of the affinity keys whose prompts ``worker_id``'s prefix cache for ``model`` holds (with a TTL)."""
+        """Set of the affinity keys whose prompts ``worker_id``'s prefix cache for ``model`` has warm (with a TTL)."""
         return f"{self.prefix}:affkeys:{model}:{worker_id}"
 
     def affinity_full(self, model: str) -> str:
@@ -106,6 +112,10 @@ class Keys:
     def job(self, rid: str) -> str:
         """The job as enqueued (arq's job record: the request inside arq's envelope)."""
         return f"{self.prefix}:{{{rid}}}:job"
+
+    def response(self, rid: str) -> str:
+        """The stored Responses-API response of job ``rid`` (api/responses.py): a hash in the job's hash slot."""
+        return f"{self.prefix}:{{{rid}}}:response"
 
     def result(self, rid: str) -> str:
         """arq's result record of an ended job (its terminal event), kept ``MLXQ_KEEP_RESULT`` seconds."""
@@ -177,8 +187,3 @@ def log_entry_id(seq: int) -> str:
     """Stream entry id of event ``seq``: explicit ids make replay-from-seq a plain XRANGE."""
     return f"{seq}-1"
 
-
-def seq_of_entry_id(entry_id: bytes | str) -> int:
-    """Inverse of :func:`log_entry_id`."""
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return int(text.split("-", 1)[0])
