@@ -15,6 +15,7 @@ from mlxq.engine.core.scheduler import Scheduler
 from mlxq.engine.mlx.batch import MLXBatch
 from mlxq.engine.mlx.memory import measure_layout
 from tests.engine.fakes import Run
+from tests.engine.real import drive
 from tests.support import reference, reference_text
 
 pytestmark = pytest.mark.unit
@@ -40,14 +41,6 @@ def make(lm: Any, stream: mx.Stream, capacity: int, *, caches: bool = True, pref
     memory = KVBudget(headroom, measure_layout(model)) if headroom is not None else None
     return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer, memory=memory)
 
-
-def drive(s: Scheduler, run: Run, stream: mx.Stream, until: Any = None) -> None:
-    with mx.stream(stream):
-        for _ in range(2000):
-            if not s.has_work or (until is not None and until()):
-                return
-            run.step(s)
-    raise AssertionError("did not finish")
 
 
 def words(tokenizer: Any, n: int, seed: int = 0) -> list[int]:

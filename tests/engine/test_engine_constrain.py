@@ -27,6 +27,7 @@ from mlxq.engine.mlx.constrain import (
     vocab_size,
 )
 from tests.engine.fakes import Run
+from tests.engine.real import drive
 
 pytestmark = pytest.mark.unit
 
@@ -103,20 +104,12 @@ def request(lm: Any, rid: str, grammar: Grammar | None, max_tokens: int = 160, s
                          format=grammar)
 
 
-def drive(s: Scheduler, run: Run, stream: mx.Stream, until: Any = None) -> None:
-    with mx.stream(stream):
-        for _ in range(3000):
-            if not s.has_work or (until is not None and until()):
-                return
-            run.step(s)
-    raise AssertionError("did not finish")
-
 
 def generate(lm: Any, stream: mx.Stream, reqs: list[EngineRequest], capacity: int = 8) -> Run:
     s, run = scheduler(lm, stream, capacity), Run()
     for r in reqs:
         s.add(r)
-    drive(s, run, stream)
+    drive(s, run, stream, steps=3000)
     return run
 
 
@@ -209,7 +202,7 @@ def test_a_constrained_row_preempted_and_resumed_goes_on_exactly(lm: Any, stream
     s.add(request(lm, "low", grammar))
     drive(s, run, stream, until=lambda: len(run.tokens("low")) >= 12)
     s.add(request(lm, "high", grammar, seed=3, priority=5))  # preempts "low", started at once
-    drive(s, run, stream)
+    drive(s, run, stream, steps=3000)
     assert s.stats.preemptions == 1 and s.stats.started_at_once == 1
     assert run.tokens("low") == plain.tokens("low")
     Order.model_validate_json(run.text("high"))
@@ -274,7 +267,7 @@ def test_every_token_of_a_constrained_row_is_sampled_by_the_batchs_masked_step(
     r = request(lm, "r", grammars.compile(schema_format(Order)), max_tokens=6)
     run = Run()
     s.add(r)
-    drive(s, run, stream)
+    drive(s, run, stream, steps=3000)
     tokens = run.tokens("r")
     assert len(tokens) == 6 and run.final("r").finish is FinishReason.LENGTH
     assert filled[0] == r.prompt_tokens[-1:]  # the step that sampled the first token fed the prompt's last

@@ -22,6 +22,7 @@ from mlxq.engine.mlx.loader import EngineOptions, load_model, start_engine
 from mlxq.engine.mlx.prefix.cache import PrefixCache
 from mlxq.worker.tools.tinymodel import FAMILIES, corpus, ensure_model
 from tests.engine.fakes import Run
+from tests.engine.real import drive
 from tests.support import reference, reference_text
 
 pytestmark = pytest.mark.unit
@@ -84,14 +85,6 @@ def scheduler(ours: Any, stream: mx.Stream, capacity: int = 4, prefix: PrefixCac
                      prefill_step_size=PREFILL_STEP, stream=stream)
     return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer, prefix_cache=prefix)
 
-
-def drive(s: Scheduler, run: Run, stream: mx.Stream, until: Any = None) -> None:
-    with mx.stream(stream):
-        for _ in range(2000):
-            if not s.has_work or (until is not None and until()):
-                return
-            run.step(s)
-    raise AssertionError("did not finish")
 
 
 def words(tokenizer: Any, n: int, seed: int = 0) -> list[int]:

@@ -18,6 +18,7 @@ from mlxq.engine.mlx.batch import MLXBatch
 from mlxq.engine.mlx.memory import measure_layout
 from mlxq.engine.mlx.prefix.cache import PrefixCache
 from tests.engine.fakes import Run, ToyCache
+from tests.engine.real import drive
 from tests.support import reference
 
 pytestmark = pytest.mark.unit
@@ -43,14 +44,6 @@ def make(lm: Any, stream: mx.Stream, prefix: PrefixCache | None, capacity: int =
                      stream=stream)
     return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer, prefix_cache=prefix)
 
-
-def drive(s: Scheduler, run: Run, stream: mx.Stream, until: Any = None) -> None:
-    with mx.stream(stream):
-        for _ in range(2000):
-            if not s.has_work or (until is not None and until()):
-                return
-            run.step(s)
-    raise AssertionError("did not finish")
 
 
 def chat(lm: Any, question: str) -> EngineRequest:
