@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..config import ClientConfig
 from ..errors import ConfigError
-from ..schema import TENANT_PATTERN
+from ..schema import MAX_TOKENS_CEILING, TENANT_PATTERN
 from ..settings import read, setting
 
 __all__ = ["GatewayConfig"]
@@ -20,7 +20,9 @@ DEFAULT_PORT = 8000
 # The largest job workers read with their default limits (MLXQ_MAX_PAYLOAD_BYTES, and room for MLXQ_MAX_IMAGES
 # images of MLXQ_MAX_IMAGE_BYTES each): a bigger body could not be queued. From the environment, the limits set.
 DEFAULT_MAX_BODY_BYTES = ClientConfig().max_job_bytes
-DEFAULT_MAX_TOKENS = 512  # when a request names none (OpenAI's may not): mlx_lm.server's default
+# When a request names none (OpenAI's may not): no cap of the gateway's, as OpenAI's API serves it; the worker
+# lowers it to what fits the context after the prompt, and to its MLXQ_MAX_TOKENS.
+DEFAULT_MAX_TOKENS = MAX_TOKENS_CEILING
 
 
 def _keys(name: str, raw: str) -> frozenset[str]:
@@ -55,7 +57,9 @@ class GatewayConfig:
                                         "their defaults")
     default_max_tokens: int = setting("MLXQ_GATEWAY_MAX_TOKENS", DEFAULT_MAX_TOKENS, "the most max_tokens "
                                       "of an OpenAI request that names none (the worker lowers it to what fits "
-                                      "the context)", minimum=1)
+                                      "the context)", minimum=1,
+                                      shown="unset: no cap (what fits the context, up to the workers' "
+                                            "MLXQ_MAX_TOKENS)")
     client: ClientConfig = field(default_factory=ClientConfig)
 
     @classmethod
