@@ -366,11 +366,13 @@ async def _tenants(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([t.to_json() for t in found], indent=2))
     elif not found:
-        print("no tenants with a policy, jobs queued or running (every tenant has the default policy: weight 1, "
-              "no caps)")
+        print("no tenants with a policy, jobs queued or running, or tokens over the last minute (every tenant has "
+              "the default policy: weight 1, no caps)")
     else:
         print("\n".join(tenant_table(found)))
-        print("(* no policy entry: the default policy; policies live in Redis: a Redis restarted empty loses them)")
+        if not all(t.named for t in found):
+            print("(* no policy entry: the default policy; policies live in Redis: a Redis restarted empty loses "
+                  "them)")
     return EXIT_OK
 
 

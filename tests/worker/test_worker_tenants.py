@@ -261,6 +261,26 @@ async def test_tenants_lists_policy_and_live_use(client: Client, r: aredis.Redis
         await tenants.store(r, KEYS, "acme", weight=0)
 
 
+async def test_an_idle_tenant_with_no_policy_is_listed_while_its_tokens_count_and_shares_sum_to_one(
+        client: Client, r: aredis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    await tenants.store(r, KEYS, "acme", weight=2)
+    await fill(client, "acme", 1)
+    await fill(client, "globex", 1)  # no policy entry; idle once its job ends
+    t = worker(r)
+    for run in await claim(t, 2):
+        await end(t, run, 10, 10)
+    assert await r.hlen(KEYS.tenants_running()) == 0  # type: ignore[misc]  # nobody queued or running
+    use = {u.name: u for u in await tenants.use(r, KEYS, {})}
+    assert sorted(use) == ["acme", "globex"] and not use["globex"].named
+    assert use["globex"].tokens_per_minute == pytest.approx(20, abs=1)
+    assert sum(u.share for u in use.values()) == pytest.approx(1.0)
+    monkeypatch.setenv("MLXQ_REDIS_URL", redis_url)
+    assert await asyncio.to_thread(main, ["tenants"]) == 0  # the command runs its own event loop
+    out = capsys.readouterr().out
+    assert "globex*" in out and "(* no policy entry" in out
+
+
 async def test_shared_keys_have_a_ttl_and_an_idle_model_leaves_only_its_token_buckets(client: Client,
                                                                                       r: aredis.Redis) -> None:
     await fill(client, "acme", 1)  # one job: its end empties the running counts, then charges it
@@ -319,7 +339,8 @@ def test_mlxq_tenants_sets_lists_and_removes_a_policy(redis_url: str, monkeypatc
     (acme,) = json.loads(capsys.readouterr().out)
     assert acme["name"] == "acme" and acme["policy"] == {"weight": 3.0, "max_running": 2, "max_queued": 50,
                                                          "tokens_per_minute": 0}
-    assert main(["tenants"]) == 0 and "acme" in capsys.readouterr().out
+    out = (main(["tenants"]), capsys.readouterr().out)
+    assert out[0] == 0 and "acme" in out[1] and "no policy entry" not in out[1]  # no row has a *: no footnote
     assert main(["status", "--json"]) == 0
     assert [t["name"] for t in json.loads(capsys.readouterr().out)["tenants"]] == ["acme"]
     assert main(["tenants", "rm", "acme"]) == 0
