@@ -31,12 +31,13 @@ from .gateway.config import GatewayConfig
 from .schema import ChatMessage, DoneEvent, ErrorEvent, GenerateRequest
 from .settings import help_text
 
-__all__ = ["EXIT_FAILED", "EXIT_NO_WORKER", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = ["EXIT_CANNOT_LISTEN", "EXIT_FAILED", "EXIT_NO_WORKER", "EXIT_OK", "EXIT_USAGE", "main"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the job failed or timed out, an unknown job, Redis unreachable or refusing, unhealthy
 EXIT_USAGE = 2  # a bad request, option or configuration value; a missing extra or tool
 EXIT_NO_WORKER = 3  # no live worker serves the model
+EXIT_CANNOT_LISTEN = 4  # gateway, dashboard: the address is in use (or not this host's), or the server did not start
 EXIT_INTERRUPTED = 130
 
 # Each command's variables, made from their declarations (api/settings.py).
@@ -60,6 +61,7 @@ _EXITS = {
         f"1    the job ended with an error or timed out; an unknown job; {_REDIS_DOWN}; unhealthy",
         f"{_BAD_CONFIG}; a missing extra or tool (demo: no redis-server)",
         "3    no live worker serves the model (submit, unless --queue-anyway)",
+        "4    gateway, dashboard: the address is in use (or not this host's), or the server did not start",
     ],
     "submit": [
         "0    the job ended done (stop, length or cancelled); with --no-wait, it was queued",
@@ -82,9 +84,9 @@ _EXITS = {
     "gateway": ["0    stopped by SIGINT/SIGTERM after a clean shutdown (uvicorn then re-raises the signal: a shell "
                 "sees 130 or 143)",
                 "2    a bad option or configuration value; the gateway extra is missing",
-                "3    it could not start (e.g. the address is in use)"],
+                "4    it could not listen (the address is in use, or not this host's) or start"],
     "dashboard": ["0    stopped by SIGINT/SIGTERM", "2    a bad option or configuration value; the gateway extra "
-                  "is missing", "3    it could not start (e.g. the address is in use)"],
+                  "is missing", "4    it could not listen (the address is in use, or not this host's) or start"],
     "bench": ["0    the results were written", "1    a run failed (the line says which)",
               "2    a bad option; the worker or bench extra is missing"],
 }
@@ -292,7 +294,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
     try:
         from .gateway.dashboard import create_dashboard_app
-        from .gateway.server import serve
+        from .gateway.server import CannotListen, serve
     except ImportError as exc:
         if (exc.name or "").split(".")[0] not in _GATEWAY_NEEDS:
             raise
@@ -300,9 +302,12 @@ def _gateway(args: argparse.Namespace) -> int:
     config = GatewayConfig.from_env()
     config = replace(config, host=config.host if args.host is None else args.host,
                      port=config.port if args.port is None else args.port)  # --port 0: any free port
-    if args.command == "dashboard":
-        return serve(config, log_level=args.log_level, app=create_dashboard_app(config))
-    return serve(config, workers=args.workers, log_level=args.log_level)
+    try:
+        if args.command == "dashboard":
+            return serve(config, log_level=args.log_level, app=create_dashboard_app(config))
+        return serve(config, workers=args.workers, log_level=args.log_level)
+    except CannotListen as exc:
+        return _fail(args, exc, EXIT_CANNOT_LISTEN)
 
 
 async def _producer_command(args: argparse.Namespace, config: ClientConfig) -> int:

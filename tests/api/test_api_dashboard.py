@@ -219,6 +219,8 @@ async def test_mlxq_dashboard_serves_the_same_app_alone(served: tuple[Deployment
     try:
         async with httpx.AsyncClient(base_url=alone.url, timeout=30) as h:
             assert (await h.get("/dashboard")).status_code == 200
+            home = await h.get("/", follow_redirects=True)  # the address `mlxq dashboard` prints
+            assert home.status_code == 200 and home.url.path == "/dashboard" and "<html" in home.text.lower()
             data = (await h.get("/dashboard/api/overview", headers=key(READER))).json()
             assert [m["name"] for m in data["models"] if m["served"]] == ["tiny"] and data["admin"] is False
             assert (await h.post("/v1/completions", json={})).status_code == 404  # the dashboard, no API
