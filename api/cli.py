@@ -17,8 +17,9 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from .config import ClientConfig, ToolConfig
 from .errors import BadRequest, ConfigError, JobFailed, MlxqError, NoWorker, describe, elsewhere_hint, install_hint
 from .gateway.config import GatewayConfig
 from .schema import ChatMessage, DoneEvent, ErrorEvent, GenerateRequest
-from .settings import help_text
+from .settings import help_text, names, undeclared
 
 __all__ = ["EXIT_CANNOT_LISTEN", "EXIT_FAILED", "EXIT_NO_WORKER", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -220,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for line in _undeclared(os.environ):
+        print(f"mlxq: warning: {line}", file=sys.stderr)
     try:
         return _run(args)
     except KeyboardInterrupt:
@@ -235,6 +238,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"mlxq: internal error: {exc!r} (run with --debug for the traceback)", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _undeclared(env: Mapping[str, str]) -> list[str]:
+    """Warnings for the ``MLXQ_*`` variables no side declares. The producer side's names first; only where one
+    is not among them, every side's (an environment shared with workers holds theirs), through the ``settings``
+    entry point, as the tools are found. A producer-only install, which cannot tell a worker's variable from a
+    typo, says nothing."""
+    known = names([ClientConfig, GatewayConfig, ToolConfig])
+    if not undeclared(env, known):
+        return []
+    found = [ep for ep in importlib.metadata.entry_points(group=TOOLS) if ep.name == "settings"]
+    try:
+        groups = found[0].load() if found else ()
+    except ImportError:
+        groups = ()
+    return undeclared(env, names(cls for _, cls in groups)) if groups else []
 
 
 def _fail(args: argparse.Namespace, exc: Exception, status: int) -> int:
