@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from .client import Client
 from .config import ClientConfig, ToolConfig
 from .errors import BadRequest, ConfigError, JobFailed, MlxqError, NoWorker, describe, elsewhere_hint, install_hint
-from .gateway.config import GatewayConfig
+from .gateway.config import GatewayConfig, max_tokens_fields
 from .schema import ChatMessage, DoneEvent, ErrorEvent, GenerateRequest
 from .settings import help_text, names, undeclared
 
@@ -115,7 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the prompt (a raw prompt, or the user message with --chat); '-' reads standard input")
     s.add_argument("--file", type=Path, default=None, help="read the prompt from this file")
     s.add_argument("--model", required=True, help="model name: a worker's MLXQ_MODEL_NAME (or MLXQ_MODEL)")
-    s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    s.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: what fits the "
+                   "model's context after the prompt, up to the workers' MLXQ_MAX_TOKENS, as the gateway serves a "
+                   "request naming none)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     s.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
@@ -439,9 +441,9 @@ def _request(args: argparse.Namespace) -> GenerateRequest:
         raise BadRequest("--system needs --chat")
     try:
         return GenerateRequest(
-            model=args.model, prompt=None if args.chat else text, messages=messages, max_tokens=args.max_tokens,
-            temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop, priority=args.priority,
-            expires_in=args.expires_in, tenant=args.tenant,
+            model=args.model, prompt=None if args.chat else text, messages=messages,
+            **max_tokens_fields(args.max_tokens), temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+            stop=args.stop, priority=args.priority, expires_in=args.expires_in, tenant=args.tenant,
         )
     except ValidationError as exc:
         raise BadRequest(describe(exc)) from None

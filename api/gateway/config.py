@@ -7,13 +7,14 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..config import ClientConfig
 from ..errors import ConfigError
 from ..schema import MAX_TOKENS_CEILING, TENANT_PATTERN
 from ..settings import read, setting
 
-__all__ = ["GatewayConfig"]
+__all__ = ["GatewayConfig", "max_tokens_fields"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -23,6 +24,13 @@ DEFAULT_MAX_BODY_BYTES = ClientConfig().max_job_bytes
 # When a request names none (OpenAI's may not): no cap of the gateway's, as OpenAI's API serves it; the worker
 # lowers it to what fits the context after the prompt, and to its MLXQ_MAX_TOKENS.
 DEFAULT_MAX_TOKENS = MAX_TOKENS_CEILING
+
+
+def max_tokens_fields(named: int | None, cap: int = DEFAULT_MAX_TOKENS) -> dict[str, Any]:
+    """A job's ``max_tokens`` fields from what its request named: that, or where it named none ``cap`` (no cap of
+    ours by default), lowered by the worker to what fits the context after the prompt: OpenAI's rule, which the
+    gateway and ``mlxq submit`` both follow."""
+    return {"max_tokens": named or cap, "fit_max_tokens": named is None}
 
 
 def _keys(name: str, raw: str) -> frozenset[str]:
