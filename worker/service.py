@@ -295,7 +295,8 @@ class ModelService:
             opened = tokenizer.rfind_think_start(tokens, start=tail)
             inside = opened >= 0 and opened > tokenizer.rfind_think_end(tokens, start=tail)
         tool = self._tool_markers(req)
-        return PartMarkers(think, tool, inside) if think is not None or tool is not None else None
+        cut = tool is not None and req.tool_choice != "auto"  # constrained to calls: a cut one's markup is no text
+        return PartMarkers(think, tool, inside, cut) if think is not None or tool is not None else None
 
     def _tool_calls(self, req: GenerateRequest) -> ToolCalls | None:
         """The parser of a job's tool calls (None: the request gives no tools, or the model has no tool-call
