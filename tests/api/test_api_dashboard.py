@@ -124,6 +124,7 @@ async def test_a_jobs_end_lands_in_its_models_history_and_the_recent_list(http: 
     data = await fresh_overview(http)
     summary = next(s for s in data["recent"] if s["id"] == result.id)
     assert summary["model"] == "tiny" and summary["type"] == "done" and summary["reason"] == result.finish_reason.value
+    assert summary["tenant"] == "default"
     assert summary["completion_tokens"] == result.usage.completion_tokens
     assert summary["worker"] == data["workers"][0]["id"]
     (tiny,) = [m for m in data["models"] if m["name"] == "tiny"]
@@ -142,7 +143,7 @@ async def test_a_tenants_job_lands_in_its_models_history(http: httpx.AsyncClient
     result = await client.generate(model="tiny", prompt="count", max_tokens=3, tenant="acme")
     data = await fresh_overview(http)
     summary = next(s for s in data["recent"] if s["id"] == result.id)
-    assert summary["model"] == "tiny"
+    assert (summary["model"], summary["tenant"]) == ("tiny", "acme")  # the recent jobs' tenant column
     (tiny,) = [m for m in data["models"] if m["name"] == "tiny"]
     assert sum(p["tokens_per_s"] * 10 for p in tiny["history"]) >= result.usage.completion_tokens
     # The tenants panel: its use (the minute's tokens) and a policy entry with no jobs.
