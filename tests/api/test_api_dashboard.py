@@ -152,8 +152,9 @@ async def test_a_tenants_job_lands_in_its_models_history(http: httpx.AsyncClient
     await tenants.store(client.redis, client.keys, "acme", weight=1)
     await tenants.store(client.redis, client.keys, "globex", weight=3, max_running=2)
     listed = {t["name"]: t for t in (await fresh_overview(http))["tenants"]}  # those with entries, jobs queued or
-    # running (as `mlxq tenants`)
-    assert listed["acme"]["tokens_per_minute"] >= result.usage.completion_tokens and listed["acme"]["share"] == 1
+    # running, or tokens over the last minute (as `mlxq tenants`): the default tenant's earlier jobs count too
+    assert listed["acme"]["tokens_per_minute"] >= result.usage.completion_tokens
+    assert sum(t["share"] for t in listed.values()) == pytest.approx(1, abs=0.01) and listed["acme"]["share"] > 0
     assert listed["globex"]["named"] and listed["globex"]["policy"]["weight"] == 3
     assert listed["globex"]["policy"]["max_running"] == 2
 
