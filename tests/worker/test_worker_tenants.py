@@ -281,6 +281,28 @@ async def test_an_idle_tenant_with_no_policy_is_listed_while_its_tokens_count_an
     assert "globex*" in out and "(* no policy entry" in out
 
 
+async def test_status_counts_jobs_running_as_of_now_for_workers_models_and_tenants_alike(client: Client,
+                                                                                          r: aredis.Redis) -> None:
+    from mlxq.api.schema import ModelState, ModelStatus, WorkerStatus
+    from mlxq.api.status import collect
+
+    await fill(client, "acme", 3)
+    t = worker(r, "w1")
+    runs = await claim(t, 3)
+    now = time.time()  # w1's last heartbeat, while its three jobs ran (two in the batch, one waiting)
+    record = WorkerStatus(id="w1", host="h", pid=1, version="v", started_at=now, updated_at=now,
+                          models=[ModelStatus(name=MODEL, state=ModelState.SERVING, capacity=2, running=2, waiting=1)])
+    await r.set(KEYS.worker("w1"), record.model_dump_json(), ex=30)
+    await r.zadd(KEYS.workers(), {"w1": int(now * 1000)})
+    for run in runs[:2]:  # two end before the next heartbeat
+        await end(t, run, 5, 5)
+    report = await collect(client)
+    (acme,) = [u for u in report.tenants if u.name == "acme"]
+    (m,) = report.workers[0].models
+    assert acme.running == m.running + m.waiting == report.models[MODEL].running + report.models[MODEL].waiting == 1
+    assert m.waiting == 1  # the record's waiting, as many as are claimed at most
+
+
 async def test_shared_keys_have_a_ttl_and_an_idle_model_leaves_only_its_token_buckets(client: Client,
                                                                                       r: aredis.Redis) -> None:
     await fill(client, "acme", 1)  # one job: its end empties the running counts, then charges it
