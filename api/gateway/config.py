@@ -30,7 +30,7 @@ def max_tokens_fields(named: int | None, cap: int = DEFAULT_MAX_TOKENS) -> dict[
     """A job's ``max_tokens`` fields from what its request named: that, or where it named none ``cap`` (no cap of
     ours by default), lowered by the worker to what fits the context after the prompt: OpenAI's rule, which the
     gateway and ``mlxq submit`` both follow."""
-    return {"max_tokens": named or cap, "fit_max_tokens": named is None}
+    return {"max_tokens": cap if named is None else named, "fit_max_tokens": named is None}
 
 
 def _keys(name: str, raw: str) -> frozenset[str]:

@@ -17,6 +17,7 @@ from mlxq.api.errors import ConfigError
 from mlxq.api.gateway import GatewayConfig
 from mlxq.api.gateway.anthropic_api import MESSAGES
 from mlxq.api.gateway.auth import Auth
+from mlxq.api.gateway.config import max_tokens_fields
 from mlxq.api.gateway.content import chat_content
 from mlxq.api.gateway.errors import GatewayError
 from mlxq.api.gateway.openai_api import CHAT, COMPLETIONS
@@ -75,6 +76,7 @@ def test_a_request_naming_no_max_tokens_has_no_cap_of_the_gateways_unless_the_op
     # OpenAI's API: up to the context; the worker lowers the ceiling to what fits (and to its MLXQ_MAX_TOKENS)
     req = CHAT.parse(body(model="m", messages=[{"role": "user", "content": "hi"}]), GatewayConfig()).request
     assert req.fit_max_tokens and req.max_tokens == MAX_TOKENS_CEILING
+    assert max_tokens_fields(0) == {"max_tokens": 0, "fit_max_tokens": False}  # named, refused as it is
     capped = GatewayConfig.from_env({"MLXQ_GATEWAY_MAX_TOKENS": "512"})
     assert COMPLETIONS.parse(body(model="m", prompt="once"), capped).request.max_tokens == 512
 

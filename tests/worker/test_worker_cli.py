@@ -409,7 +409,8 @@ def test_help_shows_defaults_environment_and_exit_status(capsys: pytest.CaptureF
         statuses = [line.split()[0] for line in exits.splitlines()]
         assert statuses[0] == "0" and statuses[-1] == "130" and "2" in statuses, (command, exits)
     assert "no live worker serves the model" in helps["mlxq"] and "3    no live worker serves" in helps["submit"]
-    assert "most tokens to generate (default: 256)" in helps["submit"]
+    assert "most tokens to generate (default: what fits the model's context after the prompt" in " ".join(
+        helps["submit"].split())
     assert "most tokens each job generates (default: 64)" in helps["demo"]
     assert "gateway processes sharing the port (default: 1)" in helps["gateway"]
     assert "no redis-server to embed (macOS: brew install redis)" in helps["demo"]
