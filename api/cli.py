@@ -245,8 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _undeclared(env: Mapping[str, str]) -> list[str]:
     """Warnings for the ``MLXQ_*`` variables no side declares. The producer side's names first; only where one
     is not among them, every side's (an environment shared with workers holds theirs), through the ``settings``
-    entry point, as the tools are found. A producer-only install, which cannot tell a worker's variable from a
-    typo, says nothing."""
+    entry point, as the tools are found (its module reads no MLX or arq); where it cannot load, nothing is said,
+    as a worker's variable cannot be told from a typo."""
     known = names([ClientConfig, GatewayConfig, ToolConfig])
     if not undeclared(env, known):
         return []
