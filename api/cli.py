@@ -17,8 +17,9 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +28,17 @@ from pydantic import ValidationError
 from .client import Client
 from .config import ClientConfig, ToolConfig
 from .errors import BadRequest, ConfigError, JobFailed, MlxqError, NoWorker, describe, elsewhere_hint, install_hint
-from .gateway.config import GatewayConfig
+from .gateway.config import GatewayConfig, max_tokens_fields
 from .schema import ChatMessage, DoneEvent, ErrorEvent, GenerateRequest
-from .settings import help_text
+from .settings import help_text, names, undeclared
 
-__all__ = ["EXIT_FAILED", "EXIT_NO_WORKER", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = ["EXIT_CANNOT_LISTEN", "EXIT_FAILED", "EXIT_NO_WORKER", "EXIT_OK", "EXIT_USAGE", "main"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the job failed or timed out, an unknown job, Redis unreachable or refusing, unhealthy
 EXIT_USAGE = 2  # a bad request, option or configuration value; a missing extra or tool
 EXIT_NO_WORKER = 3  # no live worker serves the model
+EXIT_CANNOT_LISTEN = 4  # gateway, dashboard: the address is in use (or not this host's), or the server did not start
 EXIT_INTERRUPTED = 130
 
 # Each command's variables, made from their declarations (api/settings.py).
@@ -60,6 +62,7 @@ _EXITS = {
         f"1    the job ended with an error or timed out; an unknown job; {_REDIS_DOWN}; unhealthy",
         f"{_BAD_CONFIG}; a missing extra or tool (demo: no redis-server)",
         "3    no live worker serves the model (submit, unless --queue-anyway)",
+        "4    gateway, dashboard: the address is in use (or not this host's), or the server did not start",
     ],
     "submit": [
         "0    the job ended done (stop, length or cancelled); with --no-wait, it was queued",
@@ -82,9 +85,9 @@ _EXITS = {
     "gateway": ["0    stopped by SIGINT/SIGTERM after a clean shutdown (uvicorn then re-raises the signal: a shell "
                 "sees 130 or 143)",
                 "2    a bad option or configuration value; the gateway extra is missing",
-                "3    it could not start (e.g. the address is in use)"],
+                "4    it could not listen (the address is in use, or not this host's) or start"],
     "dashboard": ["0    stopped by SIGINT/SIGTERM", "2    a bad option or configuration value; the gateway extra "
-                  "is missing", "3    it could not start (e.g. the address is in use)"],
+                  "is missing", "4    it could not listen (the address is in use, or not this host's) or start"],
     "bench": ["0    the results were written", "1    a run failed (the line says which)",
               "2    a bad option; the worker or bench extra is missing"],
 }
@@ -112,7 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the prompt (a raw prompt, or the user message with --chat); '-' reads standard input")
     s.add_argument("--file", type=Path, default=None, help="read the prompt from this file")
     s.add_argument("--model", required=True, help="model name: a worker's MLXQ_MODEL_NAME (or MLXQ_MODEL)")
-    s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    s.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: what fits the "
+                   "model's context after the prompt, up to the workers' MLXQ_MAX_TOKENS, as the gateway serves a "
+                   "request naming none)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     s.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
@@ -218,6 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for line in _undeclared(os.environ):
+        print(f"mlxq: warning: {line}", file=sys.stderr)
     try:
         return _run(args)
     except KeyboardInterrupt:
@@ -233,6 +240,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"mlxq: internal error: {exc!r} (run with --debug for the traceback)", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _undeclared(env: Mapping[str, str]) -> list[str]:
+    """Warnings for the ``MLXQ_*`` variables no side declares. The producer side's names first; only where one
+    is not among them, every side's (an environment shared with workers holds theirs), through the ``settings``
+    entry point, as the tools are found (its module reads no MLX or arq); where it cannot load, nothing is said,
+    as a worker's variable cannot be told from a typo."""
+    known = names([ClientConfig, GatewayConfig, ToolConfig])
+    if not undeclared(env, known):
+        return []
+    found = [ep for ep in importlib.metadata.entry_points(group=TOOLS) if ep.name == "settings"]
+    try:
+        groups = found[0].load() if found else ()
+    except ImportError:
+        groups = ()
+    return undeclared(env, names(cls for _, cls in groups)) if groups else []
 
 
 def _fail(args: argparse.Namespace, exc: Exception, status: int) -> int:
@@ -292,7 +315,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
     try:
         from .gateway.dashboard import create_dashboard_app
-        from .gateway.server import serve
+        from .gateway.server import CannotListen, serve
     except ImportError as exc:
         if (exc.name or "").split(".")[0] not in _GATEWAY_NEEDS:
             raise
@@ -300,9 +323,12 @@ def _gateway(args: argparse.Namespace) -> int:
     config = GatewayConfig.from_env()
     config = replace(config, host=config.host if args.host is None else args.host,
                      port=config.port if args.port is None else args.port)  # --port 0: any free port
-    if args.command == "dashboard":
-        return serve(config, log_level=args.log_level, app=create_dashboard_app(config))
-    return serve(config, workers=args.workers, log_level=args.log_level)
+    try:
+        if args.command == "dashboard":
+            return serve(config, log_level=args.log_level, app=create_dashboard_app(config))
+        return serve(config, workers=args.workers, log_level=args.log_level)
+    except CannotListen as exc:
+        return _fail(args, exc, EXIT_CANNOT_LISTEN)
 
 
 async def _producer_command(args: argparse.Namespace, config: ClientConfig) -> int:
@@ -366,11 +392,13 @@ async def _tenants(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([t.to_json() for t in found], indent=2))
     elif not found:
-        print("no tenants with a policy, jobs queued or running (every tenant has the default policy: weight 1, "
-              "no caps)")
+        print("no tenants with a policy, jobs queued or running, or tokens over the last minute (every tenant has "
+              "the default policy: weight 1, no caps)")
     else:
         print("\n".join(tenant_table(found)))
-        print("(* no policy entry: the default policy; policies live in Redis: a Redis restarted empty loses them)")
+        if not all(t.named for t in found):
+            print("(* no policy entry: the default policy; policies live in Redis: a Redis restarted empty loses "
+                  "them)")
     return EXIT_OK
 
 
@@ -413,9 +441,9 @@ def _request(args: argparse.Namespace) -> GenerateRequest:
         raise BadRequest("--system needs --chat")
     try:
         return GenerateRequest(
-            model=args.model, prompt=None if args.chat else text, messages=messages, max_tokens=args.max_tokens,
-            temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop, priority=args.priority,
-            expires_in=args.expires_in, tenant=args.tenant,
+            model=args.model, prompt=None if args.chat else text, messages=messages,
+            **max_tokens_fields(args.max_tokens), temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+            stop=args.stop, priority=args.priority, expires_in=args.expires_in, tenant=args.tenant,
         )
     except ValidationError as exc:
         raise BadRequest(describe(exc)) from None

@@ -22,6 +22,7 @@ from .protocol.jobrecord import read_job
 from .protocol.keys import Keys
 from .registry import models_of
 from .schema import PRIORITY_MIN, GenerateRequest, decode_event
+from .status import claimed, live
 
 __all__ = ["job", "overview", "retry_dead_letter"]
 
@@ -40,7 +41,7 @@ _PARAMETERS = frozenset({"id", "model", "max_tokens", "fit_max_tokens", "tempera
 async def overview(client: Client) -> dict[str, Any]:
     """Everything the dashboard's main view shows, as JSON."""
     redis, keys, now = client.redis, client.keys, time.time()
-    workers = await client.workers()
+    workers = live(await client.workers(), await claimed(client))  # as of now, as the tenants panel's counts
     queues = {q.model: q for q in await client.queues()}
     served = models_of(workers)
     ended = await recent(redis, keys)

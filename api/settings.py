@@ -11,6 +11,7 @@ unset), or a field's own ``parse``. A value that does not parse, or is out of bo
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import textwrap
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,9 +21,11 @@ from urllib.parse import urlsplit
 from .connection import SENTINEL_SCHEMES, sentinel_url
 from .errors import ConfigError
 
-__all__ = ["Setting", "declared", "help_text", "markdown", "parse_redis_url", "read", "setting", "shared"]
+__all__ = ["INTERNAL", "Setting", "declared", "help_text", "markdown", "names", "parse_redis_url", "read", "setting",
+           "shared", "undeclared"]
 
 _KEY = "mlxq_setting"
+INTERNAL = frozenset({"MLXQ_BENCH_REEXEC"})  # set by `mlxq bench` in the process it re-executes, never by an operator
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
@@ -54,6 +57,22 @@ def shared(cls: type, attr: str) -> Any:
 def declared(cls: type) -> list[tuple[dataclasses.Field[Any], Setting]]:
     """The fields of ``cls`` read from the environment, with their settings, in declaration order."""
     return [(f, f.metadata[_KEY]) for f in dataclasses.fields(cls) if _KEY in f.metadata]
+
+
+def names(classes: Iterable[type]) -> frozenset[str]:
+    """The variables the config dataclasses ``classes`` declare."""
+    return frozenset(s.name for cls in classes for _, s in declared(cls))
+
+
+def undeclared(env: Mapping[str, str], known: Collection[str]) -> list[str]:
+    """One warning line for each ``MLXQ_*`` variable of ``env`` that is not in ``known`` (nor internal), naming
+    the closest declared name: a misspelt setting is otherwise ignored without a word."""
+    lines = []
+    for name in sorted(n for n in env if n.startswith("MLXQ_") and n not in known and n not in INTERNAL):
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        lines.append(f"{name} is not an mlxq setting: ignored{hint}")
+    return lines
 
 
 def read(cls: type, env: Mapping[str, str]) -> dict[str, Any]:

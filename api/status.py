@@ -17,7 +17,7 @@ from .registry import ModelInfo, QueueInfo, models_of
 from .schema import ModelStatus, WorkerStatus
 from .tenants import TenantUse
 
-__all__ = ["Report", "collect", "render", "tenant_table"]
+__all__ = ["Report", "claimed", "collect", "live", "render", "tenant_table"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +43,42 @@ class Report:
 
 
 async def collect(client: Client) -> Report:
-    """Read the queues and the live workers' health records."""
-    workers = await client.workers()
+    """Read the queues and the live workers' health records, their jobs claimed as of now (as the tenants'
+    are counted), and the tenants."""
+    workers = live(await client.workers(), await claimed(client))
     queues = {q.model: q for q in await client.queues()}
     tenants = await client.tenants([q for q in queues.values()])
     return Report(client.where, client.keys.prefix, time.time(), queues, models_of(workers), workers, tenants)
+
+
+async def claimed(client: Client) -> dict[tuple[str, str], int]:
+    """Jobs inside some worker's engine now, by (worker id, model): the running list and leases the job
+    transitions keep, in the same calls that count each tenant's jobs running."""
+    keys = client.keys
+    running = await client.redis.hgetall(keys.running())  # type: ignore[misc]
+    async with client.redis.pipeline(transaction=False) as pipe:
+        for rid in running:
+            pipe.get(keys.lease(rid.decode()))
+        leases = await pipe.execute()
+    counts: dict[tuple[str, str], int] = {}
+    for value, lease in zip(running.values(), leases):
+        if lease:  # "<worker id>:<try>"; a job whose lease lapsed is no worker's until the reaper hands it back
+            at = (lease.decode().rpartition(":")[0], keys.queue_of(value.decode().partition(" ")[2])[0])
+            counts[at] = counts.get(at, 0) + 1
+    return counts
+
+
+def live(workers: list[WorkerStatus], claimed: dict[tuple[str, str], int]) -> list[WorkerStatus]:
+    """The health records with each model's running and waiting as of now: its jobs ``claimed`` (a record is
+    up to a heartbeat old, the tenants' counts are not), of which waiting what the record says, at most."""
+    out = []
+    for w in workers:
+        models = []
+        for m in w.models:
+            n = claimed.get((w.id, m.name), 0)
+            models.append(m.model_copy(update={"running": n - min(m.waiting, n), "waiting": min(m.waiting, n)}))
+        out.append(w.model_copy(update={"models": models}))
+    return out
 
 
 def render(report: Report) -> str:

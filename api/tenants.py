@@ -116,15 +116,29 @@ def window_tokens(current: int, previous: int, now_ms: int) -> float:
     return current + previous * (1 - (now_ms % 60_000) / 60_000)
 
 
+async def _spent(redis: Redis, keys: Keys, minute: int) -> set[str]:
+    """The tenants with tokens counted this minute or the one before: their buckets' names, by SCAN (an
+    operator's command and the dashboard's refresh read this, never a job's path)."""
+    names = set()
+    for m in (minute, minute - 1):
+        head, _, tail = keys.tenant_tokens("\0", m).partition("\0")
+        async for key in redis.scan_iter(match=keys.tenant_tokens("*", m), count=1000):
+            name = key.decode()
+            if name.startswith(head) and name.endswith(tail):
+                names.add(name[len(head):len(name) - len(tail)])
+    return names
+
+
 async def use(redis: Redis, keys: Keys, queued: dict[str, int]) -> list[TenantUse]:
-    """Each tenant with a policy entry, jobs queued or running: its policy and live use. ``queued``: jobs queued
-    per tenant (``api.registry.queues``)."""
+    """Each tenant with a policy entry, jobs queued or running, or tokens over the last minute: its policy and
+    live use. ``queued``: jobs queued per tenant (``api.registry.queues``)."""
     named = await policies(redis, keys)
     running = {k.decode(): int(v) for k, v in
                (await redis.hgetall(keys.tenants_running())).items()}  # type: ignore[misc]
-    names = sorted(set(named) | {t for t, n in queued.items() if n} | {t for t, n in running.items() if n})
     now_ms = int(time.time() * 1000)
     minute = now_ms // 60_000
+    busy = {t for t, n in queued.items() if n} | {t for t, n in running.items() if n}
+    names = sorted(set(named) | busy | await _spent(redis, keys, minute))
     async with redis.pipeline(transaction=False) as pipe:
         for n in names:
             pipe.get(keys.tenant_tokens(n, minute))

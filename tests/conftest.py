@@ -33,8 +33,8 @@ except ImportError:  # a producer-only install: no engine, no disk tier
 # Tiers: `pytest -m "not slow"` is the everyday run; the README's test command (and .ci/run) runs them all.
 # Each test module marks its own tier (`pytestmark`): slow (long fault, soak and load runs, and those that build
 # or run whole programs), e2e (a real Redis server, and workers, gateways or processes, take part) or unit. A
-# module that mixes them leaves it out: its tests that use a Redis of the session or their own are e2e, the rest
-# unit.
+# module that mixes them leaves it out: its tests that use a Redis of the session or their own are e2e, those
+# marked slow slow, the rest unit.
 _E2E_FIXTURES = frozenset({"redis_server", "served", "gw", "d", "secured"})
 
 
@@ -61,11 +61,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(no_worker)
         elif no_vision is not None and _VISION_FIXTURES & uses:
             item.add_marker(no_vision)
-        uses_redis = bool(_E2E_FIXTURES & uses)
-        if item.get_closest_marker("unit") is not None and uses_redis:
-            raise pytest.UsageError(f"{item.nodeid} is marked unit but uses a Redis server (mark it e2e)")
-        if item.get_closest_marker("e2e") is None and item.get_closest_marker("unit") is None:
-            item.add_marker(pytest.mark.e2e if uses_redis else pytest.mark.unit)
+        _tier(item, bool(_E2E_FIXTURES & uses))
+
+
+def _tier(item: pytest.Item, uses_redis: bool) -> None:
+    """Marks the tier of a test whose module leaves it out; refuses a unit test that is also e2e or slow (marks
+    add up: a module's ``unit`` would keep its slow tests in ``-m unit``, the quick tier)."""
+    unit, e2e, slow = (item.get_closest_marker(name) is not None for name in ("unit", "e2e", "slow"))
+    if unit and (uses_redis or e2e):
+        raise pytest.UsageError(f"{item.nodeid} is marked unit but uses a Redis server (mark it e2e)")
+    if unit and slow:
+        raise pytest.UsageError(f"{item.nodeid} is marked unit and slow (leave its module's pytestmark out)")
+    if not (unit or e2e):
+        if uses_redis:
+            item.add_marker(pytest.mark.e2e)
+        elif not slow:
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture(scope="session")

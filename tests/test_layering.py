@@ -188,7 +188,9 @@ def test_the_cli_finds_the_worker_tools_by_their_declared_entry_points() -> None
 
     assert "import_module" not in (ROOT / "api" / "cli.py").read_text()
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["mlxq.tools"]
-    assert set(declared) == {"demo", "bench"}
+    assert set(declared) == {"demo", "bench", "settings"}
+    assert declared.pop("settings") == "mlxq.worker.config:SETTING_GROUPS"  # names, for the CLI's warnings
+    assert "SETTING_GROUPS: " in (ROOT / "worker" / "config.py").read_text()
     for target in declared.values():
         module, _, name = target.partition(":")
         assert module.startswith("mlxq.worker.tools.")

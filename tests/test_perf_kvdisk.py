@@ -15,7 +15,8 @@ import pytest
 from tests.perf import kvdisk
 from tests.perf.kvdisk import IndexScan, Plan, Results, Run, Turn2
 
-pytestmark = pytest.mark.unit
+# Tiers: unit, but for the quick runs (slow, e2e: a Redis and worker processes); tests/conftest.py marks
+# the rest.
 
 
 def run(rnd: int, disk: bool, tokens: int, seconds: float) -> Run:

@@ -86,3 +86,10 @@ def test_the_settings_table_is_where_the_generator_writes_it() -> None:
     section = deploy[deploy.index("## Settings\n"):]
     table = section[section.index("<!-- settings:begin -->"):section.index("<!-- settings:end -->")]
     assert "MLXQ_MODEL" in table and "MLXQ_REDIS_URL" in table
+
+
+def test_the_readmes_speak_to_a_reader_of_the_repository() -> None:
+    # No machine's paths, tracker numbers or bare commit ids: a reader has the repository, not our machines.
+    found = {str(doc.relative_to(ROOT)): re.findall(r"\s(/(?:work|tmp|home)/\S*|[Ii]ssue #?\d+|[0-9a-f]{7,40}\^)",
+                                                    doc.read_text()) for doc in DOCS}
+    assert {doc: hits for doc, hits in found.items() if hits} == {}

@@ -3,16 +3,18 @@ names is declared, and the declarations parse as the docs say."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
 
+from mlxq.api.cli import main
 from mlxq.api.client import Client
 from mlxq.api.config import ClientConfig
 from mlxq.api.errors import ConfigError, MlxqError
 from mlxq.api.gateway.config import GatewayConfig
-from mlxq.api.settings import declared
+from mlxq.api.settings import declared, names, undeclared
 from mlxq.worker.config import SETTING_GROUPS, WorkerConfig, reference
 
 pytestmark = pytest.mark.unit
@@ -89,3 +91,26 @@ def test_a_client_given_a_url_without_a_scheme_raises_an_mlxq_error(monkeypatch:
     monkeypatch.setenv("MLXQ_REDIS_URL", "localhost:6379")
     with pytest.raises(MlxqError, match="MLXQ_REDIS_URL='localhost:6379'"):  # as example.py catches it
         Client()
+
+
+def test_a_variable_no_side_declares_is_one_warning_naming_the_closest_declared_name() -> None:
+    known = names(cls for _, cls in SETTING_GROUPS)
+    env = {"MLXQ_BATCH_CAPACITI": "8", "MLXQ_BATCH_CAPACITY": "8", "MLXQ_ZZZZZZZZ": "1", "MLXQ_BENCH_REEXEC": "1",
+           "HOME": "/root"}
+    assert undeclared(env, known) == [
+        "MLXQ_BATCH_CAPACITI is not an mlxq setting: ignored; did you mean MLXQ_BATCH_CAPACITY?",
+        "MLXQ_ZZZZZZZZ is not an mlxq setting: ignored"]
+
+
+def test_the_cli_warns_of_a_misspelt_variable_and_not_of_the_workers_own(monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    for name in [n for n in os.environ if n.startswith("MLXQ_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MLXQ_REDIS_URL", "localhost:6379")  # refused before anything connects: exit 2
+    monkeypatch.setenv("MLXQ_RETRY_DEADLNE", "3")
+    monkeypatch.setenv("MLXQ_BATCH_CAPACITY", "8")  # a worker's, in an environment both share
+    assert main(["status"]) == 2
+    warning, error = capsys.readouterr().err.splitlines()
+    assert warning == ("mlxq: warning: MLXQ_RETRY_DEADLNE is not an mlxq setting: ignored; did you mean "
+                       "MLXQ_RETRY_DEADLINE?")
+    assert error.startswith("mlxq: MLXQ_REDIS_URL='localhost:6379'")

@@ -14,17 +14,19 @@ model, or fails to load). Each failure is one line; ``MLXQ_LOG_LEVEL=DEBUG`` add
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 from typing import Any, NoReturn
 
 from mlxq.api.connection import redact
 from mlxq.api.errors import ConfigError
+from mlxq.api.settings import names, undeclared
 from mlxq.engine.mlx.loader import ModelLoadError, locate_model
 
 from . import watchdog
 from .arqseam import Host, WorkerSpec, worker_kwargs
-from .config import WorkerConfig
+from .config import SETTING_GROUPS, WorkerConfig
 from .host import WorkerHost
 
 __all__ = ["CONFIG_ERROR_EXIT", "check_config", "worker_settings"]  # and Settings, built on first use
@@ -116,6 +118,8 @@ def _settings_class() -> type:
         _configure_logging("INFO")
         _cannot_start(exc)
     _configure_logging(config.log_level)
+    for line in undeclared(os.environ, names(cls for _, cls in SETTING_GROUPS)):
+        log.warning(line)
     try:
         check_config(config)
     except (ConfigError, ModelLoadError) as exc:

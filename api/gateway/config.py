@@ -7,13 +7,14 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..config import ClientConfig
 from ..errors import ConfigError
-from ..schema import TENANT_PATTERN
+from ..schema import MAX_TOKENS_CEILING, TENANT_PATTERN
 from ..settings import read, setting
 
-__all__ = ["GatewayConfig"]
+__all__ = ["GatewayConfig", "max_tokens_fields"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -21,7 +22,16 @@ DEFAULT_PORT = 8000
 # images of MLXQ_MAX_IMAGE_BYTES each): a bigger body could not be queued. From the environment, the limits set.
 DEFAULT_MAX_BODY_BYTES = ClientConfig().max_job_bytes
 DEFAULT_RESPONSE_RETENTION_S = 30 * 86_400  # stored responses: OpenAI keeps them 30 days
-DEFAULT_MAX_TOKENS = 512  # when a request names none (OpenAI's may not): mlx_lm.server's default
+# When a request names none (OpenAI's may not): no cap of the gateway's, as OpenAI's API serves it; the worker
+# lowers it to what fits the context after the prompt, and to its MLXQ_MAX_TOKENS.
+DEFAULT_MAX_TOKENS = MAX_TOKENS_CEILING
+
+
+def max_tokens_fields(named: int | None, cap: int = DEFAULT_MAX_TOKENS) -> dict[str, Any]:
+    """A job's ``max_tokens`` fields from what its request named: that, or where it named none ``cap`` (no cap of
+    ours by default), lowered by the worker to what fits the context after the prompt: OpenAI's rule, which the
+    gateway and ``mlxq submit`` both follow."""
+    return {"max_tokens": cap if named is None else named, "fit_max_tokens": named is None}
 
 
 def _keys(name: str, raw: str) -> frozenset[str]:
@@ -56,7 +66,9 @@ class GatewayConfig:
                                         "their defaults")
     default_max_tokens: int = setting("MLXQ_GATEWAY_MAX_TOKENS", DEFAULT_MAX_TOKENS, "the most max_tokens "
                                       "of an OpenAI request that names none (the worker lowers it to what fits "
-                                      "the context)", minimum=1)
+                                      "the context)", minimum=1,
+                                      shown="unset: no cap (what fits the context, up to the workers' "
+                                            "MLXQ_MAX_TOKENS)")
     response_retention_s: int = setting("MLXQ_RESPONSE_RETENTION", DEFAULT_RESPONSE_RETENTION_S, "seconds a stored "
                                         "response (/v1/responses, store true) is kept in Redis after its last "
                                         "write (OpenAI keeps them 30 days)", minimum=60)

@@ -28,7 +28,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ..client import Client
@@ -186,5 +186,8 @@ def create_dashboard_app(config: GatewayConfig | None = None) -> Starlette:
         finally:
             await opened[0].aclose()
 
+    async def home(request: Request) -> Response:  # the address uvicorn prints: alone, the page is the app
+        return RedirectResponse("/dashboard")
+
     board = Dashboard(lambda: opened[0], config.api_keys, config.admin_keys)
-    return Starlette(routes=routes(board), lifespan=lifespan)
+    return Starlette(routes=[Route("/", home, methods=["GET"]), *routes(board)], lifespan=lifespan)

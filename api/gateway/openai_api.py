@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import describe
 from ..schema import ChatMessage, FinishReason, GenerateRequest, TokenLogprob, ToolCall
-from .config import GatewayConfig
+from .config import GatewayConfig, max_tokens_fields
 from .content import chat_content
 from .dialect import Ask, dumps, sse
 from .errors import GatewayError, Kind, Problem, invalid, validation_problem
@@ -169,9 +169,8 @@ def _job(body: _Common, config: GatewayConfig, max_tokens: int | None, **prompt:
     if body.prompt_cache_key is not None:
         fields["prompt_cache_key"] = body.prompt_cache_key
     try:
-        req = GenerateRequest(model=body.model, max_tokens=max_tokens or config.default_max_tokens,
-                              fit_max_tokens=max_tokens is None, stop=[s for s in stops if s], metadata=metadata,
-                              **fields, **prompt)
+        req = GenerateRequest(model=body.model, **max_tokens_fields(max_tokens, config.default_max_tokens),
+                              stop=[s for s in stops if s], metadata=metadata, **fields, **prompt)
     except ValidationError as exc:
         raise GatewayError(validation_problem(exc)) from None
     usage = body.stream_options is not None and body.stream_options.include_usage

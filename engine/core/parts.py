@@ -4,7 +4,8 @@ mlx-lm's ``TokenizerWrapper`` names them. The transitions are mlx-lm's text stat
 (``mlx_lm.generate.make_text_state_machine``): a call may start in the answer or in the reasoning and returns to
 the answer. A marker split across text deltas is held back until the next delta settles it; the markers
 themselves belong to no part. A call's text goes out whole, once its end marker came; one the sequence's end cut
-off is answer text, its start marker included, as the model wrote it."""
+off is answer text, its start marker included, as the model wrote it, unless the request drops it (its output
+constrained to calls: there the cut markup is no answer)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ class Part(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class PartMarkers:
-    """A model's markers a request splits its text by (None: that part is not split out), and whether its output
-    starts inside reasoning (its prompt opened it)."""
+    """A model's markers a request splits its text by (None: that part is not split out), whether its output
+    starts inside reasoning (its prompt opened it), and whether a call the sequence's end cut off is dropped."""
 
     think: tuple[str, str] | None = None
     tool: tuple[str, str] | None = None
     inside: bool = False
+    drop_cut_call: bool = False
 
     def edges(self, part: Part) -> list[tuple[str, Part]]:
         """The markers that leave ``part``, and the part each enters."""
@@ -53,9 +55,10 @@ class Parts:
 class PartSplitter:
     """Splits one sequence's text deltas into their parts."""
 
-    __slots__ = ("_call", "_edges", "_held", "_opener", "_part")
+    __slots__ = ("_call", "_drop_cut", "_edges", "_held", "_opener", "_part")
 
     def __init__(self, markers: PartMarkers) -> None:
+        self._drop_cut = markers.drop_cut_call
         self._edges = {part: markers.edges(part) for part in Part}
         self._part = Part.REASONING if markers.inside and markers.think is not None else Part.ANSWER
         self._held = ""
@@ -86,12 +89,13 @@ class PartSplitter:
 
     def flush(self) -> Parts:
         """What is held at the end of the sequence (a marker's start that never completed is text of its part;
-        a call without its end marker is answer text, as the model wrote it: no call)."""
+        a call without its end marker is answer text, as the model wrote it, or dropped: no call)."""
         out = Parts()
         held, self._held = self._held, ""
         self._put(out, held)
         if self._part is Part.TOOL:
-            out.answer += self._opener + "".join(self._call)
+            if not self._drop_cut:
+                out.answer += self._opener + "".join(self._call)
             self._call = []
         return out
 

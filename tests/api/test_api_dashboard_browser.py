@@ -194,6 +194,62 @@ def test_without_an_admin_key_the_page_is_read_only(fleet: Any, browser: webdriv
     assert browser.find_elements(By.CSS_SELECTOR, "#running button") == []
 
 
+def test_a_wrong_key_leaves_none_of_the_earlier_keys_data_on_screen(fleet: Any, browser: webdriver.Chrome) -> None:
+    sign_in(browser, fleet[0].url, READER)
+    WebDriverWait(browser, 30).until(lambda d: "tiny" in d.find_element(By.ID, "models").text)
+    browser.find_element(By.ID, "key").send_keys("wrong-key")
+    browser.find_element(By.ID, "login-button").click()
+    WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "role").text == "not signed in")
+    for table in ("models", "tenants", "workers", "running", "recent", "dead"):
+        assert browser.execute_script(f"return document.getElementById('{table}').tBodies[0].rows.length") == 0
+    assert "tiny" not in browser.find_element(By.TAG_NAME, "main").get_attribute("textContent")
+
+
+def test_a_gateway_without_keys_offers_no_sign_in_or_out(fleet: Any, browser: webdriver.Chrome) -> None:
+    open_gw = ServedGateway(create_app(GatewayConfig(client=fleet[2]))).start()
+    try:
+        browser.get("about:blank")
+        browser.get(f"{open_gw.url}/dashboard")
+        WebDriverWait(browser, 30).until(lambda d: "tiny" in d.find_element(By.ID, "models").text)
+        assert not any(browser.find_element(By.ID, i).is_displayed() for i in ("key", "login-button", "logout"))
+    finally:
+        open_gw.stop()
+    sign_in(browser, fleet[0].url, READER)  # where keys are needed, the form is there
+    assert browser.find_element(By.ID, "logout").is_displayed()
+
+
+def test_recent_jobs_name_their_tenant(fleet: Any, browser: webdriver.Chrome) -> None:
+    async def go() -> str:
+        async with Client(config=fleet[2], tenant="acme") as c:
+            return str((await c.generate(model="tiny", prompt="hi", max_tokens=2, timeout=60)).id)
+    rid = fleet[1].run(go())
+    sign_in(browser, fleet[0].url, READER, "jobs")
+    WebDriverWait(browser, 30).until(lambda d: rid in d.find_element(By.ID, "recent").text)
+    row = browser.find_element(By.XPATH, f'//table[@id="recent"]//tr[td/a[text()="{rid}"]]')
+    assert [td.text for td in row.find_elements(By.TAG_NAME, "td")][1:3] == ["tiny", "acme"]
+
+
+def test_the_latency_charts_spread_the_minutes_with_jobs_over_their_width(fleet: Any,
+                                                                         browser: webdriver.Chrome) -> None:
+    import redis as sync_redis
+
+    from mlxq.api.history import BUCKET_S
+
+    r = sync_redis.Redis.from_url(fleet[2].redis_url)  # jobs two minutes and one minute ago, then one now
+    now = int(time.time()) // BUCKET_S
+    for ago in (12, 6):
+        r.hset(Keys(fleet[2].prefix).history("tiny", now - ago), mapping={"n": 1, "tok": 5, "t3": 1, "w3": 1})
+    r.close()
+    result_of(fleet, submit(fleet, model="tiny", prompt="now", max_tokens=2))
+    sign_in(browser, fleet[0].url, READER)
+    width = ("const tiny = Array.from(document.querySelectorAll('#models tbody tr'))"
+             ".find((tr) => tr.cells[0].textContent === 'tiny');"
+             "const line = tiny && tiny.cells[{}].querySelector('svg polyline');"
+             "return line ? line.getBBox().width : 0")
+    for column in (9, 10):  # TTFT, queue wait: their p50 lines span the two minutes, not a sixth of the chart
+        WebDriverWait(browser, 30).until(lambda d, c=column: d.execute_script(width.format(c)) > 80)
+
+
 def test_a_screenshot_of_each_main_view(fleet: Any, browser: webdriver.Chrome, tmp_path: Path) -> None:
     import redis as sync_redis
 

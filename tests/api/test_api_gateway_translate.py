@@ -17,10 +17,12 @@ from mlxq.api.errors import ConfigError
 from mlxq.api.gateway import GatewayConfig
 from mlxq.api.gateway.anthropic_api import MESSAGES
 from mlxq.api.gateway.auth import Auth
+from mlxq.api.gateway.config import max_tokens_fields
 from mlxq.api.gateway.content import chat_content
 from mlxq.api.gateway.errors import GatewayError
 from mlxq.api.gateway.openai_api import CHAT, COMPLETIONS
 from mlxq.api.schema import (
+    MAX_TOKENS_CEILING,
     DoneEvent,
     FinishReason,
     FunctionCall,
@@ -68,6 +70,15 @@ def test_what_a_request_leaves_out_takes_the_gateways_defaults() -> None:
     assert not ask.stream and not ask.include_usage
     assert req.fit_max_tokens  # the worker lowers the default to what fits the context
     assert not COMPLETIONS.parse(body(model="m", prompt="once", max_tokens=5), CONFIG).request.fit_max_tokens
+
+
+def test_a_request_naming_no_max_tokens_has_no_cap_of_the_gateways_unless_the_operator_sets_one() -> None:
+    # OpenAI's API: up to the context; the worker lowers the ceiling to what fits (and to its MLXQ_MAX_TOKENS)
+    req = CHAT.parse(body(model="m", messages=[{"role": "user", "content": "hi"}]), GatewayConfig()).request
+    assert req.fit_max_tokens and req.max_tokens == MAX_TOKENS_CEILING
+    assert max_tokens_fields(0) == {"max_tokens": 0, "fit_max_tokens": False}  # named, refused as it is
+    capped = GatewayConfig.from_env({"MLXQ_GATEWAY_MAX_TOKENS": "512"})
+    assert COMPLETIONS.parse(body(model="m", prompt="once"), capped).request.max_tokens == 512
 
 
 def test_a_message_request_maps_system_blocks_stops_and_sampling() -> None:

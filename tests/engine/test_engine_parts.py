@@ -57,6 +57,11 @@ def test_a_call_cut_off_by_the_end_is_answer_text_as_the_model_wrote_it() -> Non
     assert split(["ok <tool_call>{\"na"], PartMarkers(tool=TOOL)) == ('ok <tool_call>{"na', "", [])
 
 
+def test_a_call_cut_off_by_the_end_is_dropped_where_the_request_says_so() -> None:
+    # Output constrained to calls (tool_choice required or named): the cut markup is no answer.
+    assert split(["\n<tool_call>\n{\"na"], PartMarkers(tool=TOOL, drop_cut_call=True)) == ("\n", "", [])
+
+
 def test_a_sequence_reports_reasoning_and_calls_apart_from_its_text() -> None:
     class Words(Detok):
         WORDS = {1: "<think>", 2: "why", 3: "</think>", 4: "ok", 5: "<tool_call>", 6: "{}", 7: "</tool_call>"}

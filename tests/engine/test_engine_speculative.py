@@ -27,7 +27,7 @@ from mlxq.engine.mlx.speculation.proposers import DraftModel, PromptLookup, _Loo
 from tests.engine.fakes import Run
 from tests.support import reference
 
-pytestmark = pytest.mark.unit
+# Tiers: unit, but for the long fully loaded run (slow); tests/conftest.py marks each.
 
 WORDS = ("the", "sea", "ship", "story", "numbers", "words", "fox", "quick", "brown", "red", "blue", "river", "stone",
          "light")

@@ -256,6 +256,15 @@ def test_a_model_whose_config_json_is_broken_is_one_line_and_exit_78(content: st
     assert "Traceback" in debug.stderr and debug.stderr.endswith(f"mlxq worker: {tmp_path / 'config.json'} {problem}\n")
 
 
+def test_a_worker_warns_of_a_misspelt_variable_at_start(tmp_path: Path) -> None:
+    proc = arq_worker_run({"MLXQ_MODEL": str(tmp_path), "MLXQ_REDIS_URL": "redis://127.0.0.1:1",
+                           "MLXQ_BATCH_CAPACITI": "8"})
+    assert proc.returncode == 78  # no model there: the warning came first
+    warned = [line for line in proc.stderr.splitlines() if "MLXQ_BATCH_CAPACITI" in line]
+    assert len(warned) == 1 and warned[0].endswith(
+        "MLXQ_BATCH_CAPACITI is not an mlxq setting: ignored; did you mean MLXQ_BATCH_CAPACITY?"), proc.stderr
+
+
 @pytest.mark.parametrize("breakage,problem", [
     ("no_weights", "FileNotFoundError: No safetensors found in {model}"),
     ("corrupt_weights", "RuntimeError: [load_safetensors] Invalid json header length file {model}/model.safetensors"),
@@ -400,7 +409,8 @@ def test_help_shows_defaults_environment_and_exit_status(capsys: pytest.CaptureF
         statuses = [line.split()[0] for line in exits.splitlines()]
         assert statuses[0] == "0" and statuses[-1] == "130" and "2" in statuses, (command, exits)
     assert "no live worker serves the model" in helps["mlxq"] and "3    no live worker serves" in helps["submit"]
-    assert "most tokens to generate (default: 256)" in helps["submit"]
+    assert "most tokens to generate (default: what fits the model's context after the prompt" in " ".join(
+        helps["submit"].split())
     assert "most tokens each job generates (default: 64)" in helps["demo"]
     assert "gateway processes sharing the port (default: 1)" in helps["gateway"]
     assert "no redis-server to embed (macOS: brew install redis)" in helps["demo"]

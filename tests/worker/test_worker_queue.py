@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,20 @@ async def test_client_refuses_invalid_requests_before_enqueueing(client: Client,
     r = aredis.Redis.from_url(redis_url)
     assert await r.dbsize() == 0
     await r.aclose()
+
+
+async def test_mlxq_submit_without_max_tokens_fits_the_context_as_the_gateway_does(
+        worker: RunningWorker, reference_model: Any, redis_url: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from mlxq.api.cli import main
+
+    prompt = "the sea and the ship " * 50
+    tokens = len(encode_prompt(reference_model[1], prompt, None))
+    assert tokens < 512 < tokens + 256  # the tiny model's context: 256, its old default, would not fit
+    monkeypatch.setenv("MLXQ_REDIS_URL", redis_url)
+    assert await asyncio.to_thread(main, ["submit", "--model", "tiny", "--seed", "1", prompt]) == 0
+    generated = int(re.search(r"\[\w+: (\d+) tokens", capsys.readouterr().err).group(1))  # type: ignore[union-attr]
+    assert 0 < generated <= 512 - tokens
 
 
 async def test_job_past_its_deadline_ends_with_timeout(worker_config: Any, client: Client) -> None:

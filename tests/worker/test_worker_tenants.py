@@ -263,6 +263,48 @@ async def test_tenants_lists_policy_and_live_use(client: Client, r: aredis.Redis
         await tenants.store(r, KEYS, "acme", weight=0)
 
 
+async def test_an_idle_tenant_with_no_policy_is_listed_while_its_tokens_count_and_shares_sum_to_one(
+        client: Client, r: aredis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    await tenants.store(r, KEYS, "acme", weight=2)
+    await fill(client, "acme", 1)
+    await fill(client, "globex", 1)  # no policy entry; idle once its job ends
+    t = worker(r)
+    for run in await claim(t, 2):
+        await end(t, run, 10, 10)
+    assert await r.hlen(KEYS.tenants_running()) == 0  # type: ignore[misc]  # nobody queued or running
+    use = {u.name: u for u in await tenants.use(r, KEYS, {})}
+    assert sorted(use) == ["acme", "globex"] and not use["globex"].named
+    assert use["globex"].tokens_per_minute == pytest.approx(20, abs=1)
+    assert sum(u.share for u in use.values()) == pytest.approx(1.0)
+    monkeypatch.setenv("MLXQ_REDIS_URL", redis_url)
+    assert await asyncio.to_thread(main, ["tenants"]) == 0  # the command runs its own event loop
+    out = capsys.readouterr().out
+    assert "globex*" in out and "(* no policy entry" in out
+
+
+async def test_status_counts_jobs_running_as_of_now_for_workers_models_and_tenants_alike(client: Client,
+                                                                                          r: aredis.Redis) -> None:
+    from mlxq.api.schema import ModelState, ModelStatus, WorkerStatus
+    from mlxq.api.status import collect
+
+    await fill(client, "acme", 3)
+    t = worker(r, "w1")
+    runs = await claim(t, 3)
+    now = time.time()  # w1's last heartbeat, while its three jobs ran (two in the batch, one waiting)
+    record = WorkerStatus(id="w1", host="h", pid=1, version="v", started_at=now, updated_at=now,
+                          models=[ModelStatus(name=MODEL, state=ModelState.SERVING, capacity=2, running=2, waiting=1)])
+    await r.set(KEYS.worker("w1"), record.model_dump_json(), ex=30)
+    await r.zadd(KEYS.workers(), {"w1": int(now * 1000)})
+    for run in runs[:2]:  # two end before the next heartbeat
+        await end(t, run, 5, 5)
+    report = await collect(client)
+    (acme,) = [u for u in report.tenants if u.name == "acme"]
+    (m,) = report.workers[0].models
+    assert acme.running == m.running + m.waiting == report.models[MODEL].running + report.models[MODEL].waiting == 1
+    assert m.waiting == 1  # the record's waiting, as many as are claimed at most
+
+
 async def test_shared_keys_have_a_ttl_and_an_idle_model_leaves_only_its_token_buckets(client: Client,
                                                                                       r: aredis.Redis) -> None:
     await fill(client, "acme", 1)  # one job: its end empties the running counts, then charges it
@@ -321,7 +363,8 @@ def test_mlxq_tenants_sets_lists_and_removes_a_policy(redis_url: str, monkeypatc
     (acme,) = json.loads(capsys.readouterr().out)
     assert acme["name"] == "acme" and acme["policy"] == {"weight": 3.0, "max_running": 2, "max_queued": 50,
                                                          "tokens_per_minute": 0}
-    assert main(["tenants"]) == 0 and "acme" in capsys.readouterr().out
+    out = (main(["tenants"]), capsys.readouterr().out)
+    assert out[0] == 0 and "acme" in out[1] and "no policy entry" not in out[1]  # no row has a *: no footnote
     assert main(["status", "--json"]) == 0
     assert [t["name"] for t in json.loads(capsys.readouterr().out)["tenants"]] == ["acme"]
     assert main(["tenants", "rm", "acme"]) == 0

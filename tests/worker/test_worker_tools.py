@@ -80,6 +80,16 @@ async def test_required_and_named_tool_choice_give_valid_calls(tools_worker: Any
     assert [c for d in deltas for c in d.tool_calls] == streamed
 
 
+async def test_a_required_call_cut_by_max_tokens_leaves_no_markup_in_the_text(tools_worker: Any,
+                                                                             client: Client) -> None:
+    # OpenAI's closest: finish_reason length, no call (its name may not even be whole), no markup in the content.
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        result = await client.generate(model="tools", messages=MESSAGES, tools=[WEATHER, CLOCK], tool_choice=choice,
+                                       max_tokens=4, timeout=60)
+        assert result.finish_reason is FinishReason.LENGTH and not result.tool_calls, result
+        assert "<tool_call>" not in result.text and result.text.strip() == "", result.text
+
+
 async def test_a_two_turn_tool_loop(tools_worker: Any, client: Client) -> None:
     first = await client.generate(model="tools", messages=MESSAGES, tools=[WEATHER], tool_choice="required",
                                   parallel_tool_calls=False, max_tokens=400, timeout=60)

@@ -1,12 +1,14 @@
 """A job's tools, and the format its output must match: the model's call markers the engine splits its calls out
-by (``engine/parts.py``); the text of each call, parsed with the model's own mlx-lm tool parser
+by (``engine/core/parts.py``); the text of each call, parsed with the model's own mlx-lm tool parser
 (``mlx_lm/tool_parsers``, chosen by mlx-lm's tokenizer wrapper for the model family) into the wire's
 :class:`~api.schema.ToolCall` records; and the format the engine constrains the output to: the request's
 ``response_format``, else the grammar of calls of its tools (``tool_choice`` required or named).
 
 A call that does not parse (a model that wrote a malformed call under ``auto``) is not lost: its text, markers
 included, goes back into the answer's text, as a model without tools would have said it. One cut off by
-``max_tokens`` never comes here: the engine leaves it in the answer's text as the model wrote it (no end marker).
+``max_tokens`` never comes here: under ``auto`` the engine leaves it in the answer's text as the model wrote it (no
+end marker); where the request requires a call (``required`` or named) it drops it, so the answer ends ``length``
+with neither a call nor its markup.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def to_engine_request(
     now = time.monotonic()
     arrival = now - max(0.0, time.time() - enqueue_ms / 1000) if enqueue_ms else now
     split = prompt.think is not None or tool_markers is not None
-    parts = PartMarkers(prompt.think, tool_markers, prompt.inside) if split else None
+    cut = tool_markers is not None and req.tool_choice != "auto"  # constrained to calls: a cut one's markup is no text
+    parts = PartMarkers(prompt.think, tool_markers, prompt.inside, cut) if split else None
     return EngineRequest(req.id, prompt.tokens, params, arrival=arrival, deadline=deadline, priority=req.priority,
                          cache_boundary=prompt.cache_boundary, images=prompt.images, format=format, parts=parts,
                          group=req.tenant, weight=weight)

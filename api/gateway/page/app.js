@@ -66,6 +66,7 @@ function status(text, bad) {
 }
 
 // --- charts: small SVG sparklines, one series per line --------------------------------------------------
+// A line joins the buckets that have a value (a percentile has none where no job ended), a lone one is a dot.
 function spark(values, extra) {
   const w = 120, h = 28, ns = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(ns, "svg");
@@ -75,13 +76,24 @@ function spark(values, extra) {
   const series = [values, ...(extra ? [extra] : [])];
   const top = Math.max(1e-9, ...series.flat().filter((v) => v !== null));
   series.forEach((vals, i) => {
-    const points = vals.map((v, x) => (v === null ? null : (x * (w - 2)) / Math.max(1, vals.length - 1) + 1 + "," + (h - 2 - ((h - 4) * v) / top).toFixed(1))).filter((p) => p !== null);
-    const line = document.createElementNS(ns, "polyline");
-    line.setAttribute("points", points.join(" "));
+    const points = vals.map((v, x) => (v === null ? null : [(x * (w - 2)) / Math.max(1, vals.length - 1) + 1, h - 2 - ((h - 4) * v) / top])).filter((p) => p !== null);
+    const line = document.createElementNS(ns, points.length === 1 ? "circle" : "polyline");
+    if (points.length === 1) {
+      line.setAttribute("cx", points[0][0].toFixed(1));
+      line.setAttribute("cy", points[0][1].toFixed(1));
+      line.setAttribute("r", "1.5");
+    } else line.setAttribute("points", points.map(([x, y]) => x.toFixed(1) + "," + y.toFixed(1)).join(" "));
     if (i === 1) line.setAttribute("class", "p99");
     svg.appendChild(line);
   });
   return svg;
+}
+
+// The buckets a model's charts show: from its first with a job ended in the window (at least the last minute),
+// so a few minutes of jobs fill the chart rather than its last pixels.
+function shown(points) {
+  const first = points.findIndex((p) => p.jobs_per_s > 0 || p.errors > 0);
+  return points.slice(first < 0 ? points.length - 6 : Math.min(first, points.length - 6));
 }
 
 function chartCell(label, values, extra) {
@@ -111,7 +123,7 @@ function bytes(n) {  // 1,536 -> "1.5 KiB"
 // --- views ---------------------------------------------------------------------------------------------
 function drawOverview(data) {
   fill("models", data.models.map((m) => {
-    const h = m.history, s = m.served;
+    const h = shown(m.history), s = m.served;
     const prio = Object.entries(m.by_priority).map(([p, n]) => "p" + p + ": " + n).join(", ") || "-";
     return row([m.name, m.queued, prio, age(m.oldest_s), s ? s.workers : 0,
       s ? s.running + " / " + s.capacity : "-", s ? s.tokens_per_s.toFixed(1) : "-",
@@ -180,9 +192,9 @@ function cancelButton(id) {
 function drawJobs(data) {
   fill("running", data.running.map((j) => row([jobLink(j.id), j.model, stateCell(j.state), j.worker || "-",
     admin ? cancelButton(j.id) : ""])), "no running jobs", 5);
-  fill("recent", data.recent.map((j) => row([jobLink(j.id), j.model, stateCell(j.type), ms(j.ttft_ms), ms(j.queue_ms),
-    (j.prompt_tokens === false ? "-" : j.prompt_tokens) + " / " + (j.completion_tokens === false ? "-" : j.completion_tokens),
-    ms(j.total_ms), j.reason, when(j.at_ms / 1000)])), "no job ended lately", 9);
+  fill("recent", data.recent.map((j) => row([jobLink(j.id), j.model, j.tenant || "-", stateCell(j.type), ms(j.ttft_ms),
+    ms(j.queue_ms), (j.prompt_tokens === false ? "-" : j.prompt_tokens) + " / " + (j.completion_tokens === false ? "-" : j.completion_tokens),
+    ms(j.total_ms), j.reason, when(j.at_ms / 1000)])), "no job ended lately", 10);
 }
 
 function drawDead(data) {
@@ -195,6 +207,11 @@ function drawDead(data) {
     }
     return row([d.entry, d.queue, d.reason, when(d.at_ms / 1000), d.worker, action]);
   }), "no dead letters", 6);
+}
+
+function clearData() {
+  for (const table of document.querySelectorAll("main table")) table.tBodies[0].replaceChildren();
+  clearJob("");
 }
 
 function clearJob(id) {
@@ -263,7 +280,9 @@ async function refresh() {
     const session = await api("session");
     admin = session.admin;
     $("role").textContent = !session.reader ? "not signed in" : admin ? "admin" : "read-only";
+    for (const id of ["key", "login-button", "logout"]) $(id).hidden = !session.keys_required;  // nobody signs in
     if (!session.reader) {
+      clearData();  // never an earlier key's data under a key that reads nothing
       status(sessionStorage.getItem(KEY) ? "that key is not valid here: sign in with another" : "sign in with an API or admin key", true);
       return;
     }

@@ -10,7 +10,7 @@ local function num(v) if type(v) == 'number' then return v end return nil end
 local function history(queue, rid, owner, text)
   local okd, ev = pcall(cjson.decode, text)
   if not okd or type(ev) ~= 'table' then return end
-  local model = model_tenant(prefix, queue)  -- a tenant's queue names its model too
+  local model, tenant = model_tenant(prefix, queue)  -- a tenant's queue names its model too
   if not model then return end
   local now = tonumber(now_ms)
   local key = prefix .. ':hist:' .. model .. ':' .. math.floor(now / (1000 * BUCKET_S))
@@ -23,7 +23,7 @@ local function history(queue, rid, owner, text)
   if ttft then redis.call('HINCRBY', key, 't' .. bin(ttft), 1) end
   if wait then redis.call('HINCRBY', key, 'w' .. bin(wait), 1) end
   if first then redis.call('EXPIRE', key, HISTORY_TTL_S) end
-  local summary = cjson.encode({id = rid, model = model, type = ev.type,
+  local summary = cjson.encode({id = rid, model = model, tenant = tenant, type = ev.type,
     reason = ev.finish_reason or ev.code or '', ttft_ms = ttft or false, queue_ms = wait or false,
     total_ms = num(t.total_ms) or false, prompt_tokens = num(u.prompt_tokens) or false,
     completion_tokens = num(u.completion_tokens) or false, at_ms = now,
