@@ -160,6 +160,9 @@ class DoneEvent(_EventBase):
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
     # Whose job it was (GenerateRequest.tenant); None from a worker of an earlier release.
     tenant: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    # An embedding job's vectors, one per input in order, each base64 of little-endian float32 values (OpenAI's
+    # base64 encoding_format: compact on the wire); left out for a generation job.
+    embeddings: list[str] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ErrorEvent(_EventBase):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .backend import BatchBackend
+from .embedding import EmbeddingBackend, EmbeddingScheduler
 from .pacer import Pacer
 from .request import EngineRequest, ErrorCode, FinishReason, RequestOutput, terminal
 from .scheduler import Scheduler, StepFailed
@@ -64,9 +65,9 @@ class Engine:
     def __init__(
         self,
         thread: StepThread,
-        scheduler: Scheduler,
+        scheduler: Scheduler | EmbeddingScheduler,  # (an embedding model's: engine/core/embedding.py)
         sink: Sink,
-        make_backend: Callable[[], BatchBackend] | None = None,
+        make_backend: Callable[[], BatchBackend] | Callable[[], EmbeddingBackend] | None = None,
         stream_interval_s: float = 0.0,
         prefill_batch: int = 8,
         stream_rate: float = 0.0,
