@@ -34,7 +34,8 @@ __all__ = ["EmbeddingsAPI", "EmbeddingsRequest"]
 
 log = logging.getLogger(__name__)
 
-_FIELD = re.compile(r"^(input|dimensions)\b")  # a worker's refusal names its field first (worker/jobs/embed.py)
+# A worker's refusal names its field first (worker/jobs/embed.py), or the model of the other kind (prepare.py).
+_FIELD = re.compile(r"^(input|dimensions|model)\b")
 
 
 class EmbeddingsRequest(BaseModel):

@@ -122,7 +122,8 @@ class EmbeddingScheduler:
         self._pending[req.rid] = _Pending(req, [None] * len(req.inputs), len(req.inputs),
                                           sum(len(t) for t in req.inputs))
         rows = [Row(req.rid, i, tokens, req.dimensions) for i, tokens in enumerate(req.inputs)]
-        if req.priority and any(self._pending[r.rid].req.priority < req.priority for r in self._rows):
+        # Rows stay in descending priority (arrival order within one): the last waiting row's is the lowest.
+        if self._rows and self._pending[self._rows[-1].rid].req.priority < req.priority:
             self._rows = deque(sorted([*self._rows, *rows], key=lambda r: -self._pending[r.rid].req.priority))
         else:
             self._rows.extend(rows)

@@ -9,6 +9,7 @@ as if run alone (padding after it cannot reach it). That token's state is pooled
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ import numpy as np
 
 from ..core.embedding import Row
 
-__all__ = ["EmbeddingBatch", "embedding_width", "is_embedding_model", "pool_last"]
+__all__ = ["EmbeddingBatch", "embedding_width", "is_embedding_model", "load_unprefixed", "pool_last"]
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +95,25 @@ def embedding_width(model: Any) -> int:
     if width is None:
         width = model.model.embed_tokens.weight.shape[-1]
     return int(width)
+
+
+def load_unprefixed(path: str) -> tuple[Any, Any, dict[str, Any]]:
+    """mlx-lm's model, tokenizer and config of a local checkpoint whose weights lack the ``model.`` prefix of the
+    inner model's (as Hugging Face's Qwen3-Embedding is stored, the language-model head left out): each such
+    weight is read as the inner model's. Other weights load as mlx-lm loads them."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    def classes(config: dict[str, Any]) -> tuple[type, type]:
+        arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+
+        class Prefixed(arch.Model):  # type: ignore[name-defined,misc]
+            def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
+                named = {k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v for k, v in weights.items()}
+                return dict(super().sanitize(named))
+
+        return Prefixed, arch.ModelArgs
+
+    model, config = load_model(Path(path), get_model_classes=classes)
+    tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
+    log.info("%s: its weights lack the inner model's prefix (model.): read as the inner model's", path)
+    return model, tokenizer, config

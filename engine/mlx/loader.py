@@ -25,7 +25,7 @@ from ..core.scheduler import Scheduler
 from ..core.speculation import SpecKind, Speculation
 from ..core.stats import EngineStats
 from .batch import MLXBatch
-from .embedding import EmbeddingBatch, embedding_width, is_embedding_model
+from .embedding import EmbeddingBatch, embedding_width, is_embedding_model, load_unprefixed
 from .fixes import correct
 from .memory import device_memory, measure_layout, model_bytes
 from .prefix import directory as kv_directory
@@ -139,7 +139,7 @@ def load_model(path: str, kind: str = "auto") -> LoadedModel:
     that may download); ``kind``: as :attr:`EngineOptions.kind`. Run on the MLX thread."""
     t0 = time.perf_counter()
     try:
-        model, tokenizer, config, vision = _load(locate_model(path))
+        model, tokenizer, config, vision = _load(locate_model(path), kind)
     except ModelLoadError:
         raise
     except ValueError as exc:  # mlx-lm's "Model type X not supported."
@@ -195,11 +195,18 @@ def _not_cached_offline(exc: BaseException) -> bool:
     return isinstance(exc, LocalEntryNotFoundError) or isinstance(exc.__cause__, LocalEntryNotFoundError)
 
 
-def _load(path: str) -> tuple[Any, Any, dict[str, Any], Vision | None]:
+def _load(path: str, kind: str = "auto") -> tuple[Any, Any, dict[str, Any], Vision | None]:
     """The model, mlx-lm's tokenizer wrapper, config.json, and the vision half of a vision-language model."""
     config = read_config(path)
     if not is_vision_config(config):
-        model, tokenizer, config = mlx_lm.load(path, return_config=True)  # type: ignore[misc]
+        try:
+            model, tokenizer, config = mlx_lm.load(path, return_config=True)  # type: ignore[misc]
+        except ValueError as exc:  # an embedding checkpoint stored without the "model." prefix (as HF's)
+            local = _local_path(path)
+            embeds = kind == "embedding" or (kind == "auto" and is_embedding_model(local))
+            if not embeds or "parameters not in model" not in str(exc):
+                raise
+            model, tokenizer, config = load_unprefixed(local)
         return model, tokenizer, config, None
     try:
         from .vlm import load_vision_model  # imports mlx-vlm: only a vision-language worker pays for it

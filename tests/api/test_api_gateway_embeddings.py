@@ -122,7 +122,7 @@ async def test_a_model_of_the_other_kind_is_one_clear_error(oai: openai.AsyncOpe
                                                             served: tuple[Deployment, ServedGateway]) -> None:
     with pytest.raises(openai.BadRequestError) as embedding_to_chat:
         await oai.embeddings.create(model="chat", input="hello")
-    assert "does not make embeddings" in str(embedding_to_chat.value)
+    assert "does not make embeddings" in str(embedding_to_chat.value) and embedding_to_chat.value.param == "model"
     with pytest.raises(openai.BadRequestError) as chat_to_embedding:
         await oai.chat.completions.create(model="embed", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert "is an embedding model" in str(chat_to_embedding.value)

@@ -5,6 +5,7 @@ model by its files, and MLXQ_MODEL_KIND overrides it."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +72,20 @@ def test_the_loader_tells_an_embedding_model_by_its_files_and_the_kind_overrides
     assert load_model(str(tiny_embed_model), "chat").embedding_width is None
     assert load_model(str(tiny_model)).embedding_width is None
     assert load_model(str(tiny_model), "embedding").embedding_width == 64
+
+
+def test_a_checkpoint_without_the_inner_models_prefix_loads_as_an_embedding_model(
+        tiny_embed_model: Path, tmp_path: Path, loaded: tuple[Any, Any]) -> None:
+    # Hugging Face's Qwen3-Embedding stores its weights without "model." (mlx-lm alone refuses such a checkpoint).
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_embed_model, bare)
+    weights = mx.load(str(bare / "model.safetensors"))
+    mx.save_safetensors(str(bare / "model.safetensors"), {k.removeprefix("model."): v for k, v in weights.items()})
+    with pytest.raises(ValueError, match="parameters not in model"):
+        mlx_lm.load(str(bare))
+    model, tokenizer = loaded
+    served = load_model(str(bare))
+    assert served.embedding_width == 64
+    tokens = tokenizer.encode(TEXTS[1])
+    (got,) = EmbeddingBatch(served.model).embed([Row("r", 0, tokens, None)])
+    assert float(np.frombuffer(got, "<f4") @ alone(model, tokens)) >= 0.99999

@@ -93,11 +93,12 @@ def test_higher_priority_rows_run_first_and_arrival_order_holds_within_a_priorit
     fake = FakePass()
     sched = EmbeddingScheduler(fake, capacity=8, max_rows=2)
     sched.add(request("low1", [1]))
+    sched.add(request("lowest", [0], priority=-3))
     sched.add(request("low2", [2]))
     sched.add(request("high", [3], priority=5))
-    sched.step()
-    sched.step()
-    assert [[r.rid for r in p] for p in fake.passes] == [["high", "low1"], ["low2"]]
+    for _ in range(3):
+        sched.step()
+    assert [[r.rid for r in p] for p in fake.passes] == [["high", "low1"], ["low2", "lowest"]]
 
 
 def test_an_abort_drops_the_requests_rows_and_an_unknown_id_is_ignored() -> None:
