@@ -13,6 +13,9 @@ A request whose prompt's prefix is on disk and not in memory (``engine/mlx/prefi
 while a reader thread loads it, and comes back through the inbox once it is in memory (or the wait is over):
 the MLX thread never waits on the disk, and the other rows go on decoding meanwhile.
 
+An embedding model's engine is this one driving ``embedding.py``'s scheduler instead: each step one forward pass
+over the waiting inputs of every request, no decoding.
+
 It imports no MLX: the backend is ``backend.py``'s protocol, and the thread a :class:`StepThread`.
 """
 

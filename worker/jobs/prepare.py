@@ -2,7 +2,8 @@
 against the worker's and the model's limits, its images read, checked and processed (worker/jobs/media.py), its
 prompt tokenized (worker/jobs/prompt.py), its tools' markers and parser and its output's format
 (worker/jobs/toolcalls.py), that format compiled for the model, and the whole translated into the engine's request
-(worker/jobs/translate.py). Each stage takes what the last one made; what they need of the model comes in a
+(worker/jobs/translate.py); an embedding job (``input``) only has its inputs tokenized and checked
+(worker/jobs/embed.py). Each stage takes what the last one made; what they need of the model comes in a
 :class:`~.model.ModelView`, so nothing here calls back into the model's service. A job that can never run as sent
 raises :class:`BadRequest`, whichever stage refused it.
 """
