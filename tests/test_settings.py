@@ -89,3 +89,11 @@ def test_a_client_given_a_url_without_a_scheme_raises_an_mlxq_error(monkeypatch:
     monkeypatch.setenv("MLXQ_REDIS_URL", "localhost:6379")
     with pytest.raises(MlxqError, match="MLXQ_REDIS_URL='localhost:6379'"):  # as example.py catches it
         Client()
+
+
+def test_the_model_kind_is_auto_chat_or_embedding() -> None:
+    assert WorkerConfig.from_env({}).model_kind == "auto"
+    assert WorkerConfig.from_env({"MLXQ_MODEL_KIND": " Embedding "}).model_kind == "embedding"
+    assert WorkerConfig.from_env({"MLXQ_MODEL_KIND": ""}).model_kind == "auto"
+    with pytest.raises(ConfigError, match="MLXQ_MODEL_KIND='reranker': expected one of auto, chat, embedding"):
+        WorkerConfig.from_env({"MLXQ_MODEL_KIND": "reranker"})
