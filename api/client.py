@@ -52,6 +52,7 @@ from .schema import (
     Usage,
     WorkerStatus,
     decode_event,
+    decode_vector,
     is_terminal,
     job_bytes_limit,
 )
@@ -60,7 +61,7 @@ from .subscriber import Subscriber, Subscription
 from .tenants import DEFAULT_TENANT, Policy, TenantUse, check_name, remove, store
 from .tenants import use as tenant_use
 
-__all__ = ["Client", "Result"]
+__all__ = ["Client", "Embeddings", "Result"]
 
 JOB_TTL_MS = 86_400_000  # a job record lives a day (arq's default): queued, running and re-run within it
 _RESYNC_S = 1.0  # silence after which a reader re-reads the log (covers lost pub/sub messages)
@@ -83,6 +84,20 @@ class Result:
     logprobs: list[TokenLogprob] | None = None  # one per token, for a request with ``logprobs``
     tool_calls: list[ToolCall] = field(default_factory=list)
     tenant: str = DEFAULT_TENANT  # whose job it was (``GenerateRequest.tenant``)
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """A finished embedding job: one vector per input, in the inputs' order (each L2-normalised, cut to the
+    request's ``dimensions`` if it gave them); ``usage.prompt_tokens``: its inputs' tokens. A job cancelled before
+    its end (``finish_reason`` cancelled) has no vectors."""
+
+    id: str
+    vectors: list[list[float]]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    tenant: str = DEFAULT_TENANT
 
 
 class Client:
@@ -398,6 +413,23 @@ class Client:
         req = _request(None, fields)
         return await _result(req.id, self.submit_and_follow(req, timeout=timeout))
 
+    async def embed(self, *, model: str, input: str | list[str] | list[int] | list[list[int]],
+                    dimensions: int | None = None, timeout: float | None = None, **fields: Any) -> Embeddings:
+        """Submit an embedding job and wait for its vectors: ``await client.embed(model=..., input=["a", "b"])``.
+
+        ``input``: a text, a list of texts, a list of token ids, or a list of such lists (each an input; ids are
+        embedded as given, texts as the model's tokenizer makes them); ``dimensions``: each vector cut to that
+        many values and normalised again. Other fields as :class:`GenerateRequest` takes them (``priority``,
+        ``tenant``, ...). Raises :class:`JobFailed` when the worker refuses it (an input too long for the model,
+        a model that does not embed)."""
+        req = _request(None, {**fields, "model": model, "input": _inputs(input), "dimensions": dimensions})
+        async for ev in self.submit_and_follow(req, timeout=timeout):
+            if isinstance(ev, ErrorEvent):
+                raise JobFailed(ev)
+            if isinstance(ev, DoneEvent):
+                return _embeddings(req.id, ev)
+        raise AssertionError("unreachable: events() ends with a terminal event")
+
     async def stream(self, *, timeout: float | None = None, **fields: Any) -> AsyncIterator[str]:
         """Submit and yield text deltas; cancels the job if the consumer stops reading before its end."""
         req = _request(None, fields)
@@ -443,6 +475,20 @@ async def _result(rid: str, events: AsyncIterator[Event]) -> Result:
             return Result(rid, whole.text, ev.finish_reason, ev.usage, ev.timings, whole.token_ids, whole.reasoning,
                           whole.logprobs, whole.tool_calls, ev.tenant or DEFAULT_TENANT)
     raise AssertionError("unreachable: events() ends with a terminal event")
+
+
+def _inputs(given: Any) -> Any:
+    """An embedding job's ``input`` as the wire takes it: a list of texts or of token-id lists."""
+    if isinstance(given, str):
+        return [given]
+    if isinstance(given, list) and given and all(isinstance(x, int) for x in given):
+        return [given]
+    return given
+
+
+def _embeddings(rid: str, done: DoneEvent) -> Embeddings:
+    vectors = [decode_vector(v) for v in done.embeddings or ()]
+    return Embeddings(rid, vectors, done.finish_reason, done.usage, done.timings, done.tenant or DEFAULT_TENANT)
 
 
 def _where(redis: Redis) -> str:

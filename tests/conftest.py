@@ -41,7 +41,7 @@ _E2E_FIXTURES = frozenset({"redis_server", "served", "gw", "d", "secured"})
 # A test that needs a model (and so a worker: MLX, mlx-lm and arq, the worker extra) is skipped on a producer-only
 # install, where the rest of tests/api still runs; one that needs a vision-language model (mlx-vlm, the vision
 # extra), on a worker install without it.
-_MODEL_FIXTURES = frozenset({"tiny_model", "tiny_think_model", "tiny_tools_model", "tiny_vlm"})
+_MODEL_FIXTURES = frozenset({"tiny_model", "tiny_think_model", "tiny_tools_model", "tiny_vlm", "tiny_embed_model"})
 _VISION_FIXTURES = frozenset({"tiny_vlm"})
 
 
@@ -126,6 +126,15 @@ def tiny_tools_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mlxq.worker.tools.tinymodel import ensure_model
 
     return ensure_model("tiny-tools", root=tmp_path_factory.mktemp("tools"))
+
+
+@pytest.fixture(scope="session")
+def tiny_embed_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A generated tiny embedding model of the Qwen3-Embedding kind (a qwen3 decoder, sentence-transformers'
+    last-token pooling files, a tokenizer that appends <|endoftext|>)."""
+    from mlxq.worker.tools.tinymodel import ensure_model
+
+    return ensure_model("tiny-embed", root=tmp_path_factory.mktemp("embed"))
 
 
 @pytest.fixture(scope="session")

@@ -114,3 +114,11 @@ def test_the_cli_warns_of_a_misspelt_variable_and_not_of_the_workers_own(monkeyp
     assert warning == ("mlxq: warning: MLXQ_RETRY_DEADLNE is not an mlxq setting: ignored; did you mean "
                        "MLXQ_RETRY_DEADLINE?")
     assert error.startswith("mlxq: MLXQ_REDIS_URL='localhost:6379'")
+
+
+def test_the_model_kind_is_auto_chat_or_embedding() -> None:
+    assert WorkerConfig.from_env({}).model_kind == "auto"
+    assert WorkerConfig.from_env({"MLXQ_MODEL_KIND": " Embedding "}).model_kind == "embedding"
+    assert WorkerConfig.from_env({"MLXQ_MODEL_KIND": ""}).model_kind == "auto"
+    with pytest.raises(ConfigError, match="MLXQ_MODEL_KIND='reranker': expected one of auto, chat, embedding"):
+        WorkerConfig.from_env({"MLXQ_MODEL_KIND": "reranker"})

@@ -24,6 +24,7 @@ __all__ = ["LOG_LEVELS", "SETTING_GROUPS", "ServedModel", "WorkerConfig", "refer
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 SPECULATE = ("", "draft", "ngram")  # MLXQ_SPECULATE: off, a draft model proposes, the row's own text proposes
+MODEL_KINDS = ("auto", "chat", "embedding")  # MLXQ_MODEL_KIND
 
 
 def _worker_id() -> str:
@@ -66,6 +67,10 @@ class WorkerConfig:
     speculate: str = setting("MLXQ_SPECULATE", "", "ngram: prompt lookup for every model without a draft; draft: "
                              "require one for each model; off", parse=lambda name, raw: _speculate(raw),
                              shown="off (draft with a draft model)")
+    model_kind: str = setting("MLXQ_MODEL_KIND", "auto", "what the served models are: auto (an embedding model by "
+                              "its sentence-transformers files with last-token pooling, else a chat model), chat, or "
+                              "embedding (a decoder whose last token's state is the vector)",
+                              parse=lambda name, raw: _model_kind(raw))
     speculate_k: int = setting("MLXQ_SPECULATE_K", 4, "the most tokens proposed per sequence and step", minimum=1)
     redis_url: str = shared(ClientConfig, "redis_url")
     prefix: str = shared(ClientConfig, "prefix")
@@ -221,6 +226,13 @@ def _speculate(raw: str) -> str:
     if mode not in SPECULATE:
         raise ConfigError(f"MLXQ_SPECULATE={raw!r}: expected draft, ngram or off")
     return mode
+
+
+def _model_kind(raw: str) -> str:
+    kind = raw.strip().lower() or "auto"
+    if kind not in MODEL_KINDS:
+        raise ConfigError(f"MLXQ_MODEL_KIND={raw!r}: expected one of {', '.join(MODEL_KINDS)}")
+    return kind
 
 
 def _log_level(raw: str) -> str:

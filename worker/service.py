@@ -65,7 +65,7 @@ class ModelService:
                              kv_headroom_bytes=_bytes(cfg.kv_headroom_gb, share),
                              prefix_cache_bytes=_bytes(cfg.prefix_cache_gb, 1.0), aging_s=cfg.priority_aging_s,
                              memory_share=share, speculation=_speculation(cfg, self.served),
-                             kv_disk_bytes=int(cfg.kv_disk_gb * (1 << 30)), kv_dir=cfg.kv_dir)
+                             kv_disk_bytes=int(cfg.kv_disk_gb * (1 << 30)), kv_dir=cfg.kv_dir, kind=cfg.model_kind)
         self.engine, self.model = await start_engine(self.served.path, sink, opts)
         self._view = ModelView.of(self.served, cfg, self.model, self._images)
         loop = asyncio.get_running_loop()

@@ -18,7 +18,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mlxq.api.client import Client, Result
+    from mlxq.api.client import Client, Embeddings, Result
     from mlxq.api.config import ClientConfig
     from mlxq.api.deltas import Delta
     from mlxq.api.errors import (
@@ -75,7 +75,7 @@ if TYPE_CHECKING:
 
 __all__ = [  # grouped by module in _HOMES below
     "AccessDenied", "BadRequest", "ChatMessage", "Client", "ClientConfig", "ConfigError", "Delta", "DoneEvent",
-    "DuplicateJob", "ErrorCode", "ErrorEvent", "Event", "FinishReason", "FunctionCall", "FunctionDef",
+    "DuplicateJob", "Embeddings", "ErrorCode", "ErrorEvent", "Event", "FinishReason", "FunctionCall", "FunctionDef",
     "GenerateRequest", "GrammarFormat", "ImagePart", "ImageURL", "JSONObjectFormat", "JSONSchemaFormat",
     "JSONSchemaSpec", "JobFailed", "JobNotFound", "MlxqError", "ModelInfo", "ModelState", "ModelStatus",
     "NamedToolChoice", "NoWorker", "Policy", "QueueFull", "QueueInfo", "QueueUnavailable", "RegexFormat",
@@ -86,7 +86,7 @@ __all__ = [  # grouped by module in _HOMES below
 
 # Where each name lives (the modules the TYPE_CHECKING imports above name; a test holds the two the same).
 _HOMES = {
-    "mlxq.api.client": ("Client", "Result"),
+    "mlxq.api.client": ("Client", "Embeddings", "Result"),
     "mlxq.api.config": ("ClientConfig",),
     "mlxq.api.deltas": ("Delta",),
     "mlxq.api.errors": ("AccessDenied", "BadRequest", "ConfigError", "DuplicateJob", "JobFailed", "JobNotFound",

@@ -2,6 +2,7 @@
 
 - ``POST /v1/chat/completions``, ``/v1/completions`` (OpenAI) and ``/v1/messages`` (Anthropic);
 - ``/v1/responses`` (OpenAI's Responses API, stored responses and background mode: ``responses_api.py``);
+- ``POST /v1/embeddings`` (OpenAI's, for embedding models: ``embeddings_api.py``);
 - ``GET /v1/models`` (and ``/v1/models/{model}``): what live workers serve, with their worker counts, in
   Anthropic's format for a request with ``anthropic-version``;
 - ``GET /health``: 200 while Redis answers, else 503 (no key needed).
@@ -39,6 +40,7 @@ from .config import GatewayConfig
 from .dashboard import Dashboard
 from .dashboard import routes as dashboard_routes
 from .dialect import Ask, Dialect
+from .embeddings_api import EmbeddingsAPI
 from .errors import GatewayError, Kind, Problem, problem_of
 from .job import Choices
 from .openai_api import CHAT, COMPLETIONS, openai_error
@@ -68,6 +70,7 @@ class Gateway:
         self._owns_client = client is None
         self.streams = Streams()
         self.responses = Responses(self)  # /v1/responses
+        self.embeddings = EmbeddingsAPI(self)  # /v1/embeddings
 
     @property
     def client(self) -> Client:
@@ -321,6 +324,7 @@ def create_app(config: GatewayConfig | None = None, *, client: Client | None = N
         Route("/v1/models/{model:path}", gw.models, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
         *gw.responses.routes(),
+        *gw.embeddings.routes(),
         *dashboard_routes(Dashboard(lambda: gw.client, gw.config.api_keys, gw.config.admin_keys)),
     ]
     return _App(gw, routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})

@@ -6,6 +6,9 @@ Events form one discriminated union on ``type``; each carries the request id and
 
 from __future__ import annotations
 
+import base64
+import sys
+from array import array
 from enum import Enum
 from json.encoder import encode_basestring  # type: ignore[attr-defined]  # the C string escaper
 from typing import Annotated, Literal, Union
@@ -30,6 +33,7 @@ __all__ = [
     "TopLogprob",
     "Usage",
     "decode_event",
+    "decode_vector",
     "is_terminal",
     "token_event_json",
 ]
@@ -160,6 +164,9 @@ class DoneEvent(_EventBase):
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
     # Whose job it was (GenerateRequest.tenant); None from a worker of an earlier release.
     tenant: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    # An embedding job's vectors, one per input in order, each base64 of little-endian float32 values (OpenAI's
+    # base64 encoding_format: compact on the wire); left out for a generation job.
+    embeddings: list[str] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ErrorEvent(_EventBase):
@@ -189,3 +196,11 @@ def decode_event(data: bytes | str) -> Event:
 def is_terminal(event: Event) -> bool:
     """Whether ``event`` ends its job."""
     return event.type in TERMINAL_TYPES
+
+
+def decode_vector(data: str) -> list[float]:
+    """One vector of a done event's ``embeddings``: base64 of little-endian float32 values, as floats."""
+    values = array("f", base64.b64decode(data))
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()

@@ -15,6 +15,7 @@ __all__ = [
     "DEFAULT_TENANT",
     "MAX_CACHE_KEY_CHARS",
     "MAX_CONTENT_PARTS",
+    "MAX_EMBED_INPUTS",
     "MAX_EXPIRY_S",
     "MAX_FORMAT_CHARS",
     "MAX_IMAGES",
@@ -79,6 +80,8 @@ MAX_TOOLS = 128  # OpenAI's bound
 MAX_TOOLS_CHARS = 256 << 10  # the tools' definitions as JSON
 MAX_TOOL_CALLS = 64  # in one assistant message
 MAX_CACHE_KEY_CHARS = 256  # a prompt_cache_key (a routing hint: hashed, never stored whole)
+MAX_EMBED_INPUTS = 2048  # inputs of one embedding job (OpenAI's bound)
+MAX_TOKEN_ID = 2**31 - 1
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 
 
@@ -301,8 +304,13 @@ ResponseFormat = Annotated[
 ]
 
 
+EmbedText = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
+EmbedTokens = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(min_length=1)]
+
+
 class GenerateRequest(BaseModel):
-    """A generation job as enqueued: exactly one of ``prompt`` or ``messages``."""
+    """A job as enqueued: a generation job gives exactly one of ``prompt`` or ``messages``; an embedding job
+    gives ``input`` instead (for an embedding model: one vector per input, in the done event's ``embeddings``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -356,11 +364,19 @@ class GenerateRequest(BaseModel):
     # OpenAI's routing hint: jobs sharing it (a conversation's turns) prefer the worker whose prefix cache holds
     # their prompt's start (api/affinity.py); unset, the producer derives one from the system turn and tools.
     prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_KEY_CHARS)
+    # An embedding job's inputs: texts (each tokenized as the model's tokenizer does, its special tokens added) or
+    # token-id lists (embedded as given); an embedding model answers with one vector per input.
+    input: list[EmbedText] | list[EmbedTokens] | None = Field(default=None, min_length=1,
+                                                                  max_length=MAX_EMBED_INPUTS)
+    # An embedding job's vectors cut to their first ``dimensions`` values, normalised again (None: whole).
+    dimensions: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> GenerateRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if sum(x is not None for x in (self.prompt, self.messages, self.input)) != 1:
+            raise ValueError("give exactly one of 'prompt', 'messages' or 'input'")
+        if self.dimensions is not None and self.input is None:
+            raise ValueError("dimensions are for an embedding job (input)")
         if len(self.image_parts) > MAX_IMAGES:
             raise ValueError(f"at most {MAX_IMAGES} images in a request")
         self._check_tools()
@@ -383,6 +399,11 @@ class GenerateRequest(BaseModel):
             raise ValueError(f"the tools are {len(self.tools_json)} characters as JSON; at most {MAX_TOOLS_CHARS}")
         if self.response_format is not None and self.response_format.type != "text" and choice not in ("auto", "none"):
             raise ValueError("a response_format and a tool_choice that constrains the calls cannot both hold")
+
+    @property
+    def embeds(self) -> bool:
+        """Whether it is an embedding job (``input``), not a generation job."""
+        return self.input is not None
 
     @property
     def tools_json(self) -> str:

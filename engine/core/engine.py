@@ -13,6 +13,9 @@ A request whose prompt's prefix is on disk and not in memory (``engine/mlx/prefi
 while a reader thread loads it, and comes back through the inbox once it is in memory (or the wait is over):
 the MLX thread never waits on the disk, and the other rows go on decoding meanwhile.
 
+An embedding model's engine is this one driving ``embedding.py``'s scheduler instead: each step one forward pass
+over the waiting inputs of every request, no decoding.
+
 It imports no MLX: the backend is ``backend.py``'s protocol, and the thread a :class:`StepThread`.
 """
 
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .backend import BatchBackend
+from .embedding import EmbeddingBackend, EmbeddingScheduler
 from .pacer import Pacer
 from .request import EngineRequest, ErrorCode, FinishReason, RequestOutput, terminal
 from .scheduler import Scheduler, StepFailed
@@ -64,9 +68,9 @@ class Engine:
     def __init__(
         self,
         thread: StepThread,
-        scheduler: Scheduler,
+        scheduler: Scheduler | EmbeddingScheduler,  # (an embedding model's: engine/core/embedding.py)
         sink: Sink,
-        make_backend: Callable[[], BatchBackend] | None = None,
+        make_backend: Callable[[], BatchBackend] | Callable[[], EmbeddingBackend] | None = None,
         stream_interval_s: float = 0.0,
         prefill_batch: int = 8,
         stream_rate: float = 0.0,

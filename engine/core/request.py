@@ -148,6 +148,9 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token of ``token_ids``, when asked
     calls: list[str] = field(default_factory=list)
     started_at: float = 0.0  # with ``started``: when its step handed it over (epoch s; the pacer stamps it)
+    # An embedding request's vectors, with its finish: one per input, each little-endian float32 bytes
+    # (engine/core/embedding.py); None for a generation request.
+    embeddings: list[bytes] | None = None
 
 
 def terminal(rid: str, reason: FinishReason, generated: int, code: ErrorCode | None = None,
@@ -172,7 +175,7 @@ def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
             merged[out.rid] = RequestOutput(
                 out.rid, list(out.token_ids), out.text, out.started, out.prompt_tokens,
                 out.completion_tokens, out.finish, out.error_code, out.error_message, out.stop_sequence,
-                out.reasoning, list(out.logprobs), list(out.calls), out.started_at,
+                out.reasoning, list(out.logprobs), list(out.calls), out.started_at, out.embeddings,
             )
         else:
             merge_into(acc, out)
@@ -199,3 +202,4 @@ def merge_into(acc: RequestOutput, out: RequestOutput) -> None:
     acc.prompt_tokens = acc.prompt_tokens or out.prompt_tokens
     acc.finish, acc.error_code, acc.error_message = out.finish, out.error_code, out.error_message
     acc.stop_sequence = out.stop_sequence
+    acc.embeddings = out.embeddings if out.embeddings is not None else acc.embeddings

@@ -17,6 +17,7 @@ import mlx_lm
 from mlx_lm.utils import load_tokenizer
 
 from ..core.backend import BatchBackend
+from ..core.embedding import EmbeddingBackend, EmbeddingScheduler
 from ..core.engine import Engine, Sink
 from ..core.memory import DeviceMemory, KVBudget, KVLayout, default_headroom, default_prefix_cache_bytes, mib
 from ..core.prompt import PromptEncoder
@@ -24,6 +25,7 @@ from ..core.scheduler import Scheduler
 from ..core.speculation import SpecKind, Speculation
 from ..core.stats import EngineStats
 from .batch import MLXBatch
+from .embedding import EmbeddingBatch, embedding_width, is_embedding_model, load_unprefixed
 from .fixes import correct
 from .memory import device_memory, measure_layout, model_bytes
 from .prefix import directory as kv_directory
@@ -40,7 +42,8 @@ from .thread import MLXThread
 if TYPE_CHECKING:
     from .vlm import Vision
 
-__all__ = ["EngineOptions", "LoadedModel", "ModelLoadError", "build_engine", "draft_mismatch", "load_model",
+__all__ = ["EngineOptions", "LoadedModel", "ModelLoadError", "build_embedding_engine", "build_engine",
+           "draft_mismatch", "load_model",
            "locate_model", "memory_plan", "start_engine"]
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,9 @@ class EngineOptions:
     # ("": kv_directory.default_dir())
     kv_disk_bytes: int = 0
     kv_dir: str = ""
+    # what the model is: "auto" (an embedding model by its sentence-transformers files, else a chat model),
+    # "chat", or "embedding" (engine/mlx/embedding.py)
+    kind: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +89,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     prompts: PromptEncoder
     vision: Vision | None = None
+    embedding_width: int | None = None  # an embedding model's vector width (None: a model that generates)
 
     @property
     def accepts_images(self) -> bool:
@@ -127,12 +134,12 @@ def _local_config(file: Path) -> dict[str, Any]:
     return config
 
 
-def load_model(path: str) -> LoadedModel:
+def load_model(path: str, kind: str = "auto") -> LoadedModel:
     """``mlx_lm.load``, or mlx-vlm's for a vision-language checkpoint (a local path, or a hub id on a machine
-    that may download). Run on the MLX thread."""
+    that may download); ``kind``: as :attr:`EngineOptions.kind`. Run on the MLX thread."""
     t0 = time.perf_counter()
     try:
-        model, tokenizer, config, vision = _load(locate_model(path))
+        model, tokenizer, config, vision = _load(locate_model(path), kind)
     except ModelLoadError:
         raise
     except ValueError as exc:  # mlx-lm's "Model type X not supported."
@@ -148,11 +155,35 @@ def load_model(path: str) -> LoadedModel:
     text_config = text_config if isinstance(text_config, dict) else {}
     ctx = (config.get("max_position_embeddings") or config.get("max_seq_len")
            or text_config.get("max_position_embeddings"))
+    width = _embedding_width(path, kind, model, vision is not None)
     loaded = LoadedModel(path, model, tokenizer, int(ctx) if ctx else None, frozenset(tokenizer.eos_token_ids),
-                         PromptEncoder(tokenizer), vision)
-    log.info("loaded %smodel %s in %.2fs (context %s)", "vision-language " if vision else "", path,
-             time.perf_counter() - t0, loaded.context_length)
+                         PromptEncoder(tokenizer), vision, width)
+    what = "vision-language " if vision else "embedding " if width is not None else ""
+    log.info("loaded %smodel %s in %.2fs (context %s)", what, path, time.perf_counter() - t0, loaded.context_length)
     return loaded
+
+
+def _embedding_width(path: str, kind: str, model: Any, vision: bool) -> int | None:
+    """Its vectors' width if it is served as an embedding model (its files say so, or ``kind``), else None."""
+    embeds = kind == "embedding" or (kind == "auto" and is_embedding_model(_local_path(path)))
+    if not embeds:
+        return None
+    if vision or not hasattr(model, "model"):
+        raise ModelLoadError(f"{path} cannot be served as an embedding model: mlxq embeds with mlx-lm decoder "
+                             "models (last-token pooling) only")
+    return embedding_width(model)
+
+
+def _local_path(path: str) -> str:
+    """A checkpoint's local directory (a hub id's in the local cache; the id itself when it is not there)."""
+    if Path(path).exists():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(path, local_files_only=True))
+    except Exception:  # not cached: mlx-lm's load failed already, or it has no local files
+        return path
 
 
 def _not_cached_offline(exc: BaseException) -> bool:
@@ -164,11 +195,18 @@ def _not_cached_offline(exc: BaseException) -> bool:
     return isinstance(exc, LocalEntryNotFoundError) or isinstance(exc.__cause__, LocalEntryNotFoundError)
 
 
-def _load(path: str) -> tuple[Any, Any, dict[str, Any], Vision | None]:
+def _load(path: str, kind: str = "auto") -> tuple[Any, Any, dict[str, Any], Vision | None]:
     """The model, mlx-lm's tokenizer wrapper, config.json, and the vision half of a vision-language model."""
     config = read_config(path)
     if not is_vision_config(config):
-        model, tokenizer, config = mlx_lm.load(path, return_config=True)  # type: ignore[misc]
+        try:
+            model, tokenizer, config = mlx_lm.load(path, return_config=True)  # type: ignore[misc]
+        except ValueError as exc:  # an embedding checkpoint stored without the "model." prefix (as HF's)
+            local = _local_path(path)
+            embeds = kind == "embedding" or (kind == "auto" and is_embedding_model(local))
+            if not embeds or "parameters not in model" not in str(exc):
+                raise
+            model, tokenizer, config = load_unprefixed(local)
         return model, tokenizer, config, None
     try:
         from .vlm import load_vision_model  # imports mlx-vlm: only a vision-language worker pays for it
@@ -208,7 +246,9 @@ async def start_engine(path: str, sink: Sink, options: EngineOptions | None = No
     """Start an MLX thread, load the model on it, and build the engine around a fresh batch."""
     thread = MLXThread(name="mlx-" + path.rstrip("/").rsplit("/", 1)[-1])
     try:
-        loaded = await thread.call(load_model, path)
+        loaded = await thread.call(load_model, path, (options or EngineOptions()).kind)
+        if loaded.embedding_width is not None:
+            return await build_embedding_engine(loaded, thread, sink, options), loaded
         return await build_engine(loaded, thread, sink, options), loaded
     except BaseException:  # a thread left running aborts the process at exit
         await thread.aclose()
@@ -269,6 +309,28 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
     )
     return Engine(thread, scheduler, sink, make_backend=make_backend, stream_interval_s=opts.stream_interval_s,
                   prefill_batch=opts.prefill_batch_size, stream_rate=opts.stream_rate)
+
+
+async def build_embedding_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink,
+                                 options: EngineOptions | None = None) -> Engine:
+    """The engine of an embedding model loaded on ``thread``: its requests' inputs batched into forward passes
+    (engine/core/embedding.py), up to ``capacity`` inputs and ``capacity x prefill_step_size`` padded tokens a
+    pass; an idle engine waits for a burst of up to ``capacity`` requests (the admission window) before a pass."""
+    opts = options or EngineOptions()
+    if opts.speculation is not None:
+        raise ModelLoadError(f"{loaded.path} is an embedding model: it does not decode, so it cannot speculate "
+                             "(unset MLXQ_SPECULATE and MLXQ_DRAFT_MODEL for it)")
+    mlx_process()
+    stats = EngineStats()
+    stats.device = device_memory().describe()
+
+    def make_backend() -> EmbeddingBackend:
+        return EmbeddingBatch(loaded.model, thread.stream)
+
+    backend = await thread.call(make_backend)
+    scheduler = EmbeddingScheduler(backend, capacity=opts.capacity, max_rows=opts.capacity,
+                                   max_tokens=opts.capacity * opts.prefill_step_size, stats=stats)
+    return Engine(thread, scheduler, sink, make_backend=make_backend, prefill_batch=opts.capacity)
 
 
 async def _prefix_disk(loaded: LoadedModel, thread: MLXThread, opts: EngineOptions) -> PrefixDisk | None:

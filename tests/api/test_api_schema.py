@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
+import struct
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from pydantic import ValidationError
 
 from mlxq.api.schema import (
     EVENTS,
+    MAX_EMBED_INPUTS,
     MAX_METADATA_ITEMS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -31,6 +34,7 @@ from mlxq.api.schema import (
     ToolCall,
     Usage,
     decode_event,
+    decode_vector,
     is_terminal,
     new_request_id,
     token_event_json,
@@ -409,3 +413,42 @@ def test_tools_and_a_tool_loop_round_trip() -> None:
                      tool_calls=[ToolCall.model_validate(call)])
     assert decode_event(done.model_dump_json()) == done
     assert '"tool_calls":' not in done.model_copy(update={"tool_calls": None}).model_dump_json()
+
+
+# --- embedding jobs ---------------------------------------------------------------------------------
+def test_an_embedding_job_gives_input_texts_or_token_id_lists_and_nothing_else() -> None:
+    texts = GenerateRequest(model="m", input=["a", "b"], dimensions=8)
+    assert texts.embeds and texts.input == ["a", "b"] and texts.dimensions == 8
+    ids = GenerateRequest(model="m", input=[[1, 2], [3]])
+    assert ids.embeds and ids.input == [[1, 2], [3]]
+    assert not GenerateRequest(model="m", prompt="p").embeds
+    with pytest.raises(ValidationError, match="exactly one"):
+        GenerateRequest(model="m", prompt="p", input=["a"])
+    with pytest.raises(ValidationError, match="dimensions are for an embedding job"):
+        GenerateRequest(model="m", prompt="p", dimensions=8)
+
+
+@pytest.mark.parametrize("given", [[], [""], [[]], [["a"]], [[-1]], [[1], "a"]])
+def test_an_empty_or_malformed_input_is_refused(given: Any) -> None:
+    with pytest.raises(ValidationError):
+        GenerateRequest(model="m", input=given)
+
+
+def test_too_many_inputs_or_dimensions_below_one_are_refused() -> None:
+    with pytest.raises(ValidationError):
+        GenerateRequest(model="m", input=["a"] * (MAX_EMBED_INPUTS + 1))
+    with pytest.raises(ValidationError):
+        GenerateRequest(model="m", input=["a"], dimensions=0)
+
+
+def test_a_done_events_embeddings_are_base64_little_endian_float32_left_out_when_none() -> None:
+    vector = [0.5, -0.25, 1e-3]
+    data = base64.b64encode(struct.pack("<3f", *vector)).decode()
+    usage, timings = Usage(prompt_tokens=3, completion_tokens=0), Timings(queue_ms=1, ttft_ms=None, total_ms=2,
+                                                                          tokens_per_s=None)
+    done = DoneEvent(id="j", seq=1, finish_reason=FinishReason.STOP, usage=usage, timings=timings, embeddings=[data])
+    back = decode_event(done.model_dump_json())
+    assert isinstance(back, DoneEvent) and back.embeddings == [data]
+    assert decode_vector(data) == pytest.approx(vector)
+    plain = DoneEvent(id="j", seq=1, finish_reason=FinishReason.STOP, usage=usage, timings=timings)
+    assert "embeddings" not in plain.model_dump_json()

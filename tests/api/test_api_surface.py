@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 # The contract: adding a name to mlxq.__all__, or dropping one, is an API change and changes this list.
 DOCUMENTED = {
     # the client, its configuration and what it returns
-    "Client", "ClientConfig", "Delta", "Result",
+    "Client", "ClientConfig", "Delta", "Embeddings", "Result",
     # requests
     "ChatMessage", "FunctionDef", "GenerateRequest", "GrammarFormat", "ImagePart", "ImageURL", "JSONObjectFormat",
     "JSONSchemaFormat", "JSONSchemaSpec", "NamedToolChoice", "RegexFormat", "TextFormat", "TextPart", "Tool",

@@ -21,7 +21,8 @@ from mlxq.worker.tools.tinymodel import EOS_TOKEN, SIZES, ensure_model, model_di
 
 pytestmark = pytest.mark.unit
 
-SIZE_NAMES = sorted(s for s in SIZES if not s.startswith("small-"))  # the bench's pair: built by the bench
+# (the bench's pair: built by the bench; the embedding model: its own test below)
+SIZE_NAMES = sorted(s for s in SIZES if not s.startswith("small-") and not SIZES[s].embedding)
 PROMPTS = ["Hello there", "The water is cold.", "Write a poem about the sea", "1 2 3 4"]
 Loaded = tuple[Any, Any, dict[str, Any]]  # (model, TokenizerWrapper, config)
 ARTIFACTS = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -249,3 +250,22 @@ def test_prompt_encoder_falls_back_when_the_rust_call_would_differ(
     encoder = prompt.PromptEncoder(tokenizer)
     assert encoder.direct is None  # the probes caught it
     assert encoder.encode("abc", None) == prompt.encode_prompt(tokenizer, "abc", None)
+
+
+def test_the_embedding_model_has_last_token_pooling_files_and_a_tokenizer_that_appends_endoftext(
+        roots: tuple[Path, Path]) -> None:
+    built, other = ensure_model("tiny-embed", roots[0]), ensure_model("tiny-embed", roots[1])
+    files = [*ARTIFACTS, "modules.json", "1_Pooling/config.json"]
+    for name in files:  # generated deterministically, as the others
+        assert (other / name).read_bytes() == (built / name).read_bytes(), name
+    modules = json.loads((built / "modules.json").read_text())
+    assert [m["type"].rsplit(".", 1)[-1] for m in modules] == ["Transformer", "Pooling", "Normalize"]
+    pooling = json.loads((built / "1_Pooling" / "config.json").read_text())
+    assert pooling["pooling_mode_lasttoken"] and not pooling["pooling_mode_mean_tokens"]
+    assert pooling["word_embedding_dimension"] == json.loads((built / "config.json").read_text())["hidden_size"]
+    _, tokenizer = mlx_lm.load(str(built))[:2]
+    text = "Hello world, the queue server said 42 times!"
+    ids = tokenizer.encode(text)
+    assert ids[-1] == tokenizer.convert_tokens_to_ids("<|endoftext|>") and ids == Tokenizer.from_file(
+        str(built / "tokenizer.json")).encode(text).ids
+    assert tokenizer.decode(ids[:-1]) == text

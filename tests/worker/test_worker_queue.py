@@ -200,7 +200,7 @@ async def test_cancel_after_the_end_changes_nothing(worker: RunningWorker, clien
     ("payload", "needle"),
     [
         ("not a dict", "invalid request"),
-        ({"model": "tiny"}, "exactly one of 'prompt' or 'messages'"),
+        ({"model": "tiny"}, "exactly one of 'prompt', 'messages' or 'input'"),
         ({"model": "tiny", "prompt": "hi", "max_tokens": -1}, "max_tokens"),
         ({"model": "tiny", "prompt": "hi", "bogus": 1}, "bogus"),
         ({"model": "other", "prompt": "hi"}, "unknown model 'other'"),

@@ -67,6 +67,7 @@ class ModelView:
     formats: Formats
     token_text: Callable[[int], str]
     images: Executor | None = None  # one thread per model (see worker/jobs/media.py); None: asyncio's default
+    embedding_width: int | None = None  # an embedding model's vector width (None: a model that generates)
 
     @classmethod
     def of(cls, served: ServedModel, config: WorkerConfig, loaded: LoadedModel, images: Executor | None = None
@@ -76,7 +77,12 @@ class ModelView:
         # One token's text as the tokenizer decodes it alone, memoized: a vocabulary is finite.
         token_text = functools.cache(lambda token: str(tokenizer.decode([token])))
         return cls(served.name, served.path, config, tokenizer, loaded.prompts, loaded.context_length, loaded.vision,
-                   Formats(loaded), token_text, images)
+                   Formats(loaded), token_text, images, loaded.embedding_width)
+
+    @property
+    def embeds(self) -> bool:
+        """Whether it is an embedding model (it takes embedding jobs, and only those)."""
+        return self.embedding_width is not None
 
     @property
     def accepts_images(self) -> bool:

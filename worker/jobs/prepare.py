@@ -2,7 +2,8 @@
 against the worker's and the model's limits, its images read, checked and processed (worker/jobs/media.py), its
 prompt tokenized (worker/jobs/prompt.py), its tools' markers and parser and its output's format
 (worker/jobs/toolcalls.py), that format compiled for the model, and the whole translated into the engine's request
-(worker/jobs/translate.py). Each stage takes what the last one made; what they need of the model comes in a
+(worker/jobs/translate.py); an embedding job (``input``) only has its inputs tokenized and checked
+(worker/jobs/embed.py). Each stage takes what the last one made; what they need of the model comes in a
 :class:`~.model.ModelView`, so nothing here calls back into the model's service. A job that can never run as sent
 raises :class:`BadRequest`, whichever stage refused it.
 """
@@ -23,11 +24,12 @@ from mlxq.engine.core.request import EngineRequest
 from mlxq.engine.mlx.constrain import GrammarError
 
 from . import media
+from .embed import EmbedError, embedding_inputs
 from .media import ImageError
 from .model import ModelView
 from .prompt import PromptError, tokenize
 from .toolcalls import CallGrammarError, ToolCalls, tools_of
-from .translate import to_engine_request
+from .translate import to_embedding_request, to_engine_request
 
 __all__ = ["BadRequest", "Prepared", "prepare", "validate"]
 
@@ -54,6 +56,8 @@ async def prepare(envelope: Envelope, job_id: str, model: ModelView, weights: Ma
     if envelope.problem:
         raise BadRequest(envelope.problem)
     req = validate(envelope.payload, job_id, model)
+    if req.embeds:
+        return await _prepare_embedding(req, model, envelope.enqueue_ms, weights)
     chars = _check_prompt(req, model)
     try:
         images = await media.prepare(req, model)
@@ -70,6 +74,21 @@ async def prepare(envelope: Envelope, job_id: str, model: ModelView, weights: Ma
     return Prepared(request, tools.calls, model.token_text if req.logprobs is not None else None)
 
 
+async def _prepare_embedding(req: GenerateRequest, model: ModelView, enqueue_ms: int,
+                             weights: Mapping[str, float]) -> Prepared:
+    """An embedding job: its inputs tokenized and checked (worker/jobs/embed.py)."""
+    chars = sum(len(x) for x in req.input or () if isinstance(x, str))
+    if chars > model.config.max_payload_bytes:
+        raise BadRequest(f"input: {chars} characters; the limit is {model.config.max_payload_bytes}")
+    try:
+        inputs = await embedding_inputs(req, model)
+    except EmbedError as exc:
+        raise BadRequest(str(exc)) from None
+    deadline = time.monotonic() + model.config.job_timeout_s
+    return Prepared(to_embedding_request(req, inputs, deadline, enqueue_ms=enqueue_ms,
+                                         weight=weights.get(req.tenant, 1.0)))
+
+
 def validate(payload: Any, job_id: str, model: ModelView) -> GenerateRequest:
     """The request a job carries, if ``model`` can ever serve it; else :class:`BadRequest`."""
     try:
@@ -83,9 +102,18 @@ def validate(payload: Any, job_id: str, model: ModelView) -> GenerateRequest:
         raise BadRequest(f"request id {req.id!r} does not match job id {job_id!r}")
     if req.model not in (model.name, model.path):
         raise BadRequest(f"unknown model {req.model!r}: this queue serves {model.name!r}")
+    if req.embeds != model.embeds:
+        raise BadRequest(_kind_mismatch(req, model))
     if req.max_tokens > cfg.max_tokens_limit and not req.fit_max_tokens:
         raise BadRequest(f"max_tokens {req.max_tokens} exceeds this worker's limit {cfg.max_tokens_limit}")
     return req
+
+
+def _kind_mismatch(req: GenerateRequest, model: ModelView) -> str:
+    if model.embeds:
+        return (f"model {model.name!r} is an embedding model: it takes embedding jobs (input, "
+                "/v1/embeddings), not prompts or messages")
+    return f"model {model.name!r} generates text: it does not make embeddings (input); use an embedding model"
 
 
 def _check_prompt(req: GenerateRequest, model: ModelView) -> int:

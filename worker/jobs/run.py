@@ -140,16 +140,19 @@ class Run:
         return TokenLine(self.rid, self._next(), text, token_ids, completion_tokens - len(token_ids), reasoning,
                          logprobs, tool_calls)
 
-    def done(self, reason: FinishReason, *, generated: int = 0, stop_sequence: str | None = None) -> DoneEvent:
+    def done(self, reason: FinishReason, *, generated: int = 0, stop_sequence: str | None = None,
+             embeddings: list[str] | None = None) -> DoneEvent:
         """The job's end: ``generated`` tokens at least (the engine's count), ``stop_sequence`` the stop string
-        that ended it, if one did; one that stopped after tool calls ends ``tool_calls``, with every call."""
+        that ended it, if one did; one that stopped after tool calls ends ``tool_calls``, with every call; an
+        embedding job's vectors (base64 float32) in ``embeddings``."""
         self.completion_tokens = max(self.completion_tokens, generated)
         calls = self.tools.calls if self.tools is not None and self.tools.calls else None
         if calls and reason is FinishReason.STOP:
             reason = FinishReason.TOOL_CALLS
         return DoneEvent(id=self.rid, seq=self._next(), finish_reason=reason, timings=self.timings(),
                          usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens),
-                         stop_sequence=stop_sequence, tool_calls=list(calls) if calls else None, tenant=self.tenant)
+                         stop_sequence=stop_sequence, tool_calls=list(calls) if calls else None, tenant=self.tenant,
+                         embeddings=embeddings)
 
     def error(self, code: ErrorCode, message: str) -> ErrorEvent:
         if len(message) > _MAX_MESSAGE:

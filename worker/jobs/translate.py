@@ -5,11 +5,13 @@ worker/jobs/toolcalls.py.)
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mlxq.api.schema import ErrorCode, FinishReason, GenerateRequest, TokenLogprob, TopLogprob
+from mlxq.engine.core.embedding import EmbeddingRequest
 from mlxq.engine.core.parts import PartMarkers
 from mlxq.engine.core.request import EngineRequest, Format, RequestOutput, SamplingParams
 from mlxq.engine.core.request import ErrorCode as EngineError
@@ -20,7 +22,7 @@ from .run import Run, Wire
 if TYPE_CHECKING:
     from .prompt import Prompt
 
-__all__ = ["output_events", "to_engine_request"]
+__all__ = ["output_events", "to_embedding_request", "to_engine_request"]
 
 _ERROR_CODES = {
     EngineError.BAD_REQUEST: ErrorCode.BAD_REQUEST,
@@ -52,14 +54,26 @@ def to_engine_request(
         stop=tuple(req.stop),
         logprobs=req.logprobs,
     )
-    now = time.monotonic()
-    arrival = now - max(0.0, time.time() - enqueue_ms / 1000) if enqueue_ms else now
+    arrival = _arrival(enqueue_ms)
     split = prompt.think is not None or tool_markers is not None
     cut = tool_markers is not None and req.tool_choice != "auto"  # constrained to calls: a cut one's markup is no text
     parts = PartMarkers(prompt.think, tool_markers, prompt.inside, cut) if split else None
     return EngineRequest(req.id, prompt.tokens, params, arrival=arrival, deadline=deadline, priority=req.priority,
                          cache_boundary=prompt.cache_boundary, images=prompt.images, format=format, parts=parts,
                          group=req.tenant, weight=weight)
+
+
+def to_embedding_request(req: GenerateRequest, inputs: list[list[int]], deadline: float | None, *,
+                         enqueue_ms: int = 0, weight: float = 1.0) -> EmbeddingRequest:
+    """A validated embedding job and its inputs' tokens (worker/jobs/embed.py), as the engine takes them."""
+    return EmbeddingRequest(req.id, [], arrival=_arrival(enqueue_ms), deadline=deadline, priority=req.priority,
+                            group=req.tenant, weight=weight, inputs=inputs, dimensions=req.dimensions)
+
+
+def _arrival(enqueue_ms: int) -> float:
+    """When a job was enqueued (epoch ms; 0: now), on the engine's clock (``time.monotonic()``)."""
+    now = time.monotonic()
+    return now - max(0.0, time.time() - enqueue_ms / 1000) if enqueue_ms else now
 
 
 def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
@@ -82,8 +96,9 @@ def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
         code = _ERROR_CODES[out.error_code] if out.error_code is not None else ErrorCode.INTERNAL
         events.append(run.error(code, out.error_message or code.value))
     elif out.finish is not None:
+        vectors = [base64.b64encode(v).decode() for v in out.embeddings] if out.embeddings is not None else None
         events.append(run.done(FinishReason(out.finish.value), generated=out.completion_tokens,
-                               stop_sequence=out.stop_sequence))
+                               stop_sequence=out.stop_sequence, embeddings=vectors))
     return events
 
 

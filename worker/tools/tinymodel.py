@@ -167,6 +167,9 @@ class ModelSpec:
     # The architecture's own config.json keys, beside the common ones (``FAMILIES``' layer stacks, experts,
     # windows, latent attention); none for the qwen3 and llama models.
     arch: tuple[tuple[str, Any], ...] = ()
+    # An embedding model of the Qwen3-Embedding kind: sentence-transformers' files (last-token pooling, then
+    # normalisation) beside the qwen3 checkpoint, and a tokenizer that appends <|endoftext|> to every input.
+    embedding: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -210,6 +213,12 @@ SIZES["tiny-target"] = dataclasses.replace(SIZES["tiny"], name="tiny-target", nu
 SIZES["small-draft"] = dataclasses.replace(SIZES["small"], name="small-draft", num_hidden_layers=1)
 SIZES["small-target"] = dataclasses.replace(SIZES["small"], name="small-target", num_hidden_layers=12,
                                             grows="small-draft", growth=0.03)
+
+# Embedding models of the Qwen3-Embedding kind (ModelSpec.embedding): a tiny one for the tests, a small one for
+# the embeddings benchmark (tests/perf/embeddings.py). Tied embeddings, as Qwen3-Embedding's (no head is used).
+SIZES["tiny-embed"] = dataclasses.replace(SIZES["tiny"], name="tiny-embed", embedding=True, tie_word_embeddings=True)
+SIZES["small-embed"] = dataclasses.replace(SIZES["small"], name="small-embed", model_type="qwen3", embedding=True,
+                                           tie_word_embeddings=True, max_position_embeddings=1024)
 
 # One tiny model of each architecture family people serve (the tiny model's shape and tokenizer, the family's own
 # layers): the engine's architecture matrix (tests/engine/test_engine_families.py).
@@ -282,6 +291,23 @@ def build_model(spec: ModelSpec, out: Path) -> None:
     if spec.grows is not None:
         weights = _grown(weights, SIZES[spec.grows], spec, len(tokenizer), tokenizer.eos_token_id, special_ids)
     mx.save_safetensors(str(out / "model.safetensors"), weights)
+    if spec.embedding:
+        _write_sentence_transformers(out, config["hidden_size"])
+
+
+def _write_sentence_transformers(out: Path, dims: int) -> None:
+    """sentence-transformers' files of a Qwen3-Embedding checkpoint: its modules (Transformer, Pooling,
+    Normalize) and a pooling config that pools the last token (what makes mlxq serve it as an embedding model)."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    pooling = {"word_embedding_dimension": dims, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
+               "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
+               "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": True, "include_prompt": True}
+    (out / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2) + "\n")
+    (out / "2_Normalize").mkdir()
 
 
 def model_config(spec: ModelSpec, vocab_size: int, eos_token_id: int) -> dict[str, Any]:
@@ -311,7 +337,7 @@ def model_config(spec: ModelSpec, vocab_size: int, eos_token_id: int) -> dict[st
 
 def build_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:
     """Train a deterministic byte-level BPE tokenizer on the built-in corpus."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -324,6 +350,11 @@ def build_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(corpus(spec.seed), trainer)
+    if spec.embedding:  # as Qwen3-Embedding's tokenizer.json: every input ends with <|endoftext|>, the pooled token
+        eot = tok.token_to_id(ENDOFTEXT)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"$A:0 {ENDOFTEXT}:0", pair=f"$A:0 {ENDOFTEXT}:0 $B:1 {ENDOFTEXT}:1",
+            special_tokens=[(ENDOFTEXT, eot)])
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
