@@ -80,6 +80,8 @@ class OnDemand:
 
     async def look(self) -> None:
         """Load what waiting jobs need, fail what cannot load, unload what sat idle."""
+        if self.host.draining:  # a leaving worker loads nothing (its jobs go to others); unloading is moot
+            return
         try:
             cold = [s for s in self.loadable if s.state in (ModelState.UNLOADED, ModelState.LOAD_FAILED)]
             depths = await self._depths([s.name for s in cold]) if cold else {}
@@ -142,7 +144,7 @@ class OnDemand:
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(RedisError, OSError):  # ours unless it expired: the keeper refreshed it
                 if await self.host.redis.get(key) == me.encode():
                     await self.host.redis.delete(key)
         wake()  # the claim poll looks at once

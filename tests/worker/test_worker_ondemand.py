@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
 from mlxq.api.client import Client
@@ -45,7 +47,10 @@ async def run_job(client: Client, model: str, prompt: str = "Hello world", max_t
 
 
 async def test_a_job_for_a_loadable_model_loads_it_and_an_idle_one_unloads_while_the_pinned_one_stays(
-        worker_config: Any, copies: dict[str, Path], client: Client) -> None:
+        worker_config: Any, copies: dict[str, Path], client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    cleared: list[int] = []  # the thread of each mx.clear_cache() call
+    clear_cache = mx.clear_cache
+    monkeypatch.setattr(mx, "clear_cache", lambda: (cleared.append(threading.get_ident()), clear_cache())[1])
     cfg = config_with(worker_config, loadable_models=loadable(copies, "a"), model_idle_s=0.5)
     running = await start_worker(cfg)
     try:
@@ -61,7 +66,9 @@ async def test_a_job_for_a_loadable_model_loads_it_and_an_idle_one_unloads_while
         assert terminal(events).type == "done" and any(e.type == "token" for e in events)
         assert host.ondemand.loads == 1 and host.services["a"].load_s is not None
 
+        model_thread = host.services["a"]._thread._thread_id
         await wait_for(lambda: host.ondemand.unloads == 1, "the idle model to unload", timeout=30)
+        assert cleared and set(cleared) == {model_thread}  # its weights freed, MLX's cache cleared: on its thread
         assert state(host, "a") is ModelState.UNLOADED and state(host, "tiny") is ModelState.SERVING
         before, after = host.services["a"].before_load, host.services["a"].after_unload
         assert before is not None and after is not None
@@ -113,3 +120,20 @@ async def test_a_corrupt_loadable_model_fails_its_jobs_and_is_not_retried(
         assert not (await client.models())["broken"].offered
     finally:
         await running.close()
+
+
+async def test_of_two_workers_that_can_load_a_model_one_loads_it_for_one_job(
+        worker_config: Any, copies: dict[str, Path], client: Client) -> None:
+    cfg = config_with(worker_config, loadable_models=loadable(copies, "a"))
+    first = await start_worker(config_with(cfg, worker_id="od-first"))
+    second = await start_worker(config_with(cfg, worker_id="od-second"))
+    try:
+        assert (await client.models())["a"].loadable == 2
+        for _ in range(3):  # one job at a time: the one loaded has room for each
+            assert terminal(await run_job(client, "a")).type == "done"
+        assert first.host.ondemand.loads + second.host.ondemand.loads == 1
+        models = await client.models()
+        assert (models["a"].workers, models["a"].loadable) == (1, 1)
+    finally:
+        await second.close()
+        await first.close()
