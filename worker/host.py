@@ -266,12 +266,15 @@ class WorkerHost:
     # --- arq's seam: claims --------------------------------------------------------------------------
     async def claim(self, free: int) -> Claims:
         """Claim up to ``free`` due jobs across the served models' queues, each up to its engine's room."""
-        self.claiming += 1
+        self.claiming += 1  # until the jobs count against their models: none of those unloads meanwhile
         try:
-            due = await self.transitions.claim(*self._quotas(free))
+            return await self._claim(free)
         finally:
             self.claiming -= 1
-        self.ondemand.poke()  # jobs waiting for a model not loaded: load it (worker/ondemand.py); idle: unload
+            self.ondemand.poke()  # jobs waiting for a model not loaded: load it (worker/ondemand.py); idle: unload
+
+    async def _claim(self, free: int) -> Claims:
+        due = await self.transitions.claim(*self._quotas(free))
         await self._put_aside(due)
         started = [entry for entry in due.entries if entry.status is EntryStatus.STARTED]
         by_model = {entry.rid: self.services[self.keys.queue_of(entry.queue)[0]] for entry in started}

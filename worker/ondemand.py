@@ -152,7 +152,12 @@ class OnDemand:
     async def _load_one(self, service: ModelService) -> None:
         log.info("model %s: jobs wait and no live worker has room; loading it (%.2f GiB of weights)",
                  service.name, service.weights_bytes / (1 << 30))
-        await self.host.health.beat()  # others see it loading here
+        service.loading = True  # (load() keeps it so until it ends)
+        try:
+            await self.host.health.beat()  # others see it loading here
+        except BaseException:
+            service.loading = False
+            raise
         if await service.load_on_demand(self.host.sink):
             self.loads += 1
             self.budget.loaded(service.name, time.monotonic())

@@ -112,9 +112,10 @@ class ModelService:
         so, :attr:`load_error`, and never tried again by this worker: its jobs fail with model_unavailable)."""
         try:
             await self.load(sink)
-        except ModelLoadError as exc:
-            self.load_error = str(exc)
-            log.error("model %s cannot be loaded: %s; its waiting jobs fail with model_unavailable", self.name, exc)
+        except Exception as exc:  # a broken checkpoint raises more than ModelLoadError: none is tried again
+            self.load_error = str(exc) if isinstance(exc, ModelLoadError) else f"{type(exc).__name__}: {exc}"
+            log.error("model %s cannot be loaded: %s; its waiting jobs fail with model_unavailable", self.name,
+                      self.load_error, exc_info=not isinstance(exc, ModelLoadError))
             return False
         return True
 
