@@ -137,3 +137,31 @@ async def test_of_two_workers_that_can_load_a_model_one_loads_it_for_one_job(
     finally:
         await second.close()
         await first.close()
+
+
+async def test_a_load_in_progress_does_not_hold_up_the_other_models_jobs(
+        worker_config: Any, copies: dict[str, Path], client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxq.engine.mlx import loader
+
+    gate, load = threading.Event(), loader.load_model
+
+    def held_load(path: str) -> Any:  # on the loading model's MLX thread: it waits there until the test says
+        if path == str(copies["a"]):
+            assert gate.wait(timeout=60)
+        return load(path)
+
+    monkeypatch.setattr(loader, "load_model", held_load)
+    running = await start_worker(config_with(worker_config, loadable_models=loadable(copies, "a")))
+    try:
+        host = running.host
+        rid = await client.submit(model="a", prompt="Hello", max_tokens=4, require_worker=True)
+        await wait_for(lambda: state(host, "a") is ModelState.LOADING, "the load to start")
+        assert terminal(await run_job(client, "tiny", max_tokens=12)).type == "done"  # the pinned model streams on
+        assert state(host, "a") is ModelState.LOADING  # while the load still waits
+        record = {m.name: m for m in (await client.workers())[0].models}
+        assert record["a"].state is ModelState.LOADING
+        gate.set()
+        assert terminal(await collect(client, rid)).type == "done"
+    finally:
+        gate.set()
+        await running.close()
