@@ -76,6 +76,9 @@ async def test_a_job_for_a_loadable_model_loads_it_and_an_idle_one_unloads_while
         assert terminal(await run_job(client, "tiny")).type == "done"  # the pinned model never left
         assert terminal(await run_job(client, "a")).type == "done"  # and the unloaded one loads again
         assert host.ondemand.loads == 2
+        totals = host.metrics.totals()  # what Prometheus scrapes
+        assert (totals["model_loads"], totals["model_load_failures"]) == (2, 0)
+        assert totals["model_unloads"] == host.ondemand.unloads >= 1  # (it may be idle again by now)
     finally:
         await running.close()
 
