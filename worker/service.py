@@ -124,13 +124,15 @@ class ModelService:
         afterwards. Call only without jobs (its room is 0 from the first line on)."""
         engine, thread = self.engine, self._thread
         assert engine is not None and thread is not None, f"model {self.name} is not loaded on demand"
-        self.engine = None  # from here on it takes no job: unloaded
-        await engine.aclose()  # stops its steps, hands warm prefixes to the disk tier; the thread stays
-        held: list[Any] = [engine, self.model, self._view]
-        self.model = self._view = self._thread = None
-        del engine
-        self.after_unload = await thread.call(release, held)
-        await thread.close()
+        self.engine, self.error = None, None  # from here on it takes no job: unloaded (a dead engine too)
+        try:
+            await engine.aclose()  # stops its steps, hands warm prefixes to the disk tier; the thread stays
+        finally:
+            held: list[Any] = [engine, self.model, self._view]
+            self.model = self._view = self._thread = None
+            del engine
+            self.after_unload = await thread.call(release, held)
+            await thread.close()
         return self.after_unload
 
     async def aclose(self) -> None:
@@ -203,7 +205,8 @@ class ModelService:
         return ModelStatus(name=self.name, state=self.state, capacity=self.config.capacity, running=running,
                            waiting=max(0, len(self.active) - running), tokens_per_s=round(tokens_per_s, 1),
                            accepts_images=model is not None and model.accepts_images,
-                           context_length=model.context_length if model is not None else None, error=self.error,
+                           context_length=model.context_length if model is not None else None,
+                           error=self.error or self.load_error,
                            speculation=self.config.speculation(self.served), loadable=self.served.loadable,
                            weights_bytes=self.weights_bytes,
                            load_s=None if self.load_s is None else round(self.load_s, 3),

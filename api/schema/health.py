@@ -39,7 +39,7 @@ class ModelStatus(BaseModel):
     tokens_per_s: float = 0.0  # tokens generated per second over the last minute
     accepts_images: bool = False
     context_length: int | None = None
-    error: str | None = None  # why it is dead
+    error: str | None = None  # why it is dead (or, load_failed, why it could not load)
     speculation: str = ""  # "draft" or "ngram" when it decodes speculatively, "" when it does not
     drafted: int = 0  # tokens proposed to its sequences since it started
     accepted: int = 0  # of those, tokens the model agreed with

@@ -120,6 +120,7 @@ async def test_a_corrupt_loadable_model_fails_its_jobs_and_is_not_retried(
         assert host.ondemand.load_failures == 1 and host.ondemand.loads == 0  # tried once, not in a loop
         record = {m.name: m for m in (await client.workers())[0].models}
         assert record["broken"].state is ModelState.LOAD_FAILED
+        assert record["broken"].error == host.services["broken"].load_error  # status says why
         assert not (await client.models())["broken"].offered
     finally:
         await running.close()
