@@ -37,7 +37,9 @@ def release(held: list[Any]) -> MemoryReading:
     and clear MLX's buffer cache: run on the model's thread. What MLX holds afterwards."""
     held.clear()
     gc.collect()
-    mx.clear_cache()  # process-wide: the freed weights' buffers go back to the system, not to the pool
+    # Process-wide: the freed weights' buffers go back to the system, not to the pool; the other engines pay only
+    # re-allocations (engine/mlx/process.py), once per unload.
+    mx.clear_cache()
     return memory_now()
 
 

@@ -41,6 +41,18 @@ def state(host: Any, name: str) -> ModelState:
     return host.services[name].state
 
 
+async def record_of(client: Client, name: str, wanted: ModelState) -> Any:
+    """The model's part of the one worker's health record once it shows ``wanted`` (a beat already under way when
+    the state changed may still write the one before)."""
+    for _ in range(500):
+        (worker,) = await client.workers()
+        found = {m.name: m for m in worker.models}[name]
+        if found.state is wanted:
+            return found
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{name} never showed {wanted.value}: {found.state.value}")
+
+
 async def run_job(client: Client, model: str, prompt: str = "Hello world", max_tokens: int = 6) -> list[Any]:
     rid = await client.submit(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, require_worker=True)
     return await collect(client, rid)
@@ -118,9 +130,8 @@ async def test_a_corrupt_loadable_model_fails_its_jobs_and_is_not_retried(
             assert end.type == "error" and end.code is ErrorCode.MODEL_UNAVAILABLE
             assert end.message.startswith("model broken cannot be loaded: ")
         assert host.ondemand.load_failures == 1 and host.ondemand.loads == 0  # tried once, not in a loop
-        record = {m.name: m for m in (await client.workers())[0].models}
-        assert record["broken"].state is ModelState.LOAD_FAILED
-        assert record["broken"].error == host.services["broken"].load_error  # status says why
+        record = await record_of(client, "broken", ModelState.LOAD_FAILED)
+        assert record.error == host.services["broken"].load_error  # status says why
         assert not (await client.models())["broken"].offered
     finally:
         await running.close()
