@@ -207,8 +207,8 @@ class Client:
 
     async def _check_served(self, model: str) -> None:
         models = await self.models()
-        if model not in models or models[model].workers == 0:
-            served = [name for name, m in models.items() if m.workers > 0]
+        if model not in models or not models[model].offered:  # a model a live worker loads on demand counts
+            served = [name for name, m in models.items() if m.offered]
             elsewhere = None
             if not served:  # nothing under our prefix: perhaps the workers' MLXQ_PREFIX is another
                 elsewhere = await self.other_prefixes()

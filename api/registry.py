@@ -48,6 +48,12 @@ class ModelInfo:
     accepts_images: bool
     context_length: int | None
     dead_on: list[str] = field(default_factory=list)  # workers whose engine for it died
+    loadable: int = 0  # live workers that have it on demand, not loaded now: they load it when its jobs wait
+
+    @property
+    def offered(self) -> bool:
+        """Whether jobs for it get served: a live worker takes them now, or loads it for them."""
+        return self.workers > 0 or self.loadable > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,13 +120,15 @@ async def live_workers(redis: Redis, keys: Keys) -> list[WorkerStatus]:
 
 
 def models_of(workers: Iterable[WorkerStatus]) -> dict[str, ModelInfo]:
-    """What the given workers serve, by model name (a model only dead everywhere has ``workers == 0``)."""
+    """What the given workers serve, by model name (a model only dead everywhere has ``workers == 0``; one only
+    loadable, ``workers == 0`` and ``loadable > 0``)."""
     infos: dict[str, ModelInfo] = {}
     for w in workers:
         for m in w.models:
             serving = w.serves(m.name)
             one = ModelInfo(m.name, int(serving), m.capacity if serving else 0, m.running, m.waiting, m.tokens_per_s,
-                            m.accepts_images, m.context_length, [w.id] if m.state is ModelState.DEAD else [])
+                            m.accepts_images, m.context_length, [w.id] if m.state is ModelState.DEAD else [],
+                            int(w.can_load(m.name)))
             prev = infos.get(m.name)
             infos[m.name] = one if prev is None else _sum(prev, one)
     return dict(sorted(infos.items()))
@@ -129,7 +137,7 @@ def models_of(workers: Iterable[WorkerStatus]) -> dict[str, ModelInfo]:
 def _sum(a: ModelInfo, b: ModelInfo) -> ModelInfo:
     return ModelInfo(a.name, a.workers + b.workers, a.capacity + b.capacity, a.running + b.running,
                      a.waiting + b.waiting, a.tokens_per_s + b.tokens_per_s, a.accepts_images or b.accepts_images,
-                     a.context_length or b.context_length, a.dead_on + b.dead_on)
+                     a.context_length or b.context_length, a.dead_on + b.dead_on, a.loadable + b.loadable)
 
 
 async def other_prefixes(redis: Redis, keys: Keys) -> dict[str, list[str]]:
@@ -162,5 +170,5 @@ async def _served_under(redis: Redis, keys: Keys) -> list[str]:
         except ValidationError:  # not a worker's record: another application's key of the same shape
             continue
         if status is not None:
-            served.update(m.name for m in status.models if status.serves(m.name))
+            served.update(m.name for m in status.models if status.serves(m.name) or status.can_load(m.name))
     return sorted(served)

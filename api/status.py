@@ -94,7 +94,9 @@ def render(report: Report) -> str:
         q, m = report.queues.get(name), report.models.get(name)
         depth = str(q.depth) if q else "0"
         oldest = _age(q.oldest_s) if q and q.oldest_s is not None else "-"
-        if m is None or m.workers == 0:
+        if m is not None and m.workers == 0 and m.loadable:
+            rows.append([name, depth, oldest, "0", "-", "-", "-", "-", f"loadable on {m.loadable}"])
+        elif m is None or m.workers == 0:
             note = "dead on every worker" if m is not None and m.dead_on else "no live worker"
             rows.append([name, depth, oldest, "0", "-", "-", "-", "-", note])
         else:

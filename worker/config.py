@@ -38,17 +38,19 @@ class ServedModel:
     path: str
     name: str
     draft: str = ""  # the draft model that proposes its tokens (speculative decoding); "": none
+    loadable: bool = False  # loaded only while its jobs need it (MLXQ_LOADABLE_MODELS); else pinned, loaded at start
 
 
-def parse_models(spec: str) -> tuple[ServedModel, ...]:
-    """``MLXQ_MODELS``: ``path[=alias][+draft_path],...``; a model without an alias is called by its path."""
+def parse_models(spec: str, *, loadable: bool = False) -> tuple[ServedModel, ...]:
+    """``MLXQ_MODELS`` (or ``MLXQ_LOADABLE_MODELS``): ``path[=alias][+draft_path],...``; a model without an alias
+    is called by its path."""
     served = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
             continue
         item, _, draft = item.partition("+")
         path, _, alias = item.partition("=")
-        served.append(ServedModel(path.strip(), alias.strip() or path.strip(), draft.strip()))
+        served.append(ServedModel(path.strip(), alias.strip() or path.strip(), draft.strip(), loadable))
     return tuple(served)
 
 
@@ -62,6 +64,16 @@ class WorkerConfig:
                               "MLXQ_MODEL itself")
     models: str = setting("MLXQ_MODELS", "", "several models in one process, path[=alias][+draft_path],... "
                           "(instead of MLXQ_MODEL)")
+    loadable_models: str = setting("MLXQ_LOADABLE_MODELS", "", "models loaded on demand, path[=alias][+draft_path],"
+                                   "...: each loads when its jobs wait and no live worker has room for them, and "
+                                   "unloads when idle or for another (MLXQ_MODEL, MLXQ_MODELS: loaded at start, "
+                                   "pinned)")
+    model_memory: int | None = setting("MLXQ_MODEL_MEMORY", None, "the most weight bytes loaded at once (e.g. "
+                                       "24GiB; each model counts its .safetensors files, pinned ones too): the "
+                                       "least recently used idle loadable model unloads to make room",
+                                       parse=lambda name, raw: parse_size(name, raw), shown="no bound")
+    model_idle_s: float = setting("MLXQ_MODEL_IDLE_S", 300.0, "seconds a loadable model stays loaded without a "
+                                  "job, then unloads; 0: only to make room", minimum=0)
     draft_model: str = setting("MLXQ_DRAFT_MODEL", "", "a draft model for MLXQ_MODEL (speculative decoding; same "
                                "vocabulary; with MLXQ_MODELS, name each model's draft there)")
     speculate: str = setting("MLXQ_SPECULATE", "", "ngram: prompt lookup for every model without a draft; draft: "
@@ -169,10 +181,13 @@ class WorkerConfig:
 
     @property
     def served(self) -> tuple[ServedModel, ...]:
-        """The models this worker serves: ``MLXQ_MODELS``, else ``MLXQ_MODEL`` (called ``MLXQ_MODEL_NAME``)."""
+        """The models this worker serves: ``MLXQ_MODELS``, else ``MLXQ_MODEL`` (called ``MLXQ_MODEL_NAME``),
+        loaded at start; then ``MLXQ_LOADABLE_MODELS``, loaded on demand."""
+        loadable = parse_models(self.loadable_models, loadable=True)
         if self.models:
-            return parse_models(self.models)
-        return (ServedModel(self.model, self.model_name or self.model, self.draft_model),) if self.model else ()
+            return parse_models(self.models) + loadable
+        pinned = (ServedModel(self.model, self.model_name or self.model, self.draft_model),) if self.model else ()
+        return pinned + loadable
 
     def speculation(self, served: ServedModel) -> str:
         """How ``served`` speculates: "draft" (with its draft model), "ngram", or "" (it does not)."""
@@ -233,6 +248,26 @@ def _model_kind(raw: str) -> str:
     if kind not in MODEL_KINDS:
         raise ConfigError(f"MLXQ_MODEL_KIND={raw!r}: expected one of {', '.join(MODEL_KINDS)}")
     return kind
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
+               "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(name: str, raw: str) -> int | None:
+    """A size in bytes: ``24GiB``, ``1.5 GB``, ``512MiB``, ``1000000`` (bytes); empty: None (no bound)."""
+    text = raw.strip().lower().replace(" ", "")
+    if not text:
+        return None
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    try:
+        size = int(float(number) * _SIZE_UNITS[unit])
+    except (KeyError, ValueError):
+        raise ConfigError(f"{name}={raw!r}: expected a size such as 24GiB, 512MiB or 1.5GB") from None
+    if size <= 0:
+        raise ConfigError(f"{name}={raw!r}: must be more than 0")
+    return size
 
 
 def _log_level(raw: str) -> str:

@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -38,6 +38,7 @@ from mlxq.engine.mlx.process import MLXLimits, mlx_process
 from . import waker
 from .affinity import Advertiser, affinity_ttl_s
 from .arqseam import Claims, Outcome
+from .budget import model_weights
 from .cancels import CancelWatcher
 from .config import WorkerConfig
 from .health import HealthReporter, TokenRate, package_version
@@ -48,6 +49,7 @@ from .jobs.transitions import Transitions
 from .jobs.translate import output_events
 from .leases import LeaseKeeper
 from .metrics import Metrics
+from .ondemand import OnDemand
 from .reaper import Reaper
 from .service import ModelService
 
@@ -103,6 +105,9 @@ class WorkerHost:
         self.started_at = time.time()
         self._rates = {name: TokenRate() for name in self.services}
         self._tasks: list[asyncio.Task[None]] = []
+        self.claiming = 0  # claims in flight: no model unloads meanwhile (its jobs may be on their way)
+        self.sink: Callable[[list[RequestOutput]], None] = lambda outs: None  # engines' outputs, set by start()
+        self.ondemand = OnDemand(self, model_weights(config))  # raises ConfigError: a budget too small
         self.metrics.watch(self)  # last: the registry reads the counters above at once
 
     @classmethod
@@ -117,15 +122,13 @@ class WorkerHost:
         def sink(outs: list[RequestOutput]) -> None:  # runs on an MLX thread
             loop.call_soon_threadsafe(host.runs.feed, outs)
 
+        host.sink = sink
         # MLX's process-global limits, set once before any engine exists (engine/mlx_process.py)
         mlx_process(MLXLimits(*host.config.mlx_limits))
         for service in host.services.values():  # one at a time: each materializes its arrays on its own thread
-            await service.load(sink)
-            service.on_dead = host._on_model_dead
-            assert service.engine is not None
-            service.engine.on_step = host.metrics.step_timer(service.name)
-            if service.engine.prefix_min_tokens is not None:  # advertised from the first heartbeat on
-                host.affinity.model(service.name).seed(service.engine.prefix_tagged())  # what its disk holds
+            if not service.served.loadable:  # (loadable ones load when their jobs wait: worker/ondemand.py)
+                await service.load(sink)
+                host.started(service)
         if config.metrics_port:
             host.metrics_url = host.metrics.serve(config.metrics_port, config.metrics_addr)
             log.info("metrics on %s", host.metrics_url)
@@ -146,8 +149,17 @@ class WorkerHost:
         await host.health.beat()  # clients see it serving from here on
         return host
 
+    def started(self, service: ModelService) -> None:
+        """A model's engine just started (at start, or loaded on demand): hook it to the worker's parts."""
+        service.on_dead = self._on_model_dead
+        assert service.engine is not None
+        service.engine.on_step = self.metrics.step_timer(service.name)
+        if service.engine.prefix_min_tokens is not None:  # advertised from the next heartbeat on
+            self.affinity.model(service.name).seed(service.engine.prefix_tagged())  # what its disk holds
+
     async def aclose(self) -> None:
         """Leave the registry, abort what still runs, stop the engines (joining their MLX threads), close Redis."""
+        await self.ondemand.aclose()
         await self.health.remove()
         await self.affinity.remove()
         for run in list(self.runs.values()):
@@ -256,6 +268,14 @@ class WorkerHost:
     # --- arq's seam: claims --------------------------------------------------------------------------
     async def claim(self, free: int) -> Claims:
         """Claim up to ``free`` due jobs across the served models' queues, each up to its engine's room."""
+        self.claiming += 1  # until the jobs count against their models: none of those unloads meanwhile
+        try:
+            return await self._claim(free)
+        finally:
+            self.claiming -= 1
+            self.ondemand.poke()  # jobs waiting for a model not loaded: load it (worker/ondemand.py); idle: unload
+
+    async def _claim(self, free: int) -> Claims:
         due = await self.transitions.claim(*self._quotas(free))
         await self._put_aside(due)
         started = [entry for entry in due.entries if entry.status is EntryStatus.STARTED]
@@ -354,6 +374,9 @@ class WorkerHost:
         if service.state is ModelState.DEAD:
             msg = f"model {service.name}'s engine on this worker is dead: {service.error}"
             return await self.runs.fail(run, ErrorCode.ENGINE_ERROR, msg)
+        if service.state is ModelState.LOAD_FAILED:
+            msg = f"model {service.name} cannot be loaded: {service.load_error}"
+            return await self.runs.fail(run, ErrorCode.MODEL_UNAVAILABLE, msg)
         try:
             prepared = await prepare(envelope, run.rid, service.view, self.weights)
         except BadRequest as exc:

@@ -208,19 +208,26 @@ class _HostCollector(Collector):
         yield _plain("mlxq:expired", "Queued jobs this worker ended at their expiry.", h.reaper.expired)
         yield _plain("mlxq:dead_lettered", "Queue entries moved to the dead-letter list.", h.dead_lettered)
         yield _plain("mlxq:data_lost", "Jobs ended with data_lost (Redis lost them while they ran).", p.data_lost)
+        yield _plain("mlxq:model_loads", "Models loaded on demand (MLXQ_LOADABLE_MODELS).", h.ondemand.loads)
+        yield _plain("mlxq:model_unloads", "Models unloaded (idle, or to make room).", h.ondemand.unloads)
+        yield _plain("mlxq:model_load_failures", "Loads on demand that failed (missing or corrupt files).",
+                     h.ondemand.load_failures)
         running = GaugeMetricFamily("mlxq:num_requests_running", "Sequences in the batch.", labels=_MODEL)
         waiting = GaugeMetricFamily("mlxq:num_requests_waiting", "Jobs claimed, not yet in the batch.",
                                     labels=_MODEL)
         queued = GaugeMetricFamily("mlxq:queue_depth", "Jobs waiting in the model's queue in Redis (all workers').",
                                    labels=_MODEL)
         dead = GaugeMetricFamily("mlxq:engine_dead", "1 if the model's engine died on this worker.", labels=_MODEL)
+        loaded = GaugeMetricFamily("mlxq:model_loaded", "1 while the model is in memory on this worker.",
+                                   labels=_MODEL)
         for name, service in _services(h):
             status = service.status(0.0)
             running.add_metric([name], status.running)
             waiting.add_metric([name], status.waiting)
             queued.add_metric([name], h.queue_depths.get(name, 0))
             dead.add_metric([name], 1 if status.state.value == "dead" else 0)
-        yield from (running, waiting, queued, dead)
+            loaded.add_metric([name], int(service.engine is not None))
+        yield from (running, waiting, queued, dead, loaded)
         yield from _tenant_gauges(h)
         yield from _affinity(h)
         yield from _engine_gauges(h)

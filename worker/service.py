@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from mlxq.api.protocol.claim import BelowShare, DueEntry, Outranking
 from mlxq.api.schema import PRIORITY_MAX, ModelState, ModelStatus
 from mlxq.engine.core.engine import Engine, Sink
 from mlxq.engine.core.request import EngineRequest
 from mlxq.engine.core.speculation import SpecKind, Speculation
-from mlxq.engine.mlx.loader import EngineOptions, LoadedModel, start_engine
+from mlxq.engine.mlx.loader import EngineOptions, LoadedModel, ModelLoadError, start_engine
+from mlxq.engine.mlx.residency import MemoryReading, ModelThread, memory_now, release
 
 from .config import ServedModel, WorkerConfig
 from .jobs.model import ModelView
@@ -55,6 +58,17 @@ class ModelService:
         # the first image job.
         self._images = ThreadPoolExecutor(1, thread_name_prefix=f"mlxq-images-{served.name}")
         self._view: ModelView | None = None
+        # On demand (MLXQ_LOADABLE_MODELS): its thread while loaded, whether a load runs, why its load failed,
+        # its last load's seconds, MLX's memory before that load and after its last unload.
+        self._thread: ModelThread | None = None
+        self.loading = False
+        self.load_error: str | None = None
+        self.fail_waiting = False  # its load failed and no other live worker may run its jobs: claim them to fail
+        self.weights_bytes = 0
+        self.load_s: float | None = None
+        self.last_used: float | None = None  # time.monotonic() of its last claim or job's end
+        self.before_load: MemoryReading | None = None
+        self.after_unload: MemoryReading | None = None
 
     async def load(self, sink: Sink) -> None:
         """Load the model on a new MLX thread of its own and start its engine."""
@@ -66,7 +80,22 @@ class ModelService:
                              prefix_cache_bytes=_bytes(cfg.prefix_cache_gb, 1.0), aging_s=cfg.priority_aging_s,
                              memory_share=share, speculation=_speculation(cfg, self.served),
                              kv_disk_bytes=int(cfg.kv_disk_gb * (1 << 30)), kv_dir=cfg.kv_dir, kind=cfg.model_kind)
-        self.engine, self.model = await start_engine(self.served.path, sink, opts)
+        thread = ModelThread(name="mlx-" + self.name[-24:]) if self.served.loadable else None
+        self.loading, t0 = True, time.perf_counter()
+        try:
+            if thread is not None:
+                self.before_load = await thread.call(memory_now)
+            args = (self.served.path, sink, opts)  # (a pinned model's call as ever: tests/perf swaps start_engine)
+            self.engine, self.model = await (start_engine(*args) if thread is None
+                                             else start_engine(*args, thread=thread))
+        except BaseException:
+            if thread is not None:
+                await thread.close()  # a thread left running aborts the process at exit
+            raise
+        finally:
+            self.loading = False
+        self._thread, self.load_s = thread, time.perf_counter() - t0
+        self.last_used = time.monotonic()
         self._view = ModelView.of(self.served, cfg, self.model, self._images)
         loop = asyncio.get_running_loop()
 
@@ -80,11 +109,41 @@ class ModelService:
         log.critical("model %s: %s; its jobs fail with engine_error", self.name, self.error)
         self.on_dead(self)
 
+    async def load_on_demand(self, sink: Sink) -> bool:
+        """Load a loadable model for its waiting jobs; False when its files are missing or corrupt (it is marked
+        so, :attr:`load_error`, and never tried again by this worker: its jobs fail with model_unavailable)."""
+        try:
+            await self.load(sink)
+        except Exception as exc:  # a broken checkpoint raises more than ModelLoadError: none is tried again
+            self.load_error = str(exc) if isinstance(exc, ModelLoadError) else f"{type(exc).__name__}: {exc}"
+            log.error("model %s cannot be loaded: %s; its waiting jobs fail with model_unavailable", self.name,
+                      self.load_error, exc_info=not isinstance(exc, ModelLoadError))
+            return False
+        return True
+
+    async def unload(self) -> MemoryReading:
+        """Stop its engine and free its weights on its own MLX thread, then join the thread; what MLX holds
+        afterwards. Call only without jobs (its room is 0 from the first line on)."""
+        engine, thread = self.engine, self._thread
+        assert engine is not None and thread is not None, f"model {self.name} is not loaded on demand"
+        self.engine, self.error = None, None  # from here on it takes no job: unloaded (a dead engine too)
+        try:
+            await engine.aclose()  # stops its steps, hands warm prefixes to the disk tier; the thread stays
+        finally:
+            held: list[Any] = [engine, self.model, self._view]
+            self.model = self._view = self._thread = None
+            del engine
+            self.after_unload = await thread.call(release, held)
+            await thread.close()
+        return self.after_unload
+
     async def aclose(self) -> None:
         """Stop the engine, joining its MLX thread (returns once no MLX call runs)."""
         self._images.shutdown(wait=False)  # what is queued still ends (quickly), as its jobs expect
         if self.engine is not None:
             await self.engine.aclose()
+        if self._thread is not None:
+            await self._thread.close()
 
     @property
     def view(self) -> ModelView:
@@ -95,13 +154,17 @@ class ModelService:
     # --- state -------------------------------------------------------------------------------------
     @property
     def state(self) -> ModelState:
+        if self.load_error is not None:
+            return ModelState.LOAD_FAILED
         if self.engine is None:
-            return ModelState.LOADING
+            return ModelState.UNLOADED if self.served.loadable and not self.loading else ModelState.LOADING
         return ModelState.DEAD if self.engine.dead else ModelState.SERVING
 
     def room(self) -> int:
         """How many more jobs it takes now: what its engine can start soon (free slots, within its KV headroom,
         not promised to jobs already claimed), so other workers take what it has no room for."""
+        if self.state is ModelState.LOAD_FAILED and self.fail_waiting:  # claimed only to end error(model_unavailable)
+            return max(0, self.config.jobs_per_model - len(self.active))
         if self.state is not ModelState.SERVING or self.engine is None:
             return 0
         return max(0, min(self.engine.claim_capacity(), self.config.jobs_per_model - self._unpaused()))
@@ -144,14 +207,26 @@ class ModelService:
         return ModelStatus(name=self.name, state=self.state, capacity=self.config.capacity, running=running,
                            waiting=max(0, len(self.active) - running), tokens_per_s=round(tokens_per_s, 1),
                            accepts_images=model is not None and model.accepts_images,
-                           context_length=model.context_length if model is not None else None, error=self.error,
-                           speculation=self.config.speculation(self.served), **counters)
+                           context_length=model.context_length if model is not None else None,
+                           error=self.error or self.load_error,
+                           speculation=self.config.speculation(self.served), loadable=self.served.loadable,
+                           weights_bytes=self.weights_bytes,
+                           load_s=None if self.load_s is None else round(self.load_s, 3),
+                           idle_s=self.idle_s(), **counters)
+
+    def idle_s(self) -> float | None:
+        """Seconds since it last held a job (0 while it holds one; None: never loaded)."""
+        if self.active or self.last_used is None:
+            return None if self.last_used is None else 0.0
+        return round(time.monotonic() - self.last_used, 1)
 
     # --- jobs ----------------------------------------------------------------------------------------
     def claimed(self, entries: Sequence[DueEntry]) -> None:
         """Jobs just claimed for this model: they count against its room until released, and its idle engine
         waits for all of them (up to ``admit_wait_ms``) before its first step."""
         self.active.update((entry.rid, entry.attempt) for entry in entries)
+        if entries:
+            self.last_used = time.monotonic()
         if entries and self.engine is not None:
             tenants = [entry.tenant for entry in entries]  # their requests' groups
             self.engine.expect(len(entries), self.config.admit_wait_ms / 1000, tenants)
@@ -159,6 +234,7 @@ class ModelService:
     def release(self, entry: DueEntry) -> None:
         """A claimed job left this worker (ended, handed back, fenced, or failed)."""
         self.active.discard((entry.rid, entry.attempt))
+        self.last_used = time.monotonic()
 
     def add(self, request: EngineRequest) -> None:
         """A prepared job's request enters the engine (its run is in the run table first)."""

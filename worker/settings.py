@@ -2,8 +2,8 @@
 from the environment.
 
 One queue per model (``<prefix>:queue:<name>``), a short poll backed by producers' wake-ups, ``max_jobs``
-above the models' batch capacity and a health record per worker. Each model loads at start-up on its own MLX
-thread.
+above the models' batch capacity and a health record per worker. Each model of ``MLXQ_MODEL(S)`` loads at
+start-up on its own MLX thread; each of ``MLXQ_LOADABLE_MODELS`` when its jobs wait (worker/loading.py).
 
 Exit status: 0 stopped by SIGTERM/SIGINT (after the drain); 1 a shutdown hung past ``MLXQ_SHUTDOWN_GRACE``; 69
 Redis unreachable (at start for ``MLXQ_CONNECT_DEADLINE``, or later past redis-py's retries); 70 every model's
@@ -26,6 +26,7 @@ from mlxq.engine.mlx.loader import ModelLoadError, locate_model
 
 from . import watchdog
 from .arqseam import Host, WorkerSpec, worker_kwargs
+from .budget import model_weights
 from .config import SETTING_GROUPS, WorkerConfig
 from .host import WorkerHost
 
@@ -40,10 +41,10 @@ def check_config(config: WorkerConfig) -> None:
     that does not exist is never sent to the hub). Raises ConfigError or ModelLoadError."""
     if not config.served:
         raise ConfigError("no model to serve: set MLXQ_MODEL=<model directory or hub id> "
-                          "(or MLXQ_MODELS=path[=alias],...)")
+                          "(or MLXQ_MODELS=path[=alias],..., or MLXQ_LOADABLE_MODELS)")
     names = [m.name for m in config.served]
     if len(set(names)) != len(names):
-        raise ConfigError(f"MLXQ_MODELS names a model twice: {', '.join(names)}")
+        raise ConfigError(f"MLXQ_MODELS and MLXQ_LOADABLE_MODELS name a model twice: {', '.join(names)}")
     if config.draft_model and config.models:
         raise ConfigError("MLXQ_DRAFT_MODEL is the draft of MLXQ_MODEL; with MLXQ_MODELS name each model's draft "
                           "there (path=alias+draft_path)")
@@ -57,6 +58,8 @@ def check_config(config: WorkerConfig) -> None:
         elif config.speculate == "draft":
             raise ConfigError(f"MLXQ_SPECULATE=draft but {served.name} has no draft model (MLXQ_DRAFT_MODEL, or "
                               "path=alias+draft_path in MLXQ_MODELS)")
+    model_weights(config)  # a budget too small for them is a configuration error
+
 
 
 def worker_settings(config: WorkerConfig) -> dict[str, Any]:

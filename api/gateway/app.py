@@ -189,7 +189,7 @@ class Gateway:
         wanted = request.path_params.get("model")
         try:
             self.auth.check(request.headers)
-            live = {name: m for name, m in (await self.client.models()).items() if m.workers > 0}
+            live = {name: m for name, m in (await self.client.models()).items() if m.offered}
             if wanted is not None and wanted not in live:
                 raise GatewayError(Problem(Kind.NOT_FOUND, f"no live worker serves model {wanted!r}",
                                            "model_not_found"))
@@ -217,8 +217,9 @@ class Gateway:
 
 def _card(m: ModelInfo, anthropic: bool) -> dict[str, Any]:
     """One model, in the API's format, with what the queue knows of it."""
+    # "loaded": false for a model live workers load on demand (its first job waits for the load).
     queue = {"workers": m.workers, "capacity": m.capacity, "context_length": m.context_length,
-             "accepts_images": m.accepts_images}
+             "accepts_images": m.accepts_images, "loaded": m.workers > 0, "loadable_on": m.loadable}
     if anthropic:
         return {"type": "model", "id": m.name, "display_name": m.name, "created_at": "1970-01-01T00:00:00Z",
                 **queue}

@@ -111,7 +111,7 @@ def problem_of(exc: BaseException, *, model_known: bool = False) -> Problem:
     return Problem(Kind.UPSTREAM, "internal error in the gateway (see its log)", "internal")
 
 
-_NOT_RUN = frozenset({ErrorCode.WORKER_LOST, ErrorCode.EXPIRED, ErrorCode.DATA_LOST})
+_NOT_RUN = frozenset({ErrorCode.WORKER_LOST, ErrorCode.EXPIRED, ErrorCode.DATA_LOST, ErrorCode.MODEL_UNAVAILABLE})
 
 
 def _job_problem(exc: JobFailed) -> Problem:

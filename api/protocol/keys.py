@@ -161,6 +161,10 @@ class Keys:
         """arq's health-check key of the workers on ``host`` whose first model is ``model`` (``arq --check``)."""
         return f"{self.prefix}:arq-health:{host}:{model}"
 
+    def loading(self, model: str) -> str:
+        """The short lock a worker holds while it loads ``model`` on demand: one loads, the others wait (TTL)."""
+        return f"{self.prefix}:loading:{model}"
+
     def wake_channel(self, model: str) -> str:
         """Pub/sub wake-up for the workers of ``model``: a job was enqueued."""
         return f"{self.prefix}:wake:{model}"

@@ -58,6 +58,7 @@ class ErrorCode(str, Enum):
     DATA_LOST = "data_lost"  # Redis lost the job's data while it ran (restarted without persistence, flushed)
     EXPIRED = "expired"  # it was still queued when its expiry passed (no worker took it in time)
     INTERNAL = "internal"  # a bug: the message says what
+    MODEL_UNAVAILABLE = "model_unavailable"  # its model (loaded on demand) could not be loaded: files missing, corrupt
 
 
 class Usage(BaseModel):

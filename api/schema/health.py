@@ -19,6 +19,11 @@ class ModelState(str, Enum):
     LOADING = "loading"
     SERVING = "serving"
     DEAD = "dead"  # its engine failed and could not be rebuilt: its jobs fail with engine_error
+    # On demand (MLXQ_LOADABLE_MODELS): not in memory now, loaded when its jobs wait and no live worker has room.
+    UNLOADED = "unloaded"
+    # On demand, and its load failed (files missing or corrupt): its waiting jobs fail with model_unavailable, and
+    # this worker does not try again until it restarts.
+    LOAD_FAILED = "load_failed"
 
 
 class ModelStatus(BaseModel):
@@ -34,7 +39,7 @@ class ModelStatus(BaseModel):
     tokens_per_s: float = 0.0  # tokens generated per second over the last minute
     accepts_images: bool = False
     context_length: int | None = None
-    error: str | None = None  # why it is dead
+    error: str | None = None  # why it is dead (or, load_failed, why it could not load)
     speculation: str = ""  # "draft" or "ngram" when it decodes speculatively, "" when it does not
     drafted: int = 0  # tokens proposed to its sequences since it started
     accepted: int = 0  # of those, tokens the model agreed with
@@ -61,6 +66,13 @@ class ModelStatus(BaseModel):
     prefix_disk_bytes: int = 0
     prefix_disk_entries: int = 0
     device: str = ""  # where MLX runs it (name, backend, usable memory)
+    # On-demand loading (MLXQ_LOADABLE_MODELS): whether it is loaded only when needed (and unloaded when idle, or
+    # for another), its weights' bytes (its safetensors files, what MLXQ_MODEL_MEMORY counts), its last load's
+    # seconds, and seconds since it last held a job (None: never loaded).
+    loadable: bool = False
+    weights_bytes: int = 0
+    load_s: float | None = None
+    idle_s: float | None = None
 
 
 class WorkerStatus(BaseModel):
@@ -81,4 +93,9 @@ class WorkerStatus(BaseModel):
     def serves(self, model: str) -> bool:
         """Whether this worker takes new jobs of ``model`` now."""
         return not self.draining and any(m.name == model and m.state is ModelState.SERVING for m in self.models)
+
+    def can_load(self, model: str) -> bool:
+        """Whether this worker would load ``model`` for its waiting jobs (it has it on demand, not in memory)."""
+        return not self.draining and any(m.name == model and m.state in (ModelState.UNLOADED, ModelState.LOADING)
+                                         for m in self.models)
 

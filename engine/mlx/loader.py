@@ -242,9 +242,11 @@ def read_config(path: str) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-async def start_engine(path: str, sink: Sink, options: EngineOptions | None = None) -> tuple[Engine, LoadedModel]:
-    """Start an MLX thread, load the model on it, and build the engine around a fresh batch."""
-    thread = MLXThread(name="mlx-" + path.rstrip("/").rsplit("/", 1)[-1])
+async def start_engine(path: str, sink: Sink, options: EngineOptions | None = None, thread: MLXThread | None = None
+                       ) -> tuple[Engine, LoadedModel]:
+    """Start an MLX thread (or use ``thread``, not started yet), load the model on it, and build the engine around
+    a fresh batch."""
+    thread = thread or MLXThread(name="mlx-" + path.rstrip("/").rsplit("/", 1)[-1])
     try:
         loaded = await thread.call(load_model, path, (options or EngineOptions()).kind)
         if loaded.embedding_width is not None:

@@ -150,12 +150,14 @@ def test_without_a_recommended_working_set_no_wired_limit_is_set(monkeypatch: py
 
 
 def test_only_the_process_owner_sets_mlx_process_state_and_nothing_clears_its_cache() -> None:
-    """The libraries' own ``mx.clear_cache`` calls stay (engine/mlx/process.py says why); mlxq adds none."""
+    """The libraries' own ``mx.clear_cache`` calls stay (engine/mlx/process.py says why); mlxq adds one, after a
+    model loaded on demand is unloaded (engine/mlx/residency.py: its weights go back to the system)."""
     setters = ("set_wired_limit(", "set_memory_limit(", "set_cache_limit(")
     for package in ("engine", "worker", "api"):
         for path in (ROOT / package).rglob("*.py"):
             source = path.read_text()
-            assert "clear_cache(" not in source, path
+            if path != ROOT / "engine" / "mlx" / "residency.py":
+                assert "clear_cache(" not in source, path
             if path != ROOT / "engine" / "mlx" / "process.py":
                 assert not any(s in source for s in setters), path
 

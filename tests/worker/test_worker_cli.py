@@ -220,7 +220,9 @@ def test_arqs_own_health_check_passes_for_a_live_worker_on_this_host(arq_worker:
     ({"MLXQ_MODEL": ""}, "mlxq worker: no model to serve: set MLXQ_MODEL"),
     ({"MLXQ_MODEL": "{tiny}", "MLXQ_BATCH_CAPACITY": "many"}, "mlxq worker: MLXQ_BATCH_CAPACITY='many': expected an "
                                                              "integer"),
-], ids=["missing", "relative", "not_a_model", "unset", "bad_number"])
+    ({"MLXQ_MODEL": "{tiny}", "MLXQ_LOADABLE_MODELS": "{tiny}=other", "MLXQ_MODEL_MEMORY": "1KiB"},
+     "mlxq worker: MLXQ_MODEL_MEMORY=1024B is too small: the smallest loadable model, other, needs"),
+], ids=["missing", "relative", "not_a_model", "unset", "bad_number", "budget_too_small"])
 def test_a_worker_that_cannot_start_says_why_in_one_line_and_exits_78(setting: dict[str, str], message: str,
                                                                        tmp_path: Path, tiny_model: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}

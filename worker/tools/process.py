@@ -47,7 +47,8 @@ class WorkerProcess:
         return self
 
     def wait_ready(self, timeout: float = 120.0) -> WorkerStatus:
-        """Block until the worker's health record shows every model it serves loaded; returns that record."""
+        """Block until the worker's health record shows every model it serves loaded (or, loaded on demand, ready
+        to load); returns that record."""
         keys = Keys(self.env.get("MLXQ_PREFIX", "mlxq"))
         end = time.monotonic() + timeout
         with _sync_client(self.env["MLXQ_REDIS_URL"]) as client:
@@ -55,7 +56,8 @@ class WorkerProcess:
                 if self.proc is None or self.proc.poll() is not None:
                     raise RuntimeError(f"worker exited early; log:\n{self.tail()}")
                 status = self._status(client, keys)
-                if status is not None and all(m.state is ModelState.SERVING for m in status.models):
+                if status is not None and all(m.state is ModelState.SERVING or m.state is ModelState.UNLOADED
+                                              for m in status.models):  # (unloaded: loaded on demand)
                     return status
                 time.sleep(0.05)
         raise RuntimeError(f"worker not ready after {timeout}s; log:\n{self.tail()}")
