@@ -32,6 +32,7 @@ from mlxq.api.protocol.claim import BelowShare, Due, DueEntry, EntryStatus, Outr
 from mlxq.api.protocol.emit import LogTTL
 from mlxq.api.protocol.jobrecord import Envelope, read_job
 from mlxq.api.schema import DEFAULT_TENANT, ErrorCode, ModelState, WorkerStatus, is_terminal
+from mlxq.api.schema.requests import MAX_KEEP_RESULT_S
 from mlxq.engine.core.request import RequestOutput
 from mlxq.engine.mlx.process import MLXLimits, mlx_process
 
@@ -330,6 +331,7 @@ class WorkerHost:
     async def _serve(self, service: ModelService, entry: DueEntry) -> State:
         envelope = read_job(entry.job, self.config.max_job_bytes)
         run = self.transitions.run(entry, service.name, envelope.enqueue_ms)
+        run.keep_s = keep_of(envelope.payload)
         try:
             return await self._serve_run(service, run, entry, envelope)
         except asyncio.CancelledError:
@@ -392,3 +394,12 @@ class WorkerHost:
             # Every in-flight job already got error(engine_error); exit so the supervisor starts a fresh process.
             log.critical("every engine is dead; exiting with %d", ENGINE_DEAD_EXIT)
             asyncio.get_running_loop().call_later(0.5, os._exit, ENGINE_DEAD_EXIT)
+
+
+def keep_of(payload: object) -> int | None:
+    """A job's ``keep_result_s`` as its record holds it (read before the request is validated: a job refused
+    as malformed keeps its result as long as it asked); None: not given, or not a number of seconds."""
+    keep = payload.get("keep_result_s") if isinstance(payload, dict) else None
+    if isinstance(keep, int) and not isinstance(keep, bool) and keep >= 0:
+        return min(keep, MAX_KEEP_RESULT_S)
+    return None
