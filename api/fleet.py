@@ -20,6 +20,7 @@ from .errors import BadRequest, JobNotFound
 from .history import recent, series
 from .protocol.jobrecord import read_job
 from .protocol.keys import Keys
+from .protocol.notify import report
 from .registry import models_of
 from .schema import PRIORITY_MIN, GenerateRequest, decode_event
 
@@ -59,7 +60,7 @@ async def overview(client: Client) -> dict[str, Any]:
             "workers": [w.model_dump(mode="json") for w in workers],
             "lost": await _lost(client, {w.id for w in workers}, now),
             "running": await _running(client), "recent": ended,
-            "dead": await _dead(client)}
+            "dead": await _dead(client), "webhooks": await report(redis, keys)}
 
 
 async def _by_priority(client: Client, model: str) -> dict[str, int]:

@@ -17,6 +17,7 @@ record; the process exits for its supervisor only when every engine is dead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -31,6 +32,7 @@ from mlxq.api.connection import redis_client
 from mlxq.api.protocol.claim import BelowShare, Due, DueEntry, EntryStatus, Outranking
 from mlxq.api.protocol.emit import LogTTL
 from mlxq.api.protocol.jobrecord import Envelope, read_job
+from mlxq.api.protocol.notify import eviction_risk
 from mlxq.api.schema import DEFAULT_TENANT, ErrorCode, ModelState, WorkerStatus, is_terminal
 from mlxq.api.schema.requests import MAX_KEEP_RESULT_S
 from mlxq.engine.core.request import RequestOutput
@@ -113,6 +115,9 @@ class WorkerHost:
             raise RuntimeError("no model to serve: set MLXQ_MODEL (or MLXQ_MODELS=path[=alias],...)")
         host = cls(config, redis_client(config.redis_url))
         await host.transitions.open()
+        with contextlib.suppress(RedisError):  # INFO refused (ACL): nothing to say
+            if risk := await eviction_risk(host.redis):
+                log.warning("%s", risk)
         loop = asyncio.get_running_loop()
 
         def sink(outs: list[RequestOutput]) -> None:  # runs on an MLX thread

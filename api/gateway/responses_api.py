@@ -27,7 +27,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..client import JOB_TTL_MS
+from ..connection import with_retries
 from ..errors import JobNotFound, MlxqError, WaitTimeout
+from ..protocol.notify import WebhookEntry, unwatch, watch
 from ..responses import ResponseStore, StoredResponse, job_events, response_id_of
 from ..schema import Event, GenerateRequest, new_request_id
 from .dialect import dumps, sse
@@ -78,9 +81,19 @@ class Responses:
         await asyncio.gather(*self._following, return_exceptions=True)
 
     async def settled(self, response: StoredResponse) -> None:
-        """A background response's end was recorded, once fleet-wide (by whichever gateway saw it first): the
-        hook for what follows a background response's end (webhooks)."""
+        """A background response's end was recorded, once fleet-wide (by whichever gateway saw it first). Its
+        webhook event is not sent from here: EMIT made it when the job ended (:func:`~api.protocol.notify.watch`),
+        so no gateway has to be up, or to see the end, for it to be sent."""
         log.info("background response %s ended: %s", response.id, response.status)
+
+    async def settle_entry(self, entry: WebhookEntry) -> None:
+        """Before a ``response.*`` webhook event goes out: its response's end recorded (from its job's log or
+        kept result), so the receiver's GET finds it settled, however long ago its job ended."""
+        if not entry.type.startswith("response."):
+            return
+        record = await self.store.get(entry.id, entry.tenant)
+        if record is not None and record.final is None:
+            await self._refresh(record)
 
     # --- POST /v1/responses ---------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
@@ -99,12 +112,20 @@ class Responses:
                                     job.calls_tools)
             if req.store:
                 await self.store.create(record)
+            notify = req.background and req.store and self.gw.webhooks is not None
+            if notify:  # its end becomes a webhook event in the call that writes it (EMIT)
+                await with_retries(lambda: watch(self.gw.client.redis, self.gw.client.keys, job_id, "response", rid,
+                                                 tenant, JOB_TTL_MS // 1000),
+                                   self.gw.client.retry, self.gw.client.where)
             try:
                 await self.gw.client.submit(job, require_worker=True)
             except BaseException:
                 if req.store:
                     with contextlib.suppress(MlxqError):
                         await self.store.delete(rid)
+                if notify:
+                    with contextlib.suppress(Exception):
+                        await unwatch(self.gw.client.redis, self.gw.client.keys, job_id)
                 raise
             submitted = record
             log.debug("POST /v1/responses: %s (job %s, background %s, stream %s)", rid, job_id, req.background,
