@@ -178,8 +178,8 @@ class Client:
         try:
             queued = await with_retries(lambda: self._enqueuer.enqueue(keys, args), self.retry, self.where)
         except ResponseError as exc:
-            if str(exc).startswith("OOM"):  # a Redis at its maxmemory (noeviction) refuses writes
-                raise QueueOutOfMemory(req.model, str(exc).splitlines()[0]) from None
+            if "OOM command not allowed" in str(exc):  # a Redis at its maxmemory (noeviction) refuses writes
+                raise QueueOutOfMemory(req.model, "OOM command not allowed when used memory > 'maxmemory'") from None
             raise
         if queued == 0:
             raise DuplicateJob(f"a job with id {req.id!r} already exists")
