@@ -29,7 +29,7 @@ from mlxq.api.gateway.config import GatewayConfig
 from mlxq.api.gateway.webhooks import GROUP
 from mlxq.api.protocol.keys import Keys
 from mlxq.api.protocol.notify import publish, report
-from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, deployment
+from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, deployment, occupy, release
 
 pytestmark = pytest.mark.e2e
 
@@ -217,10 +217,12 @@ async def test_a_response_that_ended_while_no_gateway_was_up_is_settled_and_sent
     hooks = {"webhook_urls": (receiver.url,), "webhook_secret": SECRET, **FAST}
     r = await r_of(d)
     try:
-        with d.gateway(**hooks) as gw:  # it answers at once, and stops while the job decodes
+        fillers = await occupy(d)  # its job waits queued behind them while its gateway stops
+        with d.gateway(**hooks) as gw:  # it answers at once, and stops before its job runs
             oai = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused")
             resp = await oai.responses.create(model="tiny", input="while away", max_output_tokens=400,
                                               background=True)
+        await release(d, fillers)
         job = resp.id.removeprefix("resp_")
         while await r.exists(KEYS.job(job)):  # its job ends with no gateway up
             await asyncio.sleep(0.05)

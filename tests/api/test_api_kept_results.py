@@ -10,19 +10,22 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import redis.asyncio as aredis
 
 from mlxq.api.client import Client
 from mlxq.api.errors import JobFailed, QueueFull, QueueOutOfMemory
 from mlxq.api.gateway.errors import problem_of
+from mlxq.api.protocol.keys import Keys
 from mlxq.api.protocol.notify import eviction_risk
 from mlxq.api.schema import ErrorCode, FinishReason
 from mlxq.worker.tools.redis_server import RedisServer
+from tests.api.gateway_support import PREFIX, Deployment, occupy, release
 from tests.support import RunningWorker, config_with, start_worker
 
 pytestmark = pytest.mark.e2e
@@ -138,3 +141,59 @@ async def test_a_full_redis_refuses_new_jobs_with_one_clear_exception() -> None:
             assert problem.status == 503 and problem.code == "queue_out_of_memory"
         finally:
             await r.aclose()
+
+
+@pytest.fixture(scope="module")
+def short_lived(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """A deployment whose worker's job logs live one second after their end; no gateway yet."""
+    d = Deployment(tiny_model, tmp_path_factory.mktemp("kept-responses"))
+    try:
+        d.worker("tiny", MLXQ_DONE_TTL="1")
+        yield d
+    finally:
+        d.close()
+
+
+async def test_a_background_response_nobody_followed_is_completed_from_its_kept_result_hours_later(
+        short_lived: Deployment) -> None:
+    d = short_lived
+    r = aredis.Redis.from_url(d.redis.url)
+    keys = Keys(PREFIX)
+    try:
+        fillers = await occupy(d)  # its job waits queued behind them while its gateway stops
+        with d.gateway() as gw:  # it answers at once and stops (its follower with it) before its job runs
+            oai = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused")
+            resp = await oai.responses.create(model="tiny", input="remember me", max_output_tokens=300,
+                                              background=True)
+        await release(d, fillers)
+        job = resp.id.removeprefix("resp_")
+        while await r.exists(keys.job(job)) or await r.exists(keys.log(job)):  # ended, and its log expired
+            await asyncio.sleep(0.1)
+        assert await r.hget(keys.response(job), "status") in (b"queued", b"in_progress")  # nobody recorded it
+        with d.gateway() as gw:
+            oai = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused")
+            got = await oai.responses.retrieve(resp.id)
+            same = await oai.responses.create(model="tiny", input="remember me", max_output_tokens=300)
+        assert got.status == same.status and got.status in ("completed", "incomplete")
+        assert got.output_text == same.output_text and got.output_text
+        assert got.usage is not None and same.usage is not None
+        assert got.usage.output_tokens == same.usage.output_tokens
+    finally:
+        await r.aclose()
+
+
+async def test_a_watched_job_that_expires_queued_becomes_one_failed_webhook_event_and_keeps_its_error(
+        worker: RunningWorker, client: Client) -> None:
+    from mlxq.api.protocol.notify import watch
+
+    rid = "expiring1"
+    await watch(client.redis, client.keys, rid, "response", f"resp_{rid}", "acme", 600)
+    await client.submit(model="ghost", prompt="nobody serves me", id=rid, expires_in=0.2, tenant="acme")
+    with pytest.raises(JobFailed) as failed:  # the worker's reaper expires it (any queue's jobs)
+        await client.result(rid, timeout=60)
+    assert failed.value.code is ErrorCode.EXPIRED
+    entries = await client.redis.xrange(client.keys.webhooks())
+    assert [(f[b"type"], f[b"id"], f[b"tenant"]) for _, f in entries] == [(b"response.failed", b"resp_expiring1",
+                                                                           b"acme")]
+    assert not await client.redis.exists(client.keys.notify(rid))  # once: the key went with the end
+    assert (await client.kept(rid)) is not None
