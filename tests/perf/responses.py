@@ -22,11 +22,12 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
+import subprocess
 import sys
-import threading
+import tempfile
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +73,12 @@ def main(argv: list[str] | None = None) -> int:
                                  out / "logs" / "responses-gateway.log").start()
         stack.callback(gateway.stop)
         gateway.wait_ready()
+        load_before = os.getloadavg()
         report = asyncio.run(_measure(args, gateway.url, redis.url, prefix, receiver))
-    (out / "responses.json").write_text(json.dumps({"args": vars(args), **report}, indent=1))
+    load = {"before": load_before, "after": os.getloadavg(), "cores": os.cpu_count()}
+    (out / "responses.json").write_text(json.dumps({"args": vars(args), "load": load, **report}, indent=1))
     print(_table(report))
+    print(f"load average (1, 5, 15 min) before {load_before}, after {load['after']}, on {load['cores']} cores")
     return 0
 
 
@@ -135,7 +139,7 @@ async def _burst(args: argparse.Namespace, http: httpx.AsyncClient, client: Clie
                                             "messages": [{"role": "user", "content": p}]}) for p in prompts]
     else:
         bodies = [("/v1/responses", {"model": args.size, "stream": True, "max_output_tokens": max_tokens,
-                                     "input": p, "store": False}) for p in prompts]
+                                     "input": p}) for p in prompts]
     t0 = time.perf_counter()
     got = await asyncio.gather(*(_one_stream(http, client, path, body) for path, body in bodies))
     return Burst(sum(n for _, n in got), time.perf_counter() - t0, [t for t, _ in got])
@@ -195,7 +199,7 @@ async def _creates(args: argparse.Namespace, http: httpx.AsyncClient) -> dict[st
 async def _webhooks(args: argparse.Namespace, http: httpx.AsyncClient, client: Client, receiver: Receiver
                     ) -> dict[str, Any]:
     await asyncio.sleep(2.0)
-    receiver.got.clear()
+    receiver.clear()
     total = int(args.rate * args.seconds)
     created: list[str] = []
     sem = asyncio.Semaphore(64)
@@ -234,34 +238,52 @@ async def _webhooks(args: argparse.Namespace, http: httpx.AsyncClient, client: C
             "p50_ms": percentile(delays, 50), "p99_ms": percentile(delays, 99), "max_ms": max(delays or [0.0])}
 
 
+_RECEIVER = """
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+out = open(sys.argv[1], "a", buffering=1)
+class H(BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("content-length", "0")))
+        out.write(f"{json.loads(body)['data']['id']} {time.time():.6f}\\n")
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
 class Receiver:
-    """A webhook endpoint on loopback: each event's object id and arrival time (epoch s)."""
+    """A webhook endpoint on loopback, in a process of its own (so the benchmark's own work does not delay it):
+    each event's object id and arrival time (epoch s), read from the file it appends to."""
 
     def __init__(self) -> None:
-        self.got: list[tuple[str, float]] = []
-        outer = self
+        self.path = Path(tempfile.mkdtemp(prefix="mlxq-hooks-")) / "arrivals.txt"
+        self.proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(self.path)], stdout=subprocess.PIPE,
+                                     text=True)
+        assert self.proc.stdout is not None
+        self.url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}/hook"
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length", "0")))
-                outer.got.append((json.loads(body)["data"]["id"], time.time()))
-                self.send_response(200)
-                self.send_header("content-length", "0")
-                self.end_headers()
+    @property
+    def got(self) -> list[tuple[str, float]]:
+        if not self.path.exists():
+            return []
+        rows = [line.split() for line in self.path.read_text().splitlines()]
+        return [(rid, float(at)) for rid, at in rows if rid]
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+    def clear(self) -> None:
+        self.path.write_text("")
 
     def __enter__(self) -> Receiver:
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.proc.terminate()
+        self.proc.wait(10)
 
 
 def _table(report: dict[str, Any]) -> str:
