@@ -2,19 +2,19 @@
 -- one call (one round trip per engine step). `records`: `count` records, each "<size>\n<record>"; the token
 -- appends (`appends`: a run's one-event appends while its log's TTL is fresh, N per engine step) skip the records'
 -- parsing, the EXPIRE and a GET each, and are written as an "a" record is. A record is a line
--- "<queue bytes> <rid bytes> <owner bytes> <write> <first seq> <result bytes> <keep ms>", then queue, rid, owner and result
--- back to back, a newline, and its events (JSON texts, which never hold a raw newline) joined by newlines; event
--- i is logged as entry "<first seq + i>-1" and published on the job's channel.
+-- "<queue bytes> <rid bytes> <owner bytes> <write> <first seq> <result bytes> <keep ms>", then queue, rid, owner
+-- and result back to back, a newline, and its events (JSON texts, which never hold a raw newline) joined by
+-- newlines; event i is logged as entry "<first seq + i>-1" and published on the job's channel.
 -- The caller may write if (by write): a/e/h: owner is a run's token and the lease holds it, or owner is ""
 -- (the reaper) and nobody holds the lease, the job is listed as running, and its log's next seq is the
 -- record's first (two reapers cannot both act on one job); l: owner is the epoch the run started in and the
 -- epoch moved on (Redis lost its data since) and the job record is gone; x: owner is "" and the job is still
 -- queued (taking it out of its queue decides) and its log's next seq is the record's first.
 -- Writes: a: append. e: end: drop lease, running entry, cancel key, job record, tries and queue entry, keep
--- the result (if any) for its keep ms and the log for the done TTL, and turn the end into a webhook event if the
--- job's notify key asks (notify.lua); its tenant's running count drops, and a
--- done event's usage (prompt + generated tokens) is charged to its tenant's fair-share account (÷ its weight),
--- mean work per job and tokens of this minute. h: hand back: drop lease and running entry (and the running
+-- the result (if any) for its keep ms and the log for the done TTL, make the end a webhook event if the job's
+-- notify key asks (notify.lua); its tenant's running count drops, and a done event's usage (prompt + generated
+-- tokens) is charged to its tenant's fair-share account (÷ its weight), mean work per job and tokens of this
+-- minute. h: hand back: drop lease and running entry (and the running
 -- count), queue the job again in its old place (the score CLAIM listed it with), due at once, its tenant
 -- backlogged again. l: append, log kept for the done TTL. x: as e, and the job's deadline is dropped. e and x
 -- also add the ended job to its model's history and the recent list (history.lua).
