@@ -18,6 +18,7 @@ import openai
 import pytest
 import redis.asyncio as aredis
 
+from mlxq.api import fleet
 from mlxq.api.client import Client
 from mlxq.api.errors import JobFailed, QueueFull, QueueOutOfMemory
 from mlxq.api.gateway.errors import problem_of
@@ -63,6 +64,9 @@ async def test_a_result_is_read_by_id_after_its_log_expired_by_a_client_that_nev
     assert events[-1].type == "done" and "".join(e.text for e in events if e.type == "token") == followed.text
     view = await client.job(followed.id)
     assert view.status == "done" and view.text == followed.text and view.kept is not None
+    page = await fleet.job(client, followed.id, full=True)  # the dashboard's job page
+    assert page["state"] == "done" and page["events"][-1]["type"] == "done"
+    assert "".join(e.get("text", "") for e in page["events"] if e["type"] == "token") == followed.text
 
 
 async def test_each_job_keeps_its_result_as_long_as_it_asked_else_the_workers_default(
