@@ -143,6 +143,9 @@ class Deliverer:
                     made = False  # the stream was deleted (FLUSHALL): make the group again
                 log.warning("webhooks: reading the stream failed: %r", exc)
                 await asyncio.sleep(1.0)
+            except Exception:  # a bug: logged, and the reader goes on (its events stay pending meanwhile)
+                log.exception("webhooks: the stream's reader failed")
+                await asyncio.sleep(1.0)
 
     async def _tend(self) -> None:
         """Every third of the claim time: keep the held events ours (their idle time reset), and take those idle
@@ -167,13 +170,21 @@ class Deliverer:
                 raise
             except (RedisError, OSError) as exc:
                 log.warning("webhooks: tending pending events failed: %r", exc)
+            except Exception:  # a bug: logged, and the next round tries again
+                log.exception("webhooks: tending pending events failed")
 
     def _hold(self, entry: WebhookEntry) -> None:
         if entry.entry in self.held:
             return
         task = asyncio.ensure_future(self._deliver(entry))
         self.held[entry.entry] = task
-        task.add_done_callback(lambda _: self.held.pop(entry.entry, None))
+        task.add_done_callback(lambda done: self._released(entry, done))
+
+    def _released(self, entry: WebhookEntry, task: asyncio.Task[None]) -> None:
+        """A delivery ended; one that failed (a bug) leaves its event pending, for a gateway's next claim."""
+        self.held.pop(entry.entry, None)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("webhooks: delivering %s (%s %s) failed: %r", entry.event_id, entry.type, entry.id, exc)
 
     async def _deliver(self, entry: WebhookEntry) -> None:
         """Every endpoint's attempts on the schedule; then the event acknowledged and deleted."""
