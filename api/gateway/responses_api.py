@@ -163,8 +163,9 @@ class Responses:
     async def _answer(self, request: Request, req: ResponsesRequest, record: StoredResponse,
                       followed: AsyncGenerator[Event, None] | None = None) -> Response:
         headers = {"x-mlxq-job-id": record.job_id}
-        if req.background:  # answered at once; followed here to its end, which any gateway's GET records too
-            self._follow(record)
+        if req.background:  # answered at once; its end recorded by any gateway's GET too
+            if self.gw.webhooks is None:  # followed here to its end (with webhooks, their deliverer records it)
+                self._follow(record)
             if req.stream:
                 return EventStream(self._frames(record, None, stored=True, owns_job=False), self.gw.streams,
                                    headers=headers)
