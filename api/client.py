@@ -406,12 +406,9 @@ class Client:
             yield delta
 
     async def result(self, rid: str, *, timeout: float | None = None) -> Result:
-        """Wait for job ``rid`` to end; its :class:`Result`, or :class:`JobFailed`. An ended job's result is
-        read from what is kept of it (its request's ``keep_result_s``, or ``MLXQ_KEEP_RESULT``: hours), long
-        after its events expired; a job still queued or running is followed to its end."""
-        kept = await self.kept(rid)
-        if kept is not None:
-            return await _result(rid, _listed(kept_events(rid, kept)))
+        """Wait for job ``rid`` to end; its :class:`Result`, or :class:`JobFailed`. Read from its events while
+        they are kept (minutes after its end), then from its kept result (its request's ``keep_result_s``, or
+        ``MLXQ_KEEP_RESULT``: hours), which has no token ids or log-probabilities."""
         return await _result(rid, self.events(rid, timeout=timeout))
 
     async def kept(self, rid: str) -> KeptResult | None:
@@ -510,11 +507,6 @@ def kept_events(rid: str, kept: KeptResult) -> list[Event]:
                                  reasoning=kept.reasoning, tool_calls=list(calls) if calls else None))
     events.append(end)
     return events
-
-
-async def _listed(events: list[Event]) -> AsyncIterator[Event]:
-    for ev in events:
-        yield ev
 
 
 async def _deltas(rid: str, events: AsyncIterator[Event]) -> AsyncIterator[Delta]:
