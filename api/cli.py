@@ -74,6 +74,8 @@ _EXITS = {
                _BAD_CONFIG],
     "events": ["0    every event up to the terminal one (done or error) was printed",
                f"1    an unknown job, or no terminal event within --timeout; {_REDIS_DOWN}", _BAD_CONFIG],
+    "job": ["0    the job was found (queued, running, ended: its result, or its error)",
+            f"1    no such job, or nothing of it is kept any more; {_REDIS_DOWN}", _BAD_CONFIG],
     "status": ["0    the report was printed", f"1    {_REDIS_DOWN}", _BAD_CONFIG],
     "tenants": ["0    the tenants were listed, or the policy set or removed", f"1    {_REDIS_DOWN}",
                 f"{_BAD_CONFIG} (a malformed name, a weight of 0 or less, a negative cap)"],
@@ -126,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--tenant", default="default", help="whose job it is (fair share and caps: mlxq tenants)")
     s.add_argument("--expires-in", type=float, default=None,
                    help="seconds it may wait queued before it ends error(expired) (default: MLXQ_JOB_EXPIRY)")
+    s.add_argument("--keep-result", type=int, default=None, metavar="SECONDS",
+                   help="keep its result this long after its end (`mlxq job`; default: MLXQ_KEEP_RESULT)")
     s.add_argument("--chat", action="store_true", help="send the prompt as one user message (chat template)")
     s.add_argument("--system", default=None, help="with --chat: a system message before it")
     s.add_argument("--no-wait", action="store_true", help="print the job id and exit")
@@ -139,6 +143,13 @@ def _parser() -> argparse.ArgumentParser:
     e = command("events", help="print a job's events as JSON lines (replayed, then live)")
     e.add_argument("job_id")
     e.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
+
+    j = command("job", help="a job's result by id (kept for hours after its end), or where it stands",
+                description="A job's status and, once it ended, its result (text, reasoning, tool calls, usage, "
+                            "timings) or its error: read from what is kept of it (its request's keep_result_s, or "
+                            "the workers' MLXQ_KEEP_RESULT), long after its events expired.")
+    j.add_argument("job_id")
+    j.add_argument("--json", action="store_true", help="print JSON (for scripts)")
 
     st = command("status", help="queues and live workers, from Redis")
     st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
@@ -341,6 +352,8 @@ async def _producer_command(args: argparse.Namespace, config: ClientConfig) -> i
             return EXIT_OK
         if args.command == "status":
             return await _status(client, args.json, args.watch, args.count)
+        if args.command == "job":
+            return await _job(client, args.job_id, args.json)
         if args.command == "health":
             return await _health(client, args.model)
         if args.command == "tenants":
@@ -353,6 +366,19 @@ async def _cancel(client: Client, rid: str) -> int:
         print(f"cancel requested for {rid}", file=sys.stderr)
     else:
         print(f"job {rid} already ended; nothing to cancel", file=sys.stderr)
+    return EXIT_OK
+
+
+async def _job(client: Client, rid: str, as_json: bool) -> int:
+    from .status import render_job
+
+    view = await client.job(rid)
+    if view.status == "unknown":
+        print(f"mlxq: job {rid} is unknown, or nothing of it is kept any more (its result is kept "
+              "MLXQ_KEEP_RESULT seconds, or its request's keep_result_s)", file=sys.stderr)
+        return EXIT_FAILED
+    text, data = render_job(view)
+    print(json.dumps(data, indent=2) if as_json else text)
     return EXIT_OK
 
 
@@ -444,6 +470,7 @@ def _request(args: argparse.Namespace) -> GenerateRequest:
             model=args.model, prompt=None if args.chat else text, messages=messages,
             **max_tokens_fields(args.max_tokens), temperature=args.temperature, top_p=args.top_p, seed=args.seed,
             stop=args.stop, priority=args.priority, expires_in=args.expires_in, tenant=args.tenant,
+            keep_result_s=args.keep_result,
         )
     except ValidationError as exc:
         raise BadRequest(describe(exc)) from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -17,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from .affinity import affinity_key
 from .config import ClientConfig
@@ -30,13 +32,14 @@ from .errors import (
     MlxqError,
     NoWorker,
     QueueFull,
+    QueueOutOfMemory,
     QueueUnavailable,
     WaitTimeout,
     describe,
 )
 from .protocol import producer
 from .protocol.enqueuer import Enqueuer
-from .protocol.jobrecord import job_record
+from .protocol.jobrecord import KeptResult, job_record, read_result
 from .protocol.keys import Keys, log_entry_id, queue_score
 from .protocol.producer import Enqueue
 from .registry import ModelInfo, QueueInfo, live_workers, models_of, other_prefixes, queues
@@ -46,7 +49,9 @@ from .schema import (
     Event,
     FinishReason,
     GenerateRequest,
+    StartEvent,
     Timings,
+    TokenEvent,
     TokenLogprob,
     ToolCall,
     Usage,
@@ -61,7 +66,7 @@ from .subscriber import Subscriber, Subscription
 from .tenants import DEFAULT_TENANT, Policy, TenantUse, check_name, remove, store
 from .tenants import use as tenant_use
 
-__all__ = ["Client", "Embeddings", "Result"]
+__all__ = ["Client", "Embeddings", "JobView", "Result", "kept_events"]
 
 JOB_TTL_MS = 86_400_000  # a job record lives a day (arq's default): queued, running and re-run within it
 _RESYNC_S = 1.0  # silence after which a reader re-reads the log (covers lost pub/sub messages)
@@ -185,7 +190,12 @@ class Client:
                              queue_score(now_ms, req.priority, int(cfg.priority_aging_s * 1000)),
                              max(0, cfg.max_queued), expiry_ms, JOB_TTL_MS).call(self.keys)
         # A retry sends the same record: ENQUEUE takes it as this submit's own (its reply was lost).
-        queued = await with_retries(lambda: self._enqueuer.enqueue(keys, args), self.retry, self.where)
+        try:
+            queued = await with_retries(lambda: self._enqueuer.enqueue(keys, args), self.retry, self.where)
+        except ResponseError as exc:
+            if "OOM command not allowed" in str(exc):  # a Redis at its maxmemory (noeviction) refuses writes
+                raise QueueOutOfMemory(req.model, "OOM command not allowed when used memory > 'maxmemory'") from None
+            raise
         if queued == 0:
             raise DuplicateJob(f"a job with id {req.id!r} already exists")
         if queued == -2:
@@ -346,6 +356,12 @@ class Client:
                 replayed = [] if fresh else await failures.attempt(functools.partial(self._replay, rid, next_seq))
                 failures.ok()  # Redis answers again: a later failure starts a new deadline
                 if not replayed and not patient and await failures.attempt(lambda: self._vanished(rid)):
+                    kept = await failures.attempt(lambda: self.kept(rid))
+                    if kept is not None:  # its log expired; its result is kept
+                        for ev in kept_events(rid, kept):
+                            if ev.seq >= next_seq:
+                                yield ev
+                        return
                     raise JobNotFound(f"job {rid} is unknown, or its events expired (they are kept "
                                       "a few minutes after its end)")
                 fresh = patient = False
@@ -405,8 +421,41 @@ class Client:
             yield delta
 
     async def result(self, rid: str, *, timeout: float | None = None) -> Result:
-        """Wait for job ``rid`` to end; its :class:`Result`, or :class:`JobFailed`."""
+        """Wait for job ``rid`` to end; its :class:`Result`, or :class:`JobFailed`. Read from its events while
+        they are kept (minutes after its end), then from its kept result (its request's ``keep_result_s``, or
+        ``MLXQ_KEEP_RESULT``: hours), which has no token ids or log-probabilities."""
         return await _result(rid, self.events(rid, timeout=timeout))
+
+    async def kept(self, rid: str) -> KeptResult | None:
+        """Job ``rid``'s kept result, if it ended and its result is still kept (else None)."""
+        data = await with_retries(lambda: self._redis.get(self.keys.result(rid)), self.retry, self.where)
+        if data is None:
+            return None
+        try:
+            return read_result(data)
+        except ValueError:  # an arq result record of an earlier release, without our fields
+            return None
+
+    async def job(self, rid: str) -> JobView:
+        """Where job ``rid`` stands now, without waiting (``mlxq job``): ended (its result, or its error),
+        running or queued (its text so far), or unknown (never submitted, or nothing of it is kept any more)."""
+        kept = await self.kept(rid)
+        if kept is not None:
+            view = JobView(rid, "done" if kept.end.get("type") == "done" else "failed", kept=kept)
+            return _viewed(view, kept_events(rid, kept))
+
+        async def read() -> tuple[Any, int]:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.xrange(self.keys.log(rid))
+                pipe.exists(self.keys.job(rid))
+                entries, queued = await pipe.execute()
+            return entries, queued
+        entries, queued = await with_retries(read, self.retry, self.where)
+        events = [decode_event(fields[b"e"]) for _, fields in entries]
+        if not events:
+            return JobView(rid, "queued" if queued else "unknown")
+        status = "running" if not is_terminal(events[-1]) else ("done" if events[-1].type == "done" else "failed")
+        return _viewed(JobView(rid, status), events)
 
     async def generate(self, *, timeout: float | None = None, **fields: Any) -> Result:
         """Submit and wait: ``await client.generate(model=..., prompt=..., max_tokens=...)``."""
@@ -444,6 +493,52 @@ class Client:
         finally:
             if not finished:
                 await asyncio.shield(self.cancel(req.id))
+
+
+@dataclass(slots=True)
+class JobView:
+    """A job as it stands (:meth:`Client.job`): ``status`` queued, running, done, failed or unknown; its text and
+    reasoning so far (its last run's), its end (``done`` or ``error``) once it ended, and its kept result's
+    times if it is read from that."""
+
+    id: str
+    status: str
+    text: str = ""
+    reasoning: str = ""
+    done: DoneEvent | None = None
+    error: ErrorEvent | None = None
+    kept: KeptResult | None = None
+
+
+def _viewed(view: JobView, events: list[Event]) -> JobView:
+    whole = Whole()
+    for ev in events:
+        whole.feed(ev)
+        if isinstance(ev, DoneEvent):
+            view.done = ev
+        elif isinstance(ev, ErrorEvent):
+            view.error = ev
+    view.text, view.reasoning = whole.text, whole.reasoning
+    return view
+
+
+def kept_events(rid: str, kept: KeptResult) -> list[Event]:
+    """A kept result as the events that make it: its start (a job that ran), its text, reasoning and tool calls
+    as one token event, and its terminal event, numbered before it. What a reader of the job's log would have
+    made of it, for the reader that comes after the log expired."""
+    end = decode_event(json.dumps(kept.end))
+    events: list[Event] = []
+    seq = max(0, end.seq - 2)
+    calls = end.tool_calls if isinstance(end, DoneEvent) else None
+    ran = kept.text or kept.reasoning or calls or (isinstance(end, DoneEvent) and end.usage.prompt_tokens > 0)
+    if ran and end.seq >= 2:
+        usage = end.usage.prompt_tokens if isinstance(end, DoneEvent) else 0
+        events.append(StartEvent(id=rid, seq=seq, model="", worker="", prompt_tokens=usage))
+    if kept.text or kept.reasoning or calls:
+        events.append(TokenEvent(id=rid, seq=max(0, end.seq - 1), text=kept.text, token_ids=[], index=0,
+                                 reasoning=kept.reasoning, tool_calls=list(calls) if calls else None))
+    events.append(end)
+    return events
 
 
 async def _deltas(rid: str, events: AsyncIterator[Event]) -> AsyncIterator[Delta]:

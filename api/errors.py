@@ -8,6 +8,7 @@
      ├── WaitTimeout     no terminal event arrived within the caller's timeout
      ├── NoWorker        no live worker serves the model (raised only when the caller asked to refuse)
      ├── QueueFull       the model's queue holds the producer's cap of waiting jobs (retry later)
+     │    └── QueueOutOfMemory  Redis is at its maxmemory and refuses new work (noeviction)
      ├── QueueUnavailable  Redis could not be reached within the client's retry deadline
      ├── AccessDenied    Redis refused the credentials or a command (never retried)
      └── ConfigError     an MLXQ_* variable holds a value that cannot be used
@@ -22,8 +23,8 @@ from .schema import ErrorCode, ErrorEvent
 
 __all__ = [
     "AccessDenied", "BadRequest", "ConfigError", "DuplicateJob", "JobFailed", "JobNotFound", "MlxqError", "NoWorker",
-    "QueueFull", "QueueUnavailable", "UnexpectedPassword", "WaitTimeout", "describe", "elsewhere_hint",
-    "install_hint",
+    "QueueFull", "QueueOutOfMemory", "QueueUnavailable", "UnexpectedPassword", "WaitTimeout", "describe",
+    "elsewhere_hint", "install_hint",
 ]
 
 
@@ -89,6 +90,16 @@ class QueueFull(MlxqError):
         self.limit = limit
         self.retry_after = retry_after
         self.tenant = tenant
+
+
+class QueueOutOfMemory(QueueFull):
+    """Redis holds its ``maxmemory`` and refuses writes (policy ``noeviction``): nothing was enqueued. Jobs end
+    and kept results expire over time; an operator raises ``maxmemory`` or shortens ``MLXQ_KEEP_RESULT``."""
+
+    def __init__(self, model: str, detail: str, retry_after: float = 5.0) -> None:
+        MlxqError.__init__(self, f"Redis is out of memory and refuses new jobs (model {model!r}): {detail}; "
+                           "retry later, or raise its maxmemory / shorten MLXQ_KEEP_RESULT")
+        self.model, self.limit, self.retry_after, self.tenant = model, 0, retry_after, None
 
 
 class QueueUnavailable(MlxqError):

@@ -15,11 +15,12 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from .client import Client
+from .client import Client, kept_events
 from .errors import BadRequest, JobNotFound
 from .history import recent, series
 from .protocol.jobrecord import read_job
 from .protocol.keys import Keys
+from .protocol.notify import report
 from .registry import models_of
 from .schema import PRIORITY_MIN, GenerateRequest, decode_event
 from .status import claimed, live
@@ -60,7 +61,7 @@ async def overview(client: Client) -> dict[str, Any]:
             "workers": [w.model_dump(mode="json") for w in workers],
             "lost": await _lost(client, {w.id for w in workers}, now),
             "running": await _running(client), "recent": ended,
-            "dead": await _dead(client)}
+            "dead": await _dead(client), "webhooks": await report(redis, keys)}
 
 
 async def _by_priority(client: Client, model: str) -> dict[str, int]:
@@ -137,9 +138,12 @@ async def job(client: Client, rid: str, *, full: bool) -> dict[str, Any]:
     record, tries, lease, running, cancel, log = await pipe.execute()
     ended = record is None and not running
     summary = next((s for s in await recent(redis, keys, 500) if s.get("id") == rid), None) if ended else None
-    if record is None and not log and summary is None:
-        raise JobNotFound(f"job {rid} is unknown, or ended more than a few minutes ago")
-    events = [decode_event(fields[b"e"]).model_dump(mode="json") for _, fields in log]
+    logged = [decode_event(fields[b"e"]) for _, fields in log]
+    if ended and not logged and (kept := await client.kept(rid)) is not None:  # its log expired; its result kept
+        logged = kept_events(rid, kept)
+    if record is None and not logged and summary is None:
+        raise JobNotFound(f"job {rid} is unknown, or ended and nothing of it is kept any more")
+    events = [e.model_dump(mode="json") for e in logged]
     last = events[-1]["type"] if events else None
     state = ("running" if running else "queued" if record is not None else
              last if last in ("done", "error") else summary["type"] if summary else "unknown")

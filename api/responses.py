@@ -15,18 +15,20 @@ and a gateway's restart loses nothing. The hash holds:
 Every write sets the record's TTL to the retention (``MLXQ_RESPONSE_RETENTION``, 30 days by default, as
 OpenAI keeps stored responses).
 
-Where a job's end is read is :func:`job_events`: the one place to point at a longer-kept result.
+Where a job's end is read is :func:`job_events`: its log while it runs and minutes after, then its kept result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .client import Client
+from .client import Client, kept_events
 from .connection import with_retries
+from .protocol.jobrecord import read_result
 from .schema import Event, decode_event
 
 __all__ = ["RESPONSE_ID_PREFIX", "TERMINAL", "ResponseStore", "StoredResponse", "job_events", "job_id_of",
@@ -150,21 +152,25 @@ class ResponseStore:
 
 
 async def job_events(client: Client, job_id: str) -> list[Event] | None:
-    """Every event job ``job_id`` has logged so far, in order ([] while it waits in its queue); None when the
-    queue no longer knows it (neither queued, running, nor ended within the few minutes its log is kept).
+    """Every event job ``job_id`` has logged so far, in order ([] while it waits in its queue); once its log
+    expired, the events its kept result makes (``Client.kept``: hours after its end); None when the queue no
+    longer knows it (neither queued, running, logged nor kept).
 
-    The one place a response reads its job's end after the fact: the merger of longer-kept results points
-    this at them."""
+    The one place a response reads its job's end after the fact."""
     redis, keys = client.redis, client.keys
 
-    async def read() -> tuple[Any, int]:
+    async def read() -> tuple[Any, int, bytes | None]:
         async with redis.pipeline(transaction=False) as pipe:
             pipe.xrange(keys.log(job_id))
             pipe.exists(keys.job(job_id))
-            entries, queued = await pipe.execute()
-        return entries, queued
+            pipe.get(keys.result(job_id))
+            entries, queued, kept = await pipe.execute()
+        return entries, queued, kept
 
-    entries, queued = await with_retries(read, client.retry, client.where)
+    entries, queued, kept = await with_retries(read, client.retry, client.where)
+    if not entries and kept is not None:
+        with contextlib.suppress(ValueError):
+            return kept_events(job_id, read_result(kept))
     if not entries and not queued:
         return None
     return [decode_event(fields[b"e"]) for _, fields in entries]

@@ -8,16 +8,20 @@ minute, prefix-cache hits in memory and on disk, uptime, version). As text for a
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .client import Client
+from redis.exceptions import RedisError
+
+from .client import Client, JobView
+from .protocol.notify import eviction_risk, report
 from .registry import ModelInfo, QueueInfo, models_of
 from .schema import ModelStatus, WorkerStatus
 from .tenants import TenantUse
 
-__all__ = ["Report", "claimed", "collect", "live", "render", "tenant_table"]
+__all__ = ["Report", "claimed", "collect", "live", "render", "render_job", "tenant_table"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,11 +35,14 @@ class Report:
     models: dict[str, ModelInfo]
     workers: list[WorkerStatus]
     tenants: list[TenantUse]
+    eviction: str | None = None  # why Redis could evict kept results (notify.eviction_risk), or None
+    webhooks: dict[str, Any] = field(default_factory=dict)  # deliveries: counters, waiting, newest failures
 
     def to_json(self) -> dict[str, Any]:
         names = sorted(set(self.queues) | set(self.models))
         return {
-            "redis": self.where, "prefix": self.prefix, "at": self.at,
+            "redis": self.where, "prefix": self.prefix, "at": self.at, "eviction_risk": self.eviction,
+            "webhooks": self.webhooks,
             "models": [_model_json(name, self.queues.get(name), self.models.get(name)) for name in names],
             "tenants": [t.to_json() for t in self.tenants],
             "workers": [w.model_dump(mode="json") for w in self.workers],
@@ -48,7 +55,13 @@ async def collect(client: Client) -> Report:
     workers = live(await client.workers(), await claimed(client))
     queues = {q.model: q for q in await client.queues()}
     tenants = await client.tenants([q for q in queues.values()])
-    return Report(client.where, client.keys.prefix, time.time(), queues, models_of(workers), workers, tenants)
+    eviction, hooks = None, {}
+    with contextlib.suppress(RedisError):  # INFO refused (ACL): nothing to say
+        eviction = await eviction_risk(client.redis)
+    with contextlib.suppress(RedisError):
+        hooks = await report(client.redis, client.keys)
+    return Report(client.where, client.keys.prefix, time.time(), queues, models_of(workers), workers, tenants,
+                  eviction, hooks)
 
 
 async def claimed(client: Client) -> dict[tuple[str, str], int]:
@@ -85,6 +98,9 @@ def render(report: Report) -> str:
     """The report as text tables."""
     at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.at))
     lines = [f"mlxq status: {report.where}, prefix {report.prefix!r}, {at}", ""]
+    if report.eviction:
+        lines += [f"WARNING: {report.eviction}", ""]
+    lines += _webhook_lines(report.webhooks)
     names = sorted(set(report.queues) | set(report.models))
     if not names:
         lines.append("no queued jobs and no live workers")
@@ -108,6 +124,52 @@ def render(report: Report) -> str:
     if report.workers:
         lines += ["", *_table(_worker_rows(report))]
     return "\n".join(lines)
+
+
+def _webhook_lines(hooks: dict[str, Any]) -> list[str]:
+    """One line of webhook deliveries (if any were made or wait), and the newest failures."""
+    counts = hooks.get("counts") or {}
+    if not counts and not hooks.get("waiting"):
+        return []
+    line = (f"webhooks: {counts.get('delivered', 0)} delivered, {counts.get('retried', 0)} retried, "
+            f"{counts.get('failed', 0)} failed, {counts.get('disabled', 0)} endpoint 410s; "
+            f"{hooks.get('waiting', 0)} waiting")
+    failed = [f"  failed: {f['type']} {f['id']} ({f['event']}) to {f['url']}: {f['error']}"
+              for f in hooks.get("failures", [])[:3]]
+    return [line, *failed, ""]
+
+
+def render_job(view: JobView) -> tuple[str, dict[str, Any]]:
+    """``mlxq job``: one job as a text block, and as JSON."""
+    data: dict[str, Any] = {"id": view.id, "status": view.status, "text": view.text}
+    lines = [f"job {view.id}: {view.status}"]
+    if view.done is not None:
+        d = view.done
+        t = d.timings
+        data.update(finish_reason=d.finish_reason.value, usage=d.usage.model_dump(), timings=t.model_dump(),
+                    tenant=d.tenant, tool_calls=[c.model_dump() for c in d.tool_calls or []])
+        lines[0] += f" ({d.finish_reason.value})"
+        lines.append(f"tenant:   {d.tenant or 'default'}")
+        lines.append(f"usage:    {d.usage.prompt_tokens} prompt + {d.usage.completion_tokens} completion tokens")
+        speed = f", {t.tokens_per_s:.1f} tok/s" if t.tokens_per_s else ""
+        first = f", first token {t.ttft_ms:.0f} ms" if t.ttft_ms is not None else ""
+        lines.append(f"timings:  queued {t.queue_ms:.0f} ms{first}, total {t.total_ms:.0f} ms{speed}")
+        for c in d.tool_calls or []:
+            lines.append(f"tool call: {c.function.name}({c.function.arguments})")
+    if view.error is not None:
+        e = view.error
+        data["error"] = {"code": e.code.value, "message": e.message, "retryable": e.retryable}
+        lines.append(f"error:    {e.code.value}: {e.message}" + (" (retryable)" if e.retryable else ""))
+    if view.kept is not None:
+        data["finished_at_ms"] = view.kept.finish_ms
+        ended = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(view.kept.finish_ms / 1000))
+        lines.append(f"ended:    {ended} (its kept result)")
+    if view.reasoning:
+        data["reasoning"] = view.reasoning
+        lines += ["reasoning:", view.reasoning]
+    if view.text or view.status in ("done", "running"):
+        lines += ["text:", view.text]
+    return "\n".join(lines), data
 
 
 def tenant_table(tenants: list[TenantUse]) -> list[str]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from mlxq.api.config import ClientConfig, ToolConfig
 from mlxq.api.errors import ConfigError
 from mlxq.api.gateway.config import GatewayConfig
-from mlxq.api.protocol.keys import DONE_TTL_S, LIVE_TTL_S, Keys
+from mlxq.api.protocol.keys import DONE_TTL_S, KEEP_RESULT_S, LIVE_TTL_S, Keys
 from mlxq.api.schema import job_bytes_limit
 from mlxq.api.settings import markdown, read, setting, shared
 
@@ -128,8 +128,9 @@ class WorkerConfig:
                               "(refreshed on every write)", minimum=1)
     done_ttl_s: int = setting("MLXQ_DONE_TTL", DONE_TTL_S, "seconds a job's replay log lives after it ended",
                               minimum=1)
-    keep_result_s: int = setting("MLXQ_KEEP_RESULT", 60, "seconds arq's result record (the job's terminal event) is "
-                                 "kept; 0: none", minimum=0)
+    keep_result_s: int = setting("MLXQ_KEEP_RESULT", KEEP_RESULT_S, "seconds an ended job's result (its text, "
+                                 "reasoning and end: Client.result, `mlxq job`) is kept, unless its request's "
+                                 "keep_result_s says; 0: none", minimum=0)
     heartbeat_s: float = setting("MLXQ_HEARTBEAT", 2.0, "seconds between writes of the worker's health record",
                                  minimum=0.05)
     kv_headroom_gb: float | None = setting("MLXQ_KV_HEADROOM_GB", None, "GiB of KV cache the batches may hold, split "

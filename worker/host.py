@@ -17,6 +17,7 @@ record; the process exits for its supervisor only when every engine is dead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -31,7 +32,9 @@ from mlxq.api.connection import redis_client
 from mlxq.api.protocol.claim import BelowShare, Due, DueEntry, EntryStatus, Outranking
 from mlxq.api.protocol.emit import LogTTL
 from mlxq.api.protocol.jobrecord import Envelope, read_job
+from mlxq.api.protocol.notify import eviction_risk
 from mlxq.api.schema import DEFAULT_TENANT, ErrorCode, ModelState, WorkerStatus, is_terminal
+from mlxq.api.schema.requests import MAX_KEEP_RESULT_S
 from mlxq.engine.core.request import RequestOutput
 from mlxq.engine.mlx.process import MLXLimits, mlx_process
 
@@ -117,6 +120,9 @@ class WorkerHost:
             raise RuntimeError("no model to serve: set MLXQ_MODEL (or MLXQ_MODELS=path[=alias],...)")
         host = cls(config, redis_client(config.redis_url))
         await host.transitions.open()
+        with contextlib.suppress(RedisError):  # INFO refused (ACL): nothing to say
+            if risk := await eviction_risk(host.redis):
+                log.warning("%s", risk)
         loop = asyncio.get_running_loop()
 
         def sink(outs: list[RequestOutput]) -> None:  # runs on an MLX thread
@@ -350,6 +356,7 @@ class WorkerHost:
     async def _serve(self, service: ModelService, entry: DueEntry) -> State:
         envelope = read_job(entry.job, self.config.max_job_bytes)
         run = self.transitions.run(entry, service.name, envelope.enqueue_ms)
+        run.keep_s = keep_of(envelope.payload)
         try:
             return await self._serve_run(service, run, entry, envelope)
         except asyncio.CancelledError:
@@ -415,3 +422,12 @@ class WorkerHost:
             # Every in-flight job already got error(engine_error); exit so the supervisor starts a fresh process.
             log.critical("every engine is dead; exiting with %d", ENGINE_DEAD_EXIT)
             asyncio.get_running_loop().call_later(0.5, os._exit, ENGINE_DEAD_EXIT)
+
+
+def keep_of(payload: object) -> int | None:
+    """A job's ``keep_result_s`` as its record holds it (read before the request is validated: a job refused
+    as malformed keeps its result as long as it asked); None: not given, or not a number of seconds."""
+    keep = payload.get("keep_result_s") if isinstance(payload, dict) else None
+    if isinstance(keep, int) and not isinstance(keep, bool) and keep >= 0:
+        return min(keep, MAX_KEEP_RESULT_S)
+    return None

@@ -46,6 +46,7 @@ from .job import Choices
 from .openai_api import CHAT, COMPLETIONS, openai_error
 from .responses_api import Responses
 from .sse import EventStream, Streams
+from .webhooks import Deliverer, WebhookSettings
 
 __all__ = ["Gateway", "create_app"]
 
@@ -71,6 +72,8 @@ class Gateway:
         self.streams = Streams()
         self.responses = Responses(self)  # /v1/responses
         self.embeddings = EmbeddingsAPI(self)  # /v1/embeddings
+        self.webhooks = WebhookSettings.of(config)  # None: no webhook endpoint configured
+        self._deliverer: Deliverer | None = None
 
     @property
     def client(self) -> Client:
@@ -84,6 +87,11 @@ class Gateway:
         log.info("gateway serving the queue at %s (prefix %s; %s; event loop %s)", self.client.where,
                  self.client.keys.prefix, "API keys required" if self.auth.required else "no API keys",
                  type(asyncio.get_running_loop()).__module__.split(".")[0])
+        if self.webhooks is not None:  # every gateway with endpoints delivers (one consumer group)
+            self._deliverer = Deliverer(self.client.redis, self.client.keys, self.webhooks,
+                                        settle=self.responses.settle_entry)
+            self._deliverer.start()
+            log.info("delivering webhooks to %d endpoint(s)", len(self.webhooks.urls))
         exiting = asyncio.ensure_future(self._end_streams_on_exit())
         # What exists now (modules, schemas, the app) lives as long as the process: the collector's full passes,
         # which streams' objects trigger every few hundred requests, need not walk it each time.
@@ -92,6 +100,8 @@ class Gateway:
             yield
         finally:
             exiting.cancel()
+            if self._deliverer is not None:
+                await self._deliverer.aclose()
             await self.responses.aclose()
             if self._owns_client and self._client is not None:
                 await self._client.aclose()

@@ -3,11 +3,14 @@ each variable is declared once, on its field (``api/settings.py``)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from ..config import ClientConfig
 from ..errors import ConfigError
@@ -32,6 +35,9 @@ def max_tokens_fields(named: int | None, cap: int = DEFAULT_MAX_TOKENS) -> dict[
     ours by default), lowered by the worker to what fits the context after the prompt: OpenAI's rule, which the
     gateway and ``mlxq submit`` both follow."""
     return {"max_tokens": cap if named is None else named, "fit_max_tokens": named is None}
+# Seconds before each delivery attempt of a webhook event (the first at once): 12 attempts over about 2 days
+DEFAULT_WEBHOOK_SCHEDULE = (0.0, 5.0, 30.0, 120.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0, 43200.0, 86400.0)
+WEBHOOK_SECRET_PREFIX = "whsec_"
 
 
 def _keys(name: str, raw: str) -> frozenset[str]:
@@ -44,6 +50,45 @@ def _keys(name: str, raw: str) -> frozenset[str]:
             raise ConfigError(f"{name}: entry {i} names tenant {tenant[:80]!r}: a tenant name is 1 to 64 of "
                               "A-Z a-z 0-9 . _ -")
     return frozenset(entries)
+
+
+def _urls(name: str, raw: str) -> tuple[str, ...]:
+    """Comma-separated http(s) URLs, each with a host."""
+    urls = tuple(u.strip() for u in raw.split(",") if u.strip())
+    for i, url in enumerate(urls, 1):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"{name}: entry {i} ({url[:80]!r}) is not an http(s) URL with a host")
+    return urls
+
+
+def _secret(name: str, raw: str) -> str:
+    """A Standard Webhooks secret: ``whsec_`` and the base64 of 24 to 64 random bytes."""
+    raw = raw.strip()
+    if not raw:
+        return ""
+    if not raw.startswith(WEBHOOK_SECRET_PREFIX):
+        raise ConfigError(f"{name}: a webhook secret starts with {WEBHOOK_SECRET_PREFIX!r} (then base64 of 24 to 64 "
+                          "random bytes: `python3 -c \"import base64,os; print('whsec_' + "
+                          "base64.b64encode(os.urandom(32)).decode())\"`)")
+    try:
+        key = base64.b64decode(raw[len(WEBHOOK_SECRET_PREFIX):], validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigError(f"{name}: what follows {WEBHOOK_SECRET_PREFIX!r} is not base64") from None
+    if not 24 <= len(key) <= 64:
+        raise ConfigError(f"{name}: the secret is {len(key)} bytes; a webhook secret is 24 to 64 bytes")
+    return raw
+
+
+def _schedule(name: str, raw: str) -> tuple[float, ...]:
+    """Comma-separated seconds, each ≥ 0."""
+    try:
+        delays = tuple(float(v) for v in raw.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"{name}: comma-separated seconds, e.g. 0,5,30,120") from None
+    if not delays or any(not 0 <= d < 1e9 for d in delays):
+        raise ConfigError(f"{name}: comma-separated seconds ≥ 0, at least one")
+    return delays
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +117,23 @@ class GatewayConfig:
     response_retention_s: int = setting("MLXQ_RESPONSE_RETENTION", DEFAULT_RESPONSE_RETENTION_S, "seconds a stored "
                                         "response (/v1/responses, store true) is kept in Redis after its last "
                                         "write (OpenAI keeps them 30 days)", minimum=60)
+    webhook_urls: tuple[str, ...] = setting("MLXQ_WEBHOOK_URL", (), "comma-separated http(s) endpoints every "
+                                            "webhook event (a background response's end, a batch's) is POSTed to, "
+                                            "signed per Standard Webhooks; unset: no webhooks", parse=_urls,
+                                            shown="unset")
+    webhook_secret: str = setting("MLXQ_WEBHOOK_SECRET", "", "the webhooks' signing secret, `whsec_` and base64 "
+                                  "(24 to 64 bytes): the receiver's `client.webhooks.unwrap(..., secret=)`",
+                                  parse=_secret, shown="unset (required with MLXQ_WEBHOOK_URL)")
+    webhook_schedule: tuple[float, ...] = setting("MLXQ_WEBHOOK_SCHEDULE", DEFAULT_WEBHOOK_SCHEDULE, "seconds "
+                                                  "before each delivery attempt of a webhook event, comma-separated "
+                                                  "(a 429/503's Retry-After may push one later)", parse=_schedule,
+                                                  shown="0,5,30,120,600,1800,3600,7200,14400,28800,43200,86400")
+    webhook_timeout_s: float = setting("MLXQ_WEBHOOK_TIMEOUT", 15.0, "seconds one webhook POST may take",
+                                       minimum=0.1)
+    webhook_concurrency: int = setting("MLXQ_WEBHOOK_CONCURRENCY", 32, "webhook events one gateway delivers at "
+                                       "once", minimum=1)
+    webhook_claim_s: float = setting("MLXQ_WEBHOOK_CLAIM", 60.0, "seconds after which a webhook event a gateway "
+                                     "took but stopped tending (it died) is taken by another", minimum=0.1)
     client: ClientConfig = field(default_factory=ClientConfig)
 
     @classmethod
@@ -82,4 +144,6 @@ class GatewayConfig:
         client = ClientConfig.from_env(env)
         values = read(cls, env)
         values.setdefault("max_body_bytes", client.max_job_bytes)
+        if values.get("webhook_urls") and not values.get("webhook_secret"):
+            raise ConfigError("MLXQ_WEBHOOK_URL: webhooks are signed: set MLXQ_WEBHOOK_SECRET too (whsec_...)")
         return cls(**values, client=client)

@@ -22,6 +22,7 @@ from ..errors import (
     JobNotFound,
     NoWorker,
     QueueFull,
+    QueueOutOfMemory,
     QueueUnavailable,
     WaitTimeout,
 )
@@ -98,6 +99,8 @@ def problem_of(exc: BaseException, *, model_known: bool = False) -> Problem:
         if model_known:
             return Problem(Kind.UNAVAILABLE, str(exc), "no_live_worker")
         return Problem(Kind.NOT_FOUND, str(exc), "model_not_found")
+    if isinstance(exc, QueueOutOfMemory):  # the deployment's fault, not the caller's rate: a 503
+        return Problem(Kind.UNAVAILABLE, str(exc), "queue_out_of_memory", exc.retry_after)
     if isinstance(exc, QueueFull):
         return Problem(Kind.RATE_LIMITED, str(exc), "queue_full", exc.retry_after)
     if isinstance(exc, BadRequest):

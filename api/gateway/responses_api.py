@@ -27,7 +27,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..errors import JobNotFound, MlxqError, WaitTimeout
+from ..client import JOB_TTL_MS
+from ..connection import with_retries
+from ..errors import BadRequest, DuplicateJob, JobNotFound, MlxqError, NoWorker, QueueFull, WaitTimeout
+from ..protocol.notify import WebhookEntry, unwatch, watch
 from ..responses import ResponseStore, StoredResponse, job_events, response_id_of
 from ..schema import Event, GenerateRequest, new_request_id
 from .dialect import dumps, sse
@@ -78,9 +81,19 @@ class Responses:
         await asyncio.gather(*self._following, return_exceptions=True)
 
     async def settled(self, response: StoredResponse) -> None:
-        """A background response's end was recorded, once fleet-wide (by whichever gateway saw it first): the
-        hook for what follows a background response's end (webhooks)."""
+        """A background response's end was recorded, once fleet-wide (by whichever gateway saw it first). Its
+        webhook event is not sent from here: EMIT made it when the job ended (:func:`~api.protocol.notify.watch`),
+        so no gateway has to be up, or to see the end, for it to be sent."""
         log.info("background response %s ended: %s", response.id, response.status)
+
+    async def settle_entry(self, entry: WebhookEntry) -> None:
+        """Before a ``response.*`` webhook event goes out: its response's end recorded (from its job's log or
+        kept result), so the receiver's GET finds it settled, however long ago its job ended."""
+        if not entry.type.startswith("response."):
+            return
+        record = await self.store.get(entry.id, entry.tenant)
+        if record is not None and record.final is None:
+            await self._refresh(record)
 
     # --- POST /v1/responses ---------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
@@ -99,33 +112,67 @@ class Responses:
                                     job.calls_tools)
             if req.store:
                 await self.store.create(record)
-            try:
-                await self.gw.client.submit(job, require_worker=True)
-            except BaseException:
-                if req.store:
-                    with contextlib.suppress(MlxqError):
-                        await self.store.delete(rid)
-                raise
+            notify = req.background and req.store and self.gw.webhooks is not None
+            if notify:  # its end becomes a webhook event in the call that writes it (EMIT)
+                await with_retries(lambda: watch(self.gw.client.redis, self.gw.client.keys, job_id, "response", rid,
+                                                 tenant, JOB_TTL_MS // 1000),
+                                   self.gw.client.retry, self.gw.client.where)
+            followed: AsyncGenerator[Event, None] | None = None
+            if req.background:
+                await self._submit(job, record, req.store, notify)
+            else:  # subscribed before it is queued, as chat completions: no replay read at its start
+                followed = self._submitting(job, rid if req.store else None)
             submitted = record
             log.debug("POST /v1/responses: %s (job %s, background %s, stream %s)", rid, job_id, req.background,
                       req.stream)
-            return await self._answer(request, req, record)
+            return await self._answer(request, req, record, followed)
         except Exception as exc:
             if submitted is not None and not submitted.background:
                 await self._cancel_job(submitted.job_id)
             return await self._failed(request, exc)
 
-    async def _answer(self, request: Request, req: ResponsesRequest, record: StoredResponse) -> Response:
+    async def _submit(self, job: GenerateRequest, record: StoredResponse, stored: bool, notify: bool) -> None:
+        """Queue a background response's job; if that fails, its stored record (and watch) go."""
+        try:
+            await self.gw.client.submit(job, require_worker=True)
+        except BaseException:
+            if stored:
+                with contextlib.suppress(MlxqError):
+                    await self.store.delete(record.id)
+            if notify:
+                with contextlib.suppress(Exception):
+                    await unwatch(self.gw.client.redis, self.gw.client.keys, job.id)
+            raise
+
+    async def _submitting(self, job: GenerateRequest, stored: str | None) -> AsyncGenerator[Event, None]:
+        """The job queued at the first read (subscribed first), then its events; a submit refused (nothing was
+        queued) removes the stored response ``stored`` (its id, if stored) before the refusal goes on."""
+        events = self.gw.client.submit_and_follow(job, require_worker=True)
+        async with contextlib.aclosing(events):  # type: ignore[type-var]
+            try:
+                first = await anext(events)
+            except (BadRequest, DuplicateJob, NoWorker, QueueFull):
+                if stored is not None:
+                    with contextlib.suppress(MlxqError):
+                        await self.store.delete(stored)
+                raise
+            yield first
+            async for ev in events:
+                yield ev
+
+    async def _answer(self, request: Request, req: ResponsesRequest, record: StoredResponse,
+                      followed: AsyncGenerator[Event, None] | None = None) -> Response:
         headers = {"x-mlxq-job-id": record.job_id}
-        if req.background:  # answered at once; followed here to its end, which any gateway's GET records too
-            self._follow(record)
+        if req.background:  # answered at once; its end recorded by any gateway's GET too
+            if self.gw.webhooks is None:  # followed here to its end (with webhooks, their deliverer records it)
+                self._follow(record)
             if req.stream:
                 return EventStream(self._frames(record, None, stored=True, owns_job=False), self.gw.streams,
                                    headers=headers)
             return JSONResponse(replay(record.created, record.calls_tools, []).response, headers=headers)
         from .app import _Gone, _unless_gone  # the app imports this module: imported here, once it is loaded
 
-        steps = self._steps(record.job_id)
+        steps = self._steps(record.job_id, events=followed)
         try:
             if req.stream:  # it starts once the job did: a job refused before its start is an HTTP error
                 first = await _unless_gone(request, anext(steps))
@@ -189,11 +236,13 @@ class Responses:
         """Follow the job to its end, feeding ``events``; the steps it took (``WaitTimeout`` after ``timeout``)."""
         return await _fed(self._steps(job_id, timeout), events)
 
-    async def _steps(self, job_id: str, timeout: float | None = None) -> AsyncGenerator[Step, None]:
-        """The job's steps from its start (its log replayed, then live) to its end."""
+    async def _steps(self, job_id: str, timeout: float | None = None,
+                     events: AsyncIterator[Event] | None = None) -> AsyncGenerator[Step, None]:
+        """The job's steps from its start (its log replayed, then live; or ``events``) to its end."""
         steps = JobSteps(job_id)
         try:
-            events: AsyncIterator[Event] = self.gw.client.events(job_id, timeout=timeout)
+            if events is None:
+                events = self.gw.client.events(job_id, timeout=timeout)
             async with contextlib.aclosing(events) as each:  # type: ignore[type-var]
                 async for ev in each:
                     for step in steps.feed(ev):

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring  # type: ignore[attr-defined]  # the C string escaper
 from typing import Any
 
-__all__ = ["JOB_FUNCTION", "Envelope", "job_record", "load_record", "read_job", "result_record"]
+__all__ = ["JOB_FUNCTION", "Envelope", "KeptResult", "job_record", "load_record", "read_job", "read_result",
+           "result_record"]
 
 JOB_FUNCTION = "generate"  # the arq function name of every mlxq job
 
@@ -70,13 +71,38 @@ def _check_envelope(d: Any) -> None:
 
 
 def result_record(rid: str, *, attempt: int, ok: bool, event_json: str, enqueue_ms: int, start_ms: int,
-                  queue: str) -> bytes:
-    """arq's result record of an ended job (what ``Job.result()`` reads): its terminal event as the result,
-    without the job's arguments (arq would keep the whole prompt again for the result's TTL). Written around
-    the event's own JSON rather than dumping a dict: one is written per job, on the event loop."""
+                  queue: str, text: str = "", reasoning: str = "") -> bytes:
+    """An ended job's kept result: arq's result record (what ``Job.result()`` reads: its terminal event as the
+    result, without the job's arguments, which arq would keep again), plus the last run's ``text`` (``tx``) and
+    ``reasoning`` (``rs``), so the whole result is read back by id long after the job's log expired
+    (:func:`read_result`). Written around the event's own JSON rather than dumping a dict: one per job, on the
+    event loop."""
     return (f'{{"t":{attempt},"f":{encode_basestring(JOB_FUNCTION)},"a":[],"k":{{}},"et":{enqueue_ms},'
             f'"s":{"true" if ok else "false"},"r":{event_json},"st":{start_ms},"ft":{int(time.time() * 1000)},'
-            f'"q":{encode_basestring(queue)},"id":{encode_basestring(rid)}}}').encode()
+            f'"q":{encode_basestring(queue)},"id":{encode_basestring(rid)},"tx":{encode_basestring(text)},'
+            f'"rs":{encode_basestring(reasoning)}}}').encode()
+
+
+@dataclass(frozen=True, slots=True)
+class KeptResult:
+    """An ended job's result as kept (:func:`result_record`): its terminal event (a dict, as logged), the last
+    run's text and reasoning, and when it was enqueued, started and finished (epoch ms)."""
+
+    end: dict[str, Any]
+    text: str
+    reasoning: str
+    enqueue_ms: int
+    start_ms: int
+    finish_ms: int
+
+
+def read_result(data: bytes) -> KeptResult:
+    """A kept result record; ``ValueError`` for what is none (a record without a terminal event)."""
+    d = json.loads(data)
+    if not isinstance(d, dict) or not isinstance(d.get("r"), dict):
+        raise ValueError("not a result record")
+    return KeptResult(d["r"], str(d.get("tx", "")), str(d.get("rs", "")), int(d.get("et") or 0),
+                      int(d.get("st") or 0), int(d.get("ft") or 0))
 
 
 def load_record(data: bytes) -> dict[str, Any]:

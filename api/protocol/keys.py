@@ -17,6 +17,8 @@ LIVE_TTL_S = 600  # replay log while a job runs (refreshed on every write)
 DONE_TTL_S = 300  # replay log after its terminal event
 CANCEL_TTL_S = 3600
 REGISTRY_TTL_S = 86_400  # the set of workers, refreshed by every heartbeat
+KEEP_RESULT_S = 3600  # an ended job's kept result (MLXQ_KEEP_RESULT; a request's keep_result_s overrides it)
+WEBHOOKS_KEPT = 100_000  # webhook events the stream holds (MAXLEN ~): delivered ones are trimmed away in time
 
 # The queue-name format, written once: the default tenant's queue of a model is ``<prefix>:<QUEUE_PART>:<model>``
 # (arq's queue), another tenant's ``<prefix>:<TENANT_QUEUE_PART>:<tenant>:<model>``. :class:`Keys` builds and
@@ -118,8 +120,27 @@ class Keys:
         return f"{self.prefix}:{{{rid}}}:response"
 
     def result(self, rid: str) -> str:
-        """arq's result record of an ended job (its terminal event), kept ``MLXQ_KEEP_RESULT`` seconds."""
+        """An ended job's kept result: arq's result record (its terminal event) with the job's text and reasoning
+        (``jobrecord.result_record``), kept its request's ``keep_result_s`` or ``MLXQ_KEEP_RESULT`` seconds."""
         return f"{self.prefix}:{{{rid}}}:result"
+
+    def notify(self, rid: str) -> str:
+        """Exists while a job's end is to become a webhook event: ``<family> <object id> <tenant>`` (EMIT adds
+        ``<family>.<status>`` to :meth:`webhooks` at the job's end and drops it: api/protocol/notify.py)."""
+        return f"{self.prefix}:{{{rid}}}:notify"
+
+    def webhooks(self) -> str:
+        """Stream of webhook events to deliver (``type``, ``id``, ``tenant``, ``at_ms``), trimmed (MAXLEN ~);
+        the gateways deliver them as one consumer group (api/gateway/webhooks.py)."""
+        return f"{self.prefix}:webhooks"
+
+    def webhook_failures(self) -> str:
+        """List of the newest webhook deliveries given up (JSON each), bounded, with a TTL."""
+        return f"{self.prefix}:webhooks:failed"
+
+    def webhook_counts(self) -> str:
+        """Hash of webhook delivery counters (``delivered``, ``failed``, ``disabled``, ``retried``), with a TTL."""
+        return f"{self.prefix}:webhooks:counts"
 
     def tries(self, rid: str) -> str:
         """How many runs of the job started (the lease's token names the run)."""

@@ -18,7 +18,7 @@ ENQUEUE = load("enqueue", Layout(
     args=("rid", "job", "ttl_ms", "wake_channel", "score", "max_queued", "expiry_ms", "deadline_member", "tenant",
           "prefix", "model"),
 ))
-CANCEL = load("cancel", Layout(keys=("job_key", "log_key", "cancel_key"), args=("rid", "cancel_channel")),
+CANCEL = load("cancel", Layout(keys=("job_key", "log_key", "cancel_key", "result_key"), args=("rid", "cancel_channel")),
               {"CANCEL_TTL_S": CANCEL_TTL_S})
 
 
@@ -53,6 +53,7 @@ class Enqueue:
 
 async def cancel(redis: Redis, keys: Keys, rid: str) -> int:
     """Ask for a job to stop: 1 requested, 2 it ended already (nothing to cancel), 0 no such job."""
-    named = {"job_key": keys.job(rid), "log_key": keys.log(rid), "cancel_key": keys.cancel(rid)}
+    named = {"job_key": keys.job(rid), "log_key": keys.log(rid), "cancel_key": keys.cancel(rid),
+             "result_key": keys.result(rid)}
     outcome: int = await CANCEL.run(redis, named, {"rid": rid, "cancel_channel": keys.cancel_channel()})
     return outcome

@@ -20,6 +20,7 @@ __all__ = [
     "MAX_FORMAT_CHARS",
     "MAX_IMAGES",
     "MAX_IMAGE_URL_CHARS",
+    "MAX_KEEP_RESULT_S",
     "MAX_MESSAGES",
     "MAX_METADATA_ITEMS",
     "MAX_PROMPT_CHARS",
@@ -68,6 +69,7 @@ MAX_STOP_CHARS = 256
 MAX_METADATA_ITEMS = 32
 PRIORITY_MIN, PRIORITY_MAX = -100, 100
 MAX_EXPIRY_S = 86_400.0  # a job record lives a day; it cannot wait longer than that
+MAX_KEEP_RESULT_S = 30 * 86_400  # a request keeps its result at most 30 days (as OpenAI keeps responses)
 MAX_CONTENT_PARTS = 256  # per message
 MAX_IMAGES = 64  # per request
 MAX_IMAGE_URL_CHARS = 48 << 20  # a data URL of a ~36 MiB image
@@ -339,6 +341,9 @@ class GenerateRequest(BaseModel):
     # Seconds the job may wait queued before it ends with error(expired); None: the client's default
     # (MLXQ_JOB_EXPIRY), 0: no expiry (it waits as long as its record lives, a day).
     expires_in: float | None = Field(default=None, ge=0.0, le=MAX_EXPIRY_S, allow_inf_nan=False)
+    # Seconds the job's result (text, reasoning, its end) is kept after its end, for Client.result and `mlxq job`
+    # by id long after its events expired; None: the workers' MLXQ_KEEP_RESULT, 0: not kept.
+    keep_result_s: int | None = Field(default=None, ge=0, le=MAX_KEEP_RESULT_S)
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
         default_factory=list, max_length=MAX_STOP_STRINGS
     )

@@ -103,3 +103,21 @@ async def post(url: str, path: str, body: Any, **kwargs: Any) -> httpx.Response:
     """One request with a plain HTTP client (what the SDKs would not send)."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         return await http.post(path, json=body, **kwargs)
+
+
+async def occupy(d: Deployment, model: str = "tiny", n: int = 12) -> list[str]:
+    """Fill the workers' batches with ``n`` long jobs, so the next job waits queued behind them (the caller
+    cancels them, by the ids returned)."""
+    from mlxq.api.client import Client
+
+    async with Client(d.redis.url, prefix=PREFIX) as client:
+        return [await client.submit(model=model, prompt="busy", max_tokens=500) for _ in range(n)]
+
+
+async def release(d: Deployment, ids: list[str]) -> None:
+    """Cancel the jobs :func:`occupy` queued."""
+    from mlxq.api.client import Client
+
+    async with Client(d.redis.url, prefix=PREFIX) as client:
+        for rid in ids:
+            await client.cancel(rid)

@@ -102,6 +102,10 @@ class Run:
     tools: ToolCalls | None = None  # its request gave tools: its calls, parsed as they complete
     finished: asyncio.Future[State] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     log_ttl_at: float = 0.0  # when (monotonic) this run's last write set its log's TTL (see Transitions.write)
+    keep_s: int | None = None  # how long its result is kept (its request's keep_result_s); None: the default
+    # Its text and reasoning so far (bounded by its max_tokens): kept with its end (Transitions: the result record)
+    texts: list[str] = field(default_factory=list)
+    thoughts: list[str] = field(default_factory=list)
     _wire: tuple[str, bytes, bytes] | None = field(default=None, repr=False, compare=False)  # see wire_names
 
     def _next(self) -> int:
@@ -137,6 +141,10 @@ class Run:
         if self.first_token_at is None:
             self.first_token_at = time.time()
         self.completion_tokens = max(self.completion_tokens, completion_tokens)
+        if text:
+            self.texts.append(text)
+        if reasoning:
+            self.thoughts.append(reasoning)
         return TokenLine(self.rid, self._next(), text, token_ids, completion_tokens - len(token_ids), reasoning,
                          logprobs, tool_calls)
 

@@ -112,15 +112,19 @@ class Transitions:
     def _record(self, r: Record) -> bytes:
         run, events, write = r.run, r.events, r.write
         owner = run.epoch if write is Write.LOST else run.owner
-        result = self._result(run, events[-1]) if write is Write.END and events else b""
+        keep_s = self.ttl.result if run.keep_s is None else run.keep_s
+        ends = write in (Write.END, Write.EXPIRE) and events and keep_s > 0
+        result = self._result(run, events[-1]) if ends else b""
         return emit_record(run.queue, run.rid, owner, write, events[0].seq if events else run.seq, result,
-                           [ev.model_dump_json() for ev in events])
+                           [ev.model_dump_json() for ev in events], keep_s)
 
-    def _result(self, run: Run, end: Wire) -> bytes:
-        if self.ttl.result <= 0 or not run.owner:
-            return b""
+    @staticmethod
+    def _result(run: Run, end: Wire) -> bytes:
+        """The ended job's kept result (the reaper's ends too: a job that failed or expired unseen is read back
+        as such); the run's text and reasoning, bounded by its max_tokens."""
         return result_record(run.rid, attempt=run.attempt, ok=end.type == "done", event_json=end.model_dump_json(),
-                             enqueue_ms=run.enqueue_ms, start_ms=int(run.started_at * 1000), queue=run.queue)
+                             enqueue_ms=run.enqueue_ms, start_ms=int(run.started_at * 1000), queue=run.queue,
+                             text="".join(run.texts), reasoning="".join(run.thoughts))
 
     async def refresh(self, runs: Sequence[Run]) -> list[bool]:
         """Extend the leases of ``runs``; whether each is still theirs."""

@@ -2,18 +2,19 @@
 -- one call (one round trip per engine step). `records`: `count` records, each "<size>\n<record>"; the token
 -- appends (`appends`: a run's one-event appends while its log's TTL is fresh, N per engine step) skip the records'
 -- parsing, the EXPIRE and a GET each, and are written as an "a" record is. A record is a line
--- "<queue bytes> <rid bytes> <owner bytes> <write> <first seq> <result bytes>", then queue, rid, owner and result
--- back to back, a newline, and its events (JSON texts, which never hold a raw newline) joined by newlines; event
--- i is logged as entry "<first seq + i>-1" and published on the job's channel.
+-- "<queue bytes> <rid bytes> <owner bytes> <write> <first seq> <result bytes> <keep ms>", then queue, rid, owner
+-- and result back to back, a newline, and its events (JSON texts, which never hold a raw newline) joined by
+-- newlines; event i is logged as entry "<first seq + i>-1" and published on the job's channel.
 -- The caller may write if (by write): a/e/h: owner is a run's token and the lease holds it, or owner is ""
 -- (the reaper) and nobody holds the lease, the job is listed as running, and its log's next seq is the
 -- record's first (two reapers cannot both act on one job); l: owner is the epoch the run started in and the
 -- epoch moved on (Redis lost its data since) and the job record is gone; x: owner is "" and the job is still
 -- queued (taking it out of its queue decides) and its log's next seq is the record's first.
 -- Writes: a: append. e: end: drop lease, running entry, cancel key, job record, tries and queue entry, keep
--- the result (if any) for the result TTL and the log for the done TTL; its tenant's running count drops, and a
--- done event's usage (prompt + generated tokens) is charged to its tenant's fair-share account (÷ its weight),
--- mean work per job and tokens of this minute. h: hand back: drop lease and running entry (and the running
+-- the result (if any) for its keep ms and the log for the done TTL, make the end a webhook event if the job's
+-- notify key asks (notify.lua); its tenant's running count drops, and a done event's usage (prompt + generated
+-- tokens) is charged to its tenant's fair-share account (÷ its weight), mean work per job and tokens of this
+-- minute. h: hand back: drop lease and running entry (and the running
 -- count), queue the job again in its old place (the score CLAIM listed it with), due at once, its tenant
 -- backlogged again. l: append, log kept for the done TTL. x: as e, and the job's deadline is dropped. e and x
 -- also add the ended job to its model's history and the recent list (history.lua).
@@ -21,6 +22,7 @@
 -- is not published.
 --#include share_left
 --#include history
+--#include notify
 local out = {}
 local blob, pos = records, 1
 for j = 1, tonumber(count) do
@@ -29,8 +31,8 @@ for j = 1, tonumber(count) do
   local rec = string.sub(blob, nl + 1, nl + size)
   pos = nl + size + 1
   local h = string.find(rec, '\n', 1, true)
-  local lq, lr, lo, write, seq, lres = string.match(string.sub(rec, 1, h - 1),
-    '^(%d+) (%d+) (%d+) (%a) (%d+) (%d+)$')
+  local lq, lr, lo, write, seq, lres, keep_ms = string.match(string.sub(rec, 1, h - 1),
+    '^(%d+) (%d+) (%d+) (%a) (%d+) (%d+) (%d+)$')
   lq, lr, lo, seq, lres = tonumber(lq), tonumber(lr), tonumber(lo), tonumber(seq), tonumber(lres)
   local queue = string.sub(rec, h + 1, h + lq)
   local rid = string.sub(rec, h + lq + 1, h + lq + lr)
@@ -103,7 +105,8 @@ for j = 1, tonumber(count) do
     if write == 'e' or write == 'x' then
       redis.call('DEL', base .. 'cancel', base .. 'job', base .. 'tries')
       redis.call('ZREM', queue, rid)
-      if lres > 0 then redis.call('SET', base .. 'result', result, 'PX', result_ttl_ms) end
+      if lres > 0 and keep_ms ~= '0' then redis.call('SET', base .. 'result', result, 'PX', keep_ms) end
+      if final then notify(base, final) end
     end
     if write == 'x' then
       redis.call('ZREM', deadlines_key, rid .. '@' .. queue)
