@@ -17,6 +17,7 @@ from mlxq.engine.core.engine import Engine, Sink
 from mlxq.engine.core.request import EngineRequest
 from mlxq.engine.core.speculation import SpecKind, Speculation
 from mlxq.engine.mlx.loader import EngineOptions, LoadedModel, start_engine
+from mlxq.engine.mlx.quantized_cache import KVQuant
 
 from .config import ServedModel, WorkerConfig
 from .jobs.model import ModelView
@@ -65,7 +66,8 @@ class ModelService:
                              kv_headroom_bytes=_bytes(cfg.kv_headroom_gb, share),
                              prefix_cache_bytes=_bytes(cfg.prefix_cache_gb, 1.0), aging_s=cfg.priority_aging_s,
                              memory_share=share, speculation=_speculation(cfg, self.served),
-                             kv_disk_bytes=int(cfg.kv_disk_gb * (1 << 30)), kv_dir=cfg.kv_dir)
+                             kv_disk_bytes=int(cfg.kv_disk_gb * (1 << 30)), kv_dir=cfg.kv_dir,
+                             kv_quant=KVQuant(cfg.kv_bits, cfg.kv_group_size) if cfg.kv_bits else None)
         self.engine, self.model = await start_engine(self.served.path, sink, opts)
         self._view = ModelView.of(self.served, cfg, self.model, self._images)
         loop = asyncio.get_running_loop()

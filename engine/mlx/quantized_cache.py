@@ -23,13 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache, QuantizedKVCache, dynamic_roll, make_prompt_cache
 
-__all__ = ["BITS", "BatchQuantizedKVCache", "KVQuant", "QuantizedRowCache", "batchable", "make_cache", "plain",
-           "unquantized"]
+__all__ = ["BITS", "BatchQuantizedKVCache", "KVQuant", "QuantizedRowCache", "batchable", "check_model", "make_cache",
+           "plain", "unquantized"]
 
 BITS = (4, 8)  # what MLXQ_KV_BITS may be: mlx-lm's quantized attention is tested at these
 
@@ -61,6 +61,9 @@ class KVQuant:
 class QuantizedRowCache(QuantizedKVCache):  # type: ignore[misc]  # mlx-lm is untyped
     """One sequence's quantized KV cache (mlx-lm's ``QuantizedKVCache``) that can join a batch (``merge``)."""
 
+    keys: Any  # (packed, scales, biases), or None while empty
+    values: Any
+
     @classmethod
     def merge(cls, caches: list[Any]) -> BatchQuantizedKVCache:
         """The rows ``caches`` as one batch cache (what mlx-lm's generator calls on a row's layer cache)."""
@@ -69,13 +72,20 @@ class QuantizedRowCache(QuantizedKVCache):  # type: ignore[misc]  # mlx-lm is un
     def size(self) -> int:
         return int(self.offset)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its buffers (mlx-lm's fails on an empty cache, which a row waiting to be prefilled holds)."""
+        if self.keys is None or self.values is None:
+            return 0
+        return sum(int(x.nbytes) for x in (*self.keys, *self.values))
+
 
 class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
     """mlx-lm's ``BatchKVCache`` (rows left-padded to the longest) with keys and values quantized: each a triple
     (packed, scales, biases) along the same axes, so every row operation maps over the three arrays."""
 
-    keys: Parts | None
-    values: Parts | None
+    keys: Any  # Parts, or None while empty (mlx-lm's base class declares None)
+    values: Any
 
     def __init__(self, left_padding: list[int], group_size: int = 64, bits: int = 8) -> None:
         super().__init__(left_padding)
@@ -136,7 +146,7 @@ class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is un
             self.values = _map(lambda x: x[batch_indices], self.values)
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
-        shift = min(int(v) for v in self.left_padding.tolist())  # padding every kept row has: cut it off
+        shift = min(_ints(self.left_padding))  # padding every kept row has: cut it off
         if shift > 0:
             if self.keys is not None and self.values is not None:
                 self.keys = _map(lambda x: x[..., shift:, :], self.keys)
@@ -181,7 +191,7 @@ class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is un
         cache = QuantizedRowCache(self.group_size, self.bits)
         if self.keys is None or self.values is None:
             return cache
-        start, end = int(self.left_padding[idx].item()), self._idx
+        start, end = _ints(self.left_padding)[idx], self._idx
         cache.keys = _map(lambda x: mx.contiguous(x[idx:idx + 1, :, start:end]), self.keys)
         cache.values = _map(lambda x: mx.contiguous(x[idx:idx + 1, :, start:end]), self.values)
         cache.offset = end - start
@@ -219,6 +229,16 @@ class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is un
         return sum(int(x.nbytes) for x in (*self.keys, *self.values))
 
 
+def _ints(a: mx.array) -> list[int]:
+    """A 1-D integer array's values."""
+    return [int(v) for v in cast(list[int], a.tolist())]
+
+
+def _leaves(caches: Sequence[Any]) -> list[Any]:
+    """The layer caches of ``caches``, with mlx-lm's ``CacheList`` (several caches for one layer) opened."""
+    return [leaf for c in caches for leaf in (c.caches if isinstance(c, CacheList) else (c,))]
+
+
 def _map(fn: Callable[..., mx.array], *parts: Parts) -> Parts:
     """``fn`` over the three arrays of each triple in ``parts``, element by element."""
     return tuple(fn(*xs) for xs in zip(*parts))  # type: ignore[return-value]  # three
@@ -242,21 +262,15 @@ def _quantized(cache: Any, quant: KVQuant) -> Any:
 def unquantized(model: Any) -> list[str]:
     """The kinds of ``model``'s layer caches that quantization leaves as they are (sliding windows, recurrent
     state), sorted; [] when every layer is quantized."""
-    kinds: set[str] = set()
-    for c in make_prompt_cache(model):
-        for leaf in (c.caches if isinstance(c, CacheList) else (c,)):
-            if type(leaf) is not KVCache:
-                kinds.add(type(leaf).__name__)
-    return sorted(kinds)
+    return sorted({type(leaf).__name__ for leaf in _leaves(make_prompt_cache(model)) if type(leaf) is not KVCache})
 
 
 def batchable(cache: list[Any]) -> list[Any]:
     """A sequence's cache as the batch takes it: mlx-lm's ``QuantizedKVCache`` (as read back from a file) made a
     :class:`QuantizedRowCache` in place (the same state, and ``merge``)."""
-    for c in cache:
-        for leaf in (c.caches if isinstance(c, CacheList) else (c,)):
-            if type(leaf) is QuantizedKVCache:
-                leaf.__class__ = QuantizedRowCache
+    for leaf in _leaves(cache):
+        if type(leaf) is QuantizedKVCache:
+            leaf.__class__ = QuantizedRowCache
     return cache
 
 
@@ -264,3 +278,25 @@ def plain(cache: list[Any]) -> list[Any]:
     """A sequence's cache as mlx-lm's classes, for its file format (which names classes it can read back): each
     :class:`QuantizedRowCache` as a ``QuantizedKVCache`` sharing its arrays."""
     return [QuantizedKVCache.from_state(c.state) if type(c) is QuantizedRowCache else c for c in cache]
+
+
+def check_model(model: Any, quant: KVQuant) -> str | None:
+    """Why ``model``'s KV cache cannot be quantized as ``quant`` says (None: it can), from one token run through a
+    float cache (its heads' widths) and then a quantized one (a model whose attention cannot take a quantized
+    cache fails there: attention sinks, say). Run on the model's MLX thread."""
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    plain_kv = [leaf for leaf in _leaves(cache) if type(leaf) is KVCache and leaf.keys is not None]
+    dims = [int(cast(mx.array, x).shape[-1]) for leaf in plain_kv for x in (leaf.keys, leaf.values)]
+    problem = quant.check(dims)
+    if problem is not None:
+        return problem
+    if not dims:
+        return "it has no layer whose KV cache grows with the sequence to quantize"
+    try:
+        quantized = make_cache(model, quant)
+        model(mx.array([[0, 1]]), cache=quantized)
+        mx.eval([c.state for c in quantized])
+    except Exception as exc:  # the model's own attention refuses the quantized cache
+        return f"its attention cannot read a quantized cache ({type(exc).__name__}: {exc})"
+    return None
