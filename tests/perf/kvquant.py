@@ -265,7 +265,8 @@ def markdown(r: Results) -> str:
         lines.append(f"| {f'{s.bits} bits' if s.bits else 'float'} | {s.bytes_per_token} | {s.formula:g} | {s.rows} | "
                      f"{s.tps:.1f} | {s.step_ms_per_row:.3f} | {quality} |")
     lines += ["", "## Targets", "", "| what | value | target | |", "|---|---|---|---|"]
-    lines += [f"| {what} | {value} | {target} | {'PASS' if ok else 'MISS'} |" for what, value, target, ok in r.targets()]
+    lines += [f"| {what} | {value} | {target} | {'PASS' if ok else 'MISS'} |"
+              for what, value, target, ok in r.targets()]
     return "\n".join([*lines, ""])
 
 
