@@ -305,9 +305,6 @@ async def _kv_quant(loaded: LoadedModel, thread: MLXThread, opts: EngineOptions)
         log.warning("KV cache of %s not quantized: mlxq quantizes mlx-lm models' caches, not mlx-vlm's",
                     loaded.path)
         return None
-    if opts.speculation is not None:
-        raise ModelLoadError(f"cannot quantize the KV cache of {loaded.path} while it speculates: a quantized cache "
-                             "cannot yet be rolled back per row (unset MLXQ_KV_BITS or MLXQ_SPECULATE)")
     problem = await thread.call(check_model, loaded.model, quant)
     if problem is not None:
         raise ModelLoadError(f"cannot quantize the KV cache of {loaded.path} to {quant.bits} bits in groups of "

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache, QuantizedKVCache, dynamic_roll, make_prompt_cache
+
+from .ragged_cache import RaggedKVCache
 
 __all__ = ["BITS", "BatchQuantizedKVCache", "KVQuant", "QuantizedRowCache", "batchable", "check_model", "make_cache",
            "plain", "unquantized"]
@@ -86,6 +88,7 @@ class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is un
 
     keys: Any  # Parts, or None while empty (mlx-lm's base class declares None)
     values: Any
+    ragged_class: ClassVar[type[Any]]  # its form in a speculating batch (engine/mlx/ragged_cache.py's ragged())
 
     def __init__(self, left_padding: list[int], group_size: int = 64, bits: int = 8) -> None:
         super().__init__(left_padding)
@@ -107,22 +110,21 @@ class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is un
 
     def _grow(self, keys: mx.array, values: mx.array) -> None:
         """Room for ``keys``' positions, in steps of ``step`` as mlx-lm's caches grow."""
-        b, heads, n, _ = keys.shape
-        shape = (b, heads, -(-n // self.step) * self.step)
-        per_int = 32 // self.bits
-
-        def fresh(dim: int) -> Parts:
-            return (mx.zeros((*shape, dim // per_int), mx.uint32),
-                    mx.zeros((*shape, dim // self.group_size), keys.dtype),
-                    mx.zeros((*shape, dim // self.group_size), keys.dtype))
-
-        new_k, new_v = fresh(keys.shape[3]), fresh(values.shape[3])
+        positions = -(-keys.shape[2] // self.step) * self.step
+        new_k, new_v = self._fresh(keys, positions), self._fresh(values, positions)
         if self.keys is None or self.values is None:
             self.keys, self.values = new_k, new_v
             return
         kept = self._idx
         self.keys = _map(lambda x, y: mx.concatenate([x[..., :kept, :], y], axis=2), self.keys, new_k)
         self.values = _map(lambda x, y: mx.concatenate([x[..., :kept, :], y], axis=2), self.values, new_v)
+
+    def _fresh(self, like: mx.array, positions: int) -> Parts:
+        """Zeroed quantized buffers for ``positions`` of float ``like``'s rows and heads."""
+        b, heads, _, dim = like.shape
+        return (mx.zeros((b, heads, positions, dim * self.bits // 32), mx.uint32),
+                mx.zeros((b, heads, positions, dim // self.group_size), like.dtype),
+                mx.zeros((b, heads, positions, dim // self.group_size), like.dtype))
 
     def keys_and_values(self) -> tuple[Parts, Parts]:
         assert self.keys is not None and self.values is not None
@@ -227,6 +229,59 @@ class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is un
         if self.keys is None or self.values is None:
             return 0
         return sum(int(x.nbytes) for x in (*self.keys, *self.values))
+
+
+class RaggedQuantizedKVCache(RaggedKVCache, BatchQuantizedKVCache):  # type: ignore[misc]
+    """:class:`BatchQuantizedKVCache` whose rows end where their own tokens end (``engine/mlx/ragged_cache.py``'s
+    :class:`RaggedKVCache`, which a speculating batch rolls back per row): the same bookkeeping over the quantized
+    triples."""
+
+    def _take(self, at: mx.array) -> None:
+        self.keys, self.values = _map(lambda x: x[at], self.keys), _map(lambda x: x[at], self.values)
+
+    def _write(self, at: mx.array, keys: mx.array, values: mx.array) -> None:
+        def put(buf: Parts, new: mx.array) -> Parts:
+            parts = cast(Parts, tuple(mx.quantize(new, group_size=self.group_size, bits=self.bits)))
+            return _map(lambda x, y: mx.put_along_axis(x, mx.broadcast_to(at, y.shape), y, axis=2), buf, parts)
+
+        self.keys, self.values = put(self.keys, keys), put(self.values, values)
+
+    def _fetch(self, end: int | None) -> tuple[Any, Any]:
+        if end is None:
+            return self.keys, self.values
+        return _map(lambda x: x[..., :end, :], self.keys), _map(lambda x: x[..., :end, :], self.values)
+
+    def _width(self) -> int:
+        return 0 if self.keys is None else int(self.keys[0].shape[2])
+
+    def _reserve(self, size: int, keys: Any, values: Any) -> None:
+        if self.keys is not None and size <= self._width():
+            return
+        kept = 0 if self.keys is None else self._idx
+        grow = -(-size // self.step) * self.step - kept
+        if self.keys is None:  # ``keys``, ``values``: the float ones about to be written
+            self.keys, self.values = self._fresh(keys, grow), self._fresh(values, grow)
+            return
+        self.keys = _map(lambda x: mx.concatenate([x[..., :kept, :], _zeros(x, grow)], axis=2), self.keys)
+        self.values = _map(lambda x: mx.concatenate([x[..., :kept, :], _zeros(x, grow)], axis=2), self.values)
+
+    def extract(self, idx: int) -> QuantizedRowCache:  # type: ignore[override]  # a quantized row
+        cache = QuantizedRowCache(self.group_size, self.bits)
+        if self.keys is None:
+            return cache
+        start, end = _ints(self.left_padding)[idx], self.ends[idx]
+        cache.keys = _map(lambda x: mx.contiguous(x[idx:idx + 1, :, start:end]), self.keys)
+        cache.values = _map(lambda x: mx.contiguous(x[idx:idx + 1, :, start:end]), self.values)
+        cache.offset = end - start
+        return cache
+
+
+BatchQuantizedKVCache.ragged_class = RaggedQuantizedKVCache
+
+
+def _zeros(like: mx.array, positions: int) -> mx.array:
+    """Zeros of ``like``'s rows, heads, width and dtype, for ``positions``."""
+    return mx.zeros((like.shape[0], like.shape[1], positions, like.shape[3]), like.dtype)
 
 
 def _ints(a: mx.array) -> list[int]:

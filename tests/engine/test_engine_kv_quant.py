@@ -13,6 +13,7 @@ another computation, not a numerical difference; :func:`test_mlx_lm_quantizes_af
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlxq.engine.core.memory import KVBudget
 from mlxq.engine.core.request import EngineRequest, FinishReason, SamplingParams
 from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.core.stats import EngineStats
 from mlxq.engine.mlx.batch import MLXBatch
 from mlxq.engine.mlx.loader import EngineOptions, ModelLoadError, load_model, start_engine
 from mlxq.engine.mlx.memory import measure_layout
@@ -236,3 +238,29 @@ async def test_an_engine_that_cannot_quantize_its_model_does_not_start(tiny_mode
                "divide the head dimension 16 (MLXQ_KV_BITS, MLXQ_KV_GROUP_SIZE)")
     with pytest.raises(ModelLoadError, match=re.escape(message)):
         await start_engine(str(tiny_model), outputs.sink, EngineOptions(capacity=2, kv_quant=KVQuant(8, 64)))
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram"])
+def test_speculative_rows_over_a_quantized_cache_decode_exactly(lm: Any, ours: Any, stream: mx.Stream, quant: KVQuant,
+                                                                kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Verification writes k + 1 positions of each row into the quantized cache and takes the rejected ones back
+    # off its end (RaggedQuantizedKVCache); the draft (here the model itself, its cache in float) proposes.
+    from mlxq.engine.core.speculation.tuner import Tuner
+    from mlxq.engine.mlx.speculation.proposers import DraftModel, PromptLookup
+
+    cycle = itertools.cycle([4, 0, 2, 3, 0, 1, 4])  # each step's k (the tuner would choose by speed)
+    monkeypatch.setattr(Tuner, "choose", lambda self, rows: next(cycle))
+    model, tokenizer = ours
+    stats = EngineStats()
+    proposer = DraftModel(model, PREFILL_STEP) if kind == "draft" else PromptLookup()
+    batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=8, prefill_batch_size=8, prefill_step_size=PREFILL_STEP,
+                     stream=stream, kv_quant=quant, proposer=proposer, max_k=4, stats=stats)
+    s, run = Scheduler(batch, capacity=8, new_detokenizer=lambda: tokenizer.detokenizer, stats=stats), Run()
+    prompts = [words(tokenizer, n, seed) for n, seed in ((5, 1), (17, 2), (31, 3))]
+    prompts = [p + p for p in prompts]  # text that quotes itself: prompt lookup finds proposals
+    for i, p in enumerate(prompts):
+        s.add(EngineRequest(f"r{i}", p, SamplingParams(max_tokens=3 * MAX_TOKENS)))
+    drive(s, run, stream)
+    assert stats.spec_steps > 0 and 0 < stats.spec_accepted <= stats.spec_drafted
+    for i, p in enumerate(prompts):
+        assert run.tokens(f"r{i}") == oracle(lm, p, quant, 3 * MAX_TOKENS), f"r{i}"

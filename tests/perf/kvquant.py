@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["main"]
 
@@ -158,9 +158,9 @@ class Bench:
         cache = make_prompt_cache(self.model)
         with mx.stream(self.stream):
             self.model(mx.array([[0]]), cache=cache)
-        kv = [c for c in cache if type(c) is KVCache]
-        values = sum(2 * c.keys.shape[1] * c.keys.shape[3] for c in kv)
-        size = kv[0].keys.dtype.size
+        keys = [cast(mx.array, c.keys) for c in cache if type(c) is KVCache]
+        values = sum(2 * k.shape[1] * k.shape[3] for k in keys)
+        size = keys[0].dtype.size
         return float(values * (self.quant(bits).value_bytes(size) if bits else size))
 
     def batch(self, bits: int, capacity: int) -> Any:
@@ -225,7 +225,7 @@ class Bench:
             kl = mx.mean(mx.sum(mx.exp(lp) * (lp - lq), axis=-1))
             top1 = mx.mean((mx.argmax(ref, -1) == mx.argmax(got, -1)).astype(mx.float32))
             mx.eval(kl, top1)
-        return float(kl.item()), float(top1.item())
+        return float(cast(float, kl.item())), float(cast(float, top1.item()))
 
 
 def run(plan: Plan) -> Results:
