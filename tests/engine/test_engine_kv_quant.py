@@ -13,7 +13,9 @@ another computation, not a numerical difference; :func:`test_mlx_lm_quantizes_af
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ from mlxq.engine.mlx.memory import measure_layout
 from mlxq.engine.mlx.prefix.cache import PrefixCache
 from mlxq.engine.mlx.prefix.directory import layout_key
 from mlxq.engine.mlx.quantized_cache import KVQuant, QuantizedRowCache, check_model
-from mlxq.worker.tools.tinymodel import corpus, ensure_model
+from mlxq.worker.tools.tinymodel import FAMILIES, SIZES, corpus, ensure_model
 from tests.engine.fakes import Run
 from tests.engine.test_engine_families import Outputs
 from tests.support import reference
@@ -76,7 +78,8 @@ def quant(request: pytest.FixtureRequest) -> KVQuant:
 def oracle(lm: Any, prompt: list[int], quant: KVQuant, n: int = MAX_TOKENS, *, from_start: bool = True) -> list[int]:
     """mlx-lm's single-request greedy tokens with its KV cache quantized (``from_start``: before the prompt)."""
     model, tokenizer = lm
-    cache = [c.to_quantized(quant.group_size, quant.bits) for c in make_prompt_cache(model)] if from_start else None
+    cache = [c.to_quantized(quant.group_size, quant.bits) if type(c) is KVCache else c  # recurrent state stays
+             for c in make_prompt_cache(model)] if from_start else None
     out: list[int] = []
     for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=cache, kv_bits=quant.bits,
                                 kv_group_size=quant.group_size, quantized_kv_start=0):
@@ -264,3 +267,44 @@ def test_speculative_rows_over_a_quantized_cache_decode_exactly(lm: Any, ours: A
     assert stats.spec_steps > 0 and 0 < stats.spec_accepted <= stats.spec_drafted
     for i, p in enumerate(prompts):
         assert run.tokens(f"r{i}") == oracle(lm, p, quant, 3 * MAX_TOKENS), f"r{i}"
+
+
+def wide(family: str, root: Path) -> Path:
+    """The family's tiny model with heads of 64 (its attention layers' caches quantize in groups of 64)."""
+    name = f"tiny-kvq-{family}"
+    SIZES[name] = dataclasses.replace(FAMILIES[family], name=name, hidden_size=128, num_attention_heads=2,
+                                      num_key_value_heads=1)
+    return ensure_model(name, root=root)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+async def test_a_hybrid_models_attention_layers_are_quantized_and_its_state_is_not(
+        family: str, tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture) -> None:
+    import mlx_lm
+
+    path = wide(family, tmp_path_factory.mktemp("families"))
+    lm = mlx_lm.load(str(path))
+    quant, outputs = KVQuant(8, 64), Outputs()
+    options = EngineOptions(capacity=4, prefill_step_size=PREFILL_STEP, prefix_cache_bytes=0, kv_quant=quant)
+    with caplog.at_level(logging.INFO, logger="mlxq.engine.mlx.loader"):
+        engine, _ = await start_engine(str(path), outputs.sink, options)
+    prompts = [words(lm[1], n, seed) for n, seed in ((4, 1), (19, 2), (45, 3))]
+    try:
+        for i, p in enumerate(prompts):
+            engine.add(EngineRequest(f"r{i}", p, SamplingParams(max_tokens=MAX_TOKENS)))
+        for i in range(len(prompts)):
+            await outputs.finished(f"r{i}")
+    finally:
+        await engine.aclose()
+    logged = f"KV cache of {path} quantized to 8 bits in groups of 64; not quantized: its ArraysCache layers"
+    assert logged in caplog.text
+    for i, p in enumerate(prompts):
+        expect_exact(outputs.run, lm, quant, f"r{i}", p)
+
+
+async def test_a_model_with_attention_sinks_cannot_be_quantized(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # gpt-oss: mlx-lm's quantized attention rejects attention sinks (its sliding windows would stay float anyway).
+    path = wide("gpt_oss", tmp_path_factory.mktemp("families"))
+    message = "its attention cannot read a quantized cache (ValueError: Quantized SDPA does not support attention sinks.)"
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        await start_engine(str(path), Outputs().sink, EngineOptions(capacity=2, kv_quant=KVQuant(8, 64)))
