@@ -305,6 +305,7 @@ async def test_a_hybrid_models_attention_layers_are_quantized_and_its_state_is_n
 async def test_a_model_with_attention_sinks_cannot_be_quantized(tmp_path_factory: pytest.TempPathFactory) -> None:
     # gpt-oss: mlx-lm's quantized attention rejects attention sinks (its sliding windows would stay float anyway).
     path = wide("gpt_oss", tmp_path_factory.mktemp("families"))
-    message = "its attention cannot read a quantized cache (ValueError: Quantized SDPA does not support attention sinks.)"
+    message = ("its attention cannot read a quantized cache (ValueError: Quantized SDPA does not support attention "
+               "sinks.)")
     with pytest.raises(ModelLoadError, match=re.escape(message)):
         await start_engine(str(path), Outputs().sink, EngineOptions(capacity=2, kv_quant=KVQuant(8, 64)))
