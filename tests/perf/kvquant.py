@@ -82,6 +82,9 @@ class Results:
     plan: Plan
     blas: str
     sides: list[Side] = field(default_factory=list)
+    # the float cache in the plan's dtype against the same weights in float32: the dtype's own KL and top-1, beside
+    # which the quantized cache's are read
+    floor: tuple[float, float] = (0.0, 1.0)
 
     def side(self, bits: int) -> Side:
         (s,) = [s for s in self.sides if s.bits == bits]
@@ -213,19 +216,39 @@ class Bench:
     def quality(self, bits: int) -> tuple[float, float]:
         """Mean KL(float ‖ quantized) of the next-token distributions, and top-1 agreement, teacher-forced over the
         plan's positions of text (one pass each: the quantized cache attends through what it quantized)."""
+        return _compare(self.logprobs(None), self.logprobs(self.quant(bits)))
+
+    def floor(self) -> tuple[float, float]:
+        """The same comparison for the float cache in the plan's dtype against the weights run in float32."""
+        import mlx.core as mx
+
+        ours = self.logprobs(None)
+        self.model.set_dtype(mx.float32)
+        try:
+            return _compare(self.logprobs(None), ours)
+        finally:
+            self.model.set_dtype(getattr(mx, self.plan.dtype))
+
+    def logprobs(self, quant: Any) -> Any:
         import mlx.core as mx
 
         from mlxq.engine.mlx.quantized_cache import make_cache
 
         tokens = mx.array(self.text[:self.plan.positions])[None]
         with mx.stream(self.stream):
-            ref = self.model(tokens, cache=make_cache(self.model, None)).astype(mx.float32)[0]
-            got = self.model(tokens, cache=make_cache(self.model, self.quant(bits))).astype(mx.float32)[0]
-            lp, lq = ref - mx.logsumexp(ref, -1, keepdims=True), got - mx.logsumexp(got, -1, keepdims=True)
-            kl = mx.mean(mx.sum(mx.exp(lp) * (lp - lq), axis=-1))
-            top1 = mx.mean((mx.argmax(ref, -1) == mx.argmax(got, -1)).astype(mx.float32))
-            mx.eval(kl, top1)
-        return float(cast(float, kl.item())), float(cast(float, top1.item()))
+            out = self.model(tokens, cache=make_cache(self.model, quant)).astype(mx.float32)[0]
+            out = out - mx.logsumexp(out, -1, keepdims=True)
+            mx.eval(out)
+        return out
+
+
+def _compare(ref: Any, got: Any) -> tuple[float, float]:
+    """Mean KL(ref ‖ got) of two runs' log-probabilities, and how often their argmax agrees."""
+    import mlx.core as mx
+
+    kl = mx.mean(mx.sum(mx.exp(ref) * (ref - got), axis=-1))
+    top1 = mx.mean((mx.argmax(ref, -1) == mx.argmax(got, -1)).astype(mx.float32))
+    return float(cast(float, kl.item())), float(cast(float, top1.item()))
 
 
 def run(plan: Plan) -> Results:
@@ -238,7 +261,7 @@ def run(plan: Plan) -> Results:
     headroom = plan.rows * layouts[0].row_bytes(length)  # the float cache holds ``rows`` rows, no more
     from mlxq.engine.core.memory import KVBudget
 
-    result = Results(plan, blas_of())
+    result = Results(plan, blas_of(), floor=bench.floor() if plan.dtype != "float32" else (0.0, 1.0))
     for bits in (0, *BITS):
         rows = KVBudget(headroom, layouts[bits]).rows_that_fit(length, 0)
         result.sides.append(Side(bits, layouts[bits].bytes_per_token, bench.formula(bits), rows))
@@ -257,7 +280,9 @@ def markdown(r: Results) -> str:
     lines = ["# KV cache quantization in the batch", "",
              f"Model `{p.size}` in {p.dtype} on MLX's {p.device}, BLAS {r.blas}; groups of {p.group_size}. Headroom: "
              f"{p.rows} float rows of {p.prompt} + {p.max_tokens} tokens; {p.jobs} jobs a burst (EOS ignored); "
-             f"decode steps timed over {p.steps} steps at N={p.rows}; quality over {p.positions} positions.", "",
+             f"decode steps timed over {p.steps} steps at N={p.rows}; quality over {p.positions} positions. The "
+             f"float cache in {p.dtype} against float32 (the dtype's own error): mean KL {r.floor[0]:.2e}, top-1 "
+             f"{r.floor[1]:.3f}.", "",
              "| cache | bytes/token | formula | rows | tok/s | ms a row-step | mean KL | top-1 |",
              "|---|---|---|---|---|---|---|---|"]
     for s in r.sides:
