@@ -251,11 +251,11 @@ class RaggedQuantizedKVCache(RaggedKVCache, BatchQuantizedKVCache):  # type: ign
             return self.keys, self.values
         return _map(lambda x: x[..., :end, :], self.keys), _map(lambda x: x[..., :end, :], self.values)
 
-    def _width(self) -> int:
+    def width(self) -> int:
         return 0 if self.keys is None else int(self.keys[0].shape[2])
 
     def _reserve(self, size: int, keys: Any, values: Any) -> None:
-        if self.keys is not None and size <= self._width():
+        if self.keys is not None and size <= self.width():
             return
         kept = 0 if self.keys is None else self._idx
         grow = -(-size // self.step) * self.step - kept

@@ -98,13 +98,13 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
             return self.keys, self.values
         return self.keys[..., :end, :], self.values[..., :end, :]
 
-    def _width(self) -> int:
+    def width(self) -> int:
         """Positions the buffers hold."""
         return 0 if self.keys is None else int(self.keys.shape[2])
 
     def _reserve(self, size: int, keys: mx.array, values: mx.array) -> None:
         """Room for ``size`` positions, grown as mlx-lm grows its buffers (steps of ``self.step``)."""
-        if self.keys is not None and size <= self._width():
+        if self.keys is not None and size <= self.width():
             return
         b, heads, _, dk = keys.shape
         grow = -(-size // self.step) * self.step - (0 if self.keys is None else self._idx)
@@ -119,7 +119,7 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
     def _align(self, size: int, keys: mx.array, values: mx.array) -> None:
         """Room for ``size`` positions in a buffer of whole steps (a filter's shift leaves it ragged), the same
         in every layer's cache."""
-        have = self._width()
+        have = self.width()
         self._reserve(-(-max(size, have) // self.step) * self.step, keys, values)
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:  # mlx-lm's name
@@ -135,7 +135,7 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
             width = -(-width // self.step) * self.step
         elif spread:
             self._align(width, self.keys, self.values)
-            width = self._width()
+            width = self.width()
         query = mx.array(self.ends)[:, None] + mx.arange(N)[None]  # each row's new positions
         key = mx.arange(width)[None, None]
         mask = (key <= query[:, :, None]) & (key >= self.left_padding[:, None, None])

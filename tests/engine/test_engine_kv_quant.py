@@ -243,11 +243,13 @@ async def test_an_engine_that_cannot_quantize_its_model_does_not_start(tiny_mode
         await start_engine(str(tiny_model), outputs.sink, EngineOptions(capacity=2, kv_quant=KVQuant(8, 64)))
 
 
-@pytest.mark.parametrize("kind", ["draft", "ngram"])
+@pytest.mark.parametrize("kind,fixed", [("draft", False), ("ngram", False), ("draft", True)])
 def test_speculative_rows_over_a_quantized_cache_decode_exactly(lm: Any, ours: Any, stream: mx.Stream, quant: KVQuant,
-                                                                kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                kind: str, fixed: bool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     # Verification writes k + 1 positions of each row into the quantized cache and takes the rejected ones back
     # off its end (RaggedQuantizedKVCache); the draft (here the model itself, its cache in float) proposes.
+    # ``fixed``: shapes kept repeating, as on CUDA (rows held in buckets, passes over the whole buffer).
     from mlxq.engine.core.speculation.tuner import Tuner
     from mlxq.engine.mlx.speculation.proposers import DraftModel, PromptLookup
 
@@ -257,7 +259,7 @@ def test_speculative_rows_over_a_quantized_cache_decode_exactly(lm: Any, ours: A
     stats = EngineStats()
     proposer = DraftModel(model, PREFILL_STEP) if kind == "draft" else PromptLookup()
     batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=8, prefill_batch_size=8, prefill_step_size=PREFILL_STEP,
-                     stream=stream, kv_quant=quant, proposer=proposer, max_k=4, stats=stats)
+                     stream=stream, kv_quant=quant, proposer=proposer, max_k=4, stats=stats, fixed_shapes=fixed)
     s, run = Scheduler(batch, capacity=8, new_detokenizer=lambda: tokenizer.detokenizer, stats=stats), Run()
     prompts = [words(tokenizer, n, seed) for n, seed in ((5, 1), (17, 2), (31, 3))]
     prompts = [p + p for p in prompts]  # text that quotes itself: prompt lookup finds proposals
