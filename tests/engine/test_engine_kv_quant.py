@@ -1,7 +1,7 @@
 """KV cache quantization inside the continuous batch (engine/mlx/quantized_cache.py): at 8 and 4 bits, in groups of
 64, the engine's greedy tokens are exactly mlx-lm's own single-request decoding through a quantized cache, in a
-ragged batch, from the prefix cache, after a restart from its disk tier and across a preemption; admission counts
-the quantized bytes.
+ragged batch, from the prefix cache, after a restart from its disk tier, across a preemption and while speculating;
+a hybrid model's attention layers are quantized and its recurrent state kept; admission counts the quantized bytes.
 
 The oracle is mlx-lm's ``generate_step`` with ``kv_bits``, ``kv_group_size`` and ``quantized_kv_start=0`` over
 mlx-lm's own cache quantized before the prompt (``KVCache.to_quantized``): the engine quantizes keys and values as
