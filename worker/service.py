@@ -20,6 +20,7 @@ from mlxq.engine.core.engine import Engine, Sink
 from mlxq.engine.core.request import EngineRequest
 from mlxq.engine.core.speculation import SpecKind, Speculation
 from mlxq.engine.mlx.loader import EngineOptions, LoadedModel, ModelLoadError, start_engine
+from mlxq.engine.mlx.quantized_cache import KVQuant
 from mlxq.engine.mlx.residency import MemoryReading, ModelThread, memory_now, release
 
 from .config import ServedModel, WorkerConfig
@@ -79,7 +80,8 @@ class ModelService:
                              kv_headroom_bytes=_bytes(cfg.kv_headroom_gb, share),
                              prefix_cache_bytes=_bytes(cfg.prefix_cache_gb, 1.0), aging_s=cfg.priority_aging_s,
                              memory_share=share, speculation=_speculation(cfg, self.served),
-                             kv_disk_bytes=int(cfg.kv_disk_gb * (1 << 30)), kv_dir=cfg.kv_dir, kind=cfg.model_kind)
+                             kv_disk_bytes=int(cfg.kv_disk_gb * (1 << 30)), kv_dir=cfg.kv_dir, kind=cfg.model_kind,
+                             kv_quant=KVQuant(cfg.kv_bits, cfg.kv_group_size) if cfg.kv_bits else None)
         thread = ModelThread(name="mlx-" + self.name[-24:]) if self.served.loadable else None
         self.loading, t0 = True, time.perf_counter()
         try:

@@ -16,7 +16,6 @@ from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..core.backend import GeneratedToken, LogprobsAsked, SequenceCache, Started
@@ -26,6 +25,7 @@ from ..core.stats import EngineStats
 from .constrain import RowMask
 from .generation import masked
 from .process import unwired
+from .quantized_cache import KVQuant, batchable, make_cache
 from .speculation.batch import Proposer, SpecBatch
 
 __all__ = ["MLXBatch", "attach_logprobs"]
@@ -56,8 +56,10 @@ class MLXBatch:
         max_k: int = 4,
         stats: EngineStats | None = None,
         fixed_shapes: bool | None = None,  # verification shapes that repeat (None: on CUDA; ragged_cache.py)
+        kv_quant: KVQuant | None = None,  # quantize the rows' KV caches (engine/mlx/quantized_cache.py)
     ) -> None:
         self._caches = caches
+        self._quant = kv_quant
         self._model = model
         self._stream = stream
         self._prefill_step = prefill_step_size
@@ -105,6 +107,7 @@ class MLXBatch:
         _fresh(logits_processors)
         # A segment boundary makes mlx-lm stop the prefill there, where take_checkpoints copies the cache.
         segments = [prompt[:checkpoint], prompt[checkpoint:]] if 0 < checkpoint < len(prompt) else [prompt]
+        cache = self._row_cache(cache)
         (uid,) = self._gen.insert_segments(
             [segments],
             max_tokens=[max_tokens],
@@ -129,7 +132,7 @@ class MLXBatch:
     ) -> Started:
         # mlx_lm.generate's prefill (generate_step): the prompt but its last token in chunks, then the last
         # token's step gives the first token's logits. So its greedy output is the single-request output.
-        cache = cache if cache is not None else make_prompt_cache(self._model)
+        cache = self._row_cache(cache) or make_cache(self._model, self._quant)
         with mx.stream(self._stream):
             for i in range(0, len(prompt) - 1, self._prefill_step):
                 self._model(mx.array(prompt[i:min(i + self._prefill_step, len(prompt) - 1)])[None], cache=cache)
@@ -148,6 +151,13 @@ class MLXBatch:
             if isinstance(p, RowMask):
                 p.feed(first)
         return Started(first, "stop" if first in self._eos else None, cache, logprobs.reshape(-1))
+
+    def _row_cache(self, cache: list[Any] | None) -> list[Any] | None:
+        """A row's cache as the generator takes it: with quantization, one made here when none is given (mlx-lm's
+        generator would make a float one), and one read back from a file made batchable."""
+        if self._quant is None:
+            return cache
+        return make_cache(self._model, self._quant) if cache is None else batchable(cache)
 
     def remove(self, uids: Iterable[int]) -> None:
         uids = list(uids)

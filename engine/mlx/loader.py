@@ -33,6 +33,7 @@ from .prefix.cache import PrefixCache
 from .prefix.directory import layout_key, model_key, namespace
 from .prefix.disk import PrefixDisk
 from .process import mlx_process
+from .quantized_cache import KVQuant, check_model, unquantized
 from .ragged_cache import check_cache
 from .sampling import make_request_logits_processors, make_request_sampler
 from .speculation.batch import Proposer
@@ -75,6 +76,9 @@ class EngineOptions:
     # what the model is: "auto" (an embedding model by its sentence-transformers files, else a chat model),
     # "chat", or "embedding" (engine/mlx/embedding.py)
     kind: str = "auto"
+    # KV cache quantization of the batch's rows, parked rows and cached prefixes (engine/mlx/quantized_cache.py);
+    # None: the model's own dtype
+    kv_quant: KVQuant | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +266,7 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
     """The engine of a model loaded on ``thread``: scheduler, batch, detokenizers, sampling."""
     opts = options or EngineOptions()
     mlx_process()  # the process's wired limit, set once before any batch runs (a worker made it first)
+    opts = dataclasses.replace(opts, kv_quant=await _kv_quant(loaded, thread, opts))
     draft = await _load_draft(loaded, thread, opts.speculation)
     stats = EngineStats()
 
@@ -282,11 +287,12 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
             proposer=_proposer(opts, draft),
             max_k=opts.speculation.max_k if opts.speculation else 0,
             stats=stats,
+            kv_quant=opts.kv_quant,
         )
 
     backend = await thread.call(make_backend)
     caches = bool(getattr(backend, "supports_caches", False))
-    layout = await thread.call(measure_layout, loaded.model, opts.prefill_step_size)
+    layout = await thread.call(measure_layout, loaded.model, opts.prefill_step_size, opts.kv_quant)
     draft_bytes = 0
     if draft is not None:  # every row holds a draft cache too: a token costs both models' KV
         extra = await thread.call(measure_layout, draft.model, opts.prefill_step_size)
@@ -344,12 +350,34 @@ async def _prefix_disk(loaded: LoadedModel, thread: MLXThread, opts: EngineOptio
         log.warning("prefix cache on disk off for %s: its weights are not local files to name its entries by",
                     loaded.path)
         return None
-    layout = await thread.call(layout_key, loaded.model)
+    layout = await thread.call(layout_key, loaded.model, opts.kv_quant)
     root = Path(opts.kv_dir).expanduser() if opts.kv_dir else kv_directory.default_dir()
     directory = namespace(root, "+".join(k for k in keys if k), layout)
     disk = await asyncio.to_thread(PrefixDisk, directory, opts.kv_disk_bytes)
     log.info("prefix cache on disk for %s: %s, at most %s", loaded.path, directory, mib(opts.kv_disk_bytes))
     return disk
+
+
+async def _kv_quant(loaded: LoadedModel, thread: MLXThread, opts: EngineOptions) -> KVQuant | None:
+    """The KV quantization the engine of ``loaded`` runs with: ``opts``' once checked against the model
+    (ModelLoadError when it cannot be), None for a vision-language model (mlx-vlm's batch makes its own caches),
+    logged with the layers it leaves as they are."""
+    quant = opts.kv_quant
+    if quant is None:
+        return None
+    if loaded.vision is not None:
+        log.warning("KV cache of %s not quantized: mlxq quantizes mlx-lm models' caches, not mlx-vlm's",
+                    loaded.path)
+        return None
+    problem = await thread.call(check_model, loaded.model, quant)
+    if problem is not None:
+        raise ModelLoadError(f"cannot quantize the KV cache of {loaded.path} to {quant.bits} bits in groups of "
+                             f"{quant.group_size}: {problem} (MLXQ_KV_BITS, MLXQ_KV_GROUP_SIZE)")
+    kept = await thread.call(unquantized, loaded.model)
+    log.info("KV cache of %s quantized to %d bits in groups of %d%s", loaded.path, quant.bits, quant.group_size,
+             f"; not quantized: its {', '.join(kept)} layers (sliding windows and recurrent state stay as they are)"
+             if kept else "")
+    return quant
 
 
 async def _load_draft(loaded: LoadedModel, thread: MLXThread, spec: Speculation | None) -> LoadedModel | None:

@@ -8,19 +8,21 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 
 from ..core.memory import KV_STEP, DeviceMemory, KVLayout
+from .quantized_cache import KVQuant, make_cache
 
 __all__ = ["device_memory", "measure_layout", "model_bytes", "usable_memory_bytes"]
 
 
-def measure_layout(model: Any, prefill_step: int = 2048) -> KVLayout:
+def measure_layout(model: Any, prefill_step: int = 2048, quant: KVQuant | None = None) -> KVLayout:
     """Run one token through a fresh prompt cache of ``model`` and read what each layer's buffers allocated
     (on the model's MLX thread): growing KV, fixed recurrent state and sliding windows apart, so a hybrid
     model's fixed state is not charged as if it grew with every token. A cache of a kind not known here is
-    charged as growing: an overestimate, never an under-one. ``prefill_step``: the batch's prefill chunk."""
-    cache = make_prompt_cache(model)
+    charged as growing: an overestimate, never an under-one. ``prefill_step``: the batch's prefill chunk;
+    ``quant``: the caches are quantized (their packed values, scales and biases are what is measured)."""
+    cache = make_cache(model, quant)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
     growing = fixed = 0

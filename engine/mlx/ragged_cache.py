@@ -58,9 +58,13 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
             return
         at = mx.array(idx)
         if self.keys is not None:
-            self.keys, self.values = self.keys[at], self.values[at]
+            self._take(at)
         self.offset, self.left_padding = self.offset[at], self.left_padding[at]
         self.ends = [self.ends[i] for i in idx]
+
+    def _take(self, at: mx.array) -> None:
+        """Keep the buffers' rows ``at``."""
+        self.keys, self.values = self.keys[at], self.values[at]
 
     @property
     def _even(self) -> bool:
@@ -77,19 +81,30 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
             self._align(max(self.ends) + n, keys, values)
         else:
             self._reserve(max(self.ends) + n, keys, values)
-        at = (mx.array(self.ends)[:, None] + mx.arange(n)[None])[:, None, :, None]
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
+        self._write((mx.array(self.ends)[:, None] + mx.arange(n)[None])[:, None, :, None], keys, values)
         self.ends = [e + n for e in self.ends]
         self.offset = self.offset + n
         self._idx = max(self.ends)
-        if spread:
+        return self._fetch(None if spread else self._idx)
+
+    def _write(self, at: mx.array, keys: mx.array, values: mx.array) -> None:
+        """``keys`` and ``values`` written at positions ``at`` (``(B, 1, n, 1)``) of each row."""
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
+
+    def _fetch(self, end: int | None) -> tuple[Any, Any]:
+        """What attention reads: the buffers up to ``end`` (None: whole)."""
+        if end is None:
             return self.keys, self.values
-        return self.keys[..., :self._idx, :], self.values[..., :self._idx, :]
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def width(self) -> int:
+        """Positions the buffers hold."""
+        return 0 if self.keys is None else int(self.keys.shape[2])
 
     def _reserve(self, size: int, keys: mx.array, values: mx.array) -> None:
         """Room for ``size`` positions, grown as mlx-lm grows its buffers (steps of ``self.step``)."""
-        if self.keys is not None and size <= self.keys.shape[2]:
+        if self.keys is not None and size <= self.width():
             return
         b, heads, _, dk = keys.shape
         grow = -(-size // self.step) * self.step - (0 if self.keys is None else self._idx)
@@ -104,7 +119,7 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
     def _align(self, size: int, keys: mx.array, values: mx.array) -> None:
         """Room for ``size`` positions in a buffer of whole steps (a filter's shift leaves it ragged), the same
         in every layer's cache."""
-        have = 0 if self.keys is None else int(self.keys.shape[2])
+        have = self.width()
         self._reserve(-(-max(size, have) // self.step) * self.step, keys, values)
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:  # mlx-lm's name
@@ -120,7 +135,7 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
             width = -(-width // self.step) * self.step
         elif spread:
             self._align(width, self.keys, self.values)
-            width = int(self.keys.shape[2])
+            width = self.width()
         query = mx.array(self.ends)[:, None] + mx.arange(N)[None]  # each row's new positions
         key = mx.arange(width)[None, None]
         mask = (key <= query[:, :, None]) & (key >= self.left_padding[:, None, None])
@@ -174,7 +189,9 @@ class RaggedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
 def ragged(caches: list[Any], fixed: bool = False, most: int = 0) -> list[Any]:
     """A batch's caches as :class:`RaggedKVCache` (adopted in place; ``fixed``: see :meth:`RaggedKVCache.make_mask`;
     ``most``: the most rows a bucket holds)."""
-    return [c if isinstance(c, RaggedKVCache) else RaggedKVCache.adopt(c, fixed, most) for c in caches]
+    # A batch cache may name its ragged form (a quantized one: engine/mlx/quantized_cache.py).
+    return [c if isinstance(c, RaggedKVCache) else getattr(c, "ragged_class", RaggedKVCache).adopt(c, fixed, most)
+            for c in caches]
 
 
 def held_rows(rows: int, most: int = 0) -> int:

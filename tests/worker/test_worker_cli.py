@@ -222,7 +222,11 @@ def test_arqs_own_health_check_passes_for_a_live_worker_on_this_host(arq_worker:
                                                              "integer"),
     ({"MLXQ_MODEL": "{tiny}", "MLXQ_LOADABLE_MODELS": "{tiny}=other", "MLXQ_MODEL_MEMORY": "1KiB"},
      "mlxq worker: MLXQ_MODEL_MEMORY=1024B is too small: the smallest loadable model, other, needs"),
-], ids=["missing", "relative", "not_a_model", "unset", "bad_number", "budget_too_small"])
+    ({"MLXQ_MODEL": "{tiny}", "MLXQ_KV_BITS": "3"}, "mlxq worker: MLXQ_KV_BITS='3': expected 8, 4 or off"),
+    ({"MLXQ_MODEL": "{tiny}", "MLXQ_KV_GROUP_SIZE": "48"}, "mlxq worker: MLXQ_KV_GROUP_SIZE='48': expected 32, 64, "
+                                                           "128"),
+], ids=["missing", "relative", "not_a_model", "unset", "bad_number", "budget_too_small", "kv_bits",
+      "kv_group_size"])
 def test_a_worker_that_cannot_start_says_why_in_one_line_and_exits_78(setting: dict[str, str], message: str,
                                                                        tmp_path: Path, tiny_model: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}
@@ -291,6 +295,18 @@ def test_a_model_directory_that_fails_to_load_is_one_error_line_and_exit_78(brea
     if breakage == "corrupt_weights":
         debug = arq_worker_run({**env, "MLXQ_LOG_LEVEL": "DEBUG"})
         assert debug.returncode == 78 and "Traceback" in debug.stderr and "load_safetensors" in debug.stderr
+
+
+def test_a_kv_cache_the_model_cannot_quantize_is_one_error_line_and_exit_78(tiny_model: Path,
+                                                                           redis_url: str) -> None:
+    # The tiny model's heads are 16 values wide: groups of 64 cannot quantize them (judged once it is loaded).
+    proc = arq_worker_run({"MLXQ_MODEL": str(tiny_model), "MLXQ_REDIS_URL": redis_url, "MLXQ_KV_BITS": "8"})
+    assert proc.returncode == 78, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    (error,) = [ln for ln in proc.stderr.splitlines() if " ERROR " in ln]
+    assert error.endswith(f"worker cannot start: cannot quantize the KV cache of {tiny_model} to 8 bits in groups of "
+                          "64: group size 64 does not divide the head dimension 16 (MLXQ_KV_BITS, "
+                          "MLXQ_KV_GROUP_SIZE)")
 
 
 def test_a_vision_model_without_mlx_vlm_names_the_extra_in_one_line_and_exits_78(tmp_path: Path,

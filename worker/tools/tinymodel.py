@@ -206,6 +206,9 @@ SIZES: dict[str, ModelSpec] = {
 SIZES["tiny-think"] = dataclasses.replace(SIZES["tiny"], name="tiny-think", thinking=True)  # a reasoning model's
 SIZES["tiny-tools"] = dataclasses.replace(SIZES["tiny"], name="tiny-tools", tools=True,  # a tool-calling model's
                                          max_position_embeddings=4096)  # tools take room in the prompt
+# Heads of 64 values, grouped queries: a KV cache quantized in groups of 64 (engine/mlx/quantized_cache.py).
+SIZES["tiny-kvq"] = dataclasses.replace(SIZES["tiny"], name="tiny-kvq", hidden_size=128, num_attention_heads=2,
+                                        num_key_value_heads=1)
 # Draft/target pairs for speculative decoding (the target grows the draft: see ModelSpec.grows).
 SIZES["tiny-draft"] = dataclasses.replace(SIZES["tiny"], name="tiny-draft", num_hidden_layers=1)
 SIZES["tiny-target"] = dataclasses.replace(SIZES["tiny"], name="tiny-target", num_hidden_layers=3,

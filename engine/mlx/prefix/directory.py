@@ -11,8 +11,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
 
+from ..quantized_cache import KVQuant, make_cache
 from .entry_file import FORMAT
 
 __all__ = ["default_dir", "layout_key", "model_key", "namespace"]
@@ -45,10 +45,10 @@ def model_key(path: str) -> str | None:
     return h.hexdigest()
 
 
-def layout_key(model: Any) -> str:
+def layout_key(model: Any, quant: KVQuant | None = None) -> str:
     """A digest of what the model's KV caches hold (on its MLX thread): each layer's cache class and its
-    arrays' dtypes and shapes after one token (so KV quantization or another dtype gets another key)."""
-    cache = make_prompt_cache(model)
+    arrays' dtypes and shapes after one token (so KV quantization, ``quant``, or another dtype gets another key)."""
+    cache = make_cache(model, quant)
     model(mx.array([[0]]), cache=cache)
     states = [c.state for c in cache]
     mx.eval(states)

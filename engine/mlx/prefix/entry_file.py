@@ -27,6 +27,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from ..quantized_cache import batchable, plain
+
 __all__ = ["FORMAT", "SUFFIX", "TEMP", "Meta", "entry_key", "read_file", "read_meta", "write_file"]
 
 FORMAT = 2  # bumped when the file format changes: a new namespace, old files never read
@@ -49,7 +51,7 @@ class Meta:
 def write_file(path: Path, tokens: list[int], cache: list[Any], m: Meta) -> int:
     """An entry's whole file at ``path`` (mlx-lm's prompt-cache format, then the trailer), handed to the kernel
     when this returns (or an OSError; not fsynced: see the module docstring); its size."""
-    save_prompt_cache(str(path), cache)  # by path: MLX writes the file itself
+    save_prompt_cache(str(path), plain(cache))  # by path: MLX writes the file itself; mlx-lm's classes, to read back
     meta = json.dumps({"tokens": tokens, "kind": m.kind, "trimmable": m.trimmable, "keys": list(m.keys)}).encode()
     with open(path, "r+b") as f:
         crc, buf = 0, bytearray(1 << 20)
@@ -102,6 +104,6 @@ def read_file(path: Path) -> tuple[list[Any], list[int], str]:
     meta, crc_at = _parse_tail(data)
     if zlib.crc32(memoryview(data)[:crc_at]) != int.from_bytes(data[crc_at:crc_at + _CRC], "little"):
         raise ValueError("checksum mismatch")
-    cache = load_prompt_cache(str(path))  # by path: MLX reads the file itself (safetensors ignore the trailer)
+    cache = batchable(load_prompt_cache(str(path)))  # by path: MLX reads it itself (safetensors ignore the trailer)
     mx.eval([c.state for c in cache])  # on this thread's own stream, not the model's
     return cache, [int(t) for t in meta["tokens"]], str(meta["kind"])

@@ -147,7 +147,7 @@ class SpecBatch(MaskedGenerationBatch):
         pending, pending_logprobs = self._next_tokens, self._next_logprobs
         logits = self.model(mx.concatenate([pending[:, None], drafts], axis=1), cache=self.prompt_cache)
         held = self.prompt_cache[0]
-        self.saw("verify", len(held.ends), k + 1, int(held.keys.shape[2]) if held.fixed else held._idx)
+        self.saw("verify", len(held.ends), k + 1, held.width() if held.fixed else held._idx)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         choice = mx.argmax(logprobs, axis=-1)
         samplers = self.samplers or []
