@@ -38,8 +38,9 @@ class MLXBatch:
 
     A step runs one decode step for the generating sequences or one chunk (``prefill_step_size`` tokens) of
     prefill for the sequences being prompted, so a long prompt spans several steps and can be cancelled
-    between them. ``caches=False`` makes it a backend that cannot hand out caches (tests of the
-    scheduler's fallbacks).
+    between them; rows that chunk finished join the decode batch in the same step, so a burst's prefill groups
+    each get their first tokens from the next decode step. ``caches=False`` makes it a backend that cannot hand
+    out caches (tests of the scheduler's fallbacks).
     """
 
     def __init__(
