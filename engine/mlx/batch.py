@@ -38,8 +38,9 @@ class MLXBatch:
 
     A step runs one decode step for the generating sequences or one chunk (``prefill_step_size`` tokens) of
     prefill for the sequences being prompted, so a long prompt spans several steps and can be cancelled
-    between them. ``caches=False`` makes it a backend that cannot hand out caches (tests of the
-    scheduler's fallbacks).
+    between them; rows that chunk finished join the decode batch in the same step, so a burst's prefill groups
+    each get their first tokens from the next decode step. ``caches=False`` makes it a backend that cannot hand
+    out caches (tests of the scheduler's fallbacks).
     """
 
     def __init__(
@@ -191,6 +192,8 @@ class MLXBatch:
             prompts, generated = self._decode_only()
         else:
             prompts, generated = self._gen.next()
+        if self._prefilled():
+            prompts = [*prompts, *self._join_prefilled()]
         if prompts and self._spec is not None:
             self._spec.prompted()  # the decode step being timed spans this prompt work
         if self._watch and prompts:
@@ -205,6 +208,30 @@ class MLXBatch:
         gen = self._gen
         rows = len(gen._generation_batch)
         return 0 < rows < gen.completion_batch_size and bool(gen._unprocessed_sequences or gen._currently_processing)
+
+    def _prefilled(self) -> bool:
+        """Whether every row being prompted has its prompt in but its last token, with room in the decode batch.
+        mlx-lm moves such rows into its decode batch at its next step's start, after that step's decode: a burst's
+        second prefill group would wait a decode step of the first group's rows for its first token, the third
+        group two, and so on. :meth:`_join_prefilled` moves them in the step that prefilled them instead."""
+        gen = self._gen
+        rows = gen._currently_processing
+        if not rows or len(gen._generation_batch) + len(rows) > gen.completion_batch_size:
+            return False
+        return all(len(segments) == 1 and len(segments[0]) == 1 for segments, *_ in rows)
+
+    def _join_prefilled(self) -> Any:
+        """The prefilled rows into the decode batch (their last prompt token's pass, which samples their first
+        token, is started: the next decode step reports it), and nothing else: no decode step, no prompt joins
+        (none would be prefilled in this step; the next prompt step takes them). mlx-lm's step does this with a
+        prefill batch limit of 0 and its decode batch's ``next`` shadowed."""
+        gen = self._gen
+        limit = gen.prefill_batch_size
+        gen.prefill_batch_size = 0
+        try:
+            return self._prompts_only()[0]
+        finally:
+            gen.prefill_batch_size = limit
 
     def _decode_only(self) -> tuple[Any, Any]:
         """One decode step and no prompt chunk: mlx-lm's step returns early once the decode batch is full; a

@@ -167,11 +167,12 @@ def test_a_request_started_at_once_starts_from_a_cached_prefix(lm: Any, stream: 
     assert run.tokens("second") == reference(lm, second, 20)
 
 
-def test_rows_that_join_the_batch_get_their_first_token_before_the_next_prompt_chunk(
+def test_a_burst_streams_each_prefill_group_s_first_tokens_in_the_step_after_its_prefill(
         lm: Any, stream: mx.Stream, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A burst of 24 prefilled 8 at a time: no step both decodes and prefills, so each group's first tokens come
-    # in the step after it joins the batch, before the next group's prompt chunk; the decode passes are those
-    # of mlx-lm's own loop over the same burst (none added), and every row makes exactly its greedy tokens.
+    # A burst of 24 prefilled 8 at a time: no step both decodes and prefills; a group joins the decode batch in
+    # the step that prefilled it, so its first tokens come with the very next step (a decode step of every row
+    # in), before the next group's prompt chunk: the first group's long before the last group is prefilled. No
+    # decode pass is added to mlx-lm's own loop over the same burst, and every row makes exactly its greedy tokens.
     import importlib
 
     from mlx_lm.generate import BatchGenerator
@@ -198,12 +199,12 @@ def test_rows_that_join_the_batch_get_their_first_token_before_the_next_prompt_c
 
     s = make(lm, stream, capacity=24)
     backend: Any = s.backend
-    work: list[tuple[int, int]] = []  # per step: rows whose prompt it advanced, tokens it decoded
+    calls: list[tuple[int, int]] = []  # per call of mlx-lm's step: rows whose prompt it advanced, tokens decoded
     real_next = backend._gen.next
 
     def next_() -> Any:
         prompts, generated = real_next()
-        work.append((len([p for p in prompts if not p.end_of_prompt]), len(generated)))
+        calls.append((len([p for p in prompts if not p.end_of_prompt]), len(generated)))
         return prompts, generated
 
     monkeypatch.setattr(backend._gen, "next", next_)
@@ -211,18 +212,24 @@ def test_rows_that_join_the_batch_get_their_first_token_before_the_next_prompt_c
         s.add(EngineRequest(f"r{i}", p, SamplingParams(max_tokens=12)))
     run = Run()
     firsts: list[int] = []  # the step at which each row's first token came
+    steps: list[tuple[int, int]] = []  # per step: rows whose prompt it advanced, tokens it decoded
     with mx.stream(stream):
         for step in range(500):
             if not s.has_work:
                 break
-            before = {rid for rid in run.outputs if run.tokens(rid)}
+            before, called = {rid for rid in run.outputs if run.tokens(rid)}, len(calls)
             run.step(s)
             firsts += [step] * len({rid for rid in run.outputs if run.tokens(rid)} - before)
+            steps.append((sum(c[0] for c in calls[called:]), sum(c[1] for c in calls[called:])))
     assert len(firsts) == 24
-    assert not [w for w in work if w[0] and w[1]], work  # no step both prefilled and decoded
-    for group in range(3):  # its first tokens came out of a step that prefilled no prompt
+    assert not [w for w in steps if w[0] and w[1]], steps  # no step both prefilled and decoded
+    prefills = [i for i, w in enumerate(steps) if w[0]]
+    assert [steps[i][0] for i in prefills] == [8, 8, 8], steps  # one step per group (one chunk each)
+    for group, prefilled in enumerate(prefills):
         (at,) = set(firsts[group * 8:(group + 1) * 8])
-        assert work[at][0] == 0, (group, at, work)
-    assert passes[0] == plain
+        assert at == prefilled + 1, (group, at, steps)  # the next step, which prefilled nothing
+        assert steps[at] == (0, 8 * (group + 1)), (group, steps)  # a decode step of every row in
+    assert firsts[0] < prefills[-1]
+    assert passes[0] <= plain
     for i, p in enumerate(prompts):
         assert run.tokens(f"r{i}") == reference(lm, p, 12), i

@@ -325,7 +325,9 @@ def test_verification_shapes_repeat_where_asked_and_tokens_stay_exact(
                          stream=stream, proposer=proposer_of(kind, pair), stats=stats, fixed_shapes=fixed)
         s = Scheduler(batch, capacity=8, new_detokenizer=lambda: tokenizer.detokenizer,
                       make_sampler=make_request_sampler, make_processors=make_request_logits_processors, stats=stats)
-        reqs = requests(tokenizer, 8, seed=5, repeat=kind == "ngram", max_tokens=40)
+        # 80 tokens: enough passes over several positions that prompt lookup's shapes are counted over tens of
+        # passes, not a few, whatever steps the rows join the batch in.
+        reqs = requests(tokenizer, 8, seed=5, repeat=kind == "ngram", max_tokens=80)
         for r in reqs:
             s.add(r)
         run = Run()
