@@ -45,6 +45,7 @@ class ModelService:
         self.served = served
         self.name = served.name
         self.queue = config.keys.queue(served.name)
+        self.bulk_queue = config.keys.queue(served.name, bulk=True)  # its bulk band (api/protocol/lua/bulk.lua)
         self.config = config
         self.engine: Engine | None = None
         self.model: LoadedModel | None = None

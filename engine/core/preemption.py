@@ -3,7 +3,8 @@
 Eligible: running sequences of its own group (``shares.py``; one group unless the worker names tenants) of
 strictly lower priority whose aged key is no better, and sequences of another group above its share (whatever
 their priority: between groups the share decides). Lowest priority first, then the most loaded group's, latest
-first; the plan takes as few as make room, keeping their caches for their resume where that fits too. The
+first; the plan takes as few as make room, keeping their caches for their resume where that fits too. A bulk
+request (``EngineRequest.bulk``, of the lowest priority) preempts nobody: it only takes room left over. The
 scheduler carries the plan out (``scheduler.py``). Caches parked by preempted sequences give way, the same way
 round, to a waiting one that cannot join for them.
 """
@@ -44,7 +45,7 @@ def plan_preemption(top: Sequence, running: Iterable[Sequence], lowest: int | No
     ``shares``: the running groups (None: one group)."""
     prio, group = top.req.priority, top.req.group
     outranks = lowest is not None and lowest < prio
-    fair = shares is not None and shares.below(top.req)
+    fair = shares is not None and not top.req.bulk and shares.below(top.req)  # bulk takes no share's place
     if not outranks and not fair:  # the common case: nobody to preempt
         return None
     eligible = [s for s in running if (s.req.group == group and s.req.priority < prio and s.key >= top.key)

@@ -147,7 +147,7 @@ class Scheduler:
             self._rejected.append(terminal(req.rid, FinishReason.ERROR, 0, ErrorCode.BAD_REQUEST, problem))
             return
         arrival = req.arrival or self._clock()
-        seq = Sequence.of(req, self._new_detokenizer(), priority_key(arrival, req.priority, self.aging_s),
+        seq = Sequence.of(req, self._new_detokenizer(), priority_key(arrival, req.priority, self.aging_s, req.bulk),
                           next(self._orders))
         self._push(seq)
         self._room_dirty = True
