@@ -48,6 +48,7 @@ class ModelInfo:
     accepts_images: bool
     context_length: int | None
     dead_on: list[str] = field(default_factory=list)  # workers whose engine for it died
+    bulk: int = 0  # of its jobs in engines, those of the bulk band (their queue is the model's bulk band's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +121,7 @@ def models_of(workers: Iterable[WorkerStatus]) -> dict[str, ModelInfo]:
         for m in w.models:
             serving = w.serves(m.name)
             one = ModelInfo(m.name, int(serving), m.capacity if serving else 0, m.running, m.waiting, m.tokens_per_s,
-                            m.accepts_images, m.context_length, [w.id] if m.state is ModelState.DEAD else [])
+                            m.accepts_images, m.context_length, [w.id] if m.state is ModelState.DEAD else [], m.bulk)
             prev = infos.get(m.name)
             infos[m.name] = one if prev is None else _sum(prev, one)
     return dict(sorted(infos.items()))
@@ -129,7 +130,7 @@ def models_of(workers: Iterable[WorkerStatus]) -> dict[str, ModelInfo]:
 def _sum(a: ModelInfo, b: ModelInfo) -> ModelInfo:
     return ModelInfo(a.name, a.workers + b.workers, a.capacity + b.capacity, a.running + b.running,
                      a.waiting + b.waiting, a.tokens_per_s + b.tokens_per_s, a.accepts_images or b.accepts_images,
-                     a.context_length or b.context_length, a.dead_on + b.dead_on)
+                     a.context_length or b.context_length, a.dead_on + b.dead_on, a.bulk + b.bulk)
 
 
 async def other_prefixes(redis: Redis, keys: Keys) -> dict[str, list[str]]:

@@ -144,6 +144,7 @@ class ModelService:
         model = self.model
         return ModelStatus(name=self.name, state=self.state, capacity=self.config.capacity, running=running,
                            waiting=max(0, len(self.active) - running), tokens_per_s=round(tokens_per_s, 1),
+                           bulk=self.engine.scheduler.num_running_bulk if self.engine is not None else 0,
                            accepts_images=model is not None and model.accepts_images,
                            context_length=model.context_length if model is not None else None, error=self.error,
                            speculation=self.config.speculation(self.served), **counters)

@@ -131,6 +131,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def num_running_bulk(self) -> int:
+        """Running sequences of the bulk band (``EngineRequest.bulk``)."""
+        return sum(1 for seq in self._running if seq.req.bulk)
+
     def request_ids(self) -> list[str]:
         return [r.rid for r in self.requests()]
 
