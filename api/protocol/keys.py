@@ -37,7 +37,7 @@ def band_model(model: str, bulk: bool) -> str:
 
 def model_band(name: str) -> tuple[str, bool]:
     """The model and whether it is the bulk band, of a name :func:`band_model` made (``Keys.queue_of``'s model)."""
-    if name.endswith(BULK_MARK):
+    if name.endswith(BULK_MARK) and len(name) > len(BULK_MARK):
         return name[:-len(BULK_MARK)], True
     return name, False
 
