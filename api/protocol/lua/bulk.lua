@@ -8,7 +8,9 @@
 -- (quota 0: its due jobs are only counted, for `left`) while its model's interactive queues hold due jobs beyond
 -- those this call read. Its cost per claim and model: the bulk backlog (SMEMBERS) and share account (HMGET), then
 -- per backlogged bulk tenant one ZRANGEBYSCORE (one ZCOUNT while held back), an EXISTS where none is due: with
--- no bulk job queued, three calls. Uses queues.lua's band_of.
+-- no bulk job queued, three calls; with some read and affinity on, affinity.lua's one ZRANGE of the band's
+-- advertisers (none: workers advertise their models' interactive names, so bulk jobs get no prefix affinity).
+-- Uses queues.lua's band_of.
 local band_seen = {}  -- each interactive model read so far in this call: its entry in models
 local function band_quota(m, quota)  -- a queue's quota, once its model's interactive queues have been read
   local base, bulk = band_of(m.model)
