@@ -168,8 +168,8 @@ def _markdown(r: dict[str, Any]) -> str:
     return "\n".join([
         "# The bulk band: interactive TTFT with a batch running", "",
         f"Model {r['load']['size']}, capacity {r['capacity']}, {r['load']['streams']} interactive streams, "
-        f"{r['interactive_jobs_per_side']} interactive jobs a side, {r['load']['bulk_jobs']} bulk jobs a round, "
-        f"{r['load']['rounds']} round(s).", "",
+        f"{r['interactive_jobs_per_side']} interactive jobs a side, {r['load']['bulk_jobs']} bulk jobs a round "
+        f"({r['load']['bulk_tokens']} tokens each), {r['load']['rounds']} round(s).", "",
         "| | TTFT p50 (ms) | TTFT p99 (ms) |", "|---|---|---|",
         f"| alone | {t['alone_p50']} | {t['alone_p99']} |",
         f"| with bulk | {t['bulk_p50']} | {t['bulk_p99']} |",
@@ -184,11 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="perf-out")
     p.add_argument("--quick", action="store_true", help="the tiny model, fewer jobs: a smoke run")
     p.add_argument("--size", default=None, help="generated model size (tiny, small)")
+    p.add_argument("--bulk-tokens", type=int, default=None, help="each bulk job's max_tokens (default 32)")
     args = p.parse_args(argv)
     load = Load.quick() if args.quick else Load()
-    if args.size:
-        load = Load(args.size, load.streams, load.jobs_per_stream, load.tokens, load.bulk_jobs, load.bulk_tokens,
-                    load.rounds)
+    if args.size or args.bulk_tokens:
+        load = Load(args.size or load.size, load.streams, load.jobs_per_stream, load.tokens, load.bulk_jobs,
+                    args.bulk_tokens or load.bulk_tokens, load.rounds)
     result = run(load, Path(args.out))
     print(_markdown(result))
     return 0
