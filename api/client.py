@@ -170,7 +170,8 @@ class Client:
         ``max_queued``), and with ``require_worker``
         :class:`NoWorker` when no live worker serves the model (else such a job waits for one, until it
         expires). A job still queued ``expires_in`` seconds after this (default ``MLXQ_JOB_EXPIRY``) ends with
-        ``error(expired)``.
+        ``error(expired)``. ``bulk=True`` (the field): the bulk band, idle capacity only (a batch's lines; its
+        queues' cap ``MLXQ_MAX_QUEUED`` counts the band's jobs apart from the model's interactive ones).
         """
         req = _request(request, fields)
         if self.tenant is not None and "tenant" not in req.model_fields_set:
@@ -188,7 +189,7 @@ class Client:
         expiry_ms = now_ms + int(expiry_s * 1000) if expiry_s > 0 else 0
         keys, args = Enqueue(req.id, job, req.model, req.tenant,
                              queue_score(now_ms, req.priority, int(cfg.priority_aging_s * 1000)),
-                             max(0, cfg.max_queued), expiry_ms, JOB_TTL_MS).call(self.keys)
+                             max(0, cfg.max_queued), expiry_ms, JOB_TTL_MS, req.bulk).call(self.keys)
         # A retry sends the same record: ENQUEUE takes it as this submit's own (its reply was lost).
         try:
             queued = await with_retries(lambda: self._enqueuer.enqueue(keys, args), self.retry, self.where)

@@ -1,9 +1,9 @@
 """The fleet as the dashboard shows it, read from Redis through the client (no worker code, no writes but the
 two actions).
 
-:func:`overview`: models and their queues (depth by priority, the oldest wait), tenants (policy and live use: jobs
-queued and running, tokens a minute, share of the work), live and lost workers, running
-and recent jobs, dead letters and each model's history (``api.history``). :func:`job`: one job's record, tries,
+:func:`overview`: models and their queues (depth by priority, the oldest wait; a model's bulk band a row apart),
+tenants (policy and live use: jobs queued and running, tokens a minute, share of the work), live and lost workers,
+running and recent jobs, dead letters and each model's history (``api.history``). :func:`job`: one job's record, tries,
 lease and events from its replay log; prompts and outputs only for ``full`` (an admin), sizes otherwise.
 :func:`retry_dead_letter`: a dead letter's job submitted again through the client's enqueue path.
 """
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from .client import Client, kept_events
 from .errors import BadRequest, JobNotFound
 from .history import recent, series
 from .protocol.jobrecord import read_job
-from .protocol.keys import Keys
+from .protocol.keys import Keys, model_band
 from .protocol.notify import report
 from .registry import models_of
 from .schema import PRIORITY_MIN, GenerateRequest, decode_event
@@ -52,7 +52,11 @@ async def overview(client: Client) -> dict[str, Any]:
     models = []
     for name in names:
         q, m = queues.get(name), served.get(name)
-        models.append({"name": name, "queued": q.depth if q else 0, "oldest_s": q.oldest_s if q else None,
+        base, bulk = model_band(name)  # a model's bulk band has a row of its own: its queue, history and jobs
+        if bulk and base in served:  # in engines (the model's capacity, shared with its interactive jobs)
+            m = replace(served[base], name=name, running=served[base].bulk, waiting=0)
+        models.append({"name": name, "band": "bulk" if bulk else "interactive",
+                       "queued": q.depth if q else 0, "oldest_s": q.oldest_s if q else None,
                        "by_priority": await _by_priority(client, name) if q else {},
                        "served": asdict(m) if m else None,
                        "history": [asdict(p) for p in history[name]]})

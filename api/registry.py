@@ -49,6 +49,7 @@ class ModelInfo:
     context_length: int | None
     dead_on: list[str] = field(default_factory=list)  # workers whose engine for it died
     loadable: int = 0  # live workers that have it on demand, not loaded now: they load it when its jobs wait
+    bulk: int = 0  # of its jobs in engines, those of the bulk band (their queue is the model's bulk band's)
 
     @property
     def offered(self) -> bool:
@@ -128,7 +129,7 @@ def models_of(workers: Iterable[WorkerStatus]) -> dict[str, ModelInfo]:
             serving = w.serves(m.name)
             one = ModelInfo(m.name, int(serving), m.capacity if serving else 0, m.running, m.waiting, m.tokens_per_s,
                             m.accepts_images, m.context_length, [w.id] if m.state is ModelState.DEAD else [],
-                            int(w.can_load(m.name)))
+                            int(w.can_load(m.name)), m.bulk)
             prev = infos.get(m.name)
             infos[m.name] = one if prev is None else _sum(prev, one)
     return dict(sorted(infos.items()))
@@ -137,7 +138,8 @@ def models_of(workers: Iterable[WorkerStatus]) -> dict[str, ModelInfo]:
 def _sum(a: ModelInfo, b: ModelInfo) -> ModelInfo:
     return ModelInfo(a.name, a.workers + b.workers, a.capacity + b.capacity, a.running + b.running,
                      a.waiting + b.waiting, a.tokens_per_s + b.tokens_per_s, a.accepts_images or b.accepts_images,
-                     a.context_length or b.context_length, a.dead_on + b.dead_on, a.loadable + b.loadable)
+                     a.context_length or b.context_length, a.dead_on + b.dead_on, a.loadable + b.loadable,
+                     a.bulk + b.bulk)
 
 
 async def other_prefixes(redis: Redis, keys: Keys) -> dict[str, list[str]]:

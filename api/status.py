@@ -1,9 +1,10 @@
 """``mlxq status``: the deployment at a glance, read from Redis (so it works from any host).
 
 For every model with a queue or a live worker: jobs waiting, the age of the oldest, and what its live workers
-do now; each tenant with a policy entry or jobs queued or running (its policy, and its live use); then each
-live worker (host, pid, models, capacity, running and waiting sequences, tokens per second over the last
-minute, prefix-cache hits in memory and on disk, uptime, version). As text for a terminal, or JSON for scripts.
+do now, with its bulk band apart (BULK: its jobs queued / in engines); each tenant with a policy entry or jobs
+queued or running (its policy, and its live use); then each live worker (host, pid, models, capacity, running
+and waiting sequences, tokens per second over the last minute, prefix-cache hits in memory and on disk, uptime,
+version). As text for a terminal, or JSON for scripts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from .client import Client, JobView
+from .protocol.keys import band_model, model_band
 from .protocol.notify import eviction_risk, report
 from .registry import ModelInfo, QueueInfo, models_of
 from .schema import ModelStatus, WorkerStatus
@@ -39,14 +41,18 @@ class Report:
     webhooks: dict[str, Any] = field(default_factory=dict)  # deliveries: counters, waiting, newest failures
 
     def to_json(self) -> dict[str, Any]:
-        names = sorted(set(self.queues) | set(self.models))
         return {
             "redis": self.where, "prefix": self.prefix, "at": self.at, "eviction_risk": self.eviction,
             "webhooks": self.webhooks,
-            "models": [_model_json(name, self.queues.get(name), self.models.get(name)) for name in names],
+            "models": [_model_json(name, self.queues.get(name), self.models.get(name),
+                                   self.queues.get(band_model(name, True))) for name in self.names()],
             "tenants": [t.to_json() for t in self.tenants],
             "workers": [w.model_dump(mode="json") for w in self.workers],
         }
+
+    def names(self) -> list[str]:
+        """The models it shows: those queued (in either band) or served."""
+        return sorted({model_band(name)[0] for name in self.queues} | set(self.models))
 
 
 async def collect(client: Client) -> Report:
@@ -83,13 +89,16 @@ async def claimed(client: Client) -> dict[tuple[str, str], int]:
 
 def live(workers: list[WorkerStatus], claimed: dict[tuple[str, str], int]) -> list[WorkerStatus]:
     """The health records with each model's running and waiting as of now: its jobs ``claimed`` (a record is
-    up to a heartbeat old, the tenants' counts are not), of which waiting what the record says, at most."""
+    up to a heartbeat old, the tenants' counts are not), of which waiting what the record says, at most; of
+    them ``bulk`` its bulk band's (claimed from the model's bulk queues)."""
     out = []
     for w in workers:
         models = []
         for m in w.models:
-            n = claimed.get((w.id, m.name), 0)
-            models.append(m.model_copy(update={"running": n - min(m.waiting, n), "waiting": min(m.waiting, n)}))
+            bulk = claimed.get((w.id, band_model(m.name, True)), 0)
+            n = claimed.get((w.id, m.name), 0) + bulk
+            models.append(m.model_copy(update={"running": n - min(m.waiting, n), "waiting": min(m.waiting, n),
+                                               "bulk": bulk}))
         out.append(w.model_copy(update={"models": models}))
     return out
 
@@ -101,23 +110,24 @@ def render(report: Report) -> str:
     if report.eviction:
         lines += [f"WARNING: {report.eviction}", ""]
     lines += _webhook_lines(report.webhooks)
-    names = sorted(set(report.queues) | set(report.models))
+    names = report.names()
     if not names:
         lines.append("no queued jobs and no live workers")
         return "\n".join(lines)
-    rows = [["MODEL", "QUEUED", "OLDEST", "WORKERS", "CAPACITY", "RUNNING", "WAITING", "TOK/S", "IMAGES"]]
+    rows = [["MODEL", "QUEUED", "OLDEST", "WORKERS", "CAPACITY", "RUNNING", "WAITING", "BULK", "TOK/S", "IMAGES"]]
     for name in names:
-        q, m = report.queues.get(name), report.models.get(name)
+        q, m, b = report.queues.get(name), report.models.get(name), report.queues.get(band_model(name, True))
+        bulk = f"{b.depth if b else 0}/{m.bulk if m else 0}"  # the bulk band: queued / in engines
         depth = str(q.depth) if q else "0"
         oldest = _age(q.oldest_s) if q and q.oldest_s is not None else "-"
         if m is not None and m.workers == 0 and m.loadable:
-            rows.append([name, depth, oldest, "0", "-", "-", "-", "-", f"loadable on {m.loadable}"])
+            rows.append([name, depth, oldest, "0", "-", "-", "-", bulk, "-", f"loadable on {m.loadable}"])
         elif m is None or m.workers == 0:
             note = "dead on every worker" if m is not None and m.dead_on else "no live worker"
-            rows.append([name, depth, oldest, "0", "-", "-", "-", "-", note])
+            rows.append([name, depth, oldest, "0", "-", "-", "-", bulk, "-", note])
         else:
             rows.append([name, depth, oldest, str(m.workers), str(m.capacity), str(m.running), str(m.waiting),
-                         f"{m.tokens_per_s:.1f}", "yes" if m.accepts_images else "no"])
+                         bulk, f"{m.tokens_per_s:.1f}", "yes" if m.accepts_images else "no"])
     lines += _table(rows)
     if len(report.tenants) > 1 or any(t.named for t in report.tenants):  # one default tenant: nothing to say
         lines += ["", *tenant_table(report.tenants)]
@@ -239,7 +249,8 @@ def _age(seconds: float) -> str:
     return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
 
 
-def _model_json(name: str, q: QueueInfo | None, m: ModelInfo | None) -> dict[str, Any]:
+def _model_json(name: str, q: QueueInfo | None, m: ModelInfo | None, bulk: QueueInfo | None) -> dict[str, Any]:
     served = asdict(m) if m is not None else {"workers": 0}
     served.pop("name", None)
-    return {"name": name, "queued": q.depth if q else 0, "oldest_s": q.oldest_s if q else None, **served}
+    return {"name": name, "queued": q.depth if q else 0, "oldest_s": q.oldest_s if q else None,
+            "bulk_queued": bulk.depth if bulk else 0, **served}

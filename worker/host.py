@@ -32,6 +32,7 @@ from mlxq.api.connection import redis_client
 from mlxq.api.protocol.claim import BelowShare, Due, DueEntry, EntryStatus, Outranking
 from mlxq.api.protocol.emit import LogTTL
 from mlxq.api.protocol.jobrecord import Envelope, read_job
+from mlxq.api.protocol.keys import model_band
 from mlxq.api.protocol.notify import eviction_risk
 from mlxq.api.schema import DEFAULT_TENANT, ErrorCode, ModelState, WorkerStatus, is_terminal
 from mlxq.api.schema.requests import MAX_KEEP_RESULT_S
@@ -285,7 +286,7 @@ class WorkerHost:
         due = await self.transitions.claim(*self._quotas(free))
         await self._put_aside(due)
         started = [entry for entry in due.entries if entry.status is EntryStatus.STARTED]
-        by_model = {entry.rid: self.services[self.keys.queue_of(entry.queue)[0]] for entry in started}
+        by_model = {entry.rid: self.services[model_band(self.keys.queue_of(entry.queue)[0])[0]] for entry in started}
         for entry in started:
             self.affinity.model(by_model[entry.rid].name)
             self.affinity.placements[by_model[entry.rid].name].add(entry.affinity)
@@ -300,7 +301,8 @@ class WorkerHost:
         running sequences (it starts at once, preempting one of them: priority is no use if it waits in Redis),
         or one job of a tenant below its share there (it starts at once in the place of a job of a tenant above
         it, engine/shares.py: between tenants the share decides, and a job waiting in Redis behind another
-        tenant's flood would get no share)."""
+        tenant's flood would get no share). Each model's bulk queue takes what room its interactive queues leave
+        (the same quota, counted once by CLAIM), and nothing from a full engine."""
         quotas = {service.queue: min(free, service.room()) for service in self.services.values()}
         outranking: dict[str, Outranking] = {}
         below_share: dict[str, BelowShare] = {}
@@ -312,6 +314,8 @@ class WorkerHost:
                 quotas[service.queue], outranking[service.queue] = min(free, need.count), need
             if below is not None:
                 quotas[service.queue], below_share[service.queue] = max(1, quotas[service.queue]), below
+        for service in self.services.values():
+            quotas[service.bulk_queue] = quotas[service.queue] if service.queue not in outranking | below_share else 0
         return quotas, free, outranking, below_share
 
     async def _put_aside(self, due: Due) -> None:

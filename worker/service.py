@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from mlxq.api.protocol.claim import BelowShare, DueEntry, Outranking
+from mlxq.api.protocol.keys import model_band
 from mlxq.api.schema import PRIORITY_MAX, ModelState, ModelStatus
 from mlxq.engine.core.engine import Engine, Sink
 from mlxq.engine.core.request import EngineRequest
@@ -49,10 +50,12 @@ class ModelService:
         self.served = served
         self.name = served.name
         self.queue = config.keys.queue(served.name)
+        self.bulk_queue = config.keys.queue(served.name, bulk=True)  # its bulk band (api/protocol/lua/bulk.lua)
         self.config = config
         self.engine: Engine | None = None
         self.model: LoadedModel | None = None
         self.active: set[tuple[str, int]] = set()  # its jobs in this worker, claimed and not ended: (id, try)
+        self.bulk: set[tuple[str, int]] = set()  # of them, those of the bulk band
         self.error: str | None = None  # why its engine died
         self.on_dead: Callable[[ModelService], None] = lambda service: None  # called on the event loop
         # Its jobs' images are prepared one at a time, in arrival order (see worker/jobs/media.py); started with
@@ -174,9 +177,11 @@ class ModelService:
     def outranking(self) -> Outranking | None:
         """What queued jobs need for this model's full engine to take them now (each starts at once, preempting a
         running sequence of lower priority), and how many it takes; None when the engine has room, or no such
-        job could start now. Preempted jobs waiting to resume do not count against the model's job cap."""
+        job could start now. Preempted jobs waiting to resume do not count against the model's job cap, nor do bulk
+        jobs: they give way to any other (an engine full of them must not keep an interactive job in Redis)."""
         engine = self.engine
-        if self.state is not ModelState.SERVING or engine is None or self._unpaused() >= self.config.jobs_per_model:
+        if (self.state is not ModelState.SERVING or engine is None
+                or self._unpaused() - len(self.bulk) >= self.config.jobs_per_model):
             return None
         lowest, count = engine.outranked_priority(), engine.outranking_room()
         if lowest is None or lowest >= PRIORITY_MAX or count == 0:
@@ -208,6 +213,7 @@ class ModelService:
         model = self.model
         return ModelStatus(name=self.name, state=self.state, capacity=self.config.capacity, running=running,
                            waiting=max(0, len(self.active) - running), tokens_per_s=round(tokens_per_s, 1),
+                           bulk=self.engine.scheduler.num_running_bulk if self.engine is not None else 0,
                            accepts_images=model is not None and model.accepts_images,
                            context_length=model.context_length if model is not None else None,
                            error=self.error or self.load_error,
@@ -229,6 +235,7 @@ class ModelService:
         self.active.update((entry.rid, entry.attempt) for entry in entries)
         if entries:
             self.last_used = time.monotonic()
+        self.bulk.update((e.rid, e.attempt) for e in entries if model_band(self.config.keys.queue_of(e.queue)[0])[1])
         if entries and self.engine is not None:
             tenants = [entry.tenant for entry in entries]  # their requests' groups
             self.engine.expect(len(entries), self.config.admit_wait_ms / 1000, tenants)
@@ -237,6 +244,7 @@ class ModelService:
         """A claimed job left this worker (ended, handed back, fenced, or failed)."""
         self.active.discard((entry.rid, entry.attempt))
         self.last_used = time.monotonic()
+        self.bulk.discard((entry.rid, entry.attempt))
 
     def add(self, request: EngineRequest) -> None:
         """A prepared job's request enters the engine (its run is in the run table first)."""

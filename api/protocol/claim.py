@@ -5,7 +5,9 @@ Each queue is taken up to its quota (its engine's room), lowest score first acro
 takes a lease whose token names the run (``<worker id>:<try>``); only here is the try counted, so tries count runs
 that started. A tenant's queued jobs wait for their fair share (``lua/share.lua``), a full engine takes only a job
 that outranks its running sequences or one of a tenant below its share there, and a tenant's read entries are
-taken in the order prefix affinity prefers (``lua/affinity.lua``).
+taken in the order prefix affinity prefers (``lua/affinity.lua``). A model's bulk queues (``GenerateRequest.bulk``,
+``lua/bulk.lua``) share its quota and give way to its interactive ones: a bulk job starts only on room no
+interactive job could take.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from redis.asyncio import Redis
 
 from ..schema import PRIORITY_MIN, Event, decode_event
 from ..tenants import SHARE_TTL_S
-from .keys import Keys
+from .keys import Keys, model_band
 from .scripts import Layout, load
 
 __all__ = ["CLAIM", "EPOCH_TTL_S", "TRIES_TTL_S", "Affinity", "BelowShare", "Due", "DueEntry", "EntryStatus",
@@ -123,8 +125,9 @@ async def claim(redis: Redis, keys: Keys, worker_id: str, lease_ms: int, affinit
     queue in ``outranking``, only jobs of at least its priority (up to its quota); from a queue in
     ``below_share``, jobs of the tenants below their share in its full engine (and the others' by priority, if
     it is in ``outranking`` too). ``affinity_wait_ms``: how long a job waits for the live worker with its prefix
-    warm (< 0: affinity off)."""
-    queues = list(quotas)
+    warm (< 0: affinity off). A model's bulk queue (``Keys.queue(model, bulk=True)``) shares its quota with the
+    model's interactive queue: pass both with the same quota (CLAIM reads it after them)."""
+    queues = sorted(quotas, key=lambda q: model_band(keys.queue_of(q)[0])[1])  # bulk queues last (a stable sort)
     outranking, below_share = outranking or {}, below_share or {}
     rows: list[object] = []
     for q in queues:

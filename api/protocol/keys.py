@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schema import DEFAULT_TENANT, PRIORITY_MIN
+from ..schema.requests import BULK_MARK
 
-__all__ = ["QUEUE_NAMES", "Keys"]
+__all__ = ["BULK_MARK", "QUEUE_NAMES", "Keys", "band_model", "model_band"]
 
 # TTLs, in seconds.
 LIVE_TTL_S = 600  # replay log while a job runs (refreshed on every write)
@@ -23,8 +24,24 @@ WEBHOOKS_KEPT = 100_000  # webhook events the stream holds (MAXLEN ~): delivered
 # The queue-name format, written once: the default tenant's queue of a model is ``<prefix>:<QUEUE_PART>:<model>``
 # (arq's queue), another tenant's ``<prefix>:<TENANT_QUEUE_PART>:<tenant>:<model>``. :class:`Keys` builds and
 # parses names from these parts in Python, ``lua/queues.lua`` in the scripts (every script's prologue declares
-# them: api.protocol.scripts).
-QUEUE_NAMES: dict[str, str] = {"QUEUE_PART": "queue", "TENANT_QUEUE_PART": "tqueue", "DEFAULT_TENANT": DEFAULT_TENANT}
+# them: api.protocol.scripts). The bulk band (``GenerateRequest.bulk``) queues under the model's name with
+# ``BULK_MARK`` appended (:func:`band_model`): its own queues, backlog, fair-share account and history, which CLAIM
+# gives way to the model's interactive jobs (lua/bulk.lua). No model's name ends so (GenerateRequest refuses it).
+QUEUE_NAMES: dict[str, str] = {"QUEUE_PART": "queue", "TENANT_QUEUE_PART": "tqueue", "DEFAULT_TENANT": DEFAULT_TENANT,
+                               "BULK_MARK": BULK_MARK}
+
+
+def band_model(model: str, bulk: bool) -> str:
+    """The name ``model``'s jobs of a band queue under (its queues, backlog and share account): the model's own
+    for interactive jobs, with :data:`BULK_MARK` appended for bulk ones."""
+    return model + BULK_MARK if bulk else model
+
+
+def model_band(name: str) -> tuple[str, bool]:
+    """The model and whether it is the bulk band, of a name :func:`band_model` made (``Keys.queue_of``'s model)."""
+    if name.endswith(BULK_MARK) and len(name) > len(BULK_MARK):
+        return name[:-len(BULK_MARK)], True
+    return name, False
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +50,12 @@ class Keys:
 
     prefix: str = "mlxq"
 
-    def queue(self, model: str, tenant: str = DEFAULT_TENANT) -> str:
+    def queue(self, model: str, tenant: str = DEFAULT_TENANT, bulk: bool = False) -> str:
         """The queue (a sorted set) of ``model``'s jobs of ``tenant``: the default tenant's is arq's queue
         (``<prefix>:queue:<model>``), another's ``<prefix>:tqueue:<tenant>:<model>`` (a tenant name holds no
-        ``:``, so the name says both). Workers serving ``model`` claim from all of them."""
+        ``:``, so the name says both). Workers serving ``model`` claim from all of them. ``bulk``: the bulk band's
+        queue (:func:`band_model`)."""
+        model = band_model(model, bulk)
         if tenant == DEFAULT_TENANT:
             return f"{self.prefix}:{QUEUE_NAMES['QUEUE_PART']}:{model}"
         return f"{self.tenant_queues()}{tenant}:{model}"
@@ -46,7 +65,8 @@ class Keys:
         return f"{self.prefix}:{QUEUE_NAMES['TENANT_QUEUE_PART']}:"
 
     def queue_of(self, queue: str) -> tuple[str, str]:
-        """The model and tenant a queue name (of :meth:`queue`) belongs to."""
+        """The model and tenant a queue name (of :meth:`queue`) belongs to; a bulk queue's model ends with
+        :data:`BULK_MARK` (:func:`model_band` splits it)."""
         tq = self.tenant_queues()
         if queue.startswith(tq):
             tenant, _, model = queue[len(tq):].partition(":")

@@ -8,7 +8,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from .keys import CANCEL_TTL_S, Keys, deadline_member
+from .keys import CANCEL_TTL_S, Keys, band_model, deadline_member
 from .scripts import Layout, load
 
 __all__ = ["CANCEL", "ENQUEUE", "Enqueue", "cancel"]
@@ -36,18 +36,20 @@ class Enqueue:
     max_queued: int
     expiry_ms: int
     ttl_ms: int
+    bulk: bool = False  # the bulk band: the model's bulk queues, backlog and cap (keys.band_model)
 
     def call(self, keys: Keys) -> tuple[list[Any], list[Any]]:
         """ENQUEUE's KEYS and ARGV for this job. Replies: 1 queued, 0 the id is taken, -1 the model's queue is
         full, -2 the tenant's ``max_queued`` is reached."""
-        queue = keys.queue(self.model, self.tenant)
+        band = band_model(self.model, self.bulk)
+        queue = keys.queue(band, self.tenant)
         named = {"job_key": keys.job(self.rid), "result_key": keys.result(self.rid), "queue_key": queue,
-                 "deadlines_key": keys.deadlines(), "backlog_key": keys.backlog(self.model),
+                 "deadlines_key": keys.deadlines(), "backlog_key": keys.backlog(band),
                  "policy_key": keys.tenant(self.tenant)}
         args = {"rid": self.rid, "job": self.job, "ttl_ms": self.ttl_ms, "wake_channel": keys.wake_channel(self.model),
                 "score": self.score, "max_queued": self.max_queued, "expiry_ms": self.expiry_ms,
                 "deadline_member": deadline_member(self.rid, queue), "tenant": self.tenant, "prefix": keys.prefix,
-                "model": self.model}
+                "model": band}
         return ENQUEUE.layout.pack(named, args)
 
 

@@ -36,6 +36,7 @@ class ModelStatus(BaseModel):
     capacity: int = 0  # sequences decoding at once
     running: int = 0  # sequences in the batch now
     waiting: int = 0  # claimed, not yet in the batch
+    bulk: int = 0  # its jobs of the bulk band (GenerateRequest.bulk): in its batch (mlxq status: all it holds)
     tokens_per_s: float = 0.0  # tokens generated per second over the last minute
     accepts_images: bool = False
     context_length: int | None = None

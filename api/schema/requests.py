@@ -55,6 +55,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolChoice",
+    "as_bulk",
     "image_data_url",
     "job_bytes_limit",
     "new_request_id",
@@ -68,6 +69,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_METADATA_ITEMS = 32
 PRIORITY_MIN, PRIORITY_MAX = -100, 100
+# What a model's bulk band queues under: its name with this appended (api.protocol.keys.band_model); no model's
+# name ends so.
+BULK_MARK = "~bulk"
 MAX_EXPIRY_S = 86_400.0  # a job record lives a day; it cannot wait longer than that
 MAX_KEEP_RESULT_S = 30 * 86_400  # a request keeps its result at most 30 days (as OpenAI keeps responses)
 MAX_CONTENT_PARTS = 256  # per message
@@ -376,12 +380,19 @@ class GenerateRequest(BaseModel):
     # An embedding job's vectors cut to their first ``dimensions`` values, normalised again (None: whole).
     dimensions: int | None = Field(default=None, ge=1)
 
+    # The bulk band (a batch's lines, :func:`as_bulk`): it runs only on capacity no interactive job wants, below
+    # every priority (its ``priority`` orders it among bulk jobs only), and gives way at once to an interactive
+    # job that finds its engine full (preempted, it resumes later).
+    bulk: bool = False
+
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> GenerateRequest:
         if sum(x is not None for x in (self.prompt, self.messages, self.input)) != 1:
             raise ValueError("give exactly one of 'prompt', 'messages' or 'input'")
         if self.dimensions is not None and self.input is None:
             raise ValueError("dimensions are for an embedding job (input)")
+        if self.model.endswith(BULK_MARK):
+            raise ValueError(f"a model's name does not end with {BULK_MARK!r} (its bulk band's queues do)")
         if len(self.image_parts) > MAX_IMAGES:
             raise ValueError(f"at most {MAX_IMAGES} images in a request")
         self._check_tools()
@@ -438,3 +449,7 @@ def job_bytes_limit(max_payload_bytes: int, max_images: int, max_image_bytes: in
     So an image job fits, and no job can hold more than this of Redis."""
     return max_payload_bytes + max_images * (4 * -(-max_image_bytes // 3) + 64)
 
+
+def as_bulk(req: GenerateRequest) -> GenerateRequest:
+    """``req`` in the bulk band (what a batch's feeder submits: idle capacity only, ``GenerateRequest.bulk``)."""
+    return req.model_copy(update={"bulk": True})

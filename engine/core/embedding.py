@@ -110,6 +110,11 @@ class EmbeddingScheduler:
         """Requests with rows still to run (the health record's running jobs)."""
         return len(self._pending)
 
+    @property
+    def num_running_bulk(self) -> int:
+        """Of those, the bulk band's (an embedding job of a batch: below every interactive priority)."""
+        return sum(1 for p in self._pending.values() if p.req.bulk)
+
     def request_ids(self) -> list[str]:
         return list(self._pending)
 

@@ -3,9 +3,11 @@
 Eligible: running sequences of its own group (``shares.py``; one group unless the worker names tenants) of
 strictly lower priority whose aged key is no better, and sequences of another group above its share (whatever
 their priority: between groups the share decides). Lowest priority first, then the most loaded group's, latest
-first; the plan takes as few as make room, keeping their caches for their resume where that fits too. The
-scheduler carries the plan out (``scheduler.py``). Caches parked by preempted sequences give way, the same way
-round, to a waiting one that cannot join for them.
+first; the plan takes as few as make room, keeping their caches for their resume where that fits too. A bulk
+request (``EngineRequest.bulk``, of the lowest priority) preempts nobody, and gives way to a request of higher
+priority whatever its group: it takes only room no other request wants. The scheduler carries the plan out
+(``scheduler.py``). Caches parked by preempted sequences give way, the same way round, to a waiting one that
+cannot join for them.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ def plan_preemption(top: Sequence, running: Iterable[Sequence], lowest: int | No
     ``shares``: the running groups (None: one group)."""
     prio, group = top.req.priority, top.req.group
     outranks = lowest is not None and lowest < prio
-    fair = shares is not None and shares.below(top.req)
+    fair = shares is not None and not top.req.bulk and shares.below(top.req)  # bulk takes no share's place
     if not outranks and not fair:  # the common case: nobody to preempt
         return None
-    eligible = [s for s in running if (s.req.group == group and s.req.priority < prio and s.key >= top.key)
+    eligible = [s for s in running if ((s.req.group == group or s.req.bulk) and s.req.priority < prio
+                                        and s.key >= top.key)
                 or (fair and s.req.group != group)]
     if not eligible:
         return None
@@ -73,7 +76,7 @@ def _within_share(top: Sequence, eligible: list[Sequence], shares: Shares) -> li
     kept = []
     for s in eligible:
         group = s.req.group
-        if group != top.req.group:
+        if group != top.req.group and not s.req.bulk:  # a bulk one yields to priority, whatever the share
             if not shares.yields_to(s.req, top.req, taken.get(group, 0)):
                 continue
             taken[group] = taken.get(group, 0) + 1

@@ -111,6 +111,7 @@ class EngineRequest:
     group: str = ""
     weight: float = 1.0
     affinity: str = ""  # an opaque key of the caller's for prompts alike (its prefix affinity): see PrefixCache.tag
+    bulk: bool = False  # the bulk band: waits behind every other request however long (waiting.priority_key)
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,6 +131,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def num_running_bulk(self) -> int:
+        """Running sequences of the bulk band (``EngineRequest.bulk``)."""
+        return sum(1 for seq in self._running if seq.req.bulk)
+
     def request_ids(self) -> list[str]:
         return [r.rid for r in self.requests()]
 
@@ -147,7 +152,7 @@ class Scheduler:
             self._rejected.append(terminal(req.rid, FinishReason.ERROR, 0, ErrorCode.BAD_REQUEST, problem))
             return
         arrival = req.arrival or self._clock()
-        seq = Sequence.of(req, self._new_detokenizer(), priority_key(arrival, req.priority, self.aging_s),
+        seq = Sequence.of(req, self._new_detokenizer(), priority_key(arrival, req.priority, self.aging_s, req.bulk),
                           next(self._orders))
         self._push(seq)
         self._room_dirty = True

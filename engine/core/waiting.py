@@ -3,7 +3,8 @@
 A request's key is ``arrival - priority * aging_s``; the lowest key goes first. So a request of priority
 ``p`` goes ahead of one of priority 0 only if it arrived less than ``p * aging_s`` seconds after it: nobody
 waits longer than that behind a stream of higher-priority requests. The producer scores the Redis queue the
-same way, so what a worker claims and what its engine admits agree.
+same way, so what a worker claims and what its engine admits agree. A bulk request's key is moved
+``BULK_BAND_S`` later: aging orders bulk requests among themselves but never lifts one above another request.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ import heapq
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-__all__ = ["WaitingQueue", "priority_key"]
+__all__ = ["BULK_BAND_S", "WaitingQueue", "priority_key"]
 
 T = TypeVar("T")
+BULK_BAND_S = 1e9  # ~32 years: more than any wait or priority lead (a float keeps ~0.1 ms at this size)
 
 
-def priority_key(arrival: float, priority: int, aging_s: float) -> float:
-    """The sort key of a request (lower first): its arrival, moved ``aging_s`` earlier per priority level."""
-    return arrival - priority * aging_s
+def priority_key(arrival: float, priority: int, aging_s: float, bulk: bool = False) -> float:
+    """The sort key of a request (lower first): its arrival, moved ``aging_s`` earlier per priority level;
+    ``bulk``: behind every request not bulk."""
+    return arrival - priority * aging_s + (BULK_BAND_S if bulk else 0.0)
 
 
 class WaitingQueue(Generic[T]):

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mlxq.api.schema import ErrorCode, FinishReason, GenerateRequest, TokenLogprob, TopLogprob
+from mlxq.api.schema import PRIORITY_MIN, ErrorCode, FinishReason, GenerateRequest, TokenLogprob, TopLogprob
 from mlxq.engine.core.embedding import EmbeddingRequest
 from mlxq.engine.core.parts import PartMarkers
 from mlxq.engine.core.request import EngineRequest, Format, RequestOutput, SamplingParams
@@ -18,6 +18,8 @@ from mlxq.engine.core.request import ErrorCode as EngineError
 from mlxq.engine.core.request import FinishReason as EngineFinish
 
 from .run import Run, Wire
+
+BULK_PRIORITY = PRIORITY_MIN - 1  # a bulk job's engine priority: below every interactive one, so any preempts it
 
 if TYPE_CHECKING:
     from .prompt import Prompt
@@ -40,7 +42,8 @@ def to_engine_request(
     takes them; its text split by its think markers and the model's ``tool_markers``, if any. It arrived when it
     was enqueued (``enqueue_ms``, epoch ms; now if 0), so its priority ages in the engine from then, as it did in
     the queue. Its tenant is its engine group, of ``weight`` (the tenant's): tenants share the batch by weight
-    (engine/shares.py)."""
+    (engine/shares.py). A bulk job (``req.bulk``) is of :data:`BULK_PRIORITY` in the engine, in its bulk band
+    (aging never lifts it above an interactive one)."""
     params = SamplingParams(
         max_tokens=prompt.max_tokens,
         temperature=req.temperature,
@@ -58,16 +61,18 @@ def to_engine_request(
     split = prompt.think is not None or tool_markers is not None
     cut = tool_markers is not None and req.tool_choice != "auto"  # constrained to calls: a cut one's markup is no text
     parts = PartMarkers(prompt.think, tool_markers, prompt.inside, cut) if split else None
-    return EngineRequest(req.id, prompt.tokens, params, arrival=arrival, deadline=deadline, priority=req.priority,
+    priority = BULK_PRIORITY if req.bulk else req.priority
+    return EngineRequest(req.id, prompt.tokens, params, arrival=arrival, deadline=deadline, priority=priority,
                          cache_boundary=prompt.cache_boundary, images=prompt.images, format=format, parts=parts,
-                         group=req.tenant, weight=weight)
+                         group=req.tenant, weight=weight, bulk=req.bulk)
 
 
 def to_embedding_request(req: GenerateRequest, inputs: list[list[int]], deadline: float | None, *,
                          enqueue_ms: int = 0, weight: float = 1.0) -> EmbeddingRequest:
     """A validated embedding job and its inputs' tokens (worker/jobs/embed.py), as the engine takes them."""
-    return EmbeddingRequest(req.id, [], arrival=_arrival(enqueue_ms), deadline=deadline, priority=req.priority,
-                            group=req.tenant, weight=weight, inputs=inputs, dimensions=req.dimensions)
+    return EmbeddingRequest(req.id, [], arrival=_arrival(enqueue_ms), deadline=deadline,
+                            priority=BULK_PRIORITY if req.bulk else req.priority,
+                            group=req.tenant, weight=weight, inputs=inputs, dimensions=req.dimensions, bulk=req.bulk)
 
 
 def _arrival(enqueue_ms: int) -> float:

@@ -125,8 +125,9 @@ function drawOverview(data) {
   fill("models", data.models.map((m) => {
     const h = shown(m.history), s = m.served;
     const prio = Object.entries(m.by_priority).map(([p, n]) => "p" + p + ": " + n).join(", ") || "-";
+    const name = m.band === "bulk" ? m.name.slice(0, -"~bulk".length) + " (bulk)" : m.name;
     const workers = s ? (s.workers || (s.loadable ? "loadable on " + s.loadable : 0)) : 0;  // loaded on demand
-    return row([m.name, m.queued, prio, age(m.oldest_s), workers,
+    return row([name, m.queued, prio, age(m.oldest_s), workers,
       s ? s.running + " / " + s.capacity : "-", s ? s.tokens_per_s.toFixed(1) : "-",
       chartCell(mean(h, "jobs_per_s").toFixed(2), h.map((p) => p.jobs_per_s)),
       chartCell(mean(h, "tokens_per_s").toFixed(1), h.map((p) => p.tokens_per_s)),

@@ -13,13 +13,15 @@
 -- Per queue (per_queue): its quota; what a job needs to outrank a full engine's running sequences (outranking.lua);
 -- what a tenant must be for a full engine to take its job (share.lua): from such a queue only tenants below their
 -- share there are read as usual (the others by priority if the queue has a priority need, or not at all).
+-- A model's bulk band (bulk.lua: its own queues, read after its interactive ones) takes only what they leave.
 -- Returns {epoch, left 0|1, {id, queue, "started", score, job, try, last event or false, cancelled 0|1,
 -- affinity "holder" | "elsewhere" | "none" | "" | "?" (nobody advertises: "none" if the job has a key), tenant} |
 -- {id, queue, "deferred" | "gone" | "poison", tenant}, ...}.
 -- Its cost with one tenant and no advertiser, beyond the jobs' own reads and writes: the backlog, the model's
 -- share account and the tenant's policy (one read each), and per tenant queue one write each of the running
 -- list, the queue, the deadlines and the three running counts (not one per started job); their hashes' TTLs
--- only where a count starts from none (a running count's TTL is set again by each of its jobs' ends).
+-- only where a count starts from none (a running count's TTL is set again by each of its jobs' ends). A model's
+-- bulk queue adds three calls with none queued (bulk.lua says what it adds with some).
 --#include queues
 local P = prefix
 local epoch = redis.call('GET', epoch_key)
@@ -32,6 +34,7 @@ local function is_job_id(id)  -- what a producer makes; anything else in a queue
 end
 --#include share
 --#include outranking
+--#include bulk
 -- models[q] = {share key, floor, tenants = {{t, key, entries, pos, vt, run, mean, weight}, ...}}
 local models = {}
 for q, queue_key in ipairs(model_queues) do
@@ -41,6 +44,7 @@ for q, queue_key in ipairs(model_queues) do
   local backlog = P .. ':backlog:' .. model
   local m = {share = P .. ':share:' .. model, tenants = {}, quota = quota, model = model}
   models[q] = m
+  quota = band_quota(m, quota); m.quota = quota
   local names, seen = {DEFAULT_TENANT}, {[DEFAULT_TENANT] = true}
   local members = redis.call('SMEMBERS', backlog)
   for _, t in ipairs(members) do
@@ -78,7 +82,7 @@ for q, queue_key in ipairs(model_queues) do
         more = #raw >= 2 * n
         for i = 1, #raw, 2 do entries[#entries + 1] = {raw[i], tonumber(raw[i + 1])} end
       end
-      if more then left = 1 end
+      if more then left = 1; m.more = true end
       if #entries > 0 then
         local acct = t == DEFAULT_TENANT and m.default or redis.call('HMGET', m.share, t, t .. ':r', t .. ':a')
         m.tenants[#m.tenants + 1] = {t = t, key = key, entries = entries, pos = 1, vt = tonumber(acct[1]) or 0,
@@ -109,9 +113,10 @@ local started, taken = 0, {}
 while true do
   local pick, pq
   for q, m in ipairs(models) do  -- across models: the lowest score (it orders by priority and enqueue time)
-    if (taken[q] or 0) < m.quota then
+    if (taken[m.base] or 0) < m.quota then  -- a model's two bands share its quota (bulk.lua)
       local s = next_of(m)
-      if s and (not pick or s.entries[head(m, s)][2] < pick.entries[head(models[pq], pick)][2]) then
+      if s and (not pick or band_before(m, s.entries[head(m, s)][2], models[pq],
+                                        pick.entries[head(models[pq], pick)][2])) then
         pick, pq = s, q
       end
     end
@@ -133,7 +138,7 @@ while true do
       local try = tonumber(tries or '0') + 1
       if redis.call('SET', base .. 'lease', worker_id .. ':' .. try, 'NX', 'PX', lease_ms) then
         started = started + 1
-        taken[pq] = (taken[pq] or 0) + 1
+        taken[m.base] = (taken[m.base] or 0) + 1
         redis.call('SET', base .. 'tries', try, 'EX', TRIES_TTL_S)
         -- listed running, out of its queue and deadlines: written after the loop, once per tenant queue
         pick.ids[#pick.ids + 1] = id

@@ -16,3 +16,7 @@ local function model_tenant(P, queue)  -- the model and tenant of a queue name (
   if string.sub(queue, 1, #q) == q then return string.sub(queue, #q + 1), DEFAULT_TENANT end
   return nil, nil
 end
+local function band_of(M)  -- the model of a queue's model name, and whether it is its bulk band (keys.model_band)
+  if #M > #BULK_MARK and string.sub(M, -#BULK_MARK) == BULK_MARK then return string.sub(M, 1, -#BULK_MARK - 1), true end
+  return M, false
+end

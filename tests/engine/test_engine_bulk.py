@@ -1,0 +1,97 @@
+"""The bulk band in the engine (``EngineRequest.bulk``), driven step by step over the toy batch
+(tests/engine/fakes.py): aging never lifts a bulk request above another, any request of higher priority takes a
+bulk row's place at once whatever its group, the bulk row resumes exactly, and a bulk request preempts nobody."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxq.engine.core.request import EngineRequest, FinishReason
+from mlxq.engine.core.waiting import BULK_BAND_S, priority_key
+from tests.engine.fakes import Clock, Run, ToyBatch, req, scheduler, toy_generate, waiting
+
+pytestmark = pytest.mark.unit
+
+BULK = -101  # the worker's engine priority of a bulk job (worker/jobs/translate.py: PRIORITY_MIN - 1)
+
+
+def bulk(rid: str, prompt: list[int] | int = 3, max_tokens: int = 8, **kw: object) -> EngineRequest:
+    return req(rid, prompt, max_tokens, priority=BULK, bulk=True, **kw)  # type: ignore[arg-type]
+
+
+def assert_exact(run: Run, reqs: list[EngineRequest]) -> None:
+    for r in reqs:
+        n = r.params.max_tokens
+        assert run.tokens(r.rid) == toy_generate(r.prompt_tokens, n), r.rid  # no gap, no repeat, no restart
+        assert run.final(r.rid).finish is FinishReason.LENGTH and run.final(r.rid).completion_tokens == n
+        assert [o.finish is not None for o in run.outputs[r.rid]].count(True) == 1, r.rid  # one end
+        assert run.started_order.count(r.rid) == 1, r.rid
+
+
+def test_a_bulk_key_is_behind_any_wait_and_priority() -> None:
+    waited_long = priority_key(0.0, BULK, 1.0, bulk=True)
+    fresh_lowest = priority_key(1e6, -100, 1.0)  # ~11 days later, the lowest interactive priority
+    assert fresh_lowest < waited_long < fresh_lowest + BULK_BAND_S
+    assert priority_key(5.0, BULK, 1.0, bulk=True) > waited_long  # among bulk: first come first served
+
+
+def test_a_long_waiting_bulk_request_is_admitted_after_a_fresh_one_of_the_lowest_priority() -> None:
+    s = scheduler(ToyBatch(), capacity=1, clock=Clock(1000.0), aging_s=1.0)
+    run = Run()
+    s.add(bulk("old bulk", max_tokens=1, arrival=0.0))  # waited 1000 s: 1000 levels' worth of aging
+    s.add(req("fresh", max_tokens=1, priority=-100, arrival=1000.0))
+    run.drain(s)
+    assert run.started_order == ["fresh", "old bulk"]
+
+
+def test_an_interactive_request_takes_a_bulk_rows_place_at_once_and_the_bulk_row_resumes_exactly() -> None:
+    batch = ToyBatch()
+    s = scheduler(batch, capacity=2, clock=Clock(10.0))
+    run = Run()
+    rows = [bulk("b0", [1, 2], max_tokens=10, arrival=1.0), bulk("b1", [3, 4], max_tokens=10, arrival=2.0)]
+    for r in rows:
+        s.add(r)
+    run.step(s, 3)
+    vip = req("vip", [5], max_tokens=4, priority=-100, arrival=10.0)  # the lowest interactive priority
+    s.add(vip)
+    run.step(s)
+    assert run.tokens("vip") == toy_generate([5], 1)  # its first token in the step that admitted it
+    run.step(s)
+    assert s.stats.preemptions == 1 and waiting(s) == ["b1"]  # the latest bulk row stepped aside
+    run.drain(s)
+    assert_exact(run, [*rows, vip])
+    assert (s.stats.resumes, s.stats.recomputes) == (1, 0)
+
+
+def test_a_bulk_row_of_another_group_gives_way_to_priority_whatever_the_share() -> None:
+    # Between groups the share decides, except for bulk rows: group b's job below b's share or not, a's bulk
+    # rows hold no place against it.
+    s = scheduler(ToyBatch(), capacity=2, clock=Clock(10.0))
+    run = Run()
+    rows = [bulk("a0", [1, 2], max_tokens=10, group="a", arrival=1.0),
+            req("b0", [3, 4], max_tokens=10, group="b", arrival=2.0)]
+    for r in rows:
+        s.add(r)
+    run.step(s, 2)
+    vip = req("b1", [5], max_tokens=3, group="b", arrival=10.0)  # b would be above its share with it
+    s.add(vip)
+    run.step(s, 2)
+    assert s.stats.preemptions == 1 and waiting(s) == ["a0"]
+    run.drain(s)
+    assert_exact(run, [*rows, vip])
+
+
+def test_a_bulk_request_preempts_nobody_not_even_for_its_groups_share() -> None:
+    s = scheduler(ToyBatch(), capacity=2, clock=Clock(10.0))
+    run = Run()
+    rows = [req("a0", [1], max_tokens=6, group="a", arrival=1.0), req("a1", [2], max_tokens=6, group="a", arrival=2.0)]
+    for r in rows:
+        s.add(r)
+    run.step(s, 2)
+    late = bulk("b0", [3], max_tokens=3, group="b", arrival=3.0)  # b is far below its share: still it waits
+    s.add(late)
+    run.step(s, 2)
+    assert s.stats.preemptions == 0 and waiting(s) == ["b0"]
+    run.drain(s)
+    assert_exact(run, [*rows, late])
+    assert run.started_order == ["a0", "a1", "b0"]
