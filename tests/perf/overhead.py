@@ -85,9 +85,14 @@ async def _claims(url: str, jobs: int = 2000, per_claim: int = 8) -> float:
     import redis.asyncio as aredis
 
     from mlxq.api.client import Client
-    from mlxq.api.protocol.emit import LogTTL
-    from mlxq.api.protocol.keys import Keys
     from mlxq.worker.jobs.transitions import Transitions
+
+    try:
+        from mlxq.api.protocol.emit import LogTTL
+        from mlxq.api.protocol.keys import Keys
+    except ImportError:  # a checkout from before the protocol package (this file runs in both checkouts)
+        from mlxq.api.keys import Keys  # type: ignore[no-redef]
+        from mlxq.worker.jobs.transitions import LogTTL  # type: ignore[no-redef,attr-defined]
 
     prefix = f"mlxq-overhead-{uuid.uuid4().hex[:6]}"
     keys = Keys(prefix)
