@@ -377,7 +377,9 @@ async def test_a_run_that_loses_its_lease_stops_and_a_later_run_finishes_the_job
         assert [e.seq for e in events] == list(range(len(events)))
         end = terminal(events)
         assert isinstance(end, DoneEvent) and end.usage.completion_tokens == 60
-        assert running.host.runs.stats.fenced >= 1
+        # Its next write refused (fenced) or the lease keeper's refresh (every ttl/3) finding the lease taken,
+        # whichever comes first: either stops the run, and both count as a lease loss.
+        assert running.host.runs.stats.lease_losses >= 1
         assert running.worker.jobs_retried >= 1
         assert await arq_keys_left(r, rid) == []
     finally:
