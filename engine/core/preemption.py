@@ -38,6 +38,13 @@ class Preemption:
         """Whether a victim is of another group (it leaves for the share, not for priority)."""
         return any(v.req.group != self.top.req.group for v in self.victims)
 
+    def describe(self, victim: Sequence) -> str:
+        """The log line of ``victim`` leaving the batch (its cache parked or not: the scheduler parks it first)."""
+        why = f"; group {victim.req.group!r} above its share" if victim.req.group != self.top.req.group else ""
+        return (f"request {victim.rid} preempted (priority {victim.req.priority}, {victim.generated} tokens "
+                f"generated; {'cache parked' if victim.parked else 'to recompute'}) for request {self.top.rid} "
+                f"(priority {self.top.req.priority}{why})")
+
 
 def plan_preemption(top: Sequence, running: Iterable[Sequence], lowest: int | None, kv: KVAdmission,
                     parks_caches: bool, shares: Shares | None = None) -> Preemption | None:

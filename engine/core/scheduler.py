@@ -109,10 +109,6 @@ class Scheduler:
         """Sequences decoding at once."""
         return self.kv.capacity
 
-    @capacity.setter
-    def capacity(self, capacity: int) -> None:
-        self.kv.capacity = capacity
-
     @property
     def backend(self) -> BatchBackend:
         return self._cache.backend
@@ -351,10 +347,7 @@ class Scheduler:
         taken = self._cache.take(plan.victims)
         for v in plan.victims:
             self._park(v, taken.get(v.uid), plan.park)
-            log.info("request %s preempted (priority %d, %d tokens generated; %s) for request %s (priority %d%s)",
-                     v.rid, v.req.priority, v.generated, "cache parked" if v.parked else "to recompute",
-                     plan.top.rid, plan.top.req.priority,
-                     f"; group {v.req.group!r} above its share" if v.req.group != plan.top.req.group else "")
+            log.info("%s", plan.describe(v))
         self.stats.preemptions += len(plan.victims)
         self.kv.reserve()
 
