@@ -2,6 +2,7 @@
 
 - ``POST /v1/chat/completions``, ``/v1/completions`` (OpenAI) and ``/v1/messages`` (Anthropic);
 - ``/v1/responses`` (OpenAI's Responses API, stored responses and background mode: ``responses_api.py``);
+- ``/v1/files`` and ``/v1/batches`` (OpenAI's Files and Batch APIs; each gateway feeds batches: ``batches_api.py``);
 - ``GET /v1/models`` (and ``/v1/models/{model}``): what live workers serve, with their worker counts, in
   Anthropic's format for a request with ``anthropic-version``;
 - ``GET /health``: 200 while Redis answers, else 503 (no key needed).
@@ -35,6 +36,7 @@ from ..errors import MlxqError, NoWorker
 from ..registry import ModelInfo
 from .anthropic_api import MESSAGES
 from .auth import Auth
+from .batches_api import Batches
 from .config import GatewayConfig
 from .dashboard import Dashboard
 from .dashboard import routes as dashboard_routes
@@ -68,6 +70,7 @@ class Gateway:
         self._owns_client = client is None
         self.streams = Streams()
         self.responses = Responses(self)  # /v1/responses
+        self.batches = Batches(self)  # /v1/files, /v1/batches, and this gateway's batch feeder
 
     @property
     def client(self) -> Client:
@@ -82,6 +85,7 @@ class Gateway:
                  self.client.keys.prefix, "API keys required" if self.auth.required else "no API keys",
                  type(asyncio.get_running_loop()).__module__.split(".")[0])
         exiting = asyncio.ensure_future(self._end_streams_on_exit())
+        self.batches.start()
         # What exists now (modules, schemas, the app) lives as long as the process: the collector's full passes,
         # which streams' objects trigger every few hundred requests, need not walk it each time.
         gc.freeze()
@@ -89,6 +93,7 @@ class Gateway:
             yield
         finally:
             exiting.cancel()
+            await self.batches.aclose()
             await self.responses.aclose()
             if self._owns_client and self._client is not None:
                 await self._client.aclose()
@@ -321,6 +326,7 @@ def create_app(config: GatewayConfig | None = None, *, client: Client | None = N
         Route("/v1/models/{model:path}", gw.models, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
         *gw.responses.routes(),
+        *gw.batches.routes(),
         *dashboard_routes(Dashboard(lambda: gw.client, gw.config.api_keys, gw.config.admin_keys)),
     ]
     return _App(gw, routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})

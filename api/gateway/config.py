@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from ..config import ClientConfig
 from ..errors import ConfigError
+from ..files import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_LINES
+from ..files import DEFAULT_RETENTION_S as DEFAULT_FILE_RETENTION_S
 from ..schema import TENANT_PATTERN
 from ..settings import read, setting
 
@@ -21,6 +23,8 @@ DEFAULT_PORT = 8000
 # images of MLXQ_MAX_IMAGE_BYTES each): a bigger body could not be queued. From the environment, the limits set.
 DEFAULT_MAX_BODY_BYTES = ClientConfig().max_job_bytes
 DEFAULT_RESPONSE_RETENTION_S = 30 * 86_400  # stored responses: OpenAI keeps them 30 days
+DEFAULT_BATCH_WINDOW = 256  # a batch's jobs in the queue at once: several workers' batches full
+DEFAULT_COMPLETION_WINDOW_S = 86_400  # "24h"
 DEFAULT_MAX_TOKENS = 512  # when a request names none (OpenAI's may not): mlx_lm.server's default
 
 
@@ -60,6 +64,19 @@ class GatewayConfig:
     response_retention_s: int = setting("MLXQ_RESPONSE_RETENTION", DEFAULT_RESPONSE_RETENTION_S, "seconds a stored "
                                         "response (/v1/responses, store true) is kept in Redis after its last "
                                         "write (OpenAI keeps them 30 days)", minimum=60)
+    batch_max_file_bytes: int = setting("MLXQ_BATCH_MAX_FILE_BYTES", DEFAULT_MAX_FILE_BYTES, "largest batch input "
+                                        "file in bytes (/v1/files, purpose batch; kept in Redis) → 413",
+                                        minimum=1)
+    batch_max_lines: int = setting("MLXQ_BATCH_MAX_LINES", DEFAULT_MAX_LINES, "most requests (lines) in a batch "
+                                   "input file → 400", minimum=1)
+    file_retention_s: int = setting("MLXQ_FILE_RETENTION", DEFAULT_FILE_RETENTION_S, "seconds a file (a batch's "
+                                    "input, output or errors) and a batch's record are kept in Redis", minimum=60)
+    batch_window: int = setting("MLXQ_BATCH_WINDOW", DEFAULT_BATCH_WINDOW, "jobs of one batch in the queue at a "
+                                "time (its feeder refills the window as they end); 0: this gateway feeds no "
+                                "batches (another gateway or `mlxq batches feed` does)", minimum=0)
+    batch_completion_window_s: int = setting("MLXQ_BATCH_COMPLETION_WINDOW", DEFAULT_COMPLETION_WINDOW_S,
+                                             "seconds a batch's \"24h\" completion window lasts: after it, "
+                                             "unfinished lines are batch_expired", minimum=1)
     client: ClientConfig = field(default_factory=ClientConfig)
 
     @classmethod
