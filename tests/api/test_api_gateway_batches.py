@@ -18,7 +18,7 @@ import pytest
 
 from mlxq.api.client import Client
 from mlxq.worker.tools.process import GatewayProcess
-from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, deployment
+from tests.api.gateway_support import PREFIX, Deployment, ServedGateway
 
 pytestmark = pytest.mark.e2e
 
@@ -26,10 +26,33 @@ PROMPTS = ["Say hello", "Count to three", "Name a colour", "What is two plus two
            "Write a letter", "Pick a fruit", "Say goodbye"]
 
 
+FEEDERS: list[GatewayProcess] = []  # the one gateway process that feeds batches (the tests' gateway feeds none)
+
+
+def feeder(d: Deployment) -> GatewayProcess:
+    env = {"MLXQ_REDIS_URL": d.redis.url, "MLXQ_PREFIX": PREFIX, "MLXQ_BATCH_WINDOW": "32",
+           "OPENBLAS_NUM_THREADS": "1"}
+    proc = GatewayProcess(env, d.workdir / f"feeder-{len(FEEDERS)}.log").start()
+    proc.wait_ready()
+    FEEDERS.append(proc)
+    return proc
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Deployment, ServedGateway]]:
-    with deployment(tiny_model, tmp_path_factory.mktemp("gw-batches")) as running:
-        yield running
+    """A worker, a gateway the SDK talks to (feeding no batches), and a gateway process that feeds them: the
+    one feeder, so killing it kills the batch's driver."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    d = Deployment(tiny_model, tmp_path_factory.mktemp("gw-batches"))
+    try:
+        d.worker("tiny")
+        feeder(d)
+        with d.gateway(batch_window=0) as gw:
+            yield d, gw
+    finally:
+        for proc in FEEDERS:
+            proc.stop()
+        d.close()
 
 
 @pytest.fixture
@@ -198,9 +221,9 @@ async def test_a_cancelled_batch_keeps_what_finished(oai: openai.AsyncOpenAI) ->
 
 async def test_a_batch_past_its_window_expires(served: tuple[Deployment, ServedGateway]) -> None:
     d, _ = served
-    with d.gateway(batch_completion_window_s=4) as short:
+    with d.gateway(batch_completion_window_s=2) as short:  # far less than 150 x 300 tokens take
         oai = openai.AsyncOpenAI(base_url=f"{short.url}/v1", api_key="none", max_retries=0)
-        lines = [chat_line(f"x{i}", PROMPTS[i % 8], max_tokens=60) for i in range(150)]
+        lines = [chat_line(f"x{i}", PROMPTS[i % 8], max_tokens=300) for i in range(150)]
         b = await oai.batches.create(input_file_id=await upload(oai, jsonl(lines)),
                                      endpoint="/v1/chat/completions", completion_window="24h")
         b = await ended(oai, b.id)
@@ -213,39 +236,33 @@ async def test_a_batch_past_its_window_expires(served: tuple[Deployment, ServedG
 
 
 async def test_a_batch_survives_a_gateway_and_a_worker_killed_mid_batch(
-        served: tuple[Deployment, ServedGateway], queue: Client, tmp_path: Path) -> None:
-    d, main = served
-    env = {"MLXQ_REDIS_URL": d.redis.url, "MLXQ_PREFIX": PREFIX, "MLXQ_BATCH_WINDOW": "16"}
-    first = GatewayProcess(env, tmp_path / "gw1.log").start()
-    first.wait_ready()
-    # This test's batch is fed by the killed gateway, then by whichever feeder takes it over (the module's
-    # gateway runs one too); what matters is that none reports a line twice or loses one.
-    oai = openai.AsyncOpenAI(base_url=f"{first.url}/v1", api_key="none", max_retries=0)
+        oai: openai.AsyncOpenAI, served: tuple[Deployment, ServedGateway], queue: Client) -> None:
+    d, _ = served
     lines = [chat_line(f"r{i}", PROMPTS[i % 8], max_tokens=16) for i in range(200)]
     b = await oai.batches.create(input_file_id=await upload(oai, jsonl(lines)), endpoint="/v1/chat/completions",
                                  completion_window="24h")
-    await oai.close()
-    main_oai = openai.AsyncOpenAI(base_url=f"{main.url}/v1", api_key="none", max_retries=0)
 
     async def completed_at_least(n: int) -> None:
         async with asyncio.timeout(180):
-            while (now := await main_oai.batches.retrieve(b.id)).request_counts is None or \
+            while (now := await oai.batches.retrieve(b.id)).request_counts is None or \
                     now.request_counts.completed < n:
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.1)
 
     await completed_at_least(10)
-    assert first.pid is not None
-    os.kill(first.pid, signal.SIGKILL)
-    await completed_at_least(60)
-    d.workers[0].kill()  # kill -9 mid-batch: its jobs are re-run by the next worker
+    driver = FEEDERS[-1]
+    assert driver.pid is not None and driver.proc is not None
+    os.kill(driver.pid, signal.SIGKILL)  # the batch's feeder dies mid-batch, its lease held
+    driver.proc.wait()
+    feeder(d)  # a gateway restarted: it takes the batch over once the lease lapses
+    await completed_at_least(80)
+    d.workers[0].kill()  # kill -9 mid-batch: its jobs are run again by the next worker
     d.worker("tiny")
-    b = await ended(main_oai, b.id, timeout=300)
+    b = await ended(oai, b.id, timeout=300)
     assert b.status == "completed"
-    out, err = await lines_of(main_oai, b.output_file_id), await lines_of(main_oai, b.error_file_id)
+    out, err = await lines_of(oai, b.output_file_id), await lines_of(oai, b.error_file_id)
     seen = once_each(out, err)
     assert set(seen) == {f"r{i}" for i in range(200)} and not err
+    assert b.request_counts is not None and (b.request_counts.completed, b.request_counts.failed) == (200, 0)
     texts = {p: await solo(queue, p, 16) for p in PROMPTS}
     for o in out:
         assert o["response"]["body"]["choices"][0]["message"]["content"] == texts[PROMPTS[int(o["custom_id"][1:]) % 8]]
-    await main_oai.close()
-    first.stop()
