@@ -9,6 +9,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import openai
 import pytest
 
 from mlxq.api.client import Client
+from mlxq.api.errors import BadRequest, NotFound
 from mlxq.worker.tools.process import GatewayProcess
 from tests.api.gateway_support import PREFIX, Deployment, ServedGateway
 
@@ -266,3 +269,47 @@ async def test_a_batch_survives_a_gateway_and_a_worker_killed_mid_batch(
     texts = {p: await solo(queue, p, 16) for p in PROMPTS}
     for o in out:
         assert o["response"]["body"]["choices"][0]["message"]["content"] == texts[PROMPTS[int(o["custom_id"][1:]) % 8]]
+
+
+# --- the producer's own: Client and mlxq batches ------------------------------------------------------------------
+async def test_client_batch_methods_without_the_gateway(queue: Client) -> None:
+    lines = [chat_line(f"q{i}", PROMPTS[i % 8]) for i in range(12)]
+    created = await queue.create_batch(lines, endpoint="/v1/chat/completions", metadata={"via": "client"})
+    assert created["status"] == "validating" and created["metadata"] == {"via": "client"}
+    assert created["id"] in [b["id"] for b in await queue.batches()]
+    async with asyncio.timeout(120):
+        while (b := await queue.batch(created["id"]))["status"] != "completed":
+            await asyncio.sleep(0.3)
+    out, err = await queue.batch_results(b["id"])
+    assert not err and sorted(o["custom_id"] for o in out) == sorted(f"q{i}" for i in range(12))
+    with pytest.raises(BadRequest, match="cannot be cancelled"):
+        await queue.cancel_batch(b["id"])
+    async with Client(config=queue.config, tenant="someone-else") as other:
+        with pytest.raises(NotFound):
+            await other.batch(b["id"])
+
+
+def mlxq_batches(d: Deployment, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "MLXQ_REDIS_URL": d.redis.url, "MLXQ_PREFIX": PREFIX}
+    return subprocess.run([sys.executable, "-m", "mlxq.api.cli", "batches", *args], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+async def test_mlxq_batches_creates_shows_and_prints_results(served: tuple[Deployment, ServedGateway],
+                                                            tmp_path: Path) -> None:
+    d, _ = served
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(jsonl([chat_line(f"m{i}", PROMPTS[i % 8]) for i in range(6)]))
+    made = await asyncio.to_thread(mlxq_batches, d, "--json", "create", str(path))
+    assert made.returncode == 0, made.stderr
+    bid = json.loads(made.stdout)["id"]
+    async with asyncio.timeout(120):
+        while "completed" not in (shown := await asyncio.to_thread(mlxq_batches, d, "show", bid)).stdout:
+            await asyncio.sleep(0.3)
+    assert "6/6 done, 0 failed" in shown.stdout
+    listed = await asyncio.to_thread(mlxq_batches, d, "list")
+    assert bid in listed.stdout
+    results = await asyncio.to_thread(mlxq_batches, d, "results", bid)
+    assert sorted(json.loads(line)["custom_id"] for line in results.stdout.splitlines()) == [f"m{i}" for i in range(6)]
+    missing = await asyncio.to_thread(mlxq_batches, d, "show", "batch_nope")
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1 and "no batch" in missing.stderr
