@@ -24,7 +24,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -234,7 +234,7 @@ class Drive:
         seen: set[str] = set()
         good, model = 0, ""
         records: list[tuple[int, str]] = []
-        for number, raw in await self._all_lines(counts):
+        async for number, raw in self._all_lines(counts):
             try:
                 line = parse_line(number, raw, endpoint)
                 if line.custom_id in seen:
@@ -254,18 +254,19 @@ class Drive:
             return await self._fail("invalid_json_line", "no line of the input file is a JSON object")
         for number, entry in records:
             await self._record(number, "e", entry)
+        await self.f.redis.hset(self.keys.batch(self.bid), "total", total)  # also if it was cancelled meanwhile
         await self.f.batches.move(self.bid, (BatchStatus.VALIDATING,), BatchStatus.IN_PROGRESS,
                                   {"total": total, "model": model})
         log.info("batch %s: %d lines, %d to run", self.bid, total, good)
         return True
 
-    async def _all_lines(self, counts: list[int]) -> list[tuple[int, bytes]]:
-        out, number = [], 0
+    async def _all_lines(self, counts: list[int]) -> AsyncIterator[tuple[int, bytes]]:
+        """Every line with its number, a chunk in memory at a time."""
+        number = 0
         for i in range(len(counts)):
             for raw in _split(await self.f.files.chunk(self.rec["input_file_id"], i)):
-                out.append((number, raw))
+                yield number, raw
                 number += 1
-        return out
 
     async def _fail(self, code: str, message: str) -> bool:
         errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
@@ -417,11 +418,10 @@ class Drive:
         total = int(await self._field("total") or 0)
         if code is not None:
             await self._stop_inflight(code)
-            for n in range(total):
-                if not await self.f.redis.hexists(self.keys.batch_results(self.bid), str(n)):
-                    cid = _custom_id_of(await self._raw_line(n))
-                    await self._record(n, "e", error_line(self.bid, n, cid, code, f"the batch was {outcome} "
-                                                          "before this request finished"))
+            for n in await self._unrecorded(total):
+                cid = _custom_id_of(await self._raw_line(n))
+                await self._record(n, "e", error_line(self.bid, n, cid, code, f"the batch was {outcome} "
+                                                      "before this request finished"))
         fields = await self._write_files(total)
         status = {"completed": BatchStatus.COMPLETED, "cancelled": BatchStatus.CANCELLED,
                   "expired": BatchStatus.EXPIRED}[outcome]
@@ -431,6 +431,15 @@ class Drive:
                 await pipe.execute()
             log.info("batch %s: %s", self.bid, outcome)
             await publish(self.f.redis, self.keys, f"batch.{outcome}", self.bid, self.rec["tenant"])
+
+    async def _unrecorded(self, total: int) -> list[int]:
+        """The lines with no outcome recorded."""
+        missing = []
+        for start in range(0, total, 1000):
+            numbers = list(range(start, min(total, start + 1000)))
+            got = await self.f.redis.hmget(self.keys.batch_results(self.bid), [str(n) for n in numbers])
+            missing += [n for n, entry in zip(numbers, got) if entry is None]
+        return missing
 
     async def _stop_inflight(self, code: str) -> None:
         """Cancel the jobs in flight and record each as it ends (a finished one is kept)."""

@@ -164,14 +164,20 @@ class FakeWorker:
         self.claims: dict[str, int] = {}
         self.most_inflight = 0
         self.paused = False
+        self.budget: int | None = None  # jobs it ends normally before it only ends cancelled ones
 
     async def run(self) -> None:
         r, keys = self.client.redis, self.client.keys
         while True:
             self.most_inflight = max(self.most_inflight, await r.scard(keys.batch_inflight(self.bid)))
             popped = [] if self.paused else await r.zpopmin(keys.queue("m", "t"), 2)
-            for rid_raw, _ in popped:
+            for rid_raw, score in popped:
                 rid = rid_raw.decode()
+                if self.budget is not None and not await r.exists(keys.cancel(rid)):
+                    if self.budget == 0:
+                        await r.zadd(keys.queue("m", "t"), {rid: score})  # left queued
+                        continue
+                    self.budget -= 1
                 self.claims[rid] = self.claims.get(rid, 0) + 1
                 job = json.loads(await r.get(keys.job(rid)))
                 prompt = job["a"][0]["prompt"]
@@ -180,9 +186,10 @@ class FakeWorker:
 
     async def end(self, rid: str, text: str) -> None:
         r, keys = self.client.redis, self.client.keys
+        reason = FinishReason.CANCELLED if await r.exists(keys.cancel(rid)) else FinishReason.STOP
         evs: list[Event] = [StartEvent(id=rid, seq=0, model="m", worker="w", prompt_tokens=2),
                             TokenEvent(id=rid, seq=1, text=text, token_ids=[1], index=0),
-                            DoneEvent(id=rid, seq=2, finish_reason=FinishReason.STOP,
+                            DoneEvent(id=rid, seq=2, finish_reason=reason,
                                       usage=Usage(prompt_tokens=2, completion_tokens=1),
                                       timings=Timings(queue_ms=1, ttft_ms=1, total_ms=1, tokens_per_s=None))]
         for ev in evs:
@@ -264,3 +271,25 @@ async def test_a_file_that_is_no_jsonl_fails_its_batch(client: Client) -> None:
     b = await store.get(bid, "t")
     assert b["status"] == "failed" and b["errors"]["data"][0]["code"] == "invalid_json_line"
     assert not await client.redis.sismember(client.keys.batches_open(), bid)
+
+
+async def test_a_cancel_keeps_the_finished_lines_and_ends_the_rest_cancelled(client: Client) -> None:
+    store = store_of(client)
+    data = b"\n".join(line(f"c{i}", f"p{i}") for i in range(12)) + b"\n"
+    fid = (await store.files.create(data, "f", "batch", "t"))["id"]
+    bid = (await store.create(fid, URL, "t"))["id"]
+    worker = FakeWorker(client, bid)
+    worker.budget = 5  # then the rest stay queued until cancelled
+    feeder = BatchFeeder(client, store, FakeCodec(), FeederSettings(window=4, poll_s=0.01))
+    async with running(worker.run()), running(feeder.run()):
+        async with asyncio.timeout(10):
+            while (await store.get(bid, "t"))["request_counts"]["completed"] < 5:
+                await asyncio.sleep(0.01)
+        assert (await store.cancel(bid, "t"))["status"] == "cancelling"
+        b = await settled(store, bid)
+    assert b["status"] == "cancelled" and b["request_counts"] == {"total": 12, "completed": 5, "failed": 7}
+    out, err = await store.results(bid, "t")
+    assert sorted(o["custom_id"] for o in out + err) == sorted(f"c{i}" for i in range(12))
+    assert {e["error"]["code"] for e in err} == {"batch_cancelled"} and len(out) == 5
+    note = await client.redis.xrange(client.keys.webhooks())
+    assert [f[b"type"] for _, f in note] == [b"batch.cancelled"]
