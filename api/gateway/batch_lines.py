@@ -95,7 +95,7 @@ class _Response:
 
     def render(self, events: Sequence[Event]) -> dict[str, Any]:
         steps = JobSteps(events[0].id if events else self.request.id)
-        out = ResponseEvents({**self.created, "id": f"resp_{steps_id(events)}"}, self.request.calls_tools)
+        out = ResponseEvents({**self.created, "id": f"resp_{_steps_id(events)}"}, self.request.calls_tools)
         out.opening()
         for ev in events:
             _failed(ev)
@@ -104,7 +104,7 @@ class _Response:
         return out.response
 
 
-def steps_id(events: Sequence[Event]) -> str:
+def _steps_id(events: Sequence[Event]) -> str:
     return events[0].id.replace(".", "_") if events else "batch"
 
 
