@@ -39,7 +39,7 @@ from .batches import (
     output_line,
 )
 from .client import Client
-from .errors import DuplicateJob, JobNotFound, MlxqError, NotFound, NoWorker, QueueFull
+from .errors import BadRequest, DuplicateJob, JobNotFound, MlxqError, NotFound, NoWorker, QueueFull
 from .files import FileStore
 from .protocol.notify import publish
 from .schema import DoneEvent, ErrorEvent, Event, FinishReason, GenerateRequest, is_terminal
@@ -378,6 +378,8 @@ class Drive:
                 return
             except DuplicateJob:
                 return  # fed before (by this feeder or another): follow it
+            except BadRequest as exc:  # what the client refuses to queue (a job over the payload limit)
+                raise LineError("invalid_request", str(exc)) from None
             except QueueFull:
                 await asyncio.sleep(_BUSY_RETRY_S)  # the queue, or the tenant's quota, is full: later
             except NoWorker as exc:  # a worker restarting may serve it again shortly

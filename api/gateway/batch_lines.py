@@ -50,6 +50,8 @@ class BatchLines:
                 return self._response(raw)
         except GatewayError as exc:
             raise LineError(exc.problem.code or "invalid_request", exc.problem.message) from None
+        except (ValueError, TypeError) as exc:  # a body of the wrong shape the parsers did not name
+            raise LineError("invalid_request", f"the body cannot be read: {exc}") from None
         raise LineError("unsupported_endpoint", f"{endpoint} is not served here yet: such lines cannot run")
 
     def _response(self, raw: bytes) -> Prepared:

@@ -57,6 +57,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=None, help="raw/batch pairs (default: 2; 1 with --quick)")
     p.add_argument("--memory-lines", default="1000,10000", help="batch sizes of the memory phase")
     p.add_argument("--phases", default="memory,throughput")
+    p.add_argument("--no-reexec", action="store_true", help="run with whatever BLAS this process has")
     return p
 
 
@@ -224,7 +225,8 @@ def markdown(args: argparse.Namespace, model: str, pairs: list[Pair], mem: list[
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    reexec_with_openblas(["-m", "tests.perf.batch", *(sys.argv[1:] if argv is None else argv)], _ROOT)
+    if not args.no_reexec:
+        reexec_with_openblas(["-m", "tests.perf.batch", *(sys.argv[1:] if argv is None else argv)], _ROOT)
     args.size = args.size or ("tiny" if args.quick else "small")
     args.lines = args.lines or (64 if args.quick else 1000)
     args.max_tokens = args.max_tokens or (8 if args.quick else 32)
