@@ -39,6 +39,8 @@ from mlxq.worker.tools.bench.runs import Run, prompt_batch, say
 from mlxq.worker.tools.process import WorkerProcess
 from mlxq.worker.tools.redis_server import RedisServer
 
+from .paths import cpu_seconds
+
 __all__ = ["main"]
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -68,6 +70,9 @@ class Pair:
     raw_tokens: int
     batch_tokens: int
     batch_seconds: float
+    feeder_cpu_s: float = 0.0  # this process's CPU over the batch run (the feeder, its client)
+    worker_cpu_s: float = 0.0
+    redis_cpu_s: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -108,15 +113,17 @@ def throughput(args: argparse.Namespace, model: str, out: Path) -> list[Pair]:
             worker.wait_ready()
             encoded = [raw.loaded.tokenizer.apply_chat_template(messages(p), add_generation_prompt=True)
                        for p in prompts]
-            return asyncio.run(_pairs(args, redis.url, prefix, raw, worker, encoded, lines_of(prompts,
-                                                                                            args.max_tokens)))
+            pids = (worker.proc.pid if worker.proc else None, redis.proc.pid if redis.proc else None)
+            return asyncio.run(_pairs(args, redis.url, prefix, raw, worker, pids, encoded,
+                                      lines_of(prompts, args.max_tokens)))
         finally:
             raw.close()
             worker.stop()
 
 
 async def _pairs(args: argparse.Namespace, url: str, prefix: str, raw: RawPath, worker: WorkerProcess,
-                 encoded: list[list[int]], lines: list[dict[str, Any]]) -> list[Pair]:
+                 pids: tuple[int | None, int | None], encoded: list[list[int]], lines: list[dict[str, Any]]
+                 ) -> list[Pair]:
     config = ClientConfig(redis_url=url, prefix=prefix)
     pairs = []
     async with Client(config=config) as client:
@@ -131,10 +138,13 @@ async def _pairs(args: argparse.Namespace, url: str, prefix: str, raw: RawPath, 
                     fut = raw.thread.submit(raw_run, raw.loaded, encoded, args.max_tokens, args.capacity,
                                             raw.thread.stream)
                     r: Run = await asyncio.wrap_future(fut)
+                cpu0 = (time.process_time(), cpu_seconds(pids[0]), cpu_seconds(pids[1]))
                 tokens, seconds = await _batch_run(client, store, lines)
-                pair = Pair(r.tok_s, tokens / seconds, r.tokens, tokens, seconds)
+                cpu = (time.process_time() - cpu0[0], cpu_seconds(pids[0]) - cpu0[1], cpu_seconds(pids[1]) - cpu0[2])
+                pair = Pair(r.tok_s, tokens / seconds, r.tokens, tokens, seconds, *cpu)
                 say(f"pair {i + 1}: raw {pair.raw_tok_s:.1f} tok/s ({r.tokens} tokens), batch "
-                    f"{pair.batch_tok_s:.1f} tok/s ({tokens} tokens in {seconds:.1f} s): {pair.ratio:.3f}")
+                    f"{pair.batch_tok_s:.1f} tok/s ({tokens} tokens in {seconds:.1f} s): {pair.ratio:.3f}; CPU s "
+                    f"feeder {cpu[0]:.1f}, worker {cpu[1]:.1f}, redis {cpu[2]:.1f}")
                 pairs.append(pair)
         finally:
             await feeder.aclose()
@@ -210,8 +220,10 @@ def markdown(args: argparse.Namespace, model: str, pairs: list[Pair], mem: list[
         ratio = best_batch / best_raw
         out += [f"Model `{Path(model).name}`, {args.lines} chat lines of {args.max_tokens} tokens, capacity "
                 f"{args.capacity}, window {args.window}, {len(pairs)} raw/batch pair(s), on a shared machine.", "",
-                "| pair | raw tok/s | batch tok/s | batch ÷ raw |", "|---|---|---|---|"]
-        out += [f"| {i + 1} | {p.raw_tok_s:.1f} | {p.batch_tok_s:.1f} | {p.ratio:.3f} |" for i, p in enumerate(pairs)]
+                "| pair | raw tok/s | batch tok/s | batch ÷ raw | CPU s: feeder, worker, Redis |",
+                "|---|---|---|---|---|"]
+        out += [f"| {i + 1} | {p.raw_tok_s:.1f} | {p.batch_tok_s:.1f} | {p.ratio:.3f} | {p.feeder_cpu_s:.1f}, "
+                f"{p.worker_cpu_s:.1f}, {p.redis_cpu_s:.1f} |" for i, p in enumerate(pairs)]
         verdict = "PASS" if ratio >= TARGET else "MISS"
         out += ["", f"Best batch ÷ best raw: **{ratio:.3f}** (target ≥ {TARGET}: {verdict}); median of pairs "
                 f"{med:.3f}.", ""]
