@@ -59,6 +59,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=None, help="raw/batch pairs (default: 2; 1 with --quick)")
     p.add_argument("--memory-lines", default="1000,10000", help="batch sizes of the memory phase")
     p.add_argument("--phases", default="memory,throughput")
+    p.add_argument("--queue-path", action="store_true", help="also the same requests submitted at once by a "
+                   "Client (no batch), after each batch run: what the feeder costs")
     p.add_argument("--no-reexec", action="store_true", help="run with whatever BLAS this process has")
     return p
 
@@ -70,6 +72,7 @@ class Pair:
     raw_tokens: int
     batch_tokens: int
     batch_seconds: float
+    queue_tok_s: float = 0.0  # the same requests submitted at once by a Client, no batch: the feeder's share
     feeder_cpu_s: float = 0.0  # this process's CPU over the batch run (the feeder, its client)
     worker_cpu_s: float = 0.0
     redis_cpu_s: float = 0.0
@@ -77,6 +80,18 @@ class Pair:
     @property
     def ratio(self) -> float:
         return self.batch_tok_s / self.raw_tok_s if self.raw_tok_s else 0.0
+
+
+async def _queue_run(client: Client, prompts: list[str], max_tokens: int) -> float:
+    """Every line's request submitted at once by the client, each followed to its end: tok/s."""
+    async def one(prompt: str) -> int:
+        r = await client.generate(model="bench", messages=messages(prompt), max_tokens=max_tokens, temperature=0,
+                                  reasoning="split", timeout=3600)
+        return r.usage.completion_tokens
+
+    t0 = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
+    return tokens / (time.perf_counter() - t0)
 
 
 def messages(prompt: str) -> list[dict[str, str]]:
@@ -114,16 +129,16 @@ def throughput(args: argparse.Namespace, model: str, out: Path) -> list[Pair]:
             encoded = [raw.loaded.tokenizer.apply_chat_template(messages(p), add_generation_prompt=True)
                        for p in prompts]
             pids = (worker.proc.pid if worker.proc else None, redis.proc.pid if redis.proc else None)
-            return asyncio.run(_pairs(args, redis.url, prefix, raw, worker, pids, encoded,
-                                      lines_of(prompts, args.max_tokens)))
+            return asyncio.run(_pairs(args, redis.url, prefix, raw, worker, pids, encoded, prompts))
         finally:
             raw.close()
             worker.stop()
 
 
 async def _pairs(args: argparse.Namespace, url: str, prefix: str, raw: RawPath, worker: WorkerProcess,
-                 pids: tuple[int | None, int | None], encoded: list[list[int]], lines: list[dict[str, Any]]
+                 pids: tuple[int | None, int | None], encoded: list[list[int]], prompts: list[str]
                  ) -> list[Pair]:
+    lines = lines_of(prompts, args.max_tokens)
     config = ClientConfig(redis_url=url, prefix=prefix)
     pairs = []
     async with Client(config=config) as client:
@@ -141,10 +156,11 @@ async def _pairs(args: argparse.Namespace, url: str, prefix: str, raw: RawPath, 
                 cpu0 = (time.process_time(), cpu_seconds(pids[0]), cpu_seconds(pids[1]))
                 tokens, seconds = await _batch_run(client, store, lines)
                 cpu = (time.process_time() - cpu0[0], cpu_seconds(pids[0]) - cpu0[1], cpu_seconds(pids[1]) - cpu0[2])
-                pair = Pair(r.tok_s, tokens / seconds, r.tokens, tokens, seconds, *cpu)
+                queue = await _queue_run(client, prompts, args.max_tokens) if args.queue_path else 0.0
+                pair = Pair(r.tok_s, tokens / seconds, r.tokens, tokens, seconds, queue, *cpu)
                 say(f"pair {i + 1}: raw {pair.raw_tok_s:.1f} tok/s ({r.tokens} tokens), batch "
                     f"{pair.batch_tok_s:.1f} tok/s ({tokens} tokens in {seconds:.1f} s): {pair.ratio:.3f}; CPU s "
-                    f"feeder {cpu[0]:.1f}, worker {cpu[1]:.1f}, redis {cpu[2]:.1f}")
+                    f"feeder {cpu[0]:.1f}, worker {cpu[1]:.1f}, redis {cpu[2]:.1f}; queue alone {queue:.1f} tok/s")
                 pairs.append(pair)
         finally:
             await feeder.aclose()
@@ -220,10 +236,10 @@ def markdown(args: argparse.Namespace, model: str, pairs: list[Pair], mem: list[
         ratio = best_batch / best_raw
         out += [f"Model `{Path(model).name}`, {args.lines} chat lines of {args.max_tokens} tokens, capacity "
                 f"{args.capacity}, window {args.window}, {len(pairs)} raw/batch pair(s), on a shared machine.", "",
-                "| pair | raw tok/s | batch tok/s | batch ÷ raw | CPU s: feeder, worker, Redis |",
-                "|---|---|---|---|---|"]
-        out += [f"| {i + 1} | {p.raw_tok_s:.1f} | {p.batch_tok_s:.1f} | {p.ratio:.3f} | {p.feeder_cpu_s:.1f}, "
-                f"{p.worker_cpu_s:.1f}, {p.redis_cpu_s:.1f} |" for i, p in enumerate(pairs)]
+                "| pair | raw tok/s | batch tok/s | batch ÷ raw | queue alone tok/s | CPU s: feeder, worker, Redis |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {i + 1} | {p.raw_tok_s:.1f} | {p.batch_tok_s:.1f} | {p.ratio:.3f} | {_tok_s(p.queue_tok_s)} | "
+                f"{p.feeder_cpu_s:.1f}, {p.worker_cpu_s:.1f}, {p.redis_cpu_s:.1f} |" for i, p in enumerate(pairs)]
         verdict = "PASS" if ratio >= TARGET else "MISS"
         out += ["", f"Best batch ÷ best raw: **{ratio:.3f}** (target ≥ {TARGET}: {verdict}); median of pairs "
                 f"{med:.3f}.", ""]
@@ -233,6 +249,10 @@ def markdown(args: argparse.Namespace, model: str, pairs: list[Pair], mem: list[
         out += [f"| {m['lines']} | {m['input_file_bytes']} → {m['input_file']} | {m['batch_record']} | "
                 f"{m['results_while_running']} | {m['output_file_bytes']} → {m['output_file']} |" for m in mem]
     return "\n".join(out) + "\n"
+
+
+def _tok_s(value: float) -> str:
+    return f"{value:.1f}" if value else "-"
 
 
 def main(argv: list[str] | None = None) -> int:
