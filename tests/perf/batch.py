@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -232,7 +233,7 @@ def markdown(args: argparse.Namespace, model: str, pairs: list[Pair], mem: list[
     if pairs:
         best_raw = max(p.raw_tok_s for p in pairs)
         best_batch = max(p.batch_tok_s for p in pairs)
-        med = sorted(p.ratio for p in pairs)[len(pairs) // 2]
+        med = statistics.median(p.ratio for p in pairs)
         ratio = best_batch / best_raw
         out += [f"Model `{Path(model).name}`, {args.lines} chat lines of {args.max_tokens} tokens, capacity "
                 f"{args.capacity}, window {args.window}, {len(pairs)} raw/batch pair(s), on a shared machine.", "",
