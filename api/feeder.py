@@ -193,7 +193,6 @@ class Drive:
         self.keys = feeder.batches.keys
         self.rec: dict[str, str] = {}
         self._chunks: tuple[list[int], int, list[bytes]] | None = None  # (line counts, chunk index, its lines)
-        self._served_since: float | None = None
 
     async def run(self) -> None:
         self.rec = await self.f.batches.record(self.bid)
