@@ -79,6 +79,9 @@ _EXITS = {
     "status": ["0    the report was printed", f"1    {_REDIS_DOWN}", _BAD_CONFIG],
     "tenants": ["0    the tenants were listed, or the policy set or removed", f"1    {_REDIS_DOWN}",
                 f"{_BAD_CONFIG} (a malformed name, a weight of 0 or less, a negative cap)"],
+    "batches": ["0    listed, shown, created, cancelled, or the results printed (feed: stopped by Ctrl-C)",
+                f"1    an unknown batch, or one of another tenant; {_REDIS_DOWN}",
+                f"{_BAD_CONFIG} (a bad endpoint or file, a batch that cannot be cancelled)"],
     "health": ["0    a live worker serves the model (any model without --model)",
                f"1    none does (unhealthy); {_REDIS_DOWN}", _BAD_CONFIG],
     "demo": ["0    the demo ran (with --gateway: then Ctrl-C or SIGTERM stopped it cleanly)",
@@ -93,7 +96,8 @@ _EXITS = {
     "bench": ["0    the results were written", "1    a run failed (the line says which)",
               "2    a bad option; the worker or bench extra is missing"],
 }
-_ENV = {"demo": _DEMO_ENV, "gateway": _GATEWAY_ENV, "dashboard": _GATEWAY_ENV, "bench": _BENCH_ENV}
+_ENV = {"demo": _DEMO_ENV, "gateway": _GATEWAY_ENV, "dashboard": _GATEWAY_ENV, "bench": _BENCH_ENV,
+        "batches": _GATEWAY_ENV}
 
 
 def _epilog(command: str) -> str:
@@ -176,6 +180,22 @@ def _parser() -> argparse.ArgumentParser:
                     "tokens of its jobs a minute; over it, its jobs wait queued (0: no cap)")
     tr = tsub.add_parser("rm", help="remove a tenant's policy (its queued jobs stay, under the default policy)")
     tr.add_argument("name")
+
+    bt = command("batches", help="OpenAI batches on the queue: list, show, create, cancel, results, feed",
+                 description="Batches (OpenAI's Batch API) of the tenant --tenant names. Any gateway feeds "
+                             "them; `feed` runs a feeder here, for deployments without a gateway.")
+    bt.add_argument("--tenant", default="default", help="whose batches (a gateway maps each API key to one)")
+    bt.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    bsub = bt.add_subparsers(dest="action", metavar="ACTION")
+    bsub.add_parser("list", help="the tenant's batches, newest first (the default)")
+    for name, what in (("show", "one batch's object"), ("cancel", "cancel a batch (what finished is kept)"),
+                       ("results", "an ended batch's output and error lines, as JSONL")):
+        bsub.add_parser(name, help=what).add_argument("batch_id")
+    bc = bsub.add_parser("create", help="upload a JSONL file of request lines and start a batch of them")
+    bc.add_argument("file", type=Path, help="JSONL: one {custom_id, method, url, body} a line")
+    bc.add_argument("--endpoint", default="/v1/chat/completions",
+                    help="/v1/chat/completions, /v1/completions, /v1/responses or /v1/embeddings")
+    bsub.add_parser("feed", help="feed open batches from here until interrupted (needs the gateway extra)")
 
     h = command("health", help="exit 0 if a live worker serves the model (any model without --model), else 1")
     h.add_argument("--model", default=None, help="the model to check")
@@ -343,7 +363,8 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 async def _producer_command(args: argparse.Namespace, config: ClientConfig) -> int:
-    async with Client(config=config) as client:
+    tenant = args.tenant if args.command == "batches" else None  # a batch's owner, as a gateway key's tenant
+    async with Client(config=config, tenant=tenant) as client:
         if args.command == "cancel":
             return await _cancel(client, args.job_id)
         if args.command == "events":
@@ -358,6 +379,8 @@ async def _producer_command(args: argparse.Namespace, config: ClientConfig) -> i
             return await _health(client, args.model)
         if args.command == "tenants":
             return await _tenants(client, args)
+        if args.command == "batches":
+            return await _batches(client, args)
         return await _submit(client, args)
 
 
@@ -425,6 +448,53 @@ async def _tenants(client: Client, args: argparse.Namespace) -> int:
         if not all(t.named for t in found):
             print("(* no policy entry: the default policy; policies live in Redis: a Redis restarted empty loses "
                   "them)")
+    return EXIT_OK
+
+
+async def _batches(client: Client, args: argparse.Namespace) -> int:
+    action = args.action or "list"
+    if action == "feed":
+        return await _feed(client)
+    if action == "results":
+        out, err = await client.batch_results(args.batch_id)
+        for line in out + err:
+            print(json.dumps(line))
+        return EXIT_OK
+    if action == "list":
+        found = await client.batches(limit=100)
+        if args.json:
+            print(json.dumps(found, indent=2))
+        for b in [] if args.json else found:
+            print(_batch_line(b))
+        return EXIT_OK
+    if action == "create":
+        b = await client.create_batch(args.file, endpoint=args.endpoint)
+    elif action == "cancel":
+        b = await client.cancel_batch(args.batch_id)
+    else:
+        b = await client.batch(args.batch_id)
+    print(json.dumps(b, indent=2) if args.json else _batch_line(b))
+    return EXIT_OK
+
+
+def _batch_line(b: dict[str, Any]) -> str:
+    counts = b["request_counts"]
+    files = " ".join(f"{k.removesuffix('_file_id')} {b[k]}" for k in ("output_file_id", "error_file_id") if b[k])
+    return (f"{b['id']}  {b['status']:<11} {b['endpoint']:<20} {counts['completed']}/{counts['total']} done, "
+            f"{counts['failed']} failed{'  ' + files if files else ''}")
+
+
+async def _feed(client: Client) -> int:
+    if importlib.util.find_spec("starlette") is None:
+        raise _MissingTool(f"mlxq batches feed reads lines as the gateway does: {install_hint('gateway')}")
+    from .feeder import BatchFeeder, FeederSettings
+    from .gateway.batch_lines import BatchLines
+
+    config = GatewayConfig.from_env()
+    feeder = BatchFeeder(client, client.batch_store(), BatchLines(config),
+                         FeederSettings(window=max(1, config.batch_window)))
+    print(f"feeding batches ({feeder.id}) until interrupted", file=sys.stderr)
+    await feeder.run()
     return EXIT_OK
 
 

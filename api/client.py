@@ -11,9 +11,10 @@ import asyncio
 import functools
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -21,6 +22,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from .affinity import affinity_key
+from .batches import BatchStore
 from .config import ClientConfig
 from .connection import Failures, RetryPolicy, client_redis, denied, is_denied, redact, with_retries
 from .deltas import Delta, Deltas, Whole
@@ -37,6 +39,7 @@ from .errors import (
     WaitTimeout,
     describe,
 )
+from .files import FileStore
 from .protocol import producer
 from .protocol.enqueuer import Enqueuer
 from .protocol.jobrecord import KeptResult, job_record, read_result
@@ -241,6 +244,49 @@ class Client:
         if outcome == 0:
             raise JobNotFound(f"job {rid} is unknown, or ended more than a few minutes ago")
         return bool(outcome == 1)
+
+    # --- batches (OpenAI's Batch API without the gateway: any gateway's feeder, or `mlxq batches feed`, runs
+    # them) ------------------------------------------------------------------------------------------------
+    def batch_store(self) -> BatchStore:
+        """The deployment's batches (and, as ``.files``, its files), as this client's tenant sees them."""
+        return BatchStore(self._redis, self.keys, FileStore(self._redis, self.keys))
+
+    @property
+    def _owner(self) -> str:
+        return self.tenant or DEFAULT_TENANT
+
+    async def create_batch(self, lines: Sequence[dict[str, Any] | bytes] | bytes | str | Path, *, endpoint: str,
+                           metadata: dict[str, str] | None = None, completion_window: str = "24h") -> dict[str, Any]:
+        """Upload ``lines`` (request lines ``{custom_id, method, url, body}``, JSONL bytes, or a JSONL file's
+        path) as a batch input file and start a batch of them; OpenAI's batch object (``validating``). A gateway's
+        feeder (or ``mlxq batches feed``) runs it; :meth:`batch` follows it."""
+        data = _jsonl(lines)
+        name = Path(lines).name if isinstance(lines, str | Path) else "batch.jsonl"
+        store = self.batch_store()
+        file = await with_retries(lambda: store.files.create(data, name, "batch", self._owner), self.retry,
+                                  self.where)
+        return await with_retries(lambda: store.create(file["id"], endpoint, self._owner, metadata=metadata,
+                                                       completion_window=completion_window), self.retry, self.where)
+
+    async def batch(self, batch_id: str) -> dict[str, Any]:
+        """A batch's OpenAI batch object now (:class:`NotFound` for an unknown one, or another tenant's)."""
+        return await with_retries(lambda: self.batch_store().get(batch_id, self._owner), self.retry, self.where)
+
+    async def batches(self, *, after: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+        """The tenant's batches, newest first (a page of ``limit`` after ``after``)."""
+        page = await with_retries(lambda: self.batch_store().listing(self._owner, after=after, limit=limit),
+                                  self.retry, self.where)
+        return list(page["data"])
+
+    async def cancel_batch(self, batch_id: str) -> dict[str, Any]:
+        """Cancel a batch: what finished is kept, the rest ends ``batch_cancelled`` (:class:`BadRequest` for an
+        ended batch)."""
+        return await with_retries(lambda: self.batch_store().cancel(batch_id, self._owner), self.retry, self.where)
+
+    async def batch_results(self, batch_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """An ended batch's output and error lines (OpenAI's line formats), parsed; empty lists while it runs."""
+        return await with_retries(lambda: self.batch_store().results(batch_id, self._owner), self.retry,
+                                  self.where)
 
     # --- the deployment ------------------------------------------------------------------------------
     async def workers(self) -> list[WorkerStatus]:
@@ -585,6 +631,15 @@ def _inputs(given: Any) -> Any:
 def _embeddings(rid: str, done: DoneEvent) -> Embeddings:
     vectors = [decode_vector(v) for v in done.embeddings or ()]
     return Embeddings(rid, vectors, done.finish_reason, done.usage, done.timings, done.tenant or DEFAULT_TENANT)
+
+
+def _jsonl(lines: Sequence[dict[str, Any] | bytes] | bytes | str | Path) -> bytes:
+    """A batch's input as JSONL bytes."""
+    if isinstance(lines, bytes):
+        return lines
+    if isinstance(lines, str | Path):
+        return Path(lines).read_bytes()
+    return b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)
 
 
 def _where(redis: Redis) -> str:

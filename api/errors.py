@@ -5,6 +5,7 @@
      ├── DuplicateJob    a job with this id already exists (ids are never reused)
      ├── JobFailed       the job ended with an ``error`` event (carries code, message, retryable)
      ├── JobNotFound     no such job, or its events expired
+     ├── NotFound        no such file or batch (or another tenant's: the same answer)
      ├── WaitTimeout     no terminal event arrived within the caller's timeout
      ├── NoWorker        no live worker serves the model (raised only when the caller asked to refuse)
      ├── QueueFull       the model's queue holds the producer's cap of waiting jobs (retry later)
@@ -23,7 +24,7 @@ from .schema import ErrorCode, ErrorEvent
 
 __all__ = [
     "AccessDenied", "BadRequest", "ConfigError", "DuplicateJob", "JobFailed", "JobNotFound", "MlxqError", "NoWorker",
-    "QueueFull", "QueueOutOfMemory", "QueueUnavailable", "UnexpectedPassword", "WaitTimeout", "describe",
+    "NotFound", "QueueFull", "QueueOutOfMemory", "QueueUnavailable", "UnexpectedPassword", "WaitTimeout", "describe",
     "elsewhere_hint", "install_hint",
 ]
 
@@ -58,6 +59,10 @@ class JobFailed(MlxqError):
 
 class JobNotFound(MlxqError):
     """No job with this id is queued, running or logged (never submitted, or its events expired)."""
+
+
+class NotFound(MlxqError):
+    """No such file or batch, or it belongs to another tenant (told apart by no one)."""
 
 
 class WaitTimeout(MlxqError):

@@ -3,6 +3,7 @@
 - ``POST /v1/chat/completions``, ``/v1/completions`` (OpenAI) and ``/v1/messages`` (Anthropic);
 - ``/v1/responses`` (OpenAI's Responses API, stored responses and background mode: ``responses_api.py``);
 - ``POST /v1/embeddings`` (OpenAI's, for embedding models: ``embeddings_api.py``);
+- ``/v1/files`` and ``/v1/batches`` (OpenAI's Files and Batch APIs; each gateway feeds batches: ``batches_api.py``);
 - ``GET /v1/models`` (and ``/v1/models/{model}``): what live workers serve, with their worker counts, in
   Anthropic's format for a request with ``anthropic-version``;
 - ``GET /health``: 200 while Redis answers, else 503 (no key needed).
@@ -36,6 +37,7 @@ from ..errors import MlxqError, NoWorker
 from ..registry import ModelInfo
 from .anthropic_api import MESSAGES
 from .auth import Auth
+from .batches_api import Batches
 from .config import GatewayConfig
 from .dashboard import Dashboard
 from .dashboard import routes as dashboard_routes
@@ -74,6 +76,7 @@ class Gateway:
         self.embeddings = EmbeddingsAPI(self)  # /v1/embeddings
         self.webhooks = WebhookSettings.of(config)  # None: no webhook endpoint configured
         self._deliverer: Deliverer | None = None
+        self.batches = Batches(self)  # /v1/files, /v1/batches, and this gateway's batch feeder
 
     @property
     def client(self) -> Client:
@@ -93,6 +96,7 @@ class Gateway:
             self._deliverer.start()
             log.info("delivering webhooks to %d endpoint(s)", len(self.webhooks.urls))
         exiting = asyncio.ensure_future(self._end_streams_on_exit())
+        self.batches.start()
         # What exists now (modules, schemas, the app) lives as long as the process: the collector's full passes,
         # which streams' objects trigger every few hundred requests, need not walk it each time.
         gc.freeze()
@@ -102,6 +106,7 @@ class Gateway:
             exiting.cancel()
             if self._deliverer is not None:
                 await self._deliverer.aclose()
+            await self.batches.aclose()
             await self.responses.aclose()
             if self._owns_client and self._client is not None:
                 await self._client.aclose()
@@ -336,6 +341,7 @@ def create_app(config: GatewayConfig | None = None, *, client: Client | None = N
         Route("/health", gw.health, methods=["GET"]),
         *gw.responses.routes(),
         *gw.embeddings.routes(),
+        *gw.batches.routes(),
         *dashboard_routes(Dashboard(lambda: gw.client, gw.config.api_keys, gw.config.admin_keys)),
     ]
     return _App(gw, routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})

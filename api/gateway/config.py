@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 
 from ..config import ClientConfig
 from ..errors import ConfigError
+from ..files import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_LINES
+from ..files import DEFAULT_RETENTION_S as DEFAULT_FILE_RETENTION_S
 from ..schema import MAX_TOKENS_CEILING, TENANT_PATTERN
 from ..settings import read, setting
 
@@ -29,15 +31,18 @@ DEFAULT_RESPONSE_RETENTION_S = 30 * 86_400  # stored responses: OpenAI keeps the
 # lowers it to what fits the context after the prompt, and to its MLXQ_MAX_TOKENS.
 DEFAULT_MAX_TOKENS = MAX_TOKENS_CEILING
 
+# Seconds before each delivery attempt of a webhook event (the first at once): 12 attempts over about 2 days
+DEFAULT_WEBHOOK_SCHEDULE = (0.0, 5.0, 30.0, 120.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0, 43200.0, 86400.0)
+WEBHOOK_SECRET_PREFIX = "whsec_"
+DEFAULT_BATCH_WINDOW = 256  # a batch's jobs in the queue at once: several workers' batches full
+DEFAULT_COMPLETION_WINDOW_S = 86_400  # "24h"
+
 
 def max_tokens_fields(named: int | None, cap: int = DEFAULT_MAX_TOKENS) -> dict[str, Any]:
     """A job's ``max_tokens`` fields from what its request named: that, or where it named none ``cap`` (no cap of
     ours by default), lowered by the worker to what fits the context after the prompt: OpenAI's rule, which the
     gateway and ``mlxq submit`` both follow."""
     return {"max_tokens": cap if named is None else named, "fit_max_tokens": named is None}
-# Seconds before each delivery attempt of a webhook event (the first at once): 12 attempts over about 2 days
-DEFAULT_WEBHOOK_SCHEDULE = (0.0, 5.0, 30.0, 120.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0, 43200.0, 86400.0)
-WEBHOOK_SECRET_PREFIX = "whsec_"
 
 
 def _keys(name: str, raw: str) -> frozenset[str]:
@@ -134,6 +139,19 @@ class GatewayConfig:
                                        "once", minimum=1)
     webhook_claim_s: float = setting("MLXQ_WEBHOOK_CLAIM", 60.0, "seconds after which a webhook event a gateway "
                                      "took but stopped tending (it died) is taken by another", minimum=0.1)
+    batch_max_file_bytes: int = setting("MLXQ_BATCH_MAX_FILE_BYTES", DEFAULT_MAX_FILE_BYTES, "largest batch input "
+                                        "file in bytes (/v1/files, purpose batch; kept in Redis) → 413",
+                                        minimum=1)
+    batch_max_lines: int = setting("MLXQ_BATCH_MAX_LINES", DEFAULT_MAX_LINES, "most requests (lines) in a batch "
+                                   "input file → 400", minimum=1)
+    file_retention_s: int = setting("MLXQ_FILE_RETENTION", DEFAULT_FILE_RETENTION_S, "seconds a file (a batch's "
+                                    "input, output or errors) and a batch's record are kept in Redis", minimum=60)
+    batch_window: int = setting("MLXQ_BATCH_WINDOW", DEFAULT_BATCH_WINDOW, "jobs of one batch in the queue at a "
+                                "time (its feeder refills the window as they end); 0: this gateway feeds no "
+                                "batches (another gateway or `mlxq batches feed` does)", minimum=0)
+    batch_completion_window_s: int = setting("MLXQ_BATCH_COMPLETION_WINDOW", DEFAULT_COMPLETION_WINDOW_S,
+                                             "seconds a batch's \"24h\" completion window lasts: after it, "
+                                             "unfinished lines are batch_expired", minimum=1)
     client: ClientConfig = field(default_factory=ClientConfig)
 
     @classmethod

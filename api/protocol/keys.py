@@ -214,6 +214,44 @@ class Keys:
         """Pub/sub wake-up workers listen on for cancels (payload: request id)."""
         return f"{self.prefix}:cancel"
 
+    # --- files and batches (api/files.py, api/batches.py): each object's keys share its ``{id}`` hash tag ----
+    def file(self, file_id: str) -> str:
+        """Hash of an uploaded or written file's record (OpenAI's file object, its owner, its chunks' lines)."""
+        return f"{self.prefix}:{{{file_id}}}:file"
+
+    def file_chunks(self, file_id: str) -> str:
+        """List of a file's bytes in chunks, each ending at a line's end (a line longer than a chunk is one)."""
+        return f"{self.prefix}:{{{file_id}}}:chunks"
+
+    def files(self, tenant: str) -> str:
+        """Sorted set of a tenant's file ids, scored by creation (ms): the list route's index."""
+        return f"{self.prefix}:files:{tenant}"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash of a batch's record: OpenAI's batch object's fields, its owner, and the feeder's cursor."""
+        return f"{self.prefix}:{{{batch_id}}}:batch"
+
+    def batch_inflight(self, batch_id: str) -> str:
+        """Set of a batch's line numbers whose jobs are (or may be) queued or running."""
+        return f"{self.prefix}:{{{batch_id}}}:inflight"
+
+    def batch_results(self, batch_id: str) -> str:
+        """Hash of a batch's recorded lines: line number -> ``o`` or ``e`` and its output line (set once)."""
+        return f"{self.prefix}:{{{batch_id}}}:results"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """Holds the id of the feeder driving the batch, with a short TTL (one feeder per batch at a time)."""
+        return f"{self.prefix}:{{{batch_id}}}:feeder"
+
+    def batches(self, tenant: str) -> str:
+        """Sorted set of a tenant's batch ids, scored by creation (ms): the list route's index."""
+        return f"{self.prefix}:batches:{tenant}"
+
+    def batches_open(self) -> str:
+        """Set of the batches not yet ended (validating, in progress, finalizing, cancelling): what feeders
+        look for."""
+        return f"{self.prefix}:batches:open"
+
 
 def queue_score(enqueue_ms: int, priority: int, aging_ms: int) -> int:
     """A queued job's score: lower runs first. Each priority level is worth ``aging_ms`` of waiting, so a job

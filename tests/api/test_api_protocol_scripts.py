@@ -10,12 +10,13 @@ from typing import Any
 import pytest
 import redis.asyncio as aredis
 
-from mlxq.api import registry
+from mlxq.api import batches, registry
 from mlxq.api.protocol import claim, emit, producer, upkeep
 from mlxq.api.protocol.keys import Keys
 from mlxq.api.protocol.scripts import Layout, Script, ScriptError, compose
 
 SHIPPED: list[Script] = [claim.CLAIM, emit.EMIT, producer.ENQUEUE, producer.CANCEL, upkeep.REFRESH, upkeep.SWEEP,
+                         batches.RECORD, batches.STATUS, batches.LEASE,
                          upkeep.LAPSE, upkeep.REJECT, registry._QUEUE_STATS]
 
 

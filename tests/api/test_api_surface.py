@@ -33,7 +33,7 @@ DOCUMENTED = {
     "ModelInfo", "ModelState", "ModelStatus", "Policy", "QueueInfo", "TenantUse", "WorkerStatus",
     # the exception tree
     "AccessDenied", "BadRequest", "ConfigError", "DuplicateJob", "JobFailed", "JobNotFound", "MlxqError", "NoWorker",
-    "QueueFull", "QueueOutOfMemory", "QueueUnavailable", "UnexpectedPassword", "WaitTimeout",
+    "NotFound", "QueueFull", "QueueOutOfMemory", "QueueUnavailable", "UnexpectedPassword", "WaitTimeout",
 }
 
 
