@@ -163,12 +163,19 @@ class Advertiser:
             self.placements[name] = Placements()
         return self.holdings[name]
 
-    def started(self, model: str, key: str, prompt: Sequence[int]) -> None:
-        """A job of ``key`` went into ``model``'s engine: advertise its key now if it is new."""
+    def started(self, model: str, keys: str | Sequence[str], prompt: Sequence[int]) -> None:
+        """A job of ``keys`` (its affinity keys, at each depth: api/affinity.py) went into ``model``'s engine:
+        advertise the new ones now. Each is checked at heartbeats by the prompt's start, as one key is."""
         holdings = self.model(model)
-        holdings.started(key, prompt)
+        for key in [keys] if isinstance(keys, str) else keys:
+            holdings.started(key, prompt)
         if holdings.version != self._written.get(model) and self._pending is None:
             self._pending = asyncio.get_running_loop().create_task(self._write_soon())
+
+    def ended(self, model: str, keys: Sequence[str]) -> None:
+        """A job of ``keys`` left ``model``'s engine."""
+        for key in keys:
+            self.holdings[model].ended(key)
 
     async def _write_soon(self) -> None:
         try:

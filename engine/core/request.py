@@ -111,6 +111,7 @@ class EngineRequest:
     group: str = ""
     weight: float = 1.0
     affinity: str = ""  # an opaque key of the caller's for prompts alike (its prefix affinity): see PrefixCache.tag
+    system_key: str = ""  # the caller's key for its system prompt alone (``cache_boundary``), shared by prompts
 
 
 @dataclass(frozen=True, slots=True)
