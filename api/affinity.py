@@ -31,7 +31,8 @@ __all__ = ["KEY_HEX", "MAX_KEYS", "PROMPT_CHARS", "SYSTEM_CHARS", "affinity_key"
 
 KEY_HEX = 16  # 64 bits: two conversations colliding only share a preference, never a cache entry
 PROMPT_CHARS = 1024  # about 250 tokens: a raw prompt's start that its later turns repeat
-SYSTEM_CHARS = 1024  # system turns and tools at least this long (~250 tokens) get a key of their own
+SYSTEM_CHARS = 512  # system turns and tools at least this long (~128 tokens: twice the prefix cache's floor) get
+# a key of their own
 MAX_KEYS = 3  # keys a job record carries at most (CLAIM reads them from the record's last bytes)
 
 
