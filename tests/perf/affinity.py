@@ -52,6 +52,7 @@ __all__ = ["main"]
 _HOLDER_TARGET = 0.90
 _TTFT_TARGET = 8.0
 _BALANCE_TARGET = 0.8
+SYSTEM_SHAPE_TOKENS = 360  # the system shape's shortest system prompts (Plan.shaped)
 _WORDS = ("queue", "model", "token", "server", "batch", "cache", "prompt", "worker", "stream", "reply", "prefix",
           "lease", "tenant", "redis", "engine", "memory")
 
@@ -74,8 +75,13 @@ class Plan:
         return cls(size="tiny", turns=3, system_tokens=300, max_tokens=8, think_s=0.3)
 
     def shaped(self, shape: str) -> Plan:
-        """This plan for ``shape``: the system shape runs six conversations of four turns (18 later turns)."""
-        return self if shape == "chat" else replace(self, shape=shape, conversations=6, turns=4)
+        """This plan for ``shape``: the system shape runs six conversations of four turns (18 later turns), with
+        system prompts of at least ``SYSTEM_SHAPE_TOKENS`` (the quick plan's 300 tokens of the tiny model's
+        tokenizer, ~1.6 characters a token, fall around api/affinity.py's SYSTEM_CHARS: some would get no key)."""
+        if shape == "chat":
+            return self
+        return replace(self, shape=shape, conversations=6, turns=4,
+                       system_tokens=max(self.system_tokens, SYSTEM_SHAPE_TOKENS))
 
 
 @dataclass(frozen=True, slots=True)

@@ -558,10 +558,11 @@ def restart(plan: Plan, model: str, out: Path) -> list[Turn2]:
 def _systems(plan: Plan, model: str) -> list[str]:
     from transformers import AutoTokenizer
 
-    from tests.perf.affinity import _system_prompt
+    from tests.perf.affinity import SYSTEM_SHAPE_TOKENS, _system_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    return [_system_prompt(i, plan.restart_system_tokens, tokenizer) for i in range(plan.system_conversations)]
+    tokens = max(plan.restart_system_tokens, SYSTEM_SHAPE_TOKENS)  # each long enough for a key of its own
+    return [_system_prompt(i, tokens, tokenizer) for i in range(plan.system_conversations)]
 
 
 def _asking(system: str, question: str) -> list[dict[str, str]]:
@@ -727,9 +728,12 @@ def _restart_md(r: Results) -> list[str]:
 
 
 def _system_md(r: Results) -> list[str]:
+    from tests.perf.affinity import SYSTEM_SHAPE_TOKENS
+
     p = r.plan
     lines = ["## Single-turn requests sharing system prompts, the fleet restarted", "",
-             f"{p.system_conversations} system prompts of ~{p.restart_system_tokens} tokens; their first requests at "
+             f"{p.system_conversations} system prompts of ~{max(p.restart_system_tokens, SYSTEM_SHAPE_TOKENS)} "
+             "tokens; their first requests at "
              "once on two workers, each with the tier on in a directory of its own; once the entries are on disk "
              "both workers are stopped (SIGTERM) or killed (kill -9) and restarted on their directories; then each "
              f"system prompt's next request (a new question, {p.restart_max_tokens} greedy tokens), one at a time. "
