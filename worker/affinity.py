@@ -5,7 +5,9 @@ A worker cannot ask its prefix cache which keys it holds (the cache knows tokens
 approximation per model (:class:`Holdings`): a job's key is held from the moment the job goes into the engine
 with a prompt the cache would store (its prefill stores it), and while the entry its prompt's start made is still
 cached, in memory or on disk (the disk's entries carry their keys: a restarted worker advertises them from its
-first heartbeat, :meth:`Holdings.seed`). Each heartbeat asks the engine, on its MLX thread, which of the keys no
+first heartbeat, :meth:`Holdings.seed`). A job with keys at two depths (its conversation's and its system
+prompt's alone: api/affinity.py) holds both, the system prompt's checked by the system prompt's own tokens. Each
+heartbeat asks the engine, on its MLX thread, which of the keys no
 running job holds are still cached (a short trie lookup of each key's first ``ANCHOR_TOKENS`` prompt tokens), and
 drops the rest; the bound (``MAX_KEYS``) drops the least recently used. The advertisement lives ``ttl`` (a few
 heartbeats): a stopped (or draining) worker removes it, and a dead or frozen one's lapses; CLAIM counts an

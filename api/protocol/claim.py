@@ -29,6 +29,7 @@ __all__ = ["CLAIM", "EPOCH_TTL_S", "TRIES_TTL_S", "Affinity", "BelowShare", "Due
 
 EPOCH_TTL_S = 7 * 86_400  # refreshed at every claim
 TRIES_TTL_S = 86_400  # a job's record lives at most this long too (api.client.JOB_TTL_MS)
+_TAIL = 128  # a job record's last bytes CLAIM reads for its affinity keys (affinity.lua's KEYS_TAIL)
 _READ_MIN = 16  # due entries CLAIM reads per queue, at least (poison and deferred entries may come first)
 
 CLAIM = load("claim", Layout(
@@ -40,6 +41,7 @@ CLAIM = load("claim", Layout(
     "OUTRANK_READ": 128,  # queue entries CLAIM looks through for a job that outranks a full engine
     "MEAN_WORK": 256,  # tokens a tenant's job is assumed to cost before one of its jobs ends
     "MAX_KEYS": MAX_KEYS,  # affinity keys CLAIM looks at per job (a record carries no more)
+    "KEYS_TAIL": _TAIL,  # room for MAX_KEYS keys and the enqueue time
 })
 
 
@@ -150,7 +152,6 @@ def _due_entry(row: list[bytes], epoch: str) -> DueEntry:
 
 
 _KEYED = re.compile(rb'"ak":"[0-9a-fA-F,]+","et":\d+}$')  # a job record's tail with affinity keys (jobrecord)
-_TAIL = 128  # the record's last bytes CLAIM reads for its keys (affinity.lua): MAX_KEYS keys and the enqueue time
 
 
 def _placed(placed: bytes, job: bytes) -> Affinity | None:

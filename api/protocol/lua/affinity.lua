@@ -16,7 +16,7 @@
 -- them the conversations' work. head takes the first entry not skipped, unless a "mine" one of at least its
 -- priority (the lead of its score below its enqueue time: api.protocol.keys.queue_score) is among the entries
 -- read: priority, the tenants' shares and the read limit stand; only the order within a tenant's read entries
--- changes. Costs: one ZRANGE of the advertisers, one GETRANGE (128 bytes) per entry looked at, one SCARD per live
+-- changes. Costs: one ZRANGE of the advertisers, one GETRANGE (KEYS_TAIL bytes) per entry looked at, one SCARD per live
 -- advertiser, one ZRANGEBYSCORE of the full ones (when others advertise), one SISMEMBER per live advertiser and
 -- distinct key looked at (an entry's keys are looked at deepest first until one is held: at most MAX_KEYS each);
 -- no GETRANGE while no live worker advertises a key for the model (an advertiser of no key has no job's key).
@@ -77,7 +77,7 @@ local function affinity(m, s, e)  -- the entry's class (see above), computed onc
   if e.aff then return e.aff end
   local h = advertisers(m)
   if s.urgent or (not h.mine and #h.others == 0) then return '' end  -- placed as ever (took() tells if keyed)
-  local tail = redis.call('GETRANGE', P .. ':{' .. e[1] .. '}:job', -128, -1)
+  local tail = redis.call('GETRANGE', P .. ':{' .. e[1] .. '}:job', -KEYS_TAIL, -1)
   local et = tonumber(string.match(tail, '"et":(%d+)}$'))
   e.aff, e.lead = '', et and et - e[2] or -math.huge  -- no record (gone, poison): any job may go first
   local aks = string.match(tail, '"ak":"([%x,]+)","et":%d+}$')
