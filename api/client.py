@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from .affinity import affinity_key
+from .affinity import affinity_keys
 from .batches import BatchStore
 from .config import ClientConfig
 from .connection import Failures, RetryPolicy, client_redis, denied, is_denied, redact, with_retries
@@ -183,7 +183,7 @@ class Client:
             await self._require_worker(req.model)
         now_ms = int(time.time() * 1000)
         # Fields left at their defaults stay out: a smaller record, and one a worker that predates a field reads.
-        job = job_record(req.model_dump(mode="json", exclude_defaults=True), now_ms, affinity_key(req))
+        job = job_record(req.model_dump(mode="json", exclude_defaults=True), now_ms, affinity_keys(req))
         limit = self.max_image_job_bytes if req.image_parts else self.max_payload_bytes
         if len(job) > limit:  # within the limit workers apply before decoding a job
             raise BadRequest(f"the job has {len(job)} bytes of JSON; the limit is {limit}")

@@ -5,7 +5,9 @@ A worker cannot ask its prefix cache which keys it holds (the cache knows tokens
 approximation per model (:class:`Holdings`): a job's key is held from the moment the job goes into the engine
 with a prompt the cache would store (its prefill stores it), and while the entry its prompt's start made is still
 cached, in memory or on disk (the disk's entries carry their keys: a restarted worker advertises them from its
-first heartbeat, :meth:`Holdings.seed`). Each heartbeat asks the engine, on its MLX thread, which of the keys no
+first heartbeat, :meth:`Holdings.seed`). A job with keys at two depths (its conversation's and its system
+prompt's alone: api/affinity.py) holds both, the system prompt's checked by the system prompt's own tokens. Each
+heartbeat asks the engine, on its MLX thread, which of the keys no
 running job holds are still cached (a short trie lookup of each key's first ``ANCHOR_TOKENS`` prompt tokens), and
 drops the rest; the bound (``MAX_KEYS``) drops the least recently used. The advertisement lives ``ttl`` (a few
 heartbeats): a stopped (or draining) worker removes it, and a dead or frozen one's lapses; CLAIM counts an
@@ -163,12 +165,19 @@ class Advertiser:
             self.placements[name] = Placements()
         return self.holdings[name]
 
-    def started(self, model: str, key: str, prompt: Sequence[int]) -> None:
-        """A job of ``key`` went into ``model``'s engine: advertise its key now if it is new."""
+    def started(self, model: str, keys: str | Sequence[str], prompt: Sequence[int]) -> None:
+        """A job of ``keys`` (its affinity keys, at each depth: api/affinity.py) went into ``model``'s engine:
+        advertise the new ones now. Each is checked at heartbeats by the prompt's start, as one key is."""
         holdings = self.model(model)
-        holdings.started(key, prompt)
+        for key in [keys] if isinstance(keys, str) else keys:
+            holdings.started(key, prompt)
         if holdings.version != self._written.get(model) and self._pending is None:
             self._pending = asyncio.get_running_loop().create_task(self._write_soon())
+
+    def ended(self, model: str, keys: Sequence[str]) -> None:
+        """A job of ``keys`` left ``model``'s engine."""
+        for key in keys:
+            self.holdings[model].ended(key)
 
     async def _write_soon(self) -> None:
         try:

@@ -393,15 +393,21 @@ class WorkerHost:
         except BadRequest as exc:
             log.info("job %s rejected: %s", run.rid, exc)
             return await self.runs.reject(run, str(exc))
-        return await self._generate(service, run, prepared, envelope.affinity)
+        return await self._generate(service, run, prepared, envelope.keys)
 
-    async def _generate(self, service: ModelService, run: Run, prepared: Prepared, affinity: str = "") -> State:
+    async def _generate(self, service: ModelService, run: Run, prepared: Prepared,
+                        affinity: tuple[str, ...] = ()) -> State:
         if not self.runs.admit(run, prepared.token_text, prepared.tools):
             return run.state
         held = self._holds(service, prepared, affinity)
-        if held:
-            prepared.request.affinity = affinity  # kept with its prefix's entries on disk: known after a restart
-            self.affinity.started(service.name, affinity, prepared.request.prompt_tokens)
+        if held:  # the keys, deepest first, kept with its prefix's entries on disk: known after a restart
+            request = prepared.request
+            request.affinity = affinity[0]
+            self.affinity.started(service.name, affinity[:1], request.prompt_tokens)
+            if len(affinity) > 1:  # its system prompt's own (api/affinity.py): that checkpoint stays on disk
+                request.system_key = affinity[-1]
+                system = request.prompt_tokens[:request.cache_boundary or None]  # held while the system prompt is
+                self.affinity.started(service.name, affinity[1:], system)
         service.add(prepared.request)
         try:
             return await run.finished
@@ -410,10 +416,10 @@ class WorkerHost:
             raise
         finally:
             if held:
-                self.affinity.holdings[service.name].ended(affinity)
+                self.affinity.ended(service.name, affinity)
 
     @staticmethod
-    def _holds(service: ModelService, prepared: Prepared, affinity: str) -> bool:
+    def _holds(service: ModelService, prepared: Prepared, affinity: tuple[str, ...]) -> bool:
         """Whether the job's prompt goes into the model's prefix cache, so that its worker holds its key."""
         least = service.engine.prefix_min_tokens if service.engine is not None else None
         request = prepared.request

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from ..affinity import MAX_KEYS
 from ..schema import PRIORITY_MIN, Event, decode_event
 from ..tenants import SHARE_TTL_S
 from .keys import Keys, model_band
@@ -30,6 +31,7 @@ __all__ = ["CLAIM", "EPOCH_TTL_S", "TRIES_TTL_S", "Affinity", "BelowShare", "Due
 
 EPOCH_TTL_S = 7 * 86_400  # refreshed at every claim
 TRIES_TTL_S = 86_400  # a job's record lives at most this long too (api.client.JOB_TTL_MS)
+_TAIL = 128  # a job record's last bytes CLAIM reads for its affinity keys (affinity.lua's KEYS_TAIL)
 _READ_MIN = 16  # due entries CLAIM reads per queue, at least (poison and deferred entries may come first)
 
 CLAIM = load("claim", Layout(
@@ -40,6 +42,8 @@ CLAIM = load("claim", Layout(
     "EPOCH_TTL_S": EPOCH_TTL_S, "TRIES_TTL_S": TRIES_TTL_S, "SHARE_TTL_S": SHARE_TTL_S, "PRIORITY_MIN": PRIORITY_MIN,
     "OUTRANK_READ": 128,  # queue entries CLAIM looks through for a job that outranks a full engine
     "MEAN_WORK": 256,  # tokens a tenant's job is assumed to cost before one of its jobs ends
+    "MAX_KEYS": MAX_KEYS,  # affinity keys CLAIM looks at per job (a record carries no more)
+    "KEYS_TAIL": _TAIL,  # room for MAX_KEYS keys and the enqueue time
 })
 
 
@@ -150,12 +154,12 @@ def _due_entry(row: list[bytes], epoch: str) -> DueEntry:
                     bool(cancelled), _placed(placed, job), tenant.decode())
 
 
-_KEYED = re.compile(rb'"ak":"[0-9a-fA-F]+","et":\d+}$')  # a job record's tail with an affinity key (jobrecord)
+_KEYED = re.compile(rb'"ak":"[0-9a-fA-F,]+","et":\d+}$')  # a job record's tail with affinity keys (jobrecord)
 
 
 def _placed(placed: bytes, job: bytes) -> Affinity | None:
     """CLAIM's affinity outcome; "?": nobody advertised for the model, so a keyed job counts "none" (told here, from
     the record CLAIM returns, rather than by one more read in the script)."""
     if placed == b"?":
-        return Affinity.NONE if _KEYED.search(job, max(0, len(job) - 64)) else None
+        return Affinity.NONE if _KEYED.search(job, max(0, len(job) - _TAIL)) else None
     return Affinity(placed.decode()) if placed else None

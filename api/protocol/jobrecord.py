@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring  # type: ignore[attr-defined]  # the C string escaper
 from typing import Any
@@ -19,13 +20,14 @@ __all__ = ["JOB_FUNCTION", "Envelope", "KeptResult", "job_record", "load_record"
 JOB_FUNCTION = "generate"  # the arq function name of every mlxq job
 
 
-def job_record(payload: dict[str, Any], enqueue_ms: int, affinity: str = "") -> bytes:
-    """arq's job record for a job of ours: JSON, never pickle. It ends with the job's affinity key (if any, hex:
-    api/affinity.py) and its enqueue time, ``"ak":"<key>","et":<ms>}``, where CLAIM reads them (a short GETRANGE
-    of the tail, never the whole record)."""
+def job_record(payload: dict[str, Any], enqueue_ms: int, affinity: str | Sequence[str] = "") -> bytes:
+    """arq's job record for a job of ours: JSON, never pickle. It ends with the job's affinity keys (if any, hex,
+    deepest first, comma-separated: api/affinity.py) and its enqueue time, ``"ak":"<key>[,<key>...]","et":<ms>}``,
+    where CLAIM reads them (a short GETRANGE of the tail, never the whole record)."""
     envelope: dict[str, Any] = {"t": None, "f": JOB_FUNCTION, "a": [payload], "k": {}}
-    if affinity:
-        envelope["ak"] = affinity
+    keys = [affinity] if isinstance(affinity, str) else list(affinity)
+    if any(keys):
+        envelope["ak"] = ",".join(k for k in keys if k)
     envelope["et"] = enqueue_ms
     return json.dumps(envelope, separators=(",", ":")).encode()
 
@@ -37,7 +39,8 @@ class Envelope:
     payload: Any
     enqueue_ms: int
     problem: str = ""
-    affinity: str = ""  # the job's affinity key (api/affinity.py); "": none
+    affinity: str = ""  # the job's deepest affinity key (api/affinity.py); "": none
+    keys: tuple[str, ...] = ()  # all its affinity keys, deepest first (the first is ``affinity``)
 
 
 def read_job(data: bytes, max_bytes: int) -> Envelope:
@@ -54,8 +57,9 @@ def read_job(data: bytes, max_bytes: int) -> Envelope:
     args, kwargs = d["a"], d["k"]
     if len(args) != 1 or kwargs:
         return Envelope(None, d["et"], "undecodable job: the job must carry one payload")
-    affinity = d.get("ak")
-    return Envelope(args[0], d["et"], affinity=affinity if isinstance(affinity, str) else "")
+    ak = d.get("ak")
+    keys = tuple(k for k in ak.split(",") if k) if isinstance(ak, str) else ()
+    return Envelope(args[0], d["et"], affinity=keys[0] if keys else "", keys=keys)
 
 
 def _check_envelope(d: Any) -> None:

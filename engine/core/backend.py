@@ -213,9 +213,10 @@ class PrefixStore(Protocol):
     def nbytes(self) -> int: ...
     def __len__(self) -> int: ...
 
-    def fetch(self, tokens: list[int], key: str = "") -> PrefixHit | None:
+    def fetch(self, tokens: list[int], key: str = "", system_key: str = "") -> PrefixHit | None:
         """The longest cached prefix of ``tokens`` (a copy), or None; ``key``: the request's affinity key, kept
-        with the entries its prompt makes."""
+        with the entries its prompt makes; ``system_key``: its system prompt's own, shared by other prompts (so
+        that checkpoint is kept on disk)."""
         ...
 
     def tagged(self) -> list[tuple[str, list[int]]]:

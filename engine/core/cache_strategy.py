@@ -139,7 +139,7 @@ class ReuseCaches:
             self.stats.recomputes += 1
         if self.prefix is None:
             return backend.insert(full, seq.remaining, seq.sampler, seq.processors)
-        hit = self.prefix.fetch(full, req.affinity)
+        hit = self.prefix.fetch(full, req.affinity, req.system_key)
         self._sync_stats()
         cached = hit.tokens if hit is not None else 0
         boundary = req.cache_boundary
@@ -153,7 +153,7 @@ class ReuseCaches:
     def start(self, seq: Sequence) -> tuple[int, BatchToken]:
         prompt, hit = seq.req.prompt_tokens, None
         if self.prefix is not None:
-            hit = self.prefix.fetch(prompt, seq.req.affinity)
+            hit = self.prefix.fetch(prompt, seq.req.affinity, seq.req.system_key)
             self._sync_stats()
         cached = hit.tokens if hit is not None else 0
         started = self.backend.start(prompt[cached:], seq.sampler, seq.processors,

@@ -112,6 +112,7 @@ class EngineRequest:
     weight: float = 1.0
     affinity: str = ""  # an opaque key of the caller's for prompts alike (its prefix affinity): see PrefixCache.tag
     bulk: bool = False  # the bulk band: waits behind every other request however long (waiting.priority_key)
+    system_key: str = ""  # the caller's key for its system prompt alone (``cache_boundary``), shared by prompts
 
 
 @dataclass(frozen=True, slots=True)

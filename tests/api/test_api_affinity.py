@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mlxq.api.affinity import KEY_HEX, PROMPT_CHARS, affinity_key
+from mlxq.api.affinity import KEY_HEX, MAX_KEYS, PROMPT_CHARS, SYSTEM_CHARS, affinity_key, affinity_keys
 from mlxq.api.errors import BadRequest
 from mlxq.api.protocol.jobrecord import job_record, read_job
 from mlxq.api.schema import MAX_CACHE_KEY_CHARS, GenerateRequest
@@ -89,3 +89,44 @@ def test_the_openai_gateway_passes_prompt_cache_key_and_refuses_a_bad_one() -> N
     assert COMPLETIONS.parse(json.dumps(completion).encode(), GatewayConfig()).request.prompt_cache_key == "conv-7"
     with pytest.raises(GatewayError, match="prompt_cache_key"):
         CHAT.parse(json.dumps({**body, "prompt_cache_key": "k" * 300}).encode(), GatewayConfig())
+
+
+LONG_SYSTEM = {"role": "system", "content": "You classify support tickets by their product and urgency. " * 20}
+
+
+def test_a_long_system_prompt_gets_a_second_shallower_key_shared_by_single_turn_requests() -> None:
+    one = chat(LONG_SYSTEM, {"role": "user", "content": "My invoice is wrong."})
+    two = chat(LONG_SYSTEM, {"role": "user", "content": "The app crashes."})
+    later = chat(LONG_SYSTEM, {"role": "user", "content": "My invoice is wrong."},
+                 {"role": "assistant", "content": "billing"}, {"role": "user", "content": "And this one?"})
+    (deep_one, system), (deep_two, system_two) = affinity_keys(one), affinity_keys(two)
+    assert system == system_two and deep_one != deep_two  # the system prompt shared, the conversations not
+    assert affinity_keys(later) == (deep_one, system)  # deepest first, the same for every turn
+    assert affinity_key(one) == deep_one and len(system) == KEY_HEX and system not in (deep_one, deep_two)
+    tools = chat(LONG_SYSTEM, {"role": "user", "content": "x"}, tools=[TOOL])
+    assert affinity_keys(tools)[1] != system  # the tools are part of the system prompt's key
+    assert len(affinity_keys(chat(LONG_SYSTEM, {"role": "user", "content": "x"}, model="other"))) == 2
+    assert affinity_keys(chat(LONG_SYSTEM, {"role": "user", "content": "x"}, model="other"))[1] != system
+
+
+def test_a_short_system_prompt_a_cache_key_and_a_raw_prompt_get_one_key() -> None:
+    short = {"role": "system", "content": "You are brief."}
+    assert len(affinity_keys(chat(short, {"role": "user", "content": "hello"}))) == 1
+    long_enough = {"role": "system", "content": "s" * SYSTEM_CHARS}
+    assert len(affinity_keys(chat(long_enough, {"role": "user", "content": "x"}))) == 2
+    assert len(affinity_keys(chat(LONG_SYSTEM, {"role": "user", "content": "x"}, prompt_cache_key="k"))) == 1
+    assert len(affinity_keys(GenerateRequest(model="m", prompt="Instructions. " * PROMPT_CHARS))) == 1
+    assert affinity_keys(GenerateRequest(model="m", prompt="short")) == ()
+
+
+def test_the_job_record_carries_every_key_deepest_first_where_claim_reads_them() -> None:
+    from mlxq.api.protocol.claim import Affinity, _placed
+
+    keys = ("00ff00ff00ff00ff", "11ee11ee11ee11ee")
+    record = job_record({"model": "m", "prompt": "x"}, 1_700_000_000_000, keys)
+    assert record.endswith(b'"ak":"00ff00ff00ff00ff,11ee11ee11ee11ee","et":1700000000000}')
+    envelope = read_job(record, 1 << 20)
+    assert envelope.affinity == keys[0] and envelope.keys == keys
+    assert _placed(b"?", record) is Affinity.NONE  # nobody advertised: a keyed job counts "none"
+    most = job_record({"model": "m", "prompt": "x"}, 1_700_000_000_000, ["ab" * 8] * MAX_KEYS)
+    assert b'"ak":' in most[-128:]  # CLAIM's read of the tail reaches every key

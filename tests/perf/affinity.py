@@ -15,9 +15,15 @@ turns (which holds its prefix; target ≥ 90 %), the fleet's TTFT p50 (enqueue �
 the cache off (target ≥ 8x), and each worker's share of the turns (target: neither below 0.8 of the other's); and
 the workers' own affinity counters (``mlxq status``'s, from their health records).
 
-``python3 -m tests.perf.affinity --out DIR`` writes ``affinity.md`` and ``affinity.json`` (``--setups``: some of the
-three; ``--quick``: the tiny model, shorter prompts, fewer turns; ``--size``, ``--system-tokens``, ``--turns`` change
-one of them).
+``--shape system`` (issue 52): the deployment with long system prompts and single-turn requests (RAG,
+classification, agents): six conversations, each its own system prompt, each turn that system message and one new
+question (no history); the first turns at once, then the later turns one at a time. A later turn shares only the
+system prompt with its conversation's earlier turns: the share measured is of later turns starting on a worker that
+ran one of them (and so holds the system prompt), with the same target.
+
+``python3 -m tests.perf.affinity --out DIR`` writes ``affinity.md`` and ``affinity.json`` (``affinity-system.*``
+for ``--shape system``; ``--setups``: some of the three; ``--quick``: the tiny model, shorter prompts, fewer turns;
+``--size``, ``--system-tokens``, ``--turns`` change one of them).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ __all__ = ["main"]
 _HOLDER_TARGET = 0.90
 _TTFT_TARGET = 8.0
 _BALANCE_TARGET = 0.8
+SYSTEM_SHAPE_TOKENS = 360  # the system shape's shortest system prompts (Plan.shaped)
 _WORDS = ("queue", "model", "token", "server", "batch", "cache", "prompt", "worker", "stream", "reply", "prefix",
           "lease", "tenant", "redis", "engine", "memory")
 
@@ -61,10 +68,20 @@ class Plan:
     max_tokens: int = 16
     think_s: float = 1.0
     seed: int = 38
+    shape: str = "chat"  # "chat": conversations with history; "system": single-turn requests (module docstring)
 
     @classmethod
     def quick(cls) -> Plan:
         return cls(size="tiny", turns=3, system_tokens=300, max_tokens=8, think_s=0.3)
+
+    def shaped(self, shape: str) -> Plan:
+        """This plan for ``shape``: the system shape runs six conversations of four turns (18 later turns), with
+        system prompts of at least ``SYSTEM_SHAPE_TOKENS`` (the quick plan's 300 tokens of the tiny model's
+        tokenizer, ~1.6 characters a token, fall around api/affinity.py's SYSTEM_CHARS: some would get no key)."""
+        if shape == "chat":
+            return self
+        return replace(self, shape=shape, conversations=6, turns=4,
+                       system_tokens=max(self.system_tokens, SYSTEM_SHAPE_TOKENS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +194,7 @@ async def _conversation(c: Client, i: int, system: str, plan: Plan, own_keys: bo
     messages = [{"role": "system", "content": system}]
     for k in range(plan.turns):
         await asyncio.sleep(rng.expovariate(1 / plan.think_s))
-        messages.append({"role": "user", "content": f"Question {k} of conversation {i}: what is a "
-                                                    f"{_WORDS[(i + k) % len(_WORDS)]}?"})
+        messages.append(_question(i, k))
         key = uuid.uuid4().hex if own_keys else None
         out = await turn(c, messages, plan.max_tokens, key)
         worker, answer, ttft, prompt = out.worker, out.text, out.ttft_ms, out.prompt_tokens
@@ -186,11 +202,33 @@ async def _conversation(c: Client, i: int, system: str, plan: Plan, own_keys: bo
         messages.append({"role": "assistant", "content": answer})
 
 
+def _question(i: int, k: int) -> dict[str, str]:
+    return {"role": "user", "content": f"Question {k} of conversation {i}: what is a {_WORDS[(i + k) % len(_WORDS)]}?"}
+
+
+async def _single(c: Client, i: int, k: int, system: str, plan: Plan, own_keys: bool, setup: Setup) -> None:
+    """Turn ``k`` of conversation ``i`` in the system shape: its system message and one new question."""
+    messages = [{"role": "system", "content": system}, _question(i, k)]
+    out = await turn(c, messages, plan.max_tokens, uuid.uuid4().hex if own_keys else None)
+    setup.turns.append(Turn(i, k, out.worker, out.ttft_ms, out.prompt_tokens))
+
+
+async def _single_turns(c: Client, systems: list[str], plan: Plan, own_keys: bool, setup: Setup) -> None:
+    """The system shape: every conversation's first turn at once, then the later turns one at a time."""
+    await asyncio.gather(*(_single(c, i, 0, s, plan, own_keys, setup) for i, s in enumerate(systems)))
+    for k in range(1, plan.turns):
+        for i, s in enumerate(systems):
+            await _single(c, i, k, s, plan, own_keys, setup)
+
+
 async def _run_setup(fleet: _Fleet, name: str, systems: list[str], plan: Plan, own_keys: bool) -> Setup:
     setup = Setup(name)
     async with fleet.client() as c:
         t0 = time.monotonic()
-        await asyncio.gather(*(_conversation(c, i, s, plan, own_keys, setup) for i, s in enumerate(systems)))
+        if plan.shape == "system":
+            await _single_turns(c, systems, plan, own_keys, setup)
+        else:
+            await asyncio.gather(*(_conversation(c, i, s, plan, own_keys, setup) for i, s in enumerate(systems)))
         setup.wall_s = time.monotonic() - t0
         await asyncio.sleep(2.5)  # a heartbeat: the health records carry the last counters
         for w in await c.workers():
@@ -255,9 +293,15 @@ def markdown(plan: Plan, setups: list[Setup]) -> str:
         for w, c in sorted(s.placed.items()):
             counters.append(f"| {s.name} | {w} | {c['holder']} | {c['elsewhere']} | {c['none']} | {c['keys']} | "
                             f"{c['prefix_hits']} / {c['prefix_misses']} |")
-    head = (f"# Prefix affinity ({plan.size} model, two workers, {plan.conversations} conversations x {plan.turns} "
-            f"turns, ~{plan.system_tokens}-token system prompts, {plan.max_tokens} tokens a turn, pauses of "
-            f"{plan.think_s:g} s on average)")
+    if plan.shape == "system":
+        head = (f"# Prefix affinity, single-turn requests sharing a system prompt ({plan.size} model, two workers, "
+                f"{plan.conversations} conversations x {plan.turns} turns, each its ~{plan.system_tokens}-token "
+                f"system prompt and one new question, {plan.max_tokens} tokens a turn; the first turns at once, "
+                "the later ones one at a time)")
+    else:
+        head = (f"# Prefix affinity ({plan.size} model, two workers, {plan.conversations} conversations x "
+                f"{plan.turns} turns, ~{plan.system_tokens}-token system prompts, {plan.max_tokens} tokens a turn, "
+                f"pauses of {plan.think_s:g} s on average)")
     return "\n".join([head, "", "| target | value | limit | |", "|---|---:|---:|---|", *rows, "", *detail, "",
                       "Each worker's affinity counters (health record) and prefix cache:", "", *counters, ""])
 
@@ -268,13 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--size", help="the generated model (default small; --quick: tiny, whose context is 512)")
     ap.add_argument("--system-tokens", type=int, help="each conversation's system prompt (default 1500)")
-    ap.add_argument("--turns", type=int, help="turns per conversation (default 5)")
+    ap.add_argument("--turns", type=int, help="turns per conversation (default 5; the system shape: 4)")
+    ap.add_argument("--shape", choices=("chat", "system"), default="chat",
+                    help="conversations with history (default), or single-turn requests sharing system prompts")
     ap.add_argument("--setups", default=",".join(_NAMES),
                     help="which setups to run, comma-separated (default all; affinity and cache off are needed)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plan = Plan.quick() if args.quick else Plan()
+    plan = (Plan.quick() if args.quick else Plan()).shaped(args.shape)
     changes = {"size": args.size, "system_tokens": args.system_tokens, "turns": args.turns}
     plan = replace(plan, **{k: v for k, v in changes.items() if v is not None})
     names = tuple(n.strip() for n in args.setups.split(","))
@@ -282,11 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--setups: 'affinity' and 'cache off' are needed, of {list(_NAMES)}")
     setups = run(plan, out, names)
     text = markdown(plan, setups)
-    (out / "affinity.md").write_text(text)
+    name = "affinity" if plan.shape == "chat" else f"affinity-{plan.shape}"
+    (out / f"{name}.md").write_text(text)
     data: dict[str, Any] = {"plan": asdict(plan), "setups": [
         {**asdict(s), "on_holder": s.on_holder, "ttft_p50_ms": s.ttft_p50_ms, "later_ttft_p50_ms": s.later_ttft_p50_ms,
          "balance": s.balance} for s in setups]}
-    (out / "affinity.json").write_text(json.dumps(data, indent=2))
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2))
     print(text)
     return 0
 

@@ -18,6 +18,15 @@ processes serving a generated model through an embedded Redis:
   each way of stopping: TTFT (submit to first token, at the client) cold ÷ restarted ≥ 10, and turn 2's greedy
   text the same as cold's.
 
+- **system** (issue 52): the deployment of long system prompts and single-turn requests, restarted: two workers,
+  each with the tier on in a directory of its own, run ``system_conversations`` first turns at once (each its own
+  ~1,500-token system prompt and a question); once their entries are on disk, both are stopped (SIGTERM) or killed
+  (kill -9) and restarted on their directories, and each conversation's next request (its system message and a
+  new question: it shares only the system prompt) runs, one at a time. Against the same requests on two fresh
+  workers with the tier off (cold: each the first of its system prompt there). Targets, for each way of
+  stopping: TTFT p50 cold ÷ restarted ≥ 10, every request found its system prompt on disk (on the worker that
+  holds it), and the greedy texts the same as cold's.
+
 ``python3 -m tests.perf.kvdisk --out DIR`` writes ``kvdisk.md`` and ``kvdisk.json`` (``--quick``: the tiny
 model, two short rounds, a ~300-token system prompt; ``--phases restart``: some of the phases only). OpenBLAS is
 preloaded as the other benchmarks do.
@@ -49,7 +58,7 @@ __all__ = ["main"]
 
 TARGET = 0.97  # on ÷ off tok/s
 RESTART_TARGET = 10.0  # a restarted worker's next turn: cold TTFT ÷ its TTFT
-PHASES = ("stream", "index", "restart")
+PHASES = ("stream", "index", "restart", "system")
 _WORDS = ("queue", "model", "token", "server", "batch", "cache", "prompt", "worker", "stream", "reply", "disk",
           "write", "river", "stone", "light", "north", "paper", "glass", "table", "green", "seven", "field")
 
@@ -71,12 +80,13 @@ class Plan:
     restart_system_tokens: int = 1500  # the restart phase's system prompt
     restart_max_tokens: int = 16  # each of its turns
     restart_rounds: int = 3  # of each way of stopping, and of cold
+    system_conversations: int = 6  # the system phase's system prompts (restart_system_tokens each)
 
     @classmethod
     def quick(cls) -> Plan:
         return cls(size="tiny", rounds=2, jobs=8, concurrency=4, max_tokens=16, system_words=60, user_words=20,
                    index_entries=64, restart_system_tokens=300, restart_max_tokens=8,
-                   restart_rounds=1)  # the tiny model: 512 tokens
+                   restart_rounds=1, system_conversations=3)  # the tiny model: 512 tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +141,29 @@ class Turn2:
 
 
 @dataclass(frozen=True, slots=True)
+class Later:
+    """The system phase's request of one conversation after the restart (``mode`` "sigterm" or "kill9"), or on a
+    fresh worker with the tier off ("cold")."""
+
+    mode: str
+    conversation: int
+    ttft_ms: float  # submit to the first token event, at the client
+    worker_ttft_ms: float
+    prompt_tokens: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class SystemRun:
+    """One way of stopping in the system phase: its requests, and the restarted workers' disk hits."""
+
+    mode: str
+    requests: list[Later]
+    disk_hits: int
+    first_entries: int  # entry files in both directories when the workers were stopped
+
+
+@dataclass(frozen=True, slots=True)
 class Results:
     plan: Plan
     model: str
@@ -138,6 +171,7 @@ class Results:
     index: IndexScan | None
     blas: str
     restarts: list[Turn2] = field(default_factory=list)
+    system: list[SystemRun] = field(default_factory=list)
 
     def pairs(self) -> list[float]:
         """Each round's on ÷ off tok/s."""
@@ -181,7 +215,26 @@ class Results:
         """Every phase that ran met its target (the index phase has none)."""
         stream = not self.runs or (self.median_pairs() >= TARGET and self.best() >= TARGET)
         restart = not self.restarts or all(self.speedup(m) >= RESTART_TARGET and self.exact(m) for m in self.modes())
-        return stream and restart
+        system = all(self.system_speedup(x) >= RESTART_TARGET and self.system_exact(x)
+                     and x.disk_hits >= len(x.requests) for x in self.system if x.mode != "cold")
+        return stream and restart and system
+
+    def system_cold(self) -> SystemRun | None:
+        return next((x for x in self.system if x.mode == "cold"), None)
+
+    def system_speedup(self, run: SystemRun) -> float:
+        """The system phase: cold TTFT p50 ÷ ``run``'s."""
+        cold = self.system_cold()
+        if cold is None or not run.requests:
+            return 0.0
+        warm = statistics.median(t.ttft_ms for t in run.requests)
+        return statistics.median(t.ttft_ms for t in cold.requests) / warm if warm > 0 else 0.0
+
+    def system_exact(self, run: SystemRun) -> bool:
+        """Every request of ``run`` answered as cold did."""
+        cold = self.system_cold()
+        texts = {t.conversation: t.text for t in cold.requests} if cold is not None else {}
+        return all(texts.get(t.conversation) == t.text for t in run.requests)
 
 
 # --- the stream -------------------------------------------------------------------------------------------
@@ -501,6 +554,115 @@ def restart(plan: Plan, model: str, out: Path) -> list[Turn2]:
             for t in turns]
 
 
+# --- the system shape, restarted ------------------------------------------------------------------------------
+def _systems(plan: Plan, model: str) -> list[str]:
+    from transformers import AutoTokenizer
+
+    from tests.perf.affinity import SYSTEM_SHAPE_TOKENS, _system_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokens = max(plan.restart_system_tokens, SYSTEM_SHAPE_TOKENS)  # each long enough for a key of its own
+    return [_system_prompt(i, tokens, tokenizer) for i in range(plan.system_conversations)]
+
+
+def _asking(system: str, question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+async def _firsts(url: str, prefix: str, plan: Plan, systems: list[str]) -> None:
+    """Every conversation's first request, at once (unmeasured)."""
+    from mlxq.api.client import Client
+    from tests.perf.affinity import turn
+
+    async with Client(url, prefix=prefix, retry_deadline=30) as client:
+        await asyncio.gather(*(turn(client, _asking(s, f"What is {_WORDS[i]}?"), plan.restart_max_tokens)
+                               for i, s in enumerate(systems)))
+
+
+async def _laters(url: str, prefix: str, plan: Plan, systems: list[str], mode: str) -> list[Later]:
+    """Each conversation's next request (its system prompt, a new question), one at a time."""
+    from mlxq.api.client import Client
+    from tests.perf.affinity import turn
+
+    out = []
+    async with Client(url, prefix=prefix, retry_deadline=30) as client:
+        for i, s in enumerate(systems):
+            t = await turn(client, _asking(s, f"And why does {_WORDS[-1 - i]} matter?"), plan.restart_max_tokens)
+            out.append(Later(mode, i, t.client_ttft_ms, t.ttft_ms, t.prompt_tokens, t.text))
+    return out
+
+
+def _wait_entries(dirs: list[Path], n: int, timeout: float = 120.0) -> int:
+    """Poll until ``n`` entries are on disk in ``dirs`` together, then a moment for any still being written
+    (a system prompt's checkpoint is handed to the writer before its turn's entry); how many are."""
+    end = time.monotonic() + timeout
+    count = 0
+    while time.monotonic() < end and (count := sum(len(list(d.rglob("*.kv.safetensors"))) for d in dirs)) < n:
+        time.sleep(0.05)
+    if count < n:
+        raise RuntimeError(f"{count} of {n} entries written in {timeout:.0f} s")
+    time.sleep(1.0)
+    return sum(len(list(d.rglob("*.kv.safetensors"))) for d in dirs)
+
+
+def _system_restarted(url: str, model: str, plan: Plan, out: Path, mode: str, systems: list[str]) -> SystemRun:
+    """The first requests on two workers with the tier on, both stopped (``mode``) and restarted on their
+    directories, then each conversation's next request."""
+    with _scratch(out) as (one_dir, prefix), _scratch(out) as (two_dir, _):
+        dirs = [one_dir, two_dir]
+        first = [_Start(url, prefix, model, plan, out, d, True, f"system-{mode}-first-{k}") for k, d in enumerate(dirs)]
+        try:
+            asyncio.run(_firsts(url, prefix, plan, systems))
+            entries = _wait_entries(dirs, len(systems))
+            for w in first:
+                if mode == "sigterm":
+                    w.proc.stop(timeout=120)
+                else:
+                    w.proc.kill()
+        finally:
+            for w in first:
+                w.proc.kill()
+        second = [_Start(url, prefix, model, plan, out, d, True, f"system-{mode}-second-{k}")
+                  for k, d in enumerate(dirs)]
+        try:
+            laters = asyncio.run(_laters(url, prefix, plan, systems, mode))
+            time.sleep(1.0)  # a heartbeat or two: the health records carry the disk hits
+            hits = sum(int(_record(url, prefix, w.pid).prefix_disk_hits) for w in second)
+        finally:
+            for w in second:
+                w.proc.stop()
+    return SystemRun(mode, laters, hits, entries)
+
+
+def _system_cold(url: str, model: str, plan: Plan, out: Path, systems: list[str]) -> SystemRun:
+    """The same next requests on two fresh workers with the tier off: each the first of its system prompt."""
+    with _scratch(out) as (kv_dir, prefix):
+        workers = [_Start(url, prefix, model, plan, out, kv_dir, False, f"system-cold-{k}") for k in range(2)]
+        try:
+            laters = asyncio.run(_laters(url, prefix, plan, systems, "cold"))
+        finally:
+            for w in workers:
+                w.proc.stop()
+    return SystemRun("cold", laters, 0, 0)
+
+
+def system_restart(plan: Plan, model: str, out: Path) -> list[SystemRun]:
+    """The system phase (module docstring): SIGTERM, kill -9, then cold."""
+    from mlxq.worker.tools.bench.runs import say
+    from mlxq.worker.tools.redis_server import RedisServer
+
+    systems = _systems(plan, model)
+    runs = []
+    with RedisServer() as server:
+        for mode in ("sigterm", "kill9"):
+            runs.append(x := _system_restarted(server.url, model, plan, out, mode, systems))
+            say(f"[kvdisk] system ({mode}): TTFT p50 {statistics.median(t.ttft_ms for t in x.requests):.0f} ms, "
+                f"disk hits {x.disk_hits} of {len(x.requests)}, {x.first_entries} entries left")
+        runs.append(x := _system_cold(server.url, model, plan, out, systems))
+        say(f"[kvdisk] system (cold): TTFT p50 {statistics.median(t.ttft_ms for t in x.requests):.0f} ms")
+    return runs
+
+
 # --- the report -------------------------------------------------------------------------------------------
 def markdown(r: Results) -> str:
     lines = [f"# The prefix cache on disk ({r.plan.size} model)", "", f"BLAS: {r.blas}.", ""]
@@ -513,6 +675,8 @@ def markdown(r: Results) -> str:
                   f"{ix.warm_ms:.1f} ms with the files in the page cache, {cold} out of it.", ""]
     if r.restarts:
         lines += _restart_md(r)
+    if r.system:
+        lines += _system_md(r)
     return "\n".join(lines)
 
 
@@ -563,6 +727,38 @@ def _restart_md(r: Results) -> list[str]:
     return [*lines, ""]
 
 
+def _system_md(r: Results) -> list[str]:
+    from tests.perf.affinity import SYSTEM_SHAPE_TOKENS
+
+    p = r.plan
+    lines = ["## Single-turn requests sharing system prompts, the fleet restarted", "",
+             f"{p.system_conversations} system prompts of ~{max(p.restart_system_tokens, SYSTEM_SHAPE_TOKENS)} "
+             "tokens; their first requests at "
+             "once on two workers, each with the tier on in a directory of its own; once the entries are on disk "
+             "both workers are stopped (SIGTERM) or killed (kill -9) and restarted on their directories; then each "
+             f"system prompt's next request (a new question, {p.restart_max_tokens} greedy tokens), one at a time. "
+             "Cold: the same requests on two fresh workers with the tier off.", "",
+             "| run | TTFT p50 ms | worker TTFT p50 ms | disk hits | entries left | cold ÷ this | texts = cold |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for x in r.system:
+        ttft = statistics.median(t.ttft_ms for t in x.requests)
+        worker = statistics.median(t.worker_ttft_ms for t in x.requests)
+        cold = x.mode == "cold"
+        lines.append(f"| {x.mode} | {ttft:.0f} | {worker:.0f} | {'' if cold else f'{x.disk_hits} of {len(x.requests)}'}"
+                     f" | {'' if cold else x.first_entries} | {'' if cold else f'{r.system_speedup(x):.1f}x'} | "
+                     f"{'' if cold else ('same' if r.system_exact(x) else 'differs')} |")
+    lines += ["", "| target | value | limit | |", "|---|---:|---:|---|"]
+    for x in r.system:
+        if x.mode == "cold":
+            continue
+        v, all_hit = r.system_speedup(x), x.disk_hits >= len(x.requests)
+        lines += [f"| TTFT p50 cold ÷ restarted, {x.mode} | {v:.1f}x | ≥ {RESTART_TARGET:g}x | "
+                  f"{'PASS' if v >= RESTART_TARGET else 'MISS'} |",
+                  f"| requests served from disk, {x.mode} | {x.disk_hits} of {len(x.requests)} | all | "
+                  f"{'PASS' if all_hit else 'MISS'} |"]
+    return [*lines, ""]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m tests.perf.kvdisk", description=__doc__)
     ap.add_argument("--out", default="perf-out")
@@ -591,7 +787,8 @@ def main(argv: list[str] | None = None) -> int:
     index = index_scan(plan, str(ensure_model("tiny")), out) if "index" in phases else None
     runs = stream(plan, model, out) if "stream" in phases else []
     restarts = restart(plan, model, out) if "restart" in phases else []
-    result = Results(plan, model, runs, index, blas_of(), restarts)
+    system = system_restart(plan, model, out) if "system" in phases else []
+    result = Results(plan, model, runs, index, blas_of(), restarts, system)
     text = markdown(result)
     (out / "kvdisk.md").write_text(text)
     (out / "kvdisk.json").write_text(json.dumps(_data(result), indent=2))
@@ -606,6 +803,8 @@ def _data(result: Results) -> dict[str, Any]:
     data["target"], data["restart_target"], data["passed"] = TARGET, RESTART_TARGET, result.passed
     data["restart"] = {m: {"ttft_ms": result.ttft_ms(m), "cold_ttft_ms": result.ttft_ms("cold"),
                            "speedup": result.speedup(m), "exact": result.exact(m)} for m in result.modes()}
+    data["system_restart"] = {x.mode: {"speedup": result.system_speedup(x), "exact": result.system_exact(x),
+                                       "disk_hits": x.disk_hits} for x in result.system if x.mode != "cold"}
     return data
 
 

@@ -1,10 +1,13 @@
 -- CLAIM's prefix affinity (api/affinity.py, worker/affinity.py): which of a tenant's read entries CLAIM takes next
--- (head), in place of simply its first. A job record's tail holds its affinity key ("ak":"<hex>", before "et");
+-- (head), in place of simply its first. A job record's tail holds its affinity keys ("ak":"<hex>[,<hex>...]",
+-- deepest first, at most MAX_KEYS (3) of them, before "et": the conversation's, then its system prompt's alone);
 -- each worker advertises the keys its prefix cache has warm, per model, in the set
 -- <prefix>:affkeys:<model>:<worker>, and itself in <prefix>:affholders:<model> scored by when that advertisement
 -- lapses (ms): an advertiser is live until then. An advertiser whose engine is full is also in
 -- <prefix>:afffull:<model> (scored the same way, written only when it fills or frees, rate-limited): its keys'
--- jobs do not wait for it. An entry is "mine" (this worker has its key warm), "wait" (another live worker that is
+-- jobs do not wait for it. An entry's class follows its deepest key that a live advertiser able to take it holds
+-- (a key only full advertisers hold counts only if no shallower key is held by one that is not full): "mine"
+-- (this worker has that key warm), "wait" (another live worker that is
 -- not full has it warm and it became due less than the wait ago: skipped, left queued), "elsewhere" (another has
 -- it warm, but it waited past the bound, or every other advertiser with it is full), "none" (a key no live worker
 -- has warm) or "" (no key, or affinity off: affinity_wait_ms < 0, no worker advertises for the model, or jobs read
@@ -13,8 +16,9 @@
 -- them the conversations' work. head takes the first entry not skipped, unless a "mine" one of at least its
 -- priority (the lead of its score below its enqueue time: api.protocol.keys.queue_score) is among the entries
 -- read: priority, the tenants' shares and the read limit stand; only the order within a tenant's read entries
--- changes. Costs: one ZRANGE of the advertisers, one GETRANGE per entry looked at, one SCARD per live advertiser,
--- one ZRANGEBYSCORE of the full ones (when others advertise), one SISMEMBER per live advertiser and distinct key;
+-- changes. Costs: one ZRANGE of the advertisers, one GETRANGE (KEYS_TAIL bytes) per entry looked at, one SCARD per live
+-- advertiser, one ZRANGEBYSCORE of the full ones (when others advertise), one SISMEMBER per live advertiser and
+-- distinct key looked at (an entry's keys are looked at deepest first until one is held: at most MAX_KEYS each);
 -- no GETRANGE while no live worker advertises a key for the model (an advertiser of no key has no job's key).
 -- Uses claim.lua's now, P and worker_id; took() reports "mine" as "holder" (the wire's Affinity.HOLDER).
 local affinity_wait = tonumber(affinity_wait_ms) or -1
@@ -51,29 +55,40 @@ local function advertisers(m)  -- this worker's key set (if it advertises), the 
   h.fewer = h.mine and fewest ~= nil and fewest < mine_n
   return h
 end
+local function held(h, ak)  -- who holds key ak: 'mine', 'theirs' (another, not full), 'full' (only full ones) or
+  -- 'none'; once per call and key
+  local warm = h.seen[ak]
+  if warm ~= nil then return warm end
+  warm = 'none'
+  if h.mine and redis.call('SISMEMBER', h.mine, ak) == 1 then
+    warm = 'mine'
+  else
+    for _, o in ipairs(h.others) do  -- a full advertiser's key: taken elsewhere at once, unless another has it
+      if redis.call('SISMEMBER', o[1], ak) == 1 then
+        if not o[2] then warm = 'theirs'; break end
+        warm = 'full'
+      end
+    end
+  end
+  h.seen[ak] = warm
+  return warm
+end
 local function affinity(m, s, e)  -- the entry's class (see above), computed once per call
   if e.aff then return e.aff end
   local h = advertisers(m)
   if s.urgent or (not h.mine and #h.others == 0) then return '' end  -- placed as ever (took() tells if keyed)
-  local tail = redis.call('GETRANGE', P .. ':{' .. e[1] .. '}:job', -64, -1)
+  local tail = redis.call('GETRANGE', P .. ':{' .. e[1] .. '}:job', -KEYS_TAIL, -1)
   local et = tonumber(string.match(tail, '"et":(%d+)}$'))
   e.aff, e.lead = '', et and et - e[2] or -math.huge  -- no record (gone, poison): any job may go first
-  local ak = string.match(tail, '"ak":"(%x+)","et":%d+}$')
-  if not ak then return e.aff end
-  local warm = h.seen[ak]
-  if warm == nil then
-    warm = 'none'
-    if h.mine and redis.call('SISMEMBER', h.mine, ak) == 1 then
-      warm = 'mine'
-    else
-      for _, o in ipairs(h.others) do  -- a full advertiser's key: taken elsewhere at once, unless another has it
-        if redis.call('SISMEMBER', o[1], ak) == 1 then
-          if not o[2] then warm = 'theirs'; break end
-          warm = 'full'
-        end
-      end
-    end
-    h.seen[ak] = warm
+  local aks = string.match(tail, '"ak":"([%x,]+)","et":%d+}$')
+  if not aks then return e.aff end
+  local warm, n = 'none', 0
+  for ak in string.gmatch(aks, '%x+') do  -- deepest first: the first key held by one able to take it decides
+    n = n + 1
+    if n > MAX_KEYS then break end
+    local class = held(h, ak)
+    if class == 'mine' or class == 'theirs' then warm = class; break end
+    if class == 'full' then warm = 'full' end
   end
   -- a job another live worker has warm waits for it, one nobody has for the live advertiser of the fewest keys
   -- (so conversations spread over the fleet), from when it became due: enqueued, or deferred to its score

@@ -16,6 +16,9 @@ With a tier on disk (``disk.py``) every stored entry is also handed to its write
 disk holds more of it than memory does, and the entry joins the memory tier at the next fetch. An entry on disk
 carries the affinity keys (``EngineRequest.affinity``, opaque here) of the prompts whose start it holds, so a
 restarted worker knows which keys its disk holds (:meth:`PrefixCache.tagged`) before any of their jobs runs.
+A system prompt's checkpoint whose prompt names a key for it alone (``system_key``: prompts sharing it share it)
+is shared, not one conversation's: it goes to disk at once and stays there (bounded by the tier's budget) even
+when a turn's entry follows, so a restarted worker holds, and advertises, the system prompt's key.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ MIN_TOKENS = 64
 TAG_TOKENS = 256  # a tagged prompt's start: an entry whose tokens begin with it carries the prompt's key
 MAX_TAGGED = 1024  # prompt starts remembered with their keys (least recently fetched dropped first)
 KEYS_PER_START = 8  # keys remembered for one start (conversations sharing a long system prompt)
+MAX_SYSTEM_KEYS = 256  # system prompts' keys remembered (their checkpoints kept on disk)
 
 
 class PrefixCache:
@@ -57,6 +61,7 @@ class PrefixCache:
         self.disk = disk
         # the tagged prompts' starts by their first ``min_tokens`` tokens: {key: start}
         self._tags: OrderedDict[tuple[int, ...], dict[str, tuple[int, ...]]] = OrderedDict()
+        self._system_keys: OrderedDict[str, None] = OrderedDict()  # the tagged keys that name a system prompt
 
     @property
     def nbytes(self) -> int:
@@ -66,13 +71,16 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def fetch(self, tokens: list[int], key: str = "") -> PrefixHit | None:
+    def fetch(self, tokens: list[int], key: str = "", system_key: str = "") -> PrefixHit | None:
         """The longest cached prefix of ``tokens`` (a copy), or None (not counted for short prompts); ``key``
-        (if any) is kept with the entries its prompt's start makes (:meth:`tag`)."""
+        and ``system_key`` (its system prompt's own, if any) are kept with the entries its prompt's start makes
+        (:meth:`tag`)."""
         if len(tokens) <= self.min_tokens:
             return None
         if key:
             self.tag(tokens, key)
+        if system_key:
+            self.tag(tokens, system_key, system=True)
         self._take_arrived()
         cache, rest = self._lru.fetch_nearest_cache(_MODEL, tokens)
         n = len(tokens) - len(rest)
@@ -100,13 +108,22 @@ class PrefixCache:
                 continue
             self._lru.insert_cache(_MODEL, list(e.tokens), e.cache, cache_type=kind)
             if self.disk is not None:
-                # a system prompt's checkpoint waits for its turn's entry, which supersedes it (disk.py)
-                self.disk.save(list(e.tokens), e.cache, kind, e.trimmable, keys=self._keys_of(e.tokens),
-                               defer=kind == "system")
+                # a system prompt's checkpoint waits for its turn's entry, which supersedes it (disk.py), unless
+                # other prompts share it (a key names it): then it is written and kept
+                keys = self._keys_of(e.tokens)
+                shared = kind == "system" and self._names_system(keys)
+                self.disk.save(list(e.tokens), e.cache, kind, e.trimmable, keys=keys,
+                               defer=kind == "system" and not shared, shared=shared)
 
-    def tag(self, prompt: list[int], key: str) -> None:
+    def tag(self, prompt: list[int], key: str, system: bool = False) -> None:
         """Remember ``key`` for ``prompt``'s start: entries stored from here on whose tokens begin with it carry
-        it to disk (bounded: the least recently tagged starts are forgotten)."""
+        it to disk (bounded: the least recently tagged starts are forgotten). ``system``: the key names the
+        prompt's system prompt alone (its checkpoint is shared)."""
+        if system:
+            self._system_keys.pop(key, None)
+            self._system_keys[key] = None
+            while len(self._system_keys) > MAX_SYSTEM_KEYS:
+                self._system_keys.popitem(last=False)
         start = tuple(prompt[:TAG_TOKENS])
         head = start[:self.min_tokens]
         keys = self._tags.setdefault(head, {})
@@ -119,11 +136,16 @@ class PrefixCache:
             self._tags.popitem(last=False)
 
     def _keys_of(self, tokens: list[int]) -> list[str]:
-        """The keys tagged for the starts ``tokens`` begin with."""
+        """The keys tagged for the starts ``tokens`` begin with; a system prompt's key also for an entry that is
+        a part of its start (its checkpoint, when the system prompt is shorter than the start)."""
         keys = self._tags.get(tuple(tokens[:self.min_tokens]))
         if not keys:
             return []
-        return [k for k, start in keys.items() if tuple(tokens[:len(start)]) == start]
+        return [k for k, start in keys.items() if tuple(tokens[:len(start)]) == start
+                or (k in self._system_keys and tuple(tokens) == start[:len(tokens)])]
+
+    def _names_system(self, keys: list[str]) -> bool:
+        return any(k in self._system_keys for k in keys)
 
     def tagged(self) -> list[tuple[str, list[int]]]:
         """The keys the entries on disk carry, each with its entry's tokens, least recently used first."""
@@ -165,8 +187,10 @@ class PrefixCache:
         for kind, order in self._lru._lru._lrus.items():
             for model, tokens in list(order):
                 entry = self._lru._trie.get(model, tokens)
+                keys = self._keys_of(list(tokens))
                 self.disk.save(list(tokens), entry.prompt_cache, kind, SequenceCache(entry.prompt_cache,
-                               list(tokens)).trimmable, bounded=False, keys=self._keys_of(list(tokens)))
+                               list(tokens)).trimmable, bounded=False, keys=keys,
+                               shared=kind == "system" and self._names_system(keys))
 
     def close(self) -> None:
         """Finish the disk's writes (bounded) and stop its threads; blocking, off the MLX thread."""

@@ -15,7 +15,9 @@ A checkpoint of a prompt still being answered (``save(..., defer=True)``: a syst
 before its write: when its turn ends first, the turn's entry (trimmable, so it holds the checkpoint's tokens too)
 supersedes it and it is never written (an entry's shorter prefixes are deleted when it lands anyway). On a stream
 of prompts that never repeat that halves the writes; a worker killed within ``defer_s`` of a first prefill, its
-turn unfinished, loses only that checkpoint (the turn's retry prefills cold), and a graceful stop writes it.
+turn unfinished, loses only that checkpoint (the turn's retry prefills cold), and a graceful stop writes it. A
+*shared* checkpoint (``save(..., shared=True)``: a system prompt other prompts share) is written at once and never
+superseded: a longer entry is one conversation's, the shared prefix many prompts'; only the budget evicts it.
 
 Nothing here runs disk I/O on the model's MLX thread: :meth:`PrefixDisk.save` hands an entry's evaluated
 arrays to a writer thread (dropped when more than ``max_pending`` bytes wait), and :meth:`PrefixDisk.load`
@@ -74,6 +76,7 @@ class _Entry:
     trimmable: bool
     used: float  # last stored or read (the file's mtime)
     keys: tuple[str, ...] = ()  # the caller's keys for it (PrefixCache.tag)
+    shared: bool = False  # never superseded by a longer entry (only evicted)
 
 
 @dataclass(slots=True)
@@ -217,10 +220,10 @@ class PrefixDisk:
             return key in self._index or key in self._pending
 
     def save(self, tokens: list[int], cache: list[Any], kind: str, trimmable: bool, *, bounded: bool = True,
-             keys: Sequence[str] = (), defer: bool = False) -> bool:
+             keys: Sequence[str] = (), defer: bool = False, shared: bool = False) -> bool:
         """Hand an entry (its arrays evaluated) to the writer, with the caller's ``keys`` for it (``defer``: after
-        ``defer_s``, unless an entry saved meanwhile supersedes it); False when it is not written: the tier cannot
-        write, it is there already, or (``bounded``) the writer is too far behind."""
+        ``defer_s``, unless an entry saved meanwhile supersedes it; ``shared``: never superseded); False when it is
+        not written: the tier cannot write, it is there already, or (``bounded``) the writer is too far behind."""
         if not self.writable:
             return False
         key = entry_key(tokens)
@@ -240,8 +243,8 @@ class PrefixDisk:
                 w.timer.cancel()
             self._done(w.key, w.nbytes)
         snapshot = [copy.copy(c) for c in cache]  # the caches' attributes as now; the arrays are shared
-        write = _Write(key, list(tokens), snapshot, Meta(kind, trimmable, tuple(keys)), nbytes)
-        if defer and self.defer_s > 0:
+        write = _Write(key, list(tokens), snapshot, Meta(kind, trimmable, tuple(keys), shared), nbytes)
+        if defer and not shared and self.defer_s > 0:
             write.timer = timer = threading.Timer(self.defer_s, self._submit_deferred, (key,))
             timer.daemon = True
             with self._lock:
@@ -309,12 +312,16 @@ class PrefixDisk:
     def _commit(self, key: str, tokens: list[int], nbytes: int, meta: Meta) -> None:
         """Index a written entry; a trimmable one makes the entries that are its prefixes redundant."""
         with self._lock:
-            self._index[key] = _Entry(tuple(tokens), nbytes, meta.kind, meta.trimmable, time.time(), meta.keys)
+            self._index[key] = _Entry(tuple(tokens), nbytes, meta.kind, meta.trimmable, time.time(), meta.keys,
+                                      meta.shared)
             self._bytes += nbytes
             self._tokens += len(tokens)
             self._trie.add(_TRIE, tokens, key)
             self.counts.writes += 1
             shorter = [k for _, k in self._trie.pop_prefixes(_TRIE, tokens)] if meta.trimmable else []
+            for k in [k for k in shorter if k in self._index and self._index[k].shared]:  # many prompts' prefix
+                shorter.remove(k)
+                self._trie.add(_TRIE, list(self._index[k].tokens), k)
         for k in shorter:
             self._forget(k, delete=True, in_trie=False)
 
@@ -379,7 +386,8 @@ class PrefixDisk:
                 meta, st = read_meta(p), p.stat()
                 found.append((p.name[:-len(SUFFIX)], _Entry(tuple(map(int, meta["tokens"])), st.st_size,
                                                              str(meta["kind"]), bool(meta["trimmable"]),
-                                                             st.st_mtime, tuple(map(str, meta.get("keys", ()))))))
+                                                             st.st_mtime, tuple(map(str, meta.get("keys", ()))),
+                                                             bool(meta.get("shared", False)))))
             except Exception as exc:
                 log.warning("prefix cache on disk: entry %s is unreadable (%s); deleted", p.name, exc)
                 with contextlib.suppress(OSError):

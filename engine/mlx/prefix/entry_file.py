@@ -46,13 +46,17 @@ class Meta:
     kind: str
     trimmable: bool
     keys: tuple[str, ...]
+    shared: bool = False  # a prefix other prompts share (a system prompt's): longer entries never supersede it
 
 
 def write_file(path: Path, tokens: list[int], cache: list[Any], m: Meta) -> int:
     """An entry's whole file at ``path`` (mlx-lm's prompt-cache format, then the trailer), handed to the kernel
     when this returns (or an OSError; not fsynced: see the module docstring); its size."""
     save_prompt_cache(str(path), plain(cache))  # by path: MLX writes the file itself; mlx-lm's classes, to read back
-    meta = json.dumps({"tokens": tokens, "kind": m.kind, "trimmable": m.trimmable, "keys": list(m.keys)}).encode()
+    fields = {"tokens": tokens, "kind": m.kind, "trimmable": m.trimmable, "keys": list(m.keys)}
+    if m.shared:  # only then: a file without it reads as not shared (older files too)
+        fields["shared"] = True
+    meta = json.dumps(fields).encode()
     with open(path, "r+b") as f:
         crc, buf = 0, bytearray(1 << 20)
         view = memoryview(buf)
