@@ -15,13 +15,12 @@ import pytest
 from tests.perf import batch
 from tests.perf.batch import Pair
 
-pytestmark = pytest.mark.unit
-
 
 def args(**kw: object) -> argparse.Namespace:
     return argparse.Namespace(**{"lines": 1000, "max_tokens": 32, "capacity": 32, "window": 256, **kw})
 
 
+@pytest.mark.unit
 def test_the_verdict_is_the_best_batch_over_the_best_raw() -> None:
     pairs = [Pair(100.0, 96.0, 3200, 3200, 33.3), Pair(90.0, 80.0, 3200, 3200, 40.0)]
     md = batch.markdown(args(), "m", pairs, [])
