@@ -15,9 +15,11 @@ import fakeredis
 import pytest
 
 from mlxq.api.batches import LEASE, BatchStatus, BatchStore
+from mlxq.api.batchline import LineError, chunk_lines, parse_line
 from mlxq.api.client import Client
+from mlxq.api.drive import Drive
 from mlxq.api.errors import BadRequest, NotFound
-from mlxq.api.feeder import BatchFeeder, Drive, FeederSettings, LineError, _split, parse_line
+from mlxq.api.feeder import BatchFeeder, FeederSettings
 from mlxq.api.files import FileLimits, FileStore, chunked
 from mlxq.api.protocol.keys import log_entry_id
 from mlxq.api.schema import (
@@ -45,7 +47,7 @@ def test_chunks_end_at_line_ends_and_count_their_lines() -> None:
     chunks, counts = chunked(data, size=256)
     assert b"".join(chunks) == data and len(chunks) > 5
     assert all(c.endswith(b"\n") for c in chunks[:-1])
-    assert [len(_split(c)) for c in chunks] == counts and sum(counts) == 301
+    assert [len(chunk_lines(c)) for c in chunks] == counts and sum(counts) == 301
 
 
 def test_a_line_longer_than_a_chunk_is_one_chunk() -> None:
