@@ -1,5 +1,5 @@
 """A batch line's body, read as the gateway reads the same request sent alone, and its job's end written as the
-gateway would have answered it: the feeder's :class:`~api.feeder.LineCodec`.
+gateway would have answered it: the feeder's :class:`~api.batchline.LineCodec`.
 
 ``/v1/chat/completions`` and ``/v1/completions`` take the endpoints' own parsers and response bodies;
 ``/v1/responses`` the Responses API's (a line may not chain: ``previous_response_id`` is that line's error; it
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from ..batchline import LineError, Prepared
 from ..client import Client
 from ..deltas import Whole
-from ..feeder import LineError, Prepared
 from ..schema import DoneEvent, ErrorCode, ErrorEvent, Event, GenerateRequest
 from .config import GatewayConfig
 from .dialect import Ask

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import UploadFile
@@ -124,18 +124,10 @@ class Batches:
         return JSONResponse(page)
 
     async def file(self, request: Request) -> Response:
-        try:
-            obj = await self.files.get(request.path_params["fid"], self.gw.auth.check(request.headers))
-        except Exception as exc:
-            return self._failed(request, exc)
-        return JSONResponse(obj)
+        return await self._by_id(request, "fid", self.files.get)
 
     async def delete_file(self, request: Request) -> Response:
-        try:
-            obj = await self.files.delete(request.path_params["fid"], self.gw.auth.check(request.headers))
-        except Exception as exc:
-            return self._failed(request, exc)
-        return JSONResponse(obj)
+        return await self._by_id(request, "fid", self.files.delete)
 
     async def content(self, request: Request) -> Response:
         try:
@@ -180,18 +172,23 @@ class Batches:
         return JSONResponse(page)
 
     async def batch(self, request: Request) -> Response:
-        try:
-            obj = await self.batches.get(request.path_params["bid"], self.gw.auth.check(request.headers))
-        except Exception as exc:
-            return self._failed(request, exc)
-        return JSONResponse(obj)
+        return await self._by_id(request, "bid", self.batches.get)
 
     async def cancel(self, request: Request) -> Response:
+        async def cancel(bid: str, tenant: str) -> dict[str, Any]:
+            obj = await self.batches.cancel(bid, tenant)
+            log.info("POST /v1/batches/%s/cancel -> %s", obj["id"], obj["status"])
+            return obj
+        return await self._by_id(request, "bid", cancel)
+
+    async def _by_id(self, request: Request, param: str,
+                     op: Callable[[str, str], Awaitable[dict[str, Any]]]) -> Response:
+        """``op`` on the file or batch the path names (``param``), as the caller's tenant: its answer, or the
+        error's."""
         try:
-            obj = await self.batches.cancel(request.path_params["bid"], self.gw.auth.check(request.headers))
+            obj = await op(request.path_params[param], self.gw.auth.check(request.headers))
         except Exception as exc:
             return self._failed(request, exc)
-        log.info("POST /v1/batches/%s/cancel -> %s", obj["id"], obj["status"])
         return JSONResponse(obj)
 
     def _failed(self, request: Request, exc: Exception) -> Response:

@@ -7,17 +7,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import fakeredis
 import pytest
 
 from mlxq.api.batches import LEASE, BatchStatus, BatchStore
+from mlxq.api.batchline import LineError, chunk_lines, parse_line
 from mlxq.api.client import Client
+from mlxq.api.drive import Drive
 from mlxq.api.errors import BadRequest, NotFound
-from mlxq.api.feeder import BatchFeeder, Drive, FeederSettings, LineError, _split, parse_line
+from mlxq.api.feeder import BatchFeeder, FeederSettings
 from mlxq.api.files import FileLimits, FileStore, chunked
 from mlxq.api.protocol.keys import log_entry_id
 from mlxq.api.schema import (
@@ -25,14 +25,12 @@ from mlxq.api.schema import (
     Event,
     FinishReason,
     GenerateRequest,
-    ModelState,
-    ModelStatus,
     StartEvent,
     Timings,
     TokenEvent,
     Usage,
-    WorkerStatus,
 )
+from tests.api.fake_queue import served_client
 
 pytestmark = pytest.mark.unit
 
@@ -45,7 +43,7 @@ def test_chunks_end_at_line_ends_and_count_their_lines() -> None:
     chunks, counts = chunked(data, size=256)
     assert b"".join(chunks) == data and len(chunks) > 5
     assert all(c.endswith(b"\n") for c in chunks[:-1])
-    assert [len(_split(c)) for c in chunks] == counts and sum(counts) == 301
+    assert [len(chunk_lines(c)) for c in chunks] == counts and sum(counts) == 301
 
 
 def test_a_line_longer_than_a_chunk_is_one_chunk() -> None:
@@ -76,16 +74,8 @@ def test_a_good_line_parses() -> None:
 # --- records --------------------------------------------------------------------------------------------------------
 @pytest.fixture
 async def client() -> AsyncIterator[Client]:
-    redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer())
-    c = Client(prefix="t", redis=redis)
-    now = time.time()
-    status = WorkerStatus(id="w", host="h", pid=1, version="0", started_at=now, updated_at=now,
-                          models=[ModelStatus(name="m", state=ModelState.SERVING, capacity=4)])
-    await redis.set(c.keys.worker("w"), status.model_dump_json())
-    await redis.zadd(c.keys.workers(), {"w": int(now * 1000)})
-    yield c
-    await c.aclose()
-    await redis.aclose()
+    async with served_client(capacity=4) as c:
+        yield c
 
 
 def store_of(client: Client, **limits: Any) -> BatchStore:
@@ -95,6 +85,17 @@ def store_of(client: Client, **limits: Any) -> BatchStore:
 def line(cid: str, prompt: str = "hi", model: str = "m") -> bytes:
     return json.dumps({"custom_id": cid, "method": "POST", "url": URL,
                        "body": {"model": model, "prompt": prompt}}).encode()
+
+
+def lines(n: int) -> bytes:
+    """An input file of ``n`` good lines."""
+    return b"\n".join(line(f"c{i}", f"p{i}") for i in range(n)) + b"\n"
+
+
+async def batch_of(store: BatchStore, data: bytes) -> dict[str, Any]:
+    """A batch (tenant t) of an input file holding ``data``."""
+    fid = (await store.files.create(data, "f", "batch", "t"))["id"]
+    return await store.create(fid, URL, "t")
 
 
 async def test_files_are_their_tenants_and_kept_within_the_limits(client: Client) -> None:
@@ -115,8 +116,7 @@ async def test_files_are_their_tenants_and_kept_within_the_limits(client: Client
 
 async def test_a_status_moves_only_from_the_statuses_named(client: Client) -> None:
     store = store_of(client)
-    fid = (await store.files.create(line("a") + b"\n", "f", "batch", "t"))["id"]
-    b = await store.create(fid, URL, "t")
+    b = await batch_of(store, line("a") + b"\n")
     assert not await store.move(b["id"], (BatchStatus.IN_PROGRESS,), BatchStatus.FINALIZING)
     assert (await store.cancel(b["id"], "t"))["status"] == "cancelling"
     assert (await store.cancel(b["id"], "t"))["status"] == "cancelling"  # again: as it is
@@ -218,8 +218,7 @@ async def settled(store: BatchStore, bid: str, tenant: str = "t") -> dict[str, A
 async def test_the_feeder_keeps_a_window_in_flight_and_records_each_line_once(client: Client) -> None:
     store = store_of(client)
     data = b"\n".join([line(f"c{i}", f"p{i}") for i in range(20)] + [b"{bad", line("c3"), line("c21", "")]) + b"\n"
-    fid = (await store.files.create(data, "f", "batch", "t"))["id"]
-    b = await store.create(fid, URL, "t")
+    b = await batch_of(store, data)
     worker = FakeWorker(client, b["id"])
     feeder = BatchFeeder(client, store, FakeCodec(), FeederSettings(window=3, poll_s=0.01))
     async with running(worker.run()), running(feeder.run()):
@@ -238,9 +237,7 @@ async def test_the_feeder_keeps_a_window_in_flight_and_records_each_line_once(cl
 
 async def test_a_feeder_taking_over_follows_the_lines_in_flight_and_feeds_none_twice(client: Client) -> None:
     store = store_of(client)
-    data = b"\n".join(line(f"c{i}", f"p{i}") for i in range(12)) + b"\n"
-    fid = (await store.files.create(data, "f", "batch", "t"))["id"]
-    bid = (await store.create(fid, URL, "t"))["id"]
+    bid = (await batch_of(store, lines(12)))["id"]
     worker = FakeWorker(client, bid)
     worker.paused = True  # the first feeder's jobs stay queued
     first = BatchFeeder(client, store, FakeCodec(), FeederSettings(window=4, poll_s=0.01, lease_ms=300))
@@ -264,8 +261,7 @@ async def test_a_feeder_taking_over_follows_the_lines_in_flight_and_feeds_none_t
 
 async def test_a_file_that_is_no_jsonl_fails_its_batch(client: Client) -> None:
     store = store_of(client)
-    fid = (await store.files.create(b"not json\nnor this\n", "f", "batch", "t"))["id"]
-    bid = (await store.create(fid, URL, "t"))["id"]
+    bid = (await batch_of(store, b"not json\nnor this\n"))["id"]
     feeder = BatchFeeder(client, store, FakeCodec(), FeederSettings(poll_s=0.01))
     await Drive(feeder, bid).run()
     b = await store.get(bid, "t")
@@ -275,9 +271,7 @@ async def test_a_file_that_is_no_jsonl_fails_its_batch(client: Client) -> None:
 
 async def test_a_cancel_keeps_the_finished_lines_and_ends_the_rest_cancelled(client: Client) -> None:
     store = store_of(client)
-    data = b"\n".join(line(f"c{i}", f"p{i}") for i in range(12)) + b"\n"
-    fid = (await store.files.create(data, "f", "batch", "t"))["id"]
-    bid = (await store.create(fid, URL, "t"))["id"]
+    bid = (await batch_of(store, lines(12)))["id"]
     worker = FakeWorker(client, bid)
     worker.budget = 5  # then the rest stay queued until cancelled
     feeder = BatchFeeder(client, store, FakeCodec(), FeederSettings(window=4, poll_s=0.01))

@@ -7,11 +7,9 @@ test_api_gateway_reset.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import fakeredis
 import pytest
 
 from mlxq.api.client import Client
@@ -26,15 +24,13 @@ from mlxq.api.schema import (
     Event,
     FinishReason,
     GenerateRequest,
-    ModelState,
-    ModelStatus,
     ResetEvent,
     StartEvent,
     Timings,
     TokenEvent,
     Usage,
-    WorkerStatus,
 )
+from tests.api.fake_queue import served_client
 
 pytestmark = pytest.mark.unit
 
@@ -64,16 +60,8 @@ def renumber(events: list[Event]) -> list[Event]:
 
 @pytest.fixture
 async def client() -> AsyncIterator[Client]:
-    redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer())
-    c = Client(prefix="t", redis=redis)
-    now = time.time()
-    status = WorkerStatus(id="w", host="h", pid=1, version="0", started_at=now, updated_at=now,
-                          models=[ModelStatus(name="m", state=ModelState.SERVING, capacity=1)])
-    await redis.set(c.keys.worker("w"), status.model_dump_json())
-    await redis.zadd(c.keys.workers(), {"w": int(now * 1000)})
-    yield c
-    await c.aclose()
-    await redis.aclose()
+    async with served_client(capacity=1) as c:
+        yield c
 
 
 async def run(client: Client, events: list[Event]) -> JobStream:
