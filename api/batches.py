@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
@@ -29,7 +30,8 @@ from .protocol.scripts import Layout, load
 from .schema import PRIORITY_MIN, GenerateRequest
 
 __all__ = [
-    "BATCH_PRIORITY", "ENDPOINTS", "BatchStatus", "BatchStore", "banded", "error_line", "job_id", "output_line",
+    "BATCH_PRIORITY", "ENDPOINTS", "BatchStatus", "BatchStore", "banded", "error_line", "job_id", "jsonl",
+    "output_line",
 ]
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
@@ -229,3 +231,12 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> None:
     for k, v in metadata.items():
         if not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512:
             raise BadRequest("metadata: keys are strings of up to 64 characters, values of up to 512")
+
+
+def jsonl(lines: Sequence[dict[str, Any] | bytes] | bytes | str | Path) -> bytes:
+    """A batch's input as JSONL bytes: given as such, a JSONL file's path, or its lines (dicts or bytes)."""
+    if isinstance(lines, bytes):
+        return lines
+    if isinstance(lines, str | Path):
+        return Path(lines).read_bytes()
+    return b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)

@@ -1,19 +1,15 @@
 """The producer client a web backend uses: submit jobs, follow their events, wait for results, cancel.
 
-Delivery: a reader subscribes to the job's pub/sub channel *first*, then reads the replay log from the
-next seq it needs, and drops duplicates by seq. So a reader that attaches late, or reconnects, gets every
-event exactly once and in order. Silence or a gap in seq triggers another read of the log.
+Following a job's events (exactly once, in seq order, across reconnects) is :mod:`api.follow`'s; an embedding
+job's answer :mod:`api.embeddings`'; batches :mod:`api.batches`'. :class:`Client` is their one front.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,90 +18,41 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from .affinity import affinity_keys
-from .batches import BatchStore
+from .batches import BatchStore, jsonl
 from .config import ClientConfig
-from .connection import Failures, RetryPolicy, client_redis, denied, is_denied, redact, with_retries
-from .deltas import Delta, Deltas, Whole
+from .connection import RetryPolicy, client_redis, denied, is_denied, redact, with_retries
+from .deltas import Delta
+from .embeddings import Embeddings, embedding_inputs, embeddings_of
 from .errors import (
     BadRequest,
     DuplicateJob,
     JobFailed,
     JobNotFound,
-    MlxqError,
     NoWorker,
     QueueFull,
     QueueOutOfMemory,
     QueueUnavailable,
-    WaitTimeout,
     describe,
 )
 from .files import FileStore
+from .follow import Follower, JobView, Result, deltas_of, kept_events, result_of, text_of
 from .protocol import producer
 from .protocol.enqueuer import Enqueuer
-from .protocol.jobrecord import KeptResult, job_record, read_result
-from .protocol.keys import Keys, log_entry_id, queue_score
+from .protocol.jobrecord import KeptResult, job_record
+from .protocol.keys import Keys, queue_score
 from .protocol.producer import Enqueue
 from .registry import ModelInfo, QueueInfo, live_workers, models_of, other_prefixes, queues
-from .schema import (
-    DoneEvent,
-    ErrorEvent,
-    Event,
-    FinishReason,
-    GenerateRequest,
-    StartEvent,
-    Timings,
-    TokenEvent,
-    TokenLogprob,
-    ToolCall,
-    Usage,
-    WorkerStatus,
-    decode_event,
-    decode_vector,
-    is_terminal,
-    job_bytes_limit,
-)
+from .schema import DoneEvent, ErrorEvent, Event, GenerateRequest, WorkerStatus, job_bytes_limit
 from .settings import parse_redis_url
-from .subscriber import Subscriber, Subscription
+from .subscriber import Subscriber
 from .tenants import DEFAULT_TENANT, Policy, TenantUse, check_name, remove, store
 from .tenants import use as tenant_use
 
+# Result, Embeddings, JobView and kept_events live in api.follow and api.embeddings; named here too, as before.
 __all__ = ["Client", "Embeddings", "JobView", "Result", "kept_events"]
 
 JOB_TTL_MS = 86_400_000  # a job record lives a day (arq's default): queued, running and re-run within it
-_RESYNC_S = 1.0  # silence after which a reader re-reads the log (covers lost pub/sub messages)
 _SERVED_FOR_S = 1.0  # a model seen served is taken as served this long without reading the records again
-
-
-@dataclass(frozen=True, slots=True)
-class Result:
-    """A finished job: its text, why it ended, token counts and timings; ``reasoning``: a reasoning model's
-    thinking, apart from the text (a request with ``reasoning="split"``); ``tool_calls``: the calls the model
-    made of the request's tools (``finish_reason`` is then ``tool_calls``)."""
-
-    id: str
-    text: str
-    finish_reason: FinishReason
-    usage: Usage
-    timings: Timings
-    token_ids: list[int] = field(default_factory=list)
-    reasoning: str = ""
-    logprobs: list[TokenLogprob] | None = None  # one per token, for a request with ``logprobs``
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    tenant: str = DEFAULT_TENANT  # whose job it was (``GenerateRequest.tenant``)
-
-
-@dataclass(frozen=True, slots=True)
-class Embeddings:
-    """A finished embedding job: one vector per input, in the inputs' order (each L2-normalised, cut to the
-    request's ``dimensions`` if it gave them); ``usage.prompt_tokens``: its inputs' tokens. A job cancelled before
-    its end (``finish_reason`` cancelled) has no vectors."""
-
-    id: str
-    vectors: list[list[float]]
-    finish_reason: FinishReason
-    usage: Usage
-    timings: Timings
-    tenant: str = DEFAULT_TENANT
 
 
 class Client:
@@ -140,7 +87,7 @@ class Client:
         self._owns_redis = redis is None
         self._redis = client_redis(url, self.retry) if redis is None else redis
         self._enqueuer = Enqueuer(self._redis)
-        self._subscriber: Subscriber | None = None
+        self._follower = Follower(self._redis, self.keys, self.retry, self.where)
         self._served: dict[str, float] = {}  # model -> when a live worker was last seen serving it
         self._checking: dict[str, asyncio.Task[None]] = {}  # model -> the read of the health records under way
 
@@ -157,8 +104,7 @@ class Client:
 
     async def aclose(self) -> None:
         """Close the shared subscription and the connection pool."""
-        if self._subscriber is not None:
-            await self._subscriber.aclose()
+        await self._follower.aclose()
         await self._enqueuer.aclose()
         if self._owns_redis:
             await self._redis.aclose()
@@ -260,7 +206,7 @@ class Client:
         """Upload ``lines`` (request lines ``{custom_id, method, url, body}``, JSONL bytes, or a JSONL file's
         path) as a batch input file and start a batch of them; OpenAI's batch object (``validating``). A gateway's
         feeder (or ``mlxq batches feed``) runs it; :meth:`batch` follows it."""
-        data = _jsonl(lines)
+        data = jsonl(lines)
         name = Path(lines).name if isinstance(lines, str | Path) else "batch.jsonl"
         store = self.batch_store()
         file = await with_retries(lambda: store.files.create(data, name, "batch", self._owner), self.retry,
@@ -343,7 +289,7 @@ class Client:
 
         ``timeout`` bounds the whole wait (:class:`WaitTimeout`). Reconnects on Redis connection errors.
         """
-        async with aclosing(self._events(rid, timeout, None)) as events:  # a reader that stops unsubscribes now
+        async with aclosing(self._follower.events(rid, timeout, None)) as events:  # a reader that stops unsubscribes
             async for ev in events:
                 yield ev
 
@@ -365,91 +311,12 @@ class Client:
         except BaseException:
             await sub.close()
             raise
-        async with aclosing(self._events(req.id, timeout, sub)) as events:
+        async with aclosing(self._follower.events(req.id, timeout, sub)) as events:
             async for ev in events:
                 yield ev
 
-    async def _events(self, rid: str, timeout: float | None, sub: Subscription | None
-                      ) -> AsyncGenerator[Event, None]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        next_seq = 0
-        failures = Failures(self.retry, self.where)
-        patient = sub is not None  # subscribed before its enqueue, the job exists: no need to ask at once
-        while True:
-            try:
-                async with aclosing(self._follow(rid, next_seq, deadline, sub, failures, patient)) as follow:
-                    async for ev in follow:
-                        next_seq = ev.seq + 1
-                        yield ev
-                        if is_terminal(ev):
-                            return
-            except MlxqError:
-                raise
-            except Exception as exc:  # unreachable (retried within the policy's deadline) or refused
-                await failures.failed(exc)
-                _check_deadline(deadline, rid)
-                sub = None  # closed by _follow: resubscribe, then replay
-                patient = True  # Redis may have lost the job: its worker says so within a lease refresh
-
-    async def _follow(self, rid: str, next_seq: int, deadline: float | None, sub: Subscription | None,
-                      failures: Failures, patient: bool) -> AsyncGenerator[Event, None]:
-        """Replay, then live events; a job with neither a record nor a log is unknown (a patient follower
-        asks only after its first wait for live events)."""
-        fresh = sub is not None  # subscribed before the job was enqueued: nothing to replay yet
-        if sub is None:  # each call cut short at the deadline: a Redis that never answers must not hang here
-            sub = await failures.attempt(lambda: self._hub().open(self.keys.events(rid)))
-        try:
-            while True:
-                replayed = [] if fresh else await failures.attempt(functools.partial(self._replay, rid, next_seq))
-                failures.ok()  # Redis answers again: a later failure starts a new deadline
-                if not replayed and not patient and await failures.attempt(lambda: self._vanished(rid)):
-                    kept = await failures.attempt(lambda: self.kept(rid))
-                    if kept is not None:  # its log expired; its result is kept
-                        for ev in kept_events(rid, kept):
-                            if ev.seq >= next_seq:
-                                yield ev
-                        return
-                    raise JobNotFound(f"job {rid} is unknown, or its events expired (they are kept "
-                                      "a few minutes after its end)")
-                fresh = patient = False
-                for ev in replayed:
-                    next_seq = ev.seq + 1
-                    yield ev
-                while (live := await self._live(sub, next_seq, deadline, rid)) is not None:
-                    next_seq += 1
-                    yield live
-        finally:
-            await sub.close()
-
     def _hub(self) -> Subscriber:
-        if self._subscriber is None:
-            self._subscriber = Subscriber(self._redis)
-        return self._subscriber
-
-    async def _live(self, sub: Subscription, next_seq: int, deadline: float | None, rid: str) -> Event | None:
-        """The next event from the channel, if it is the one due (``next_seq``); None on silence or a gap.
-        A coroutine per event, not a generator: one level less for every event to pass through."""
-        while True:
-            _check_deadline(deadline, rid)
-            wait = _RESYNC_S if deadline is None else max(0.0, min(_RESYNC_S, deadline - time.monotonic()))
-            data = await sub.get(wait)
-            if data is None:
-                _check_deadline(deadline, rid)
-                return None  # silence: re-read the log (a message may have been lost)
-            ev = decode_event(data)
-            if ev.seq == next_seq:
-                return ev
-            if ev.seq > next_seq:
-                return None  # a gap: re-read the log
-            # an event already had (read from the log, then published): skip it
-
-    async def _vanished(self, rid: str) -> bool:
-        """Neither queued/running (its job record) nor logged: nothing will ever come."""
-        return not await self._redis.exists(self.keys.job(rid), self.keys.log(rid))
-
-    async def _replay(self, rid: str, from_seq: int) -> list[Event]:
-        entries = await self._redis.xrange(self.keys.log(rid), min=log_entry_id(from_seq))
-        return [decode_event(fields[b"e"]) for _, fields in entries]
+        return self._follower.hub()
 
     async def stream_text(self, rid: str, *, timeout: float | None = None) -> AsyncIterator[str]:
         """Text deltas of job ``rid``; raises :class:`JobFailed` on an error event.
@@ -457,57 +324,35 @@ class Client:
         After a ``reset`` (the job re-ran elsewhere) the text already yielded is skipped when the new run
         repeats it (greedy decoding does); if the new run diverges, :class:`JobFailed` is raised.
         """
-        async for delta in _text(rid, self.events(rid, timeout=timeout)):
+        async for delta in text_of(rid, self.events(rid, timeout=timeout)):
             yield delta
 
     async def stream_deltas(self, rid: str, *, timeout: float | None = None) -> AsyncIterator[Delta]:
         """What job ``rid`` makes, as :class:`~api.deltas.Delta` s: its text, and apart from it its reasoning
         (``reasoning="split"``), log-probabilities (``logprobs``) and tool calls (``tools``), each piece once
         across re-runs as :meth:`stream_text` gives text; raises :class:`JobFailed` on an error event."""
-        async for delta in _deltas(rid, self.events(rid, timeout=timeout)):
+        async for delta in deltas_of(rid, self.events(rid, timeout=timeout)):
             yield delta
 
     async def result(self, rid: str, *, timeout: float | None = None) -> Result:
         """Wait for job ``rid`` to end; its :class:`Result`, or :class:`JobFailed`. Read from its events while
         they are kept (minutes after its end), then from its kept result (its request's ``keep_result_s``, or
         ``MLXQ_KEEP_RESULT``: hours), which has no token ids or log-probabilities."""
-        return await _result(rid, self.events(rid, timeout=timeout))
+        return await result_of(rid, self.events(rid, timeout=timeout))
 
     async def kept(self, rid: str) -> KeptResult | None:
         """Job ``rid``'s kept result, if it ended and its result is still kept (else None)."""
-        data = await with_retries(lambda: self._redis.get(self.keys.result(rid)), self.retry, self.where)
-        if data is None:
-            return None
-        try:
-            return read_result(data)
-        except ValueError:  # an arq result record of an earlier release, without our fields
-            return None
+        return await self._follower.kept(rid)
 
     async def job(self, rid: str) -> JobView:
         """Where job ``rid`` stands now, without waiting (``mlxq job``): ended (its result, or its error),
         running or queued (its text so far), or unknown (never submitted, or nothing of it is kept any more)."""
-        kept = await self.kept(rid)
-        if kept is not None:
-            view = JobView(rid, "done" if kept.end.get("type") == "done" else "failed", kept=kept)
-            return _viewed(view, kept_events(rid, kept))
-
-        async def read() -> tuple[Any, int]:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.xrange(self.keys.log(rid))
-                pipe.exists(self.keys.job(rid))
-                entries, queued = await pipe.execute()
-            return entries, queued
-        entries, queued = await with_retries(read, self.retry, self.where)
-        events = [decode_event(fields[b"e"]) for _, fields in entries]
-        if not events:
-            return JobView(rid, "queued" if queued else "unknown")
-        status = "running" if not is_terminal(events[-1]) else ("done" if events[-1].type == "done" else "failed")
-        return _viewed(JobView(rid, status), events)
+        return await self._follower.job(rid)
 
     async def generate(self, *, timeout: float | None = None, **fields: Any) -> Result:
         """Submit and wait: ``await client.generate(model=..., prompt=..., max_tokens=...)``."""
         req = _request(None, fields)
-        return await _result(req.id, self.submit_and_follow(req, timeout=timeout))
+        return await result_of(req.id, self.submit_and_follow(req, timeout=timeout))
 
     async def embed(self, *, model: str, input: str | list[str] | list[int] | list[list[int]],
                     dimensions: int | None = None, timeout: float | None = None, **fields: Any) -> Embeddings:
@@ -518,12 +363,12 @@ class Client:
         many values and normalised again. Other fields as :class:`GenerateRequest` takes them (``priority``,
         ``tenant``, ...). Raises :class:`JobFailed` when the worker refuses it (an input too long for the model,
         a model that does not embed)."""
-        req = _request(None, {**fields, "model": model, "input": _inputs(input), "dimensions": dimensions})
+        req = _request(None, {**fields, "model": model, "input": embedding_inputs(input), "dimensions": dimensions})
         async for ev in self.submit_and_follow(req, timeout=timeout):
             if isinstance(ev, ErrorEvent):
                 raise JobFailed(ev)
             if isinstance(ev, DoneEvent):
-                return _embeddings(req.id, ev)
+                return embeddings_of(req.id, ev)
         raise AssertionError("unreachable: events() ends with a terminal event")
 
     async def stream(self, *, timeout: float | None = None, **fields: Any) -> AsyncIterator[str]:
@@ -531,7 +376,7 @@ class Client:
         req = _request(None, fields)
         finished = False
         try:
-            async for delta in _text(req.id, self.submit_and_follow(req, timeout=timeout)):
+            async for delta in text_of(req.id, self.submit_and_follow(req, timeout=timeout)):
                 yield delta
             finished = True
         except (BadRequest, DuplicateJob, NoWorker, QueueFull):
@@ -540,106 +385,6 @@ class Client:
         finally:
             if not finished:
                 await asyncio.shield(self.cancel(req.id))
-
-
-@dataclass(slots=True)
-class JobView:
-    """A job as it stands (:meth:`Client.job`): ``status`` queued, running, done, failed or unknown; its text and
-    reasoning so far (its last run's), its end (``done`` or ``error``) once it ended, and its kept result's
-    times if it is read from that."""
-
-    id: str
-    status: str
-    text: str = ""
-    reasoning: str = ""
-    done: DoneEvent | None = None
-    error: ErrorEvent | None = None
-    kept: KeptResult | None = None
-
-
-def _viewed(view: JobView, events: list[Event]) -> JobView:
-    whole = Whole()
-    for ev in events:
-        whole.feed(ev)
-        if isinstance(ev, DoneEvent):
-            view.done = ev
-        elif isinstance(ev, ErrorEvent):
-            view.error = ev
-    view.text, view.reasoning = whole.text, whole.reasoning
-    return view
-
-
-def kept_events(rid: str, kept: KeptResult) -> list[Event]:
-    """A kept result as the events that make it: its start (a job that ran), its text, reasoning and tool calls
-    as one token event, and its terminal event, numbered before it. What a reader of the job's log would have
-    made of it, for the reader that comes after the log expired."""
-    end = decode_event(json.dumps(kept.end))
-    events: list[Event] = []
-    seq = max(0, end.seq - 2)
-    calls = end.tool_calls if isinstance(end, DoneEvent) else None
-    ran = kept.text or kept.reasoning or calls or (isinstance(end, DoneEvent) and end.usage.prompt_tokens > 0)
-    if ran and end.seq >= 2:
-        usage = end.usage.prompt_tokens if isinstance(end, DoneEvent) else 0
-        events.append(StartEvent(id=rid, seq=seq, model="", worker="", prompt_tokens=usage))
-    if kept.text or kept.reasoning or calls:
-        events.append(TokenEvent(id=rid, seq=max(0, end.seq - 1), text=kept.text, token_ids=[], index=0,
-                                 reasoning=kept.reasoning, tool_calls=list(calls) if calls else None))
-    events.append(end)
-    return events
-
-
-async def _deltas(rid: str, events: AsyncIterator[Event]) -> AsyncIterator[Delta]:
-    deltas = Deltas(rid)
-    async for ev in events:
-        if isinstance(ev, ErrorEvent):
-            raise JobFailed(ev)
-        if ev.type == "done":
-            deltas.end(ev.seq)
-            return
-        delta = deltas.feed(ev)
-        if delta is not None:
-            yield delta
-
-
-async def _text(rid: str, events: AsyncIterator[Event]) -> AsyncIterator[str]:
-    async for delta in _deltas(rid, events):
-        if delta.text:
-            yield delta.text
-
-
-async def _result(rid: str, events: AsyncIterator[Event]) -> Result:
-    whole = Whole()
-    async for ev in events:
-        if isinstance(ev, ErrorEvent):
-            raise JobFailed(ev)
-        whole.feed(ev)
-        if isinstance(ev, DoneEvent):
-            return Result(rid, whole.text, ev.finish_reason, ev.usage, ev.timings, whole.token_ids, whole.reasoning,
-                          whole.logprobs, whole.tool_calls, ev.tenant or DEFAULT_TENANT)
-    raise AssertionError("unreachable: events() ends with a terminal event")
-
-
-def _inputs(given: Any) -> Any:
-    """An embedding job's ``input`` as the wire takes it: a list of texts or of token-id lists."""
-    if isinstance(given, str):
-        return [given]
-    if isinstance(given, list) and given and all(isinstance(x, int) for x in given):
-        return [given]
-    return given
-
-
-def _embeddings(rid: str, done: DoneEvent) -> Embeddings:
-    vectors = [decode_vector(v) for v in done.embeddings or ()]
-    return Embeddings(rid, vectors, done.finish_reason, done.usage, done.timings, done.tenant or DEFAULT_TENANT)
-
-
-def _jsonl(lines: Sequence[dict[str, Any] | bytes] | bytes | str | Path) -> bytes:
-    """A batch's input as JSONL bytes."""
-    if isinstance(lines, bytes):
-        return lines
-    if isinstance(lines, str | Path):
-        return Path(lines).read_bytes()
-    return b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)
 
 
 def _where(redis: Redis) -> str:
@@ -661,8 +406,3 @@ def _request(request: Any, fields: dict[str, Any]) -> GenerateRequest:
         return GenerateRequest.model_validate(request if request is not None else fields)
     except ValidationError as exc:
         raise BadRequest(describe(exc)) from None
-
-
-def _check_deadline(deadline: float | None, rid: str) -> None:
-    if deadline is not None and time.monotonic() >= deadline:
-        raise WaitTimeout(f"no terminal event for job {rid} in time")

@@ -15,8 +15,9 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-from .client import Client, kept_events
+from .client import Client
 from .errors import BadRequest, JobNotFound
+from .follow import kept_events
 from .history import recent, series
 from .protocol.jobrecord import read_job
 from .protocol.keys import Keys, model_band

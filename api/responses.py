@@ -26,8 +26,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .client import Client, kept_events
+from .client import Client
 from .connection import with_retries
+from .follow import kept_events
 from .protocol.jobrecord import read_result
 from .schema import Event, decode_event
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from .client import Client, JobView
+from .client import Client
+from .follow import JobView
 from .protocol.keys import band_model, model_band
 from .protocol.notify import eviction_risk, report
 from .registry import ModelInfo, QueueInfo, models_of

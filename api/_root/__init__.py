@@ -18,9 +18,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mlxq.api.client import Client, Embeddings, Result
+    from mlxq.api.client import Client
     from mlxq.api.config import ClientConfig
     from mlxq.api.deltas import Delta
+    from mlxq.api.embeddings import Embeddings
     from mlxq.api.errors import (
         AccessDenied,
         BadRequest,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
         UnexpectedPassword,
         WaitTimeout,
     )
+    from mlxq.api.follow import Result
     from mlxq.api.registry import ModelInfo, QueueInfo
     from mlxq.api.schema import (
         ChatMessage,
@@ -89,12 +91,14 @@ __all__ = [  # grouped by module in _HOMES below
 
 # Where each name lives (the modules the TYPE_CHECKING imports above name; a test holds the two the same).
 _HOMES = {
-    "mlxq.api.client": ("Client", "Embeddings", "Result"),
+    "mlxq.api.client": ("Client",),
     "mlxq.api.config": ("ClientConfig",),
     "mlxq.api.deltas": ("Delta",),
+    "mlxq.api.embeddings": ("Embeddings",),
     "mlxq.api.errors": ("AccessDenied", "BadRequest", "ConfigError", "DuplicateJob", "JobFailed", "JobNotFound",
                         "MlxqError", "NoWorker", "NotFound", "QueueFull", "QueueOutOfMemory", "QueueUnavailable",
                         "UnexpectedPassword", "WaitTimeout"),
+    "mlxq.api.follow": ("Result",),
     "mlxq.api.registry": ("ModelInfo", "QueueInfo"),
     "mlxq.api.schema": ("ChatMessage", "DoneEvent", "ErrorCode", "ErrorEvent", "Event", "FinishReason",
                         "FunctionCall", "FunctionDef", "GenerateRequest", "GrammarFormat", "ImagePart", "ImageURL",

@@ -14,6 +14,7 @@ import fakeredis
 import pytest
 
 import mlxq.api.client as client_mod
+import mlxq.api.follow as follow_mod
 from mlxq.api.client import Client
 from mlxq.api.errors import JobFailed, JobNotFound, WaitTimeout
 from mlxq.api.protocol.keys import CANCEL_TTL_S, log_entry_id
@@ -265,7 +266,7 @@ async def test_gap_in_live_events_recovered_from_log(
 async def test_lost_terminal_event_recovered_after_silence(
     fake_client: Client, fake_worker: FakeWorker, xrange_calls: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_mod, "_RESYNC_S", 0.05)
+    monkeypatch.setattr(follow_mod, "_RESYNC_S", 0.05)
     events = simple_job()
     task = asyncio.create_task(collect(fake_client))
     while not xrange_calls or await fake_worker.subscribers() == 0:

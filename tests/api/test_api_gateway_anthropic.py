@@ -10,7 +10,8 @@ from pathlib import Path
 import anthropic
 import pytest
 
-from mlxq.api.client import Client, Result
+from mlxq.api.client import Client
+from mlxq.api.follow import Result
 from mlxq.api.schema import DoneEvent, FinishReason
 from tests.api.gateway_support import Deployment, ServedGateway, deployment
 

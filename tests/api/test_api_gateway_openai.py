@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from mlxq.api.client import Client, Result
+from mlxq.api.client import Client
+from mlxq.api.follow import Result
 from mlxq.api.schema import DoneEvent, Event, FinishReason
 from mlxq.worker.tools.process import GatewayProcess
 from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, deployment

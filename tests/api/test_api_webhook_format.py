@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from mlxq.api.client import kept_events
+from mlxq.api.follow import kept_events
 from mlxq.api.gateway.webhooks import payload, sign
 from mlxq.api.protocol.jobrecord import read_result, result_record
 from mlxq.api.protocol.notify import WebhookEntry

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from mlxq.api.client import Client, Result
+from mlxq.api.client import Client
 from mlxq.api.errors import install_hint
+from mlxq.api.follow import Result
 from mlxq.api.schema import FinishReason
 from mlxq.worker.tools.process import WorkerProcess
 from tests.peers import PEERS, silent_peer
