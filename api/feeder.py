@@ -84,13 +84,22 @@ class BatchFeeder:
 
     async def run(self) -> None:
         """Look for open batches every ``poll_s`` and drive each one whose lease this feeder takes."""
+        down, first = False, True  # Redis away since the last round that reached it: said once, not every round
         while True:
             try:
                 await self.poll()
+                if down:
+                    log.info("batch feeder %s: Redis answers again", self.id)
+                down = False
             except MlxqError as exc:
                 log.warning("batch feeder %s: %s", self.id, exc)
             except Exception as exc:  # Redis away: try again next round
-                log.warning("batch feeder %s: Redis: %r", self.id, exc)
+                if not down:
+                    # at start the gateway has warned already (one line: app.py's check)
+                    log.log(logging.INFO if first else logging.WARNING,
+                            "batch feeder %s: Redis: %r; trying again every %.0f s", self.id, exc, self.settings.poll_s)
+                down = True
+            first = False
             await asyncio.sleep(self.settings.poll_s)
 
     async def poll(self) -> None:
