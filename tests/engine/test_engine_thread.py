@@ -133,12 +133,12 @@ class Outputs:
         await asyncio.wait_for(all_done(), timeout)
 
 
-def make_engine(delay: float = 0.05, stream_interval_s: float = 0.0, clock: Callable[[], float] = time.monotonic
-                ) -> tuple[Engine, SlowBackend, EntryCounter, Outputs]:
+def make_engine(delay: float = 0.05, stream_interval_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
+                capacity: int = 4) -> tuple[Engine, SlowBackend, EntryCounter, Outputs]:
     counter = EntryCounter()
     backend = SlowBackend(counter, delay)
     outputs = Outputs(asyncio.get_running_loop())
-    scheduler = Scheduler(backend, capacity=4, new_detokenizer=Detok)
+    scheduler = Scheduler(backend, capacity=capacity, new_detokenizer=Detok)
     engine = Engine(MLXThread("test-mlx"), scheduler, outputs.sink, stream_interval_s=stream_interval_s, clock=clock)
     return engine, backend, counter, outputs
 
@@ -360,8 +360,7 @@ async def test_announced_requests_that_never_come_do_not_stall_the_engine() -> N
 
 
 async def test_idle_engine_waits_for_no_more_than_one_prefill_batch() -> None:
-    engine, backend, _, outputs = make_engine(delay=0.001)
-    engine.scheduler.capacity = 8
+    engine, backend, _, outputs = make_engine(delay=0.001, capacity=8)
     try:
         engine.expect(20, within_s=60.0)  # 12 of them are still on their way when the first 8 are in
         rids = [f"r{i}" for i in range(8)]  # the default prefill batch
