@@ -76,7 +76,7 @@ def worker_tool(name: str) -> Callable[..., Any]:
     missing = [module for module in _WORKER_NEEDS if importlib.util.find_spec(module) is None]
     if missing:
         raise MissingTool(f"'{name}' needs the worker extra (No module named {missing[0]!r}): "
-                           f"{install_hint('worker')}")
+                          f"{install_hint('worker')}")
     return tool
 
 
