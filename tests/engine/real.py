@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
+from mlxq.engine.core.request import EngineRequest, RequestOutput
 from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.mlx.loader import EngineOptions, start_engine
 from tests.engine.fakes import Run
 
 
@@ -19,3 +23,38 @@ def drive(s: Scheduler, run: Run, stream: mx.Stream, until: Any = None, steps: i
                 return
             run.step(s)
     raise AssertionError("did not finish")
+
+
+class Outputs:
+    """Every request's outputs, gathered on the event loop from the engine's MLX thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.run = Run()
+        self.changed = asyncio.Event()
+
+    def sink(self, outs: list[RequestOutput]) -> None:  # on the MLX thread
+        self.loop.call_soon_threadsafe(self._add, outs)
+
+    def _add(self, outs: list[RequestOutput]) -> None:
+        self.run.feed(outs)
+        self.changed.set()
+
+    async def finished(self, rid: str) -> None:
+        async with asyncio.timeout(60):
+            while not any(o.finish is not None for o in self.run.outputs.get(rid, [])):
+                self.changed.clear()
+                await self.changed.wait()
+
+
+async def on_disk(path: Path, options: EngineOptions, outputs: Outputs, first: EngineRequest) -> None:
+    """Run ``first`` on a fresh engine with the disk tier ``options`` name, until its entries are on disk (the
+    writer flushed), and close that engine: the next engine on the same directory starts warm from disk alone."""
+    engine, _ = await start_engine(str(path), outputs.sink, options)
+    try:
+        engine.add(first)
+        await outputs.finished(first.rid)
+        disk = engine.scheduler.prefix_cache.disk  # type: ignore[union-attr]
+        assert await asyncio.to_thread(disk.flush)
+    finally:
+        await engine.aclose()

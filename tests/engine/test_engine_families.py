@@ -6,7 +6,6 @@ mlx-lm alone (a strict xfail): when it passes, drop mlxq's correction (engine/ml
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -15,14 +14,14 @@ import mlx.core as mx
 import pytest
 
 from mlxq.engine.core.prompt import encode_prompt_with_boundary
-from mlxq.engine.core.request import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from mlxq.engine.core.request import EngineRequest, FinishReason, SamplingParams
 from mlxq.engine.core.scheduler import Scheduler
 from mlxq.engine.mlx.batch import MLXBatch
 from mlxq.engine.mlx.loader import EngineOptions, load_model, start_engine
 from mlxq.engine.mlx.prefix.cache import PrefixCache
 from mlxq.worker.tools.tinymodel import FAMILIES, corpus, ensure_model
 from tests.engine.fakes import Run
-from tests.engine.real import drive
+from tests.engine.real import Outputs, drive, on_disk
 from tests.support import reference, reference_text
 
 pytestmark = pytest.mark.unit
@@ -224,42 +223,13 @@ def test_across_a_preemption_mid_prefill(lm: Any, ours: Any, stream: mx.Stream) 
     expect_exact(run, lm, "urgent", urgent)
 
 
-class Outputs:
-    """Every request's outputs, gathered on the event loop from the engine's MLX thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.run = Run()
-        self.changed = asyncio.Event()
-
-    def sink(self, outs: list[RequestOutput]) -> None:  # on the MLX thread
-        self.loop.call_soon_threadsafe(self._add, outs)
-
-    def _add(self, outs: list[RequestOutput]) -> None:
-        self.run.feed(outs)
-        self.changed.set()
-
-    async def finished(self, rid: str) -> None:
-        async with asyncio.timeout(60):
-            while not any(o.finish is not None for o in self.run.outputs.get(rid, [])):
-                self.changed.clear()
-                await self.changed.wait()
-
-
 async def test_after_a_restart_from_the_disk_tier(lm: Any, path: Path, tmp_path: Path) -> None:
     options = EngineOptions(capacity=4, prefill_step_size=PREFILL_STEP, prefix_cache_bytes=64 << 20,
                             kv_disk_bytes=64 << 20, kv_dir=str(tmp_path))
     outputs = Outputs()
     tokenizer = lm[1]
     first = chat(tokenizer, "turn-1", "What is a queue?")
-    engine, _ = await start_engine(str(path), outputs.sink, options)
-    try:
-        engine.add(first)
-        await outputs.finished(first.rid)
-        disk = engine.scheduler.prefix_cache.disk  # type: ignore[union-attr]
-        assert await asyncio.to_thread(disk.flush)
-    finally:
-        await engine.aclose()
+    await on_disk(path, options, outputs, first)
     turn = next_turn(tokenizer, "turn-2", first, outputs.run.tokens(first.rid))
     engine, _ = await start_engine(str(path), outputs.sink, options)  # a fresh engine, its memory empty
     try:

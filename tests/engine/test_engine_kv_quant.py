@@ -12,7 +12,6 @@ another computation, not a numerical difference; :func:`test_mlx_lm_quantizes_af
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
@@ -37,7 +36,7 @@ from mlxq.engine.mlx.prefix.directory import layout_key
 from mlxq.engine.mlx.quantized_cache import KVQuant, QuantizedRowCache, check_model
 from mlxq.worker.tools.tinymodel import FAMILIES, SIZES, corpus, ensure_model
 from tests.engine.fakes import Run
-from tests.engine.test_engine_families import Outputs
+from tests.engine.real import Outputs, on_disk
 from tests.support import reference
 
 pytestmark = pytest.mark.unit
@@ -180,14 +179,7 @@ async def test_the_disk_tier_keeps_quantized_entries_across_a_restart(lm: Any, p
                             kv_disk_bytes=64 << 20, kv_dir=str(tmp_path), kv_quant=quant)
     outputs = Outputs()
     first = EngineRequest("turn-1", words(lm[1], 80, 7), SamplingParams(max_tokens=MAX_TOKENS))  # worth caching
-    engine, _ = await start_engine(str(path), outputs.sink, options)
-    try:
-        engine.add(first)
-        await outputs.finished(first.rid)
-        disk = engine.scheduler.prefix_cache.disk  # type: ignore[union-attr]
-        assert await asyncio.to_thread(disk.flush)
-    finally:
-        await engine.aclose()
+    await on_disk(path, options, outputs, first)
     tokens = first.prompt_tokens + outputs.run.tokens(first.rid) + words(lm[1], 9, 8)
     turn = EngineRequest("turn-2", tokens, SamplingParams(max_tokens=MAX_TOKENS))
     engine, _ = await start_engine(str(path), outputs.sink, options)  # a fresh engine, its memory empty

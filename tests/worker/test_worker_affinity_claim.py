@@ -6,7 +6,6 @@ different priority."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aredis
@@ -25,13 +24,6 @@ pytestmark = pytest.mark.e2e
 KEYS = Keys("mlxq")
 MODEL = "m"
 LONG_WAIT_MS = 60_000  # longer than any test: a job skipped for another holder stays skipped
-
-
-@pytest.fixture
-async def r(redis_url: str) -> AsyncIterator[aredis.Redis]:
-    conn = aredis.Redis.from_url(redis_url)
-    yield conn
-    await conn.aclose()
 
 
 def worker(r: aredis.Redis, name: str, wait_ms: int = LONG_WAIT_MS) -> Transitions:

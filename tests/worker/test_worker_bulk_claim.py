@@ -5,7 +5,6 @@ tenants within the band, and a worker's claim passes its bulk queue with the roo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aredis
@@ -22,13 +21,6 @@ pytestmark = pytest.mark.e2e
 
 KEYS = Keys("mlxq")
 MODEL = "m"
-
-
-@pytest.fixture
-async def r(redis_url: str) -> AsyncIterator[aredis.Redis]:
-    conn = aredis.Redis.from_url(redis_url)
-    yield conn
-    await conn.aclose()
 
 
 async def submit(client: Client, **fields: object) -> str:

@@ -243,7 +243,10 @@ def _check_chaos(stamped: dict[str, list[tuple[float, Event]]], specs: list[tupl
 async def test_soak_2000_jobs_leaves_redis_at_baseline_and_rss_flat(tiny_model: Path, tmp_path: Path,
                                                                     redis_url: str) -> None:
     env = {"MLXQ_MODEL": str(tiny_model), "MLXQ_MODEL_NAME": "tiny", "MLXQ_REDIS_URL": redis_url,
-           "MLXQ_BATCH_CAPACITY": "32", "MLXQ_DONE_TTL": "3", "MLXQ_KEEP_RESULT": "3"}
+           "MLXQ_BATCH_CAPACITY": "32", "MLXQ_DONE_TTL": "3", "MLXQ_KEEP_RESULT": "3",
+           # a disk tier of its own: the session's shared one holds earlier tests' keyed entries, which a starting
+           # worker advertises (its baseline would then depend on the tests run before it)
+           "MLXQ_KV_DIR": str(tmp_path / "kv")}
     worker = WorkerProcess(env, tmp_path / "soak.log").start()
     r = aredis.Redis.from_url(redis_url)
     try:

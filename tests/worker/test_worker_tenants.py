@@ -8,7 +8,6 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -31,13 +30,6 @@ pytestmark = pytest.mark.e2e
 
 KEYS = Keys("mlxq")
 MODEL = "m"
-
-
-@pytest.fixture
-async def r(redis_url: str) -> AsyncIterator[aredis.Redis]:
-    conn = aredis.Redis.from_url(redis_url)
-    yield conn
-    await conn.aclose()
 
 
 def worker(r: aredis.Redis, name: str = "w1", lease_s: float = 30.0) -> Transitions:
