@@ -14,9 +14,7 @@ from mlxq.api.affinity import affinity_keys
 from mlxq.api.client import Client
 from mlxq.api.protocol.claim import Affinity
 from mlxq.api.schema import GenerateRequest
-from tests.worker.test_worker_affinity_claim import KEYS, MODEL, Advertiser, claim, r, worker, written
-
-__all__ = ["r"]  # the fixture, shared with the one-depth tests
+from tests.worker.test_worker_affinity_claim import KEYS, MODEL, Advertiser, claim, worker, written
 
 pytestmark = pytest.mark.e2e
 
