@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from mlxq.engine.core.request import EngineRequest, RequestOutput
 from mlxq.engine.core.scheduler import Scheduler
+from mlxq.engine.core.stats import EngineStats
 from mlxq.engine.mlx.loader import EngineOptions, start_engine
 from tests.engine.fakes import Run
 
@@ -56,5 +57,17 @@ async def on_disk(path: Path, options: EngineOptions, outputs: Outputs, first: E
         await outputs.finished(first.rid)
         disk = engine.scheduler.prefix_cache.disk  # type: ignore[union-attr]
         assert await asyncio.to_thread(disk.flush)
+    finally:
+        await engine.aclose()
+
+
+async def from_disk(path: Path, options: EngineOptions, outputs: Outputs, turn: EngineRequest) -> EngineStats:
+    """Run ``turn`` on a fresh engine (its memory empty: what it reuses comes from the disk tier ``options``
+    name) and close it; its stats."""
+    engine, _ = await start_engine(str(path), outputs.sink, options)
+    try:
+        engine.add(turn)
+        await outputs.finished(turn.rid)
+        return engine.stats
     finally:
         await engine.aclose()

@@ -17,11 +17,11 @@ from mlxq.engine.core.prompt import encode_prompt_with_boundary
 from mlxq.engine.core.request import EngineRequest, FinishReason, SamplingParams
 from mlxq.engine.core.scheduler import Scheduler
 from mlxq.engine.mlx.batch import MLXBatch
-from mlxq.engine.mlx.loader import EngineOptions, load_model, start_engine
+from mlxq.engine.mlx.loader import EngineOptions, load_model
 from mlxq.engine.mlx.prefix.cache import PrefixCache
 from mlxq.worker.tools.tinymodel import FAMILIES, corpus, ensure_model
 from tests.engine.fakes import Run
-from tests.engine.real import Outputs, drive, on_disk
+from tests.engine.real import Outputs, drive, from_disk, on_disk
 from tests.support import reference, reference_text
 
 pytestmark = pytest.mark.unit
@@ -231,13 +231,7 @@ async def test_after_a_restart_from_the_disk_tier(lm: Any, path: Path, tmp_path:
     first = chat(tokenizer, "turn-1", "What is a queue?")
     await on_disk(path, options, outputs, first)
     turn = next_turn(tokenizer, "turn-2", first, outputs.run.tokens(first.rid))
-    engine, _ = await start_engine(str(path), outputs.sink, options)  # a fresh engine, its memory empty
-    try:
-        engine.add(turn)
-        await outputs.finished(turn.rid)
-        stats = engine.stats
-    finally:
-        await engine.aclose()
+    stats = await from_disk(path, options, outputs, turn)
     assert stats.prefix_disk_hits == 1 and stats.prefix_disk_errors == 0
     assert stats.prefix_tokens_saved == len(first.prompt_tokens) + MAX_TOKENS  # the whole first conversation
     for r in (first, turn):

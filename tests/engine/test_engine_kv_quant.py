@@ -36,7 +36,7 @@ from mlxq.engine.mlx.prefix.directory import layout_key
 from mlxq.engine.mlx.quantized_cache import KVQuant, QuantizedRowCache, check_model
 from mlxq.worker.tools.tinymodel import FAMILIES, SIZES, corpus, ensure_model
 from tests.engine.fakes import Run
-from tests.engine.real import Outputs, on_disk
+from tests.engine.real import Outputs, from_disk, on_disk
 from tests.support import reference
 
 pytestmark = pytest.mark.unit
@@ -182,13 +182,7 @@ async def test_the_disk_tier_keeps_quantized_entries_across_a_restart(lm: Any, p
     await on_disk(path, options, outputs, first)
     tokens = first.prompt_tokens + outputs.run.tokens(first.rid) + words(lm[1], 9, 8)
     turn = EngineRequest("turn-2", tokens, SamplingParams(max_tokens=MAX_TOKENS))
-    engine, _ = await start_engine(str(path), outputs.sink, options)  # a fresh engine, its memory empty
-    try:
-        engine.add(turn)
-        await outputs.finished(turn.rid)
-        stats = engine.stats
-    finally:
-        await engine.aclose()
+    stats = await from_disk(path, options, outputs, turn)
     assert stats.prefix_disk_hits == 1 and stats.prefix_disk_errors == 0
     assert stats.prefix_tokens_saved == len(first.prompt_tokens) + MAX_TOKENS
     for r in (first, turn):
