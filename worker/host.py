@@ -130,7 +130,7 @@ class WorkerHost:
             loop.call_soon_threadsafe(host.runs.feed, outs)
 
         host.sink = sink
-        # MLX's process-global limits, set once before any engine exists (engine/mlx_process.py)
+        # MLX's process-global limits, set once before any engine exists (engine/mlx/process.py)
         mlx_process(MLXLimits(*host.config.mlx_limits))
         for service in host.services.values():  # one at a time: each materializes its arrays on its own thread
             if not service.served.loadable:  # (loadable ones load when their jobs wait: worker/ondemand.py)
@@ -243,7 +243,7 @@ class WorkerHost:
 
     async def _read_queues(self) -> None:
         """The depth of each served model's queues, per tenant, and each tenant's running jobs (for the
-        metrics), and those tenants' weights (their jobs' weights in the engines: engine/shares.py), once a
+        metrics), and those tenants' weights (their jobs' weights in the engines: engine/core/shares.py), once a
         heartbeat."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for name in self.services:
@@ -300,7 +300,7 @@ class WorkerHost:
         """CLAIM's arguments: each queue up to its engine's room, and a full engine one job that outranks its
         running sequences (it starts at once, preempting one of them: priority is no use if it waits in Redis),
         or one job of a tenant below its share there (it starts at once in the place of a job of a tenant above
-        it, engine/shares.py: between tenants the share decides, and a job waiting in Redis behind another
+        it, engine/core/shares.py: between tenants the share decides, and a job waiting in Redis behind another
         tenant's flood would get no share). Each model's bulk queue takes what room its interactive queues leave
         (the same quota, counted once by CLAIM), and nothing from a full engine."""
         quotas = {service.queue: min(free, service.room()) for service in self.services.values()}

@@ -190,7 +190,7 @@ class ModelService:
 
     def below_share(self) -> BelowShare | None:
         """What a queued job's tenant must be for this model's full engine to take it now: below its share of the
-        batch, so it starts at once in the place of a running job of a tenant above it (engine/shares.py); None
+        batch, so it starts at once in the place of a running job of a tenant above it (engine/core/shares.py); None
         when the engine has room, or no such job could start now. Each tenant's jobs count its running ones and
         those on their way or waiting unstarted, so a claim takes no more than the share has room for."""
         engine = self.engine

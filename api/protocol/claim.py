@@ -102,7 +102,7 @@ class Outranking:
 @dataclass(frozen=True, slots=True)
 class BelowShare:
     """What a queued job's tenant must be for a full engine to take it: below its share of the batch
-    (engine/shares.py), its load there once the job runs, (running there + 1) ÷ its weight, at most ``spare``
+    (engine/core/shares.py), its load there once the job runs, (running there + 1) ÷ its weight, at most ``spare``
     (the most loaded running tenant's load less one job); it then starts at once in that tenant's place.
     ``running``: each tenant's jobs running in that engine."""
 

@@ -42,7 +42,7 @@ def to_engine_request(
     takes them; its text split by its think markers and the model's ``tool_markers``, if any. It arrived when it
     was enqueued (``enqueue_ms``, epoch ms; now if 0), so its priority ages in the engine from then, as it did in
     the queue. Its tenant is its engine group, of ``weight`` (the tenant's): tenants share the batch by weight
-    (engine/shares.py). A bulk job (``req.bulk``) is of :data:`BULK_PRIORITY` in the engine, in its bulk band
+    (engine/core/shares.py). A bulk job (``req.bulk``) is of :data:`BULK_PRIORITY` in the engine, in its bulk band
     (aging never lifts it above an interactive one)."""
     params = SamplingParams(
         max_tokens=prompt.max_tokens,

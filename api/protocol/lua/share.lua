@@ -1,4 +1,4 @@
--- CLAIM's fair share across tenants (api/tenants.py, engine/shares.py). A model's jobs wait on one queue per
+-- CLAIM's fair share across tenants (api/tenants.py, engine/core/shares.py). A model's jobs wait on one queue per
 -- tenant (api.protocol.keys.Keys.queue), and <prefix>:backlog:<model> lists the tenants that may have some queued.
 -- Start-time fair queuing over work (as VTC): each (model, tenant) has a virtual work account in
 -- <prefix>:share:<model>: tokens (prompt + generated) of its ended jobs ÷ its weight, charged when a job ends
