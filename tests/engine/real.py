@@ -8,10 +8,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxq.engine.core.request import EngineRequest, RequestOutput
+from mlxq.engine.core.request import EngineRequest, RequestOutput, SamplingParams
 from mlxq.engine.core.scheduler import Scheduler
 from mlxq.engine.core.stats import EngineStats
 from mlxq.engine.mlx.loader import EngineOptions, start_engine
+from mlxq.worker.tools.tinymodel import corpus
 from tests.engine.fakes import Run
 
 
@@ -71,3 +72,21 @@ async def from_disk(path: Path, options: EngineOptions, outputs: Outputs, turn: 
         return engine.stats
     finally:
         await engine.aclose()
+
+
+def preempt_for_high(s: Scheduler, run: Run, stream: mx.Stream, low: list[list[int]], high: list[int],
+                     max_tokens: int) -> None:
+    """The preemption scenario: ``low`` (two rows, ``low0`` and ``low1``, of 3 x ``max_tokens`` each) fill a batch
+    of two; once ``low1`` has made ``max_tokens``, ``high`` (priority 1, ``max_tokens``) arrives and takes a row's
+    place; then every request runs to its end."""
+    for i, p in enumerate(low):
+        s.add(EngineRequest(f"low{i}", p, SamplingParams(max_tokens=3 * max_tokens)))
+    drive(s, run, stream, until=lambda: len(run.tokens("low1")) >= max_tokens)
+    s.add(EngineRequest("high", high, SamplingParams(max_tokens=max_tokens), priority=1))
+    drive(s, run, stream)
+
+
+def words(tokenizer: Any, n: int, seed: int = 0) -> list[int]:
+    """``n`` tokens of the generated models' corpus: varied text (a random model given a repetitive prompt soon
+    repeats one token, and a comparison of such outputs says little)."""
+    return list(tokenizer.encode(" ".join(corpus(seed + 1, n_lines=n))))[:n]

@@ -19,9 +19,9 @@ from mlxq.engine.core.scheduler import Scheduler
 from mlxq.engine.mlx.batch import MLXBatch
 from mlxq.engine.mlx.loader import EngineOptions, load_model
 from mlxq.engine.mlx.prefix.cache import PrefixCache
-from mlxq.worker.tools.tinymodel import FAMILIES, corpus, ensure_model
+from mlxq.worker.tools.tinymodel import FAMILIES, ensure_model
 from tests.engine.fakes import Run
-from tests.engine.real import Outputs, drive, from_disk, on_disk
+from tests.engine.real import Outputs, drive, from_disk, on_disk, preempt_for_high, words
 from tests.support import reference, reference_text
 
 pytestmark = pytest.mark.unit
@@ -84,12 +84,6 @@ def scheduler(ours: Any, stream: mx.Stream, capacity: int = 4, prefix: PrefixCac
                      prefill_step_size=PREFILL_STEP, stream=stream)
     return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer, prefix_cache=prefix)
 
-
-
-def words(tokenizer: Any, n: int, seed: int = 0) -> list[int]:
-    """``n`` tokens of the generated models' corpus: varied text (a random model given a repetitive prompt soon
-    repeats one token, and a comparison of such outputs says little)."""
-    return list(tokenizer.encode(" ".join(corpus(seed + 1, n_lines=n))))[:n]
 
 
 def ragged(tokenizer: Any) -> list[list[int]]:
@@ -192,12 +186,8 @@ def test_across_a_preemption(family: str, lm: Any, ours: Any, stream: mx.Stream)
     tokenizer = ours[1]
     s, run = scheduler(ours, stream, capacity=2), Run()
     low = [words(tokenizer, 9, 1), words(tokenizer, 40, 2)]
-    for i, p in enumerate(low):
-        s.add(EngineRequest(f"low{i}", p, SamplingParams(max_tokens=3 * MAX_TOKENS)))
-    drive(s, run, stream, until=lambda: len(run.tokens("low1")) >= MAX_TOKENS)
     high = words(tokenizer, 20, 6)
-    s.add(EngineRequest("high", high, SamplingParams(max_tokens=MAX_TOKENS), priority=1))
-    drive(s, run, stream)
+    preempt_for_high(s, run, stream, low, high, MAX_TOKENS)
     resumed = family not in UNTRIMMABLE  # else its cache cannot be taken back to its last token: recomputed
     assert (s.stats.preemptions, s.stats.resumes, s.stats.recomputes) == (1, int(resumed), int(not resumed))
     for i, p in enumerate(low):

@@ -34,9 +34,9 @@ from mlxq.engine.mlx.memory import measure_layout
 from mlxq.engine.mlx.prefix.cache import PrefixCache
 from mlxq.engine.mlx.prefix.directory import layout_key
 from mlxq.engine.mlx.quantized_cache import KVQuant, QuantizedRowCache, check_model
-from mlxq.worker.tools.tinymodel import FAMILIES, SIZES, corpus, ensure_model
+from mlxq.worker.tools.tinymodel import FAMILIES, SIZES, ensure_model
 from tests.engine.fakes import Run
-from tests.engine.real import Outputs, from_disk, on_disk
+from tests.engine.real import Outputs, from_disk, on_disk, preempt_for_high, words
 from tests.support import reference
 
 pytestmark = pytest.mark.unit
@@ -86,10 +86,6 @@ def oracle(lm: Any, prompt: list[int], quant: KVQuant, n: int = MAX_TOKENS, *, f
             break
         out.append(int(tok))
     return out
-
-
-def words(tokenizer: Any, n: int, seed: int = 0) -> list[int]:
-    return list(tokenizer.encode(" ".join(corpus(seed + 1, n_lines=n))))[:n]
 
 
 def scheduler(ours: Any, stream: mx.Stream, quant: KVQuant, capacity: int = 4,
@@ -161,12 +157,8 @@ def test_a_preempted_quantized_row_resumes_exactly(lm: Any, ours: Any, stream: m
     tokenizer = ours[1]
     s, run = scheduler(ours, stream, quant, capacity=2), Run()
     low = [words(tokenizer, 9, 1), words(tokenizer, 40, 2)]
-    for i, p in enumerate(low):
-        s.add(EngineRequest(f"low{i}", p, SamplingParams(max_tokens=3 * MAX_TOKENS)))
-    drive(s, run, stream, until=lambda: len(run.tokens("low1")) >= MAX_TOKENS)
     high = words(tokenizer, 20, 6)
-    s.add(EngineRequest("high", high, SamplingParams(max_tokens=MAX_TOKENS), priority=1))
-    drive(s, run, stream)
+    preempt_for_high(s, run, stream, low, high, MAX_TOKENS)
     assert (s.stats.preemptions, s.stats.resumes, s.stats.recomputes) == (1, 1, 0)  # its parked cache, no recompute
     for i, p in enumerate(low):
         expect_exact(run, lm, quant, f"low{i}", p, 3 * MAX_TOKENS)
