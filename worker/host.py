@@ -32,7 +32,6 @@ from mlxq.api.connection import redis_client
 from mlxq.api.protocol.claim import BelowShare, Due, DueEntry, EntryStatus, Outranking
 from mlxq.api.protocol.emit import LogTTL
 from mlxq.api.protocol.jobrecord import Envelope, read_job
-from mlxq.api.protocol.keys import model_band
 from mlxq.api.protocol.notify import eviction_risk
 from mlxq.api.schema import DEFAULT_TENANT, ErrorCode, ModelState, WorkerStatus, is_terminal
 from mlxq.api.schema.requests import MAX_KEEP_RESULT_S
@@ -286,7 +285,7 @@ class WorkerHost:
         due = await self.transitions.claim(*self._quotas(free))
         await self._put_aside(due)
         started = [entry for entry in due.entries if entry.status is EntryStatus.STARTED]
-        by_model = {entry.rid: self.services[model_band(self.keys.queue_of(entry.queue)[0])[0]] for entry in started}
+        by_model = {entry.rid: self.services[entry.model] for entry in started}
         for entry in started:
             self.affinity.model(by_model[entry.rid].name)
             self.affinity.placements[by_model[entry.rid].name].add(entry.affinity)

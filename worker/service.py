@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from mlxq.api.protocol.claim import BelowShare, DueEntry, Outranking
-from mlxq.api.protocol.keys import model_band
 from mlxq.api.schema import PRIORITY_MAX, ModelState, ModelStatus
 from mlxq.engine.core.engine import Engine, Sink
 from mlxq.engine.core.request import EngineRequest
@@ -235,7 +234,7 @@ class ModelService:
         self.active.update((entry.rid, entry.attempt) for entry in entries)
         if entries:
             self.last_used = time.monotonic()
-        self.bulk.update((e.rid, e.attempt) for e in entries if model_band(self.config.keys.queue_of(e.queue)[0])[1])
+        self.bulk.update((e.rid, e.attempt) for e in entries if e.bulk)
         if entries and self.engine is not None:
             tenants = [entry.tenant for entry in entries]  # their requests' groups
             self.engine.expect(len(entries), self.config.admit_wait_ms / 1000, tenants)

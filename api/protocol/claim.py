@@ -69,7 +69,8 @@ class Affinity(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class DueEntry:
     """One due queue entry, as CLAIM left it; ``job``, ``attempt``, ``last`` and ``cancelled`` only when started.
-    ``tenant``: whose queue it was in (CLAIM read it with the entry)."""
+    ``tenant``: whose queue it was in (CLAIM read it with the entry); ``model`` and ``bulk``: whose queue and which
+    band (its queue's name, read once here)."""
 
     rid: str
     queue: str
@@ -82,6 +83,8 @@ class DueEntry:
     cancelled: bool = False
     affinity: Affinity | None = None  # None: affinity did not place it (no key, affinity off, or outranking)
     tenant: str = ""
+    model: str = ""
+    bulk: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,16 +145,17 @@ async def claim(redis: Redis, keys: Keys, worker_id: str, lease_ms: int, affinit
             "affinity_wait_ms": affinity_wait_ms}
     named = {"running_key": keys.running(), "epoch_key": keys.epoch(), "deadlines_key": keys.deadlines()}
     epoch, left, *found = await CLAIM.run(redis, named, args, queues, rows)
-    return Due([_due_entry(row, epoch.decode()) for row in found], bool(left))
+    return Due([_due_entry(row, epoch.decode(), keys) for row in found], bool(left))
 
 
-def _due_entry(row: list[bytes], epoch: str) -> DueEntry:
+def _due_entry(row: list[bytes], epoch: str, keys: Keys) -> DueEntry:
     rid, queue, status = row[0].decode(errors="backslashreplace"), row[1].decode(), EntryStatus(row[2].decode())
+    model, bulk = model_band(keys.queue_of(queue)[0])
     if status is not EntryStatus.STARTED:
-        return DueEntry(rid, queue, status, epoch, row[0], tenant=row[3].decode())
+        return DueEntry(rid, queue, status, epoch, row[0], tenant=row[3].decode(), model=model, bulk=bulk)
     _score, job, attempt, last, cancelled, placed, tenant = row[3:]
     return DueEntry(rid, queue, status, epoch, row[0], job, int(attempt), decode_event(last) if last else None,
-                    bool(cancelled), _placed(placed, job), tenant.decode())
+                    bool(cancelled), _placed(placed, job), tenant.decode(), model, bulk)
 
 
 _KEYED = re.compile(rb'"ak":"[0-9a-fA-F,]+","et":\d+}$')  # a job record's tail with affinity keys (jobrecord)
