@@ -27,7 +27,7 @@ from .errors import BadRequest, NotFound
 from .files import FileStore, page
 from .protocol.keys import Keys
 from .protocol.scripts import Layout, load
-from .schema import PRIORITY_MIN, GenerateRequest
+from .schema import PRIORITY_MIN, GenerateRequest, as_bulk
 
 __all__ = [
     "BATCH_PRIORITY", "ENDPOINTS", "BatchStatus", "BatchStore", "banded", "error_line", "job_id", "jsonl",
@@ -37,8 +37,9 @@ __all__ = [
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 COMPLETION_WINDOWS = ("24h",)  # OpenAI's only one
 MAX_METADATA = 16  # pairs; keys up to 64 characters, values up to 512 (OpenAI's)
-# Batch jobs take the lowest priority a request may have (the bulk band, run on idle capacity and preempted by
-# interactive jobs, is later work): chosen here alone, by :func:`banded`.
+# Batch jobs run in the bulk band (GenerateRequest.bulk: idle capacity only, preempted by interactive jobs), at
+# the lowest priority a request may have (which orders them among the band's jobs only): chosen here alone, by
+# :func:`banded`.
 BATCH_PRIORITY = PRIORITY_MIN
 
 
@@ -65,10 +66,10 @@ LEASE = load("batch_lease", Layout(keys=("lease_key",), args=("feeder", "ttl_ms"
 
 
 def banded(request: GenerateRequest, job: str, tenant: str, expires_in: float | None) -> GenerateRequest:
-    """A batch line's job: its deterministic id, its batch's tenant, the batch band's priority and no longer
-    than the batch's window to wait in a queue. The one place a batch job's band is chosen."""
-    return request.model_copy(update={"id": job, "tenant": tenant, "priority": BATCH_PRIORITY,
-                                      "expires_in": expires_in})
+    """A batch line's job: its deterministic id, its batch's tenant, the bulk band at the batch priority, and no
+    longer than the batch's window to wait in a queue. The one place a batch job's band is chosen."""
+    return as_bulk(request.model_copy(update={"id": job, "tenant": tenant, "priority": BATCH_PRIORITY,
+                                              "expires_in": expires_in}))
 
 
 def job_id(batch_id: str, line: int) -> str:
