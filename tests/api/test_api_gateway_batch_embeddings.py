@@ -1,0 +1,130 @@
+"""Embedding batches and the output files' expiry, with the official ``openai`` SDK as the client: a real gateway
+(which feeds the batches), a real Redis and real worker processes on the generated tiny embedding model
+(``embed``) and the tiny chat model (``chat``). Each good line of an ``/v1/embeddings`` batch equals
+``embeddings.create`` of the same request; bad lines are in the error file; a line naming a model of the other
+kind is that line's error in a batch of either endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+
+from tests.api.gateway_support import Deployment, ServedGateway
+
+pytestmark = pytest.mark.e2e
+
+TEXTS = ["hello world", "a much longer sentence about the queue, its workers and their model", "the server"]
+URL = "/v1/embeddings"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_embed_model: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[Deployment, ServedGateway]]:
+    """Two workers (an embedding model, a chat model) and a gateway that feeds batches."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    d = Deployment(tiny_embed_model, tmp_path_factory.mktemp("gw-batch-embed"))
+    try:
+        d.worker("embed")
+        d.worker("chat", MLXQ_MODEL=str(tiny_model))
+        with d.gateway() as gw:
+            yield d, gw
+    finally:
+        d.close()
+
+
+def embed_line(cid: str, model: str = "embed", **body: Any) -> dict[str, Any]:
+    return {"custom_id": cid, "method": "POST", "url": URL, "body": {"model": model, **body}}
+
+
+def chat_line(cid: str, model: str = "chat") -> dict[str, Any]:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}
+
+
+def jsonl(lines: list[Any]) -> bytes:
+    return b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)
+
+
+async def run_batch(oai: openai.AsyncOpenAI, lines: list[Any], endpoint: str = URL, **create: Any) -> Any:
+    """Upload ``lines``, create their batch and poll it to its end."""
+    f = await oai.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    b = await oai.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h",  # type: ignore[arg-type]
+                                 **create)
+    async with asyncio.timeout(180):
+        while b.status not in ("completed", "failed", "expired", "cancelled"):
+            await asyncio.sleep(0.3)
+            b = await oai.batches.retrieve(b.id)
+    return b
+
+
+async def lines_of(oai: openai.AsyncOpenAI, fid: str | None) -> dict[str, dict[str, Any]]:
+    """A result file's lines by custom_id."""
+    if fid is None:
+        return {}
+    content = (await oai.files.content(fid)).content
+    return {o["custom_id"]: o for o in (json.loads(line) for line in content.splitlines() if line.strip())}
+
+
+def vector(given: Any) -> Any:
+    """An embedding as floats: a base64 one (little-endian float32) decoded."""
+    return np.frombuffer(base64.b64decode(given), "<f4") if isinstance(given, str) else np.asarray(given, "<f4")
+
+
+def same(got: Any, want: Any) -> bool:
+    v, w = vector(got), vector(want)
+    return v.shape == w.shape and float(v @ w / (np.linalg.norm(v) * np.linalg.norm(w))) >= 0.99999
+
+
+async def test_an_embeddings_batch_answers_each_line_as_embeddings_create(oai: openai.AsyncOpenAI) -> None:
+    good: dict[str, dict[str, Any]] = {
+        "text": {"input": TEXTS[0]},
+        "texts": {"input": TEXTS, "encoding_format": "float"},
+        "ids": {"input": [[5, 6, 7, 8], [9, 10]]},
+        "cut": {"input": TEXTS[1], "dimensions": 16},
+        "b64": {"input": [TEXTS[2]], "encoding_format": "base64", "dimensions": 32},
+    }
+    lines: list[Any] = [embed_line(cid, **body) for cid, body in good.items()]
+    lines += [embed_line("empty", input=""), b'{"custom_id": "broken", "url": "/v1/embeddings", "body":',
+              embed_line("wide", input="fine", dimensions=65)]  # the model's vectors have 64
+    b = await run_batch(oai, lines)
+    assert b.status == "completed", b
+    assert b.request_counts is not None and (b.request_counts.completed, b.request_counts.failed) == (5, 3)
+    out, err = await lines_of(oai, b.output_file_id), await lines_of(oai, b.error_file_id)
+    assert set(out) == set(good)
+    for cid, body in good.items():
+        o = out[cid]
+        assert o["error"] is None and o["response"]["status_code"] == 200
+        got = o["response"]["body"]
+        alone = await oai.embeddings.create(model="embed", **body)  # the same request sent alone
+        assert got["object"] == "list" and got["model"] == "embed" and got["usage"] == alone.usage.model_dump()
+        assert [d["index"] for d in got["data"]] == [d.index for d in alone.data]
+        for item, want in zip(got["data"], alone.data, strict=True):
+            assert isinstance(item["embedding"], str) == (body.get("encoding_format") == "base64")
+            assert same(item["embedding"], want.embedding), cid
+    assert b.usage is not None and b.usage.input_tokens == sum(o["response"]["body"]["usage"]["prompt_tokens"]
+                                                               for o in out.values())
+    codes = {cid: e["error"]["code"] for cid, e in err.items() if e["response"] is None}  # broken: no custom_id
+    assert codes == {"empty": "invalid_request", None: "invalid_json_line", "wide": "invalid_request"}
+    assert "input" in err["empty"]["error"]["message"] and "dimensions" in err["wide"]["error"]["message"]
+
+
+async def test_a_line_naming_a_model_of_the_other_kind_is_that_lines_error(oai: openai.AsyncOpenAI) -> None:
+    embeds = run_batch(oai, [embed_line("e0", input="hi"), embed_line("e1", model="chat", input="hi")])
+    chats = run_batch(oai, [chat_line("c0"), chat_line("c1", model="embed")], endpoint="/v1/chat/completions")
+    e, c = await asyncio.gather(embeds, chats)  # both at once, each model's worker serving its own lines
+    assert (e.status, c.status) == ("completed", "completed")
+    e_out, e_err = await lines_of(oai, e.output_file_id), await lines_of(oai, e.error_file_id)
+    c_out, c_err = await lines_of(oai, c.output_file_id), await lines_of(oai, c.error_file_id)
+    assert set(e_out) == {"e0"} and len(e_out["e0"]["response"]["body"]["data"][0]["embedding"]) == 64
+    assert set(c_out) == {"c0"} and c_out["c0"]["response"]["body"]["object"] == "chat.completion"
+    assert "does not make embeddings" in e_err["e1"]["error"]["message"]
+    assert "is an embedding model" in c_err["c1"]["error"]["message"]
