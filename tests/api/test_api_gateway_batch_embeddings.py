@@ -2,7 +2,8 @@
 (which feeds the batches), a real Redis and real worker processes on the generated tiny embedding model
 (``embed``) and the tiny chat model (``chat``). Each good line of an ``/v1/embeddings`` batch equals
 ``embeddings.create`` of the same request; bad lines are in the error file; a line naming a model of the other
-kind is that line's error in a batch of either endpoint."""
+kind is that line's error in a batch of either endpoint; ``output_expires_after`` sets the output and error files'
+``expires_at`` and their keys' TTL in Redis, and a value OpenAI refuses is its 400."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ import asyncio
 import base64
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import openai
 import pytest
+import redis.asyncio as aredis
 
-from tests.api.gateway_support import Deployment, ServedGateway
+from mlxq.api.client import Client
+from mlxq.api.errors import BadRequest
+from mlxq.api.protocol.keys import Keys
+from tests.api.gateway_support import PREFIX, Deployment, ServedGateway
 
 pytestmark = pytest.mark.e2e
 
@@ -39,6 +44,13 @@ def served(tiny_embed_model: Path, tiny_model: Path, tmp_path_factory: pytest.Te
             yield d, gw
     finally:
         d.close()
+
+
+@pytest.fixture
+async def redis(served: tuple[Deployment, ServedGateway]) -> AsyncIterator[aredis.Redis]:
+    conn = aredis.Redis.from_url(served[0].redis.url)
+    yield conn
+    await conn.aclose()
 
 
 def embed_line(cid: str, model: str = "embed", **body: Any) -> dict[str, Any]:
@@ -128,3 +140,55 @@ async def test_a_line_naming_a_model_of_the_other_kind_is_that_lines_error(oai: 
     assert set(c_out) == {"c0"} and c_out["c0"]["response"]["body"]["object"] == "chat.completion"
     assert "does not make embeddings" in e_err["e1"]["error"]["message"]
     assert "is an embedding model" in c_err["c1"]["error"]["message"]
+
+
+async def test_output_expires_after_sets_the_result_files_expiry(oai: openai.AsyncOpenAI,
+                                                                 redis: aredis.Redis) -> None:
+    policy = {"anchor": "created_at", "seconds": 7200}
+    b = await run_batch(oai, [embed_line("ok", input="hi"), embed_line("bad", input="")],
+                        output_expires_after=policy)
+    assert b.output_file_id and b.error_file_id
+    keys = Keys(PREFIX)
+    for fid in (b.output_file_id, b.error_file_id):
+        f = await oai.files.retrieve(fid)
+        assert f.expires_at == f.created_at + 7200  # anchored at the file's creation (OpenAI's)
+        for key in (keys.file(fid), keys.file_chunks(fid)):
+            assert 7200 - 60 < await redis.ttl(key) <= 7200
+    default = await run_batch(oai, [embed_line("ok", input="hi")])  # none given: the file retention (30 days)
+    assert default.output_file_id
+    f = await oai.files.retrieve(default.output_file_id)
+    assert f.expires_at == f.created_at + 30 * 86_400
+
+
+@pytest.mark.parametrize(("policy", "param", "code"), [
+    ({"anchor": "created_at", "seconds": 3599}, "output_expires_after.seconds", "integer_below_min_value"),
+    ({"anchor": "created_at", "seconds": 2_592_001}, "output_expires_after.seconds", "integer_above_max_value"),
+    ({"anchor": "created_at", "seconds": "3600"}, "output_expires_after.seconds", "invalid_type"),
+    ({"anchor": "last_active_at", "seconds": 3600}, "output_expires_after.anchor", "invalid_value"),
+    ({"seconds": 3600}, "output_expires_after.anchor", "missing_required_parameter"),
+    ({"anchor": "created_at", "seconds": 3600, "days": 1}, "output_expires_after.days", "unknown_parameter"),
+    ("3600", "output_expires_after", "invalid_type"),
+])
+async def test_an_output_expiry_openai_refuses_is_its_400(oai: openai.AsyncOpenAI, policy: Any, param: str,
+                                                          code: str) -> None:
+    f = await oai.files.create(file=("in.jsonl", jsonl([embed_line("a", input="hi")])), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as refused:
+        await oai.batches.create(input_file_id=f.id, endpoint=URL, completion_window="24h",
+                                 output_expires_after=policy)
+    assert (refused.value.param, refused.value.code) == (param, code)
+    assert refused.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+
+
+async def test_client_create_batch_takes_output_expires_after(served: tuple[Deployment, ServedGateway]) -> None:
+    async with Client(config=served[0].config.client) as queue:
+        with pytest.raises(BadRequest) as refused:
+            await queue.create_batch([embed_line("a", input="hi")], endpoint=URL,
+                                     output_expires_after={"anchor": "created_at", "seconds": 60})
+        assert refused.value.param == "output_expires_after.seconds"
+        b = await queue.create_batch([embed_line("a", input="hi")], endpoint=URL,
+                                     output_expires_after={"anchor": "created_at", "seconds": 3600})
+        async with asyncio.timeout(120):
+            while (b := await queue.batch(b["id"]))["status"] != "completed":
+                await asyncio.sleep(0.3)
+        out = await queue.batch_store().files.get(b["output_file_id"], "default")
+        assert out["expires_at"] == out["created_at"] + 3600
