@@ -11,6 +11,8 @@ import asyncio
 import base64
 import json
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -179,7 +181,15 @@ async def test_an_output_expiry_openai_refuses_is_its_400(oai: openai.AsyncOpenA
     assert refused.value.body["type"] == "invalid_request_error"  # type: ignore[index]
 
 
-async def test_client_create_batch_takes_output_expires_after(served: tuple[Deployment, ServedGateway]) -> None:
+async def test_client_and_mlxq_batches_take_output_expires_after(served: tuple[Deployment, ServedGateway],
+                                                                  tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(jsonl([embed_line("a", input="hi")]))
+    env = {**os.environ, "MLXQ_REDIS_URL": served[0].redis.url, "MLXQ_PREFIX": PREFIX}
+    made = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mlxq.api.cli", "batches", "--json", "create",
+                                                    str(path), "--endpoint", URL, "--output-expires-after", "60"],
+                                   env=env, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 2 and "output_expires_after.seconds" in made.stderr and made.stderr.count("\n") == 1
     async with Client(config=served[0].config.client) as queue:
         with pytest.raises(BadRequest) as refused:
             await queue.create_batch([embed_line("a", input="hi")], endpoint=URL,
