@@ -51,8 +51,8 @@ class BatchLines:
             if endpoint == "/v1/responses":
                 return self._response(raw)
             if endpoint == "/v1/embeddings":
-                body = parse_embeddings(raw)
-                return _Embedding(embedding_job(body, DEFAULT_TENANT), body)  # its tenant: the feeder's to set
+                asked = parse_embeddings(raw)
+                return _Embedding(embedding_job(asked, DEFAULT_TENANT), asked)  # its tenant: the feeder's to set
         except GatewayError as exc:
             raise LineError(exc.problem.code or "invalid_request", exc.problem.message) from None
         except (ValueError, TypeError) as exc:  # a body of the wrong shape the parsers did not name
