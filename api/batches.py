@@ -27,18 +27,20 @@ from .errors import BadRequest, NotFound
 from .files import FileStore, page
 from .protocol.keys import Keys
 from .protocol.scripts import Layout, load
-from .schema import PRIORITY_MIN, GenerateRequest
+from .schema import PRIORITY_MIN, GenerateRequest, as_bulk
 
 __all__ = [
-    "BATCH_PRIORITY", "ENDPOINTS", "BatchStatus", "BatchStore", "banded", "error_line", "job_id", "jsonl",
-    "output_line",
+    "BATCH_PRIORITY", "ENDPOINTS", "OUTPUT_EXPIRY_S", "BatchStatus", "BatchStore", "banded", "error_line", "job_id",
+    "jsonl", "output_expiry_s", "output_line",
 ]
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 COMPLETION_WINDOWS = ("24h",)  # OpenAI's only one
+OUTPUT_EXPIRY_S = (3600, 2_592_000)  # output_expires_after.seconds: an hour to 30 days (OpenAI's bounds)
 MAX_METADATA = 16  # pairs; keys up to 64 characters, values up to 512 (OpenAI's)
-# Batch jobs take the lowest priority a request may have (the bulk band, run on idle capacity and preempted by
-# interactive jobs, is later work): chosen here alone, by :func:`banded`.
+# Batch jobs run in the bulk band (GenerateRequest.bulk: idle capacity only, preempted by interactive jobs), at
+# the lowest priority a request may have (which orders them among the band's jobs only): chosen here alone, by
+# :func:`banded`.
 BATCH_PRIORITY = PRIORITY_MIN
 
 
@@ -65,10 +67,10 @@ LEASE = load("batch_lease", Layout(keys=("lease_key",), args=("feeder", "ttl_ms"
 
 
 def banded(request: GenerateRequest, job: str, tenant: str, expires_in: float | None) -> GenerateRequest:
-    """A batch line's job: its deterministic id, its batch's tenant, the batch band's priority and no longer
-    than the batch's window to wait in a queue. The one place a batch job's band is chosen."""
-    return request.model_copy(update={"id": job, "tenant": tenant, "priority": BATCH_PRIORITY,
-                                      "expires_in": expires_in})
+    """A batch line's job: its deterministic id, its batch's tenant, the bulk band at the batch priority, and no
+    longer than the batch's window to wait in a queue. The one place a batch job's band is chosen."""
+    return as_bulk(request.model_copy(update={"id": job, "tenant": tenant, "priority": BATCH_PRIORITY,
+                                              "expires_in": expires_in}))
 
 
 def job_id(batch_id: str, line: int) -> str:
@@ -108,14 +110,21 @@ class BatchStore:
         self.completion_window_s = completion_window_s  # what "24h" lasts (tests shorten it)
 
     async def create(self, input_file_id: str, endpoint: str, tenant: str, *, completion_window: str = "24h",
-                     metadata: Mapping[str, str] | None = None) -> dict[str, Any]:
+                     metadata: Mapping[str, str] | None = None,
+                     output_expires_after: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """A new batch of the lines of ``input_file_id`` (the tenant's, purpose ``batch``), validating: any
-        feeder picks it up. A request OpenAI refuses is a :class:`BadRequest`."""
+        feeder picks it up. ``output_expires_after`` (``{"anchor": "created_at", "seconds": N}``): its output and
+        error files expire N seconds after each is written (else, and at most, after ``MLXQ_FILE_RETENTION``).
+        A request OpenAI refuses is a :class:`BadRequest`."""
         if endpoint not in ENDPOINTS:
-            raise BadRequest(f"endpoint must be one of {', '.join(ENDPOINTS)}, not {endpoint!r}")
+            raise BadRequest(f"endpoint must be one of {', '.join(ENDPOINTS)}, not {endpoint!r}", param="endpoint")
         if completion_window not in COMPLETION_WINDOWS:
-            raise BadRequest(f"completion_window must be '24h', not {completion_window!r}")
+            raise BadRequest(f"completion_window must be '24h', not {completion_window!r}",
+                             param="completion_window")
         _check_metadata(metadata)
+        output_ttl_s = output_expiry_s(output_expires_after)
+        if output_ttl_s:  # the operator's bound on what Redis keeps holds over the caller's
+            output_ttl_s = min(output_ttl_s, self.files.limits.retention_s)
         file = await self.files.get(input_file_id, tenant)
         if file["purpose"] != "batch":
             raise BadRequest(f"file {input_file_id} has purpose {file['purpose']!r}; a batch's input has 'batch'")
@@ -124,7 +133,7 @@ class BatchStore:
                   "completion_window": completion_window, "created_at": int(now),
                   "expires_at": int(now + self.completion_window_s), "status": BatchStatus.VALIDATING.value,
                   "metadata": json.dumps(dict(metadata or {})), "tenant": tenant, "next": 0, "total": 0,
-                  "completed": 0, "failed": 0}
+                  "completed": 0, "failed": 0, **({"output_ttl_s": output_ttl_s} if output_ttl_s else {})}
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.batch(bid), mapping=fields)  # type: ignore[arg-type]
             pipe.expire(self.keys.batch(bid), self.files.limits.retention_s)
@@ -221,6 +230,40 @@ def batch_object(rec: Mapping[str, str]) -> dict[str, Any]:
     for stamp in _STAMPS:
         obj[stamp] = int(rec[stamp]) if rec.get(stamp) else None
     return obj
+
+
+def output_expiry_s(policy: Mapping[str, Any] | None) -> int | None:
+    """The seconds ``output_expires_after`` gives a batch's output and error files (anchored at each file's
+    creation, as OpenAI's); None: not given. One OpenAI refuses is a :class:`BadRequest` naming the field."""
+    if policy is None:
+        return None
+    name = "output_expires_after"
+    if not isinstance(policy, Mapping):
+        raise BadRequest(f"Invalid type for '{name}': expected an object, but got {type(policy).__name__} instead.",
+                         param=name, code="invalid_type")
+    unknown = sorted(set(policy) - {"anchor", "seconds"})
+    if unknown:
+        raise BadRequest(f"Unknown parameter: '{name}.{unknown[0]}'.", param=f"{name}.{unknown[0]}",
+                         code="unknown_parameter")
+    for field in ("anchor", "seconds"):
+        if field not in policy:
+            raise BadRequest(f"Missing required parameter: '{name}.{field}'.", param=f"{name}.{field}",
+                             code="missing_required_parameter")
+    if policy["anchor"] != "created_at":
+        raise BadRequest(f"Invalid value: {policy['anchor']!r}. Supported values are: 'created_at'.",
+                         param=f"{name}.anchor", code="invalid_value")
+    seconds, (low, high) = policy["seconds"], OUTPUT_EXPIRY_S
+    where = f"'{name}.seconds'"
+    if not isinstance(seconds, int) or isinstance(seconds, bool):
+        raise BadRequest(f"Invalid type for {where}: expected an integer, but got {type(seconds).__name__} "
+                         "instead.", param=f"{name}.seconds", code="invalid_type")
+    if seconds < low:
+        raise BadRequest(f"Invalid {where}: integer below minimum value. Expected a value >= {low}, but got "
+                         f"{seconds} instead.", param=f"{name}.seconds", code="integer_below_min_value")
+    if seconds > high:
+        raise BadRequest(f"Invalid {where}: integer above maximum value. Expected a value <= {high}, but got "
+                         f"{seconds} instead.", param=f"{name}.seconds", code="integer_above_max_value")
+    return seconds
 
 
 def _check_metadata(metadata: Mapping[str, str] | None) -> None:

@@ -64,6 +64,9 @@ def add_fleet_commands(command: Command) -> None:
     bc.add_argument("file", type=Path, help="JSONL: one {custom_id, method, url, body} a line")
     bc.add_argument("--endpoint", default="/v1/chat/completions",
                     help="/v1/chat/completions, /v1/completions, /v1/responses or /v1/embeddings")
+    bc.add_argument("--output-expires-after", type=int, default=None, metavar="SECONDS",
+                    help="the output and error files expire this long after they are written (3600 to 2592000; "
+                         "default: the deployment's file retention)")
     bsub.add_parser("feed", help="feed open batches from here until interrupted (needs the gateway extra)")
 
     h = command("health", help="exit 0 if a live worker serves the model (any model without --model), else 1")
@@ -144,7 +147,9 @@ async def _batches(client: Client, args: argparse.Namespace) -> int:
             print(_batch_line(b))
         return EXIT_OK
     if action == "create":
-        b = await client.create_batch(args.file, endpoint=args.endpoint)
+        seconds = args.output_expires_after
+        b = await client.create_batch(args.file, endpoint=args.endpoint, output_expires_after=None if seconds is None
+                                      else {"anchor": "created_at", "seconds": seconds})
     elif action == "cancel":
         b = await client.cancel_batch(args.batch_id)
     else:

@@ -64,7 +64,7 @@ _EXITS = {
                 f"{_BAD_CONFIG} (a malformed name, a weight of 0 or less, a negative cap)"],
     "batches": ["0    listed, shown, created, cancelled, or the results printed (feed: stopped by Ctrl-C)",
                 f"1    an unknown batch, or one of another tenant; {_REDIS_DOWN}",
-                f"{_BAD_CONFIG} (a bad endpoint or file, a batch that cannot be cancelled)"],
+                f"{_BAD_CONFIG} (a bad endpoint, file or output expiry, a batch that cannot be cancelled)"],
     "health": ["0    a live worker serves the model (any model without --model)",
                f"1    none does (unhealthy); {_REDIS_DOWN}", _BAD_CONFIG],
     "demo": ["0    the demo ran (with --gateway: then Ctrl-C or SIGTERM stopped it cleanly)",

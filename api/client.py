@@ -202,17 +202,22 @@ class Client:
         return self.tenant or DEFAULT_TENANT
 
     async def create_batch(self, lines: Sequence[dict[str, Any] | bytes] | bytes | str | Path, *, endpoint: str,
-                           metadata: dict[str, str] | None = None, completion_window: str = "24h") -> dict[str, Any]:
+                           metadata: dict[str, str] | None = None, completion_window: str = "24h",
+                           output_expires_after: dict[str, Any] | None = None) -> dict[str, Any]:
         """Upload ``lines`` (request lines ``{custom_id, method, url, body}``, JSONL bytes, or a JSONL file's
         path) as a batch input file and start a batch of them; OpenAI's batch object (``validating``). A gateway's
-        feeder (or ``mlxq batches feed``) runs it; :meth:`batch` follows it."""
+        feeder (or ``mlxq batches feed``) runs it; :meth:`batch` follows it. ``output_expires_after``
+        (``{"anchor": "created_at", "seconds": N}``, N from 3,600 to 2,592,000): when its output and error files
+        expire, N seconds after each is written."""
         data = jsonl(lines)
         name = Path(lines).name if isinstance(lines, str | Path) else "batch.jsonl"
         store = self.batch_store()
         file = await with_retries(lambda: store.files.create(data, name, "batch", self._owner), self.retry,
                                   self.where)
         return await with_retries(lambda: store.create(file["id"], endpoint, self._owner, metadata=metadata,
-                                                       completion_window=completion_window), self.retry, self.where)
+                                                       completion_window=completion_window,
+                                                       output_expires_after=output_expires_after),
+                                  self.retry, self.where)
 
     async def batch(self, batch_id: str) -> dict[str, Any]:
         """A batch's OpenAI batch object now (:class:`NotFound` for an unknown one, or another tenant's)."""

@@ -295,10 +295,11 @@ class Drive:
                     (out if entry[:1] == b"o" else err).append(entry[1:] + b"\n")
         fields = {}
         stem = self.bid.removeprefix("batch_")
+        expires_s = int(self.rec.get("output_ttl_s") or 0) or None  # output_expires_after (None: the retention)
         for kind, lines, purpose in (("output", out, "batch_output"), ("error", err, "batch_error")):
             if lines:
                 fid = f"file-{stem}-{kind}"
                 await self.f.files.create(b"".join(lines), f"{self.bid}_{kind}.jsonl", purpose, self.rec["tenant"],
-                                          file_id=fid)
+                                          file_id=fid, expires_after_s=expires_s)
                 fields[f"{kind}_file_id"] = fid
         return fields

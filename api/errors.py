@@ -34,7 +34,13 @@ class MlxqError(Exception):
 
 
 class BadRequest(MlxqError):
-    """The request is invalid; nothing was enqueued."""
+    """The request is invalid; nothing was enqueued. ``param``: the field it is about, and ``code``: what is
+    wrong with it, where the check names them (a gateway answers them as OpenAI's error's ``param`` and ``code``)."""
+
+    def __init__(self, message: str = "", *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 class DuplicateJob(MlxqError):

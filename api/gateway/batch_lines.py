@@ -3,8 +3,9 @@ gateway would have answered it: the feeder's :class:`~api.batchline.LineCodec`.
 
 ``/v1/chat/completions`` and ``/v1/completions`` take the endpoints' own parsers and response bodies;
 ``/v1/responses`` the Responses API's (a line may not chain: ``previous_response_id`` is that line's error; it
-is not stored); ``/v1/embeddings`` is accepted as an endpoint, and each of its lines is an error until the
-queue serves embeddings. ``stream`` is ignored (a batch answers whole), and ``n`` above 1 is refused.
+is not stored); ``/v1/embeddings`` the embeddings endpoint's (api/gateway/embeddings_api.py: the same job and
+response body as the request sent alone). ``stream`` is ignored (a batch answers whole), and ``n`` above 1 is
+refused.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any, cast
 from ..batchline import LineError, Prepared
 from ..client import Client
 from ..deltas import Whole
-from ..schema import DoneEvent, ErrorCode, ErrorEvent, Event, GenerateRequest
+from ..schema import DEFAULT_TENANT, DoneEvent, ErrorCode, ErrorEvent, Event, GenerateRequest
 from .config import GatewayConfig
 from .dialect import Ask
+from .embeddings_api import EmbeddingsRequest, embedding_job, embeddings_body, parse_embeddings
 from .errors import GatewayError
 from .job import Choices
 from .openai_api import CHAT, COMPLETIONS, ChatDialect, CompletionDialect
@@ -48,11 +50,14 @@ class BatchLines:
                 return _Completion(dialect, ask)
             if endpoint == "/v1/responses":
                 return self._response(raw)
+            if endpoint == "/v1/embeddings":
+                asked = parse_embeddings(raw)
+                return _Embedding(embedding_job(asked, DEFAULT_TENANT), asked)  # its tenant: the feeder's to set
         except GatewayError as exc:
             raise LineError(exc.problem.code or "invalid_request", exc.problem.message) from None
         except (ValueError, TypeError) as exc:  # a body of the wrong shape the parsers did not name
             raise LineError("invalid_request", f"the body cannot be read: {exc}") from None
-        raise LineError("unsupported_endpoint", f"{endpoint} is not served here yet: such lines cannot run")
+        raise LineError("unsupported_endpoint", f"{endpoint} is not served here: such lines cannot run")
 
     def _response(self, raw: bytes) -> Prepared:
         req = parse_request(raw)
@@ -106,11 +111,25 @@ class _Response:
         return out.response
 
 
+@dataclass(slots=True)
+class _Embedding:
+    request: GenerateRequest
+    body: EmbeddingsRequest
+
+    def render(self, events: Sequence[Event]) -> dict[str, Any]:
+        for ev in events:
+            _failed(ev, "invalid_request")
+        done = events[-1] if events else None
+        assert isinstance(done, DoneEvent), "rendered only after the job's end"
+        return embeddings_body(self.body, done)
+
+
 def _steps_id(events: Sequence[Event]) -> str:
     return events[0].id.replace(".", "_") if events else "batch"
 
 
-def _failed(ev: Event) -> None:
+def _failed(ev: Event, bad_request: str = "invalid_prompt") -> None:
+    """A job's error event as the line's error (``bad_request``: the code of the job's refusal)."""
     if isinstance(ev, ErrorEvent):
-        code = "invalid_prompt" if ev.code is ErrorCode.BAD_REQUEST else ev.code.value
+        code = bad_request if ev.code is ErrorCode.BAD_REQUEST else ev.code.value
         raise LineError(code, ev.message)

@@ -156,7 +156,8 @@ class Batches:
                 raise invalid(f"unknown fields: {', '.join(sorted(unknown))}", "invalid_request")
             obj = await self.batches.create(body["input_file_id"], body["endpoint"], tenant,
                                             completion_window=body["completion_window"],
-                                            metadata=body.get("metadata"))
+                                            metadata=body.get("metadata"),
+                                            output_expires_after=body.get("output_expires_after"))
         except Exception as exc:
             return self._failed(request, exc)
         log.info("POST /v1/batches -> %s (%s, file %s)", obj["id"], obj["endpoint"], obj["input_file_id"])
@@ -195,13 +196,15 @@ class Batches:
         if isinstance(exc, NotFound):
             problem = Problem(Kind.NOT_FOUND, str(exc), "not_found")
         elif isinstance(exc, BadRequest):
-            problem = Problem(Kind.INVALID, str(exc), "invalid_request")
+            problem = Problem(Kind.INVALID, str(exc), exc.code or "invalid_request")
         else:
             problem = problem_of(exc)
         level = logging.WARNING if problem.status >= 500 else logging.DEBUG
         log.log(level, "%s %s -> %d %s: %s", request.method, request.url.path, problem.status, problem.code,
                 problem.message, exc_info=exc if problem.code == "internal" else None)
-        return JSONResponse(openai_error(problem), problem.status, headers=problem.headers())
+        body = openai_error(problem)
+        body["error"]["param"] = exc.param if isinstance(exc, BadRequest) else None
+        return JSONResponse(body, problem.status, headers=problem.headers())
 
 
 def _json(raw: bytes) -> dict[str, Any]:

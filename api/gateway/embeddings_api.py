@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..embeddings import embedding_inputs
 from ..errors import JobFailed
 from ..schema import MAX_EMBED_INPUTS, DoneEvent, GenerateRequest, decode_vector
 from .errors import GatewayError, Problem, invalid, validation_problem
@@ -30,7 +31,7 @@ from .openai_api import openai_error
 if TYPE_CHECKING:
     from .app import Gateway
 
-__all__ = ["EmbeddingsAPI", "EmbeddingsRequest"]
+__all__ = ["EmbeddingsAPI", "EmbeddingsRequest", "embedding_job", "embeddings_body", "parse_embeddings"]
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +67,14 @@ class EmbeddingsAPI:
         job: JobStream | None = None
         try:
             tenant = self.gw.auth.check(request.headers)
-            body = _parse(await self.gw._body(request))
-            job = JobStream(self.gw.client, _job(body, tenant))
+            body = parse_embeddings(await self.gw._body(request))
+            job = JobStream(self.gw.client, embedding_job(body, tenant))
             await job.open()
             await job.whole()
             assert job.done is not None
             log.debug("POST /v1/embeddings job %s model %s -> 200: %d inputs, %.1f ms", job.rid, body.model,
                       len(job.done.embeddings or ()), (time.perf_counter() - t0) * 1000)
-            return JSONResponse(_response(body, job.done), headers={"x-mlxq-job-id": job.rid})
+            return JSONResponse(embeddings_body(body, job.done), headers={"x-mlxq-job-id": job.rid})
         except Exception as exc:
             problem = await self.gw._problem(exc)
             rid = job.rid if job is not None and job.submitted else None
@@ -88,7 +89,9 @@ class EmbeddingsAPI:
                 await job.close()
 
 
-def _parse(raw: bytes) -> EmbeddingsRequest:
+def parse_embeddings(raw: bytes) -> EmbeddingsRequest:
+    """A request's body as the endpoint reads it (a batch line's too: api/gateway/batch_lines.py); a 400 naming
+    the field for one it refuses."""
     try:
         body = EmbeddingsRequest.model_validate_json(raw)
     except ValidationError as exc:
@@ -107,18 +110,18 @@ def _parse(raw: bytes) -> EmbeddingsRequest:
     return body
 
 
-def _job(body: EmbeddingsRequest, tenant: str) -> GenerateRequest:
-    given = body.input
-    inputs: Any = [given] if isinstance(given, str) or (given and isinstance(given[0], int)) else given
+def embedding_job(body: EmbeddingsRequest, tenant: str) -> GenerateRequest:
+    """The request's embedding job, the tenant's."""
     fields: dict[str, Any] = {"priority": body.priority} if body.priority is not None else {}
     try:
-        return GenerateRequest(model=body.model, input=inputs, dimensions=body.dimensions, tenant=tenant,
-                               metadata={"user": body.user} if body.user else {}, **fields)
+        return GenerateRequest(model=body.model, input=embedding_inputs(body.input), dimensions=body.dimensions,
+                               tenant=tenant, metadata={"user": body.user} if body.user else {}, **fields)
     except ValidationError as exc:
         raise _FieldError(validation_problem(exc), _first_field(exc)) from None
 
 
-def _response(body: EmbeddingsRequest, done: DoneEvent) -> dict[str, Any]:
+def embeddings_body(body: EmbeddingsRequest, done: DoneEvent) -> dict[str, Any]:
+    """OpenAI's embeddings response to the request, from its job's done event."""
     vectors: list[Any] = list(done.embeddings or ())
     if body.encoding_format == "float":
         vectors = [decode_vector(v) for v in vectors]

@@ -156,8 +156,9 @@ class FakeCodec:
 
 
 class FakeWorker:
-    """Ends each queued job of model ``m``: its prompt upper-cased as its text. Notes how many lines were in flight
-    at most, and how many times each job was claimed."""
+    """Ends each queued job of model ``m`` (from its bulk band's queue, where batch lines run): its prompt
+    upper-cased as its text. Notes how many lines were in flight at most, and how many times each job was
+    claimed."""
 
     def __init__(self, client: Client, bid: str) -> None:
         self.client, self.bid = client, bid
@@ -170,12 +171,12 @@ class FakeWorker:
         r, keys = self.client.redis, self.client.keys
         while True:
             self.most_inflight = max(self.most_inflight, await r.scard(keys.batch_inflight(self.bid)))
-            popped = [] if self.paused else await r.zpopmin(keys.queue("m", "t"), 2)
+            popped = [] if self.paused else await r.zpopmin(keys.queue("m", "t", bulk=True), 2)
             for rid_raw, score in popped:
                 rid = rid_raw.decode()
                 if self.budget is not None and not await r.exists(keys.cancel(rid)):
                     if self.budget == 0:
-                        await r.zadd(keys.queue("m", "t"), {rid: score})  # left queued
+                        await r.zadd(keys.queue("m", "t", bulk=True), {rid: score})  # left queued
                         continue
                     self.budget -= 1
                 self.claims[rid] = self.claims.get(rid, 0) + 1
@@ -244,7 +245,7 @@ async def test_a_feeder_taking_over_follows_the_lines_in_flight_and_feeds_none_t
     async with running(worker.run()):
         first.start()
         async with asyncio.timeout(10):
-            while await client.redis.zcard(client.keys.queue("m", "t")) < 4:
+            while await client.redis.zcard(client.keys.queue("m", "t", bulk=True)) < 4:
                 await asyncio.sleep(0.01)
         first._task.cancel()  # type: ignore[union-attr]  # dies: its lease is left to lapse
         for task in list(first._driving.values()):

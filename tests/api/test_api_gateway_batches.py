@@ -204,17 +204,6 @@ async def test_a_responses_batch_answers_as_the_responses_api(oai: openai.AsyncO
         assert message["content"][0]["text"] == await solo(queue, PROMPTS[int(o["custom_id"][1:])])
 
 
-async def test_embedding_lines_are_each_an_error_until_embeddings_are_served(oai: openai.AsyncOpenAI) -> None:
-    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
-              "body": {"model": "tiny", "input": "hello"}} for i in range(2)]
-    b = await ended(oai, (await oai.batches.create(input_file_id=await upload(oai, jsonl(lines)),
-                                                   endpoint="/v1/embeddings", completion_window="24h")).id)
-    err = await lines_of(oai, b.error_file_id)
-    assert b.status == "completed" and b.output_file_id is None
-    assert sorted((e["custom_id"], e["error"]["code"]) for e in err) == [("e0", "unsupported_endpoint"),
-                                                                          ("e1", "unsupported_endpoint")]
-
-
 async def test_a_file_that_is_not_jsonl_fails_the_batch(oai: openai.AsyncOpenAI) -> None:
     fid = await upload(oai, b"this is\nnot json at all\n")
     b = await ended(oai, (await oai.batches.create(input_file_id=fid, endpoint="/v1/chat/completions",

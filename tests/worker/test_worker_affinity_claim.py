@@ -1,7 +1,7 @@
 """CLAIM's prefix affinity on a real Redis: a worker prefers the queued jobs whose affinity key it advertises,
 leaves one another live worker holds to it for at most the wait (and one nobody holds to a live worker holding
 fewer keys), never waits for a lapsed (dead) holder nor for a full one, and never lets affinity reorder jobs of
-different priority."""
+different priority. A batch's lines (the bulk band) follow the worker holding their shared system prompt."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import asyncio
 import pytest
 import redis.asyncio as aredis
 
-from mlxq.api.affinity import affinity_key
+from mlxq.api.affinity import affinity_key, affinity_keys
+from mlxq.api.batches import banded
 from mlxq.api.client import Client
 from mlxq.api.protocol.claim import Affinity, DueEntry, EntryStatus
 from mlxq.api.protocol.emit import LogTTL
@@ -197,6 +198,30 @@ async def test_affinity_never_jumps_a_job_of_higher_priority(client: Client, r: 
     assert [(e.rid, e.affinity) for e in started] == [(urgent, None)]  # no key: nothing to place
     started, _ = await claim(worker(r, "w1"), 2)
     assert [(e.rid, e.affinity) for e in started] == [(mine, Affinity.HOLDER), (later, Affinity.NONE)]
+
+
+async def test_a_batchs_lines_follow_the_worker_holding_their_system_prompt(client: Client,
+                                                                              r: aredis.Redis) -> None:
+    system = "You label support tickets by their topic. " * 20  # long: a key of its own (api/affinity.py)
+
+    def line(n: int, question: str, *turns: dict[str, str]) -> GenerateRequest:
+        req = GenerateRequest(model=MODEL, messages=[*turns, {"role": "user", "content": question}])
+        return banded(req, f"batch_aff.L{n}", "default", None)  # as the feeder submits it: the bulk band
+
+    labelled = [line(n, q, {"role": "system", "content": system}) for n, q in enumerate(("a refund?", "a bug"))]
+    other = line(2, "unrelated")
+    for req in (*labelled, other):
+        await client.submit(req)
+        await asyncio.sleep(0.002)
+    adv = Advertiser(r, KEYS, "w2", 30.0)
+    adv.started(MODEL, affinity_keys(labelled[0])[1:], [1, 2, 3])  # w2 has the system prompt warm
+    await adv.write()
+    both = {KEYS.queue(MODEL): 3, KEYS.queue(MODEL, bulk=True): 3}
+    due = await worker(r, "w1").claim(both, 3)
+    assert [e.rid for e in due.entries if e.status is EntryStatus.STARTED] == [other.id] and due.left
+    due = await worker(r, "w2").claim(both, 3)
+    started = [(e.rid, e.affinity, e.bulk) for e in due.entries if e.status is EntryStatus.STARTED]
+    assert started == [(req.id, Affinity.HOLDER, True) for req in labelled]
 
 
 async def test_affinity_off_keeps_the_queue_order(client: Client, r: aredis.Redis) -> None:

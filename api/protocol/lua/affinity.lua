@@ -20,15 +20,19 @@
 -- advertiser, one ZRANGEBYSCORE of the full ones (when others advertise), one SISMEMBER per live advertiser and
 -- distinct key looked at (an entry's keys are looked at deepest first until one is held: at most MAX_KEYS each);
 -- no GETRANGE while no live worker advertises a key for the model (an advertiser of no key has no job's key).
+-- A model's bulk band (bulk.lua) follows its model's advertisers (m.base): its jobs run in the same engine, so a
+-- batch's lines sharing a system prompt go where it is warm; the advertisers are read once for both bands.
 -- Uses claim.lua's now, P and worker_id; took() reports "mine" as "holder" (the wire's Affinity.HOLDER).
 local affinity_wait = tonumber(affinity_wait_ms) or -1
+local advertised = {}  -- a model's advertisers (advertisers()), by its name: one read for both of its bands
 local function advertisers(m)  -- this worker's key set (if it advertises), the other live advertisers' sets,
   -- and whether one of them advertises fewer keys than this worker (then it is the one to take a job nobody has)
-  if m.advertisers then return m.advertisers end
+  local model = m.base or m.model
+  if advertised[model] then return advertised[model] end
   local h = {mine = false, others = {}, seen = {}, fewer = false}
-  m.advertisers = h
+  advertised[model] = h
   if affinity_wait < 0 then return h end
-  local zkey = P .. ':affholders:' .. m.model
+  local zkey = P .. ':affholders:' .. model
   local listed = redis.call('ZRANGE', zkey, 0, -1, 'WITHSCORES')  -- one read while nobody's advertisement lapsed
   local live, lapsed = {}, false
   for i = 1, #listed, 2 do
@@ -37,13 +41,13 @@ local function advertisers(m)  -- this worker's key set (if it advertises), the 
   if lapsed then redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now) end  -- dead, frozen or stopped
   local full = {}
   if #live > 1 or (#live == 1 and live[1] ~= worker_id) then  -- others advertise: which are full
-    for _, w in ipairs(redis.call('ZRANGEBYSCORE', P .. ':afffull:' .. m.model, now, '+inf')) do
+    for _, w in ipairs(redis.call('ZRANGEBYSCORE', P .. ':afffull:' .. model, now, '+inf')) do
       full[w] = true
     end
   end
   local mine_n, fewest = 0, nil
   for _, w in ipairs(live) do
-    local set = P .. ':affkeys:' .. m.model .. ':' .. w
+    local set = P .. ':affkeys:' .. model .. ':' .. w
     local n = redis.call('SCARD', set)
     if w == worker_id then
       h.mine, mine_n = n > 0 and set, n  -- an empty set holds no key: no entry is "mine"

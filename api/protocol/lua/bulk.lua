@@ -8,8 +8,9 @@
 -- (quota 0: its due jobs are only counted, for `left`) while its model's interactive queues hold due jobs beyond
 -- those this call read. Its cost per claim and model: the bulk backlog (SMEMBERS) and share account (HMGET), then
 -- per backlogged bulk tenant one ZRANGEBYSCORE (one ZCOUNT while held back), an EXISTS where none is due: with
--- no bulk job queued, three calls; with some read and affinity on, affinity.lua's one ZRANGE of the band's
--- advertisers (none: workers advertise their models' interactive names, so bulk jobs get no prefix affinity).
+-- no bulk job queued, three calls; with some read, affinity.lua's reads as for the model's interactive jobs (its
+-- advertisers are the model's: bulk jobs follow prefix affinity too, with no read of its own when the model's
+-- interactive queue read them already).
 -- Uses queues.lua's band_of.
 local band_seen = {}  -- each interactive model read so far in this call: its entry in models
 local function band_quota(m, quota)  -- a queue's quota, once its model's interactive queues have been read
