@@ -29,6 +29,16 @@ def test_the_verdict_is_the_best_batch_over_the_best_raw() -> None:
     assert "MISS" in batch.markdown(args(), "m", slow, [])
 
 
+@pytest.mark.unit
+def test_the_queue_path_reports_each_band_and_the_median_of_their_pairs() -> None:
+    pairs = [Pair(100.0, 96.0, 3200, 3200, 33.3, queue_tok_s=100.0, queue_bulk_tok_s=90.0),
+             Pair(100.0, 96.0, 3200, 3200, 33.3, queue_tok_s=100.0, queue_bulk_tok_s=110.0),
+             Pair(100.0, 96.0, 3200, 3200, 33.3, queue_tok_s=80.0, queue_bulk_tok_s=80.0)]
+    md = batch.markdown(args(), "m", pairs, [])
+    assert "| 100.0, 90.0 (0.900) |" in md and "bulk ÷ interactive" in md and "median of pairs 1.000 (" in md
+    assert "median of pairs 1.000 (" not in batch.markdown(args(), "m", [Pair(100.0, 96.0, 3200, 3200, 33.3)], [])
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_the_quick_run_measures_memory_and_throughput(tmp_path: Path) -> None:

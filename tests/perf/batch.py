@@ -6,7 +6,10 @@
   the worker renders them), every line inserted at once (the ceiling). The batch's lines run in the bulk band, as
   every batch's do (alone here, so on the whole engine). Runs alternate raw, batch, raw, batch; the
   idle worker is stopped during raw runs. Batch tok/s is create → completed (validation, feeding, the output
-  file written) over the completion tokens its usage counts. Target: batch ÷ raw ≥ 0.95.
+  file written) over the completion tokens its usage counts. Target: batch ÷ raw ≥ 0.95. With ``--queue-path``,
+  after each batch run the same requests submitted at once by a ``Client`` (no batch, no feeder) in each band,
+  interactive and bulk (which goes first alternates between pairs): what the feeder costs, and what the bulk band
+  costs a batch alone (bulk ÷ interactive).
 - **memory**: ``MEMORY USAGE`` on a real Redis of each key a batch of ``N`` lines holds (the input file's chunks
   and record, the batch record, the per-line results while it runs, the output file once it ended), for realistic
   lines (a chat request; a chat.completion answer of ~32 tokens), no model needed.
@@ -62,7 +65,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-lines", default="1000,10000", help="batch sizes of the memory phase")
     p.add_argument("--phases", default="memory,throughput")
     p.add_argument("--queue-path", action="store_true", help="also the same requests submitted at once by a "
-                   "Client (no batch), after each batch run: what the feeder costs")
+                   "Client (no batch), interactive and in the bulk band, after each batch run: what the feeder "
+                   "costs, and what the band costs")
     p.add_argument("--no-reexec", action="store_true", help="run with whatever BLAS this process has")
     return p
 
@@ -75,6 +79,7 @@ class Pair:
     batch_tokens: int
     batch_seconds: float
     queue_tok_s: float = 0.0  # the same requests submitted at once by a Client, no batch: the feeder's share
+    queue_bulk_tok_s: float = 0.0  # the same again in the bulk band: the band's share
     feeder_cpu_s: float = 0.0  # this process's CPU over the batch run (the feeder, its client)
     worker_cpu_s: float = 0.0
     redis_cpu_s: float = 0.0
@@ -83,12 +88,18 @@ class Pair:
     def ratio(self) -> float:
         return self.batch_tok_s / self.raw_tok_s if self.raw_tok_s else 0.0
 
+    @property
+    def band_ratio(self) -> float:
+        """The bulk band's tok/s over the interactive one's, the same requests by a Client (0: not measured)."""
+        return self.queue_bulk_tok_s / self.queue_tok_s if self.queue_tok_s else 0.0
 
-async def _queue_run(client: Client, prompts: list[str], max_tokens: int) -> float:
-    """Every line's request submitted at once by the client, each followed to its end: tok/s."""
+
+async def _queue_run(client: Client, prompts: list[str], max_tokens: int, bulk: bool = False) -> float:
+    """Every line's request submitted at once by the client (in the bulk band: ``bulk``), each followed to its
+    end: tok/s."""
     async def one(prompt: str) -> int:
         r = await client.generate(model="bench", messages=messages(prompt), max_tokens=max_tokens, temperature=0,
-                                  reasoning="split", timeout=3600)
+                                  reasoning="split", bulk=bulk, timeout=3600)
         return r.usage.completion_tokens
 
     t0 = time.perf_counter()
@@ -158,15 +169,25 @@ async def _pairs(args: argparse.Namespace, url: str, prefix: str, raw: RawPath, 
                 cpu0 = (time.process_time(), cpu_seconds(pids[0]), cpu_seconds(pids[1]))
                 tokens, seconds = await _batch_run(client, store, lines)
                 cpu = (time.process_time() - cpu0[0], cpu_seconds(pids[0]) - cpu0[1], cpu_seconds(pids[1]) - cpu0[2])
-                queue = await _queue_run(client, prompts, args.max_tokens) if args.queue_path else 0.0
-                pair = Pair(r.tok_s, tokens / seconds, r.tokens, tokens, seconds, queue, *cpu)
+                queue = await _bands(client, prompts, args.max_tokens, i) if args.queue_path else (0.0, 0.0)
+                pair = Pair(r.tok_s, tokens / seconds, r.tokens, tokens, seconds, *queue, *cpu)
                 say(f"pair {i + 1}: raw {pair.raw_tok_s:.1f} tok/s ({r.tokens} tokens), batch "
                     f"{pair.batch_tok_s:.1f} tok/s ({tokens} tokens in {seconds:.1f} s): {pair.ratio:.3f}; CPU s "
-                    f"feeder {cpu[0]:.1f}, worker {cpu[1]:.1f}, redis {cpu[2]:.1f}; queue alone {queue:.1f} tok/s")
+                    f"feeder {cpu[0]:.1f}, worker {cpu[1]:.1f}, redis {cpu[2]:.1f}; queue alone {queue[0]:.1f} "
+                    f"tok/s, in the bulk band {queue[1]:.1f} tok/s: {pair.band_ratio:.3f}")
                 pairs.append(pair)
         finally:
             await feeder.aclose()
     return pairs
+
+
+async def _bands(client: Client, prompts: list[str], max_tokens: int, pair: int) -> tuple[float, float]:
+    """The same requests by a Client, interactive then bulk (bulk first in every other pair, so a drift of the
+    machine's load falls on both alike): each one's tok/s."""
+    got = {}
+    for bulk in ((False, True) if pair % 2 == 0 else (True, False)):
+        got[bulk] = await _queue_run(client, prompts, max_tokens, bulk)
+    return got[False], got[True]
 
 
 # --- memory ---------------------------------------------------------------------------------------------------------
@@ -238,13 +259,18 @@ def markdown(args: argparse.Namespace, model: str, pairs: list[Pair], mem: list[
         ratio = best_batch / best_raw
         out += [f"Model `{Path(model).name}`, {args.lines} chat lines of {args.max_tokens} tokens, capacity "
                 f"{args.capacity}, window {args.window}, {len(pairs)} raw/batch pair(s), on a shared machine.", "",
-                "| pair | raw tok/s | batch tok/s | batch ÷ raw | queue alone tok/s | CPU s: feeder, worker, Redis |",
+                "| pair | raw tok/s | batch tok/s | batch ÷ raw | queue alone tok/s: interactive, bulk (bulk ÷ "
+                "interactive) | CPU s: feeder, worker, Redis |",
                 "|---|---|---|---|---|---|"]
-        out += [f"| {i + 1} | {p.raw_tok_s:.1f} | {p.batch_tok_s:.1f} | {p.ratio:.3f} | {_tok_s(p.queue_tok_s)} | "
+        out += [f"| {i + 1} | {p.raw_tok_s:.1f} | {p.batch_tok_s:.1f} | {p.ratio:.3f} | {_bands_cell(p)} | "
                 f"{p.feeder_cpu_s:.1f}, {p.worker_cpu_s:.1f}, {p.redis_cpu_s:.1f} |" for i, p in enumerate(pairs)]
         verdict = "PASS" if ratio >= TARGET else "MISS"
         out += ["", f"Best raw {best_raw:.1f} tok/s, best batch {best_batch:.1f} tok/s: batch ÷ raw "
                 f"**{ratio:.3f}** (target ≥ {TARGET}: {verdict}); median of pairs {med:.3f}.", ""]
+        if all(p.queue_tok_s for p in pairs):
+            out += [f"The bulk band ÷ interactive, the same requests by a Client: median of pairs "
+                    f"{statistics.median(p.band_ratio for p in pairs):.3f} (a batch alone should lose nothing to "
+                    "its band: ~1).", ""]
     if mem:
         out += ["| lines | input file (bytes → Redis) | batch record | results while running | output file "
                 "(bytes → Redis) |", "|---|---|---|---|---|"]
@@ -253,8 +279,8 @@ def markdown(args: argparse.Namespace, model: str, pairs: list[Pair], mem: list[
     return "\n".join(out) + "\n"
 
 
-def _tok_s(value: float) -> str:
-    return f"{value:.1f}" if value else "-"
+def _bands_cell(p: Pair) -> str:
+    return f"{p.queue_tok_s:.1f}, {p.queue_bulk_tok_s:.1f} ({p.band_ratio:.3f})" if p.queue_tok_s else "-"
 
 
 def main(argv: list[str] | None = None) -> int:

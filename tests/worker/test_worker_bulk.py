@@ -1,6 +1,7 @@
-"""The bulk band through the queue: a real Redis, a real arq worker on the tiny model. Bulk jobs fill an idle engine,
-wait while interactive jobs do, give their place at once to an interactive job that finds the engine full, and
-resume to end exactly once with the text they make alone; ``mlxq status`` counts them apart."""
+"""The bulk band through the queue: a real Redis, a real arq worker on the tiny model. Bulk jobs fill an idle engine
+(a whole room in one claim, as interactive jobs do), wait while interactive jobs do, give their place at once to an
+interactive job that finds the engine full, and resume to end exactly once with the text they make alone; ``mlxq
+status`` counts them apart."""
 
 from __future__ import annotations
 
@@ -33,6 +34,21 @@ def record_claims(running: RunningWorker) -> list[str]:
     return order
 
 
+def record_calls(running: RunningWorker) -> list[tuple[list[str], bool]]:
+    """Each of the worker's claims: the ids it started, and whether it left due jobs queued."""
+    calls: list[tuple[list[str], bool]] = []
+    transitions = running.host.transitions
+    real = transitions.claim
+
+    async def claim(*args: Any, **kw: Any) -> Any:
+        due = await real(*args, **kw)
+        calls.append(([e.rid for e in due.entries if e.status is EntryStatus.STARTED], due.left))
+        return due
+
+    transitions.claim = claim  # type: ignore[method-assign]
+    return calls
+
+
 async def follow(client: Client, rid: str) -> list[Any]:
     return [ev async for ev in client.events(rid, timeout=120)]
 
@@ -61,6 +77,30 @@ async def test_while_interactive_jobs_wait_a_worker_claims_no_bulk_job(worker_co
         # bulk jobs were queued first and interactive ones have the lowest priority: still every interactive
         # job was claimed before any bulk one
         assert sorted(order[:3]) == sorted(inter) and sorted(order[3:]) == sorted(bulk)
+    finally:
+        await running.close()
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "interactive"])
+async def test_a_lone_worker_claims_its_whole_room_in_one_claim_in_either_band(worker_config: Any, client: Client,
+                                                                                bulk: bool) -> None:
+    # No interactive job waits: a batch alone is claimed as the same jobs submitted interactively are, not fewer
+    # per claim (its throughput is the engine's).
+    running = await start_worker(config_with(worker_config, capacity=4))
+    running.worker.allow_pick_jobs = False  # everything queues first
+    calls = record_calls(running)
+    try:
+        room = running.service.room()
+        assert room == 4
+        jobs = [await client.submit(model="tiny", prompt=f"line {i}", max_tokens=8, bulk=bulk)
+                for i in range(room + 2)]
+        running.worker.allow_pick_jobs = True
+        arqseam.wake()
+        for rid in jobs:
+            assert (await client.result(rid, timeout=120)).usage.completion_tokens == 8
+        started = [(len(ids), left) for ids, left in calls if ids]
+        assert started[0] == (room, True)  # the whole room at once; the rest left queued for the rows' ends
+        assert sum(n for n, _ in started) == len(jobs)
     finally:
         await running.close()
 
