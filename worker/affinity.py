@@ -14,8 +14,9 @@ look dead), but writes what the last answer left, and an answer that drops keys 
 bound (``MAX_KEYS``) drops the least recently used. The advertisement lives ``ttl`` (a few
 heartbeats): a stopped (or draining) worker removes it, and a dead or frozen one's lapses; CLAIM counts an
 advertiser live until then. A worker with a prefix cache is listed from its first heartbeat, even advertising no
-key: CLAIM leaves a job whose key no worker has warm to the live advertiser of the fewest keys (for at most the
-same wait), so the conversations, and their work, spread over the fleet.
+key: CLAIM spreads the jobs whose key no worker has warm over the live advertisers with room, the fewest keys
+first (each waiting at most the same wait), so the conversations, and their work, spread over the fleet; and it
+adds a started job's keys to its claimer's advertisement at once (the next write here keeps them or not).
 
 A worker whose engine for a model is full (no free slot, or no KV headroom) says so
 (``Keys.affinity_full``): CLAIM then lets another worker take its keys' jobs at once rather than after the wait.
