@@ -7,13 +7,16 @@ with a prompt the cache would store (its prefill stores it), and while the entry
 cached, in memory or on disk (the disk's entries carry their keys: a restarted worker advertises them from its
 first heartbeat, :meth:`Holdings.seed`). A job with keys at two depths (its conversation's and its system
 prompt's alone: api/affinity.py) holds both, the system prompt's checked by the system prompt's own tokens. Each
-heartbeat asks the engine, on its MLX thread, which of the keys no
-running job holds are still cached (a short trie lookup of each key's first ``ANCHOR_TOKENS`` prompt tokens), and
-drops the rest; the bound (``MAX_KEYS``) drops the least recently used. The advertisement lives ``ttl`` (a few
+heartbeat asks the engine, on its MLX thread, which of the keys no running job holds are still cached (a short
+trie lookup of each key's first ``ANCHOR_TOKENS`` prompt tokens), and drops the rest once the answer comes; the
+beat does not wait for it (the thread may be in a long prefill: a heartbeat held up by it would make a live worker
+look dead), but writes what the last answer left, and an answer that drops keys is written when it comes. The
+bound (``MAX_KEYS``) drops the least recently used. The advertisement lives ``ttl`` (a few
 heartbeats): a stopped (or draining) worker removes it, and a dead or frozen one's lapses; CLAIM counts an
 advertiser live until then. A worker with a prefix cache is listed from its first heartbeat, even advertising no
-key: CLAIM leaves a job whose key no worker has warm to the live advertiser of the fewest keys (for at most the
-same wait), so the conversations, and their work, spread over the fleet.
+key: CLAIM spreads the jobs whose key no worker has warm over the live advertisers with room, the fewest keys
+first (each waiting at most the same wait), so the conversations, and their work, spread over the fleet; and it
+adds a started job's keys to its claimer's advertisement at once (the next write here keeps them or not).
 
 A worker whose engine for a model is full (no free slot, or no KV headroom) says so
 (``Keys.affinity_full``): CLAIM then lets another worker take its keys' jobs at once rather than after the wait.
@@ -100,8 +103,10 @@ class Holdings:
         return {k: a for k, a in self._anchors.items() if not self._running[k]}
 
     def keep(self, checked: dict[str, list[int]], held: Sequence[bool]) -> None:
-        """Drop the checked keys the cache no longer holds (evicted), unless a job of theirs started since."""
-        gone = [k for k, h in zip(checked, held) if not h and not self._running[k] and k in self._anchors]
+        """Drop the checked keys the cache no longer holds (evicted), unless a job of theirs started since (the
+        check was asked before it, and its prefill stores the key's prompt again: :meth:`started` gave the key a
+        new anchor, so the checked one is no longer it)."""
+        gone = [k for k, h in zip(checked, held) if not h and self._anchors.get(k) is checked[k]]
         for k in gone:
             del self._anchors[k]
         if gone:
@@ -157,6 +162,7 @@ class Advertiser:
         self._full_at = -float("inf")  # when (monotonic) a change to them was last written
         self._pending: asyncio.Task[None] | None = None
         self._full_pending: asyncio.Task[None] | None = None
+        self._checking: dict[str, asyncio.Task[None]] = {}  # model -> its cache's check, asked and not answered
         self._withdrawn = False  # stopping or draining: it takes no more jobs, so it advertises nothing
 
     def model(self, name: str) -> Holdings:
@@ -171,7 +177,11 @@ class Advertiser:
         holdings = self.model(model)
         for key in [keys] if isinstance(keys, str) else keys:
             holdings.started(key, prompt)
-        if holdings.version != self._written.get(model) and self._pending is None:
+        self._changed(model)
+
+    def _changed(self, model: str) -> None:
+        """Write ``model``'s keys soon if they changed since last written."""
+        if self.holdings[model].version != self._written.get(model) and self._pending is None:
             self._pending = asyncio.get_running_loop().create_task(self._write_soon())
 
     def ended(self, model: str, keys: Sequence[str]) -> None:
@@ -230,14 +240,27 @@ class Advertiser:
             pipe.zrem(key, self.worker_id)
 
     async def refresh(self, checks: Mapping[str, Check]) -> None:
-        """Each heartbeat: drop the keys each model's cache evicted (``checks``: the models with a prefix cache),
-        then rewrite every advertisement (its TTL too)."""
+        """Each heartbeat: ask each model's cache which of its idle keys it still holds (``checks``: the models with
+        a prefix cache; not awaited, see the module docstring), then rewrite every advertisement (its TTL too)
+        with the keys as the last answers left them."""
         for name, check in checks.items():
-            holdings = self.model(name)
+            self.model(name)
+            if name not in self._checking and not self._withdrawn:
+                self._checking[name] = asyncio.get_running_loop().create_task(self._check(name, check))
+        await self.write(force=True)
+
+    async def _check(self, model: str, check: Check) -> None:
+        """Ask ``model``'s cache about its idle keys; drop those it evicted, and advertise without them soon."""
+        try:
+            holdings = self.holdings[model]
             idle = holdings.idle()
             if idle:
                 holdings.keep(idle, await check(list(idle.values())))
-        await self.write(force=True)
+                self._changed(model)
+        except Exception:  # an engine stopping under the check: the next beat asks again
+            log.warning("could not check the prefix affinity keys of %s", model, exc_info=True)
+        finally:
+            self._checking.pop(model, None)
 
     async def write(self, force: bool = False) -> None:
         """Write the models' key sets whose holdings changed (``force``: all of them, renewing their TTL)."""
@@ -274,7 +297,7 @@ class Advertiser:
         """At the stop (or the drain's start): this worker takes no more jobs, so it advertises nothing from here
         on (a dead one's advertisement lapses instead)."""
         self._withdrawn = True
-        for task in (self._pending, self._full_pending):
+        for task in (self._pending, self._full_pending, *self._checking.values()):
             if task is not None:
                 task.cancel()
         try:

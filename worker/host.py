@@ -230,15 +230,13 @@ class WorkerHost:
 
     async def _before_beat(self) -> None:
         """Each heartbeat: the queues' depths, and the affinity keys the prefix caches still hold (and whether
-        each engine is full: its KV headroom changes between claims)."""
+        each engine is full: its KV headroom changes between claims). Nothing here waits for an MLX thread: the
+        caches are asked without waiting for their answers (worker/affinity.py)."""
         await self._read_queues()
         self._mark_full()
         checks = {name: s.engine.prefix_holds for name, s in self.services.items()
                   if s.engine is not None and s.engine.prefix_min_tokens is not None and s.state is not ModelState.DEAD}
-        try:
-            await self.affinity.refresh(checks)
-        except Exception:  # an engine stopping under the check: the next beat looks again
-            log.warning("could not check the prefix affinity keys", exc_info=True)
+        await self.affinity.refresh(checks)
 
     async def _read_queues(self) -> None:
         """The depth of each served model's queues, per tenant, and each tenant's running jobs (for the

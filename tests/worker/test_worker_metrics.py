@@ -99,11 +99,7 @@ class StepGate:
 async def test_running_waiting_and_queue_depth_follow_the_batch_and_the_queue(worker_config: Any,
                                                                              client: Client) -> None:
     port = free_port()
-    # No prefix cache: each heartbeat asks the MLX thread, which this test holds, whether the cache still holds
-    # the prompts of its affinity keys, seeded at the start from the session's KV directory (as earlier tests'
-    # workers left it): the beat below would wait for the gate's timeout, and the step it let go admit a job.
-    running = await start_worker(config_with(worker_config, capacity=2, metrics_port=port,
-                                             metrics_addr="127.0.0.1", prefix_cache_gb=0))
+    running = await start_worker(config_with(worker_config, capacity=2, metrics_port=port, metrics_addr="127.0.0.1"))
     gate = StepGate(running)
     try:
         long = await client.submit(model="tiny", prompt="a long one", max_tokens=400)

@@ -42,7 +42,7 @@ for q, queue_key in ipairs(model_queues) do
   local quota = tonumber(row.quota)
   local model = model_tenant(P, queue_key)
   local backlog = P .. ':backlog:' .. model
-  local m = {share = P .. ':share:' .. model, tenants = {}, quota = quota, model = model}
+  local m = {share = P .. ':share:' .. model, tenants = {}, quota = quota, model = model, adds = {}}
   models[q] = m
   quota = band_quota(m, quota); m.quota = quota
   local names, seen = {DEFAULT_TENANT}, {[DEFAULT_TENANT] = true}
@@ -149,6 +149,7 @@ while true do
         pick.run = pick.run + 1  -- counted at once for this call's next picks (the caps, the shares)
         running[pick.t] = running[pick.t] + 1
         local last = redis.call('XREVRANGE', base .. 'log', '+', '-', 'COUNT', 1)[1]
+        affinity_started(m, entry)
         out[#out + 1] = {id, queue, 'started', listed, job, try, last and last[2][2] or false,
                          cancel and 1 or 0, outcome, pick.t}
       else
@@ -181,6 +182,10 @@ for _, m in ipairs(models) do  -- due jobs left behind: for lack of quota, a cap
     end
   end
   if m.counted then redis.call('EXPIRE', m.share, SHARE_TTL_S) end
+  if #m.adds > 0 then  -- the started jobs' keys, advertised at once (affinity.lua): they lapse with the advertiser
+    each('SADD', m.advertisers.set, m.adds)
+    redis.call('PEXPIREAT', m.advertisers.set, m.advertisers.lapse)
+  end
 end
 if counted then redis.call('EXPIRE', P .. ':tenants:running', SHARE_TTL_S) end
 out[2] = left
