@@ -19,10 +19,11 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from .enqueuer import Command
 from .keys import WEBHOOKS_KEPT, Keys
 
 __all__ = ["FAILURES_KEPT", "RECORD_TTL_S", "WebhookEntry", "eviction_risk", "publish", "report", "unwatch",
-           "watch"]
+           "watch", "watching"]
 
 FAILURES_KEPT = 100  # the newest given-up deliveries listed (Keys.webhook_failures)
 RECORD_TTL_S = 7 * 86_400  # the failure list and the counters live a week past their last write
@@ -63,9 +64,15 @@ async def watch(redis: Redis, keys: Keys, rid: str, family: str, object_id: str,
     """Ask that job ``rid``'s end become the webhook event ``<family>.<status>`` about ``object_id`` (status:
     completed, incomplete, cancelled or failed). Set before the job is queued (so no end can come first); lives
     ``ttl_s`` (as long as a job may)."""
+    await redis.execute_command(*watching(keys, rid, family, object_id, tenant, ttl_s))
+
+
+def watching(keys: Keys, rid: str, family: str, object_id: str, tenant: str, ttl_s: int) -> Command:
+    """:func:`watch`'s write as a command, for the job's submit to make with its ENQUEUE (``Client.submit``'s
+    ``writes``: in the same round trip, so it is set before the job is queued)."""
     if " " in family + object_id + tenant:
         raise ValueError("a webhook family, object id or tenant holds no space")
-    await redis.set(keys.notify(rid), f"{family} {object_id} {tenant}", ex=ttl_s)
+    return ("SET", keys.notify(rid), f"{family} {object_id} {tenant}", "EX", ttl_s)
 
 
 async def unwatch(redis: Redis, keys: Keys, rid: str) -> None:
