@@ -147,9 +147,9 @@ def _refusals(body: _Common) -> list[str]:
     return out
 
 
-def _parse(model: type[_Common], body: bytes) -> Any:
+def _parse(model: type[_Common], body: bytes | dict[str, Any]) -> Any:
     try:
-        parsed = model.model_validate_json(body)
+        parsed = model.model_validate(body) if isinstance(body, dict) else model.model_validate_json(body)
     except ValidationError as exc:
         raise GatewayError(validation_problem(exc)) from None
     refused = _refusals(parsed)
@@ -335,7 +335,8 @@ class ChatDialect(_OpenAI):
     object_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
 
-    def parse(self, body: bytes, config: GatewayConfig) -> Ask:
+    def parse(self, body: bytes | dict[str, Any], config: GatewayConfig) -> Ask:
+        """A request's body (its JSON, or that JSON already parsed: a translation's, the Responses API's)."""
         req: ChatRequest = _parse(ChatRequest, body)
         fmt = req.response_format
         extra: dict[str, Any] = {"response_format": fmt} if fmt and fmt.get("type") != "text" else {}

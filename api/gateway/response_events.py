@@ -16,7 +16,6 @@ restart, continues where it was):
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from ..deltas import Deltas
@@ -91,8 +90,7 @@ class ResponseEvents:
     """A response's stream events, made from steps; :attr:`response` is the object they describe so far."""
 
     def __init__(self, created: dict[str, Any], calls_tools: bool) -> None:
-        self.response = copy.deepcopy(created)
-        self.response["output"] = []
+        self.response = {**created, "output": []}  # its fields are replaced, never changed in place
         self.background = bool(created.get("background"))
         self.holds = calls_tools  # whitespace is held until what follows shows it is content, as chat's
         self.held = ""
@@ -110,7 +108,7 @@ class ResponseEvents:
         return {"type": kind, "sequence_number": self.seq, **fields}
 
     def _lifecycle(self, kind: str) -> dict[str, Any]:
-        return self._event(kind, response=copy.deepcopy(self.response))
+        return self._event(kind, response=_snapshot(self.response))
 
     def opening(self) -> list[dict[str, Any]]:
         """The stream's first events: created (and queued for a background response; in_progress for another,
@@ -180,7 +178,7 @@ class ResponseEvents:
             item = {"id": self._item_id("rs", index), "type": "reasoning", "summary": [], "content": [],
                     "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
-        out = [self._event("response.output_item.added", output_index=index, item=copy.deepcopy(item))]
+        out = [self._event("response.output_item.added", output_index=index, item=_item_copy(item))]
         item["content"].append(part)
         self.response["output"].append(item)
         self._open = (kind, index)
@@ -203,7 +201,7 @@ class ResponseEvents:
         else:
             done = self._event("response.reasoning_text.done", **where, text=part["text"])
         return [done, self._event("response.content_part.done", **where, part=dict(part)),
-                self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
+                self._event("response.output_item.done", output_index=index, item=_item_copy(item))]
 
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         out = self._close("completed")
@@ -243,6 +241,21 @@ class ResponseEvents:
         if status == "completed":  # from the job's own timings: every gateway computes the same
             r["completed_at"] = int(r["created_at"] + end["total_ms"] / 1000)
         return [*out, self._lifecycle(_LIFECYCLE[status])]
+
+
+def _snapshot(response: dict[str, Any]) -> dict[str, Any]:
+    """The response object as it is now, for an event to carry: what later steps change is copied (its output
+    items and their content parts, which grow; its fields, which are replaced); what none changes once created
+    (instructions, tools, metadata, ...) is shared. A deep copy of every event's response costs more than the
+    rest of the event."""
+    return {**response, "output": [_item_copy(item) for item in response["output"]]}
+
+
+def _item_copy(item: dict[str, Any]) -> dict[str, Any]:
+    copied = dict(item)
+    if "content" in item:
+        copied["content"] = [dict(part) for part in item["content"]]
+    return copied
 
 
 def usage(prompt: int, completion: int, reasoning: int) -> dict[str, Any]:
