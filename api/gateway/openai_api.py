@@ -216,11 +216,14 @@ def _calls(calls: Sequence[ToolCall], first: int | None = None) -> list[dict[str
     return out
 
 
-def _usage(jobs: Choices) -> dict[str, int]:
-    """The request's usage: its prompt once, every choice's completion."""
+def _usage(jobs: Choices) -> dict[str, Any]:
+    """The request's usage: its prompt once (with the tokens of it the worker's prefix cache held), every
+    choice's completion."""
     assert jobs.first.done is not None
-    prompt, completion = jobs.first.done.usage.prompt_tokens, jobs.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    first, completion = jobs.first.done.usage, jobs.completion_tokens
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
 
 def _logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:

@@ -55,7 +55,8 @@ class JobSteps:
                 self._deltas.end(ev.seq)
             except JobFailed as exc:
                 return self._end(_failure(exc.event))
-            usage = [ev.usage.prompt_tokens, ev.usage.completion_tokens, self._reasoning_tokens]
+            usage = [ev.usage.prompt_tokens, ev.usage.completion_tokens, self._reasoning_tokens,
+                     ev.usage.cached_tokens]
             return self._end({"finish": ev.finish_reason.value, "usage": usage, "total_ms": ev.timings.total_ms})
         if ev.type == "reset":
             self._reasoning_tokens = 0
@@ -234,8 +235,7 @@ class ResponseEvents:
             return [*out, self._lifecycle("response.failed")]
         status = _STATUS[FinishReason(end["finish"])]
         out += self._close("incomplete" if status == "incomplete" else "completed")
-        prompt, completion, reasoning = end["usage"]
-        r.update(status=status, usage=usage(prompt, completion, reasoning))
+        r.update(status=status, usage=usage(*end["usage"]))  # a step stored before cached tokens were has three
         if status == "incomplete":
             r["incomplete_details"] = {"reason": "max_output_tokens"}
         if status == "completed":  # from the job's own timings: every gateway computes the same
@@ -258,9 +258,9 @@ def _item_copy(item: dict[str, Any]) -> dict[str, Any]:
     return copied
 
 
-def usage(prompt: int, completion: int, reasoning: int) -> dict[str, Any]:
-    """OpenAI's usage object (no prompt caching is counted: the queue reports none)."""
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+def usage(prompt: int, completion: int, reasoning: int, cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached``: the prompt's tokens the worker's prefix cache held."""
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + completion}
 
