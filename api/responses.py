@@ -109,10 +109,11 @@ class ResponseStore:
     def creation(self, response: StoredResponse) -> list[Command]:
         """The writes of a new response's record, for its job's submit to make just before it queues the job
         (``Client.submit``'s ``writes``: one round trip, one transaction), so any gateway finds it once the job
-        exists. (HSET and its EXPIRE in one transaction: the record never lives without its TTL.)"""
+        exists. In one transaction with its EXPIRE (the record never lives without its TTL); each field only if
+        absent: a submit retried after its reply was lost must not set back a status recorded since."""
         key = self._key(response.id)
         assert key is not None
-        return [("HSET", key, "meta", response.meta_json(), "status", response.status),
+        return [("HSETNX", key, "meta", response.meta_json()), ("HSETNX", key, "status", response.status),
                 ("EXPIRE", key, self.retention_s)]
 
     async def get(self, response_id: str, tenant: str) -> StoredResponse | None:

@@ -405,8 +405,9 @@ class Responses:
     async def _failed(self, request: Request, exc: Exception) -> Response:
         problem = await self.gw._problem(exc)
         param = getattr(exc, "param", None)
+        unexpected = problem.code == "internal" and not isinstance(exc, MlxqError | GatewayError)  # a bug: its trace
         log.warning("%s %s -> %d %s: %s", request.method, request.url.path, problem.status, problem.code,
-                    problem.message)
+                    problem.message, exc_info=exc if unexpected else None)
         body = openai_error(problem)
         body["error"]["param"] = param
         return JSONResponse(body, problem.status, headers=problem.headers())
