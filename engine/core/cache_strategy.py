@@ -157,7 +157,9 @@ class ReuseCaches:
         if self.prefix is not None:
             hit = self.prefix.fetch(prompt, seq.req.affinity, seq.req.system_key)
             self._sync_stats()
-        cached = seq.cached = hit.tokens if hit is not None else 0
+        cached = hit.tokens if hit is not None else 0
+        if not seq.admitted:
+            seq.cached = cached
         started = self.backend.start(prompt[cached:], seq.sampler, seq.processors,
                                      cache=hit.cache if hit is not None else None, cache_tokens=prompt[:cached])
         more = seq.req.params.max_tokens - 1
