@@ -37,7 +37,7 @@ from .errors import (
 from .files import FileStore
 from .follow import Follower, JobView, Result, deltas_of, kept_events, result_of, text_of
 from .protocol import producer
-from .protocol.enqueuer import Enqueuer
+from .protocol.enqueuer import Command, Enqueuer
 from .protocol.jobrecord import KeptResult, job_record
 from .protocol.keys import Keys, queue_score
 from .protocol.producer import Enqueue
@@ -111,7 +111,7 @@ class Client:
 
     # --- producing ---------------------------------------------------------------------------------
     async def submit(self, request: GenerateRequest | dict[str, Any] | None = None, /, *,
-                     require_worker: bool = False, **fields: Any) -> str:
+                     require_worker: bool = False, writes: Sequence[Command] = (), **fields: Any) -> str:
         """Validate and enqueue a job on its model's queue; returns its id (the arq job id).
 
         Pass a :class:`GenerateRequest`, a dict of its fields, or the fields as keywords. Raises
@@ -121,6 +121,8 @@ class Client:
         expires). A job still queued ``expires_in`` seconds after this (default ``MLXQ_JOB_EXPIRY``) ends with
         ``error(expired)``. ``bulk=True`` (the field): the bulk band, idle capacity only (a batch's lines; its
         queues' cap ``MLXQ_MAX_QUEUED`` counts the band's jobs apart from the model's interactive ones).
+        ``writes``: Redis commands of the caller's, run in the same round trip just before the job is queued, in
+        one transaction with it (a record that must exist once the job does; the gateway's stored responses).
         """
         req = _request(request, fields)
         if self.tenant is not None and "tenant" not in req.model_fields_set:
@@ -141,7 +143,8 @@ class Client:
                              max(0, cfg.max_queued), expiry_ms, JOB_TTL_MS, req.bulk).call(self.keys)
         # A retry sends the same record: ENQUEUE takes it as this submit's own (its reply was lost).
         try:
-            queued = await with_retries(lambda: self._enqueuer.enqueue(keys, args), self.retry, self.where)
+            queued = await with_retries(lambda: self._enqueuer.enqueue(keys, args, writes), self.retry,
+                                      self.where)
         except ResponseError as exc:
             if "OOM command not allowed" in str(exc):  # a Redis at its maxmemory (noeviction) refuses writes
                 raise QueueOutOfMemory(req.model, "OOM command not allowed when used memory > 'maxmemory'") from None
@@ -300,19 +303,20 @@ class Client:
 
     async def submit_and_follow(self, request: GenerateRequest | dict[str, Any] | None = None, /, *,
                                 timeout: float | None = None, require_worker: bool = False,
-                                **fields: Any) -> AsyncIterator[Event]:
+                                writes: Sequence[Command] = (), **fields: Any) -> AsyncIterator[Event]:
         """Submit a job and yield its events, as :meth:`events` does; every event's ``id`` is the job id.
 
         The channel is subscribed before the job is enqueued, so no event can precede the subscription and
         the replay-log read that :meth:`events` starts with is skipped: one round trip less per job.
-        ``require_worker`` refuses a model no live worker serves, as :meth:`submit` does.
+        ``require_worker`` refuses a model no live worker serves, and ``writes`` go with the job, as :meth:`submit`
+        does.
         """
         req = _request(request, fields)  # a bad request raises before anything is subscribed
         if require_worker:
             await self._require_worker(req.model)
         sub = await with_retries(lambda: self._hub().open(self.keys.events(req.id)), self.retry, self.where)
         try:
-            await self.submit(req)
+            await self.submit(req, writes=writes)
         except BaseException:
             await sub.close()
             raise

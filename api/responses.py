@@ -29,6 +29,7 @@ from typing import Any
 from .client import Client
 from .connection import with_retries
 from .follow import kept_events
+from .protocol.enqueuer import Command
 from .protocol.jobrecord import read_result
 from .schema import Event, decode_event
 
@@ -105,17 +106,15 @@ class ResponseStore:
         job = job_id_of(response_id)
         return None if job is None else self.client.keys.response(job)
 
-    async def create(self, response: StoredResponse) -> None:
-        """Write a new response's record (before its job is queued, so any gateway finds it at once)."""
+    def creation(self, response: StoredResponse) -> list[Command]:
+        """The writes of a new response's record, for its job's submit to make just before it queues the job
+        (``Client.submit``'s ``writes``: one round trip, one transaction), so any gateway finds it once the job
+        exists. In one transaction with its EXPIRE (the record never lives without its TTL); each field only if
+        absent: a submit retried after its reply was lost must not set back a status recorded since."""
         key = self._key(response.id)
         assert key is not None
-
-        async def write() -> None:
-            async with self.client.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(key, mapping={"meta": response.meta_json(), "status": response.status})
-                pipe.expire(key, self.retention_s)
-                await pipe.execute()
-        await self._retried(write)
+        return [("HSETNX", key, "meta", response.meta_json()), ("HSETNX", key, "status", response.status),
+                ("EXPIRE", key, self.retention_s)]
 
     async def get(self, response_id: str, tenant: str) -> StoredResponse | None:
         """The response, if it exists and is ``tenant``'s (another tenant's is as good as absent)."""

@@ -138,16 +138,29 @@ def render(report: Report) -> str:
 
 
 def _webhook_lines(hooks: dict[str, Any]) -> list[str]:
-    """One line of webhook deliveries (if any were made or wait), and the newest failures."""
+    """One line of webhook deliveries (if any were made or wait), the endpoints a 410 disabled, and the newest
+    failures."""
     counts = hooks.get("counts") or {}
-    if not counts and not hooks.get("waiting"):
+    disabled = hooks.get("disabled") or []
+    if not counts and not hooks.get("waiting") and not disabled:
         return []
     line = (f"webhooks: {counts.get('delivered', 0)} delivered, {counts.get('retried', 0)} retried, "
             f"{counts.get('failed', 0)} failed, {counts.get('disabled', 0)} endpoint 410s; "
             f"{hooks.get('waiting', 0)} waiting")
-    failed = [f"  failed: {f['type']} {f['id']} ({f['event']}) to {f['url']}: {f['error']}"
+    gone = [f"  disabled: {d['url']} answered 410 Gone at {_stamp(d['at_ms'])}: no gateway delivers to it"
+            for d in disabled]
+    failed = [f"  failed: {f['type']} {f['id']} ({f['event']}) to {f['url']}{_after(f)}: {f['error']}"
               for f in hooks.get("failures", [])[:3]]
-    return [line, *failed, ""]
+    return [line, *gone, *failed, ""]
+
+
+def _after(failure: dict[str, Any]) -> str:
+    attempts = failure.get("attempts")  # none in a failure a gateway of an earlier release recorded
+    return f" after {attempts} attempts" if attempts else ""
+
+
+def _stamp(at_ms: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at_ms / 1000))
 
 
 def render_job(view: JobView) -> tuple[str, dict[str, Any]]:

@@ -147,9 +147,9 @@ def _refusals(body: _Common) -> list[str]:
     return out
 
 
-def _parse(model: type[_Common], body: bytes) -> Any:
+def _parse(model: type[_Common], body: bytes | dict[str, Any]) -> Any:
     try:
-        parsed = model.model_validate_json(body)
+        parsed = model.model_validate(body) if isinstance(body, dict) else model.model_validate_json(body)
     except ValidationError as exc:
         raise GatewayError(validation_problem(exc)) from None
     refused = _refusals(parsed)
@@ -216,11 +216,14 @@ def _calls(calls: Sequence[ToolCall], first: int | None = None) -> list[dict[str
     return out
 
 
-def _usage(jobs: Choices) -> dict[str, int]:
-    """The request's usage: its prompt once, every choice's completion."""
+def _usage(jobs: Choices) -> dict[str, Any]:
+    """The request's usage: its prompt once (with the tokens of it the worker's prefix cache held), every
+    choice's completion."""
     assert jobs.first.done is not None
-    prompt, completion = jobs.first.done.usage.prompt_tokens, jobs.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    first, completion = jobs.first.done.usage, jobs.completion_tokens
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
 
 def _logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
@@ -335,7 +338,8 @@ class ChatDialect(_OpenAI):
     object_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
 
-    def parse(self, body: bytes, config: GatewayConfig) -> Ask:
+    def parse(self, body: bytes | dict[str, Any], config: GatewayConfig) -> Ask:
+        """A request's body (its JSON, or that JSON already parsed: a translation's, the Responses API's)."""
         req: ChatRequest = _parse(ChatRequest, body)
         fmt = req.response_format
         extra: dict[str, Any] = {"response_format": fmt} if fmt and fmt.get("type") != "text" else {}

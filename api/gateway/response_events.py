@@ -16,7 +16,6 @@ restart, continues where it was):
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from ..deltas import Deltas
@@ -56,7 +55,8 @@ class JobSteps:
                 self._deltas.end(ev.seq)
             except JobFailed as exc:
                 return self._end(_failure(exc.event))
-            usage = [ev.usage.prompt_tokens, ev.usage.completion_tokens, self._reasoning_tokens]
+            usage = [ev.usage.prompt_tokens, ev.usage.completion_tokens, self._reasoning_tokens,
+                     ev.usage.cached_tokens]
             return self._end({"finish": ev.finish_reason.value, "usage": usage, "total_ms": ev.timings.total_ms})
         if ev.type == "reset":
             self._reasoning_tokens = 0
@@ -91,8 +91,7 @@ class ResponseEvents:
     """A response's stream events, made from steps; :attr:`response` is the object they describe so far."""
 
     def __init__(self, created: dict[str, Any], calls_tools: bool) -> None:
-        self.response = copy.deepcopy(created)
-        self.response["output"] = []
+        self.response = {**created, "output": []}  # its fields are replaced, never changed in place
         self.background = bool(created.get("background"))
         self.holds = calls_tools  # whitespace is held until what follows shows it is content, as chat's
         self.held = ""
@@ -110,7 +109,7 @@ class ResponseEvents:
         return {"type": kind, "sequence_number": self.seq, **fields}
 
     def _lifecycle(self, kind: str) -> dict[str, Any]:
-        return self._event(kind, response=copy.deepcopy(self.response))
+        return self._event(kind, response=_snapshot(self.response))
 
     def opening(self) -> list[dict[str, Any]]:
         """The stream's first events: created (and queued for a background response; in_progress for another,
@@ -180,7 +179,7 @@ class ResponseEvents:
             item = {"id": self._item_id("rs", index), "type": "reasoning", "summary": [], "content": [],
                     "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
-        out = [self._event("response.output_item.added", output_index=index, item=copy.deepcopy(item))]
+        out = [self._event("response.output_item.added", output_index=index, item=_item_copy(item))]
         item["content"].append(part)
         self.response["output"].append(item)
         self._open = (kind, index)
@@ -203,7 +202,7 @@ class ResponseEvents:
         else:
             done = self._event("response.reasoning_text.done", **where, text=part["text"])
         return [done, self._event("response.content_part.done", **where, part=dict(part)),
-                self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
+                self._event("response.output_item.done", output_index=index, item=_item_copy(item))]
 
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         out = self._close("completed")
@@ -236,8 +235,7 @@ class ResponseEvents:
             return [*out, self._lifecycle("response.failed")]
         status = _STATUS[FinishReason(end["finish"])]
         out += self._close("incomplete" if status == "incomplete" else "completed")
-        prompt, completion, reasoning = end["usage"]
-        r.update(status=status, usage=usage(prompt, completion, reasoning))
+        r.update(status=status, usage=usage(*end["usage"]))  # a step stored before cached tokens were has three
         if status == "incomplete":
             r["incomplete_details"] = {"reason": "max_output_tokens"}
         if status == "completed":  # from the job's own timings: every gateway computes the same
@@ -245,9 +243,24 @@ class ResponseEvents:
         return [*out, self._lifecycle(_LIFECYCLE[status])]
 
 
-def usage(prompt: int, completion: int, reasoning: int) -> dict[str, Any]:
-    """OpenAI's usage object (no prompt caching is counted: the queue reports none)."""
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+def _snapshot(response: dict[str, Any]) -> dict[str, Any]:
+    """The response object as it is now, for an event to carry: what later steps change is copied (its output
+    items and their content parts, which grow; its fields, which are replaced); what none changes once created
+    (instructions, tools, metadata, ...) is shared. A deep copy of every event's response costs more than the
+    rest of the event."""
+    return {**response, "output": [_item_copy(item) for item in response["output"]]}
+
+
+def _item_copy(item: dict[str, Any]) -> dict[str, Any]:
+    copied = dict(item)
+    if "content" in item:
+        copied["content"] = [dict(part) for part in item["content"]]
+    return copied
+
+
+def usage(prompt: int, completion: int, reasoning: int, cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached``: the prompt's tokens the worker's prefix cache held."""
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + completion}
 

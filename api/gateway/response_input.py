@@ -12,7 +12,6 @@ Anything else is a 400 that names it.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -118,8 +117,7 @@ def to_ask(req: ResponsesRequest, context: list[dict[str, Any]], items: list[dic
            config: GatewayConfig, cache_key: str | None) -> Ask:
     """The job: ``context`` (the previous responses' items), then this request's ``items``, as chat would run
     them; ``cache_key``: the affinity key when the request names none."""
-    body = chat_body(req, context + items, cache_key)
-    return CHAT.parse(json.dumps(body).encode(), config)
+    return CHAT.parse(chat_body(req, context + items, cache_key), config)  # validated as chat's, not re-read
 
 
 def chat_body(req: ResponsesRequest, items: list[dict[str, Any]], cache_key: str | None) -> dict[str, Any]:
@@ -203,12 +201,16 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _content(content: Any, i: int) -> Any:
-    """A message's content as chat parts (the chat path checks them further)."""
+    """A message's content as chat parts (the chat path checks them further); text alone as one string, as the
+    chat path makes it of text parts."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise invalid(f"input[{i}].content: a string or a list of parts")
-    return [_part(p, f"input[{i}].content[{j}]") for j, p in enumerate(content)]
+    parts = [_part(p, f"input[{i}].content[{j}]") for j, p in enumerate(content)]
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def _part(part: Any, where: str) -> dict[str, Any]:

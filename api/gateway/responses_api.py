@@ -28,9 +28,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..client import JOB_TTL_MS
-from ..connection import with_retries
 from ..errors import BadRequest, DuplicateJob, JobNotFound, MlxqError, NoWorker, QueueFull, WaitTimeout
-from ..protocol.notify import WebhookEntry, unwatch, watch
+from ..protocol.enqueuer import Command
+from ..protocol.notify import WebhookEntry, unwatch, watching
 from ..responses import ResponseStore, StoredResponse, job_events, response_id_of
 from ..schema import Event, GenerateRequest, new_request_id
 from .dialect import dumps, sse
@@ -110,18 +110,17 @@ class Responses:
             job = ask.request.model_copy(update={"id": job_id, "tenant": tenant})
             record = StoredResponse(rid, tenant, req.background, _created(rid, req, job), items, root,
                                     job.calls_tools)
-            if req.store:
-                await self.store.create(record)
+            # Its record (and, notified, the request that its end become a webhook event, made by EMIT) are
+            # written with its ENQUEUE, in one round trip: there once the job is, at no cost to its start.
+            writes = self.store.creation(record) if req.store else []
             notify = req.background and req.store and self.gw.webhooks is not None
-            if notify:  # its end becomes a webhook event in the call that writes it (EMIT)
-                await with_retries(lambda: watch(self.gw.client.redis, self.gw.client.keys, job_id, "response", rid,
-                                                 tenant, JOB_TTL_MS // 1000),
-                                   self.gw.client.retry, self.gw.client.where)
+            if notify:
+                writes.append(watching(self.gw.client.keys, job_id, "response", rid, tenant, JOB_TTL_MS // 1000))
             followed: AsyncGenerator[Event, None] | None = None
             if req.background:
-                await self._submit(job, record, req.store, notify)
+                await self._submit(job, record, writes, notify)
             else:  # subscribed before it is queued, as chat completions: no replay read at its start
-                followed = self._submitting(job, rid if req.store else None)
+                followed = self._submitting(job, rid if req.store else None, writes)
             submitted = record
             log.debug("POST /v1/responses: %s (job %s, background %s, stream %s)", rid, job_id, req.background,
                       req.stream)
@@ -131,12 +130,13 @@ class Responses:
                 await self._cancel_job(submitted.job_id)
             return await self._failed(request, exc)
 
-    async def _submit(self, job: GenerateRequest, record: StoredResponse, stored: bool, notify: bool) -> None:
-        """Queue a background response's job; if that fails, its stored record (and watch) go."""
+    async def _submit(self, job: GenerateRequest, record: StoredResponse, writes: list[Command],
+                      notify: bool) -> None:
+        """Queue a background response's job with its ``writes``; if it is refused, its record (and watch) go."""
         try:
-            await self.gw.client.submit(job, require_worker=True)
+            await self.gw.client.submit(job, require_worker=True, writes=writes)
         except BaseException:
-            if stored:
+            if writes:
                 with contextlib.suppress(MlxqError):
                     await self.store.delete(record.id)
             if notify:
@@ -144,10 +144,12 @@ class Responses:
                     await unwatch(self.gw.client.redis, self.gw.client.keys, job.id)
             raise
 
-    async def _submitting(self, job: GenerateRequest, stored: str | None) -> AsyncGenerator[Event, None]:
-        """The job queued at the first read (subscribed first), then its events; a submit refused (nothing was
-        queued) removes the stored response ``stored`` (its id, if stored) before the refusal goes on."""
-        events = self.gw.client.submit_and_follow(job, require_worker=True)
+    async def _submitting(self, job: GenerateRequest, stored: str | None, writes: list[Command]
+                          ) -> AsyncGenerator[Event, None]:
+        """The job queued with its ``writes`` at the first read (subscribed first), then its events; a submit
+        refused (nothing was queued) removes the stored response ``stored`` (its id, if stored) before the
+        refusal goes on."""
+        events = self.gw.client.submit_and_follow(job, require_worker=True, writes=writes)
         async with contextlib.aclosing(events):  # type: ignore[type-var]
             try:
                 first = await anext(events)
@@ -403,8 +405,9 @@ class Responses:
     async def _failed(self, request: Request, exc: Exception) -> Response:
         problem = await self.gw._problem(exc)
         param = getattr(exc, "param", None)
+        unexpected = problem.code == "internal" and not isinstance(exc, MlxqError | GatewayError)  # a bug: its trace
         log.warning("%s %s -> %d %s: %s", request.method, request.url.path, problem.status, problem.code,
-                    problem.message)
+                    problem.message, exc_info=exc if unexpected else None)
         body = openai_error(problem)
         body["error"]["param"] = param
         return JSONResponse(body, problem.status, headers=problem.headers())

@@ -12,8 +12,10 @@ to ``MLXQ_WEBHOOK_URL``, in OpenAI's format, signed per Standard Webhooks.
   ``MLXQ_WEBHOOK_CLAIM``); those a dead gateway held go idle and another takes them (XAUTOCLAIM) and starts their
   schedule over: at least once, never lost while the stream holds them.
 - **Retries**: attempt *i* waits ``MLXQ_WEBHOOK_SCHEDULE[i]`` seconds (or a 429/503's ``Retry-After``, if later);
-  any 2xx is success; 410 disables the endpoint (this process, and counted); after the last attempt the event is
-  recorded as failed (``Keys.webhook_failures()``, and ``Keys.webhook_counts()``: ``mlxq status``, the dashboard).
+  any 2xx is success; 410 disables the endpoint for every gateway (``Keys.webhook_disabled()``, for
+  ``notify.DISABLED_FOR_S``; counted): each round of attempts reads the disabled ones first; after the last attempt
+  the event is recorded as failed (``Keys.webhook_failures()``, and ``Keys.webhook_counts()``: ``mlxq status``,
+  the dashboard).
 - Deliveries run in their own tasks, at most ``MLXQ_WEBHOOK_CONCURRENCY`` at once, each POST within
   ``MLXQ_WEBHOOK_TIMEOUT``: they never hold up requests or jobs.
 """
@@ -37,7 +39,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from ..protocol.keys import Keys
-from ..protocol.notify import FAILURES_KEPT, RECORD_TTL_S, WebhookEntry
+from ..protocol.notify import FAILURES_KEPT, RECORD_TTL_S, WebhookEntry, disable_endpoint, disabled_endpoints
 from .config import WEBHOOK_SECRET_PREFIX, GatewayConfig
 
 __all__ = ["GROUP", "Deliverer", "WebhookSettings", "payload", "sign"]
@@ -100,7 +102,8 @@ class Deliverer:
         self.http = httpx.AsyncClient(timeout=settings.timeout_s, transport=transport, follow_redirects=False,
                                       headers={"user-agent": _USER_AGENT, "content-type": "application/json"})
         self.held: dict[str, asyncio.Task[None]] = {}  # entry id -> its delivery
-        self.disabled: set[str] = set()  # endpoints that answered 410
+        self.disabled: set[str] = set()  # endpoints that answered 410 here (the deployment's list is in Redis)
+        self._reading_disabled: asyncio.Future[set[str]] | None = None
         self._slots = asyncio.Semaphore(settings.concurrency)
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -194,15 +197,21 @@ class Deliverer:
             except Exception as exc:  # its GET still works: it settles on read
                 log.warning("webhooks: %s %s: settling it first failed: %r", entry.type, entry.id, exc)
         body = payload(entry)
-        pending = [u for u in self.settings.urls if u not in self.disabled]
+        pending = list(self.settings.urls)
         failures: dict[str, str] = {}
+        attempts = dict.fromkeys(pending, 0)
         wait = 0.0
         for i, delay in enumerate(self.settings.schedule):
             await asyncio.sleep(max(delay, wait) if i else delay)
             wait = 0.0
+            gone = await self._gone()  # a 410 any gateway saw since the last round counts in this one
             left = []
             for url in pending:
+                if url in gone:
+                    failures.pop(url, None)
+                    continue
                 outcome, retry_after = await self._attempt(url, entry, body)
+                attempts[url] += 1
                 if outcome == "ok" or outcome == "gone":
                     failures.pop(url, None)
                     continue
@@ -214,8 +223,21 @@ class Deliverer:
                 break
             await self._count("retried")
         for url in pending:
-            await self._failed(entry, url, failures.get(url, ""))
+            await self._failed(entry, url, failures.get(url, ""), attempts[url])
         await self._done(entry)
+
+    async def _gone(self) -> set[str]:
+        """The endpoints disabled by a 410, here or at any gateway; the deliveries that ask together share one
+        read (Redis away: those this gateway saw)."""
+        if self._reading_disabled is None:
+            self._reading_disabled = asyncio.ensure_future(disabled_endpoints(self.redis, self.keys))
+            self._reading_disabled.add_done_callback(lambda _: setattr(self, "_reading_disabled", None))
+        try:
+            shared = await asyncio.shield(self._reading_disabled)
+        except (RedisError, OSError) as exc:
+            log.warning("webhooks: reading the disabled endpoints failed: %r", exc)
+            shared = set()
+        return self.disabled | shared
 
     async def _attempt(self, url: str, entry: WebhookEntry, body: bytes) -> tuple[str, float]:
         """One POST: ``ok``, ``gone`` (410: the endpoint disabled) or why it failed; and a Retry-After (s)."""
@@ -229,8 +251,12 @@ class Deliverer:
             await self._count("delivered")
             return "ok", 0.0
         if resp.status_code == 410:
-            log.warning("webhooks: %s answered 410 Gone: no more deliveries to it from this gateway", url)
+            log.warning("webhooks: %s answered 410 Gone: no more deliveries to it from any gateway", url)
             self.disabled.add(url)
+            try:
+                await disable_endpoint(self.redis, self.keys, url, entry.event_id)
+            except (RedisError, OSError) as exc:  # this gateway stops anyway; the others at their own 410
+                log.warning("webhooks: recording %s as disabled failed: %r", url, exc)
             await self._count("disabled")
             return "gone", 0.0
         retry_after = 0.0
@@ -239,11 +265,11 @@ class Deliverer:
                 retry_after = min(_RETRY_AFTER_MAX_S, float(resp.headers.get("retry-after", "0")))
         return f"HTTP {resp.status_code}", retry_after
 
-    async def _failed(self, entry: WebhookEntry, url: str, why: str) -> None:
+    async def _failed(self, entry: WebhookEntry, url: str, why: str, attempts: int) -> None:
         log.error("webhooks: %s %s (%s) not delivered to %s after %d attempts: %s", entry.type, entry.id,
-                  entry.event_id, url, len(self.settings.schedule), why)
+                  entry.event_id, url, attempts, why)
         record = json.dumps({"event": entry.event_id, "type": entry.type, "id": entry.id, "tenant": entry.tenant,
-                             "url": url, "error": why, "at_ms": int(time.time() * 1000)})
+                             "url": url, "error": why, "attempts": attempts, "at_ms": int(time.time() * 1000)})
         with contextlib.suppress(RedisError, OSError):
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.lpush(self.keys.webhook_failures(), record)

@@ -6,12 +6,17 @@ submit of that pass in one pipeline, with one wake-up per model; submits made wh
 next, so a busy producer sends bigger batches, not more. The sender packs the pipeline itself and writes it
 straight onto its connection, skipping redis-py's per-argument packer and per-checkout connection check. The
 price: a lone submit waits one event-loop pass for company.
+
+A submit may bring *writes* of its own (a record that must exist once its job does: the gateway's stored
+response, its webhook request): they go in the same round trip, with its ENQUEUE in one MULTI/EXEC, so the job
+is queued with them or not at all (a write Redis refuses, out of memory or by its ACL, aborts the ENQUEUE too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +26,9 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from .producer import ENQUEUE
 
-__all__ = ["Enqueuer"]
+__all__ = ["Command", "Enqueuer"]
 
+Command = tuple[str | bytes | int, ...]  # one Redis command and its arguments, e.g. ("SET", key, value)
 _WAKE = ENQUEUE.layout.index("wake_channel")  # a burst wakes each model once, from its last job
 
 
@@ -31,6 +37,7 @@ class _Call:
     keys: list[str]
     args: list[Any]
     done: asyncio.Future[int]
+    writes: Sequence[Command] = ()
 
 
 class Enqueuer:
@@ -45,11 +52,12 @@ class Enqueuer:
         self._sender: asyncio.Task[None] | None = None
         self._conn: AbstractConnection | None = None
 
-    async def enqueue(self, keys: list[str], args: list[Any]) -> int:
+    async def enqueue(self, keys: list[str], args: list[Any], writes: Sequence[Command] = ()) -> int:
         """Store and queue one job: ENQUEUE's reply (1 queued, 0 id taken, -1 queue full, -2 the tenant's queue
-        full). A caller cancelled before the send is dropped."""
+        full); ``writes`` run just before it, in one transaction with it (a refused write raises, and nothing
+        was queued). A caller cancelled before the send is dropped."""
         loop = asyncio.get_running_loop()
-        call = _Call(keys, args, loop.create_future())
+        call = _Call(keys, args, loop.create_future(), writes)
         self._pending.append(call)
         if self._sender is None:  # it starts next pass: every call made in this one rides along
             self._sender = loop.create_task(self._send_all())
@@ -102,22 +110,28 @@ class Enqueuer:
                 c.done.set_result(int(r))
 
     async def _run(self, calls: list[_Call]) -> list[Any]:
-        results = await self._evalsha(calls)
+        results = await self._evalsha(calls, writes=True)
         lost = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
-        if lost:  # Redis restarted or flushed its scripts: load once, run the refused calls again
+        if lost:  # Redis restarted or flushed its scripts: load once, run the refused calls again (their writes
+            # were made: a NOSCRIPT is an error of the transaction's last command, not of the transaction)
             await self._exchange([("SCRIPT", "LOAD", ENQUEUE.source)])
-            for i, r in zip(lost, await self._evalsha([calls[i] for i in lost])):
+            for i, r in zip(lost, await self._evalsha([calls[i] for i in lost], writes=False)):
                 results[i] = r
         return results
 
-    async def _evalsha(self, calls: list[_Call]) -> list[Any]:
+    async def _evalsha(self, calls: list[_Call], *, writes: bool) -> list[Any]:
+        """Each call's ENQUEUE reply (or its error); with ``writes``, a call that has some runs them first, in
+        one MULTI/EXEC with its ENQUEUE."""
         self.round_trips += 1
         last = {c.args[_WAKE]: i for i, c in enumerate(calls)}  # each wake channel's last call wakes it
-        commands = []
+        commands: list[Command] = []
         for i, c in enumerate(calls):
             args = c.args if last[c.args[_WAKE]] == i else [*c.args[:_WAKE], "", *c.args[_WAKE + 1:]]
-            commands.append(("EVALSHA", self.sha, len(c.keys), *c.keys, *args))
-        return await self._exchange(commands)
+            enqueue = ("EVALSHA", self.sha, len(c.keys), *c.keys, *args)
+            commands += [("MULTI",), *c.writes, enqueue, ("EXEC",)] if writes and c.writes else [enqueue]
+        replies = iter(await self._exchange(commands))
+        return [_transaction([next(replies) for _ in range(len(c.writes) + 3)]) if writes and c.writes
+                else next(replies) for c in calls]
 
     async def _exchange(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send ``commands`` in one write and read their replies (a refused command's reply is its error),
@@ -150,6 +164,16 @@ class Enqueuer:
                 await conn.disconnect(nowait=True)
             raise
         return result
+
+
+def _transaction(replies: list[Any]) -> Any:
+    """ENQUEUE's reply (or the error to raise) from a MULTI, its writes, ENQUEUE and EXEC's replies."""
+    refused = next((r for r in replies[:-1] if isinstance(r, Exception)), None)
+    done = replies[-1]
+    if refused is not None or isinstance(done, Exception):  # EXECABORT: the first refusal says why
+        return refused or done
+    failed = next((r for r in done[:-1] if isinstance(r, Exception)), None)
+    return failed or done[-1]
 
 
 def _packed(commands: list[tuple[Any, ...]]) -> bytes:

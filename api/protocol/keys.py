@@ -162,6 +162,12 @@ class Keys:
         """Hash of webhook delivery counters (``delivered``, ``failed``, ``disabled``, ``retried``), with a TTL."""
         return f"{self.prefix}:webhooks:counts"
 
+    def webhook_disabled(self) -> str:
+        """Hash of the webhook endpoints that answered 410 Gone: url -> JSON ``{at_ms, event}``; no gateway
+        delivers to them. An entry counts for ``notify.DISABLED_FOR_S`` after its 410; the hash's TTL is that
+        long after its last write."""
+        return f"{self.prefix}:webhooks:disabled"
+
     def tries(self, rid: str) -> str:
         """How many runs of the job started (the lease's token names the run)."""
         return f"{self.prefix}:{{{rid}}}:tries"

@@ -68,6 +68,9 @@ class Usage(BaseModel):
 
     prompt_tokens: int
     completion_tokens: int
+    # Of the prompt's tokens, those the worker's prefix cache held (not prefilled again). Left out of the JSON
+    # when 0, so a producer of an earlier release reads a new worker's event without a hit.
+    cached_tokens: int = Field(default=0, exclude_if=lambda v: not v)
 
 
 class Timings(BaseModel):

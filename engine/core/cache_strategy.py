@@ -142,6 +142,8 @@ class ReuseCaches:
         hit = self.prefix.fetch(full, req.affinity, req.system_key)
         self._sync_stats()
         cached = hit.tokens if hit is not None else 0
+        if not seq.admitted:
+            seq.cached = min(cached, len(req.prompt_tokens))
         boundary = req.cache_boundary
         checkpoint = boundary - cached if cached < boundary < len(full) else 0
         if hit is None and not checkpoint:  # the plain call, as any backend takes it
@@ -156,6 +158,8 @@ class ReuseCaches:
             hit = self.prefix.fetch(prompt, seq.req.affinity, seq.req.system_key)
             self._sync_stats()
         cached = hit.tokens if hit is not None else 0
+        if not seq.admitted:
+            seq.cached = cached
         started = self.backend.start(prompt[cached:], seq.sampler, seq.processors,
                                      cache=hit.cache if hit is not None else None, cache_tokens=prompt[:cached])
         more = seq.req.params.max_tokens - 1

@@ -139,7 +139,7 @@ class RequestOutput:
     rid: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    started: bool = False  # first output after admission: prompt_tokens is set
+    started: bool = False  # first output after admission: prompt_tokens (and cached_tokens) are set
     prompt_tokens: int = 0
     completion_tokens: int = 0  # tokens generated so far, this step's included
     finish: FinishReason | None = None
@@ -153,6 +153,7 @@ class RequestOutput:
     # An embedding request's vectors, with its finish: one per input, each little-endian float32 bytes
     # (engine/core/embedding.py); None for a generation request.
     embeddings: list[bytes] | None = None
+    cached_tokens: int = 0  # with ``started``: how many of its prompt tokens came from the prefix cache
 
 
 def terminal(rid: str, reason: FinishReason, generated: int, code: ErrorCode | None = None,
@@ -178,6 +179,7 @@ def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
                 out.rid, list(out.token_ids), out.text, out.started, out.prompt_tokens,
                 out.completion_tokens, out.finish, out.error_code, out.error_message, out.stop_sequence,
                 out.reasoning, list(out.logprobs), list(out.calls), out.started_at, out.embeddings,
+                out.cached_tokens,
             )
         else:
             merge_into(acc, out)
@@ -202,6 +204,7 @@ def merge_into(acc: RequestOutput, out: RequestOutput) -> None:
     acc.started = acc.started or out.started
     acc.started_at = acc.started_at or out.started_at
     acc.prompt_tokens = acc.prompt_tokens or out.prompt_tokens
+    acc.cached_tokens = acc.cached_tokens or out.cached_tokens
     acc.finish, acc.error_code, acc.error_message = out.finish, out.error_code, out.error_message
     acc.stop_sequence = out.stop_sequence
     acc.embeddings = out.embeddings if out.embeddings is not None else acc.embeddings

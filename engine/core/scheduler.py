@@ -330,7 +330,7 @@ class Scheduler:
         self.kv.reserve()
         if not resumed:
             out = outs.get(req.rid)
-            out.started, out.prompt_tokens = True, len(req.prompt_tokens)
+            out.started, out.prompt_tokens, out.cached_tokens = True, len(req.prompt_tokens), seq.cached
             self._typical_end += (seq.end - self._typical_end) / (8 if self._typical_end else 1)
         if first is None:
             return 0

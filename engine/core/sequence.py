@@ -63,6 +63,7 @@ class Sequence:
     parked: SequenceCache | None = None  # its KV cache while preempted
     parked_bytes: int = 0
     plain: bool = False  # neither log-probabilities nor a format: its tokens take the scheduler's short way
+    cached: int = 0  # prompt tokens its first admission took from the prefix cache (its usage reports them)
 
     @classmethod
     def of(cls, req: EngineRequest, detok: Detokenizer, key: float, order: int) -> Sequence:

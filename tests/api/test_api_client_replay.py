@@ -464,7 +464,7 @@ def fake_submits(fake_client: Client, fake_worker: FakeWorker, live: list[bool])
     published live only if ``live[i]`` (every one goes to the log)."""
     submitted: list[str] = []
 
-    async def submit(request: Any) -> str:
+    async def submit(request: Any, **_: Any) -> str:
         submitted.append(request.id)
 
         async def run() -> None:
@@ -503,7 +503,7 @@ async def test_submit_and_follow_recovers_a_lost_first_event_from_the_log(
 
 
 async def test_submit_and_follow_unsubscribes_when_the_submit_fails(fake_client: Client) -> None:
-    async def refuse(request: Any) -> str:
+    async def refuse(request: Any, **_: Any) -> str:
         raise client_mod.DuplicateJob(request.id)
 
     fake_client.submit = refuse  # type: ignore[method-assign]

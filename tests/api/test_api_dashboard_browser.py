@@ -250,6 +250,36 @@ def test_the_latency_charts_spread_the_minutes_with_jobs_over_their_width(fleet:
         WebDriverWait(browser, 30).until(lambda d, c=column: d.execute_script(width.format(c)) > 80)
 
 
+def test_webhook_deliveries_given_up_and_endpoints_a_410_disabled_show_on_the_overview(
+        fleet: Any, browser: webdriver.Chrome) -> None:
+    import redis.asyncio as aredis
+
+    from mlxq.api.protocol.notify import disable_endpoint
+
+    keys = Keys(fleet[2].prefix)
+    failure = {"event": "evt_1700000000000_0", "type": "response.failed", "id": "resp_hooked", "tenant": "default",
+               "url": "https://hooks.example/down", "error": "HTTP 503", "attempts": 12,
+               "at_ms": int(time.time() * 1000)}
+
+    async def record() -> None:  # as a gateway records them (api/gateway/webhooks.py)
+        r = aredis.Redis.from_url(fleet[2].redis_url)
+        await r.lpush(keys.webhook_failures(), json.dumps(failure))
+        await r.hincrby(keys.webhook_counts(), "failed", 1)
+        await disable_endpoint(r, keys, "https://hooks.example/gone", "evt_1700000000000_1")
+        await r.aclose()
+    fleet[1].run(record())
+    sign_in(browser, fleet[0].url, READER)
+    WebDriverWait(browser, 30).until(lambda d: "resp_hooked" in d.find_element(By.ID, "webhook-failures").text)
+    (cells,) = [[td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+                for tr in browser.find_elements(By.CSS_SELECTOR, "#webhook-failures tbody tr")
+                if "resp_hooked" in tr.text]
+    assert cells[:6] == ["https://hooks.example/down", "response.failed", "resp_hooked", "evt_1700000000000_0",
+                         "12", "HTTP 503"]
+    assert "https://hooks.example/gone" in browser.find_element(By.ID, "webhook-disabled").text
+    assert "1 given up" in browser.find_element(By.ID, "webhooks-summary").text
+    assert errors_in_console(browser) == []
+
+
 def test_a_screenshot_of_each_main_view(fleet: Any, browser: webdriver.Chrome, tmp_path: Path) -> None:
     import redis as sync_redis
 

@@ -164,3 +164,44 @@ async def test_a_failed_send_fails_every_submit_of_the_burst() -> None:
                                         return_exceptions=True)
     assert all(isinstance(o, QueueUnavailable) and "redis://127.0.0.1:1 unreachable" in str(o)
                for o in outcomes), outcomes
+
+
+async def test_a_submits_writes_go_with_its_job_in_the_same_round_trip(client: Client, redis_url: str) -> None:
+    await client.submit(model=MODEL, prompt="p", id="warm")
+    before = client._enqueuer.round_trips
+    ids = await asyncio.gather(
+        client.submit(model=MODEL, prompt="p", id="plain"),
+        *(client.submit(model=MODEL, prompt="p", id=f"w{i}", writes=[("SET", f"mlxq:rec:{i}", f"r{i}", "EX", 60)])
+          for i in range(3)))
+    assert ids == ["plain", "w0", "w1", "w2"] and client._enqueuer.round_trips - before == 1
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        assert [await r.get(f"mlxq:rec:{i}") for i in range(3)] == [b"r0", b"r1", b"r2"]
+        assert 0 < await r.ttl("mlxq:rec:0") <= 60
+    finally:
+        await r.aclose()
+    assert set(await queued(redis_url)) == {"warm", "plain", "w0", "w1", "w2"}
+
+
+async def test_a_write_redis_refuses_queues_nothing_and_fails_its_submit_alone(client: Client,
+                                                                              redis_url: str) -> None:
+    from redis.exceptions import ResponseError
+
+    outcomes = await asyncio.gather(
+        client.submit(model=MODEL, prompt="p", id="ok", writes=[("SET", "mlxq:rec:ok", "1")]),
+        client.submit(model=MODEL, prompt="p", id="refused", writes=[("SET", "mlxq:rec:bad")]),  # refused: arity
+        return_exceptions=True)
+    assert outcomes[0] == "ok" and isinstance(outcomes[1], ResponseError) and "'set'" in str(outcomes[1])
+    assert set(await queued(redis_url)) == {"ok"}  # the refused write's transaction ran nothing
+
+
+async def test_writes_survive_redis_losing_its_scripts(client: Client, redis_url: str) -> None:
+    await client.submit(model=MODEL, prompt="p", id="before")
+    r = aredis.Redis.from_url(redis_url)
+    try:
+        await r.script_flush()
+        assert await client.submit(model=MODEL, prompt="p", id="after", writes=[("SET", "mlxq:rec:x", "1")]) == "after"
+        assert await r.get("mlxq:rec:x") == b"1"
+    finally:
+        await r.aclose()
+    assert set(await queued(redis_url)) == {"before", "after"}

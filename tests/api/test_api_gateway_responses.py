@@ -84,6 +84,22 @@ async def test_a_response_is_the_chat_completions_greedy_text_and_is_stored(oai:
     assert item.type == "message" and item.role == "user" and item.content[0].text == "Say hello"  # type: ignore[union-attr]
 
 
+async def test_a_prompt_whose_start_the_worker_cached_reports_its_cached_tokens_in_both_apis(
+        oai: openai.AsyncOpenAI) -> None:
+    system = "You sort questions about the queue, its workers and the prompts their prefix caches keep. " * 6
+    first = await oai.responses.create(model="tiny", instructions=system, input="What is a queue?",
+                                       max_output_tokens=4)
+    assert first.usage is not None and first.usage.input_tokens_details.cached_tokens == 0  # its first sight
+    second = await oai.responses.create(model="tiny", instructions=system, input="Why batch the tokens?",
+                                        max_output_tokens=4)
+    chat = await oai.chat.completions.create(model="tiny", max_tokens=4, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": "And the cache?"}])
+    assert second.usage is not None and chat.usage is not None and chat.usage.prompt_tokens_details is not None
+    # The system prompt's tokens came from the worker's prefix cache; the question's were prefilled.
+    assert 64 <= second.usage.input_tokens_details.cached_tokens < second.usage.input_tokens
+    assert 64 <= (chat.usage.prompt_tokens_details.cached_tokens or 0) < chat.usage.prompt_tokens
+
+
 async def test_a_streamed_response_is_openais_events_in_order_and_the_sdks_accumulator_takes_them(
         oai: openai.AsyncOpenAI) -> None:
     async with oai.responses.stream(model="tiny", input="File a ticket", text_format=Ticket,

@@ -29,6 +29,7 @@ from mlxq.api.gateway.config import GatewayConfig
 from mlxq.api.gateway.webhooks import GROUP
 from mlxq.api.protocol.keys import Keys
 from mlxq.api.protocol.notify import publish, report
+from mlxq.api.status import Report, render
 from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, deployment, occupy, release
 
 pytestmark = pytest.mark.e2e
@@ -175,7 +176,7 @@ async def test_a_receiver_down_past_the_schedule_is_recorded_as_failed(d: Deploy
             failures = (await report(r, KEYS))["failures"]
             await r.aclose()
         assert failures[0]["id"] == "batch_down" and failures[0]["error"] == "HTTP 500"
-        assert failures[0]["url"] == receiver.url
+        assert failures[0]["url"] == receiver.url and failures[0]["attempts"] == 3
     finally:
         receiver.close()
 
@@ -191,6 +192,31 @@ async def test_two_gateways_deliver_each_event_once(d: Deployment, receiver: Rec
         await r.aclose()
     ids = [h["webhook-id"] for h, _ in receiver.got]
     assert len(got) == 20 and len(ids) == len(set(ids)) == 20
+
+
+async def test_an_endpoint_that_answered_410_gets_nothing_more_from_any_gateway_and_status_says_so(
+        d: Deployment, receiver: Receiver) -> None:
+    gone = Receiver(statuses=(410,) * 40)
+    hooks = {"webhook_urls": (gone.url, receiver.url), "webhook_secret": SECRET, **FAST}
+    r = await r_of(d)
+    try:
+        await r.delete(KEYS.webhook_disabled())
+        with d.gateway(**hooks), d.gateway(**hooks):
+            await publish(r, KEYS, "batch.completed", "batch_first", "default")
+            await receiver.wait(1)
+            await settled_stream(d)  # its 410 was recorded before the event was acknowledged
+            for i in range(20):  # each gateway delivers some of them: neither sends any to the gone endpoint
+                await publish(r, KEYS, "batch.completed", f"batch_after_{i}", "default")
+            await receiver.wait(21)
+            await settled_stream(d)
+        hooks_report = await report(r, KEYS)
+    finally:
+        gone.close()
+        await r.aclose()
+    assert len(gone.got) == 1 and len(receiver.got) == 21
+    assert [e["url"] for e in hooks_report["disabled"]] == [gone.url]
+    text = render(Report("redis", PREFIX, time.time(), {}, {}, [], [], webhooks=hooks_report))
+    assert f"disabled: {gone.url} answered 410 Gone" in text
 
 
 async def test_an_event_a_dead_gateway_held_is_delivered_by_another(d: Deployment, receiver: Receiver) -> None:

@@ -50,7 +50,8 @@ class Log:
             self.events.append(ErrorEvent(id=JOB, seq=seq, code=ErrorCode.ENGINE_ERROR, message="boom"))
         else:
             self.events.append(DoneEvent(id=JOB, seq=seq, finish_reason=fields.get("reason", FinishReason.STOP),
-                                         usage=Usage(prompt_tokens=5, completion_tokens=seq),
+                                         usage=Usage(prompt_tokens=5, completion_tokens=seq,
+                                                     cached_tokens=fields.get("cached", 0)),
                                          timings=Timings(queue_ms=1, ttft_ms=2, total_ms=2500, tokens_per_s=None),
                                          tool_calls=fields.get("tool_calls")))
         return self
@@ -99,6 +100,29 @@ def test_a_rerun_repeats_nothing_and_a_stored_stream_replays_the_same_events() -
     again = ResponseEvents(CREATED, False)
     assert again.opening() + [e for s in steps for e in again.feed(s)] == out
     assert replay(CREATED, False, steps).response == events.response
+
+
+def test_each_event_carries_the_response_and_its_items_as_they_were_when_it_was_made() -> None:
+    log = Log().add("start").add("token", text="Hi").add("token", text=" there").add("done")
+    out, events, _ = run(log)
+    by_type = {e["type"]: e for e in out}
+    assert by_type["response.created"]["response"]["output"] == []
+    assert by_type["response.created"]["response"]["status"] == "in_progress"
+    added = by_type["response.output_item.added"]["item"]
+    assert added["content"] == [] and added["status"] == "in_progress"
+    assert by_type["response.content_part.added"]["part"]["text"] == ""
+    assert by_type["response.completed"]["response"]["output"][0]["content"][0]["text"] == "Hi there"
+    assert CREATED["output"] == [] and CREATED["status"] == "in_progress"  # the object it was created from too
+
+
+def test_usage_counts_the_prompt_tokens_the_worker_had_cached_and_older_stored_steps_replay() -> None:
+    _, events, steps = run(Log().add("start").add("token", text="Hi").add("done", cached=4))
+    assert events.response["usage"]["input_tokens_details"] == {"cached_tokens": 4, "cache_write_tokens": 0}
+    assert replay(CREATED, False, steps).response == events.response
+    # A response settled before usage counted cached tokens stored three numbers: it replays with none cached.
+    (end,) = [s for s in steps if s[0] == "end"]
+    older = [*steps[:-1], ["end", {**end[1], "usage": end[1]["usage"][:3]}]]
+    assert replay(CREATED, False, older).response["usage"]["input_tokens_details"]["cached_tokens"] == 0
 
 
 def test_calls_are_items_after_the_text_and_whitespace_beside_them_is_no_message() -> None:

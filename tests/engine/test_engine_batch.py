@@ -165,6 +165,8 @@ def test_a_request_started_at_once_starts_from_a_cached_prefix(lm: Any, stream: 
     drive(s, run, stream)
     assert s.stats.started_at_once == 1 and s.stats.prefix_hits >= 1 and s.stats.prefix_tokens_saved >= len(shared)
     assert run.tokens("second") == reference(lm, second, 20)
+    (started,) = [o for o in run.outputs["second"] if o.started]
+    assert started.cached_tokens >= len(shared)  # its usage reports what its start took from the prefix cache
 
 
 def test_a_burst_streams_each_prefill_group_s_first_tokens_in_the_step_after_its_prefill(

@@ -91,6 +91,20 @@ def test_the_system_prompt_is_cached_at_its_boundary_and_reused_by_other_chats(l
         assert run.tokens(r.rid) == reference(lm, r.prompt_tokens, 24), r.rid
 
 
+def test_a_requests_start_reports_the_prompt_tokens_its_prefix_hit_took(lm: Any, stream: mx.Stream) -> None:
+    tokenizer = lm[1]
+    base = "the queue server batches the model tokens and " * 12
+    s = make(lm, stream, PrefixCache(64 << 20))
+    run = Run()
+    for rid, tail in (("a", "streams them back"), ("b", "keeps the cache warm")):
+        s.add(EngineRequest(rid, list(tokenizer.encode(base + tail)), SamplingParams(max_tokens=8)))
+        drive(s, run, stream)
+    started = {rid: [o for o in run.outputs[rid] if o.started] for rid in "ab"}
+    assert [o.cached_tokens for o in started["a"]] == [0]  # nothing cached yet: all of it prefilled
+    (b,) = started["b"]
+    assert b.cached_tokens == s.stats.prefix_tokens_saved >= len(tokenizer.encode(base)) - 1
+
+
 def test_an_exact_hit_feeds_the_last_token_again(lm: Any, stream: mx.Stream) -> None:
     tokenizer = lm[1]
     s = make(lm, stream, PrefixCache(64 << 20))

@@ -680,6 +680,15 @@ def test_coalesce_merges_steps_per_request_in_order() -> None:
     assert outs[0].token_ids == [1]  # inputs untouched
 
 
+def test_coalesce_keeps_the_cached_prompt_tokens_its_start_reported() -> None:
+    from mlxq.engine.core.request import coalesce
+
+    outs = [RequestOutput("a", [1], "x", started=True, prompt_tokens=90, completion_tokens=1, cached_tokens=64),
+            RequestOutput("a", [2], "y", completion_tokens=2), RequestOutput("b", [3], "z", completion_tokens=1)]
+    for merged in (coalesce(outs)[0], coalesce(outs[1:2] + outs[:1])[0]):  # a start merged first or into another
+        assert (merged.started, merged.prompt_tokens, merged.cached_tokens) == (True, 90, 64)
+
+
 def test_coalesce_hands_back_one_output_per_request_as_it_is() -> None:
     from mlxq.engine.core.request import coalesce
 

@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
 async def _measure(args: argparse.Namespace, url: str, redis_url: str, prefix: str, receiver: Receiver
                    ) -> dict[str, Any]:
     room = 2 * max(args.n, 32) + 64  # the fillers' streams, and the creates beside them, each on a connection
-    limits = httpx.Limits(max_connections=room, max_keepalive_connections=room)
+    # An idle connection is dropped well before the gateway's keep-alive timeout (uvicorn's 5 s, httpx's default
+    # expiry too): one reused as the server closes it fails the request (httpx.ReadError on a loaded machine).
+    limits = httpx.Limits(max_connections=room, max_keepalive_connections=room, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http, \
             Client(redis_url, prefix=prefix) as client:
         phases = set(args.phases.split(","))

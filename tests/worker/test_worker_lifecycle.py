@@ -429,6 +429,23 @@ def test_a_runs_time_queued_ends_when_the_step_that_admitted_it_ended_not_when_i
     assert done.timings.queue_ms == pytest.approx(250.0)
 
 
+def test_a_runs_usage_counts_the_prompt_tokens_its_engine_took_from_the_prefix_cache() -> None:
+    from mlxq.worker.jobs.translate import output_events
+
+    async def build(cached: int) -> DoneEvent:
+        job = run("r-3")
+        out = RequestOutput("r-3", [7], "x", started=True, prompt_tokens=90, completion_tokens=1,
+                            cached_tokens=cached)
+        output_events(out, job, "w1")
+        return job.done(FinishReason.LENGTH)
+
+    hit, miss = asyncio.run(build(64)), asyncio.run(build(0))
+    assert (hit.usage.prompt_tokens, hit.usage.cached_tokens) == (90, 64)
+    assert decode_event(hit.model_dump_json()) == hit
+    # Without a hit the field stays off the wire: a producer of an earlier release reads the event as before.
+    assert json.loads(miss.model_dump_json())["usage"] == {"prompt_tokens": 90, "completion_tokens": 1}
+
+
 # --- expiry of queued jobs -------------------------------------------------------------------------------
 async def test_a_queued_job_expires_once_and_one_started_meanwhile_does_not(redis_url: str) -> None:
     from mlxq.api.protocol.keys import deadline_member

@@ -241,6 +241,19 @@ async def test_tokens_per_minute_holds_a_tenants_jobs_queued_none_fails(client: 
     assert due.left and await r.zcard(KEYS.queue(MODEL, "acme")) == 3
 
 
+async def test_a_job_is_charged_its_whole_prompt_the_part_its_worker_had_cached_too(client: Client,
+                                                                                       r: aredis.Redis) -> None:
+    await tenants.store(r, KEYS, "acme", tokens_per_minute=100)
+    await fill(client, "acme", 2)
+    t = worker(r)
+    (first,) = await claim(t, 1)
+    events = [first.start(60, t.worker_id, cached_tokens=50), first.done(FinishReason.LENGTH, generated=60)]
+    assert await t.write([Record(first, events, Write.END)]) == [True]
+    (use,) = [u for u in await tenants.use(r, KEYS, {}) if u.name == "acme"]
+    assert use.tokens_per_minute == pytest.approx(120, abs=2)  # over acme's 100: its next job waits
+    assert not (await t.claim({KEYS.queue(MODEL): 1}, 1)).entries
+
+
 async def test_tenants_lists_policy_and_live_use(client: Client, r: aredis.Redis) -> None:
     await tenants.store(r, KEYS, "acme", weight=3, max_running=4)
     await fill(client, "globex", 2)

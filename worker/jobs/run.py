@@ -93,6 +93,7 @@ class Run:
     tenant: str = DEFAULT_TENANT  # whose job it is (its queue says: api.protocol.keys.Keys.queue_of)
     state: State = State.RUNNING
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of its prompt's, those its engine took from the prefix cache
     completion_tokens: int = 0
     started_at: float = field(default_factory=time.time)  # epoch seconds, as the timings below
     admitted_at: float | None = None
@@ -126,9 +127,10 @@ class Run:
         if not self.finished.done():
             self.finished.set_result(state)
 
-    def start(self, prompt_tokens: int, worker: str, at: float = 0.0) -> StartEvent:
-        """The engine admitted the job: the step that did ended ``at`` (epoch s; 0: now)."""
-        self.prompt_tokens = prompt_tokens
+    def start(self, prompt_tokens: int, worker: str, at: float = 0.0, cached_tokens: int = 0) -> StartEvent:
+        """The engine admitted the job (``cached_tokens`` of its prompt from the prefix cache): the step that
+        did ended ``at`` (epoch s; 0: now)."""
+        self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
         if self.admitted_at is None:
             self.admitted_at = at or time.time()
         return StartEvent(id=self.rid, seq=self._next(), model=self.model, worker=worker,
@@ -158,7 +160,8 @@ class Run:
         if calls and reason is FinishReason.STOP:
             reason = FinishReason.TOOL_CALLS
         return DoneEvent(id=self.rid, seq=self._next(), finish_reason=reason, timings=self.timings(),
-                         usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens),
+                         usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                                     cached_tokens=self.cached_tokens),
                          stop_sequence=stop_sequence, tool_calls=list(calls) if calls else None, tenant=self.tenant,
                          embeddings=embeddings)
 

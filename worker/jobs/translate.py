@@ -89,7 +89,7 @@ def output_events(out: RequestOutput, run: Run, worker: str) -> list[Wire]:
         return [run.tokens(out.text, out.token_ids, out.completion_tokens)]
     events: list[Wire] = []
     if out.started:
-        events.append(run.start(out.prompt_tokens, worker, out.started_at))
+        events.append(run.start(out.prompt_tokens, worker, out.started_at, out.cached_tokens))
     if out.token_ids or out.text or out.reasoning or out.calls:
         logprobs = _logprobs(out, run.token_text) if run.token_text is not None else None
         text, calls = out.text, None

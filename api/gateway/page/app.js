@@ -158,6 +158,23 @@ function drawOverview(data) {
     rows.push(tr);
   }
   fill("workers", rows, "no workers", 13);
+  drawWebhooks(data.webhooks || {});
+}
+
+// Shown once the deployment has sent (or meant to send) a webhook event: counters, endpoints a 410 disabled,
+// deliveries given up.
+function drawWebhooks(hooks) {
+  const counts = hooks.counts || {}, disabled = hooks.disabled || [], failures = hooks.failures || [];
+  const used = Object.keys(counts).length || hooks.waiting || disabled.length || failures.length;
+  $("webhooks").hidden = !used;
+  $("webhooks-summary").textContent = used ? (counts.delivered || 0) + " delivered, " + (counts.retried || 0) +
+    " retried, " + (counts.failed || 0) + " given up, " + (counts.disabled || 0) + " endpoint 410s; " +
+    (hooks.waiting || 0) + " events waiting" : "";
+  const stamp = (atMs) => new Date(atMs).toLocaleString();
+  fill("webhook-disabled", disabled.map((d) => row([d.url, stamp(d.at_ms), d.event || "-"])),
+    "no endpoint answered 410 Gone", 3);
+  fill("webhook-failures", failures.map((f) => row([f.url, f.type, f.id, f.event, f.attempts || "-", f.error,
+    stamp(f.at_ms)])), "no delivery was given up", 7);
 }
 
 function prefixDisk(models) {  // the tier on disk: ", disk: 3 hits, 120 MiB in 40" (nothing without one)
@@ -213,6 +230,8 @@ function drawDead(data) {
 
 function clearData() {
   for (const table of document.querySelectorAll("main table")) table.tBodies[0].replaceChildren();
+  $("webhooks-summary").textContent = "";
+  $("webhooks").hidden = true;
   clearJob("");
 }
 

@@ -77,7 +77,7 @@ for j = 1, tonumber(count) do
       requeue_at = entry and string.match(entry, '^(%-?%d+) ') or now_ms
     end
     if (write == 'e' or write == 'h') and redis.call('HDEL', running_key, rid) == 1 then
-      local pt, ct = string.match(final or '', '"usage":{"prompt_tokens":(%d+),"completion_tokens":(%d+)}')
+      local pt, ct = string.match(final or '', '"usage":{"prompt_tokens":(%d+),"completion_tokens":(%d+)[,}]')
       local charge = write == 'e' and pt ~= nil
       local model, tenant, share = share_left(prefix, queue, SHARE_TTL_S, charge)
       if model and charge then  -- charge its work: fair share, mean work, tokens per minute
