@@ -1,13 +1,16 @@
-"""The speculative batch's choice of k (engine/core/speculation/tuner.py): pure Python, driven by made-up step times and
-acceptances (no MLX)."""
+"""The speculative batch's choice of k (engine/core/speculation/tuner.py) and which of its steps time their k
+(engine/core/speculation/timing.py): pure Python, driven by made-up step times and acceptances (no MLX)."""
 
 from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Hashable
+from dataclasses import dataclass
 
 import pytest
 
+from mlxq.engine.core.speculation.timing import StepTimer
 from mlxq.engine.core.speculation.tuner import Tuner
 
 pytestmark = pytest.mark.unit
@@ -94,26 +97,35 @@ def test_a_machine_slowing_down_does_not_make_speculation_look_faster() -> None:
     assert [b - a for a, b in itertools.pairwise(looks)] == [4, 8, 16, 32, 64, 64]  # only the looks at speculation
 
 
+class SamplesOnly:
+    """A tuner behind a :class:`StepTimer` that is told of its samples only (as before steps were charged)."""
+
+    def __init__(self, tuner: Tuner) -> None:
+        self.tuner = tuner
+
+    def record(self, rows: int, k: int, seconds: float) -> None:
+        self.tuner.record(rows, k, seconds)
+
+    def charge(self, rows: int, k: int, seconds: float, steady: bool = False) -> float:
+        return 0.0
+
+
 class Batch:
-    """Steps timed as the speculative batch times them (engine/mlx/speculation/batch.py): a step is a sample of its k
-    when the steps before and after it have the same k and nothing made it untimed (rows joined or left, a new
-    shape); every other step is charged to its k (``charged=False``: left out, as before steps were charged)."""
+    """Steps timed as the speculative batch times them (engine/mlx/speculation/batch.py), by its
+    :class:`StepTimer` on a clock of made-up step times (``charged=False``: only samples reach the tuner)."""
 
-    def __init__(self, tuner: Tuner, charged: bool = True) -> None:
-        self.tuner, self.charged = tuner, charged
-        self.last: tuple[int, int, float, bool] | None = None  # rows, k, seconds, untimed
-        self.prior = -1
+    def __init__(self, tuner: Tuner, charged: bool = True, warm: int = StepTimer.WARM) -> None:
+        self.timer = StepTimer(tuner if charged else SamplesOnly(tuner), warm)  # type: ignore[arg-type]
+        self.now = 0.0
 
-    def step(self, rows: int, k: int, seconds: float, untimed: bool = False) -> None:
-        """Time the step before this one (of ``k``) now that this one's k is known."""
-        if self.last is not None:
-            r, last, s, off = self.last
-            if not off and last == k == self.prior:
-                self.tuner.record(r, last, s)
-            elif self.charged:
-                self.tuner.charge(r, last, s)
-            self.prior = last
-        self.last = (rows, k, seconds, untimed)
+    def step(self, rows: int, k: int, seconds: float, untimed: bool = False, shape: Hashable = None) -> None:
+        """A step of ``k`` that takes ``seconds``; ``untimed``: rows joined or left in it; ``shape``: what the
+        batch names its shape."""
+        self.timer.start(self.now, rows, k)
+        if untimed:
+            self.timer.untimed(2)
+        self.timer.shaped(shape)
+        self.now += seconds
 
 
 def loaded(tuner: Tuner, steps: int, verify: float, build: float, seed: int, charged: bool = True) -> float:
@@ -134,7 +146,7 @@ def loaded(tuner: Tuner, steps: int, verify: float, build: float, seed: int, cha
         kept = [next((j for j in range(k) if rng.random() >= a), k) for _ in range(rows)] if k else []
         if k:
             tuner.accepted(kept, k)
-        batch.step(rows, k, seconds, untimed=moved or new)
+        batch.step(rows, k, seconds, untimed=moved, shape=shape)
         made += rows + sum(kept)
         plain += rows * seconds
     return made / plain
@@ -185,3 +197,132 @@ def test_steps_that_build_a_new_shape_are_charged_and_keep_the_budget(verify: fl
         return
     # Left out of the tuner's account, the builds of its tries and looks cost more than the budget
     assert loaded(Tuner(4), 20_000, verify, build=50.0, seed=1, charged=False) < 0.98
+
+
+class Ledger:
+    """A tuner's stand-in behind a :class:`StepTimer`: which steps it was told of as samples, which as charges."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[int, float]] = []  # k, seconds
+        self.charged: list[tuple[int, float, bool]] = []  # k, seconds, steady
+
+    def record(self, rows: int, k: int, seconds: float) -> None:
+        self.samples.append((k, seconds))
+
+    def charge(self, rows: int, k: int, seconds: float, steady: bool = False) -> float:
+        self.charged.append((k, seconds, steady))
+        return 0.0
+
+
+def test_the_first_steps_of_each_new_shape_are_no_sample_but_are_charged() -> None:
+    # On CUDA the first steps of a new shape build graphs and compile kernels, paid once: timed as samples, a plain
+    # step that built made plain decoding look slow and speculation cheap. Each step here takes its index in
+    # seconds, so what the tuner was told names the steps.
+    ledger = Ledger()
+    batch = Batch(ledger)  # type: ignore[arg-type]
+    script = [(0, "A")] * 6 + [(0, "B")] * 5 + [(2, "A")] * 5 + [(0, "A")] * 4 + [(0, "C")]
+    for i, (k, shape) in enumerate(script):
+        batch.step(8, k, float(i), shape=shape)
+    # 0: the first (no step before it); 1, 6-7, 11-12: the first two of (0, A), (0, B), (2, A); 10, 15: the last
+    # before a change of k, 11 and 16 the first after one. (0, A) again at 16 is no new shape: 17 on are samples.
+    assert ledger.samples == [(0, 2.0), (0, 3.0), (0, 4.0), (0, 5.0), (0, 8.0), (0, 9.0), (2, 13.0), (2, 14.0),
+                              (0, 17.0), (0, 18.0), (0, 19.0)]
+    assert [(k, s) for k, s, _ in ledger.charged] == [(0, 0.0), (0, 1.0), (0, 6.0), (0, 7.0), (0, 10.0), (2, 11.0),
+                                                      (2, 12.0), (2, 15.0), (0, 16.0)]
+    assert not any(steady for *_, steady in ledger.charged)  # warm-ups and changes of k are no steady steps
+
+
+def test_steps_around_rows_joining_are_no_sample_but_steady_and_prompt_work_is_neither() -> None:
+    ledger = Ledger()
+    batch = Batch(ledger)  # type: ignore[arg-type]
+    for i in range(12):
+        batch.step(8, 2, float(i), untimed=i == 4, shape="A")
+        if i == 8:
+            batch.timer.prompted()  # this step spans prompt work; the next one finds its pass done during it
+    assert [s for _, s in ledger.samples] == [2.0, 3.0, 6.0, 7.0, 10.0]
+    assert [(s, steady) for _, s, steady in ledger.charged] == [(0.0, False), (1.0, False), (4.0, True),
+                                                               (5.0, True), (9.0, True)]
+
+
+@dataclass
+class Device:
+    """A simulated batch's step times, in plain steps: a plain step costs 1, a speculative one of k ``verify`` +
+    0.1 k; ``a``: the acceptance of each proposal."""
+
+    verify: float
+    a: float = 0.7
+    joins: float = 0.08  # the chance that a row joins or leaves at a step (the rows: 7 or 8)
+    join_cost: float = 0.0  # what such a step costs more when it speculates (the draft's caches copied too)
+    build: tuple[float, ...] = ()  # what the first steps of each new shape cost more (graphs built once)
+    noise: float = 0.0  # the chance that a burst of slow steps (2-3x, 5 to 40 of them) starts: a loaded machine
+    buffer: int = 1500  # steps per cache buffer (a new shape, for every k)
+
+
+def simulate(tuner: Tuner, device: Device, steps: int, seed: int,
+             batch: Batch | None = None) -> tuple[float, list[int]]:
+    """Tokens made over what plain decoding makes in the same time (the same slowdowns; its own builds its own),
+    and each step's k; ``batch``: one that went on before."""
+    rng = random.Random(seed)
+    batch, seen = batch or Batch(tuner), dict[tuple[int, int], int]()
+    rows, spent, worth, slow, burst, chosen = 8, 0.0, 0.0, 1.0, 0, []
+    for step in range(steps):
+        moved = rng.random() < device.joins
+        rows = rng.choice([7, 8]) if moved else rows
+        k = tuner.choose(rows)
+        chosen.append(k)
+        shape = (k, step // device.buffer)
+        n = seen[shape] = seen.get(shape, 0) + 1
+        built = device.build[n - 1] if n <= len(device.build) else 0.0
+        if burst <= 0 and rng.random() < device.noise:
+            burst, slow = rng.randint(5, 40), rng.uniform(2.0, 3.0)
+        burst -= 1
+        unit = slow if burst > 0 else 1.0
+        seconds = unit * (1.0 if not k else device.verify + 0.1 * k + (device.join_cost if moved else 0.0)) + built
+        kept = [next((j for j in range(k) if rng.random() >= device.a), k) for _ in range(rows)] if k else []
+        if k:
+            tuner.accepted(kept, k)
+        batch.step(rows, k, seconds, untimed=moved, shape=shape[1])
+        spent += seconds
+        worth += (rows + sum(kept)) / rows * unit + (built if not k else 0.0)
+    return worth / spent, chosen
+
+
+SLOWER = {"dear verification": Device(verify=2.0, a=0.6),
+          "builds": Device(verify=1.8, a=0.6, build=(30.0, 10.0, 3.0), buffer=300),
+          "loaded machine": Device(verify=1.9, a=0.6, noise=0.03),
+          "both": Device(verify=1.9, a=0.6, build=(30.0, 10.0, 3.0), buffer=300, noise=0.03)}
+
+
+@pytest.mark.parametrize("name", list(SLOWER))
+def test_speculation_that_costs_more_than_it_gains_settles_on_plain_decoding(name: str) -> None:
+    # Fully loaded: speculation at best breaks even, whatever the k. Neither the first steps of each new shape
+    # (plain decoding's and each k's, timed slow while they build) nor bursts of slow steps (a loaded machine:
+    # noise only ever slows a step) may make it look worth using: past its first tries the tuner decodes plainly
+    # but for looks, and makes as many tokens as plain decoding would (never slower).
+    for seed in range(3):
+        ratio, chosen = simulate(Tuner(4), SLOWER[name], 12_000, seed)
+        assert sum(1 for k in chosen[2000:] if k) <= 0.03 * len(chosen[2000:]), (seed, ratio)
+        assert ratio >= 0.97, seed
+
+
+def test_speculation_whose_steps_around_joins_cost_more_than_its_timed_steps_gain_is_dropped() -> None:
+    # Its timed steps make 1.6x plain decoding's tokens, but a step in which rows joined or left (no sample: the
+    # caches are copied) costs 4 plain steps more when it speculates (the draft's caches too), and rows join or
+    # leave often: speculating makes fewer tokens than plain decoding. What the steady steps made decides.
+    device = Device(verify=1.3, a=0.8, joins=0.3, join_cost=4.0)
+    ratio, chosen = simulate(Tuner(4), device, 8000, seed=2)
+    assert sum(1 for k in chosen[2000:] if k) <= 0.05 * len(chosen[2000:])
+    assert ratio >= 0.97
+    paying, chosen = simulate(Tuner(4), Device(verify=1.3, a=0.8, joins=0.3, join_cost=0.2), 8000, seed=2)
+    assert paying > 1.3 and sum(1 for k in chosen[2000:] if k) > 0.9 * len(chosen[2000:])  # where they pay: used
+
+
+def test_speculation_that_stops_paying_is_dropped_within_a_few_blocks() -> None:
+    tuner, device = Tuner(4), Device(verify=1.2, a=0.8, buffer=10_000)
+    batch = Batch(tuner)
+    _, before = simulate(tuner, device, 3000, seed=4, batch=batch)
+    assert sum(1 for k in before[-400:] if k) > 380  # it paid: used
+    device.verify = 4.0  # now every verification costs 4 plain steps
+    _, after = simulate(tuner, device, 2000, seed=5, batch=batch)
+    assert after[24:32].count(0) == 8  # plain decoding within six blocks of four steps
+    assert sum(1 for k in after[100:] if k) <= 0.03 * len(after[100:])

@@ -13,6 +13,25 @@ __all__ = ["Tuner"]
 
 
 @dataclass(slots=True)
+class _Account:
+    """What a batch size's steady speculative steps (rows joining and leaving included, a new shape's and a change
+    of k's left out) cost, and what plain decoding would have taken to make their tokens: decayed sums."""
+
+    spent: float = 0.0
+    worth: float = 0.0
+    steps: float = 0.0
+
+    def add(self, spent: float, worth: float, decay: float) -> None:
+        self.spent = self.spent * decay + spent
+        self.worth = self.worth * decay + worth
+        self.steps = self.steps * decay + 1
+
+    def pays(self, least: float) -> bool:
+        """Whether speculation made at least as many tokens as plain decoding would have (too few steps: yes)."""
+        return self.steps < least or self.worth >= self.spent
+
+
+@dataclass(slots=True)
 class _Looks:
     """When a batch size's tuner next times a k other than its best."""
 
@@ -33,13 +52,20 @@ class Tuner:
     change pays part of the one before. Every ``k`` is timed first, then the best is used, with plain decoding or
     a neighbour timed again one block in ``explore``. While plain decoding is best, a look at speculation comes in
     twice as many blocks as the last (up to ``explore * SPREAD``): a draft that sat out plain steps must catch up
-    on every token since before it proposes again."""
+    on every token since before it proposes again.
+
+    Noise and one-off costs only ever slow a step (a loaded machine, a graph built for a new shape), so plain
+    decoding's time is the lower quartile of its latest timings, and a k is used only while what its steady steps
+    made, rows joining and leaving included, is at least what plain decoding would have made in their time (a k
+    whose timed steps pay while the steps around joins cost more is dropped at the next block). Which steps are
+    timed samples is :class:`~engine.core.speculation.timing.StepTimer`'s to say."""
 
     TRIES = 3  # timings of each k before the best is trusted
     KEEP = 4  # the latest timings of each k near a row count: their median is its step time (one slow step
     # moves nothing, and two blocks of it replace what a batch long gone measured)
     MARGIN = 1.15  # how much faster than plain decoding a k must look to be used
     SPREAD = 16
+    RECENT = 0.9  # the decay per steady speculative step of what they cost and made (about the last 10 count)
 
     def __init__(self, max_k: int, *, block: int = 4, explore: int = 8, budget: float = 0.01) -> None:
         self.ks = tuple(range(max_k + 1))
@@ -57,6 +83,7 @@ class Tuner:
         self._k = 0
         self._left = 0  # steps left in the current block
         self._looks: dict[int, _Looks] = {}  # per batch size
+        self._accounts: dict[int, _Account] = {}  # per batch size
         self._elapsed = 0.0  # seconds of the steps timed or charged
         self._lost = 0.0  # of them, lost (net) by steps of a k to what plain decoding would have made in that time
 
@@ -74,14 +101,14 @@ class Tuner:
         size = _size(rows)
         for k in self.ks:  # each k timed at this size first (the rest at once where one timed pays: they repay it)
             if len(self._seconds.get((size, k), ())) < self.TRIES:
-                paying = any(g >= self.MARGIN for g in self._gains(size, rows).values())
+                paying = self._pays(size) and any(g >= self.MARGIN for g in self._gains(size, rows).values())
                 return k if not k or paying or self._affordable() else 0
         if len(self._nearest(size, 0, rows)) < self.TRIES:  # plain decoding is timed at about this many rows
             return 0  # (no catch-up to pay)
         gain = self._gains(size, rows)
         best = max(gain, key=lambda k: gain[k], default=0)
-        if best and gain[best] < self.MARGIN:  # a gain within the timings' noise is no gain
-            best = 0
+        if best and (gain[best] < self.MARGIN or not self._pays(size)):  # a gain within the timings' noise is
+            best = 0  # no gain, nor one that the steps around joins take back
         looks = self._looks.setdefault(size, _Looks(self.explore, due=self.explore))
         looks.blocks += 1
         if best != looks.best:
@@ -105,6 +132,10 @@ class Tuner:
         return {k: sum(a ** j for j in range(k + 1)) / statistics.median(self._nearest(size, k, rows))
                 for k in self.ks[1:] if len(self._seconds.get((size, k), ())) >= self.TRIES}
 
+    def _pays(self, size: int) -> bool:
+        account = self._accounts.get(size)
+        return account is None or account.pays(self.TRIES)
+
     def _affordable(self) -> bool:
         """Whether a try or look at speculation fits the budget of what such steps may lose."""
         return self._lost <= self.budget * self._elapsed
@@ -115,39 +146,48 @@ class Tuner:
         many plain steps at about as many rows, timed lately (a machine whose speed drifts moves both alike: a
         plain step timed slow must not make an older timing of a k look fast)."""
         size, cost = _size(rows), seconds / rows
-        plain = self.charge(rows, k, seconds)
+        plain = self.charge(rows, k, seconds, steady=True)
         if k:
             if not plain:
                 return
             cost /= plain
         self._seconds.setdefault((size, k), deque(maxlen=4 * self.KEEP)).append((rows, cost))
 
-    def charge(self, rows: int, k: int, seconds: float) -> float:
+    def charge(self, rows: int, k: int, seconds: float, steady: bool = False) -> float:
         """A step of ``k`` at ``rows`` rows took ``seconds``, counted in what tries and looks at speculation may
         lose; on its own, a step that is no sample of its k's time (the first of a block, which pays the draft's
         catch-up; one after rows joined or left; one that built a new shape): what it cost is charged, never
-        taken for what the k costs. Returns plain decoding's time per row it was measured against (0: none)."""
+        taken for what the k costs. ``steady``: a step of a run of its k, no new shape's (rows joining or leaving
+        kept it from being a sample), which also counts in whether the k pays as it runs. Returns plain
+        decoding's time per row it was measured against (0: none)."""
         self._elapsed += seconds
         if not k:
             return 0.0
         size = _size(rows)
-        plain = self._nearest(size, 0, rows) or self._ranked(size, 0, rows)
-        if not plain:
+        per_row = self._plain(size, rows)
+        if not per_row:
             return 0.0
-        per_row = statistics.median(plain)
         # The time this step took beyond what plain decoding would take to make as many tokens (less: a gain,
         # which pays for later looks: what speculation loses is bounded over the run, not look by look).
-        made = sum(self.acceptance ** j for j in range(k + 1))
-        self._lost += seconds - made * rows * per_row
+        worth = sum(self.acceptance ** j for j in range(k + 1)) * rows * per_row
+        self._lost += seconds - worth
+        if steady:
+            self._accounts.setdefault(size, _Account()).add(seconds, worth, self.RECENT)
         return per_row
 
-    def _nearest(self, size: int, k: int, rows: int) -> list[float]:
-        """Timings of ``k``: plain decoding's the latest at about ``rows`` rows (within an eighth, or one); a
-        proposing k's the ``KEEP`` taken nearest ``rows`` (timing one again costs the draft a catch-up)."""
+    def _plain(self, size: int, rows: int) -> float:
+        """Plain decoding's time per row at about ``rows``: the lower quartile of its latest timings (noise and
+        one-off costs only slow a step), those nearest in rows where none is near (0: none)."""
+        plain = self._nearest(size, 0, rows, 2 * self.KEEP) or self._ranked(size, 0, rows)
+        return sorted(plain)[len(plain) // 4] if plain else 0.0
+
+    def _nearest(self, size: int, k: int, rows: int, keep: int = 0) -> list[float]:
+        """Timings of ``k``: plain decoding's latest ``keep`` (``KEEP``) at about ``rows`` rows (within an eighth,
+        or one); a proposing k's the ``KEEP`` taken nearest ``rows`` (timing one again costs the draft a catch-up)."""
         if k:
             return self._ranked(size, k, rows)
         samples = self._seconds.get((size, k), ())
-        return [t for r, t in samples if abs(r - rows) <= max(1, rows // 8)][-self.KEEP:]
+        return [t for r, t in samples if abs(r - rows) <= max(1, rows // 8)][-(keep or self.KEEP):]
 
     def _ranked(self, size: int, k: int, rows: int) -> list[float]:
         """The ``KEEP`` timings of ``k`` taken nearest ``rows`` rows, the latest first among equals."""

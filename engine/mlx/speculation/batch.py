@@ -7,7 +7,8 @@ token. A row takes the positions it rejected off its own end in both models' cac
 (``engine/mlx/ragged_cache.py``). Seeded, penalised and constrained rows take no proposals, so their tokens are
 exactly plain decoding's; ``k`` is chosen per step from the measured acceptance and step times (0: plain
 decoding), so speculation turns itself off where it does not pay (``engine/core/speculation/tuner.py``, which
-imports no MLX). The proposers are ``proposers.py``."""
+imports no MLX; which steps time their k is ``engine/core/speculation/timing.py``'s). The proposers are
+``proposers.py``."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from typing import Any, Protocol, cast
 
 import mlx.core as mx
 
+from ...core.speculation.timing import StepTimer
 from ...core.speculation.tuner import Tuner
 from ...core.stats import EngineStats
 from ..generation import MaskedGenerationBatch
-from ..ragged_cache import HeldRows, _ints, ragged, repeat_shapes, rollback
+from ..ragged_cache import HeldRows, RaggedKVCache, _ints, ragged, repeat_shapes, rollback
 from ..sampling import RowSampler
 
 __all__ = ["Proposer", "SpecBatch", "speculative_sample"]
@@ -50,12 +52,8 @@ class SpecBatch(MaskedGenerationBatch):
 
     proposer: Proposer
     tuner: Tuner
+    timer: StepTimer  # which steps are samples of their k
     stats: EngineStats
-    _last: tuple[int, int, float] | None  # rows, k and start of the step being timed
-    _untimed: int  # steps from the one being timed on that are no sample of their k (rows joined or left, a new
-    # shape, a change of k): their time is charged to the k all the same
-    _prompted: bool  # the step being timed spans prompt work (plain decoding pays it alike: neither)
-    _prior: int  # the k of the step before the one being timed (-1: none)
     fixed_shapes: bool  # passes over several positions keep their shapes (:func:`repeat_shapes`)
     most_rows: int  # the batch's capacity (where shapes repeat, the caches hold rows in buckets up to it)
     shapes: set[tuple[str, int, int, int]]  # (pass, rows held, positions, keys) of passes over several positions
@@ -65,37 +63,31 @@ class SpecBatch(MaskedGenerationBatch):
     def make(cls, model: Any, sampler: Any, proposer: Proposer, tuner: Tuner, stats: EngineStats,
              fixed_shapes: bool | None = None, most_rows: int = 0) -> SpecBatch:
         batch: SpecBatch = cls.empty(model, sampler)
-        batch.proposer, batch.tuner, batch.stats = proposer, tuner, stats
+        batch.proposer, batch.tuner, batch.timer, batch.stats = proposer, tuner, StepTimer(tuner), stats
         batch.fixed_shapes = repeat_shapes() if fixed_shapes is None else fixed_shapes
         batch.most_rows = most_rows
         if batch.fixed_shapes:  # the caches hold rows in buckets: every pass feeds them all
             batch.model = HeldRows(model)  # type: ignore[assignment]  # mlx-lm calls it as its model
-        batch._last, batch._untimed, batch._prompted, batch._prior = None, 0, False, -1
         batch.shapes = set()
         return batch
 
     def extend(self, batch: Any) -> None:
         start = len(self.uids)
-        self.untimed(2)  # the caches are joined lazily: the next step copies them
+        self.timer.untimed(2)  # the caches are joined lazily: the next step copies them
         super().extend(batch)
         self.prompt_cache = ragged(self.prompt_cache, self.fixed_shapes, self.most_rows)
         self.proposer.joined(self, start)
 
     def filter(self, keep: list[int]) -> None:
-        self.untimed(2)  # the caches are sliced lazily: the next step copies them
+        self.timer.untimed(2)  # the caches are sliced lazily: the next step copies them
         super().filter(keep)
         self.proposer.filter(keep)
         if not keep:
-            self._last = None  # what follows is idle time
-
-    def untimed(self, steps: int = 1) -> None:
-        """The step being timed, and ``steps - 1`` after it, are no sample of their ``k`` (their time is charged to
-        it: :meth:`Tuner.charge`)."""
-        self._untimed = max(self._untimed, steps)
+            self.timer.idle()  # what follows is idle time
 
     def prompted(self) -> None:
         """The step being timed spans prompt work: neither a sample of its ``k`` nor charged to it."""
-        self._prompted = True
+        self.timer.prompted()
 
     def saw(self, kind: str, rows: int, positions: int, keys: int) -> None:
         """A pass over several positions had this shape: a new one, where shapes repeat, makes its step no sample
@@ -104,14 +96,14 @@ class SpecBatch(MaskedGenerationBatch):
         if shape not in self.shapes and len(self.shapes) < self.SHAPES_KEPT:
             self.shapes.add(shape)
             if self.fixed_shapes:
-                self.untimed()
+                self.timer.built()
 
     def next(self) -> list[Any]:
         if not self.uids:
             return []
         takes = [_takes_proposals(s, self.fallback_sampler) for s in self.samplers or ()]  # may keep proposals
         rows, k = len(self.uids), self._choose(takes)
-        self._time(time.perf_counter(), k)
+        self.timer.start(time.perf_counter(), rows, k)
         drafts = self.proposer.propose(self, self._next_tokens, k) if k else None
         if drafts is None:
             if k:  # nothing worth verifying: a plain step, a sample of this k's (one token a row, none proposed)
@@ -120,21 +112,17 @@ class SpecBatch(MaskedGenerationBatch):
         else:
             responses = self._speculate(k, drafts, takes)
         self.stats.spec_k = k if drafts is not None else 0
-        if self._last is not None:
-            self._last = (rows, k, self._last[2])
+        self.timer.shaped(self._shape())
         return responses  # type: ignore[no-any-return]
 
-    def _time(self, now: float, k: int) -> None:
-        """Record the step that ends now: a sample of its ``k`` if it was one of a run of the same ``k``, else
-        charged to it (a change of k, rows joined or left, a new shape); start timing the next."""
-        if self._last is not None and not self._prompted:
-            rows, last, start = self._last
-            if not self._untimed and last == k == self._prior:
-                self.tuner.record(rows, k, now - start)
-            elif rows:
-                self.tuner.charge(rows, last, now - start)
-        self._prior = self._last[1] if self._last is not None else -1
-        self._last, self._untimed, self._prompted = (0, k, now), max(0, self._untimed - 1), False
+    def _shape(self) -> tuple[int, int, bool]:
+        """The shape the step just run (or, for a plain one, the pass it started) ran in: the rows the caches hold,
+        their buffers' steps (mlx-lm grows a buffer 256 positions at a time), and whether rows end apart (a ragged
+        cache writes and masks another way)."""
+        held = self.prompt_cache[0] if self.prompt_cache else None
+        if not isinstance(held, RaggedKVCache):
+            return 0, 0, False
+        return len(held.ends), -(-held.width() // held.step), not held._even
 
     def _choose(self, takes: list[bool]) -> int:
         if any(self.logits_processors or ()):  # penalties and format masks run a row at a time: plain steps
