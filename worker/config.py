@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 from mlxq.api.config import ClientConfig, ToolConfig
 from mlxq.api.errors import ConfigError
@@ -20,7 +21,7 @@ from mlxq.api.protocol.keys import DONE_TTL_S, KEEP_RESULT_S, LIVE_TTL_S, Keys
 from mlxq.api.schema import job_bytes_limit
 from mlxq.api.settings import markdown, read, setting, shared
 
-__all__ = ["LOG_LEVELS", "SETTING_GROUPS", "ServedModel", "WorkerConfig", "reference"]
+__all__ = ["LOG_LEVELS", "SETTING_GROUPS", "PerModel", "ServedModel", "WorkerConfig", "reference"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 SPECULATE = ("", "draft", "ngram")  # MLXQ_SPECULATE: off, a draft model proposes, the row's own text proposes
@@ -41,6 +42,22 @@ class ServedModel:
     name: str
     draft: str = ""  # the draft model that proposes its tokens (speculative decoding); "": none
     loadable: bool = False  # loaded only while its jobs need it (MLXQ_LOADABLE_MODELS); else pinned, loaded at start
+
+
+@dataclass(frozen=True, slots=True)
+class PerModel:
+    """A setting's value for every model, and for some by name (``MLXQ_KV_BITS=8,small=off``: small's is 0, every
+    other model's 8)."""
+
+    default: int
+    named: tuple[tuple[str, int], ...] = ()  # (model name, its value)
+
+    def of(self, name: str) -> int:
+        """The value for the model called ``name``."""
+        return dict(self.named).get(name, self.default)
+
+
+KV_OFF, KV_GROUP_64 = PerModel(0), PerModel(64)  # MLXQ_KV_BITS's and MLXQ_KV_GROUP_SIZE's defaults
 
 
 def parse_models(spec: str, *, loadable: bool = False) -> tuple[ServedModel, ...]:
@@ -142,13 +159,16 @@ class WorkerConfig:
                                             "0: off", minimum=0, shown="a tenth of memory, at most 4")
     kv_disk_gb: float = setting("MLXQ_KV_DISK_GB", 4.0, "GiB of cached prompt prefixes kept on disk per model (written "
                                 "as they are cached, read back after a restart); 0: off", minimum=0)
-    kv_bits: int = setting("MLXQ_KV_BITS", 0, "quantize every model's KV cache to 8 or 4 bits: its batch's rows, "
-                           "preempted rows and cached prefixes (8: about 1.9x the rows in the same memory, 4: 3.6x; "
-                           "sliding-window and recurrent layers stay as they are); 0: off",
-                           parse=lambda name, raw: _kv_bits(raw), shown="off")
-    kv_group_size: int = setting("MLXQ_KV_GROUP_SIZE", 64, "values sharing one scale and bias in a quantized KV "
-                                 "cache: 32, 64 or 128, dividing the model's head dimension",
-                                 parse=lambda name, raw: _kv_group_size(raw))
+    # (RUF009: setting() is a dataclasses.field, and a PerModel frozen: ruff knows neither)
+    kv_bits: PerModel = setting(  # noqa: RUF009
+        "MLXQ_KV_BITS", KV_OFF, "quantize the models' KV caches to 8 or 4 bits: their batch's rows, preempted rows "
+        "and cached prefixes (8: about 1.9x the rows in the same memory, 4: 3.6x; sliding-window and recurrent layers "
+        "stay as they are); per model by name: big=8,small=off, or 8,small=off (a value without a name: the models "
+        "not named); 0: off", parse=lambda name, raw: _per_model(name, raw, _kv_bits, "8, 4 or off"), shown="off")
+    kv_group_size: PerModel = setting(  # noqa: RUF009
+        "MLXQ_KV_GROUP_SIZE", KV_GROUP_64, "values sharing one scale and bias in a quantized KV cache: 32, 64 or 128, "
+        "dividing the model's head dimension; per model by name as MLXQ_KV_BITS (big=32,small=64)",
+        parse=lambda name, raw: _per_model(name, raw, _kv_group_size, "32, 64, 128"), shown="64")
     kv_dir: str = setting("MLXQ_KV_DIR", "", "where the prefix cache on disk lives (a directory per model's weights "
                           "and KV layout)", shown="$XDG_CACHE_HOME/mlxq/kv (~/.cache/mlxq/kv)")
     affinity_wait_ms: float = setting("MLXQ_AFFINITY_WAIT_MS", 500.0, "a queued job whose prompt start another live "
@@ -204,6 +224,11 @@ class WorkerConfig:
         if served.draft:
             return "draft"
         return "ngram" if self.speculate == "ngram" else ""
+
+    def kv_quant(self, served: ServedModel) -> tuple[int, int] | None:
+        """How ``served``'s KV cache is quantized: (bits, group size), or None: it is not."""
+        bits = self.kv_bits.of(served.name)
+        return (bits, self.kv_group_size.of(served.name)) if bits else None
 
     @property
     def arq_job_timeout_s(self) -> float:
@@ -278,20 +303,40 @@ def parse_size(name: str, raw: str) -> int | None:
     if size <= 0:
         raise ConfigError(f"{name}={raw!r}: must be more than 0")
     return size
-def _kv_bits(raw: str) -> int:
-    mode = raw.strip().lower()
+
+
+def _kv_bits(value: str) -> int | None:
+    """One model's ``MLXQ_KV_BITS``: 8, 4, or 0 (off); None: not a value it takes."""
+    mode = value.lower()
     if mode in ("", "off", "0", "none"):
         return 0
-    if mode not in KV_BITS:
-        raise ConfigError(f"MLXQ_KV_BITS={raw!r}: expected 8, 4 or off")
-    return int(mode)
+    return int(mode) if mode in KV_BITS else None
 
 
-def _kv_group_size(raw: str) -> int:
-    size = raw.strip() or "64"
-    if size not in KV_GROUP_SIZES:
-        raise ConfigError(f"MLXQ_KV_GROUP_SIZE={raw!r}: expected {', '.join(KV_GROUP_SIZES)}")
-    return int(size)
+def _kv_group_size(value: str) -> int | None:
+    """One model's ``MLXQ_KV_GROUP_SIZE``; None: not a size ``mx.quantize`` takes."""
+    size = value or "64"
+    return int(size) if size in KV_GROUP_SIZES else None
+
+
+def _per_model(name: str, raw: str, parse: Callable[[str], int | None], expected: str) -> PerModel:
+    """A :class:`PerModel` setting: one value (every model's), or ``model=value`` items and at most one value
+    without a name (the other models'), comma-separated; each value read by ``parse`` (its default from "")."""
+    items = [item.strip() for item in raw.split(",") if item.strip()] or [""]
+    values: dict[str, int] = {}  # by model name; "": the models not named
+    for item in items:
+        model, eq, text = (part.strip() for part in item.rpartition("="))  # values hold no "=", a name might
+        value = parse(text.lower())
+        if value is None:
+            where = f"{item}: " if eq or len(items) > 1 else ""
+            raise ConfigError(f"{name}={raw!r}: {where}expected {expected}")
+        if eq and not model:
+            raise ConfigError(f"{name}={raw!r}: {item}: expected model=value (a model's name before the =)")
+        if model in values:
+            raise ConfigError(f"{name}={raw!r}: {model or 'the value for the models not named'} is given twice")
+        values[model] = value
+    default = values.pop("", None)
+    return PerModel(cast(int, parse("")) if default is None else default, tuple(values.items()))
 
 
 def _log_level(raw: str) -> str:

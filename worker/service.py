@@ -83,7 +83,7 @@ class ModelService:
                              prefix_cache_bytes=_bytes(cfg.prefix_cache_gb, 1.0), aging_s=cfg.priority_aging_s,
                              memory_share=share, speculation=_speculation(cfg, self.served),
                              kv_disk_bytes=int(cfg.kv_disk_gb * (1 << 30)), kv_dir=cfg.kv_dir, kind=cfg.model_kind,
-                             kv_quant=KVQuant(cfg.kv_bits, cfg.kv_group_size) if cfg.kv_bits else None)
+                             kv_quant=_kv_quant(cfg, self.served))
         thread = ModelThread(name="mlx-" + self.name[-24:]) if self.served.loadable else None
         self.loading, t0 = True, time.perf_counter()
         try:
@@ -263,6 +263,11 @@ def _speculation(cfg: WorkerConfig, served: ServedModel) -> Speculation | None:
     if not mode:
         return None
     return Speculation(SpecKind(mode), served.draft or None, cfg.speculate_k)
+
+
+def _kv_quant(cfg: WorkerConfig, served: ServedModel) -> KVQuant | None:
+    quant = cfg.kv_quant(served)
+    return None if quant is None else KVQuant(*quant)
 
 
 def _bytes(gigabytes: float | None, share: float) -> int | None:

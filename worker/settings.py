@@ -45,6 +45,11 @@ def check_config(config: WorkerConfig) -> None:
     names = [m.name for m in config.served]
     if len(set(names)) != len(names):
         raise ConfigError(f"MLXQ_MODELS and MLXQ_LOADABLE_MODELS name a model twice: {', '.join(names)}")
+    for variable, values in (("MLXQ_KV_BITS", config.kv_bits), ("MLXQ_KV_GROUP_SIZE", config.kv_group_size)):
+        unknown = [name for name, _ in values.named if name not in names]
+        if unknown:
+            raise ConfigError(f"{variable} names {unknown[0]}, a model this worker does not serve (it serves "
+                              f"{', '.join(names)})")
     if config.draft_model and config.models:
         raise ConfigError("MLXQ_DRAFT_MODEL is the draft of MLXQ_MODEL; with MLXQ_MODELS name each model's draft "
                           "there (path=alias+draft_path)")

@@ -10,9 +10,15 @@ with and without it):
 - **throughput**: a burst of jobs through the scheduler with that headroom, sized so the float cache is full
   (``rows`` float rows fit): tok/s with 8 bits ÷ float (more rows at once). Target: ≥ 1.3x;
 - **step**: a decode step's time per row at the float run's N, quantized ÷ float (the unfused quantized attention
-  against MLX's fused one). Target: ≤ 1.25x;
+  against MLX's fused one). Target: ≤ 1.25x. Beside it, what of a step is attention: the same batch's steps with
+  the model's attention left out (the cache still written and read at one element), alternating with the whole
+  steps, subtracted from them;
 - **quality**: the quantized cache's next-token distributions against the float one's over a few hundred
   positions of text (teacher-forced): mean KL(float ‖ quantized) and top-1 agreement, per bits.
+
+Throughput and step are measured ``--pairs`` times, float and quantized sides alternating (the order reversed every
+other pair); the targets' ratios are the medians of the pairs' own ratios (``--clock cpu``: the process's CPU time,
+for a machine shared with other work).
 
 ``python3 -m tests.perf.kvquant --out DIR`` writes ``kvquant.md`` and ``kvquant.json`` (``--quick``: the tiny
 kvq model, a few jobs; ``--device gpu`` on a machine with one). CPU figures are a proxy: there attention is
@@ -26,6 +32,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -53,6 +61,8 @@ class Plan:
     steps: int = 16  # timed decode steps
     positions: int = 320  # of the quality measure
     group_size: int = 64
+    pairs: int = 1  # throughput and step measures, the sides alternating
+    clock: str = "wall"  # or "cpu": the process's CPU time
 
     @classmethod
     def quick(cls) -> Plan:
@@ -71,6 +81,9 @@ class Side:
     step_ms_per_row: float = 0.0
     mean_kl: float = 0.0
     top1: float = 1.0
+    attention_ms_per_row: float = 0.0  # of a step's time per row: the model's attention (the median of its pairs)
+    tps_runs: list[float] = field(default_factory=list)  # each pair's
+    step_runs: list[float] = field(default_factory=list)
 
     @property
     def bytes_error(self) -> float:
@@ -90,6 +103,16 @@ class Results:
         (s,) = [s for s in self.sides if s.bits == bits]
         return s
 
+    def paired(self, bits: int, what: str) -> float:
+        """``what`` ("tps" or "step") of ``bits`` ÷ float's: the median of the pairs' own ratios (one pair: the
+        medians' ratio)."""
+        f, q = self.side(0), self.side(bits)
+        runs = list(zip(getattr(f, f"{what}_runs"), getattr(q, f"{what}_runs")))
+        if len(runs) > 1 and all(a > 0 for a, _ in runs):
+            return statistics.median(b / a for a, b in runs)
+        mine, theirs = (q.tps, f.tps) if what == "tps" else (q.step_ms_per_row, f.step_ms_per_row)
+        return mine / theirs if theirs else 0.0
+
     def rows_ratio(self, bits: int) -> tuple[float, float]:
         """Rows admitted, quantized ÷ float, and the bytes' ratio it is held to."""
         f, q = self.side(0), self.side(bits)
@@ -107,9 +130,8 @@ class Results:
             got, ideal = self.rows_ratio(bits)
             out.append((f"rows at the same headroom, {bits} bits ÷ float", f"{got:.2f}x",
                         f"≥ {ROWS_TARGET:g} x {ideal:.2f}x", got >= ROWS_TARGET * ideal))
-        f, q = self.side(0), self.side(8)
-        tps = q.tps / f.tps if f.tps else 0.0
-        step = q.step_ms_per_row / f.step_ms_per_row if f.step_ms_per_row else 0.0
+        f = self.side(0)
+        tps, step = self.paired(8, "tps"), self.paired(8, "step")
         out.append((f"tok/s at the float cache's full N ({f.rows}), 8 bits ÷ float", f"{tps:.2f}x",
                     f"≥ {TPS_TARGET:g}x", tps >= TPS_TARGET))
         out.append((f"a decode step per row at N={f.rows}, 8 bits ÷ float", f"{step:.2f}x", f"≤ {STEP_TARGET:g}x",
@@ -132,8 +154,10 @@ class Bench:
             loaded = load_model(str(ensure_model(plan.size)))
             loaded.model.set_dtype(getattr(mx, plan.dtype))
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        self.text = list(self.tokenizer.encode(" ".join(corpus(7, n_lines=400))))
-        assert len(self.text) >= plan.positions + plan.prompt * plan.jobs // 4, "the corpus is too short"
+        need = plan.positions + plan.prompt * plan.jobs // 4  # the prompts overlap by three quarters at most
+        self.text = list(self.tokenizer.encode(" ".join(corpus(7, n_lines=max(400, need // 8)))))
+        assert len(self.text) >= need, "the corpus is too short"
+        self.clock: Callable[[], float] = time.process_time if plan.clock == "cpu" else time.perf_counter
 
     def quant(self, bits: int) -> Any:
         from mlxq.engine.mlx.quantized_cache import KVQuant
@@ -187,31 +211,39 @@ class Bench:
                       memory=KVBudget(headroom, layout))
         for i, p in enumerate(self.prompts(plan.jobs)):
             s.add(EngineRequest(f"j{i}", p, SamplingParams(max_tokens=plan.max_tokens)))
-        tokens, t0 = 0, time.perf_counter()
+        tokens, t0 = 0, self.clock()
         with mx.stream(self.stream):
             while s.has_work:
                 tokens += sum(len(o.token_ids) for o in s.step())
-        return tokens / (time.perf_counter() - t0)
+        return tokens / (self.clock() - t0)
 
-    def step_ms_per_row(self, bits: int, n: int) -> float:
-        """A decode step's time over ``n`` rows that all decode (after their prefill), per row: the median step."""
+    def step_ms_per_row(self, bits: int, n: int) -> tuple[float, float]:
+        """A decode step's time over ``n`` rows that all decode (after their prefill), per row, and of it the
+        model's attention: the median step, less the median step of the same batch run on without attention (its
+        tokens do not matter: every row runs on). mlx-lm's generator evaluates a step while the next call builds
+        the one after, so a call's time is the step the call before built: the first without attention is not
+        counted."""
         import mlx.core as mx
 
         plan = self.plan
         b = self.batch(bits, n)
         with mx.stream(self.stream):
             for p in self.prompts(n):
-                b.insert(p, plan.steps + 8, None, [])
+                b.insert(p, 2 * plan.steps + 9, None, [])
             started: set[int] = set()
             while len(started) < n:
                 started.update(t.uid for t in b.step())
-            times = []
-            for _ in range(plan.steps):
-                t0 = time.perf_counter()
-                b.step()
-                times.append(time.perf_counter() - t0)
+            whole = [self._timed(b.step) for _ in range(plan.steps)]
+            with attention_left_out(self.model):
+                without = [self._timed(b.step) for _ in range(plan.steps + 1)][1:]
         b.close()
-        return 1000 * statistics.median(times) / n
+        step = statistics.median(whole)
+        return 1000 * step / n, 1000 * (step - statistics.median(without)) / n
+
+    def _timed(self, fn: Callable[[], object]) -> float:
+        t0 = self.clock()
+        fn()
+        return self.clock() - t0
 
     def quality(self, bits: int) -> tuple[float, float]:
         """Mean KL(float ‖ quantized) of the next-token distributions, and top-1 agreement, teacher-forced over the
@@ -242,6 +274,32 @@ class Bench:
         return out
 
 
+def _no_attention(queries: Any, keys: Any, values: Any, *args: Any, **kwargs: Any) -> Any:
+    """A layer's attention left out: the queries as its output, after reading each cache array at one element (so
+    the step still writes and evaluates the cache, quantized or not)."""
+    import mlx.core as mx
+
+    parts = [*keys, *values] if isinstance(keys, tuple) else [keys, values]
+    touched = sum((p[..., -1:, :1].astype(mx.float32).sum() for p in parts), mx.array(0.0))
+    return queries + (touched * 0).astype(queries.dtype)
+
+
+@contextmanager
+def attention_left_out(model: Any) -> Iterator[None]:
+    """``model``'s layers call :func:`_no_attention` for mlx-lm's ``scaled_dot_product_attention`` (the name each
+    model module imports from mlx_lm.models.base) while inside."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    patched = [(m, m.scaled_dot_product_attention) for m in modules if hasattr(m, "scaled_dot_product_attention")]
+    assert patched, "the model's modules do not call mlx-lm's scaled_dot_product_attention"
+    for m, _ in patched:
+        m.scaled_dot_product_attention = _no_attention  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for m, fn in patched:
+            m.scaled_dot_product_attention = fn  # type: ignore[attr-defined]
+
+
 def _compare(ref: Any, got: Any) -> tuple[float, float]:
     """Mean KL(ref ‖ got) of two runs' log-probabilities, and how often their argmax agrees."""
     import mlx.core as mx
@@ -265,13 +323,21 @@ def run(plan: Plan) -> Results:
     for bits in (0, *BITS):
         rows = KVBudget(headroom, layouts[bits]).rows_that_fit(length, 0)
         result.sides.append(Side(bits, layouts[bits].bytes_per_token, bench.formula(bits), rows))
-    for side in result.sides:  # float, 8, 4: each at the same headroom
-        side.tps = bench.burst(side.bits, headroom, layouts[side.bits])
-        side.step_ms_per_row = bench.step_ms_per_row(side.bits, plan.rows)
+    attention: dict[int, list[float]] = {side.bits: [] for side in result.sides}
+    for i in range(plan.pairs):  # float, 8, 4, each at the same headroom; then 4, 8, float
+        for side in result.sides if i % 2 == 0 else result.sides[::-1]:
+            side.tps_runs.append(bench.burst(side.bits, headroom, layouts[side.bits]))
+            step, attn = bench.step_ms_per_row(side.bits, plan.rows)
+            side.step_runs.append(step)
+            attention[side.bits].append(attn)
+            print(f"pair {i + 1}, kv bits {side.bits or 'float'}: {side.rows} rows, {side.tps_runs[-1]:.1f} tok/s, "
+                  f"{step:.3f} ms a row-step ({attn:.3f} attention)", flush=True)
+    for side in result.sides:
+        side.tps, side.step_ms_per_row = statistics.median(side.tps_runs), statistics.median(side.step_runs)
+        side.attention_ms_per_row = statistics.median(attention[side.bits])
         if side.bits:
             side.mean_kl, side.top1 = bench.quality(side.bits)
-        print(f"kv bits {side.bits or 'float'}: {side.rows} rows, {side.tps:.1f} tok/s, "
-              f"{side.step_ms_per_row:.3f} ms a row-step, KL {side.mean_kl:.2e}, top-1 {side.top1:.3f}", flush=True)
+            print(f"kv bits {side.bits}: KL {side.mean_kl:.2e}, top-1 {side.top1:.3f}", flush=True)
     return result
 
 
@@ -280,15 +346,15 @@ def markdown(r: Results) -> str:
     lines = ["# KV cache quantization in the batch", "",
              f"Model `{p.size}` in {p.dtype} on MLX's {p.device}, BLAS {r.blas}; groups of {p.group_size}. Headroom: "
              f"{p.rows} float rows of {p.prompt} + {p.max_tokens} tokens; {p.jobs} jobs a burst (EOS ignored); "
-             f"decode steps timed over {p.steps} steps at N={p.rows}; quality over {p.positions} positions. The "
-             f"float cache in {p.dtype} against float32 (the dtype's own error): mean KL {r.floor[0]:.2e}, top-1 "
-             f"{r.floor[1]:.3f}.", "",
-             "| cache | bytes/token | formula | rows | tok/s | ms a row-step | mean KL | top-1 |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"decode steps timed over {p.steps} steps at N={p.rows}; {p.pairs} pair(s) of runs, sides alternating, "
+             f"{p.clock} time; quality over {p.positions} positions. The float cache in {p.dtype} against float32 "
+             f"(the dtype's own error): mean KL {r.floor[0]:.2e}, top-1 {r.floor[1]:.3f}.", "",
+             "| cache | bytes/token | formula | rows | tok/s | ms a row-step | of it attention | mean KL | top-1 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in r.sides:
         quality = (f"{s.mean_kl:.2e} | {s.top1:.3f}" if s.bits else "- | -")
         lines.append(f"| {f'{s.bits} bits' if s.bits else 'float'} | {s.bytes_per_token} | {s.formula:g} | {s.rows} | "
-                     f"{s.tps:.1f} | {s.step_ms_per_row:.3f} | {quality} |")
+                     f"{s.tps:.1f} | {s.step_ms_per_row:.3f} | {s.attention_ms_per_row:.3f} | {quality} |")
     lines += ["", "## Targets", "", "| what | value | target | |", "|---|---|---|---|"]
     lines += [f"| {what} | {value} | {target} | {'PASS' if ok else 'MISS'} |"
               for what, value, target, ok in r.targets()]
@@ -303,15 +369,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="the model's dtype (default: bfloat16)")
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--rows", type=int, default=None, help="float rows the headroom holds (default: 8)")
+    ap.add_argument("--prompt", type=int, default=None, help="tokens a prompt (default: 96)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens each job generates (default: 64)")
+    ap.add_argument("--pairs", type=int, default=1, help="throughput and step runs, sides alternating (default: 1)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall time, or the process's CPU time (a machine shared with other work)")
     ap.add_argument("--no-reexec", action="store_true", help="run with whatever BLAS this process has")
     args = ap.parse_args(argv)
+    if args.device == "gpu" and not _has_gpu():
+        print("python3 -m tests.perf.kvquant: --device gpu, but MLX has no GPU here (mlx[cuda] on Linux, Metal on a "
+              "Mac)", file=sys.stderr)
+        return 2
     if not args.no_reexec:
         from mlxq.worker.tools.bench.preload import reexec_with_openblas
 
         reexec_with_openblas(["-m", "tests.perf.kvquant", *(argv if argv is not None else sys.argv[1:])])
     plan = Plan.quick() if args.quick else Plan()
-    changes = {k: v for k, v in (("size", args.size), ("dtype", args.dtype), ("rows", args.rows)) if v}
-    plan = Plan(**{**asdict(plan), **changes, "device": args.device})
+    changes = {k: v for k, v in (("size", args.size), ("dtype", args.dtype), ("rows", args.rows),
+                                 ("prompt", args.prompt), ("max_tokens", args.max_tokens)) if v}
+    plan = Plan(**{**asdict(plan), **changes, "device": args.device, "pairs": max(1, args.pairs),
+                   "clock": args.clock})
     result = run(plan)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -322,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "kvquant.json").write_text(json.dumps(data, indent=2))
     print(text)
     return 0
+
+
+def _has_gpu() -> bool:
+    import mlx.core as mx
+
+    return bool(mx.is_available(mx.gpu))
 
 
 if __name__ == "__main__":

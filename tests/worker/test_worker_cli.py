@@ -226,8 +226,12 @@ def test_arqs_own_health_check_passes_for_a_live_worker_on_this_host(arq_worker:
     ({"MLXQ_MODEL": "{tiny}", "MLXQ_KV_BITS": "3"}, "mlxq worker: MLXQ_KV_BITS='3': expected 8, 4 or off"),
     ({"MLXQ_MODEL": "{tiny}", "MLXQ_KV_GROUP_SIZE": "48"}, "mlxq worker: MLXQ_KV_GROUP_SIZE='48': expected 32, 64, "
                                                            "128"),
+    ({"MLXQ_MODEL": "{tiny}", "MLXQ_MODEL_NAME": "tiny", "MLXQ_KV_BITS": "tiny=3"},
+     "mlxq worker: MLXQ_KV_BITS='tiny=3': tiny=3: expected 8, 4 or off"),
+    ({"MLXQ_MODEL": "{tiny}", "MLXQ_MODEL_NAME": "tiny", "MLXQ_KV_BITS": "other=8"},
+     "mlxq worker: MLXQ_KV_BITS names other, a model this worker does not serve (it serves tiny)"),
 ], ids=["missing", "relative", "not_a_model", "unset", "bad_number", "budget_too_small", "kv_bits",
-      "kv_group_size"])
+      "kv_group_size", "kv_bits_per_model", "kv_bits_unknown_model"])
 def test_a_worker_that_cannot_start_says_why_in_one_line_and_exits_78(setting: dict[str, str], message: str,
                                                                        tmp_path: Path, tiny_model: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_")}

@@ -14,10 +14,11 @@ import mlx.core as mx
 import pytest
 
 from mlxq.api.client import Client
-from mlxq.api.errors import JobFailed, NoWorker
+from mlxq.api.errors import ConfigError, JobFailed, NoWorker
 from mlxq.api.schema import ErrorCode, ModelState
 from mlxq.engine.core.prompt import encode_prompt
 from mlxq.worker.config import ServedModel, WorkerConfig, parse_models
+from mlxq.worker.settings import check_config
 from tests.support import RunningWorker, config_with, reference, start_worker
 
 PROMPTS = ["Hello world", "Once upon a time", "the quick brown fox", "x y", "What is the queue?", "mlxq"]
@@ -101,6 +102,79 @@ def test_mlxq_models_names_each_model_by_its_alias_or_its_path() -> None:
     assert WorkerConfig(model="/m/x", model_name="x").served == (ServedModel("/m/x", "x"),)
     assert WorkerConfig(model="/m/x", models="/m/y=y").served == (ServedModel("/m/y", "y"),)  # MLXQ_MODELS wins
     assert WorkerConfig(models="/a=a,/b=b", capacity=8).arq_max_jobs == 2 * (8 + 2 + 8)  # jobs, and paused ones
+
+
+def test_kv_quantization_is_given_for_every_model_or_per_model_by_name() -> None:
+    big, small = ServedModel("/m/a", "big"), ServedModel("/m/b", "small")
+    config = WorkerConfig.from_env({"MLXQ_MODELS": "/m/a=big,/m/b=small", "MLXQ_KV_BITS": "big=8, small=off",
+                                    "MLXQ_KV_GROUP_SIZE": "32,small=128"})
+    assert (config.kv_quant(big), config.kv_quant(small)) == ((8, 32), None)
+    config = WorkerConfig.from_env({"MLXQ_MODELS": "/m/a=big,/m/b=small", "MLXQ_KV_BITS": "4,big=8"})
+    assert (config.kv_quant(big), config.kv_quant(small)) == ((8, 64), (4, 64))  # a value without a name: the rest
+    assert WorkerConfig.from_env({"MLXQ_KV_BITS": "8"}).kv_quant(small) == (8, 64)
+    assert WorkerConfig.from_env({"MLXQ_KV_BITS": "off"}).kv_quant(small) is None
+    assert WorkerConfig().kv_quant(small) is None
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"MLXQ_KV_BITS": "big=3"}, "MLXQ_KV_BITS='big=3': big=3: expected 8, 4 or off"),
+    ({"MLXQ_KV_BITS": "big=8,big=4"}, "MLXQ_KV_BITS='big=8,big=4': big is given twice"),
+    ({"MLXQ_KV_BITS": "8,4"}, "MLXQ_KV_BITS='8,4': the value for the models not named is given twice"),
+    ({"MLXQ_KV_BITS": "=8"}, "MLXQ_KV_BITS='=8': =8: expected model=value (a model's name before the =)"),
+    ({"MLXQ_KV_GROUP_SIZE": "32,small=48"}, "MLXQ_KV_GROUP_SIZE='32,small=48': small=48: expected 32, 64, 128"),
+], ids=["bits", "twice", "two_defaults", "no_name", "group_size"])
+def test_a_bad_per_model_kv_setting_is_a_config_error_naming_it(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        WorkerConfig.from_env({"MLXQ_MODELS": "/m/a=big,/m/b=small", **env})
+    assert str(error.value) == message
+
+
+def test_a_per_model_kv_setting_naming_a_model_not_served_is_a_config_error(tiny_model: Path) -> None:
+    config = WorkerConfig.from_env({"MLXQ_MODELS": f"{tiny_model}=big,{tiny_model}=small",
+                                    "MLXQ_KV_BITS": "big=8,smal=off"})
+    with pytest.raises(ConfigError) as error:
+        check_config(config)
+    assert str(error.value) == "MLXQ_KV_BITS names smal, a model this worker does not serve (it serves big, small)"
+
+
+async def test_one_model_quantized_beside_one_not_decodes_each_as_mlx_lm_and_keeps_its_own_disk_tier(
+        worker_config: WorkerConfig, tiny_model: Path, tmp_path: Path, client: Client,
+        references: dict[str, tuple[Any, Any]]) -> None:
+    import mlx_lm
+
+    from mlxq.engine.mlx.memory import measure_layout
+    from mlxq.engine.mlx.prefix.directory import layout_key, model_key, namespace
+    from mlxq.engine.mlx.quantized_cache import KVQuant
+    from mlxq.worker.tools.tinymodel import ensure_model
+    from tests.engine.test_engine_kv_quant import oracle
+
+    kvq = ensure_model("tiny-kvq", root=tmp_path / "models")  # heads of 64 values: groups of 64 (tiny's are 16)
+    quant = KVQuant(8, 64)
+    config = config_with(worker_config, model="", model_name="", models=f"{kvq}=q,{tiny_model}=tiny", capacity=4,
+                         kv_bits=WorkerConfig.from_env({"MLXQ_KV_BITS": "q=8"}).kv_bits,
+                         kv_dir=str(tmp_path / "kv"), kv_disk_gb=0.25)
+    running = await start_worker(config)
+    try:
+        jobs = [(model, prompt) for prompt in PROMPTS[:3] for model in ("q", "tiny")]
+        results = await asyncio.gather(*(client.generate(model=m, prompt=p, max_tokens=8, timeout=120)
+                                         for m, p in jobs))
+        engines = {name: s.engine for name, s in running.host.services.items()}
+    finally:
+        await running.close()
+    lms = {"q": mlx_lm.load(str(kvq)), "tiny": references["tiny"]}
+    for (model, prompt), result in zip(jobs, results):
+        tokens = encode_prompt(lms[model][1], prompt, None)
+        expected = oracle(lms[model], tokens, quant, 8) if model == "q" else reference(lms[model], tokens, 8)
+        assert result.token_ids == expected, (model, prompt)
+    # Each engine's KV layout (what admission charges) and its disk tier's directory are its own model's.
+    for name, path, kv in (("q", kvq, quant), ("tiny", tiny_model, None)):
+        model = lms[name][0]
+        scheduler = engines[name].scheduler
+        assert scheduler.memory.layout.bytes_per_token == measure_layout(model, config.prefill_step_size,
+                                                                         kv).bytes_per_token
+        assert scheduler.prefix_cache.disk.dir == namespace(tmp_path / "kv", model_key(str(path)),
+                                                            layout_key(model, kv))
+    assert engines["q"].scheduler.memory.layout.bytes_per_token < measure_layout(lms["q"][0], 512).bytes_per_token
 
 
 async def test_two_engines_generating_at_once_match_each_model_alone_on_their_own_threads(
