@@ -10,9 +10,9 @@ with and without it):
 - **throughput**: a burst of jobs through the scheduler with that headroom, sized so the float cache is full
   (``rows`` float rows fit): tok/s with 8 bits ÷ float (more rows at once). Target: ≥ 1.3x;
 - **step**: a decode step's time per row at the float run's N, quantized ÷ float (the unfused quantized attention
-  against MLX's fused one). Target: ≤ 1.25x. Beside it, what of a step is attention: the same batch's steps with
-  the model's attention left out (the cache still written and read at one element), alternating with the whole
-  steps, subtracted from them;
+  against MLX's fused one). Target: ≤ 1.25x. Beside it, what of a step is attention: the median step less the
+  median step of the same batch with the model's attention left out (the cache still written and read at one
+  element; blocks of each kind in turn);
 - **quality**: the quantized cache's next-token distributions against the float one's over a few hundred
   positions of text (teacher-forced): mean KL(float ‖ quantized) and top-1 agreement, per bits.
 
@@ -45,6 +45,7 @@ ROWS_TARGET = 0.95  # of the bytes' ratio
 TPS_TARGET = 1.3  # 8 bits ÷ float, at the float cache's full N
 STEP_TARGET = 1.25  # a decode step per row, quantized ÷ float
 BITS = (8, 4)
+BLOCK = 4  # timed steps in a row of one kind (whole, or without attention)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,24 +222,31 @@ class Bench:
         """A decode step's time over ``n`` rows that all decode (after their prefill), per row, and of it the
         model's attention: the median step, less the median step of the same batch run on without attention (its
         tokens do not matter: every row runs on). mlx-lm's generator evaluates a step while the next call builds
-        the one after, so a call's time is the step the call before built: the first without attention is not
+        the one after, so a call's time is the step the call before built: the first of each block is not
         counted."""
         import mlx.core as mx
 
-        plan = self.plan
+        rounds = max(1, self.plan.steps // BLOCK)
         b = self.batch(bits, n)
         with mx.stream(self.stream):
             for p in self.prompts(n):
-                b.insert(p, 2 * plan.steps + 9, None, [])
+                b.insert(p, 2 * rounds * (BLOCK + 1) + 8, None, [])
             started: set[int] = set()
             while len(started) < n:
                 started.update(t.uid for t in b.step())
-            whole = [self._timed(b.step) for _ in range(plan.steps)]
-            with attention_left_out(self.model):
-                without = [self._timed(b.step) for _ in range(plan.steps + 1)][1:]
+            whole: list[float] = []
+            without: list[float] = []
+            for _ in range(rounds):  # blocks of each kind in turn, so a machine's drift falls on both
+                whole += self._block(b)
+                with attention_left_out(self.model):
+                    without += self._block(b)
         b.close()
         step = statistics.median(whole)
         return 1000 * step / n, 1000 * (step - statistics.median(without)) / n
+
+    def _block(self, b: Any) -> list[float]:
+        """:data:`BLOCK` steps' times, after one untimed (whose time is the step built before the block)."""
+        return [self._timed(b.step) for _ in range(BLOCK + 1)][1:]
 
     def _timed(self, fn: Callable[[], object]) -> float:
         t0 = self.clock()
