@@ -301,7 +301,8 @@ class WorkerHost:
         or one job of a tenant below its share there (it starts at once in the place of a job of a tenant above
         it, engine/core/shares.py: between tenants the share decides, and a job waiting in Redis behind another
         tenant's flood would get no share). Each model's bulk queue takes what room its interactive queues leave
-        (the same quota, counted once by CLAIM), and nothing from a full engine."""
+        (the same quota, counted once by CLAIM) less the slots its interactive jobs' recent peak keeps
+        (worker/reserve.py), and nothing from a full engine."""
         quotas = {service.queue: min(free, service.room()) for service in self.services.values()}
         outranking: dict[str, Outranking] = {}
         below_share: dict[str, BelowShare] = {}
@@ -314,7 +315,8 @@ class WorkerHost:
             if below is not None:
                 quotas[service.queue], below_share[service.queue] = max(1, quotas[service.queue]), below
         for service in self.services.values():
-            quotas[service.bulk_queue] = quotas[service.queue] if service.queue not in outranking | below_share else 0
+            room = service.queue not in outranking | below_share  # (a full engine: none)
+            quotas[service.bulk_queue] = min(quotas[service.queue], service.bulk_room()) if room else 0
         return quotas, free, outranking, below_share
 
     async def _put_aside(self, due: Due) -> None:
