@@ -329,6 +329,8 @@ class Engine:
                 if self._load_prefix(cmd):
                     continue
                 self._drained.append(cmd.group)
+                if cmd.bulk:  # its outputs go out with its end (pacer.py)
+                    self._pacer.hold(cmd.rid)
                 self.scheduler.add(cmd)
             else:
                 out = self.scheduler.abort(cmd.rid, cmd.reason, cmd.code, cmd.message)
