@@ -25,6 +25,7 @@ from typing import Any
 
 from .admission import KVAdmission
 from .backend import BatchBackend, GeneratedToken, PrefixStore, SequenceCache
+from .bulk import BulkAdmission
 from .cache_strategy import CacheStrategy, strategy_for
 from .deadlines import Deadlines
 from .memory import KVBudget
@@ -35,20 +36,12 @@ from .running import Running
 from .sequence import Detokenizer, Sequence
 from .shares import Shares
 from .stats import EngineStats
-from .step_outputs import StepOutputs
+from .step_outputs import StepFailed, StepOutputs
 from .waiting import WaitingQueue, priority_key
 
 __all__ = ["Detokenizer", "Room", "Scheduler", "StepFailed"]
 
 log = logging.getLogger(__name__)
-
-
-class StepFailed(Exception):
-    """The batch failed mid-step; ``outputs`` are what the step had already decided (emit them first)."""
-
-    def __init__(self, outputs: list[RequestOutput]) -> None:
-        super().__init__(f"step failed after {len(outputs)} outputs")
-        self.outputs = outputs
 
 
 _NONE_DEFERRED: Mapping[str, RequestOutput] = MappingProxyType({})
@@ -94,6 +87,7 @@ class Scheduler:
         self._deadlines = Deadlines()
         self._orders = itertools.count()
         self._postponed: Preemption | None = None  # its victims leave at the next step's start (_admit)
+        self._bulk = BulkAdmission()  # how many bulk requests a step admits beside interactive ones (bulk.py)
         self._typical_end = 0.0  # running mean of admitted requests' ``end`` (for Room)
         self._room_dirty = True
         self.backend = backend
@@ -130,7 +124,7 @@ class Scheduler:
     @property
     def num_running_bulk(self) -> int:
         """Running sequences of the bulk band (``EngineRequest.bulk``)."""
-        return sum(1 for seq in self._running if seq.req.bulk)
+        return self._running.bulk
 
     def request_ids(self) -> list[str]:
         return [r.rid for r in self.requests()]
@@ -257,11 +251,14 @@ class Scheduler:
 
     # --- admission ---------------------------------------------------------------------------------
     def _admit(self, outs: StepOutputs) -> int:
-        """Admit waiting requests in order; how many of them started at once (their first token is out)."""
-        at_once = 0
+        """Admit waiting requests in order, up to the first that starts at once (its first token is out: then 1),
+        and bulk ones as many as ``bulk.py`` lets a step take."""
+        self._bulk.start(len(self._running) > self._running.bulk)
         while self._waiting:
             seq = self._waiting.peek()
             assert seq is not None
+            if not self._bulk.admits(seq):
+                return 0
             plan = None
             if not self.kv.fits(seq):
                 plan = self._plan(seq)
@@ -271,19 +268,21 @@ class Scheduler:
                     if plan is not None and other is not None:
                         seq = other
                     elif not drop_parked_caches(seq, self._waiting, self.kv, self.kv.unpark):
-                        return at_once
+                        return 0
             urgent = self._starts_at_once(seq, plan)
             if plan is not None and not (urgent and self.kv.fits(seq, slots=False)):
                 self._preempt(plan)
                 plan = None
             self._take(seq.rid)  # not pop(): a preempted sequence may share its key
-            at_once += self._launch(seq, outs, urgent)
+            self._bulk.admitted(seq)
+            if not self._launch(seq, outs, urgent):
+                continue
             if plan is not None and self._running.has(seq.rid):
                 # Only a slot was short: the victims leave at the start of the next step, so its first token,
                 # out with this step's outputs, does not wait for their caches to be copied out of the batch.
                 self._postponed = plan
-                return at_once
-        return at_once
+            return 1  # one start at once a step: its first token goes out before the next one is prefilled
+        return 0
 
     def _plan(self, seq: Sequence) -> Preemption | None:
         return plan_preemption(seq, self._running, self._running.lowest_priority, self.kv,
