@@ -142,24 +142,28 @@ def test_a_step_that_admits_an_interactive_request_admits_no_bulk_one() -> None:
     assert_exact(run, rows)
 
 
-def test_requests_starting_at_once_start_one_a_step_each_with_its_first_token() -> None:
-    # Each is prefilled alone: one a step, so each one's first token goes out before the next one's prefill,
-    # and no decode step comes between them.
+def test_requests_starting_at_once_in_one_step_are_prefilled_together() -> None:
+    # Streams send their next jobs together: prefilled one by one, the last one's first token would wait for
+    # every other one's prefill; in one batch, every first token goes out with the step.
     batch = ToyBatch()
-    s = scheduler(batch, capacity=4, clock=Clock(10.0))
+    s = scheduler(batch, capacity=6, clock=Clock(10.0))
     run = Run()
     row = bulk("b0", [1, 2], max_tokens=10, arrival=1.0)
     s.add(row)
     run.step(s)
-    chats = [req(f"c{i}", [3 + i], max_tokens=3, arrival=5.0 + i) for i in range(3)]
+    chats = [req(f"c{i}", [3 + i, 1], max_tokens=3, arrival=5.0 + i) for i in range(3)]
     for c in chats:
         s.add(c)
-    for n in (1, 2, 3):
-        run.step(s)
-        assert [c.rid for c in chats if run.tokens(c.rid)] == [c.rid for c in chats[:n]]
-    assert [st["at_step"] for st in batch.started] == [1, 1, 1] and s.stats.started_at_once == 3
+    run.step(s)
+    assert all(run.tokens(c.rid) == toy_generate(c.prompt_tokens, 1) for c in chats)
+    assert batch.calls == ["start_many 3", "start", "start", "start"] and s.stats.started_at_once == 3
+    assert batch.steps == 1  # no decode step in between: their first tokens came from the prefill
+    late = req("late", [9, 1], max_tokens=3, arrival=9.0)  # alone in its step: prefilled alone
+    s.add(late)
+    run.step(s)
+    assert batch.calls[-1] == "start" and run.tokens("late") == toy_generate([9, 1], 1)
     run.drain(s)
-    assert_exact(run, [row, *chats])
+    assert_exact(run, [row, *chats, late])
 
 
 def test_bulk_requests_waiting_to_join_leave_a_full_engine_outranked() -> None:
