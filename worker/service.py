@@ -245,7 +245,8 @@ class ModelService:
         self.reserve.note(len(self.active) - len(self.bulk), time.monotonic())
         if entries and self.engine is not None:
             tenants = [entry.tenant for entry in entries]  # their requests' groups
-            self.engine.expect(len(entries), self.config.admit_wait_ms / 1000, tenants)
+            interactive = sum(1 for entry in entries if not entry.bulk)  # beside bulk rows, no step starts first
+            self.engine.expect(len(entries), self.config.admit_wait_ms / 1000, tenants, interactive)
 
     def release(self, entry: DueEntry) -> None:
         """A claimed job left this worker (ended, handed back, fenced, or failed)."""

@@ -461,3 +461,24 @@ def test_the_streams_kernel_thread_runs_under_sched_batch() -> None:
     finally:
         batched.shutdown()
         plain.shutdown()
+
+
+async def test_beside_bulk_rows_no_step_starts_while_an_announced_interactive_request_is_on_its_way() -> None:
+    # Claimed and being prepared, it would start at once: a step begun meanwhile would hold back its first token.
+    # The window moves only when the test says, so the engine waits for it however slow the machine.
+    engine, backend, _, outputs = make_engine(delay=0.001, clock=ManualClock())
+    try:
+        engine.add(EngineRequest("bulk", [1, 2, 3], SamplingParams(max_tokens=10_000), priority=-101, bulk=True))
+        while backend.steps < 3:
+            await asyncio.sleep(0.002)
+        engine.expect(1, within_s=0.5, interactive=1)
+        await waiting_for_arrivals(engine)
+        held = backend.steps
+        await asyncio.sleep(0.05)  # (time it would step in, if it did not wait)
+        assert backend.steps == held
+        engine.add(request("chat", max_tokens=3))
+        await outputs.wait_finished(["chat"])
+        assert backend.inserted_at_step == [0, held]  # in at the step held for it, before any more decoding
+    finally:
+        engine.abort("bulk")
+        await engine.aclose()

@@ -48,7 +48,7 @@ class Engine:
     def paused(self) -> int:
         return 0
 
-    def expect(self, n: int, within_s: float, groups: object) -> None:
+    def expect(self, n: int, within_s: float, groups: object, interactive: int = 0) -> None:
         pass
 
 
