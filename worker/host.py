@@ -38,7 +38,7 @@ from mlxq.api.schema.requests import MAX_KEEP_RESULT_S
 from mlxq.engine.core.request import RequestOutput
 from mlxq.engine.mlx.process import MLXLimits, mlx_process
 
-from . import waker
+from . import arqseam, waker
 from .affinity import Advertiser, affinity_ttl_s
 from .arqseam import Claims, Outcome
 from .budget import model_weights
@@ -109,6 +109,7 @@ class WorkerHost:
         self._rates = {name: TokenRate() for name in self.services}
         self._tasks: list[asyncio.Task[None]] = []
         self.claiming = 0  # claims in flight: no model unloads meanwhile (its jobs may be on their way)
+        self.backlog = False  # the last claim left due interactive jobs queued
         self.sink: Callable[[list[RequestOutput]], None] = lambda outs: None  # engines' outputs, set by start()
         self.ondemand = OnDemand(self, model_weights(config))  # raises ConfigError: a budget too small
         self.metrics.watch(self)  # last: the registry reads the counters above at once
@@ -160,8 +161,21 @@ class WorkerHost:
         service.on_dead = self._on_model_dead
         assert service.engine is not None
         service.engine.on_step = self.metrics.step_timer(service.name)
+        loop = asyncio.get_running_loop()
+
+        def claimable() -> None:  # on the MLX thread
+            loop.call_soon_threadsafe(self._claimable)
+
+        service.engine.on_claimable = claimable
         if service.engine.prefix_min_tokens is not None:  # advertised from the next heartbeat on
             self.affinity.model(service.name).seed(service.engine.prefix_tagged())  # what its disk holds
+
+    def _claimable(self) -> None:
+        """An engine can take more jobs than before its last step: if the last claim left interactive jobs queued,
+        claim now (not at a job's end, nor at the poll's next period: a claim limited by the room an engine had
+        before its last step left an interactive job waiting that long)."""
+        if self.backlog:
+            arqseam.wake()
 
     async def aclose(self) -> None:
         """Leave the registry, abort what still runs, stop the engines (joining their MLX threads), close Redis."""
@@ -283,6 +297,7 @@ class WorkerHost:
 
     async def _claim(self, free: int) -> Claims:
         due = await self.transitions.claim(*self._quotas(free))
+        self.backlog = due.left_interactive
         await self._put_aside(due)
         started = [entry for entry in due.entries if entry.status is EntryStatus.STARTED]
         by_model = {entry.rid: self.services[entry.model] for entry in started}

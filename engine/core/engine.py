@@ -81,6 +81,10 @@ class Engine:
         self.stats: EngineStats = scheduler.stats  # the scheduler's counters plus the engine's own
         self.on_dead: Callable[[], None] = lambda: None  # called (on the MLX thread) if it cannot recover
         self.on_step: Callable[[float], None] = lambda seconds: None  # each step's duration (on the MLX thread)
+        # Called (on the MLX thread) when a step leaves it able to take more requests than before it
+        # (claim_capacity or outranking_room grew): a claim that left jobs queued need not wait for a job's end.
+        self.on_claimable: Callable[[], None] = lambda: None
+        self._claimable = (0, 0)
         self.dead = False
         self._sink = sink
         self._pacer = Pacer(stream_interval_s, rate=stream_rate)
@@ -270,6 +274,7 @@ class Engine:
                         self.stats.steps += 1
                         self.on_step(time.perf_counter() - t0)
                         self._emit(outs)
+                        self._note_claimable()
                 finally:  # (a failed step, or no step: the scheduler did not settle them)
                     self._settle_drained()
             except Exception as exc:  # an engine step failed: fail what was in flight, keep serving
@@ -282,6 +287,12 @@ class Engine:
             if self.thread.queued:
                 self.thread.submit(self._tick)
                 return
+
+    def _note_claimable(self) -> None:
+        room, outranking = self.claim_capacity(), self.outranking_room()
+        if room > self._claimable[0] or outranking > self._claimable[1]:
+            self.on_claimable()
+        self._claimable = (room, outranking)
 
     def _settle_drained(self) -> None:
         """The requests drained from the inbox count in the scheduler's room now (or have ended): no longer on

@@ -482,3 +482,21 @@ async def test_beside_bulk_rows_no_step_starts_while_an_announced_interactive_re
     finally:
         engine.abort("bulk")
         await engine.aclose()
+
+
+async def test_an_engine_says_when_a_step_leaves_it_more_room_than_before() -> None:
+    # (So a worker whose last claim left jobs queued claims again then, not at its next job's end.)
+    clock = ManualClock()
+    engine, backend, _, outputs = make_engine(delay=0.001, capacity=2, clock=clock)
+    rooms: list[int] = []
+    engine.on_claimable = lambda: rooms.append(engine.claim_capacity())  # on its thread, right after a step
+    try:
+        engine.expect(2, within_s=0.5)  # both join in its first step
+        engine.add(request("a", max_tokens=3))
+        engine.add(request("b", max_tokens=6))
+        await waiting_for_arrivals(engine)
+        clock.advance(0.5)
+        await outputs.wait_finished(["a", "b"])
+        assert rooms == [0, 1, 2]  # full (a job of higher priority would outrank), then a's slot, then b's
+    finally:
+        await engine.aclose()
