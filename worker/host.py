@@ -38,7 +38,7 @@ from mlxq.api.schema.requests import MAX_KEEP_RESULT_S
 from mlxq.engine.core.request import RequestOutput
 from mlxq.engine.mlx.process import MLXLimits, mlx_process
 
-from . import waker
+from . import arqseam, waker
 from .affinity import Advertiser, affinity_ttl_s
 from .arqseam import Claims, Outcome
 from .budget import model_weights
@@ -109,6 +109,7 @@ class WorkerHost:
         self._rates = {name: TokenRate() for name in self.services}
         self._tasks: list[asyncio.Task[None]] = []
         self.claiming = 0  # claims in flight: no model unloads meanwhile (its jobs may be on their way)
+        self.backlog = False  # the last claim left due interactive jobs queued
         self.sink: Callable[[list[RequestOutput]], None] = lambda outs: None  # engines' outputs, set by start()
         self.ondemand = OnDemand(self, model_weights(config))  # raises ConfigError: a budget too small
         self.metrics.watch(self)  # last: the registry reads the counters above at once
@@ -160,8 +161,21 @@ class WorkerHost:
         service.on_dead = self._on_model_dead
         assert service.engine is not None
         service.engine.on_step = self.metrics.step_timer(service.name)
+        loop = asyncio.get_running_loop()
+
+        def claimable() -> None:  # on the MLX thread
+            loop.call_soon_threadsafe(self._claimable)
+
+        service.engine.on_claimable = claimable
         if service.engine.prefix_min_tokens is not None:  # advertised from the next heartbeat on
             self.affinity.model(service.name).seed(service.engine.prefix_tagged())  # what its disk holds
+
+    def _claimable(self) -> None:
+        """An engine can take more jobs than before its last step: if the last claim left interactive jobs queued,
+        claim now (not at a job's end, nor at the poll's next period: a claim limited by the room an engine had
+        before its last step left an interactive job waiting that long)."""
+        if self.backlog:
+            arqseam.wake()
 
     async def aclose(self) -> None:
         """Leave the registry, abort what still runs, stop the engines (joining their MLX threads), close Redis."""
@@ -281,6 +295,7 @@ class WorkerHost:
 
     async def _claim(self, free: int) -> Claims:
         due = await self.transitions.claim(*self._quotas(free))
+        self.backlog = due.left_interactive
         await self._put_aside(due)
         started = [entry for entry in due.entries if entry.status is EntryStatus.STARTED]
         by_model = {entry.rid: self.services[entry.model] for entry in started}
@@ -299,7 +314,8 @@ class WorkerHost:
         or one job of a tenant below its share there (it starts at once in the place of a job of a tenant above
         it, engine/core/shares.py: between tenants the share decides, and a job waiting in Redis behind another
         tenant's flood would get no share). Each model's bulk queue takes what room its interactive queues leave
-        (the same quota, counted once by CLAIM), and nothing from a full engine."""
+        (the same quota, counted once by CLAIM) less the slots its interactive jobs' recent peak keeps
+        (worker/reserve.py), and nothing from a full engine."""
         quotas = {service.queue: min(free, service.room()) for service in self.services.values()}
         outranking: dict[str, Outranking] = {}
         below_share: dict[str, BelowShare] = {}
@@ -312,7 +328,8 @@ class WorkerHost:
             if below is not None:
                 quotas[service.queue], below_share[service.queue] = max(1, quotas[service.queue]), below
         for service in self.services.values():
-            quotas[service.bulk_queue] = quotas[service.queue] if service.queue not in outranking | below_share else 0
+            room = service.queue not in outranking | below_share  # (a full engine: none)
+            quotas[service.bulk_queue] = min(quotas[service.queue], service.bulk_room()) if room else 0
         return quotas, free, outranking, below_share
 
     async def _put_aside(self, due: Due) -> None:

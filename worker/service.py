@@ -25,6 +25,7 @@ from mlxq.engine.mlx.residency import MemoryReading, ModelThread, memory_now, re
 
 from .config import ServedModel, WorkerConfig
 from .jobs.model import ModelView
+from .reserve import InteractiveReserve
 
 __all__ = ["ModelService"]
 
@@ -55,6 +56,7 @@ class ModelService:
         self.model: LoadedModel | None = None
         self.active: set[tuple[str, int]] = set()  # its jobs in this worker, claimed and not ended: (id, try)
         self.bulk: set[tuple[str, int]] = set()  # of them, those of the bulk band
+        self.reserve = InteractiveReserve(config.bulk_hold_ms / 1000)  # the room its bulk jobs leave (reserve.py)
         self.error: str | None = None  # why its engine died
         self.on_dead: Callable[[ModelService], None] = lambda service: None  # called on the event loop
         # Its jobs' images are prepared one at a time, in arrival order (see worker/jobs/media.py); started with
@@ -173,6 +175,11 @@ class ModelService:
             return 0
         return max(0, min(self.engine.claim_capacity(), self.config.jobs_per_model - self._unpaused()))
 
+    def bulk_room(self) -> int:
+        """How many more bulk jobs it takes now: its room less the slots kept for the interactive jobs it held at
+        their recent peak and holds no more (worker/reserve.py)."""
+        return max(0, self.room() - self.reserve.reserved(time.monotonic()))
+
     def outranking(self) -> Outranking | None:
         """What queued jobs need for this model's full engine to take them now (each starts at once, preempting a
         running sequence of lower priority), and how many it takes; None when the engine has room, or no such
@@ -235,15 +242,18 @@ class ModelService:
         if entries:
             self.last_used = time.monotonic()
         self.bulk.update((e.rid, e.attempt) for e in entries if e.bulk)
+        self.reserve.note(len(self.active) - len(self.bulk), time.monotonic())
         if entries and self.engine is not None:
             tenants = [entry.tenant for entry in entries]  # their requests' groups
-            self.engine.expect(len(entries), self.config.admit_wait_ms / 1000, tenants)
+            interactive = sum(1 for entry in entries if not entry.bulk)  # beside bulk rows, no step starts first
+            self.engine.expect(len(entries), self.config.admit_wait_ms / 1000, tenants, interactive)
 
     def release(self, entry: DueEntry) -> None:
         """A claimed job left this worker (ended, handed back, fenced, or failed)."""
         self.active.discard((entry.rid, entry.attempt))
         self.last_used = time.monotonic()
         self.bulk.discard((entry.rid, entry.attempt))
+        self.reserve.note(len(self.active) - len(self.bulk), self.last_used)
 
     def add(self, request: EngineRequest) -> None:
         """A prepared job's request enters the engine (its run is in the run table first)."""

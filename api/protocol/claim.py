@@ -119,10 +119,12 @@ class BelowShare:
 
 @dataclass(frozen=True, slots=True)
 class Due:
-    """What one CLAIM call did: an entry per due queue entry it looked at, and whether it left due jobs queued."""
+    """What one CLAIM call did: an entry per due queue entry it looked at, and whether it left due jobs queued
+    (``left_interactive``: jobs not of a bulk band among them)."""
 
     entries: list[DueEntry]
     left: bool
+    left_interactive: bool = False
 
 
 async def claim(redis: Redis, keys: Keys, worker_id: str, lease_ms: int, affinity_wait_ms: int,
@@ -145,7 +147,7 @@ async def claim(redis: Redis, keys: Keys, worker_id: str, lease_ms: int, affinit
             "affinity_wait_ms": affinity_wait_ms}
     named = {"running_key": keys.running(), "epoch_key": keys.epoch(), "deadlines_key": keys.deadlines()}
     epoch, left, *found = await CLAIM.run(redis, named, args, queues, rows)
-    return Due([_due_entry(row, epoch.decode(), keys) for row in found], bool(left))
+    return Due([_due_entry(row, epoch.decode(), keys) for row in found], bool(left), int(left) == 2)
 
 
 def _due_entry(row: list[bytes], epoch: str, keys: Keys) -> DueEntry:

@@ -166,6 +166,12 @@ class CachingBackend(BatchBackend, Protocol):
         outside the batch and at once; the caller inserts it with the returned cache to go on."""
         ...
 
+    def start_many(self, prompts: list[list[int]], samplers: list[Callable[[Any], Any] | None]) -> list[Started]:
+        """:meth:`start` of several prompts (no cache, no logits processors, two tokens at least), prefilled together
+        where the backend can (one pass costs about what one prompt's does): each one's first token as it would
+        be alone."""
+        ...
+
     def take_caches(self, uids: Iterable[int]) -> dict[int, SequenceCache]:
         """Remove sequences, returning each one's cache (evaluated) and the tokens in it."""
         ...

@@ -3,20 +3,32 @@ of rows that leave it.
 
 A sequence enters by **recompute** (prefilled from nothing), **from a prefix** (only what follows its longest
 cached prefix, ``engine/mlx/prefix/cache.py``), **resume** (its own cache, parked since it was preempted) or **start at
-once** (prefilled alone, its first token sampled, then joining as a resume does). :class:`ReuseCaches` does all
-four for a backend that hands caches out (mlx-lm's) and keeps ended rows' caches for the prefix cache;
-:class:`Recompute` is for one that cannot (mlx-vlm's).
+once** (prefilled alone, or in one batch with the others starting at once in its step, its first token sampled,
+then joining as a resume does). :class:`ReuseCaches` does all four for a backend that hands caches out (mlx-lm's)
+and keeps ended rows' caches for the prefix cache; :class:`Recompute` is for one that cannot (mlx-vlm's).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol, cast
 
-from .backend import BatchBackend, BatchToken, CachingBackend, GeneratedToken, PrefixStore, SequenceCache
+from .backend import (
+    BatchBackend,
+    BatchToken,
+    CachingBackend,
+    GeneratedToken,
+    PrefixHit,
+    PrefixStore,
+    SequenceCache,
+    Started,
+)
 from .sequence import Sequence
 from .stats import EngineStats
 
 __all__ = ["CacheStrategy", "Recompute", "ReuseCaches", "strategy_for"]
+
+log = logging.getLogger(__name__)
 
 
 class CacheStrategy(Protocol):
@@ -37,6 +49,14 @@ class CacheStrategy(Protocol):
 
     def start(self, seq: Sequence) -> tuple[int, BatchToken]:
         """Prefill ``seq`` alone and sample its first token, then put it in the batch; its uid and that token."""
+
+    @property
+    def prestarted(self) -> int:
+        """Sequences :meth:`prestart` readied that :meth:`start` has not taken yet."""
+
+    def prestart(self, seqs: list[Sequence]) -> None:
+        """Ready ``seqs`` (each to :meth:`start` in this step) together: those the backend can prefill in one batch
+        are; :meth:`start` then takes each one's part. ``[]``: drop what is left."""
 
     def take(self, seqs: list[Sequence]) -> dict[int, SequenceCache]:
         """Take rows out of the batch, with their caches where the backend hands them out."""
@@ -90,6 +110,11 @@ class Recompute:
     def start(self, seq: Sequence) -> tuple[int, BatchToken]:
         raise NotImplementedError("a backend without caches cannot start a request at once")
 
+    prestarted = 0
+
+    def prestart(self, seqs: list[Sequence]) -> None:
+        pass
+
     def take(self, seqs: list[Sequence]) -> dict[int, SequenceCache]:
         self.backend.remove([s.uid for s in seqs])
         return {}
@@ -121,6 +146,7 @@ class ReuseCaches:
         self.prefix = prefix
         self.stats = stats
         self._finished: list[SequenceCache] = []  # caches of rows that ended this step, for the prefix cache
+        self._ready: dict[str, tuple[PrefixHit | None, Started | None]] = {}  # prestart()'s, by request id
 
     def prepare(self, seq: Sequence) -> None:
         pass  # its tokens come with its cache if it is preempted
@@ -152,16 +178,32 @@ class ReuseCaches:
                               cache=hit.cache if hit is not None else None, cache_tokens=full[:cached],
                               checkpoint=checkpoint)
 
+    @property
+    def prestarted(self) -> int:
+        return len(self._ready)
+
+    def prestart(self, seqs: list[Sequence]) -> None:
+        self._ready = {seq.rid: (self._fetch(seq), None) for seq in seqs}  # (a prefix hit starts on its own)
+        plain = [seq for seq in seqs if self._ready[seq.rid][0] is None and not seq.processors
+                 and len(seq.req.prompt_tokens) > 1]
+        if len(plain) < 2:
+            return
+        try:
+            started = self.backend.start_many([seq.req.prompt_tokens for seq in plain], [seq.sampler for seq in plain])
+        except Exception:  # each then starts on its own, and a failure there fails the step as ever
+            log.warning("could not prefill %d requests together; starting each alone", len(plain), exc_info=True)
+            return
+        self._ready.update((seq.rid, (None, one)) for seq, one in zip(plain, started))
+
     def start(self, seq: Sequence) -> tuple[int, BatchToken]:
-        prompt, hit = seq.req.prompt_tokens, None
-        if self.prefix is not None:
-            hit = self.prefix.fetch(prompt, seq.req.affinity, seq.req.system_key)
-            self._sync_stats()
+        prompt = seq.req.prompt_tokens
+        hit, started = self._ready.pop(seq.rid) if seq.rid in self._ready else (self._fetch(seq), None)
         cached = hit.tokens if hit is not None else 0
         if not seq.admitted:
             seq.cached = cached
-        started = self.backend.start(prompt[cached:], seq.sampler, seq.processors,
-                                     cache=hit.cache if hit is not None else None, cache_tokens=prompt[:cached])
+        if started is None:
+            started = self.backend.start(prompt[cached:], seq.sampler, seq.processors,
+                                         cache=hit.cache if hit is not None else None, cache_tokens=prompt[:cached])
         more = seq.req.params.max_tokens - 1
         finish = started.finish_reason or ("length" if more == 0 else None)
         uid = self.backend.insert([started.token], max(more, 1), seq.sampler, seq.processors, cache=started.cache,
@@ -211,10 +253,17 @@ class ReuseCaches:
         self._sync_stats()
 
     def clear(self) -> None:
-        self._finished = []
+        self._finished, self._ready = [], {}
         if self.prefix is not None:
             self.prefix.clear()
             self._sync_stats()
+
+    def _fetch(self, seq: Sequence) -> PrefixHit | None:
+        if self.prefix is None:
+            return None
+        hit = self.prefix.fetch(seq.req.prompt_tokens, seq.req.affinity, seq.req.system_key)
+        self._sync_stats()
+        return hit
 
     def _worth_keeping(self, seq: Sequence) -> bool:
         # Only after a prompt long enough to be worth a lookup itself: copying a cache out is not free.

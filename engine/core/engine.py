@@ -81,6 +81,10 @@ class Engine:
         self.stats: EngineStats = scheduler.stats  # the scheduler's counters plus the engine's own
         self.on_dead: Callable[[], None] = lambda: None  # called (on the MLX thread) if it cannot recover
         self.on_step: Callable[[float], None] = lambda seconds: None  # each step's duration (on the MLX thread)
+        # Called (on the MLX thread) when a step leaves it able to take more requests than before it
+        # (claim_capacity or outranking_room grew): a claim that left jobs queued need not wait for a job's end.
+        self.on_claimable: Callable[[], None] = lambda: None
+        self._claimable = (0, 0)
         self.dead = False
         self._sink = sink
         self._pacer = Pacer(stream_interval_s, rate=stream_rate)
@@ -94,6 +98,7 @@ class Engine:
         self._closed = False
         self._expected = 0  # requests announced by expect() and not added yet
         self._expected_groups: Counter[str] = Counter()  # the groups expect() named for them
+        self._urgent = 0  # of them, interactive ones (expect(interactive=)): beside bulk rows, no step starts
         self._prefill_batch = prefill_batch  # no point waiting for more than one prefill takes
         self._expect_until = 0.0
         self._gap_s = 0.0  # after the announced ones are in, wait while arrivals come closer than this
@@ -113,6 +118,8 @@ class Engine:
             return
         with self._lock:
             self._expected = max(0, self._expected - 1)
+            if not req.bulk:
+                self._urgent = max(0, self._urgent - 1)
             _drop(self._expected_groups, req.group)
             self._inbox_requests += 1
             self._inbox_groups[req.group] += 1
@@ -120,13 +127,17 @@ class Engine:
         self._post(req)
         self._arrived.set()
 
-    def expect(self, n: int, within_s: float, groups: Iterable[str] = ()) -> None:
+    def expect(self, n: int, within_s: float, groups: Iterable[str] = (), interactive: int = 0) -> None:
         """Announce ``n`` requests about to be added (thread-safe), of ``groups`` (one each, if known): an idle
-        engine waits up to ``within_s`` for them before its first step."""
+        engine waits up to ``within_s`` for them before its first step. ``interactive``: how many of them are not of
+        the bulk band: an engine running bulk rows starts no step until they are in, up to ``within_s`` either (they
+        start at once, and a step begun meanwhile would hold back their first tokens)."""
         with self._lock:
             if self._clock() >= self._expect_until:  # the earlier announcements' window is over
                 self._expected_groups.clear()
+                self._urgent = 0
             self._expected += n
+            self._urgent += interactive
             self._expected_groups.update(groups)
             self._last_arrival = self._clock()
             self._expect_until = self._last_arrival + within_s
@@ -253,6 +264,8 @@ class Engine:
             try:
                 if not self.scheduler.num_running:
                     self._await_expected()
+                elif self._urgent:
+                    self._await_interactive()
                 try:
                     self._emit(self._drain_inbox())
                     if self.scheduler.has_work:
@@ -261,6 +274,7 @@ class Engine:
                         self.stats.steps += 1
                         self.on_step(time.perf_counter() - t0)
                         self._emit(outs)
+                        self._note_claimable()
                 finally:  # (a failed step, or no step: the scheduler did not settle them)
                     self._settle_drained()
             except Exception as exc:  # an engine step failed: fail what was in flight, keep serving
@@ -273,6 +287,12 @@ class Engine:
             if self.thread.queued:
                 self.thread.submit(self._tick)
                 return
+
+    def _note_claimable(self) -> None:
+        room, outranking = self.claim_capacity(), self.outranking_room()
+        if room > self._claimable[0] or outranking > self._claimable[1]:
+            self.on_claimable()
+        self._claimable = (room, outranking)
 
     def _settle_drained(self) -> None:
         """The requests drained from the inbox count in the scheduler's room now (or have ended): no longer on
@@ -316,6 +336,20 @@ class Engine:
                 continue
             self._arrived.wait(wait)
 
+    def _await_interactive(self) -> None:
+        """Interactive requests are on their way (claimed, being prepared): beside bulk rows they start at once,
+        so the next step waits for them (up to the window): begun now, it would hold back their first tokens, and
+        the time preparing them takes on the event loop is time the MLX threads hold the CPU."""
+        while True:
+            with self._lock:
+                left = self._expect_until - self._clock()
+                if left <= 0 or self._closed or not self.scheduler.num_running_bulk:
+                    self._urgent = 0  # (past the window: one never came; no bulk row: they start as others do)
+                if not self._urgent:
+                    return
+                self._arrived.clear()  # under the lock: add() decrements under it before setting
+            self._arrived.wait(left)
+
     def _drain_inbox(self) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
         while self._inbox:
@@ -329,6 +363,8 @@ class Engine:
                 if self._load_prefix(cmd):
                     continue
                 self._drained.append(cmd.group)
+                if cmd.bulk:  # its outputs go out with its end (pacer.py)
+                    self._pacer.hold(cmd.rid)
                 self.scheduler.add(cmd)
             else:
                 out = self.scheduler.abort(cmd.rid, cmd.reason, cmd.code, cmd.message)

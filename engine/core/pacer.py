@@ -14,6 +14,11 @@ job's end waited behind them.)
 A batch of many rows sends that many outputs per interval: with a ``rate``, the interval grows with the
 requests deferred so that no more than ``rate`` outputs a second go out (64 rows at 1,600 a second: every 40 ms),
 so what streaming costs the host stays bounded as the batch grows instead of growing with it.
+
+A bulk request's outputs (:meth:`Pacer.hold`: a batch's line, whose results are read at its end) go out with its
+end, or every ``bulk_interval_s`` while it runs: its first token is not urgent, and no interval's send carries it.
+Streamed like an interactive one's, a bulk row's tokens took an EMIT's share of Redis and of the worker's event
+loop every interval, time an interactive job's claim and first token then waited for.
 """
 
 from __future__ import annotations
@@ -33,14 +38,17 @@ class Pacer:
     """
 
     def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic, *, rate: float = 0.0,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, bulk_interval_s: float = 1.0) -> None:
         self.interval_s = interval_s
         self.rate = rate  # most outputs a second (0: no bound); the interval grows with the requests deferred
+        self.bulk_interval_s = bulk_interval_s
         self._clock = clock
         self._wall = wall  # stamps starts (epoch seconds, as the jobs' enqueue times)
         self._deferred: dict[str, RequestOutput] = {}
         self._urgent: dict[str, None] = {}  # deferred requests to send now (an ordered set)
+        self._held: set[str] = set()  # bulk requests (hold())
         self._last = clock()
+        self._last_bulk = self._last
 
     @property
     def deferring(self) -> bool:
@@ -52,16 +60,20 @@ class Pacer:
         them to :meth:`push` as its own), instead of making a record per request per step to merge."""
         return self._deferred
 
+    def hold(self, rid: str) -> None:
+        """``rid`` is a bulk request: its outputs go out with its end (or every ``bulk_interval_s``)."""
+        self._held.add(rid)
+
     def interval(self) -> float:
         """Seconds between sends: ``interval_s``, or longer while more requests are deferred than ``rate`` allows."""
         if self.rate <= 0:
             return self.interval_s
-        return max(self.interval_s, len(self._deferred) / self.rate)
+        return max(self.interval_s, (len(self._deferred) - len(self._held)) / self.rate)
 
     def push(self, outs: list[RequestOutput], flush: bool = False) -> list[RequestOutput]:
         """Take one step's outputs (the pacer owns them now); return what is due, merged per request
         (``flush``: everything)."""
-        deferred = self._deferred
+        deferred, held = self._deferred, self._held
         for out in outs:
             if out.started and not out.started_at:
                 out.started_at = self._wall()
@@ -70,13 +82,22 @@ class Pacer:
                 deferred[out.rid] = out
             elif acc is not out:  # (the deferred output itself, written in place by the step: nothing to merge)
                 merge_into(acc, out)
-            if out.finish is not None or (out.token_ids and out.completion_tokens == len(out.token_ids)):
-                self._urgent[out.rid] = None  # its end, or its first token (completion_tokens counts it)
+            if out.finish is not None:
+                self._urgent[out.rid] = None
+                held.discard(out.rid)
+            elif out.token_ids and out.completion_tokens == len(out.token_ids) and out.rid not in held:
+                self._urgent[out.rid] = None  # its first token (completion_tokens counts it)
         now = self._clock()
-        if flush or now - self._last >= self.interval():
-            self._last = now
+        due_all = now - self._last >= self.interval()
+        if flush or (due_all and (not held or now - self._last_bulk >= self.bulk_interval_s)):
+            self._last = self._last_bulk = now
             due = list(deferred.values())
             deferred.clear()
+        elif due_all:  # all but the bulk requests' (the urgent ones are among them: none is held)
+            self._last = now
+            due = [out for rid, out in deferred.items() if rid not in held]
+            for out in due:
+                del deferred[out.rid]
         elif self._urgent:
             due = [deferred.pop(rid) for rid in self._urgent]
         else:

@@ -41,7 +41,8 @@ class Room:
         priority is outranked while every waiting sequence has started (is preempted) already; its groups' parts
         show while any runs, each with its requests waiting unstarted (a request of a group below its share starts
         at once past them: ``Scheduler._below_share``)."""
-        unstarted = Counter(s.req.group for s in waiting if not s.admitted)
+        # (a bulk request waiting is behind any new one, and takes no share's place: it closes neither)
+        unstarted = Counter(s.req.group for s in waiting if not s.admitted and not s.req.bulk)
         paused = len(waiting) - sum(unstarted.values())
         groups = shares.snapshot(unstarted) if shares is not None and running else ()
         if running and not unstarted:

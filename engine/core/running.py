@@ -17,12 +17,13 @@ class Running:
     """The running sequences, and their counts per priority and per group (``shares``, which also counts the
     waiting requests' groups: the scheduler's own)."""
 
-    __slots__ = ("_by_uid", "_uid_of", "priorities", "shares")
+    __slots__ = ("_by_uid", "_uid_of", "bulk", "priorities", "shares")
 
     def __init__(self, shares: Shares) -> None:
         self._by_uid: dict[int, Sequence] = {}
         self._uid_of: dict[str, int] = {}
         self.priorities: Counter[int] = Counter()  # running sequences per priority
+        self.bulk = 0  # running sequences of the bulk band (``EngineRequest.bulk``)
         self.shares = shares
 
     def __len__(self) -> int:
@@ -47,6 +48,7 @@ class Running:
         self._by_uid[seq.uid] = seq
         self._uid_of[seq.rid] = seq.uid
         self.priorities[seq.req.priority] += 1
+        self.bulk += seq.req.bulk
         self.shares.join(seq.req)
 
     def pop(self, rid: str) -> Sequence | None:
@@ -60,6 +62,7 @@ class Running:
             self.priorities[seq.req.priority] = left
         else:
             del self.priorities[seq.req.priority]
+        self.bulk -= seq.req.bulk
         self.shares.leave(seq.req)
         return seq
 
@@ -68,4 +71,5 @@ class Running:
         self._by_uid.clear()
         self._uid_of.clear()
         self.priorities.clear()
+        self.bulk = 0
         self.shares.clear()

@@ -25,6 +25,7 @@ from typing import Any
 
 from .admission import KVAdmission
 from .backend import BatchBackend, GeneratedToken, PrefixStore, SequenceCache
+from .bulk import BulkAdmission
 from .cache_strategy import CacheStrategy, strategy_for
 from .deadlines import Deadlines
 from .memory import KVBudget
@@ -34,21 +35,14 @@ from .room import Room
 from .running import Running
 from .sequence import Detokenizer, Sequence
 from .shares import Shares
+from .starts import starts_at_once, together
 from .stats import EngineStats
-from .step_outputs import StepOutputs
+from .step_outputs import StepFailed, StepOutputs
 from .waiting import WaitingQueue, priority_key
 
 __all__ = ["Detokenizer", "Room", "Scheduler", "StepFailed"]
 
 log = logging.getLogger(__name__)
-
-
-class StepFailed(Exception):
-    """The batch failed mid-step; ``outputs`` are what the step had already decided (emit them first)."""
-
-    def __init__(self, outputs: list[RequestOutput]) -> None:
-        super().__init__(f"step failed after {len(outputs)} outputs")
-        self.outputs = outputs
 
 
 _NONE_DEFERRED: Mapping[str, RequestOutput] = MappingProxyType({})
@@ -94,6 +88,7 @@ class Scheduler:
         self._deadlines = Deadlines()
         self._orders = itertools.count()
         self._postponed: Preemption | None = None  # its victims leave at the next step's start (_admit)
+        self._bulk = BulkAdmission()  # how many bulk requests a step admits beside interactive ones (bulk.py)
         self._typical_end = 0.0  # running mean of admitted requests' ``end`` (for Room)
         self._room_dirty = True
         self.backend = backend
@@ -130,7 +125,7 @@ class Scheduler:
     @property
     def num_running_bulk(self) -> int:
         """Running sequences of the bulk band (``EngineRequest.bulk``)."""
-        return sum(1 for seq in self._running if seq.req.bulk)
+        return self._running.bulk
 
     def request_ids(self) -> list[str]:
         return [r.rid for r in self.requests()]
@@ -257,11 +252,18 @@ class Scheduler:
 
     # --- admission ---------------------------------------------------------------------------------
     def _admit(self, outs: StepOutputs) -> int:
-        """Admit waiting requests in order; how many of them started at once (their first token is out)."""
+        """Admit waiting requests in order, up to those starting at once (prefilled together, ``starts.py``; their
+        first tokens are out), bulk ones as many as ``bulk.py`` lets a step take; how many started at once."""
+        self._bulk.start(len(self._running) > self._running.bulk)
+        if self._cache.starts_at_once:  # those starting at once in this step, prefilled together
+            free = self.capacity - len(self._running)
+            self._cache.prestart([self._equip(s) for s in together(self._waiting, self._running, self._shares, free)])
         at_once = 0
         while self._waiting:
             seq = self._waiting.peek()
             assert seq is not None
+            if not self._bulk.admits(seq):
+                break
             plan = None
             if not self.kv.fits(seq):
                 plan = self._plan(seq)
@@ -271,44 +273,35 @@ class Scheduler:
                     if plan is not None and other is not None:
                         seq = other
                     elif not drop_parked_caches(seq, self._waiting, self.kv, self.kv.unpark):
-                        return at_once
-            urgent = self._starts_at_once(seq, plan)
+                        break
+            urgent = self._cache.starts_at_once and starts_at_once(seq, plan, self._running, self._shares)
             if plan is not None and not (urgent and self.kv.fits(seq, slots=False)):
                 self._preempt(plan)
                 plan = None
             self._take(seq.rid)  # not pop(): a preempted sequence may share its key
+            self._bulk.admitted(seq)
             at_once += self._launch(seq, outs, urgent)
             if plan is not None and self._running.has(seq.rid):
                 # Only a slot was short: the victims leave at the start of the next step, so its first token,
                 # out with this step's outputs, does not wait for their caches to be copied out of the batch.
                 self._postponed = plan
-                return at_once
+                break
+            if at_once and not self._cache.prestarted:  # the next one's prefill would hold back their first tokens
+                break
+        self._cache.prestart([])  # (any left did not start at once after all)
         return at_once
 
     def _plan(self, seq: Sequence) -> Preemption | None:
         return plan_preemption(seq, self._running, self._running.lowest_priority, self.kv,
                                self._cache.parks_caches, self._shares)
 
-    def _starts_at_once(self, seq: Sequence, plan: Preemption | None) -> bool:
-        """Whether ``seq`` starts at once: a new request of higher priority than some running sequence, or of a
-        group below its share (taking another group's place, or a free slot beside a group above its share), is
-        prefilled on its own before the next decode step, its first token sampled from that prefill (in mlx-lm's
-        batch a joining prompt waits for three decode steps of the whole batch, and is prefilled with the others
-        joining then: a light tenant's job would wait for a flood's refill of the batch)."""
-        if not self._cache.starts_at_once or seq.admitted or seq.req.images is not None:
-            return False
-        lowest = self._running.lowest_priority
-        return ((lowest is not None and lowest < seq.req.priority)
-                or (plan is not None and plan.across) or self._shares.below(seq.req))
-
     def _launch(self, seq: Sequence, outs: StepOutputs, at_once: bool = False) -> int:
-        """Insert ``seq`` into the batch: a new request, or a preempted one resuming. ``at_once``: prefill it
-        alone first. Returns 1 if it started at once, else 0."""
+        """Insert ``seq`` into the batch: a new request, or a preempted one resuming. ``at_once``: prefill it first
+        (alone, or with those starting together). Returns 1 if it started at once, else 0."""
         req = seq.req
         resumed = seq.admitted
         if not resumed:
-            seq.equip(self._make_sampler(req.params), self._make_processors(req.params))
-            self._cache.prepare(seq)
+            self._equip(seq)
         first = None
         try:
             if at_once:
@@ -338,6 +331,12 @@ class Scheduler:
             self.backend.remove([uid])
         self._on_token(first, outs)
         return 1
+
+    def _equip(self, seq: Sequence) -> Sequence:
+        if not seq.equipped:  # (a sequence started together with others was equipped for that: starts.py)
+            seq.equip(self._make_sampler(seq.req.params), self._make_processors(seq.req.params))
+            self._cache.prepare(seq)
+        return seq
 
     # --- preemption --------------------------------------------------------------------------------
     def _preempt(self, plan: Preemption) -> None:

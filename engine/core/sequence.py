@@ -64,6 +64,7 @@ class Sequence:
     parked_bytes: int = 0
     plain: bool = False  # neither log-probabilities nor a format: its tokens take the scheduler's short way
     cached: int = 0  # prompt tokens its first admission took from the prefix cache (its usage reports them)
+    equipped: bool = False  # has its sampler and processors (equip())
 
     @classmethod
     def of(cls, req: EngineRequest, detok: Detokenizer, key: float, order: int) -> Sequence:
@@ -74,7 +75,7 @@ class Sequence:
     def equip(self, sampler: Any, processors: list[Any]) -> None:
         """Give a new sequence its sampler and logits processors, and its format's constraint first among them
         (its mask goes to the backend with its other processors)."""
-        self.sampler, self.processors = sampler, processors
+        self.sampler, self.processors, self.equipped = sampler, processors, True
         if self.req.format is not None:
             self.constraint = self.req.format.row()
             self.processors = [self.constraint, *processors]

@@ -14,7 +14,15 @@ from .backend import GeneratedToken, LogprobsAsked
 from .request import ErrorCode, FinishReason, RequestOutput
 from .sequence import Sequence
 
-__all__ = ["StepOutputs"]
+__all__ = ["StepFailed", "StepOutputs"]
+
+
+class StepFailed(Exception):
+    """The batch failed mid-step; ``outputs`` are what the step had already decided (emit them first)."""
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        super().__init__(f"step failed after {len(outputs)} outputs")
+        self.outputs = outputs
 
 
 @dataclass(slots=True)

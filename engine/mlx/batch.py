@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import BatchGenerator, PromptProcessingBatch, StopSequences
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..core.backend import GeneratedToken, LogprobsAsked, SequenceCache, Started
@@ -80,6 +81,9 @@ class MLXBatch:
                 prefill_step_size=prefill_step_size,
                 stream=stream,
             )
+        # Starts prefilled together in one batch (start_many): mlx-lm's prompt batch merges and splits plain caches
+        # only (a sliding window or recurrent state prefilled ragged is not each row's own: engine/mlx/fixes.py).
+        self._starts_together = kv_quant is None and all(type(c) is KVCache for c in make_prompt_cache(model))
         self._spec: SpecBatch | None = None
         if proposer is not None:  # speculative decoding: the generator's decode batch is one that speculates
             self._spec = SpecBatch.make(model, self._gen.sampler, proposer, Tuner(max_k),
@@ -152,6 +156,24 @@ class MLXBatch:
             if isinstance(p, RowMask):
                 p.feed(first)
         return Started(first, "stop" if first in self._eos else None, cache, logprobs.reshape(-1))
+
+    def start_many(self, prompts: list[list[int]], samplers: list[Callable[[Any], Any] | None]) -> list[Started]:
+        # One prompt batch of mlx-lm's (the generator's own prefill: right-padded, each row's cache its own once
+        # finalized), then each row's last token in one pass, its first token sampled from its own logits.
+        if not self._starts_together:
+            return [self.start(p, sampler, []) for p, sampler in zip(prompts, samplers)]
+        rows = PromptProcessingBatch(self._model, list(range(len(prompts))), [make_cache(self._model, None)
+                                     for _ in prompts], prefill_step_size=self._prefill_step)
+        with mx.stream(self._stream):
+            rows.prompt([p[:-1] for p in prompts])
+            logits = self._model(mx.array([p[-1:] for p in prompts]), cache=rows.prompt_cache)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            tokens = [(sampler or greedy_sampler)(logprobs[i:i + 1]) for i, sampler in enumerate(samplers)]
+            caches = [rows.extract_cache(i) for i in range(len(prompts))]
+            mx.eval(tokens, [c.state for cache in caches for c in cache])
+        firsts = [int(t.reshape(-1)[0].item()) for t in tokens]  # type: ignore[arg-type]  # integer arrays
+        return [Started(first, "stop" if first in self._eos else None, cache, logprobs[i])
+                for i, (first, cache) in enumerate(zip(firsts, caches))]
 
     def _row_cache(self, cache: list[Any] | None) -> list[Any] | None:
         """A row's cache as the generator takes it: with quantization, one made here when none is given (mlx-lm's

@@ -76,7 +76,7 @@ class ToyBatch:
     rows: dict[int, _Row] = field(default_factory=dict)
     inserted: list[dict[str, Any]] = field(default_factory=list)
     started: list[dict[str, Any]] = field(default_factory=list)  # start() calls
-    calls: list[str] = field(default_factory=list)  # "start" and "take" (take_caches), in order
+    calls: list[str] = field(default_factory=list)  # "start", "start_many <n>" and "take" (take_caches), in order
     steps: int = 0
     next_uid: int = 100
     checkpoints: list[SequenceCache] = field(default_factory=list)
@@ -112,6 +112,10 @@ class ToyBatch:
         self.calls.append("start")
         tokens = before + list(prompt)
         return Started(toy_next(tokens), None, [ToyCache(len(tokens), self.trimmable)])
+
+    def start_many(self, prompts: list[list[int]], samplers: list[Any]) -> list[Started]:
+        self.calls.append(f"start_many {len(prompts)}")
+        return [self.start(p, s, []) for p, s in zip(prompts, samplers)]
 
     def remove(self, uids: Iterable[int]) -> None:
         for uid in uids:

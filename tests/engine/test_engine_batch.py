@@ -149,6 +149,34 @@ def test_a_request_started_at_once_generates_what_it_would_have_in_the_batch(lm:
         assert urgent.tokens("r") == reference(lm, prompt, 30)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=20), SamplingParams(max_tokens=20, temperature=0.9,
+                                                                                   seed=7)], ids=["greedy", "seeded"])
+def test_requests_started_at_once_in_one_step_are_prefilled_together_each_as_it_would_be_alone(
+        lm: Any, stream: mx.Stream, params: SamplingParams) -> None:
+    # Ragged prompts (one spans three prefill chunks, one is two tokens) in one prompt batch: each one's tokens are
+    # those it makes started at once alone (for greedy decoding, mlx-lm's single-request tokens).
+    tokenizer = lm[1]
+    prompts = [words(tokenizer, n, seed) for n, seed in ((40, 2), (5, 1), (2, 4))]
+    together: dict[str, list[int]] = {}
+    alone: dict[str, list[int]] = {}
+    for tokens, batch in ((together, list(enumerate(prompts))), *((alone, [ip]) for ip in enumerate(prompts))):
+        s, run = _sampling_scheduler(lm, stream), Run()
+        s.add(EngineRequest("bg", words(tokenizer, 10, 2), SamplingParams(max_tokens=60)))
+        drive(s, run, stream, until=lambda run=run: len(run.tokens("bg")) >= 3)
+        for i, p in batch:
+            s.add(EngineRequest(f"r{i}", p, params, priority=1))
+        with mx.stream(stream):
+            run.step(s)
+        assert all(run.tokens(f"r{i}") for i, _ in batch)  # every first token out in one step
+        drive(s, run, stream)
+        assert s.stats.started_at_once == len(batch)
+        tokens.update((f"r{i}", run.tokens(f"r{i}")) for i, _ in batch)
+    for i, p in enumerate(prompts):
+        assert together[f"r{i}"] == alone[f"r{i}"] and len(together[f"r{i}"]) == 20
+        if params.greedy:
+            assert together[f"r{i}"] == reference(lm, p, 20)
+
+
 def test_a_request_started_at_once_starts_from_a_cached_prefix(lm: Any, stream: mx.Stream) -> None:
     from mlxq.engine.mlx.prefix.cache import PrefixCache
 

@@ -95,3 +95,84 @@ def test_a_bulk_request_preempts_nobody_not_even_for_its_groups_share() -> None:
     run.drain(s)
     assert_exact(run, [*rows, late])
     assert run.started_order == ["a0", "a1", "b0"]
+
+
+def test_beside_an_interactive_row_a_step_admits_one_bulk_request() -> None:
+    # Each bulk prompt joining is a prefill in the next steps: one a step keeps every step short for the
+    # interactive rows (and for an interactive request arriving meanwhile).
+    s = scheduler(ToyBatch(), capacity=6, clock=Clock(10.0))
+    run = Run()
+    chat = req("chat", [1], max_tokens=12, arrival=1.0)
+    s.add(chat)
+    run.step(s)
+    rows = [bulk(f"b{i}", [2 + i], max_tokens=6, arrival=2.0 + i) for i in range(3)]
+    for r in rows:
+        s.add(r)
+    for n in (1, 2, 3):
+        run.step(s)
+        assert s.num_running_bulk == n and len(waiting(s)) == 3 - n
+    run.drain(s)
+    assert_exact(run, [chat, *rows])
+
+
+def test_bulk_requests_alone_join_as_they_come() -> None:
+    s = scheduler(ToyBatch(), capacity=4)
+    run = Run()
+    rows = [bulk(f"b{i}", [1 + i], max_tokens=5, arrival=1.0 + i) for i in range(4)]
+    for r in rows:
+        s.add(r)
+    run.step(s)
+    assert s.num_running_bulk == 4 and not waiting(s)  # no interactive row to keep steps short for
+    run.drain(s)
+    assert_exact(run, rows)
+
+
+def test_a_step_that_admits_an_interactive_request_admits_no_bulk_one() -> None:
+    # Nothing runs, so the interactive request joins the batch as usual: its prefill goes without a bulk prompt.
+    s = scheduler(ToyBatch(), capacity=4)
+    run = Run()
+    rows = [bulk("b0", [1, 2], max_tokens=4, arrival=1.0), req("chat", [3], max_tokens=4, arrival=2.0)]
+    for r in rows:
+        s.add(r)
+    run.step(s)
+    assert run.started_order == ["chat"] and waiting(s) == ["b0"]
+    run.step(s)
+    assert run.started_order == ["chat", "b0"]
+    run.drain(s)
+    assert_exact(run, rows)
+
+
+def test_requests_starting_at_once_in_one_step_are_prefilled_together() -> None:
+    # Streams send their next jobs together: prefilled one by one, the last one's first token would wait for
+    # every other one's prefill; in one batch, every first token goes out with the step.
+    batch = ToyBatch()
+    s = scheduler(batch, capacity=6, clock=Clock(10.0))
+    run = Run()
+    row = bulk("b0", [1, 2], max_tokens=10, arrival=1.0)
+    s.add(row)
+    run.step(s)
+    chats = [req(f"c{i}", [3 + i, 1], max_tokens=3, arrival=5.0 + i) for i in range(3)]
+    for c in chats:
+        s.add(c)
+    run.step(s)
+    assert all(run.tokens(c.rid) == toy_generate(c.prompt_tokens, 1) for c in chats)
+    assert batch.calls == ["start_many 3", "start", "start", "start"] and s.stats.started_at_once == 3
+    assert batch.steps == 1  # no decode step in between: their first tokens came from the prefill
+    late = req("late", [9, 1], max_tokens=3, arrival=9.0)  # alone in its step: prefilled alone
+    s.add(late)
+    run.step(s)
+    assert batch.calls[-1] == "start" and run.tokens("late") == toy_generate([9, 1], 1)
+    run.drain(s)
+    assert_exact(run, [row, *chats, late])
+
+
+def test_bulk_requests_waiting_to_join_leave_a_full_engine_outranked() -> None:
+    # An interactive job may still be claimed for an engine full of bulk rows with more bulk requests waiting:
+    # it goes before them, and takes a bulk row's place.
+    s = scheduler(ToyBatch(), capacity=2)
+    run = Run()
+    for i in range(4):
+        s.add(bulk(f"b{i}", [1 + i], max_tokens=6, arrival=1.0 + i))
+    run.step(s)
+    assert waiting(s) == ["b2", "b3"]
+    assert (s.room.outranked, s.room.outranked_rows, s.room.admissible) == (BULK, 2, 0)

@@ -156,3 +156,21 @@ def test_no_rate_keeps_the_interval() -> None:
     clock.now += 0.011
     assert len(pacer.push([token(r, 1, 2) for r in rids])) == 200
     assert pacer.interval() == 0.010
+
+
+def test_a_bulk_requests_outputs_wait_for_its_end_or_the_bulk_interval_first_token_included() -> None:
+    clock = Clock()
+    pacer = Pacer(0.010, clock, bulk_interval_s=1.0)
+    pacer.hold("bulk")
+    assert pacer.push([RequestOutput("bulk", started=True, prompt_tokens=4), token("bulk", 1, 1)]) == []
+    (chat,) = pacer.push([token("chat", 5, 1)])  # an interactive request's first token: out at once
+    assert chat.rid == "chat"
+    clock.now += 0.020  # the interval's send: the interactive request's tokens, not the bulk one's
+    assert [o.rid for o in pacer.push([token("bulk", 2, 2), token("chat", 6, 2)])] == ["chat"]
+    clock.now += 1.0  # the bulk interval's send: everything
+    due = pacer.push([token("bulk", 3, 3)])
+    assert [(o.rid, o.token_ids, o.started) for o in due] == [("bulk", [1, 2, 3], True)]
+    end = RequestOutput("bulk", [4], "4", completion_tokens=4, finish=FinishReason.LENGTH)
+    (done,) = pacer.push([end])  # its end: at once
+    assert (done.token_ids, done.finish) == ([4], FinishReason.LENGTH)
+    assert pacer.push([token("bulk", 9, 1)]) != []  # its id is forgotten with its end: a new request's streams

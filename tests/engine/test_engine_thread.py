@@ -461,3 +461,42 @@ def test_the_streams_kernel_thread_runs_under_sched_batch() -> None:
     finally:
         batched.shutdown()
         plain.shutdown()
+
+
+async def test_beside_bulk_rows_no_step_starts_while_an_announced_interactive_request_is_on_its_way() -> None:
+    # Claimed and being prepared, it would start at once: a step begun meanwhile would hold back its first token.
+    # The window moves only when the test says, so the engine waits for it however slow the machine.
+    engine, backend, _, outputs = make_engine(delay=0.001, clock=ManualClock())
+    try:
+        engine.add(EngineRequest("bulk", [1, 2, 3], SamplingParams(max_tokens=10_000), priority=-101, bulk=True))
+        while backend.steps < 3:
+            await asyncio.sleep(0.002)
+        engine.expect(1, within_s=0.5, interactive=1)
+        await waiting_for_arrivals(engine)
+        held = backend.steps
+        await asyncio.sleep(0.05)  # (time it would step in, if it did not wait)
+        assert backend.steps == held
+        engine.add(request("chat", max_tokens=3))
+        await outputs.wait_finished(["chat"])
+        assert backend.inserted_at_step == [0, held]  # in at the step held for it, before any more decoding
+    finally:
+        engine.abort("bulk")
+        await engine.aclose()
+
+
+async def test_an_engine_says_when_a_step_leaves_it_more_room_than_before() -> None:
+    # (So a worker whose last claim left jobs queued claims again then, not at its next job's end.)
+    clock = ManualClock()
+    engine, backend, _, outputs = make_engine(delay=0.001, capacity=2, clock=clock)
+    rooms: list[int] = []
+    engine.on_claimable = lambda: rooms.append(engine.claim_capacity())  # on its thread, right after a step
+    try:
+        engine.expect(2, within_s=0.5)  # both join in its first step
+        engine.add(request("a", max_tokens=3))
+        engine.add(request("b", max_tokens=6))
+        await waiting_for_arrivals(engine)
+        clock.advance(0.5)
+        await outputs.wait_finished(["a", "b"])
+        assert rooms == [0, 1, 2]  # full (a job of higher priority would outrank), then a's slot, then b's
+    finally:
+        await engine.aclose()

@@ -100,3 +100,19 @@ async def test_the_lua_band_of_a_name_is_keys_model_band(r: aredis.Redis, name: 
     probe = "--#include queues\nlocal m, b = band_of(name)\nreturn {m, b and 1 or 0}\n"
     m, b = await compose("probe", probe, Layout(args=("name",))).run(r, {}, {"name": name})
     assert (m.decode(), bool(b)) == model_band(name)
+
+
+async def test_a_claim_says_whether_the_jobs_it_left_queued_are_interactive_ones(client: Client,
+                                                                                r: aredis.Redis) -> None:
+    # A worker claims again for queued interactive jobs as soon as an engine has room (worker/host.py); bulk jobs
+    # left queued wait for a job's end, as ever.
+    t = Transitions(r, KEYS, "w1", LogTTL(), lease_ttl_s=30.0, affinity_wait_ms=-1)
+    quotas = {KEYS.queue(MODEL): 1, KEYS.queue(MODEL, bulk=True): 1}
+    inter = [await submit(client) for _ in range(2)]
+    await submit(client, bulk=True)
+    due = await t.claim(quotas, 1)
+    assert [e.rid for e in due.entries] == inter[:1] and due.left and due.left_interactive
+    due = await t.claim(quotas, 1)
+    assert [e.rid for e in due.entries] == inter[1:] and due.left and not due.left_interactive  # a bulk job
+    due = await t.claim(quotas, 1)
+    assert len(due.entries) == 1 and not due.left and not due.left_interactive

@@ -14,7 +14,7 @@
 -- what a tenant must be for a full engine to take its job (share.lua): from such a queue only tenants below their
 -- share there are read as usual (the others by priority if the queue has a priority need, or not at all).
 -- A model's bulk band (bulk.lua: its own queues, read after its interactive ones) takes only what they leave.
--- Returns {epoch, left 0|1, {id, queue, "started", score, job, try, last event or false, cancelled 0|1,
+-- Returns {epoch, left 0|1|2 (2: an interactive job among those left, not only bulk jobs), {id, queue, "started", score, job, try, last event or false, cancelled 0|1,
 -- affinity "holder" | "elsewhere" | "none" | "" | "?" (nobody advertises: "none" if the job has a key), tenant} |
 -- {id, queue, "deferred" | "gone" | "poison", tenant}, ...}.
 -- Its cost with one tenant and no advertiser, beyond the jobs' own reads and writes: the backlog, the model's
@@ -29,6 +29,9 @@ if not epoch then epoch = new_epoch end
 redis.call('SET', epoch_key, epoch, 'EX', EPOCH_TTL_S)
 local now, most, limit = tonumber(now_ms), tonumber(most_jobs), tonumber(read_limit)
 local left = 0
+local function leave(m)  -- due jobs of model queue m left queued: 2 if they are interactive ones (bulk.lua)
+  left = math.max(left, m.bulk and 1 or 2)
+end
 local function is_job_id(id)  -- what a producer makes; anything else in a queue is poison
   return #id <= 64 and string.match(id, '^[%w_.:%-]+$') ~= nil
 end
@@ -68,7 +71,7 @@ for q, queue_key in ipairs(model_queues) do
     local key = queue_of(P, model, t)
     if quota <= 0 or capped(t) or (fs and not below(fs, t) and row.outrank == '') then
       -- no quota, capped, or at or above its share in a full engine
-      if redis.call('ZCOUNT', key, '-inf', now) > 0 then left = 1 else gone(t, key) end
+      if redis.call('ZCOUNT', key, '-inf', now) > 0 then leave(m) else gone(t, key) end
     else
       local entries, more = {}, false
       if need and not (fs and below(fs, t)) then
@@ -82,7 +85,7 @@ for q, queue_key in ipairs(model_queues) do
         more = #raw >= 2 * n
         for i = 1, #raw, 2 do entries[#entries + 1] = {raw[i], tonumber(raw[i + 1])} end
       end
-      if more then left = 1; m.more = true end
+      if more then leave(m); m.more = true end
       if #entries > 0 then
         local acct = t == DEFAULT_TENANT and m.default or redis.call('HMGET', m.share, t, t .. ':r', t .. ':a')
         m.tenants[#m.tenants + 1] = {t = t, key = key, entries = entries, pos = 1, vt = tonumber(acct[1]) or 0,
@@ -167,7 +170,7 @@ end
 local counted = false
 for _, m in ipairs(models) do  -- due jobs left behind: for lack of quota, a cap, the read limit, or affinity
   for _, s in ipairs(m.tenants) do
-    if s.pos <= #s.entries then left = 1 end
+    if s.pos <= #s.entries then leave(m) end
     if #s.ids > 0 then  -- its started jobs: running (counted once each: a job already listed is not again)
       local new = each('HSET', running_key, s.rows)
       each('ZREM', s.key, s.ids)
