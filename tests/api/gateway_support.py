@@ -99,6 +99,20 @@ def deployment(model: Path, workdir: Path, **worker_env: str) -> Iterator[tuple[
         d.close()
 
 
+@contextlib.contextmanager
+def embed_and_chat(embed_model: Path, chat_model: Path, workdir: Path) -> Iterator[tuple[Deployment, ServedGateway]]:
+    """Two workers (``embed`` serving an embedding model, ``chat`` a chat model) and one gateway in front."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    d = Deployment(embed_model, workdir)
+    try:
+        d.worker("embed")
+        d.worker("chat", MLXQ_MODEL=str(chat_model))
+        with d.gateway() as served:
+            yield d, served
+    finally:
+        d.close()
+
+
 async def post(url: str, path: str, body: Any, **kwargs: Any) -> httpx.Response:
     """One request with a plain HTTP client (what the SDKs would not send)."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:

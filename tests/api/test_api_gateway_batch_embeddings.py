@@ -25,7 +25,7 @@ import redis.asyncio as aredis
 from mlxq.api.client import Client
 from mlxq.api.errors import BadRequest
 from mlxq.api.protocol.keys import Keys
-from tests.api.gateway_support import PREFIX, Deployment, ServedGateway
+from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, embed_and_chat
 
 pytestmark = pytest.mark.e2e
 
@@ -37,15 +37,8 @@ URL = "/v1/embeddings"
 def served(tiny_embed_model: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[Deployment, ServedGateway]]:
     """Two workers (an embedding model, a chat model) and a gateway that feeds batches."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    d = Deployment(tiny_embed_model, tmp_path_factory.mktemp("gw-batch-embed"))
-    try:
-        d.worker("embed")
-        d.worker("chat", MLXQ_MODEL=str(tiny_model))
-        with d.gateway() as gw:
-            yield d, gw
-    finally:
-        d.close()
+    with embed_and_chat(tiny_embed_model, tiny_model, tmp_path_factory.mktemp("gw-batch-embed")) as served:
+        yield served
 
 
 @pytest.fixture

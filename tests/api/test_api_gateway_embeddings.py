@@ -23,7 +23,7 @@ from mlxq.api.errors import JobFailed
 from mlxq.api.gateway import create_app
 from mlxq.api.schema import ErrorCode
 from mlxq.worker.config import WorkerConfig
-from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, post
+from tests.api.gateway_support import PREFIX, Deployment, ServedGateway, embed_and_chat, post
 from tests.support import start_worker
 
 pytestmark = pytest.mark.e2e
@@ -34,14 +34,8 @@ TEXTS = ["hello world", "a much longer sentence about the queue, its workers and
 @pytest.fixture(scope="module")
 def served(tiny_embed_model: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[Deployment, ServedGateway]]:
-    d = Deployment(tiny_embed_model, tmp_path_factory.mktemp("gw-embed"))
-    try:
-        d.worker("embed")
-        d.worker("chat", MLXQ_MODEL=str(tiny_model))
-        with d.gateway() as gw:
-            yield d, gw
-    finally:
-        d.close()
+    with embed_and_chat(tiny_embed_model, tiny_model, tmp_path_factory.mktemp("gw-embed")) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
