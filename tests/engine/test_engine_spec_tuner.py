@@ -321,7 +321,7 @@ def test_speculation_that_stops_paying_is_dropped_within_a_few_blocks() -> None:
     tuner, device = Tuner(4), Device(verify=1.2, a=0.8, buffer=10_000)
     batch = Batch(tuner)
     _, before = simulate(tuner, device, 3000, seed=4, batch=batch)
-    assert sum(1 for k in before[-400:] if k) > 380  # it paid: used
+    assert sum(1 for k in before[-400:] if k) >= 360  # it paid: used (but for looks at plain decoding)
     device.verify = 4.0  # now every verification costs 4 plain steps
     _, after = simulate(tuner, device, 2000, seed=5, batch=batch)
     assert after[24:32].count(0) == 8  # plain decoding within six blocks of four steps

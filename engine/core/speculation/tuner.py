@@ -54,11 +54,10 @@ class Tuner:
     twice as many blocks as the last (up to ``explore * SPREAD``): a draft that sat out plain steps must catch up
     on every token since before it proposes again.
 
-    Noise and one-off costs only ever slow a step (a loaded machine, a graph built for a new shape), so plain
-    decoding's time is the lower quartile of its latest timings, and a k is used only while what its steady steps
-    made, rows joining and leaving included, is at least what plain decoding would have made in their time (a k
-    whose timed steps pay while the steps around joins cost more is dropped at the next block). Which steps are
-    timed samples is :class:`~engine.core.speculation.timing.StepTimer`'s to say."""
+    A k is used only while what its steady steps made, those in which rows joined or left included, is at least
+    what plain decoding would have made in their time: a k whose timed steps pay while the steps around joins
+    cost more is dropped at the next block. Which steps are timed samples (not the first steps of a new shape,
+    which build graphs on CUDA) is :class:`~engine.core.speculation.timing.StepTimer`'s to say."""
 
     TRIES = 3  # timings of each k before the best is trusted
     KEEP = 4  # the latest timings of each k near a row count: their median is its step time (one slow step
@@ -176,18 +175,19 @@ class Tuner:
         return per_row
 
     def _plain(self, size: int, rows: int) -> float:
-        """Plain decoding's time per row at about ``rows``: the lower quartile of its latest timings (noise and
-        one-off costs only slow a step), those nearest in rows where none is near (0: none)."""
-        plain = self._nearest(size, 0, rows, 2 * self.KEEP) or self._ranked(size, 0, rows)
-        return sorted(plain)[len(plain) // 4] if plain else 0.0
+        """Plain decoding's time per row at about ``rows`` lately, those nearest in rows where none is near (0:
+        none). The median, as a k's: a machine slowed by other work slows both alike, so what a k costs in plain
+        steps holds, and what speculation spent is weighed against what plain decoding spends as it runs."""
+        plain = self._nearest(size, 0, rows) or self._ranked(size, 0, rows)
+        return statistics.median(plain) if plain else 0.0
 
-    def _nearest(self, size: int, k: int, rows: int, keep: int = 0) -> list[float]:
-        """Timings of ``k``: plain decoding's latest ``keep`` (``KEEP``) at about ``rows`` rows (within an eighth,
-        or one); a proposing k's the ``KEEP`` taken nearest ``rows`` (timing one again costs the draft a catch-up)."""
+    def _nearest(self, size: int, k: int, rows: int) -> list[float]:
+        """Timings of ``k``: plain decoding's the latest at about ``rows`` rows (within an eighth, or one); a
+        proposing k's the ``KEEP`` taken nearest ``rows`` (timing one again costs the draft a catch-up)."""
         if k:
             return self._ranked(size, k, rows)
         samples = self._seconds.get((size, k), ())
-        return [t for r, t in samples if abs(r - rows) <= max(1, rows // 8)][-(keep or self.KEEP):]
+        return [t for r, t in samples if abs(r - rows) <= max(1, rows // 8)][-self.KEEP:]
 
     def _ranked(self, size: int, k: int, rows: int) -> list[float]:
         """The ``KEEP`` timings of ``k`` taken nearest ``rows`` rows, the latest first among equals."""
