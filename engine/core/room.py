@@ -43,7 +43,7 @@ class Room:
         at once past them: ``Scheduler._below_share``)."""
         # (a bulk request waiting is behind any new one, and takes no share's place: it closes neither)
         unstarted = Counter(s.req.group for s in waiting if not s.admitted and not s.req.bulk)
-        paused = len(waiting) - sum(unstarted.values())
+        paused = sum(1 for s in waiting if s.admitted)
         groups = shares.snapshot(unstarted) if shares is not None and running else ()
         if running and not unstarted:
             lowest = min(running)

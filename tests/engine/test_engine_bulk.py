@@ -175,4 +175,4 @@ def test_bulk_requests_waiting_to_join_leave_a_full_engine_outranked() -> None:
         s.add(bulk(f"b{i}", [1 + i], max_tokens=6, arrival=1.0 + i))
     run.step(s)
     assert waiting(s) == ["b2", "b3"]
-    assert (s.room.outranked, s.room.outranked_rows, s.room.admissible) == (BULK, 2, 0)
+    assert (s.room.outranked, s.room.outranked_rows, s.room.admissible, s.room.paused) == (BULK, 2, 0, 0)
