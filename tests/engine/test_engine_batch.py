@@ -15,7 +15,7 @@ from mlxq.engine.core.scheduler import Scheduler
 from mlxq.engine.mlx.batch import MLXBatch
 from mlxq.engine.mlx.memory import measure_layout
 from tests.engine.fakes import Run
-from tests.engine.real import drive
+from tests.engine.real import drive, still
 from tests.support import reference, reference_text
 
 pytestmark = pytest.mark.unit
@@ -39,7 +39,8 @@ def make(lm: Any, stream: mx.Stream, capacity: int, *, caches: bool = True, pref
     batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=capacity, prefill_batch_size=8,
                      prefill_step_size=prefill_step, stream=stream, caches=caches)
     memory = KVBudget(headroom, measure_layout(model)) if headroom is not None else None
-    return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer, memory=memory)
+    return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer, memory=memory,
+                     clock=still)
 
 
 
@@ -121,7 +122,7 @@ def _sampling_scheduler(lm: Any, stream: mx.Stream, prefix: Any = None) -> Sched
     batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=4, prefill_batch_size=8, prefill_step_size=16,
                      stream=stream)
     return Scheduler(batch, capacity=4, new_detokenizer=lambda: tokenizer.detokenizer, prefix_cache=prefix,
-                     make_sampler=make_request_sampler, make_processors=make_request_logits_processors)
+                     make_sampler=make_request_sampler, make_processors=make_request_logits_processors, clock=still)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=30),

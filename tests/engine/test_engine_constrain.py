@@ -27,7 +27,7 @@ from mlxq.engine.mlx.constrain import (
     vocab_size,
 )
 from tests.engine.fakes import Run
-from tests.engine.real import drive
+from tests.engine.real import drive, still
 
 pytestmark = pytest.mark.unit
 
@@ -93,7 +93,7 @@ def scheduler(lm: Any, stream: mx.Stream, capacity: int = 8) -> Scheduler:
     model, tokenizer = lm
     batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=capacity, prefill_batch_size=8, prefill_step_size=64,
                      stream=stream)
-    return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer)
+    return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer, clock=still)
 
 
 def request(lm: Any, rid: str, grammar: Grammar | None, max_tokens: int = 160, seed: int = 0,

@@ -21,7 +21,7 @@ from mlxq.engine.mlx.loader import EngineOptions, load_model
 from mlxq.engine.mlx.prefix.cache import PrefixCache
 from mlxq.worker.tools.tinymodel import FAMILIES, ensure_model
 from tests.engine.fakes import Run
-from tests.engine.real import Outputs, drive, from_disk, on_disk, preempt_for_high, words
+from tests.engine.real import Outputs, drive, from_disk, on_disk, preempt_for_high, still, words
 from tests.support import reference, reference_text
 
 pytestmark = pytest.mark.unit
@@ -82,7 +82,8 @@ def scheduler(ours: Any, stream: mx.Stream, capacity: int = 4, prefix: PrefixCac
     model, tokenizer = ours
     batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=capacity, prefill_batch_size=8,
                      prefill_step_size=PREFILL_STEP, stream=stream)
-    return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer, prefix_cache=prefix)
+    return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer, prefix_cache=prefix,
+                     clock=still)
 
 
 

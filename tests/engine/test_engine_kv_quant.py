@@ -36,7 +36,7 @@ from mlxq.engine.mlx.prefix.directory import layout_key
 from mlxq.engine.mlx.quantized_cache import KVQuant, QuantizedRowCache, check_model
 from mlxq.worker.tools.tinymodel import FAMILIES, SIZES, ensure_model
 from tests.engine.fakes import Run
-from tests.engine.real import Outputs, from_disk, on_disk, preempt_for_high, words
+from tests.engine.real import Outputs, from_disk, on_disk, preempt_for_high, still, words
 from tests.support import reference
 
 pytestmark = pytest.mark.unit
@@ -93,7 +93,8 @@ def scheduler(ours: Any, stream: mx.Stream, quant: KVQuant, capacity: int = 4,
     model, tokenizer = ours
     batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=capacity, prefill_batch_size=8,
                      prefill_step_size=PREFILL_STEP, stream=stream, kv_quant=quant)
-    return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer, prefix_cache=prefix)
+    return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer, prefix_cache=prefix,
+                     clock=still)
 
 
 def drive(s: Scheduler, run: Run, stream: mx.Stream, until: Any = None) -> None:

@@ -18,7 +18,7 @@ from mlxq.engine.mlx.batch import MLXBatch
 from mlxq.engine.mlx.memory import measure_layout
 from mlxq.engine.mlx.prefix.cache import PrefixCache
 from tests.engine.fakes import Run, ToyCache
-from tests.engine.real import drive
+from tests.engine.real import drive, still
 from tests.support import reference
 
 pytestmark = pytest.mark.unit
@@ -42,7 +42,8 @@ def make(lm: Any, stream: mx.Stream, prefix: PrefixCache | None, capacity: int =
     model, tokenizer = lm
     batch = MLXBatch(model, tokenizer.eos_token_ids, capacity=capacity, prefill_batch_size=8, prefill_step_size=64,
                      stream=stream)
-    return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer, prefix_cache=prefix)
+    return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer, prefix_cache=prefix,
+                     clock=still)
 
 
 

@@ -25,6 +25,7 @@ from mlxq.engine.mlx.sampling import make_request_logits_processors, make_reques
 from mlxq.engine.mlx.speculation.batch import Proposer
 from mlxq.engine.mlx.speculation.proposers import DraftModel, PromptLookup, _Lookup
 from tests.engine.fakes import Run
+from tests.engine.real import still
 from tests.support import reference
 
 # Tiers: unit, but for the long fully loaded run (slow); tests/conftest.py marks each.
@@ -67,7 +68,7 @@ def make(target: Any, proposer: Proposer | None, stream: mx.Stream, *, capacity:
                      stream=stream, proposer=proposer, stats=stats)
     return Scheduler(batch, capacity=capacity, new_detokenizer=lambda: tokenizer.detokenizer,
                      make_sampler=make_request_sampler, make_processors=make_request_logits_processors,
-                     prefix_cache=prefix, stats=stats), stats
+                     prefix_cache=prefix, stats=stats, clock=still), stats
 
 
 def drain(s: Scheduler, run: Run, stream: mx.Stream) -> None:
