@@ -51,6 +51,13 @@ def _installed(*names: str) -> bool:
     return all(importlib.util.find_spec(name) is not None for name in names)
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``'s processes: one more than the cores, at least three, at most eight. Most tests wait on worker
+    processes and Redis (a serial run keeps about 1.3 of 2 cores busy), and a file runs whole in one process
+    (``--dist loadfile``: its module fixtures, the models it loads, load once)."""
+    return min(8, max(3, (os.cpu_count() or 1) + 1))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     no_worker = None if _installed("mlx_lm", "arq") else pytest.mark.skip(
         reason="needs the worker extra (MLX, mlx-lm, arq)")
