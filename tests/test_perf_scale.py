@@ -16,7 +16,7 @@ from tests.perf import scale
 from tests.perf.simworker import SimBatch
 from tests.support import quick_run_fixtures
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # a research run, however short
 
 quick_run, results = quick_run_fixtures(
     lambda out: scale.main(["--out", str(out), "--quick", "--levels", "2", "--window", "1", "--enqueue-jobs", "50"]))

@@ -256,6 +256,7 @@ async def test_a_batch_past_its_window_expires(served: tuple[Deployment, ServedG
         await oai.close()
 
 
+@pytest.mark.slow  # a fault or a whole program: out of the everyday run
 async def test_a_batch_survives_a_gateway_and_a_worker_killed_mid_batch(
         oai: openai.AsyncOpenAI, served: tuple[Deployment, ServedGateway], queue: Client) -> None:
     d, _ = served

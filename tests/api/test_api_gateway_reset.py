@@ -42,6 +42,7 @@ async def events_of(queue: Client, rid: str) -> list[Event]:
     return [ev async for ev in queue.events(rid, timeout=60)]
 
 
+@pytest.mark.slow  # a fault or a whole program: out of the everyday run
 async def test_a_reset_mid_stream_continues_greedy_text_and_ends_sampled_text_with_an_error(
         served: tuple[Deployment, ServedGateway], queue: Client) -> None:
     d, gw = served

@@ -181,6 +181,7 @@ async def ready(procs: dict[str, WorkerProcess]) -> dict[str, str]:
     return ids
 
 
+@pytest.mark.slow  # a fault or a whole program: out of the everyday run
 @pytest.mark.parametrize("how", ["sigkill", "sigstop"])
 async def test_a_killed_or_frozen_holder_leaves_the_next_turn_to_the_other_worker(
         redis_url: str, tiny_model: Path, tmp_path: Path, client: Client, how: str) -> None:

@@ -191,11 +191,12 @@ async def test_two_engines_generating_at_once_match_each_model_alone_on_their_ow
                                      for m, p, n in jobs))
     assert_evaluated_only_on(list(evals), threads)  # from loading on (the references below evaluate here)
     assert overlapped(steps["tiny"], steps["small"]), "the two engines never stepped at the same time"
+    # Read before the references below, which hold this loop (and the in-process worker's heartbeat) a while.
+    (status,) = await client.workers()
+    assert [(m.name, m.state) for m in status.models] == [("tiny", ModelState.SERVING), ("small", ModelState.SERVING)]
     for (model, prompt, n), result in zip(jobs, results):
         model_, tokenizer = references[model]
         assert result.token_ids == reference(references[model], encode_prompt(tokenizer, prompt, None), n), model
-    (status,) = await client.workers()
-    assert [(m.name, m.state) for m in status.models] == [("tiny", ModelState.SERVING), ("small", ModelState.SERVING)]
 
 
 async def test_a_vision_engine_beside_a_text_engine_evaluates_only_on_its_own_thread(
@@ -278,6 +279,7 @@ cli.main(["mlxq.worker.Settings"])
 """
 
 
+@pytest.mark.slow  # a fault or a whole program: out of the everyday run
 async def test_the_process_exits_70_for_its_supervisor_once_every_engine_is_dead(redis_url: str, tiny_model: Path,
                                                                                  tmp_path: Path) -> None:
     import os

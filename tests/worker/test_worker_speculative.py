@@ -67,6 +67,7 @@ async def test_jobs_on_a_speculating_worker_equal_plain_greedy_decoding(mode: st
     assert _speculation(status).startswith(f"{mode} ") and " k=" in _speculation(status)
 
 
+@pytest.mark.slow  # a fault or a whole program: out of the everyday run
 def test_a_draft_that_cannot_serve_its_target_is_one_line_and_exit_78(pair: tuple[Path, Path], small_model: Path,
                                                                        tmp_path: Path, redis_url: str) -> None:
     other = small_model  # another vocabulary

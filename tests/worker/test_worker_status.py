@@ -102,6 +102,7 @@ async def test_a_workers_health_record_and_the_status_report_show_what_it_does(
     assert "UPTIME" in next(ln for ln in lines if ln.startswith("WORKER "))
 
 
+@pytest.mark.slow  # a fault or a whole program: out of the everyday run
 def test_status_of_a_worker_process_shows_its_numbers_and_watch_refreshes_in_place(
         arq_worker: WorkerProcess, redis_url: str, tiny_model: Path) -> None:  # noqa: F811
     model = str(tiny_model)
