@@ -256,7 +256,7 @@ class Scheduler:
         first tokens are out), bulk ones as many as ``bulk.py`` lets a step take; how many started at once."""
         self._bulk.start(len(self._running) > self._running.bulk)
         if self._cache.starts_at_once:  # those starting at once in this step, prefilled together
-            free = self.capacity - len(self._running)
+            free = self.capacity - len(self._running) + self._running.bulk  # (a bulk row yields its slot at once)
             self._cache.prestart([self._equip(s) for s in together(self._waiting, self._running, self._shares, free)])
         at_once = 0
         while self._waiting:
@@ -275,7 +275,8 @@ class Scheduler:
                     elif not drop_parked_caches(seq, self._waiting, self.kv, self.kv.unpark):
                         break
             urgent = self._cache.starts_at_once and starts_at_once(seq, plan, self._running, self._shares)
-            if plan is not None and not (urgent and self.kv.fits(seq, slots=False)):
+            alone = self._cache.prestarted <= 1  # no other request starts at once beside it in this step
+            if plan is not None and not (urgent and alone and self.kv.fits(seq, slots=False)):
                 self._preempt(plan)
                 plan = None
             self._take(seq.rid)  # not pop(): a preempted sequence may share its key

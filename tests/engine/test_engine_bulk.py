@@ -166,6 +166,29 @@ def test_requests_starting_at_once_in_one_step_are_prefilled_together() -> None:
     assert_exact(run, [row, *chats, late])
 
 
+def test_interactive_requests_arriving_together_at_an_engine_full_of_bulk_rows_all_start_in_one_step() -> None:
+    # A batch fills every slot; streams' jobs come together: each takes a bulk row's place in the same step (one a
+    # step, the last one's first token waited a step for each before it).
+    batch = ToyBatch()
+    s = scheduler(batch, capacity=4, clock=Clock(10.0))
+    run = Run()
+    rows = [bulk(f"b{i}", [1, 2 + i], max_tokens=12, arrival=1.0 + i) for i in range(4)]
+    for r in rows:
+        s.add(r)
+    run.step(s, 2)
+    chats = [req(f"c{i}", [5 + i, 1], max_tokens=3, arrival=9.0 + i) for i in range(3)]
+    for c in chats:
+        s.add(c)
+    run.step(s)
+    assert all(run.tokens(c.rid) == toy_generate(c.prompt_tokens, 1) for c in chats)  # every first token out
+    assert s.stats.started_at_once == 3 and "start_many 3" in batch.calls
+    run.step(s)  # (the last one's bulk row leaves at the start of the next step, as a lone request's does)
+    assert s.stats.preemptions == 3 and sorted(waiting(s)) == ["b1", "b2", "b3"]  # the latest ones stepped aside
+    run.drain(s)
+    assert_exact(run, [*rows, *chats])
+    assert (s.stats.resumes, s.stats.recomputes) == (3, 0)
+
+
 def test_bulk_requests_waiting_to_join_leave_a_full_engine_outranked() -> None:
     # An interactive job may still be claimed for an engine full of bulk rows with more bulk requests waiting:
     # it goes before them, and takes a bulk row's place.
