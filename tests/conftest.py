@@ -69,6 +69,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         elif no_vision is not None and _VISION_FIXTURES & uses:
             item.add_marker(no_vision)
         _tier(item, bool(_E2E_FIXTURES & uses))
+    # Files with slow tests first: each file runs whole in one process (``--dist loadfile``), and the longest ones
+    # (minutes, in tests/worker) started last would run on alone after the rest had ended.
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 def _tier(item: pytest.Item, uses_redis: bool) -> None:
