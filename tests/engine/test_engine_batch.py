@@ -264,3 +264,26 @@ def test_a_burst_streams_each_prefill_group_s_first_tokens_in_the_step_after_its
     assert passes[0] <= plain
     for i, p in enumerate(prompts):
         assert run.tokens(f"r{i}") == reference(lm, p, 12), i
+
+
+def test_requests_arriving_together_at_a_batch_full_of_bulk_rows_take_their_places_and_all_resume_exactly(
+        lm: Any, stream: mx.Stream) -> None:
+    # Every slot a bulk row's: the interactive requests start in one step, prefilled together, each bulk row
+    # preempted with its cache parked; every request, bulk ones resumed, makes mlx-lm's single-request tokens.
+    tokenizer = lm[1]
+    s, run = make(lm, stream, capacity=3), Run()
+    bulk = [words(tokenizer, 9 + seed, seed) for seed in range(3)]
+    for i, p in enumerate(bulk):
+        s.add(EngineRequest(f"b{i}", p, SamplingParams(max_tokens=24), priority=-101, bulk=True))
+    drive(s, run, stream, until=lambda: all(len(run.tokens(f"b{i}")) >= 4 for i in range(3)))
+    chats = [words(tokenizer, n, seed) for n, seed in ((14, 5), (3, 6))]
+    for i, p in enumerate(chats):
+        s.add(EngineRequest(f"c{i}", p, SamplingParams(max_tokens=12)))
+    with mx.stream(stream):
+        run.step(s)
+    assert all(run.tokens(f"c{i}") for i in range(2)) and s.stats.started_at_once == 2  # both first tokens out
+    drive(s, run, stream)
+    assert s.stats.preemptions == 2 and s.stats.recomputes == 0
+    expected = [*((f"b{i}", p, 24) for i, p in enumerate(bulk)), *((f"c{i}", p, 12) for i, p in enumerate(chats))]
+    for rid, p, n in expected:
+        assert run.tokens(rid) == reference(lm, p, n), rid
