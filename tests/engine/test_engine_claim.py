@@ -209,6 +209,7 @@ async def test_during_a_step_the_room_counts_what_that_step_admitted() -> None:
     batch = GatedToyBatch()
     engine = Engine(MLXThread("claim-mid-step"), scheduler(batch, capacity=2), sink)
     try:
+        engine.expect(2, within_s=5.0)  # (both in its first step: else it may step as soon as the first is in)
         for rid in ("a1", "a2"):
             engine.add(req(rid, max_tokens=10_000, group="a"))
         await asyncio.to_thread(batch.stepping.wait, 20)  # the step that admitted both is in its batch step
