@@ -19,7 +19,7 @@ from tests.perf import paths, report, runs, suite
 from tests.perf.results import BenchResult
 from tests.support import quick_run_fixtures
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(600)]  # a research run: a bound, not a target
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -67,6 +67,7 @@ def test_each_way_of_restarting_is_judged_by_median_ttfts_and_its_text() -> None
 
 @pytest.mark.slow
 @pytest.mark.e2e
+@pytest.mark.timeout(600)  # a research run, beside the suite's other files: a bound, not a target
 def test_the_quick_run_measures_both_tiers_and_the_index(tmp_path: Path) -> None:
     assert kvdisk.main(["--quick", "--out", str(tmp_path), "--no-reexec"]) == 0
     data = json.loads((tmp_path / "kvdisk.json").read_text())
@@ -92,6 +93,7 @@ def test_the_quick_run_measures_both_tiers_and_the_index(tmp_path: Path) -> None
 
 @pytest.mark.slow
 @pytest.mark.e2e
+@pytest.mark.timeout(600)  # a research run, beside the suite's other files: a bound, not a target
 def test_the_restart_phase_runs_alone(tmp_path: Path) -> None:
     assert kvdisk.main(["--quick", "--phases", "restart", "--out", str(tmp_path), "--no-reexec"]) == 0
     data = json.loads((tmp_path / "kvdisk.json").read_text())
