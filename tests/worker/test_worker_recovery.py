@@ -102,7 +102,7 @@ async def client(redis_url: str) -> AsyncIterator[Client]:
         yield c
 
 
-async def submit_and_follow(client: Client, n: int, max_tokens: int, timeout: float = 90
+async def submit_and_follow(client: Client, n: int, max_tokens: int, timeout: float = _JOBS_S
                             ) -> tuple[list[Follower], asyncio.Future[Any]]:
     rids = [await client.submit(model="small", prompt=f"job {i}: the quick brown fox", max_tokens=max_tokens)
             for i in range(n)]
