@@ -13,14 +13,13 @@ from mlxq.engine.core.scheduler import Scheduler
 from mlxq.engine.core.stats import EngineStats
 from mlxq.engine.mlx.loader import EngineOptions, start_engine
 from mlxq.worker.tools.tinymodel import corpus
-from tests.engine.fakes import Run
+from tests.engine.fakes import Clock, Run
 
+# A scheduler's clock for tests that preempt on a real model: arrival order only. On the wall clock a prefill slowed
+# by a loaded machine ages a running request past a priority level (``aging_s``, a second), and the preemption the
+# test expects does not happen.
+still = Clock(0.0)
 
-def still() -> float:
-    """A scheduler's clock for tests that preempt on a real model: arrival order only. On the wall clock a prefill
-    slowed by a loaded machine ages a running request past a priority level (``aging_s``, a second), and the
-    preemption the test expects does not happen."""
-    return 0.0
 
 def drive(s: Scheduler, run: Run, stream: mx.Stream, until: Any = None, steps: int = 2000) -> None:
     """Step ``s`` on ``stream`` (the MLX thread's part, here in the test's thread) until it has no work left, or
