@@ -557,18 +557,23 @@ async def test_following_an_unknown_job_raises_job_not_found(client: Client) -> 
 
 async def test_one_client_follows_many_jobs_over_one_pubsub_connection(worker: RunningWorker, client: Client,
                                                                        redis_url: str) -> None:
-    slow_steps(worker, 0.01)
+    # Slow enough that no job ends before its follower is in (40 steps of 50 ms), on a loaded host too.
+    slow_steps(worker, 0.05)
     rids = await asyncio.gather(*(client.submit(model="tiny", prompt=p, max_tokens=40) for p in PROMPTS))
     streams = [asyncio.ensure_future(collect(client, rid)) for rid in rids]
     r = aredis.Redis.from_url(redis_url)
     # The worker claims what its batch can start (8); the other jobs wait in Redis, followed all the same.
     await wait_for(lambda: len(worker.host.runs) == min(len(rids), worker.host.config.capacity))
-    numsub = await r.pubsub_numsub(*(f"mlxq:{{{rid}}}:events" for rid in rids))
+    # The followers subscribe as their tasks get to run: poll until every channel has its one follower.
+    channels = [f"mlxq:{{{rid}}}:events" for rid in rids]
+    end = asyncio.get_running_loop().time() + 60
+    while not all(n == 1 for _, n in await r.pubsub_numsub(*channels)):
+        assert asyncio.get_running_loop().time() < end, await r.pubsub_numsub(*channels)
+        await asyncio.sleep(0.01)
     subscribers = [c for c in await r.client_list() if int(c["sub"]) > 0]
     results = await asyncio.gather(*streams)
     await r.aclose()
-    assert all(n == 1 for _, n in numsub)  # every job's channel is followed...
-    # ...over one shared connection, holding them all. The test server's other subscribers (the worker's
+    # Every job's channel is followed over one shared connection, holding them all. The test server's other subscribers (the worker's
     # cancel and queue wake-ups, a connection of an earlier test not yet closed) hold a channel or two.
     followers = [c for c in subscribers if int(c["sub"]) >= len(rids)]
     assert len(followers) == 1 and int(followers[0]["sub"]) == len(rids), subscribers
