@@ -33,10 +33,9 @@ from ..protocol.enqueuer import Command
 from ..protocol.notify import WebhookEntry, unwatch, watching
 from ..responses import ResponseStore, StoredResponse, job_events, response_id_of
 from ..schema import Event, GenerateRequest, new_request_id
-from .dialect import dumps, sse
 from .errors import GatewayError, Kind, Problem, invalid, problem_of
 from .openai_api import openai_error
-from .response_events import JobSteps, ResponseEvents, Step, lost_step, replay
+from .response_events import JobSteps, ResponseEvents, Step, frame, lost_step, replay
 from .response_input import ResponsesRequest, input_items, parse_request, to_ask
 from .sse import EventStream, Last
 
@@ -308,24 +307,30 @@ class Responses:
         done: list[Step] = []
         if source is None:
             source = _stored(record.steps) if record.final is not None else self._steps(record.job_id)
+        opening = _frames(events.opening(), after)
         try:
-            if opening := _frames(events.opening(), after):
+            if events.background and opening:  # its job may wait in the queue: the client hears of it now
                 yield opening
+                opening = b""
+            # Otherwise its job has started (its start came with its first tokens, in one EMIT): the opening goes
+            # out with the next step's events, in one write, as chat's first chunk goes with its first text.
             async for step in source:
                 done.append(step)
-                frames = _frames(events.feed(step), after)
-                if events.ended:
-                    yield Last(frames)
-                elif frames:  # every event at or before starting_after: nothing to send
-                    yield frames
+                frames = opening + _frames(events.feed(step), after)
+                if events.ended or frames:  # else every event is at or before starting_after: nothing to send
+                    opening = b""
+                    yield Last(frames) if events.ended else frames
+            if opening:  # no step had events (none of them after starting_after)
+                yield opening
             if stored:
                 await self._settle(record, events, done)
         except Exception as exc:  # not the client leaving (CancelledError, GeneratorExit): that ends it silently
             problem = problem_of(exc)
             log.warning("response %s: its stream failed: %s", record.id, problem.message)
             events.seq += 1
-            yield Last(_frames([{"type": "error", "sequence_number": events.seq, "code": problem.code,
-                                 "message": problem.message, "param": None}], None))
+            error = {"type": "error", "sequence_number": events.seq, "code": problem.code, "message": problem.message,
+                     "param": None}
+            yield Last(opening + _frames([error], None))
         finally:
             await source.aclose()  # it unsubscribes now
             if owns_job and not events.ended:
@@ -440,7 +445,9 @@ def _int_param(request: Request, name: str) -> int | None:
 
 def _frames(events: list[dict[str, Any]], after: int | None) -> bytes:
     """SSE frames of ``events`` (those after ``after``), joined into one write."""
-    return b"".join(sse(dumps(e), e["type"]) for e in events if after is None or e["sequence_number"] > after)
+    if after is None:
+        return b"".join(map(frame, events))
+    return b"".join(frame(e) for e in events if e["sequence_number"] > after)
 
 
 async def _stored(steps: list[Step]) -> AsyncGenerator[Step, None]:

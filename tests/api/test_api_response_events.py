@@ -149,3 +149,16 @@ def test_a_background_response_is_queued_until_its_job_starts_and_a_failure_ends
     assert events.response["error"] == {"code": "server_error", "message": "boom (engine_error)"}
     _, cancelled, _ = run(Log().add("done", reason=FinishReason.CANCELLED), created)
     assert cancelled.response["status"] == "cancelled" and cancelled.response["output"] == []
+
+
+@pytest.mark.parametrize("text", ["plain", 'a "quoted" \\ back\\slash', "line\nbreak\ttab\x01", "ünïcödé 🙂 \u2028"])
+def test_a_delta_event_is_written_as_json_writes_it(text: str) -> None:
+    from mlxq.api.gateway.dialect import dumps, sse
+    from mlxq.api.gateway.response_events import frame
+
+    log = Log().add("start").add("token", text="", reasoning=text).add("token", text=text).add("done")
+    out, _, _ = run(log)
+    deltas = [(e["type"], e["delta"]) for e in out if e["type"].endswith("_text.delta")]
+    assert deltas == [("response.reasoning_text.delta", text), ("response.output_text.delta", text)]
+    for event in out:  # the hand-written deltas and every other event: the bytes json makes
+        assert frame(event) == sse(dumps(event), event["type"])

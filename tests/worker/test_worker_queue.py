@@ -573,8 +573,9 @@ async def test_one_client_follows_many_jobs_over_one_pubsub_connection(worker: R
     subscribers = [c for c in await r.client_list() if int(c["sub"]) > 0]
     results = await asyncio.gather(*streams)
     await r.aclose()
-    # Every job's channel is followed over one shared connection, holding them all. The test server's other subscribers (the worker's
-    # cancel and queue wake-ups, a connection of an earlier test not yet closed) hold a channel or two.
+    # Every job's channel is followed over one shared connection, holding them all. The test server's other
+    # subscribers (the worker's cancel and queue wake-ups, a connection of an earlier test not yet closed) hold a
+    # channel or two.
     followers = [c for c in subscribers if int(c["sub"]) >= len(rids)]
     assert len(followers) == 1 and int(followers[0]["sub"]) == len(rids), subscribers
     assert all(isinstance(terminal(evs), DoneEvent) for evs in results)
