@@ -43,6 +43,9 @@ from .tenants import DEFAULT_TENANT
 __all__ = ["Follower", "JobView", "Result", "deltas_of", "kept_events", "result_of", "text_of"]
 
 _RESYNC_S = 1.0  # silence after which a reader re-reads the log (covers lost pub/sub messages)
+# A re-read that found nothing new doubles the next wait, up to this: a job waiting in a deep queue (a batch's
+# window of lines, a burst's backlog) is silent by design, and each re-read costs Redis two commands.
+_RESYNC_MAX_S = 8.0
 
 @dataclass(frozen=True, slots=True)
 class Result:
@@ -106,6 +109,7 @@ class Follower:
         fresh = sub is not None  # subscribed before the job was enqueued: nothing to replay yet
         if sub is None:  # each call cut short at the deadline: a Redis that never answers must not hang here
             sub = await failures.attempt(lambda: self.hub().open(self.keys.events(rid)))
+        resync = _RESYNC_S
         try:
             while True:
                 replayed = [] if fresh else await failures.attempt(functools.partial(self._replay, rid, next_seq))
@@ -120,12 +124,18 @@ class Follower:
                     raise JobNotFound(f"job {rid} is unknown, or its events expired (they are kept "
                                       "a few minutes after its end)")
                 fresh = patient = False
+                seen = next_seq
                 for ev in replayed:
                     next_seq = ev.seq + 1
                     yield ev
-                while (live := await self._live(sub, next_seq, deadline, rid)) is not None:
+                if next_seq > seen:
+                    resync = _RESYNC_S
+                while (live := await self._live(sub, next_seq, deadline, rid, resync)) is not None:
                     next_seq += 1
+                    resync = _RESYNC_S  # the job speaks: a silence from here on is worth a look soon
                     yield live
+                if next_seq == seen:
+                    resync = min(_RESYNC_MAX_S, 2 * resync)
         finally:
             await sub.close()
 
@@ -135,12 +145,13 @@ class Follower:
             self._subscriber = Subscriber(self._redis)
         return self._subscriber
 
-    async def _live(self, sub: Subscription, next_seq: int, deadline: float | None, rid: str) -> Event | None:
+    async def _live(self, sub: Subscription, next_seq: int, deadline: float | None, rid: str, resync: float
+                    ) -> Event | None:
         """The next event from the channel, if it is the one due (``next_seq``); None on silence or a gap.
         A coroutine per event, not a generator: one level less for every event to pass through."""
         while True:
             check_deadline(deadline, rid)
-            wait = _RESYNC_S if deadline is None else max(0.0, min(_RESYNC_S, deadline - time.monotonic()))
+            wait = resync if deadline is None else max(0.0, min(resync, deadline - time.monotonic()))
             data = await sub.get(wait)
             if data is None:
                 check_deadline(deadline, rid)

@@ -7,6 +7,8 @@ Redis is fakeredis; a fake worker writes events the way ``worker/jobs/table.py``
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -276,6 +278,35 @@ async def test_lost_terminal_event_recovered_after_silence(
 
     got = await asyncio.wait_for(task, 5)
     assert got == events
+    assert xrange_calls[-1] == log_entry_id(5)
+
+
+async def test_a_silent_job_is_read_again_ever_less_often_until_its_events_come(
+    fake_client: Client, fake_worker: FakeWorker, xrange_calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A queued job is silent by design: each re-read of its log that finds nothing doubles the next wait.
+    monkeypatch.setattr(follow_mod, "_RESYNC_S", 0.005)
+    monkeypatch.setattr(follow_mod, "_RESYNC_MAX_S", 10.0)
+    times: list[float] = []
+    recording = fake_client._redis.xrange
+
+    async def timed(*args: Any, **kwargs: Any) -> Any:
+        times.append(time.monotonic())
+        return await recording(*args, **kwargs)
+
+    fake_client._redis.xrange = timed
+    events = simple_job()
+    task = asyncio.create_task(collect(fake_client))
+    while len(times) < 8:
+        await asyncio.sleep(0.005)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    # A wait never ends early (a loaded host only makes it longer): each is at least twice the one before.
+    assert all(gap >= 0.9 * 0.005 * 2 ** i for i, gap in enumerate(gaps)), gaps
+    # Its events come, the terminal's live copy lost. The first silence after them is the short one again: the
+    # terminal is read from the log well before the 1.28 s the doubling had reached.
+    await fake_worker.emit_all(events[:-1])
+    await fake_worker.emit(events[-1], live=False)
+    assert await asyncio.wait_for(task, 0.6) == events
     assert xrange_calls[-1] == log_entry_id(5)
 
 
