@@ -8,7 +8,10 @@ run on one worker process (capacity 16) serving a generated model through an emb
 Rounds alternate the two (after a warm-up), so background load falls on both alike. Per side: the streams' TTFT
 (submit -> first token, as the client sees it) p50 and p99 over every round; target: with bulk ≤ 1.2x alone, both.
 The bulk jobs' throughput while the streams ran (their tokens of jobs that ended in that window ÷ its length), and
-the whole batch's (first submit -> last end), say they still used the rest. Writes ``bulk.md`` and ``bulk.json``.
+the whole batch's (first submit -> last end), say they still used the rest. Each round's line also says what the
+worker's engine did while the streams ran (its Prometheus counters: steps, their mean time, preemptions) and the
+streams' jobs' median wait for it (enqueue -> admitted, as the worker timed it). Writes ``bulk.md`` and
+``bulk.json``.
 """
 
 from __future__ import annotations
@@ -19,18 +22,22 @@ import json
 import statistics
 import sys
 import time
+import urllib.request
 import uuid
-from dataclasses import asdict, dataclass
+from collections.abc import Awaitable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mlxq.api.client import Client
-from mlxq.api.schema import ErrorEvent
+from mlxq.api.schema import DoneEvent, ErrorEvent
 from mlxq.worker.tools.bench.runs import PROMPT, percentile, say
 from mlxq.worker.tools.process import WorkerProcess
-from mlxq.worker.tools.redis_server import RedisServer
+from mlxq.worker.tools.redis_server import RedisServer, free_port
 
 __all__ = ["Load", "main", "run"]
+
+T = TypeVar("T")
 
 _LIMIT = 1.2  # with bulk ÷ alone, TTFT p50 and p99
 _CAPACITY = 16
@@ -62,10 +69,51 @@ class Side:
     bulk_tok_s_during: float | None = None
     bulk_tok_s_whole: float | None = None
     bulk_left_at_end: int | None = None  # bulk jobs still queued when the streams ended (> 0: they ran throughout)
+    engine: dict[str, float] = field(default_factory=dict)  # the worker's counters over the streams (_ENGINE)
 
 
-async def _stream(client: Client, load: Load, k: int) -> list[float]:
-    """One stream's jobs, one after the other: each one's TTFT (ms)."""
+# The worker's Prometheus counters read around each side's streams: what its engine did meanwhile.
+_ENGINE = {"steps": "mlxq:engine_step_seconds_count", "step_s": "mlxq:engine_step_seconds_sum",
+           "preemptions": "mlxq:num_preemptions_total", "resumes": "mlxq:preemption_resumes_total",
+           "recomputes": "mlxq:preemption_recomputes_total", "at_once": "mlxq:priority_started_at_once_total"}
+
+
+def _scrape(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return {k: got.get(name, 0.0) for k, name in _ENGINE.items()}
+
+
+async def _engine_during(metrics: str, work: Awaitable[T]) -> tuple[T, dict[str, float]]:
+    """``work``'s result, and how the worker's counters moved while it ran."""
+    before = await asyncio.to_thread(_scrape, metrics)
+    result = await work
+    after = await asyncio.to_thread(_scrape, metrics)
+    return result, {k: after[k] - before[k] for k in _ENGINE}
+
+
+async def _timed_streams(client: Client, load: Load, metrics: str) -> tuple[tuple[list[float], float, float],
+                                                                             dict[str, float]]:
+    """:func:`_streams`, with what the engine did meanwhile and the interactive jobs' median wait for it."""
+    queued: list[float] = []
+    got, engine = await _engine_during(metrics, _streams(client, load, queued))
+    return got, {**engine, "queue_ms_p50": percentile(queued, 50)}
+
+
+def _engine_line(e: dict[str, float]) -> str:
+    step = 1000 * e["step_s"] / e["steps"] if e.get("steps") else 0.0
+    return (f"queued p50 {e.get('queue_ms_p50', 0):.1f} ms; {e.get('steps', 0):.0f} steps of {step:.2f} ms, "
+            f"{e.get('preemptions', 0):.0f} preemptions "
+            f"({e.get('resumes', 0):.0f} resumed, {e.get('recomputes', 0):.0f} recomputed), "
+            f"{e.get('at_once', 0):.0f} started at once")
+
+
+async def _stream(client: Client, load: Load, k: int, queued: list[float]) -> list[float]:
+    """One stream's jobs, one after the other: each one's TTFT (ms); each one's wait for the engine (enqueue ->
+    admitted, as its worker timed it) added to ``queued``."""
     out = []
     for j in range(load.jobs_per_stream):
         t0 = time.perf_counter()
@@ -76,20 +124,24 @@ async def _stream(client: Client, load: Load, k: int) -> list[float]:
                 first = time.perf_counter()
             elif isinstance(ev, ErrorEvent):
                 raise RuntimeError(f"job {ev.id} failed: {ev.code.value}: {ev.message}")
+            elif isinstance(ev, DoneEvent):
+                queued.append(ev.timings.queue_ms)
         assert first is not None
         out.append((first - t0) * 1000)
     return out
 
 
-async def _streams(client: Client, load: Load) -> tuple[list[float], float, float]:
+async def _streams(client: Client, load: Load, queued: list[float] | None = None
+                   ) -> tuple[list[float], float, float]:
     """Every stream at once: their TTFTs, how long they took, and when they ended (perf_counter)."""
     t0 = time.perf_counter()
-    ttfts = await asyncio.gather(*(_stream(client, load, k) for k in range(load.streams)))
+    waits: list[float] = [] if queued is None else queued
+    ttfts = await asyncio.gather(*(_stream(client, load, k, waits) for k in range(load.streams)))
     end = time.perf_counter()
     return [t for s in ttfts for t in s], end - t0, end
 
 
-async def _with_bulk(client: Client, load: Load, r: int) -> Side:
+async def _with_bulk(client: Client, load: Load, r: int, metrics: str) -> Side:
     """The streams while a batch of bulk jobs runs; then the batch drained, for its throughput."""
     start = time.perf_counter()
     wall0 = time.time()
@@ -98,14 +150,14 @@ async def _with_bulk(client: Client, load: Load, r: int) -> Side:
                                   for i in range(load.bulk_jobs)))
     await asyncio.sleep(1.0)  # the engine full of bulk rows before the streams start
     s0 = time.perf_counter()
-    ttft, seconds, s_end = await _streams(client, load)
+    (ttft, seconds, s_end), engine = await _timed_streams(client, load, metrics)
     left = await client.redis.zcard(client.keys.queue("m", bulk=True))
     results = await _results(client, rids)
     ends = [wall0 + r.timings.total_ms / 1000 for r in results]  # enqueue ~ wall0 (submitted in a burst)
     window = (wall0 + (s0 - start), wall0 + (s_end - start))
     during = sum(r.usage.completion_tokens for r, e in zip(results, ends, strict=True) if window[0] <= e <= window[1])
     whole = sum(r.usage.completion_tokens for r in results) / max(1e-9, max(ends) - wall0)
-    return Side(ttft, seconds, during / max(1e-9, window[1] - window[0]), whole, int(left))
+    return Side(ttft, seconds, during / max(1e-9, window[1] - window[0]), whole, int(left), engine)
 
 
 async def _results(client: Client, rids: list[str]) -> list[Any]:
@@ -119,19 +171,21 @@ async def _results(client: Client, rids: list[str]) -> list[Any]:
     return list(await asyncio.gather(*(one(rid) for rid in rids)))
 
 
-async def _measure(url: str, prefix: str, load: Load) -> dict[str, list[Side]]:
+async def _measure(url: str, prefix: str, load: Load, metrics: str) -> dict[str, list[Side]]:
     sides: dict[str, list[Side]] = {"alone": [], "bulk": []}
     async with Client(url, prefix=prefix) as client:
         await _streams(client, Load(load.size, load.streams, 1, 8))  # warm-up: kernels, connections
         for r in range(load.rounds):
-            ttft, seconds, _ = await _streams(client, load)
-            sides["alone"].append(Side(ttft, seconds))
-            say(f"round {r + 1} alone:     TTFT p50 {percentile(ttft, 50):6.1f} ms, p99 {percentile(ttft, 99):6.1f} ms")
-            side = await _with_bulk(client, load, r)
+            (ttft, seconds, _), engine = await _timed_streams(client, load, metrics)
+            sides["alone"].append(Side(ttft, seconds, engine=engine))
+            say(f"round {r + 1} alone:     TTFT p50 {percentile(ttft, 50):6.1f} ms, p99 {percentile(ttft, 99):6.1f} ms;"
+                f" {_engine_line(engine)}")
+            side = await _with_bulk(client, load, r, metrics)
             sides["bulk"].append(side)
             say(f"round {r + 1} with bulk: TTFT p50 {percentile(side.ttft_ms, 50):6.1f} ms, p99 "
                 f"{percentile(side.ttft_ms, 99):6.1f} ms; bulk {side.bulk_tok_s_during:.1f} tok/s during, "
-                f"{side.bulk_tok_s_whole:.1f} tok/s over the batch, {side.bulk_left_at_end} left queued at the end")
+                f"{side.bulk_tok_s_whole:.1f} tok/s over the batch, {side.bulk_left_at_end} left queued at the end;"
+                f" {_engine_line(side.engine)}")
     return sides
 
 
@@ -143,13 +197,14 @@ def run(load: Load, out: Path) -> dict[str, Any]:
     model = str(ensure_model(load.size))
     with RedisServer() as server:
         prefix = f"mlxq-bench-bulk-{uuid.uuid4().hex[:6]}"
+        port = free_port()
         env = {"MLXQ_MODEL": model, "MLXQ_MODEL_NAME": "m", "MLXQ_REDIS_URL": server.url, "MLXQ_PREFIX": prefix,
                "MLXQ_BATCH_CAPACITY": str(_CAPACITY), "MLXQ_JOB_EXPIRY": "0", "MLXQ_HEARTBEAT": "0.5",
-               "OPENBLAS_NUM_THREADS": "1"}
+               "OPENBLAS_NUM_THREADS": "1", "MLXQ_METRICS_PORT": str(port), "MLXQ_METRICS_ADDR": "127.0.0.1"}
         worker = WorkerProcess(env, out / "logs" / "worker-bulk.log").start()
         try:
             worker.wait_ready()
-            sides = asyncio.run(_measure(server.url, prefix, load))
+            sides = asyncio.run(_measure(server.url, prefix, load, f"http://127.0.0.1:{port}/metrics"))
         finally:
             worker.stop()
     result = _summary(load, sides)

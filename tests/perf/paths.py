@@ -10,7 +10,6 @@ import functools
 import os
 import random
 import signal
-import socket
 import time
 import urllib.request
 import uuid
@@ -29,6 +28,7 @@ from mlxq.worker.tools.bench.paths import frozen, run_queue
 from mlxq.worker.tools.bench.runs import PROMPT, SETTLE_S, TIMEOUT_S, PathResult, Run, prompt_batch, say
 from mlxq.worker.tools.blas import OPENBLAS, blas_of, openblas
 from mlxq.worker.tools.process import WorkerProcess
+from mlxq.worker.tools.redis_server import free_port
 
 from .peer import ServerPath
 from .runs import (
@@ -230,7 +230,7 @@ def worker_phase(
     ``gateway`` phase on the same worker) or "serial"."""
     batched = raw is not None
     prefix = f"mlxq-bench-{kind}-{uuid.uuid4().hex[:6]}"
-    port = _free_port()
+    port = free_port()
     env = {"MLXQ_MODEL": model, "MLXQ_MODEL_NAME": size, "MLXQ_REDIS_URL": site.url, "MLXQ_PREFIX": prefix,
            "MLXQ_BATCH_CAPACITY": str(cfg.capacity if batched else 1),
            "MLXQ_MAX_JOBS": "0" if batched else "1", "MLXQ_METRICS_PORT": str(port),
@@ -280,12 +280,6 @@ def _running_in(metrics: bytes) -> bool:
 
     return any(s.value > 0 for f in text_string_to_metric_families(metrics.decode()) for s in f.samples
                if s.name == "mlxq:num_requests_running")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def _live_sample(ctx: DriveContext, client: Client, n: int) -> None:

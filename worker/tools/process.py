@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ import redis.sentinel
 from mlxq.api.connection import sentinel_url
 from mlxq.api.protocol.keys import Keys
 from mlxq.api.schema import ModelState, WorkerStatus
+
+from .redis_server import free_port
 
 __all__ = ["GatewayProcess", "WorkerProcess"]
 
@@ -132,7 +133,7 @@ class GatewayProcess:
     def __init__(self, env: Mapping[str, str], log_path: Path, port: int | None = None) -> None:
         self.env = {**os.environ, **env}
         self.log_path = log_path
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -176,12 +177,6 @@ class GatewayProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tail(path: Path, lines: int = 40) -> str:

@@ -45,7 +45,8 @@ def find_redis_server() -> str:
     return str(bundled)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port free now (for a server this process starts next)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -60,7 +61,7 @@ class RedisServer:
         self._own_dir = directory is None
         self.dir.mkdir(parents=True, exist_ok=True)
         self.socket_path = self.dir / "redis.sock"
-        self.port = _free_port() if tcp else 0
+        self.port = free_port() if tcp else 0
         self.appendonly = appendonly
         self.proc: subprocess.Popen[bytes] | None = None
 
