@@ -72,7 +72,8 @@ class JobSteps:
             return self._end(_failure(exc.event))
         if delta is None:
             return []
-        return [["delta", delta.text, delta.reasoning, [c.model_dump() for c in delta.tool_calls]]]
+        return [["delta", delta.text, delta.reasoning, [c.model_dump() for c in delta.tool_calls] if delta.tool_calls
+                 else []]]
 
     def _end(self, end: dict[str, Any]) -> list[Step]:
         self.ended = True
@@ -136,6 +137,20 @@ class ResponseEvents:
         if kind == "delta":
             return self._delta(step[1], step[2], step[3])
         return self._end(step[1])
+
+    def text_frame(self, step: Step) -> bytes | None:
+        """A step of text alone while a message item is open (most of a stream's steps) straight to its frame: the
+        bytes :meth:`feed` then :func:`frame` make, without the event between; None for any other step (feed it)."""
+        if (step[0] != "delta" or step[2] or step[3] or not step[1] or self.ended or self.holds
+                or self._open is None or self._open[0] != "message"):
+            return None
+        text, index = step[1], self._open[1]
+        item = self.response["output"][index]
+        item["content"][0]["text"] += text
+        self.seq += 1
+        return (f'event: {TEXT_DELTA}\ndata: {{"type":"{TEXT_DELTA}","sequence_number":{self.seq},'
+                f'"item_id":{encode_basestring(item["id"])},"output_index":{index},"content_index":0,'
+                f'"delta":{encode_basestring(text)},"logprobs":[]}}\n\n').encode()
 
     def _delta(self, text: str, reasoning: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []

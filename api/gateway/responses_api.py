@@ -316,7 +316,8 @@ class Responses:
             # out with the next step's events, in one write, as chat's first chunk goes with its first text.
             async for step in source:
                 done.append(step)
-                frames = opening + _frames(events.feed(step), after)
+                fast = events.text_frame(step) if after is None else None
+                frames = opening + (fast if fast is not None else _frames(events.feed(step), after))
                 if events.ended or frames:  # else every event is at or before starting_after: nothing to send
                     opening = b""
                     yield Last(frames) if events.ended else frames

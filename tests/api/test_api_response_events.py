@@ -162,3 +162,25 @@ def test_a_delta_event_is_written_as_json_writes_it(text: str) -> None:
     assert deltas == [("response.reasoning_text.delta", text), ("response.output_text.delta", text)]
     for event in out:  # the hand-written deltas and every other event: the bytes json makes
         assert frame(event) == sse(dumps(event), event["type"])
+
+
+def test_a_text_step_written_straight_to_its_frame_is_what_its_event_makes() -> None:
+    from mlxq.api.gateway.response_events import frame
+
+    log = Log().add("start").add("token", text="", reasoning="hm").add("token", text="Hi")
+    for text in (' "there"', "\n", "ünï 🙂"):
+        log.add("token", text=text)
+    log.add("done")
+    steps_of = JobSteps(JOB)
+    steps = [s for ev in log.events for s in steps_of.feed(ev)]
+    slow, fast = ResponseEvents(CREATED, False), ResponseEvents(CREATED, False)
+    slow.opening()
+    fast.opening()
+    straight = 0
+    for step in steps:
+        expected = b"".join(frame(e) for e in slow.feed(step))
+        got = fast.text_frame(step)
+        straight += got is not None
+        assert (got if got is not None else b"".join(frame(e) for e in fast.feed(step))) == expected
+    assert straight == 3  # the text steps after the message opened ("Hi" opens it; the reasoning is no text step)
+    assert fast.response == slow.response and fast.seq == slow.seq
