@@ -46,8 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="perf-out")
     p.add_argument("--size", default="tiny", help="generated model size (tiny, small)")
     p.add_argument("--n", type=int, default=16, help="concurrent streams per burst (and the batch capacity)")
-    p.add_argument("--runs", type=int, default=25, help="measured runs per path, alternated (a burst's TTFT p50 "
-                   "varies by ±30 ms run to run: nine pairs leave the 5 ms difference to chance)")
+    p.add_argument("--runs", type=int, default=49, help="measured runs per path, alternated (a burst's TTFT p50 "
+                   "varies by ±30 ms run to run: the median of 25 pairs still moves by ±3 ms between runs)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--creates", type=int, default=200, help="background creates timed while the batch is full")
     p.add_argument("--rate", type=float, default=100.0, help="background responses (ends) a second")
