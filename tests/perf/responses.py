@@ -182,7 +182,7 @@ async def _creates(args: argparse.Namespace, http: httpx.AsyncClient) -> dict[st
 
     async def busy() -> None:
         async with http.stream("POST", "/v1/chat/completions", json=busy_body) as resp:
-            async for _ in resp.aiter_lines():
+            async for _ in resp.aiter_raw():  # read, not parsed: the load is the gateway's, not this client's
                 pass
 
     fillers = [asyncio.ensure_future(busy()) for _ in range(max(args.n, 32))]
