@@ -173,7 +173,7 @@ async def _feed(client: Client) -> int:
 
     config = GatewayConfig.from_env()
     feeder = BatchFeeder(client, client.batch_store(), BatchLines(config),
-                         FeederSettings(window=max(1, config.batch_window)))
+                         FeederSettings(window=max(1, config.batch_window), no_worker_grace_s=config.batch_no_worker_s))
     print(f"feeding batches ({feeder.id}) until interrupted", file=sys.stderr)
     await feeder.run()
     return EXIT_OK

@@ -69,7 +69,7 @@ class Batches:
         cfg = self.gw.config
         if cfg.batch_window > 0:
             self.feeder = BatchFeeder(self.gw.client, self.batches, BatchLines(cfg),
-                                      FeederSettings(window=cfg.batch_window))
+                                      FeederSettings(window=cfg.batch_window, no_worker_grace_s=cfg.batch_no_worker_s))
             self.feeder.start()
 
     async def aclose(self) -> None:

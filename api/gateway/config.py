@@ -149,6 +149,9 @@ class GatewayConfig:
     batch_window: int = setting("MLXQ_BATCH_WINDOW", DEFAULT_BATCH_WINDOW, "jobs of one batch in the queue at a "
                                 "time (its feeder refills the window as they end); 0: this gateway feeds no "
                                 "batches (another gateway or `mlxq batches feed` does)", minimum=0)
+    batch_no_worker_s: float = setting("MLXQ_BATCH_NO_WORKER_WAIT", 30.0, "seconds a batch's line waits for a "
+                                       "live worker to serve its model (one restarting) before it is that line's "
+                                       "model_not_found error", minimum=0)
     batch_completion_window_s: int = setting("MLXQ_BATCH_COMPLETION_WINDOW", DEFAULT_COMPLETION_WINDOW_S,
                                              "seconds a batch's \"24h\" completion window lasts: after it, "
                                              "unfinished lines are batch_expired", minimum=1)

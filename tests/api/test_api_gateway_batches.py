@@ -33,8 +33,9 @@ FEEDERS: list[GatewayProcess] = []  # the one gateway process that feeds batches
 
 
 def feeder(d: Deployment) -> GatewayProcess:
+    # A line for a model no worker serves is that line's error after 2 s (30 by default: a restarting worker's).
     env = {"MLXQ_REDIS_URL": d.redis.url, "MLXQ_PREFIX": PREFIX, "MLXQ_BATCH_WINDOW": "32",
-           "OPENBLAS_NUM_THREADS": "1"}
+           "MLXQ_BATCH_NO_WORKER_WAIT": "2", "OPENBLAS_NUM_THREADS": "1"}
     proc = GatewayProcess(env, d.workdir / f"feeder-{len(FEEDERS)}.log").start()
     proc.wait_ready()
     FEEDERS.append(proc)
