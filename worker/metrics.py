@@ -250,6 +250,8 @@ _ENGINE_COUNTERS = (  # name, EngineStats field(s) summed, help
     ("mlxq:preemption_recomputes", ("recomputes",), "Preempted sequences resumed by prefilling again."),
     ("mlxq:priority_started_at_once", ("started_at_once",),
      "Requests that outranked a running one: prefilled alone, first token before the next decode step."),
+    ("mlxq:admission_wait_ms", ("admission_wait_ms",),
+     "Milliseconds steps were held for claimed requests on their way (an idle engine's first, one beside bulk rows)."),
     ("mlxq:requests_too_large", ("rejected_too_large",), "Requests that could never fit (context or headroom)."),
     ("mlxq:spec_decode_num_draft_tokens", ("spec_drafted",), "Tokens proposed to sequences (speculative decoding)."),
     ("mlxq:spec_decode_num_accepted_tokens", ("spec_accepted",), "Proposed tokens the model agreed with."),

@@ -334,7 +334,7 @@ class Engine:
                         ahead(cmd.prompt_tokens, cmd.images)
                 looked = arrived
                 continue
-            self._arrived.wait(wait)
+            self._held_for_arrivals(wait)
 
     def _await_interactive(self) -> None:
         """Interactive requests are on their way (claimed, being prepared): beside bulk rows they start at once,
@@ -348,7 +348,13 @@ class Engine:
                 if not self._urgent:
                     return
                 self._arrived.clear()  # under the lock: add() decrements under it before setting
-            self._arrived.wait(left)
+            self._held_for_arrivals(left)
+
+    def _held_for_arrivals(self, wait: float) -> None:
+        """Wait up to ``wait`` for an arrival, counting the time the next step was held."""
+        t0 = time.perf_counter()
+        self._arrived.wait(wait)
+        self.stats.admission_wait_ms += round((time.perf_counter() - t0) * 1000)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outs: list[RequestOutput] = []

@@ -33,6 +33,9 @@ class EngineStats:
     resumes: int = 0  # preempted sequences put back with their KV cache (no recomputation)
     recomputes: int = 0  # preempted sequences put back by prefilling prompt + generated tokens again
     started_at_once: int = 0  # requests that outranked a running one or were below their group's share: prefilled alone
+    # Steps held for claimed requests on their way (engine/core/engine.py: expect): an idle engine's first, or one
+    # beside bulk rows while interactive ones come.
+    admission_wait_ms: int = 0
     # Prefix (prompt) cache (engine/mlx/prefix/cache.py).
     prefix_hits: int = 0  # admissions that reused a cached prefix
     prefix_misses: int = 0  # admissions that found none (prompts too short to be worth a lookup not counted)

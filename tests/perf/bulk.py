@@ -75,7 +75,8 @@ class Side:
 # The worker's Prometheus counters read around each side's streams: what its engine did meanwhile.
 _ENGINE = {"steps": "mlxq:engine_step_seconds_count", "step_s": "mlxq:engine_step_seconds_sum",
            "preemptions": "mlxq:num_preemptions_total", "resumes": "mlxq:preemption_resumes_total",
-           "recomputes": "mlxq:preemption_recomputes_total", "at_once": "mlxq:priority_started_at_once_total"}
+           "recomputes": "mlxq:preemption_recomputes_total", "at_once": "mlxq:priority_started_at_once_total",
+           "held_ms": "mlxq:admission_wait_ms_total"}
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -108,7 +109,7 @@ def _engine_line(e: dict[str, float]) -> str:
     return (f"queued p50 {e.get('queue_ms_p50', 0):.1f} ms; {e.get('steps', 0):.0f} steps of {step:.2f} ms, "
             f"{e.get('preemptions', 0):.0f} preemptions "
             f"({e.get('resumes', 0):.0f} resumed, {e.get('recomputes', 0):.0f} recomputed), "
-            f"{e.get('at_once', 0):.0f} started at once")
+            f"{e.get('at_once', 0):.0f} started at once, steps held {e.get('held_ms', 0):.0f} ms for arrivals")
 
 
 async def _stream(client: Client, load: Load, k: int, queued: list[float]) -> list[float]:
