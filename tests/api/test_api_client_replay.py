@@ -285,7 +285,7 @@ async def test_a_silent_job_is_read_again_ever_less_often_until_its_events_come(
     fake_client: Client, fake_worker: FakeWorker, xrange_calls: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A queued job is silent by design: each re-read of its log that finds nothing doubles the next wait.
-    monkeypatch.setattr(follow_mod, "_RESYNC_S", 0.005)
+    monkeypatch.setattr(follow_mod, "_RESYNC_S", 0.004)
     monkeypatch.setattr(follow_mod, "_RESYNC_MAX_S", 10.0)
     times: list[float] = []
     recording = fake_client._redis.xrange
@@ -297,16 +297,16 @@ async def test_a_silent_job_is_read_again_ever_less_often_until_its_events_come(
     fake_client._redis.xrange = timed
     events = simple_job()
     task = asyncio.create_task(collect(fake_client))
-    while len(times) < 8:
+    while len(times) < 10:
         await asyncio.sleep(0.005)
     gaps = [b - a for a, b in itertools.pairwise(times)]
     # A wait never ends early (a loaded host only makes it longer): each is at least twice the one before.
-    assert all(gap >= 0.9 * 0.005 * 2 ** i for i, gap in enumerate(gaps)), gaps
+    assert all(gap >= 0.9 * 0.004 * 2 ** i for i, gap in enumerate(gaps)), gaps
     # Its events come, the terminal's live copy lost. The first silence after them is the short one again: the
-    # terminal is read from the log well before the 1.28 s the doubling had reached.
+    # terminal is read from the log long before the 2 s the doubling had reached (the bound is only for safety).
     await fake_worker.emit_all(events[:-1])
     await fake_worker.emit(events[-1], live=False)
-    assert await asyncio.wait_for(task, 0.6) == events
+    assert await asyncio.wait_for(task, 1.0) == events
     assert xrange_calls[-1] == log_entry_id(5)
 
 
