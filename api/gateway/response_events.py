@@ -148,9 +148,7 @@ class ResponseEvents:
         item = self.response["output"][index]
         item["content"][0]["text"] += text
         self.seq += 1
-        return (f'event: {TEXT_DELTA}\ndata: {{"type":"{TEXT_DELTA}","sequence_number":{self.seq},'
-                f'"item_id":{encode_basestring(item["id"])},"output_index":{index},"content_index":0,'
-                f'"delta":{encode_basestring(text)},"logprobs":[]}}\n\n').encode()
+        return _delta_frame(TEXT_DELTA, self.seq, item["id"], index, 0, text)
 
     def _delta(self, text: str, reasoning: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -182,13 +180,9 @@ class ResponseEvents:
         index = self._open[1]
         item = self.response["output"][index]
         item["content"][0]["text"] += text
-        self.seq += 1
-        if kind == "message":
-            out.append({"type": TEXT_DELTA, "sequence_number": self.seq, "item_id": item["id"], "output_index": index,
-                        "content_index": 0, "delta": text, "logprobs": []})
-        else:
-            out.append({"type": REASONING_DELTA, "sequence_number": self.seq, "item_id": item["id"],
-                        "output_index": index, "content_index": 0, "delta": text})
+        delta = TEXT_DELTA if kind == "message" else REASONING_DELTA
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        out.append(self._event(delta, item_id=item["id"], output_index=index, content_index=0, delta=text, **extra))
         return out
 
     def _open_item(self, kind: str) -> list[dict[str, Any]]:
@@ -271,12 +265,18 @@ def frame(event: dict[str, Any]) -> bytes:
     json writes, at a fraction of its cost: chat's chunks are written so too); any other through json."""
     kind = event["type"]
     if kind in (TEXT_DELTA, REASONING_DELTA):
-        tail = ',"logprobs":[]}' if kind == TEXT_DELTA else "}"
-        data = (f'{{"type":"{kind}","sequence_number":{event["sequence_number"]},'
-                f'"item_id":{encode_basestring(event["item_id"])},"output_index":{event["output_index"]},'
-                f'"content_index":{event["content_index"]},"delta":{encode_basestring(event["delta"])}{tail}')
-        return f"event: {kind}\ndata: {data}\n\n".encode()
+        return _delta_frame(kind, event["sequence_number"], event["item_id"], event["output_index"],
+                            event["content_index"], event["delta"])
     return sse(dumps(event), kind)
+
+
+def _delta_frame(kind: str, seq: int, item_id: str, output_index: int, content_index: int, delta: str) -> bytes:
+    """A text or reasoning delta event's frame, byte for byte as json writes its event (a text delta ends with
+    its empty logprobs)."""
+    tail = ',"logprobs":[]}' if kind == TEXT_DELTA else "}"
+    return (f'event: {kind}\ndata: {{"type":"{kind}","sequence_number":{seq},"item_id":{encode_basestring(item_id)},'
+            f'"output_index":{output_index},"content_index":{content_index},'
+            f'"delta":{encode_basestring(delta)}{tail}\n\n').encode()
 
 
 def _snapshot(response: dict[str, Any]) -> dict[str, Any]:

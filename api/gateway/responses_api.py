@@ -446,9 +446,7 @@ def _int_param(request: Request, name: str) -> int | None:
 
 def _frames(events: list[dict[str, Any]], after: int | None) -> bytes:
     """SSE frames of ``events`` (those after ``after``), joined into one write."""
-    if after is None:
-        return b"".join(map(frame, events))
-    return b"".join(frame(e) for e in events if e["sequence_number"] > after)
+    return b"".join(frame(e) for e in events if after is None or e["sequence_number"] > after)
 
 
 async def _stored(steps: list[Step]) -> AsyncGenerator[Step, None]:

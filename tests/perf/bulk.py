@@ -24,10 +24,9 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from mlxq.api.client import Client
 from mlxq.api.schema import DoneEvent, ErrorEvent
@@ -36,8 +35,6 @@ from mlxq.worker.tools.process import WorkerProcess
 from mlxq.worker.tools.redis_server import RedisServer, free_port
 
 __all__ = ["Load", "main", "run"]
-
-T = TypeVar("T")
 
 _LIMIT = 1.2  # with bulk ÷ alone, TTFT p50 and p99
 _CAPACITY = 16
@@ -88,20 +85,14 @@ def _scrape(url: str) -> dict[str, float]:
     return {k: got.get(name, 0.0) for k, name in _ENGINE.items()}
 
 
-async def _engine_during(metrics: str, work: Awaitable[T]) -> tuple[T, dict[str, float]]:
-    """``work``'s result, and how the worker's counters moved while it ran."""
-    before = await asyncio.to_thread(_scrape, metrics)
-    result = await work
-    after = await asyncio.to_thread(_scrape, metrics)
-    return result, {k: after[k] - before[k] for k in _ENGINE}
-
-
 async def _timed_streams(client: Client, load: Load, metrics: str) -> tuple[tuple[list[float], float, float],
                                                                              dict[str, float]]:
-    """:func:`_streams`, with what the engine did meanwhile and the interactive jobs' median wait for it."""
+    """:func:`_streams`, with how the worker's counters moved meanwhile and the jobs' median wait for the engine."""
     queued: list[float] = []
-    got, engine = await _engine_during(metrics, _streams(client, load, queued))
-    return got, {**engine, "queue_ms_p50": percentile(queued, 50)}
+    before = await asyncio.to_thread(_scrape, metrics)
+    got = await _streams(client, load, queued)
+    after = await asyncio.to_thread(_scrape, metrics)
+    return got, {**{k: after[k] - before[k] for k in _ENGINE}, "queue_ms_p50": percentile(queued, 50)}
 
 
 def _engine_line(e: dict[str, float]) -> str:

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from mlxq.api.client import Client
+from mlxq.api.gateway.response_events import TEXT_DELTA
 from mlxq.worker.tools.bench.runs import percentile, prompt_batch, say
 from mlxq.worker.tools.process import GatewayProcess, WorkerProcess
 from mlxq.worker.tools.redis_server import RedisServer
@@ -126,18 +127,15 @@ async def _one_stream(http: httpx.AsyncClient, client: Client, path: str, body: 
     return ttft, result.usage.completion_tokens
 
 
-_TEXT_DELTA = "response.output_text.delta"
-
-
 def _has_text(line: str) -> bool:
     """Whether an SSE line carries text. Only a line that can is decoded: this client's own JSON parsing of the
     events before (a response's created and in_progress carry the whole response object) is not the gateway's."""
     if not line.startswith("data: {"):
         return False
-    if line.startswith('data: {"type":"response.') and not line.startswith(f'data: {{"type":"{_TEXT_DELTA}"'):
+    if line.startswith('data: {"type":"response.') and not line.startswith(f'data: {{"type":"{TEXT_DELTA}"'):
         return False
     data = json.loads(line[6:])
-    if data.get("type") == _TEXT_DELTA:
+    if data.get("type") == TEXT_DELTA:
         return bool(data.get("delta"))
     choices = data.get("choices") or []
     return bool(choices and (choices[0].get("delta") or {}).get("content"))
