@@ -6,7 +6,13 @@ step. Bulk rows end every few steps; refilled as they come, eight bulk prompts a
 decode steps, and an interactive request arriving then waited for all of it before its own start. So while any
 interactive request runs, a step admits one bulk request at most (every step stays near a decode step's length, and
 the band still refills its rows faster than they end), and none in a step that admits an interactive request (its
-prefill goes without bulk prompts beside it). An engine running bulk rows alone admits them as they come.
+prefill goes without bulk prompts beside it).
+
+The same holds for ``hold_s`` after the last interactive row ends: clients send their next requests as their last
+ones end (a stream, a conversation's turns), and those arrive a few milliseconds later. When bulk rows end in that
+same step (equal lengths started in step end together every cycle), their refill, admitted as it came, prefilled a
+whole slot's worth of bulk prompts in the very step the next interactive requests waited for. An engine that has run
+bulk rows alone for longer admits them as they come.
 """
 
 from __future__ import annotations
@@ -17,20 +23,26 @@ from .sequence import Sequence
 
 __all__ = ["BULK_PER_STEP", "BulkAdmission"]
 
-BULK_PER_STEP = 1  # bulk requests a step admits while interactive ones run
+BULK_PER_STEP = 1  # bulk requests a step admits while interactive ones run (or ran within hold_s)
 
 
 class BulkAdmission:
-    """The bulk requests one step may still admit: :meth:`start` it with the step, then ask before each admission."""
+    """The bulk requests one step may still admit: :meth:`start` it with the step, then ask before each admission.
+    ``hold_s``: how long after the last interactive row a step still admits as if one ran."""
 
-    __slots__ = ("_left",)
+    __slots__ = ("_interactive_at", "_left", "hold_s")
 
-    def __init__(self) -> None:
+    def __init__(self, hold_s: float = 0.0) -> None:
+        self.hold_s = hold_s
         self._left = sys.maxsize
+        self._interactive_at = -float("inf")  # when a step last began with an interactive row running
 
-    def start(self, interactive: bool) -> None:
-        """A step begins; ``interactive``: an interactive request runs."""
-        self._left = BULK_PER_STEP if interactive else sys.maxsize
+    def start(self, interactive: bool, now: float) -> None:
+        """A step begins at ``now``; ``interactive``: an interactive request runs."""
+        if interactive:
+            self._interactive_at = now
+        recent = now - self._interactive_at < self.hold_s
+        self._left = BULK_PER_STEP if interactive or recent else sys.maxsize
 
     def admits(self, seq: Sequence) -> bool:
         """Whether ``seq`` may join in this step (an interactive request always may)."""

@@ -53,7 +53,8 @@ class Scheduler:
 
     ``memory``: admit by KV bytes (None: by slots only). ``prefix_cache``: reuse cached prompt prefixes (only
     with a backend that supports caches). ``aging_s``: seconds of waiting worth one priority level.
-    ``context_length``: requests longer than this are refused.
+    ``context_length``: requests longer than this are refused. ``bulk_hold_s``: how long after its last interactive
+    row a step still admits bulk requests one at a time (``bulk.py``).
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class Scheduler:
         aging_s: float = 1.0,
         context_length: int | None = None,
         stats: EngineStats | None = None,
+        bulk_hold_s: float = 0.0,
     ) -> None:
         self.memory = memory
         self.prefix_cache = prefix_cache
@@ -88,7 +90,7 @@ class Scheduler:
         self._deadlines = Deadlines()
         self._orders = itertools.count()
         self._postponed: Preemption | None = None  # its victims leave at the next step's start (_admit)
-        self._bulk = BulkAdmission()  # how many bulk requests a step admits beside interactive ones (bulk.py)
+        self._bulk = BulkAdmission(bulk_hold_s)  # bulk requests a step admits beside interactive ones (bulk.py)
         self._typical_end = 0.0  # running mean of admitted requests' ``end`` (for Room)
         self._room_dirty = True
         self.backend = backend
@@ -254,7 +256,7 @@ class Scheduler:
     def _admit(self, outs: StepOutputs) -> int:
         """Admit waiting requests in order, up to those starting at once (prefilled together, ``starts.py``; their
         first tokens are out), bulk ones as many as ``bulk.py`` lets a step take; how many started at once."""
-        self._bulk.start(len(self._running) > self._running.bulk)
+        self._bulk.start(len(self._running) > self._running.bulk, self._clock())
         if self._cache.starts_at_once:  # those starting at once in this step, prefilled together
             free = self.capacity - len(self._running) + self._running.bulk  # (a bulk row yields its slot at once)
             self._cache.prestart([self._equip(s) for s in together(self._waiting, self._running, self._shares, free)])

@@ -65,6 +65,7 @@ class EngineOptions:
     # the prefix cache's bound; None: a tenth of usable memory, at most 4 GiB; 0: no prefix cache
     prefix_cache_bytes: int | None = None
     aging_s: float = 1.0  # seconds of waiting worth one priority level (engine/core/waiting.py)
+    bulk_hold_s: float = 0.0  # after the last interactive row, steps admit bulk requests one at a time (core/bulk.py)
     # the share of the machine's memory the default rules give this engine (1/n with n engines in a process)
     memory_share: float = 1.0
     # speculative decoding (engine/mlx/speculation/batch.py); None: plain decoding
@@ -314,6 +315,7 @@ async def build_engine(loaded: LoadedModel, thread: MLXThread, sink: Sink, optio
         aging_s=opts.aging_s,
         context_length=loaded.context_length,
         stats=stats,
+        bulk_hold_s=opts.bulk_hold_s,
     )
     return Engine(thread, scheduler, sink, make_backend=make_backend, stream_interval_s=opts.stream_interval_s,
                   prefill_batch=opts.prefill_batch_size, stream_rate=opts.stream_rate)

@@ -115,6 +115,29 @@ def test_beside_an_interactive_row_a_step_admits_one_bulk_request() -> None:
     assert_exact(run, [chat, *rows])
 
 
+def test_within_the_hold_after_the_last_interactive_row_a_step_still_admits_one_bulk_request() -> None:
+    # Bulk rows that end in the step the interactive ones end (equal lengths started together) are refilled a few
+    # milliseconds before the clients' next interactive requests arrive: the refill must not be one long prefill.
+    clock = Clock(10.0)
+    s = scheduler(ToyBatch(), capacity=6, clock=clock, bulk_hold_s=1.0)
+    run = Run()
+    chat = req("chat", [1], max_tokens=2, arrival=1.0)
+    s.add(chat)
+    run.drain(s)  # the interactive row ran and ended
+    rows = [bulk(f"b{i}", [2 + i], max_tokens=6, arrival=2.0 + i) for i in range(4)]
+    for r in rows:
+        s.add(r)
+    clock.now += 0.5  # within the hold: one a step
+    for n in (1, 2):
+        run.step(s)
+        assert s.num_running_bulk == n
+    clock.now += 1.0  # past it: the rest as they come
+    run.step(s)
+    assert s.num_running_bulk == 4 and not waiting(s)
+    run.drain(s)
+    assert_exact(run, [chat, *rows])
+
+
 def test_bulk_requests_alone_join_as_they_come() -> None:
     s = scheduler(ToyBatch(), capacity=4)
     run = Run()
