@@ -366,7 +366,7 @@ def test_is_terminal() -> None:
     assert [is_terminal(e) for e in ALL_EVENTS] == [False, False, False, True, True]
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(rid=st.from_regex(r"[A-Za-z0-9_.:-]{1,64}", fullmatch=True), seq=st.integers(0, 2**40),
        text=st.text(), token_ids=st.lists(st.integers(0, 2**31)), index=st.integers(0, 2**31),
        reasoning=st.text())

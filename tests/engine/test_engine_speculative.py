@@ -28,7 +28,8 @@ from tests.engine.fakes import Run
 from tests.engine.real import still
 from tests.support import reference
 
-# Tiers: unit, but for the long fully loaded run (slow); tests/conftest.py marks each.
+# Tiers: unit, but for the long runs (slow): 32 rows at once, 80 tokens twice over, 1,200 samples, the fully loaded
+# run; tests/conftest.py marks each.
 
 WORDS = ("the", "sea", "ship", "story", "numbers", "words", "fox", "quick", "brown", "red", "blue", "river", "stone",
          "light")
@@ -93,7 +94,7 @@ def proposer_of(kind: str, pair: tuple[Any, Any]) -> Proposer:
 
 
 @pytest.mark.parametrize("kind", ["draft", "ngram"])
-@pytest.mark.parametrize("n", [1, 8, 32])
+@pytest.mark.parametrize("n", [1, 8, pytest.param(32, marks=pytest.mark.slow)])
 def test_greedy_tokens_equal_plain_decoding(pair: tuple[Any, Any], stream: mx.Stream, ks: None, kind: str,
                                             n: int) -> None:
     target = pair[0]
@@ -280,6 +281,7 @@ def chi_square_ok(counts: dict[int, int], expected: mx.array, n: int) -> tuple[f
     return stat, df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
 
 
+@pytest.mark.slow
 def test_sampled_tokens_keep_the_targets_distribution(pair: tuple[Any, Any], stream: mx.Stream,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     target, temperature, n = pair[0], 0.7, 1200
@@ -301,6 +303,7 @@ def test_sampled_tokens_keep_the_targets_distribution(pair: tuple[Any, Any], str
     assert stat < critical, (stat, critical)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["draft", "ngram"])
 def test_verification_shapes_repeat_where_asked_and_tokens_stay_exact(
         pair: tuple[Any, Any], stream: mx.Stream, ks: None, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:

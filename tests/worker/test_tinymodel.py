@@ -19,7 +19,8 @@ from tokenizers import Tokenizer
 from mlxq.worker.tools import tinymodel
 from mlxq.worker.tools.tinymodel import EOS_TOKEN, SIZES, ensure_model, model_dir
 
-pytestmark = pytest.mark.unit
+# Tiers: unit, but for the bench's small model and the three processes building one model at once (slow);
+# tests/conftest.py marks each.
 
 # (the bench's pair: built by the bench; the embedding model: its own test below)
 SIZE_NAMES = sorted(s for s in SIZES if not s.startswith("small-") and not SIZES[s].embedding)
@@ -33,7 +34,8 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return tmp_path_factory.mktemp("cache-a"), tmp_path_factory.mktemp("cache-b")
 
 
-@pytest.fixture(scope="module", params=SIZE_NAMES)
+@pytest.fixture(scope="module", params=[pytest.param(s, marks=pytest.mark.slow) if s == "small" else s
+                                        for s in SIZE_NAMES])
 def size(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -202,6 +204,7 @@ def test_lost_race_with_incomplete_target_raises(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [final.name]
 
 
+@pytest.mark.slow  # three processes each importing MLX and building a model
 def test_concurrent_processes(tmp_path: Path) -> None:
     code = "import sys; from mlxq.worker.tools.tinymodel import ensure_model; print(ensure_model('tiny', sys.argv[1]))"
     env = {**os.environ, "PYTHONPATH": str(Path(tinymodel.__file__).parents[2])}

@@ -13,7 +13,7 @@ from mlxq.worker.tools import tinyvlm
 from mlxq.worker.tools.tinyvlm import IMAGE_PAD, VISION_END, VISION_START, ensure_vlm, vlm_dir
 from tests.vlm_support import data_url
 
-pytestmark = pytest.mark.unit
+# Tiers: unit, but for the bench's small model (slow); tests/conftest.py marks each.
 mlx_vlm = pytest.importorskip("mlx_vlm", reason="needs the vision extra (mlx-vlm)")
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -70,6 +70,7 @@ def test_greedy_generation_with_images_is_varied_and_runs_to_max_tokens(loaded: 
     assert runs[0] != runs[1]  # the image matters
 
 
+@pytest.mark.slow
 def test_the_bench_s_small_qwen2_vl_loads_and_generates_with_an_image(tmp_path: Path) -> None:
     from mlxq.engine.mlx.loader import load_model
     from mlxq.worker.tools.tinyvlm import SMALL_VLM
