@@ -119,7 +119,8 @@ class WorkerConfig:
     bulk_hold_ms: float = setting("MLXQ_BULK_HOLD_MS", 5000.0, "a model's bulk jobs leave free the slots its "
                                   "interactive jobs held at their peak within this window (their next ones, after a "
                                   "pause of a client's, need no preemption), and its engine admits bulk jobs one a "
-                                  "step within it after its last interactive one; 0: bulk takes any free slot",
+                                  "step for up to a second of it after its last interactive one; 0: bulk takes any "
+                                  "free slot",
                                   minimum=0)
     max_jobs: int = setting("MLXQ_MAX_JOBS", 0, "arq jobs held at once: the batch, a few waiting inside the engine, "
                             "and room for as many preempted ones waiting to resume", minimum=0,

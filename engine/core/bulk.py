@@ -9,10 +9,12 @@ the band still refills its rows faster than they end), and none in a step that a
 prefill goes without bulk prompts beside it).
 
 The same holds for ``hold_s`` after the last interactive row ends: clients send their next requests as their last
-ones end (a stream, a conversation's turns), and those arrive a few milliseconds later. When bulk rows end in that
+ones end (a stream, an agent's calls), and those arrive a few milliseconds later. When bulk rows end in that
 same step (equal lengths started in step end together every cycle), their refill, admitted as it came, prefilled a
 whole slot's worth of bulk prompts in the very step the next interactive requests waited for. An engine that has run
-bulk rows alone for longer admits them as they come.
+bulk rows alone for longer admits them as they come. The worker holds for ``REFILL_HOLD_S`` at most (less when its
+``MLXQ_BULK_HOLD_MS`` is): the next requests come within milliseconds or not soon, and each held second is a second of
+the batch's rows refilled one a step.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import sys
 
 from .sequence import Sequence
 
-__all__ = ["BULK_PER_STEP", "BulkAdmission"]
+__all__ = ["BULK_PER_STEP", "REFILL_HOLD_S", "BulkAdmission"]
 
 BULK_PER_STEP = 1  # bulk requests a step admits while interactive ones run (or ran within hold_s)
+REFILL_HOLD_S = 1.0  # the longest a worker's engine holds bulk admissions so after its last interactive row
 
 
 class BulkAdmission:

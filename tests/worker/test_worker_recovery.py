@@ -130,11 +130,12 @@ async def test_sigkill_mid_decode_jobs_reset_and_finish_on_another_worker(spawn:
 
 
 async def test_sigterm_drains_short_jobs_and_requeues_long_ones(spawn: Any, client: Client) -> None:
-    # The drain must outlast the short jobs' remaining ~10 steps on a slow, shared machine (~0.15 s each
-    # at worst here), and end well before the long jobs' ~200 steps.
-    first = spawn("a", MLXQ_DRAIN_TIMEOUT="5")
+    # The drain must outlast the short jobs' remaining ~10 steps however slow the shared machine is (a loaded full
+    # suite was seen at ~1 s a step), and end long before the long jobs' 2,000 steps; b starts them again, and the
+    # test cancels them there (finishing on another worker is the kill test's).
+    first = spawn("a", MLXQ_DRAIN_TIMEOUT="15")
     short, short_tasks = await submit_and_follow(client, 2, max_tokens=12)
-    long, long_tasks = await submit_and_follow(client, 3, max_tokens=200)
+    long, long_tasks = await submit_and_follow(client, 3, max_tokens=2000)
     await wait_until(lambda: all(f.tokens() >= 2 for f in long), 60, "long jobs decoding")
     first.signal(signal.SIGTERM)
     spawn("b", ready=False)  # it starts during a's drain; the queue is empty until a hands the long jobs back
@@ -147,13 +148,13 @@ async def test_sigterm_drains_short_jobs_and_requeues_long_ones(spawn: Any, clie
     log = first.log_path.read_text()
     assert "Traceback" not in log
     assert "handed back to the queue" in log
+    await wait_until(lambda: all(starts(f) == [1, 2] for f in long), 120, "the long jobs running again on b")
+    for f in long:
+        assert [e.type for e in f.events].count("reset") == 1
+        await client.cancel(f.rid)
     await asyncio.wait_for(long_tasks, 120)
     for f in long:
-        end = check_one_terminal(f)
-        assert isinstance(end, DoneEvent) and end.usage.completion_tokens == 200
-        before, *_, final = f.runs()
-        assert [e.type for e in f.events].count("reset") == 1
-        assert final.startswith(before)
+        check_one_terminal(f)
 
 
 async def across_a_redis_restart(small_model: Path, tmp_path: Path, *, appendonly: bool, max_tokens: int,
