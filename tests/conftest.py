@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -14,7 +15,14 @@ from typing import Any
 import pytest
 import redis
 
-from tests.support import RunningWorker, start_worker
+# Bytecode: where the environment turns its cache off (PYTHONDONTWRITEBYTECODE), every test process, and every
+# worker and gateway process the tests start, compiled the project again, and pytest rewrote every test module's
+# asserts again in each (a seventh of the everyday run's CPU here). The test run caches it (__pycache__, which git
+# ignores), from here on and in the processes it starts.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+from tests.support import RunningWorker, start_worker  # noqa: E402  (after the bytecode setting: it imports mlxq)
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
