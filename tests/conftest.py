@@ -40,9 +40,9 @@ except ImportError:  # a producer-only install: no engine, no disk tier
 
 # Tiers: `pytest -m "not slow"` is the everyday run; the README's test command (and .ci/run) runs them all.
 # Each test module marks its own tier (`pytestmark`): slow (long fault, soak and load runs, long engine runs,
-# the benchmarks' bigger models, and those that build or run whole programs), e2e (a real Redis server, and workers, gateways or processes, take part) or unit. A
-# module that mixes them leaves it out: its tests that use a Redis of the session or their own are e2e, those
-# marked slow slow, the rest unit.
+# the benchmarks' bigger models, and those that build or run whole programs), e2e (a real Redis server, and
+# workers, gateways or processes, take part) or unit. A module that mixes them leaves it out: its tests that use a
+# Redis of the session or their own are e2e, those marked slow slow, the rest unit.
 _E2E_FIXTURES = frozenset({"redis_server", "served", "gw", "d", "secured"})
 
 
