@@ -149,13 +149,13 @@ def reference(lm: Any, prompt_tokens: list[int], max_tokens: int) -> list[int]:
     do not depend on ``max_tokens``, so each prompt's longest run so far is kept (per model, the last few models)
     and a shorter or equal ask is its start: a test's requests are often another test's, or the same again."""
     model, tokenizer = lm
-    models = _REFERENCES.setdefault(id(model), (model, {}))
-    if models[0] is not model:  # another model under a recycled id
-        models = _REFERENCES[id(model)] = (model, {})
+    entry = _REFERENCES.setdefault(id(model), (model, {}))
+    if entry[0] is not model:  # another model under a recycled id
+        entry = _REFERENCES[id(model)] = (model, {})
     while len(_REFERENCES) > 4:
         del _REFERENCES[next(iter(_REFERENCES))]
     key = tuple(prompt_tokens)
-    known = models[1].get(key)
+    known = entry[1].get(key)
     if known is not None and (known[0] >= max_tokens or len(known[1]) < known[0]):  # long enough, or ended
         return known[1][:max_tokens]
     import mlx.core as mx
@@ -167,7 +167,7 @@ def reference(lm: Any, prompt_tokens: list[int], max_tokens: int) -> list[int]:
         if token in tokenizer.eos_token_ids:
             break
         out.append(token)
-    models[1][key] = (max_tokens, out)
+    entry[1][key] = (max_tokens, out)
     return list(out)
 
 

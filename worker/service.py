@@ -16,7 +16,6 @@ from typing import Any
 
 from mlxq.api.protocol.claim import BelowShare, DueEntry, Outranking
 from mlxq.api.schema import PRIORITY_MAX, ModelState, ModelStatus
-from mlxq.engine.core.bulk import REFILL_HOLD_S
 from mlxq.engine.core.engine import Engine, Sink
 from mlxq.engine.core.request import EngineRequest
 from mlxq.engine.core.speculation import SpecKind, Speculation
@@ -84,7 +83,7 @@ class ModelService:
                              stream_interval_s=cfg.stream_interval_ms / 1000, stream_rate=cfg.stream_rate,
                              kv_headroom_bytes=_bytes(cfg.kv_headroom_gb, share),
                              prefix_cache_bytes=_bytes(cfg.prefix_cache_gb, 1.0), aging_s=cfg.priority_aging_s,
-                             bulk_hold_s=min(cfg.bulk_hold_ms / 1000, REFILL_HOLD_S),
+                             bulk_hold_s=cfg.bulk_hold_ms / 1000,
                              memory_share=share, speculation=_speculation(cfg, self.served),
                              kv_disk_bytes=int(cfg.kv_disk_gb * (1 << 30)), kv_dir=cfg.kv_dir, kind=cfg.model_kind,
                              kv_quant=_kv_quant(cfg, self.served))

@@ -12,9 +12,9 @@ The same holds for ``hold_s`` after the last interactive row ends: clients send 
 ones end (a stream, an agent's calls), and those arrive a few milliseconds later. When bulk rows end in that
 same step (equal lengths started in step end together every cycle), their refill, admitted as it came, prefilled a
 whole slot's worth of bulk prompts in the very step the next interactive requests waited for. An engine that has run
-bulk rows alone for longer admits them as they come. The worker holds for ``REFILL_HOLD_S`` at most (less when its
-``MLXQ_BULK_HOLD_MS`` is): the next requests come within milliseconds or not soon, and each held second is a second of
-the batch's rows refilled one a step.
+bulk rows alone for longer admits them as they come. The hold is ``REFILL_HOLD_S`` at most (less when the
+worker's ``MLXQ_BULK_HOLD_MS`` is): the next requests come within milliseconds or not soon, and each held second is a
+second of the batch's rows refilled one a step.
 """
 
 from __future__ import annotations
@@ -26,17 +26,18 @@ from .sequence import Sequence
 __all__ = ["BULK_PER_STEP", "REFILL_HOLD_S", "BulkAdmission"]
 
 BULK_PER_STEP = 1  # bulk requests a step admits while interactive ones run (or ran within hold_s)
-REFILL_HOLD_S = 1.0  # the longest a worker's engine holds bulk admissions so after its last interactive row
+REFILL_HOLD_S = 1.0  # the longest a step holds bulk admissions so after the last interactive row
 
 
 class BulkAdmission:
     """The bulk requests one step may still admit: :meth:`start` it with the step, then ask before each admission.
-    ``hold_s``: how long after the last interactive row a step still admits as if one ran."""
+    ``hold_s``: how long after the last interactive row a step still admits as if one ran (``REFILL_HOLD_S`` at
+    most)."""
 
     __slots__ = ("_interactive_at", "_left", "hold_s")
 
     def __init__(self, hold_s: float = 0.0) -> None:
-        self.hold_s = hold_s
+        self.hold_s = min(hold_s, REFILL_HOLD_S)
         self._left = sys.maxsize
         self._interactive_at = -float("inf")  # when a step last began with an interactive row running
 

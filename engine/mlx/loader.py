@@ -65,7 +65,9 @@ class EngineOptions:
     # the prefix cache's bound; None: a tenth of usable memory, at most 4 GiB; 0: no prefix cache
     prefix_cache_bytes: int | None = None
     aging_s: float = 1.0  # seconds of waiting worth one priority level (engine/core/waiting.py)
-    bulk_hold_s: float = 0.0  # after the last interactive row, steps admit bulk requests one at a time (core/bulk.py)
+    # after the last interactive row, steps admit bulk requests one at a time for this long (at most a second:
+    # engine/core/bulk.py)
+    bulk_hold_s: float = 0.0
     # the share of the machine's memory the default rules give this engine (1/n with n engines in a process)
     memory_share: float = 1.0
     # speculative decoding (engine/mlx/speculation/batch.py); None: plain decoding
